@@ -1,0 +1,153 @@
+#include "attention_inputs.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <vector>
+
+namespace entropy_attn {
+namespace {
+
+bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_qkv_tensor(const at::Tensor& x, const char* name, const char* layout) {
+  TORCH_CHECK_VALUE(x.dim() == 4, name, " must be a 4-D tensor ", layout, ", got ", x.dim(),
+                    "-D of shape ", x.sizes());
+  TORCH_CHECK_TYPE(is_supported_dtype(x.scalar_type()), name,
+                   " must be float32, float64, bfloat16 or float16, got ", x.scalar_type());
+}
+
+// True when `sizes` broadcasts to `target` (numpy rules, sizes right-aligned).
+bool broadcasts_to(at::IntArrayRef sizes, at::IntArrayRef target) {
+  if (sizes.size() > target.size()) return false;
+  const size_t off = target.size() - sizes.size();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != 1 && sizes[i] != target[off + i]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+ScaleMode parse_scale_mode(std::string_view scale_mode) {
+  if (scale_mode == "fixed") return ScaleMode::kFixed;
+  if (scale_mode == "logn") return ScaleMode::kLogN;
+  if (scale_mode == "logn_sharpen") return ScaleMode::kLogNSharpen;
+  TORCH_CHECK_VALUE(false, "scale_mode must be one of 'fixed', 'logn', 'logn_sharpen', got '",
+                    std::string(scale_mode), "'");
+}
+
+at::ScalarType accumulate_type(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      const std::optional<at::Tensor>& scale,
+                                      std::optional<double> scale_factor,
+                                      std::string_view scale_mode, double temperature,
+                                      double log_base, bool enable_gqa) {
+  check_qkv_tensor(query, "query", "(batch, heads, q_len, head_dim)");
+  check_qkv_tensor(key, "key", "(batch, kv_heads, kv_len, head_dim)");
+  check_qkv_tensor(value, "value", "(batch, kv_heads, kv_len, v_head_dim)");
+  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type() &&
+                       value.scalar_type() == query.scalar_type(),
+                   "query, key and value must have the same dtype, got ", query.scalar_type(),
+                   ", ", key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK_VALUE(key.device() == query.device() && value.device() == query.device(),
+                    "query, key and value must be on the same device, got ", query.device(), ", ",
+                    key.device(), " and ", value.device());
+
+  const AttentionShape s{query.size(0), query.size(1), key.size(1), query.size(2),
+                         key.size(2),   query.size(3), value.size(3)};
+  TORCH_CHECK_VALUE(key.size(0) == s.batch && value.size(0) == s.batch,
+                    "query, key and value must have the same batch size, got ", s.batch, ", ",
+                    key.size(0), " and ", value.size(0));
+  TORCH_CHECK_VALUE(value.size(1) == s.kv_heads,
+                    "key and value must have the same number of heads, got ", s.kv_heads, " and ",
+                    value.size(1));
+  TORCH_CHECK_VALUE(value.size(2) == s.kv_len,
+                    "key and value must have the same sequence length, got ", s.kv_len, " and ",
+                    value.size(2));
+  TORCH_CHECK_VALUE(key.size(3) == s.head_dim, "query and key must have the same head_dim, got ",
+                    s.head_dim, " and ", key.size(3));
+  TORCH_CHECK_VALUE(s.head_dim > 0, "query's head_dim must be positive, got 0");
+  if (s.heads != s.kv_heads) {
+    TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+                      "the number of query heads (", s.heads,
+                      ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
+    TORCH_CHECK_VALUE(enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
+                      ": pass enable_gqa=True for grouped-query attention");
+  }
+
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || is_supported_dtype(m.scalar_type()),
+                     "attn_mask must be bool (True = attend) or a float additive mask, got ",
+                     m.scalar_type());
+    TORCH_CHECK_VALUE(m.device() == query.device(), "attn_mask must be on query's device (",
+                      query.device(), "), got ", m.device());
+    TORCH_CHECK_VALUE(!m.requires_grad(),
+                      "attn_mask must not require grad: gradients w.r.t. the mask are not "
+                      "supported");
+    TORCH_CHECK_VALUE(broadcasts_to(m.sizes(), {s.batch, s.heads, s.q_len, s.kv_len}),
+                      "attn_mask of shape ", m.sizes(), " does not broadcast to (batch, heads, ",
+                      "q_len, kv_len) = (", s.batch, ", ", s.heads, ", ", s.q_len, ", ", s.kv_len,
+                      ")");
+  }
+  if (scale.has_value()) {
+    const at::Tensor& c = *scale;
+    TORCH_CHECK_TYPE(is_supported_dtype(c.scalar_type()),
+                     "scale tensor must be float32, float64, bfloat16 or float16, got ",
+                     c.scalar_type());
+    TORCH_CHECK_VALUE(c.device() == query.device(), "scale tensor must be on query's device (",
+                      query.device(), "), got ", c.device());
+    TORCH_CHECK_VALUE(broadcasts_to(c.sizes(), {s.batch, s.heads, s.q_len}), "scale tensor of shape ",
+                      c.sizes(), " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ",
+                      s.heads, ", ", s.q_len, ")");
+    TORCH_CHECK_VALUE(!scale_factor.has_value(),
+                      "pass either a scale tensor or scale_factor, not both");
+  }
+  if (scale_factor.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*scale_factor), "scale must be finite, got ", *scale_factor);
+  }
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
+                    "temperature must be a finite number > 0, got ", temperature);
+  const ScaleMode mode = parse_scale_mode(scale_mode);
+  if (mode != ScaleMode::kFixed) {
+    TORCH_CHECK_VALUE(std::isfinite(log_base) && log_base > 1,
+                      "log_base (train_length) must be a finite number > 1, got ", log_base);
+  }
+  return s;
+}
+
+at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc) {
+  at::Tensor m = attn_mask.scalar_type() == at::kBool ? attn_mask : attn_mask.to(acc);
+  return m.expand({s.batch, s.heads, s.q_len, s.kv_len});
+}
+
+at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc) {
+  return scale.to(acc).expand({s.batch, s.heads, s.q_len});
+}
+
+at::Tensor length_factor_table(ScaleMode mode, double log_base, double temperature,
+                               int64_t max_keys, const at::Tensor& like) {
+  const double inv_log_base = mode == ScaleMode::kFixed ? 0.0 : 1.0 / std::log(log_base);
+  std::vector<double> table(static_cast<size_t>(max_keys) + 1);
+  for (int64_t n = 0; n <= max_keys; ++n) {
+    table[n] = length_factor<double>(mode, n, inv_log_base) / temperature;
+  }
+  return at::tensor(table, at::TensorOptions().dtype(at::kDouble))
+      .to(like.device(), like.scalar_type());
+}
+
+at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype) {
+  at::Tensor y = x.to(dtype);
+  return (y.size(-1) <= 1 || y.stride(-1) == 1) ? y : y.contiguous();
+}
+
+}  // namespace entropy_attn

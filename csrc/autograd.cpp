@@ -1,0 +1,156 @@
+// Autograd for every op, registered in C++ (Autograd key) so that LibTorch callers get gradients
+// as Python callers do. Backward passes call registered ops or ATen ops only, so they also trace
+// under torch.compile.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "attention_inputs.h"
+
+namespace entropy_attn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& key, const at::Tensor& value,
+                               const OptTensor& attn_mask, const OptTensor& scale, bool is_causal,
+                               std::optional<double> scale_factor, const std::string& scale_mode,
+                               double temperature, double log_base, bool enable_gqa) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("entropy_attn::attention", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                           at::Tensor, at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const OptTensor&, const OptTensor&, bool, std::optional<double>,
+                             c10::string_view, double, double, bool)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale] =
+        op.call(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
+                temperature, log_base, enable_gqa);
+    ctx->set_materialize_grads(false);
+    ctx->mark_non_differentiable({max_weight, n_keys, row_scale});
+    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
+                            sum_p2, row_scale, n_keys, scale.value_or(at::Tensor())});
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale_mode"] = scale_mode;
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["log_base"] = log_base;
+    return {out, lse, entropy, sum_p2, max_weight, n_keys, row_scale};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("entropy_attn::attention_backward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                const at::Tensor&, bool)>();
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
+    const at::Tensor &out = saved[4], &row_scale = saved[8], &n_keys = saved[9], &scale = saved[10];
+    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    auto [dq, dk, dv, dlam] =
+        op.call(grad_out, defined_or_null(grads[1]), defined_or_null(grads[2]),
+                defined_or_null(grads[3]), query, key, value, defined_or_null(saved[3]), out,
+                saved[5], saved[6], saved[7], row_scale, ctx->saved_data["is_causal"].toBool());
+
+    at::Tensor dscale;
+    if (scale.defined() && ctx->needs_input_grad(4)) {
+      // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
+      // over the dims along which c was broadcast.
+      const at::Tensor table = length_factor_table(
+          parse_scale_mode(ctx->saved_data["scale_mode"].toStringRef()),
+          ctx->saved_data["log_base"].toDouble(), ctx->saved_data["temperature"].toDouble(),
+          key.size(2), dlam);
+      dscale = (dlam * table.index({n_keys})).sum_to_size(scale.sizes()).to(scale.scalar_type());
+    }
+    return {dq, dk, dv, at::Tensor(), dscale, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+attention_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const OptTensor& attn_mask, const OptTensor& scale, bool is_causal,
+                   std::optional<double> scale_factor, c10::string_view scale_mode,
+                   double temperature, double log_base, bool enable_gqa) {
+  const variable_list r =
+      AttentionFunction::apply(query, key, value, attn_mask, scale, is_causal, scale_factor,
+                               std::string(scale_mode), temperature, log_base, enable_gqa);
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
+}
+
+// A row reduction whose backward is d result / d x = grad * local_grad(x), in ATen ops.
+template <typename Derived>
+class RowReductionFunction : public torch::autograd::Function<Derived> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow(Derived::kOpName, "")
+                         .template typed<at::Tensor(const at::Tensor&, int64_t)>();
+    at::Tensor y = op.call(x, dim);
+    ctx->save_for_backward({x});
+    ctx->saved_data["dim"] = dim < 0 ? dim + x.dim() : dim;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const at::Tensor xa = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+    const at::Tensor g = grads[0].unsqueeze(dim).to(xa.scalar_type());
+    return {(g * Derived::local_grad(xa, dim)).to(x.scalar_type()), at::Tensor()};
+  }
+};
+
+// dH/dp_j = -(ln p_j + 1) on the support; 0 where p_j = 0 (those keys carry no weight).
+struct EntropyFunction : RowReductionFunction<EntropyFunction> {
+  static constexpr const char* kOpName = "entropy_attn::entropy";
+  static at::Tensor local_grad(const at::Tensor& p, int64_t /*dim*/) {
+    return at::where(p > 0, -(at::log(p) + 1), at::zeros_like(p));
+  }
+};
+
+// S = A / sqrt(n Q) with A = sum |a|, Q = sum a^2: dS/da_j = sign(a_j) r - A r a_j / Q,
+// r = 1 / sqrt(n Q); 0 for an all-zero slice.
+struct SparsityFunction : RowReductionFunction<SparsityFunction> {
+  static constexpr const char* kOpName = "entropy_attn::sparsity";
+  static at::Tensor local_grad(const at::Tensor& a, int64_t dim) {
+    const at::Tensor l1 = a.abs().sum(dim, /*keepdim=*/true);
+    const at::Tensor q = (a * a).sum(dim, /*keepdim=*/true);
+    const at::Tensor nonzero = q > 0;
+    const at::Tensor safe_q = at::where(nonzero, q, at::ones_like(q));
+    const at::Tensor r = at::where(nonzero, at::rsqrt(safe_q * a.size(dim)), at::zeros_like(q));
+    return at::sign(a) * r - (l1 * r / safe_q) * a;
+  }
+};
+
+at::Tensor entropy_autograd(const at::Tensor& p, int64_t dim) {
+  return EntropyFunction::apply(p, dim)[0];
+}
+at::Tensor sparsity_autograd(const at::Tensor& a, int64_t dim) {
+  return SparsityFunction::apply(a, dim)[0];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("entropy", &entropy_autograd);
+  m.impl("sparsity", &sparsity_autograd);
+}
+
+}  // namespace entropy_attn

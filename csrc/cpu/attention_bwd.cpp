@@ -1,0 +1,258 @@
+// CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
+// section 3). Tasks are (batch, key/value head): a task owns dK and dV of its head and dQ of the
+// query heads that share it, so tasks never write the same memory. p is recomputed from lse.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../online_stats.h"
+#include "attention_cpu.h"
+#include "block_gemm.h"
+#include "vec_exp.h"
+
+namespace entropy_attn::cpu {
+namespace {
+
+// A (B, heads, L, dim) tensor with a unit last stride, as a pointer and its three outer strides.
+template <typename T>
+struct Strided4 {
+  T* data = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0;
+
+  static Strided4 of(const at::Tensor& t) {
+    return {const_cast<T*>(t.const_data_ptr<T>()), t.stride(0), t.stride(1), t.stride(2)};
+  }
+  T* at(int64_t b, int64_t h, int64_t l = 0) const { return data + b * sb + h * sh + l * sl; }
+};
+
+template <typename acc_t>
+struct BwdArgs {
+  AttentionShape shape;
+  Strided4<acc_t> q, k, v, out, dout, dq, dk, dv;
+  MaskArg<acc_t> mask;
+  bool causal;
+  // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
+  const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
+  acc_t* d_row_scale;
+};
+
+template <typename acc_t>
+struct BwdBuffers {
+  std::vector<acc_t> s, p, dp;  // logits, weights, dP then dS (rows x block)
+  std::vector<acc_t> g, qs;     // G = sum_j dS_ij k_j and lambda_i q_i (rows x D)
+  std::vector<acc_t> delta;        // D~_i per row
+  std::vector<RowGrads<acc_t>> grads;
+  BwdBuffers(int64_t rows, int64_t d)
+      : s(rows * kKvBlock), p(rows * kKvBlock), dp(rows * kKvBlock), g(rows * d), qs(rows * d),
+        delta(rows), grads(rows) {}
+};
+
+template <typename acc_t>
+acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
+  acc_t r = 0;
+#pragma omp simd reduction(+ : r)
+  for (int64_t d = 0; d < n; ++d) r += x[d] * y[d];
+  return r;
+}
+
+// One query block of one query head against all the keys it may see.
+// Recomputes one row of weights p = e^{s - lse} (0 where masked) from raw scores s, which become
+// the scaled logits.
+template <typename acc_t>
+EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, int64_t n, int64_t j0, int64_t limit,
+                                       acc_t lam, const MaskRow<acc_t>& mask, acc_t lse) {
+  scaled_logits(s, n, j0, limit, lam, mask);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = s[j] - lse;
+    p[j] = exp_nonpositive(x, clamp_exp_arg(x));
+  }
+}
+
+// dP -> dS in place for one row (online_stats.h: logit_grad).
+template <typename acc_t>
+EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p, int64_t n,
+                                       acc_t delta, const RowGrads<acc_t>& g) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
+    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], s[j], delta, g);
+  }
+}
+
+EA_CPU_CLONES void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
+                               const MaskRow<float>& mask, float lse) {
+  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
+}
+void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
+                 const MaskRow<double>& mask, double lse) {
+  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
+}
+EA_CPU_CLONES void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
+                               const RowGrads<float>& g) {
+  dlogits_row_impl(ds, s, p, n, delta, g);
+}
+void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
+                 const RowGrads<double>& g) {
+  dlogits_row_impl(ds, s, p, n, delta, g);
+}
+
+template <typename acc_t>
+void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                      BwdBuffers<acc_t>& buf) {
+  const AttentionShape& sh = a.shape;
+  const int64_t kvh = h / sh.group();
+  const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
+  const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;
+  const acc_t* q = a.q.at(b, h, i0);
+  const acc_t* dout = a.dout.at(b, h, i0);
+  const acc_t* k = a.k.at(b, kvh);
+  const acc_t* v = a.v.at(b, kvh);
+  acc_t* dk = a.dk.at(b, kvh);
+  acc_t* dv = a.dv.at(b, kvh);
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r;
+    RowGrads<acc_t>& g = buf.grads[r];
+    g.g_lse = a.g_lse ? a.g_lse[row] : 0;
+    g.g_entropy = a.g_entropy ? a.g_entropy[row] : 0;
+    g.g_sum_p2 = a.g_sum_p2 ? a.g_sum_p2[row] : 0;
+    buf.delta[r] = row_delta(dot(dout + r * a.dout.sl, a.out.at(b, h, i0 + r), Dv), g, a.lse[row],
+                             a.entropy[row], a.sum_p2[row]);
+  }
+  std::fill(buf.g.begin(), buf.g.begin() + rows * D, acc_t(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t lam = a.row_scale[row0 + r];
+    const acc_t* qr = q + r * a.q.sl;
+    acc_t* qs = buf.qs.data() + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) qs[d] = lam * qr[d];
+  }
+
+  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, kv_end - j0);
+    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, buf.s.data(),
+                      n, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      weights_row(buf.s.data() + r * n, buf.p.data() + r * n, n, j0,
+                  key_limit(i, sh.kv_len, a.causal), a.row_scale[row0 + r],
+                  MaskRow<acc_t>(a.mask, b, h, i), a.lse[row0 + r]);
+    }
+    // dV += P^T dO ; dP = dO V^T
+    block_gemm<acc_t>(true, false, n, Dv, rows, buf.p.data(), n, dout, a.dout.sl,
+                      dv + j0 * a.dv.sl, a.dv.sl, true);
+    block_gemm<acc_t>(false, true, rows, n, Dv, dout, a.dout.sl, v + j0 * a.v.sl, a.v.sl,
+                      buf.dp.data(), n, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      dlogits_row(buf.dp.data() + r * n, buf.s.data() + r * n, buf.p.data() + r * n, n,
+                  buf.delta[r], buf.grads[r]);
+    }
+    // G += dS K (unscaled); dK += dS^T (lambda Q)
+    block_gemm<acc_t>(false, false, rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
+                      buf.g.data(), D, true);
+    block_gemm<acc_t>(true, false, n, D, rows, buf.dp.data(), n, buf.qs.data(), D, dk + j0 * a.dk.sl,
+                      a.dk.sl, true);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* g = buf.g.data() + r * D;
+    const acc_t lam = a.row_scale[row0 + r];
+    a.d_row_scale[row0 + r] = dot(q + r * a.q.sl, g, D);
+    acc_t* dq = a.dq.at(b, h, i0 + r);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dq[d] = lam * g[d];
+  }
+}
+
+template <typename acc_t>
+void backward_kernel(const BwdArgs<acc_t>& a) {
+  const AttentionShape& sh = a.shape;
+  const int64_t qb = q_block_size(sh.q_len);
+  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    SerialBlasScope serial_blas;
+    BwdBuffers<acc_t> buf(qb, sh.head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / sh.kv_heads, kvh = task % sh.kv_heads;
+      for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
+        for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
+          backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), buf);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool is_causal) {
+  const AttentionShape sh =
+      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed",
+                             1.0, 2.0, /*enable_gqa=*/true);
+  const at::ScalarType acc = accumulate_type(query.scalar_type());
+  const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
+  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
+                        output.sizes() == at::IntArrayRef(out_sizes),
+                    "grad_output and output must have shape ", out_sizes, ", got ",
+                    grad_output.sizes(), " and ", output.sizes());
+  const std::vector<int64_t> row_sizes{sh.batch, sh.heads, sh.q_len};
+  auto row_stat = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes, ", got ",
+                      t.sizes());
+    return t.to(acc).contiguous();
+  };
+  auto opt_row_stat = [&](const std::optional<at::Tensor>& t, const char* name) {
+    return t.has_value() ? row_stat(*t, name) : at::Tensor();
+  };
+  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc),
+                   v = with_unit_last_stride(value, acc);
+  const at::Tensor out = with_unit_last_stride(output, acc);
+  const at::Tensor dout = with_unit_last_stride(grad_output, acc);
+  const at::Tensor lse_c = row_stat(lse, "lse"), ent_c = row_stat(entropy, "entropy");
+  const at::Tensor p2_c = row_stat(sum_p2, "sum_p2"), lam_c = row_stat(row_scale, "row_scale");
+  const at::Tensor g_lse = opt_row_stat(grad_lse, "grad_lse");
+  const at::Tensor g_ent = opt_row_stat(grad_entropy, "grad_entropy");
+  const at::Tensor g_p2 = opt_row_stat(grad_sum_p2, "grad_sum_p2");
+  std::optional<at::Tensor> mask;
+  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
+
+  const auto opts = query.options().dtype(acc);
+  at::Tensor dq = at::empty({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+  at::Tensor dk = at::zeros({sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, opts);
+  at::Tensor dv = at::zeros({sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim}, opts);
+  at::Tensor dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+
+  AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
+    auto opt_ptr = [](const at::Tensor& t) {
+      return t.defined() ? t.const_data_ptr<scalar_t>() : nullptr;
+    };
+    BwdArgs<scalar_t> a{};
+    a.shape = sh;
+    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
+    a.v = Strided4<scalar_t>::of(v), a.out = Strided4<scalar_t>::of(out);
+    a.dout = Strided4<scalar_t>::of(dout), a.dq = Strided4<scalar_t>::of(dq);
+    a.dk = Strided4<scalar_t>::of(dk), a.dv = Strided4<scalar_t>::of(dv);
+    a.mask = MaskArg<scalar_t>::make(mask);
+    a.causal = is_causal;
+    a.lse = lse_c.const_data_ptr<scalar_t>(), a.entropy = ent_c.const_data_ptr<scalar_t>();
+    a.sum_p2 = p2_c.const_data_ptr<scalar_t>(), a.row_scale = lam_c.const_data_ptr<scalar_t>();
+    a.g_lse = opt_ptr(g_lse), a.g_entropy = opt_ptr(g_ent), a.g_sum_p2 = opt_ptr(g_p2);
+    a.d_row_scale = dlam.data_ptr<scalar_t>();
+    backward_kernel(a);
+  });
+  return {dq.to(query.scalar_type()), dk.to(key.scalar_type()), dv.to(value.scalar_type()),
+          dlam.to(row_scale.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention_backward", &attention_backward_cpu); }
+
+}  // namespace entropy_attn::cpu

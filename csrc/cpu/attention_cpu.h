@@ -1,0 +1,129 @@
+// Pieces shared by the CPU forward and backward kernels: the kernel arguments, the block sizes and
+// how one row of raw scores q_i.k_j becomes scaled, masked logits.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "../attention_inputs.h"
+
+// The hot row loops are compiled once per ISA (AVX-512, AVX2, baseline) and picked at load time
+// by GCC's function multiversioning, so one binary vectorizes fully on any x86-64 CPU.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EA_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EA_CPU_CLONES
+#endif
+#define EA_ALWAYS_INLINE inline __attribute__((always_inline))
+
+namespace entropy_attn::cpu {
+
+enum class MaskKind { kNone, kBool, kAdditive };
+
+// A (B, H, Lq, Lk) mask as strided storage (broadcast dims have stride 0).
+template <typename acc_t>
+struct MaskArg {
+  MaskKind kind = MaskKind::kNone;
+  const void* data = nullptr;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0;
+
+  static MaskArg make(const std::optional<at::Tensor>& expanded) {
+    MaskArg m;
+    if (!expanded.has_value()) return m;
+    const at::Tensor& t = *expanded;
+    m.kind = t.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+    m.data = t.data_ptr();
+    m.sb = t.stride(0), m.sh = t.stride(1), m.si = t.stride(2), m.sj = t.stride(3);
+    return m;
+  }
+};
+
+// One row of the mask, positioned at key 0.
+template <typename acc_t>
+struct MaskRow {
+  MaskKind kind;
+  const bool* b;
+  const acc_t* a;
+  int64_t sj;
+
+  MaskRow(const MaskArg<acc_t>& m, int64_t b_idx, int64_t h, int64_t i)
+      : kind(m.kind), b(nullptr), a(nullptr), sj(m.sj) {
+    const int64_t off = b_idx * m.sb + h * m.sh + i * m.si;
+    if (kind == MaskKind::kBool) b = static_cast<const bool*>(m.data) + off;
+    if (kind == MaskKind::kAdditive) a = static_cast<const acc_t*>(m.data) + off;
+  }
+};
+
+// Per-row scale factor c_i: a strided (B, H, Lq) tensor, or one constant.
+template <typename acc_t>
+struct ScaleArg {
+  const acc_t* data = nullptr;
+  int64_t sb = 0, sh = 0, si = 0;
+  acc_t constant = 1;
+
+  acc_t at(int64_t b, int64_t h, int64_t i) const {
+    return data ? data[b * sb + h * sh + i * si] : constant;
+  }
+};
+
+// Block sizes, as PyTorch's CPU flash attention: taller query blocks amortize the key/value
+// traffic once there are enough rows; 512 keys keep a block of scores in L2.
+inline int64_t q_block_size(int64_t q_len) {
+  return q_len >= 768 ? 256 : (q_len >= 192 ? 64 : 32);
+}
+constexpr int64_t kKvBlock = 512;
+
+// Keys [0, key_limit) are allowed by causality for query row i (top-left alignment, as
+// scaled_dot_product_attention's is_causal).
+inline int64_t key_limit(int64_t i, int64_t kv_len, bool causal) {
+  return causal ? std::min(i + 1, kv_len) : kv_len;
+}
+
+// Number of keys in [0, limit) that the mask allows: the row's n_i.
+template <typename acc_t>
+int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
+  if (m.kind == MaskKind::kNone) return limit;
+  int64_t n = 0;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t j = 0; j < limit; ++j) {
+    n += m.kind == MaskKind::kBool ? static_cast<int64_t>(m.b[j * m.sj]) : (m.a[j * m.sj] != kNegInf);
+  }
+  return n;
+}
+
+// Turns raw scores r[0, n) of keys j0 .. j0 + n into logits s = lam * r + mask in place; keys
+// at or beyond `limit` or masked out become -inf. Returns the block's max logit (-inf if none).
+template <typename acc_t>
+EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, int64_t limit, acc_t lam,
+                    const MaskRow<acc_t>& m) {
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t end = std::clamp<int64_t>(limit - j0, 0, n);
+  if (m.kind == MaskKind::kNone) {
+#pragma omp simd
+    for (int64_t j = 0; j < end; ++j) r[j] *= lam;
+  } else if (m.kind == MaskKind::kBool) {
+    const bool* mb = m.b + j0 * m.sj;
+    for (int64_t j = 0; j < end; ++j) r[j] = mb[j * m.sj] ? lam * r[j] : kNegInf;
+  } else {
+    const acc_t* ma = m.a + j0 * m.sj;
+    for (int64_t j = 0; j < end; ++j) r[j] = lam * r[j] + ma[j * m.sj];
+  }
+  std::fill(r + end, r + n, kNegInf);
+  acc_t mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < end; ++j) mx = r[j] > mx ? r[j] : mx;
+  // The max skips NaN; a NaN then reaches the outputs through e^{s - m}, except in a row of only
+  // NaN and -inf, caught here so that NaN inputs give NaN outputs, as in SDPA.
+  if (mx == kNegInf) {
+    for (int64_t j = 0; j < end; ++j) {
+      if (r[j] != r[j]) return r[j];
+    }
+  }
+  return mx;
+}
+
+}  // namespace entropy_attn::cpu

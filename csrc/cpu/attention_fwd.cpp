@@ -1,0 +1,207 @@
+// CPU forward of the fused attention with per-row statistics (FlashAttention-2 structure):
+// tasks are (batch, head, query block); each streams key/value blocks of kKvBlock keys, keeping the
+// online statistics of online_stats.h per row. No L_q x L_k buffer is ever formed.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../online_stats.h"
+#include "attention_cpu.h"
+#include "block_gemm.h"
+#include "vec_exp.h"
+
+namespace entropy_attn::cpu {
+namespace {
+
+template <typename acc_t>
+struct FwdArgs {
+  AttentionShape shape;
+  const acc_t *q, *k, *v;
+  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
+  MaskArg<acc_t> mask;
+  ScaleArg<acc_t> scale;
+  ScaleMode mode;
+  acc_t inv_log_base, inv_temperature;
+  bool causal;
+  // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
+  acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale;
+  int64_t* n_keys;
+};
+
+// One row of a key block: raw scores -> logits (scale, mask, causality), a rescale of the running
+// state to the new max, then p = e^{s - m} in place, accumulating l, t, u (MATH.md section 2).
+// Returns the factor e^{m_old - m_new} by which the row's output accumulator must be multiplied.
+template <typename acc_t>
+EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,
+                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st) {
+  const acc_t block_max = scaled_logits(s, n, j0, limit, lam, mask);
+  acc_t alpha = 1;
+  if (!(block_max <= st.m)) alpha = rescale(st, block_max);  // a larger max, or NaN
+  if (st.m == -std::numeric_limits<acc_t>::infinity()) {
+    std::fill(s, s + n, acc_t(0));  // nothing allowed so far: no weight, and no -inf - -inf
+    return alpha;
+  }
+  const acc_t m = st.m;
+  acc_t l = 0, t = 0, u = 0;
+#pragma omp simd reduction(+ : l, t, u)
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = s[j] - m;
+    const acc_t xc = clamp_exp_arg(x);
+    const acc_t e = exp_nonpositive(x, xc);
+    s[j] = e;
+    accumulate(l, t, u, xc, e);
+  }
+  st.l += l;
+  st.t += t;
+  st.u += u;
+  return alpha;
+}
+
+EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
+                                const MaskRow<float>& mask, RowStats<float>& st) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+}
+
+double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
+                   const MaskRow<double>& mask, RowStats<double>& st) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+}
+
+template <typename acc_t>
+void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                  std::vector<acc_t>& s_buf, std::vector<acc_t>& o_buf,
+                  std::vector<RowStats<acc_t>>& stats) {
+  const AttentionShape& sh = a.shape;
+  const int64_t kvh = h / sh.group();
+  const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
+  const acc_t* q = a.q + b * a.q_sb + h * a.q_sh + i0 * a.q_si;
+  const acc_t* k = a.k + b * a.k_sb + kvh * a.k_sh;
+  const acc_t* v = a.v + b * a.v_sb + kvh * a.v_sh;
+  const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
+
+  std::vector<acc_t> lam(rows);
+  std::vector<int64_t> limit(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    limit[r] = key_limit(i, sh.kv_len, a.causal);
+    const int64_t n = count_allowed(MaskRow<acc_t>(a.mask, b, h, i), limit[r]);
+    lam[r] = a.scale.at(b, h, i) * length_factor(a.mode, n, a.inv_log_base) * a.inv_temperature;
+    a.n_keys[row0 + r] = n;
+    a.row_scale[row0 + r] = lam[r];
+    stats[r] = RowStats<acc_t>{};
+  }
+  std::fill(o_buf.begin(), o_buf.begin() + rows * Dv, acc_t(0));
+
+  // Causality: no row of this block sees keys past the last row's limit.
+  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, kv_end - j0);
+    block_gemm<acc_t>(false, true, rows, n, D, q, a.q_si, k + j0 * a.k_sj, a.k_sj, s_buf.data(),
+                      n, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t alpha = softmax_row(s_buf.data() + r * n, n, j0, limit[r], lam[r],
+                                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r]);
+      if (alpha != acc_t(1)) {
+        acc_t* o = o_buf.data() + r * Dv;
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+      }
+    }
+    block_gemm<acc_t>(false, false, rows, Dv, n, s_buf.data(), n, v + j0 * a.v_sj, a.v_sj,
+                      o_buf.data(), Dv, true);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowResult<acc_t> res = finalize(stats[r]);
+    const acc_t* o = o_buf.data() + r * Dv;
+    acc_t* out = a.out + (row0 + r) * Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * res.inv_l;
+    a.lse[row0 + r] = res.lse;
+    a.entropy[row0 + r] = res.entropy;
+    a.sum_p2[row0 + r] = res.sum_p2;
+    a.max_weight[row0 + r] = res.max_weight;
+  }
+}
+
+template <typename acc_t>
+void forward_kernel(const FwdArgs<acc_t>& a) {
+  const AttentionShape& sh = a.shape;
+  const int64_t qb = q_block_size(sh.q_len);
+  const int64_t blocks = (sh.q_len + qb - 1) / qb;
+  at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    SerialBlasScope serial_blas;
+    std::vector<acc_t> s_buf(qb * kKvBlock), o_buf(qb * sh.v_head_dim);
+    std::vector<RowStats<acc_t>> stats(qb);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t blk = task % blocks, bh = task / blocks;
+      const int64_t i0 = blk * qb;
+      forward_task(a, bh / sh.heads, bh % sh.heads, i0, std::min(qb, sh.q_len - i0), s_buf, o_buf,
+                   stats);
+    }
+  });
+}
+
+using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             at::Tensor, at::Tensor>;
+
+FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const std::optional<at::Tensor>& attn_mask,
+                        const std::optional<at::Tensor>& scale, bool is_causal,
+                        std::optional<double> scale_factor, c10::string_view scale_mode,
+                        double temperature, double log_base, bool enable_gqa) {
+  const AttentionShape sh = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor,
+                                                   scale_mode, temperature, log_base, enable_gqa);
+  const at::ScalarType acc = accumulate_type(query.scalar_type());
+  const at::Tensor q = with_unit_last_stride(query, acc);
+  const at::Tensor k = with_unit_last_stride(key, acc);
+  const at::Tensor v = with_unit_last_stride(value, acc);
+  std::optional<at::Tensor> mask;
+  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
+  at::Tensor c;
+  if (scale.has_value()) c = expand_scale(*scale, sh, acc);
+
+  const auto stat_opts = query.options().dtype(acc);
+  at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len, sh.v_head_dim}, stat_opts);
+  at::Tensor lse = at::empty({sh.batch, sh.heads, sh.q_len}, stat_opts);
+  at::Tensor entropy = at::empty_like(lse), sum_p2 = at::empty_like(lse);
+  at::Tensor max_weight = at::empty_like(lse), row_scale = at::empty_like(lse);
+  at::Tensor n_keys = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(at::kLong));
+
+  const ScaleMode mode = parse_scale_mode(scale_mode);
+  AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
+    FwdArgs<scalar_t> a{};
+    a.shape = sh;
+    a.q = q.const_data_ptr<scalar_t>(), a.k = k.const_data_ptr<scalar_t>();
+    a.v = v.const_data_ptr<scalar_t>();
+    a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_si = q.stride(2);
+    a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_sj = k.stride(2);
+    a.v_sb = v.stride(0), a.v_sh = v.stride(1), a.v_sj = v.stride(2);
+    a.mask = MaskArg<scalar_t>::make(mask);
+    if (c.defined()) {
+      a.scale.data = c.const_data_ptr<scalar_t>();
+      a.scale.sb = c.stride(0), a.scale.sh = c.stride(1), a.scale.si = c.stride(2);
+    } else {
+      a.scale.constant = static_cast<scalar_t>(
+          scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim))));
+    }
+    a.mode = mode;
+    a.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<scalar_t>(1.0 / std::log(log_base));
+    a.inv_temperature = static_cast<scalar_t>(1.0 / temperature);
+    a.causal = is_causal;
+    a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
+    a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
+    a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
+    a.n_keys = n_keys.data_ptr<int64_t>();
+    forward_kernel(a);
+  });
+  return {out.to(query.scalar_type()), lse, entropy, sum_p2, max_weight, n_keys, row_scale};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention", &attention_cpu); }
+
+}  // namespace entropy_attn::cpu

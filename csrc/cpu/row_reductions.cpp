@@ -1,0 +1,69 @@
+// CPU kernels of the row-reduction ops on a given attention matrix: entropy (of normalized
+// weights) and the l1/l2 sparsity of seed 003. Rows are reduced in the accumulate type (float for
+// 16-bit inputs), in parallel over rows.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../reduction_dim.h"
+
+namespace entropy_attn::cpu {
+namespace {
+
+// Applies `reduce(row_ptr, n)` to every slice of `x` along `dim`.
+template <typename Reduce>
+at::Tensor reduce_rows(const at::Tensor& x, int64_t dim, const char* name, Reduce reduce) {
+  const int64_t d = checked_reduction_dim(x, dim, name);
+  const at::Tensor rows = x.movedim(d, -1).contiguous();
+  const int64_t n = x.size(d);
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.erase(out_sizes.begin() + d);
+  at::Tensor out = at::empty(out_sizes, x.options());
+  const int64_t count = out.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "entropy_attn_row_reduction_cpu", [&] {
+    const scalar_t* in = rows.const_data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = static_cast<scalar_t>(reduce(in + r * n, n));
+    });
+  });
+  return out;
+}
+
+at::Tensor entropy_cpu(const at::Tensor& p, int64_t dim) {
+  return reduce_rows(p, dim, "p", [](const auto* x, int64_t n) {
+    using acc_t = at::opmath_type<std::remove_cv_t<std::remove_pointer_t<decltype(x)>>>;
+    acc_t h = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t v = static_cast<acc_t>(x[j]);
+      h -= v == acc_t(0) ? acc_t(0) : v * std::log(v);  // 0 ln 0 = 0
+    }
+    return h;
+  });
+}
+
+at::Tensor sparsity_cpu(const at::Tensor& a, int64_t dim) {
+  return reduce_rows(a, dim, "a", [](const auto* x, int64_t n) {
+    using acc_t = at::opmath_type<std::remove_cv_t<std::remove_pointer_t<decltype(x)>>>;
+    acc_t l1 = 0, l2 = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t v = static_cast<acc_t>(x[j]);
+      l1 += std::abs(v);
+      l2 += v * v;
+    }
+    // mean|a| / sqrt(mean a^2) = l1 / sqrt(n * l2); an all-zero slice has no direction: 0.
+    return l2 == acc_t(0) ? acc_t(0) : l1 / std::sqrt(static_cast<acc_t>(n) * l2);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
+  m.impl("entropy", &entropy_cpu);
+  m.impl("sparsity", &sparsity_cpu);
+}
+
+}  // namespace entropy_attn::cpu

@@ -1,0 +1,36 @@
+// C++ API of the entropy_attn operators for LibTorch users. Each function calls the registered op
+// through the dispatcher, so it runs on any registered device and records autograd.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string_view>
+
+namespace entropy_attn {
+
+struct AttentionResult {
+  at::Tensor output;      // (B, H, Lq, Dv), query's dtype
+  at::Tensor lse;         // (B, H, Lq) log-sum-exp of the scaled logits
+  at::Tensor entropy;     // (B, H, Lq) Shannon entropy of each row of weights
+  at::Tensor sum_p2;      // (B, H, Lq) sum of squared weights (1 / effective keys)
+  at::Tensor max_weight;  // (B, H, Lq) largest weight
+  at::Tensor n_keys;      // (B, H, Lq) int64, keys each row may attend to
+  at::Tensor row_scale;   // (B, H, Lq) the logit scale lambda_i used
+};
+
+// See the schema in ops.cpp and the README for the semantics of each argument.
+AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& attn_mask = std::nullopt,
+                          const std::optional<at::Tensor>& scale = std::nullopt,
+                          bool is_causal = false, std::optional<double> scale_factor = std::nullopt,
+                          std::string_view scale_mode = "fixed", double temperature = 1.0,
+                          double log_base = 512.0, bool enable_gqa = false);
+
+// -sum p ln p along dim (0 ln 0 = 0).
+at::Tensor entropy(const at::Tensor& p, int64_t dim = -1);
+
+// mean|a| / sqrt(mean a^2) along dim; 0 for an all-zero slice.
+at::Tensor sparsity(const at::Tensor& a, int64_t dim = -1);
+
+}  // namespace entropy_attn

@@ -1,0 +1,105 @@
+// Online softmax with per-row statistics (MATH.md section 2).
+//
+// This header is the single place where the streaming update of one attention row lives: the
+// CPU kernel uses it today and the CUDA kernel includes the same functions, so the math that the
+// CPU tests check is the math every device runs. It has no dependency on ATen.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define EA_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define EA_HOST_DEVICE inline
+#endif
+
+namespace entropy_attn {
+
+// Running state of one row, every exponent taken relative to the running max m:
+//   l = sum_j e^{s_j - m},  t = sum_j e^{s_j - m} (s_j - m),  u = sum_j e^{2 (s_j - m)}.
+// Keeping t relative to m (t <= 0) avoids the cancellation of sum_j e^{s_j - m} s_j.
+template <typename acc_t>
+struct RowStats {
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  acc_t l = 0;
+  acc_t t = 0;
+  acc_t u = 0;
+};
+
+// Statistics of one finished row. A row that saw no allowed key (fully masked) finishes as all
+// zeros, the convention of scaled_dot_product_attention.
+template <typename acc_t>
+struct RowResult {
+  acc_t inv_l;       // 1 / l: multiplies the accumulated output; 0 for an empty row
+  acc_t lse;         // m + ln l
+  acc_t entropy;     // ln l - t / l, clamped at 0 against rounding
+  acc_t sum_p2;      // u / l^2
+  acc_t max_weight;  // 1 / l = e^{m - lse}
+};
+
+// Moves the running state to a new, larger-or-equal max m_new and returns the factor e^{m - m_new}
+// by which anything accumulated with weights e^{s - m} (the output row) must be multiplied.
+// With an empty state (l = 0, m = -inf) the factor is 0 and nothing is formed from -inf * 0.
+template <typename acc_t>
+EA_HOST_DEVICE acc_t rescale(RowStats<acc_t>& st, acc_t m_new) {
+  if (st.l == acc_t(0)) {
+    st.m = m_new;
+    return acc_t(0);
+  }
+  const acc_t delta = st.m - m_new;  // <= 0
+  const acc_t alpha = std::exp(delta);
+  st.t = alpha * (st.t + delta * st.l);
+  st.l = alpha * st.l;
+  st.u = alpha * alpha * st.u;
+  st.m = m_new;
+  return alpha;
+}
+
+// Adds one allowed entry with x = s - m (the current max) and e = exp(x), computed by the caller
+// so that each device can use its own vectorized exponential in the hot loop.
+template <typename acc_t>
+EA_HOST_DEVICE void accumulate(acc_t& l, acc_t& t, acc_t& u, acc_t x, acc_t e) {
+  l += e;
+  t += e * x;
+  u += e * e;
+}
+
+template <typename acc_t>
+EA_HOST_DEVICE RowResult<acc_t> finalize(const RowStats<acc_t>& st) {
+  if (!(st.l > acc_t(0))) {
+    // Fully masked row, or NaN inputs: NaN must propagate, an empty row gives zeros.
+    const acc_t z = st.l == acc_t(0) ? acc_t(0) : st.l;
+    return {z, z, z, z, z};
+  }
+  const acc_t inv_l = acc_t(1) / st.l;
+  const acc_t log_l = std::log(st.l);
+  acc_t h = log_l - st.t * inv_l;
+  h = h < acc_t(0) ? acc_t(0) : h;
+  return {inv_l, st.m + log_l, h, st.u * inv_l * inv_l, inv_l};
+}
+
+// Backward of one row (MATH.md section 3). With upstream gradients gL, gH, gU of lse, entropy and
+// sum_p2 beside dO, the gradient w.r.t. the scaled logit keeps the FlashAttention-2 form
+//   dS_ij = p_ij (dP~_ij - D~_i),  dP~_ij = dP_ij - gH s_ij + 2 gU p_ij,
+//   D~_i = dO_i . O_i - gL - gH (lse_i - H_i) + 2 gU sum_p2_i,
+// using d lse/ds = p, dH/ds = -p (s - lse + H) and d(sum p^2)/ds = 2 p (p - sum p^2).
+template <typename acc_t>
+struct RowGrads {
+  acc_t g_lse = 0;
+  acc_t g_entropy = 0;
+  acc_t g_sum_p2 = 0;
+};
+
+template <typename acc_t>
+EA_HOST_DEVICE acc_t row_delta(acc_t do_dot_o, const RowGrads<acc_t>& g, acc_t lse, acc_t entropy,
+                               acc_t sum_p2) {
+  return do_dot_o - g.g_lse - g.g_entropy * (lse - entropy) + acc_t(2) * g.g_sum_p2 * sum_p2;
+}
+
+template <typename acc_t>
+EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t s, acc_t delta, const RowGrads<acc_t>& g) {
+  return p * (dp - g.g_entropy * s + acc_t(2) * g.g_sum_p2 * p - delta);
+}
+
+}  // namespace entropy_attn

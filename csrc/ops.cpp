@@ -1,0 +1,29 @@
+// The operator schemas: defined here once, for Python (torch.ops.entropy_attn.*) and LibTorch.
+// Kernels register per dispatch key in their own files (cpu/, meta.cpp, autograd.cpp).
+#include <torch/library.h>
+
+TORCH_LIBRARY(entropy_attn, m) {
+  // Fused attention with per-row statistics. lambda_i = c_i * g(n_i) / temperature, where c is
+  // `scale` (broadcast to (B, H, Lq)), else `scale_factor`, else 1/sqrt(D), and g is the
+  // scale_mode's length factor ("fixed": 1, "logn": log_b n_i, "logn_sharpen": max(1, log_b n_i),
+  // b = log_base). Returns output (B, H, Lq, Dv) and, per row (B, H, Lq): lse, entropy, sum of
+  // squared weights, max weight, n_keys (int64), and the lambda used.
+  m.def(
+      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+      "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
+      "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
+      "bool enable_gqa=False) -> (Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, "
+      "Tensor max_weight, Tensor n_keys, Tensor row_scale)");
+  // Gradients of `attention` w.r.t. query, key, value and lambda, given the upstream gradients of
+  // output and (optionally) of lse, entropy and sum_p2 (MATH.md section 3).
+  m.def(
+      "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
+      "bool is_causal) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
+      "Tensor grad_row_scale)");
+  // Shannon entropy -sum p ln p of normalized weights along `dim` (0 ln 0 = 0).
+  m.def("entropy(Tensor p, int dim=-1) -> Tensor");
+  // l1/l2 sparsity mean|a| / sqrt(mean a^2) along `dim` (seed 003); 0 for an all-zero slice.
+  m.def("sparsity(Tensor a, int dim=-1) -> Tensor");
+}

@@ -1,0 +1,143 @@
+"""``torch_ext.attention``: a drop-in for ``F.scaled_dot_product_attention`` with per-row scale
+policies and fused per-row statistics."""
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+
+_SCALE_MODES = ("logn", "logn_sharpen")
+
+
+class AttentionStats(NamedTuple):
+    """Per-row statistics of the attention weights, each of shape (B, H, Lq).
+
+    Float32 (float64 for float64 inputs); ``n_keys`` is int64. Rows with no allowed key give 0.
+    """
+
+    lse: torch.Tensor
+    """log-sum-exp of the scaled logits."""
+    entropy: torch.Tensor
+    """Shannon entropy H_i of the row, in [0, ln n_i]."""
+    normalized_entropy: torch.Tensor
+    """H_i / ln n_i in [0, 1]; 0 where n_i < 2."""
+    sparsity: torch.Tensor
+    """l1/l2 sparsity 1 / sqrt(n_i * sum_j p_ij^2), in (0, 1]."""
+    effective_keys: torch.Tensor
+    """1 / sum_j p_ij^2, in [1, n_i]."""
+    max_weight: torch.Tensor
+    """max_j p_ij (not differentiable)."""
+    n_keys: torch.Tensor
+    """Number of keys n_i the row may attend to (int64)."""
+    scale: torch.Tensor
+    """The logit scale lambda_i used (after temperature; not differentiable)."""
+
+
+def _scale_args(scale: object, train_length: float) -> tuple[torch.Tensor | None, float | None, str]:
+    """Maps the public ``scale`` argument to the op's (scale tensor, scale_factor, scale_mode)."""
+    if scale is None:
+        return None, None, "fixed"
+    if isinstance(scale, torch.Tensor):
+        return scale, None, "fixed"
+    if isinstance(scale, str):
+        if scale not in _SCALE_MODES:
+            raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
+        if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
+            raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
+        if not (math.isfinite(train_length) and train_length > 1):
+            raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
+        return None, None, scale
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+        return None, float(scale), "fixed"
+    raise TypeError(
+        f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(scale).__name__}"
+    )
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | str | torch.Tensor | None = None,
+    temperature: float = 1.0,
+    enable_gqa: bool = False,
+    train_length: int = 512,
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
+    """Softmax attention with a per-row logit scale and, optionally, per-row statistics.
+
+    Computes ``softmax(lambda_i * q_i . K^T + mask) V`` without materializing the L_q x L_k
+    matrix; the statistics come from the same pass.
+
+    Args:
+        query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv). float32, float64,
+            bfloat16 or float16, one dtype and device; any strides.
+        attn_mask: bool (True = attend) or additive float mask, broadcastable to (B, H, Lq, Lk).
+        is_causal: causal masking aligned top-left, as ``scaled_dot_product_attention``; combines
+            with ``attn_mask``.
+        scale: ``None`` (1/sqrt(D)); a float; ``"logn"``: log_b(n_i)/sqrt(D) with b =
+            ``train_length`` (equals the standard scale at n_i = b); ``"logn_sharpen"``:
+            max(1, log_b n_i)/sqrt(D); or a tensor broadcastable to (B, H, Lq) giving lambda_i per
+            row (differentiable, e.g. a learnable per-head scale). n_i counts the keys row i may
+            attend to under the mask and causality.
+        temperature: tau > 0; the scale is divided by it.
+        enable_gqa: allow H to be a multiple of Hkv (query head h uses kv head h // (H // Hkv)).
+        train_length: the log base b of the "logn" policies (> 1).
+        return_stats: also return an :class:`AttentionStats`.
+
+    Returns:
+        The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
+        to no key give output 0 and statistics 0.
+    """
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
+        raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    scale_tensor, scale_factor, scale_mode = _scale_args(scale, train_length)
+    out, lse, ent, sum_p2, max_weight, n_keys, row_scale = torch.ops.entropy_attn.attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        scale_tensor,
+        is_causal=bool(is_causal),
+        scale_factor=scale_factor,
+        scale_mode=scale_mode,
+        temperature=float(temperature),
+        log_base=float(train_length) if scale_mode != "fixed" else 512.0,
+        enable_gqa=bool(enable_gqa),
+    )
+    if not return_stats:
+        return out
+    return out, derive_stats(lse, ent, sum_p2, max_weight, n_keys, row_scale)
+
+
+def derive_stats(
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    sum_p2: torch.Tensor,
+    max_weight: torch.Tensor,
+    n_keys: torch.Tensor,
+    row_scale: torch.Tensor,
+) -> AttentionStats:
+    """Builds :class:`AttentionStats` from the op's raw per-row outputs (MATH.md section 2)."""
+    n = n_keys.to(lse.dtype)
+    nonempty = n_keys > 0
+    safe_p2 = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))
+    log_n = torch.where(n_keys >= 2, torch.log(n.clamp_min(2)), torch.ones_like(n))
+    return AttentionStats(
+        lse=lse,
+        entropy=entropy,
+        normalized_entropy=torch.where(n_keys >= 2, entropy / log_n, torch.zeros_like(entropy)),
+        sparsity=torch.where(nonempty, torch.rsqrt(n.clamp_min(1) * safe_p2), torch.zeros_like(sum_p2)),
+        effective_keys=torch.where(nonempty, 1.0 / safe_p2, torch.zeros_like(sum_p2)),
+        max_weight=max_weight,
+        n_keys=n_keys,
+        scale=row_scale,
+    )

@@ -1,0 +1,20 @@
+"""Statistics of a given (materialized) attention matrix."""
+
+import torch
+
+
+def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Shannon entropy ``-sum(p * ln p)`` of normalized weights along ``dim`` (0 ln 0 = 0).
+
+    Differentiable; the gradient at entries with ``p == 0`` is taken as 0.
+    """
+    return torch.ops.entropy_attn.entropy(p, dim)
+
+
+def sparsity(a: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """l1/l2 sparsity ``mean|a| / sqrt(mean a^2)`` along ``dim``, in (0, 1] (seed 003).
+
+    1 for a uniform row, ``1/sqrt(n)`` for a one-hot row; any attention matrix, signed or not.
+    An all-zero slice gives 0. Differentiable.
+    """
+    return torch.ops.entropy_attn.sparsity(a, dim)

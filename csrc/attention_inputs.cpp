@@ -54,15 +54,15 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
   check_qkv_tensor(query, "query", "(batch, heads, q_len, head_dim)");
   check_qkv_tensor(key, "key", "(batch, kv_heads, kv_len, head_dim)");
   check_qkv_tensor(value, "value", "(batch, kv_heads, kv_len, v_head_dim)");
-  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type() &&
-                       value.scalar_type() == query.scalar_type(),
-                   "query, key and value must have the same dtype, got ", query.scalar_type(),
-                   ", ", key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK_TYPE(
+      key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+      "query, key and value must have the same dtype, got ", query.scalar_type(), ", ",
+      key.scalar_type(), " and ", value.scalar_type());
   TORCH_CHECK_VALUE(key.device() == query.device() && value.device() == query.device(),
                     "query, key and value must be on the same device, got ", query.device(), ", ",
                     key.device(), " and ", value.device());
 
-  const AttentionShape s{query.size(0), query.size(1), key.size(1), query.size(2),
+  const AttentionShape s{query.size(0), query.size(1), key.size(1),  query.size(2),
                          key.size(2),   query.size(3), value.size(3)};
   TORCH_CHECK_VALUE(key.size(0) == s.batch && value.size(0) == s.batch,
                     "query, key and value must have the same batch size, got ", s.batch, ", ",
@@ -77,9 +77,9 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                     s.head_dim, " and ", key.size(3));
   TORCH_CHECK_VALUE(s.head_dim > 0, "query's head_dim must be positive, got 0");
   if (s.heads != s.kv_heads) {
-    TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-                      "the number of query heads (", s.heads,
-                      ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
+    TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "the number of query heads (",
+                      s.heads, ") must be a multiple of the number of key/value heads (",
+                      s.kv_heads, ")");
     TORCH_CHECK_VALUE(enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
                       ": pass enable_gqa=True for grouped-query attention");
   }
@@ -106,9 +106,10 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                      c.scalar_type());
     TORCH_CHECK_VALUE(c.device() == query.device(), "scale tensor must be on query's device (",
                       query.device(), "), got ", c.device());
-    TORCH_CHECK_VALUE(broadcasts_to(c.sizes(), {s.batch, s.heads, s.q_len}), "scale tensor of shape ",
-                      c.sizes(), " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ",
-                      s.heads, ", ", s.q_len, ")");
+    TORCH_CHECK_VALUE(broadcasts_to(c.sizes(), {s.batch, s.heads, s.q_len}),
+                      "scale tensor of shape ", c.sizes(),
+                      " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ", s.heads,
+                      ", ", s.q_len, ")");
     TORCH_CHECK_VALUE(!scale_factor.has_value(),
                       "pass either a scale tensor or scale_factor, not both");
   }

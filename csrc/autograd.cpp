@@ -2,18 +2,17 @@
 // as Python callers do. Backward passes call registered ops or ATen ops only, so they also trace
 // under torch.compile.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "attention_inputs.h"
+#include "op_handles.h"
 
 namespace entropy_attn {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<at::Tensor>;
 
 std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -21,22 +20,15 @@ std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
 
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& key, const at::Tensor& value,
-                               const OptTensor& attn_mask, const OptTensor& scale, bool is_causal,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const OptTensor& attn_mask,
+                               const OptTensor& scale, bool is_causal,
                                std::optional<double> scale_factor, const std::string& scale_mode,
                                double temperature, double log_base, bool enable_gqa) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("entropy_attn::attention", "")
-                         .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                           at::Tensor, at::Tensor, at::Tensor>(
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                             c10::string_view, double, double, bool)>();
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale] =
-        op.call(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
-                temperature, log_base, enable_gqa);
+        attention_op().call(query, key, value, attn_mask, scale, is_causal, scale_factor,
+                            scale_mode, temperature, log_base, enable_gqa);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
@@ -49,35 +41,27 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("entropy_attn::attention_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-                const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                const at::Tensor&, bool)>();
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
     const at::Tensor &out = saved[4], &row_scale = saved[8], &n_keys = saved[9], &scale = saved[10];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    auto [dq, dk, dv, dlam] =
-        op.call(grad_out, defined_or_null(grads[1]), defined_or_null(grads[2]),
-                defined_or_null(grads[3]), query, key, value, defined_or_null(saved[3]), out,
-                saved[5], saved[6], saved[7], row_scale, ctx->saved_data["is_causal"].toBool());
+    auto [dq, dk, dv, dlam] = attention_backward_op().call(
+        grad_out, defined_or_null(grads[1]), defined_or_null(grads[2]), defined_or_null(grads[3]),
+        query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
+        ctx->saved_data["is_causal"].toBool());
 
     at::Tensor dscale;
     if (scale.defined() && ctx->needs_input_grad(4)) {
       // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
       // over the dims along which c was broadcast.
-      const at::Tensor table = length_factor_table(
-          parse_scale_mode(ctx->saved_data["scale_mode"].toStringRef()),
-          ctx->saved_data["log_base"].toDouble(), ctx->saved_data["temperature"].toDouble(),
-          key.size(2), dlam);
+      const at::Tensor table =
+          length_factor_table(parse_scale_mode(ctx->saved_data["scale_mode"].toStringRef()),
+                              ctx->saved_data["log_base"].toDouble(),
+                              ctx->saved_data["temperature"].toDouble(), key.size(2), dlam);
       dscale = (dlam * table.index({n_keys})).sum_to_size(scale.sizes()).to(scale.scalar_type());
     }
-    return {dq, dk, dv, at::Tensor(), dscale, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq,           dk,           dv,           at::Tensor(), dscale,      at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -98,9 +82,7 @@ class RowReductionFunction : public torch::autograd::Function<Derived> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow(Derived::kOpName, "")
-                         .template typed<at::Tensor(const at::Tensor&, int64_t)>();
+    static const auto op = row_reduction_op(Derived::kOpName);
     at::Tensor y = op.call(x, dim);
     ctx->save_for_backward({x});
     ctx->saved_data["dim"] = dim < 0 ? dim + x.dim() : dim;

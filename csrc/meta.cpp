@@ -12,9 +12,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 attention_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& scale,
-               bool /*is_causal*/, std::optional<double> scale_factor,
-               c10::string_view scale_mode, double temperature, double log_base,
-               bool enable_gqa) {
+               bool /*is_causal*/, std::optional<double> scale_factor, c10::string_view scale_mode,
+               double temperature, double log_base, bool enable_gqa) {
   const AttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor,
                                                   scale_mode, temperature, log_base, enable_gqa);
   const auto stat = query.options().dtype(accumulate_type(query.scalar_type()));
@@ -48,7 +47,9 @@ at::Tensor row_reduction_meta(const at::Tensor& x, int64_t dim, const char* name
   return at::empty(sizes, x.options());
 }
 
-at::Tensor entropy_meta(const at::Tensor& p, int64_t dim) { return row_reduction_meta(p, dim, "p"); }
+at::Tensor entropy_meta(const at::Tensor& p, int64_t dim) {
+  return row_reduction_meta(p, dim, "p");
+}
 at::Tensor sparsity_meta(const at::Tensor& a, int64_t dim) {
   return row_reduction_meta(a, dim, "a");
 }

@@ -42,11 +42,16 @@ template <typename acc_t>
 struct BwdBuffers {
   std::vector<acc_t> s, p, dp;  // logits, weights, dP then dS (rows x block)
   std::vector<acc_t> g, qs;     // G = sum_j dS_ij k_j and lambda_i q_i (rows x D)
-  std::vector<acc_t> delta;        // D~_i per row
+  std::vector<acc_t> delta;     // D~_i per row
   std::vector<RowGrads<acc_t>> grads;
   BwdBuffers(int64_t rows, int64_t d)
-      : s(rows * kKvBlock), p(rows * kKvBlock), dp(rows * kKvBlock), g(rows * d), qs(rows * d),
-        delta(rows), grads(rows) {}
+      : s(rows * kKvBlock),
+        p(rows * kKvBlock),
+        dp(rows * kKvBlock),
+        g(rows * d),
+        qs(rows * d),
+        delta(rows),
+        grads(rows) {}
 };
 
 template <typename acc_t>
@@ -134,8 +139,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, buf.s.data(),
-                      n, false);
+    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, buf.s.data(), n,
+                      false);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       weights_row(buf.s.data() + r * n, buf.p.data() + r * n, n, j0,
@@ -143,8 +148,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
                   MaskRow<acc_t>(a.mask, b, h, i), a.lse[row0 + r]);
     }
     // dV += P^T dO ; dP = dO V^T
-    block_gemm<acc_t>(true, false, n, Dv, rows, buf.p.data(), n, dout, a.dout.sl,
-                      dv + j0 * a.dv.sl, a.dv.sl, true);
+    block_gemm<acc_t>(true, false, n, Dv, rows, buf.p.data(), n, dout, a.dout.sl, dv + j0 * a.dv.sl,
+                      a.dv.sl, true);
     block_gemm<acc_t>(false, true, rows, n, Dv, dout, a.dout.sl, v + j0 * a.v.sl, a.v.sl,
                       buf.dp.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
@@ -154,8 +159,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     // G += dS K (unscaled); dK += dS^T (lambda Q)
     block_gemm<acc_t>(false, false, rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
                       buf.g.data(), D, true);
-    block_gemm<acc_t>(true, false, n, D, rows, buf.dp.data(), n, buf.qs.data(), D, dk + j0 * a.dk.sl,
-                      a.dk.sl, true);
+    block_gemm<acc_t>(true, false, n, D, rows, buf.dp.data(), n, buf.qs.data(), D,
+                      dk + j0 * a.dk.sl, a.dk.sl, true);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -194,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     bool is_causal) {
   const AttentionShape sh =
-      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed",
-                             1.0, 2.0, /*enable_gqa=*/true);
+      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed", 1.0,
+                             2.0, /*enable_gqa=*/true);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
   TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
@@ -204,8 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
                     grad_output.sizes(), " and ", output.sizes());
   const std::vector<int64_t> row_sizes{sh.batch, sh.heads, sh.q_len};
   auto row_stat = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes, ", got ",
-                      t.sizes());
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes,
+                      ", got ", t.sizes());
     return t.to(acc).contiguous();
   };
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t, const char* name) {

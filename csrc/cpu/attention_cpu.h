@@ -72,9 +72,7 @@ struct ScaleArg {
 
 // Block sizes, as PyTorch's CPU flash attention: taller query blocks amortize the key/value
 // traffic once there are enough rows; 512 keys keep a block of scores in L2.
-inline int64_t q_block_size(int64_t q_len) {
-  return q_len >= 768 ? 256 : (q_len >= 192 ? 64 : 32);
-}
+inline int64_t q_block_size(int64_t q_len) { return q_len >= 768 ? 256 : (q_len >= 192 ? 64 : 32); }
 constexpr int64_t kKvBlock = 512;
 
 // Keys [0, key_limit) are allowed by causality for query row i (top-left alignment, as
@@ -90,7 +88,8 @@ int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
   int64_t n = 0;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t j = 0; j < limit; ++j) {
-    n += m.kind == MaskKind::kBool ? static_cast<int64_t>(m.b[j * m.sj]) : (m.a[j * m.sj] != kNegInf);
+    n += m.kind == MaskKind::kBool ? static_cast<int64_t>(m.b[j * m.sj])
+                                   : (m.a[j * m.sj] != kNegInf);
   }
   return n;
 }
@@ -99,7 +98,7 @@ int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
 // at or beyond `limit` or masked out become -inf. Returns the block's max logit (-inf if none).
 template <typename acc_t>
 EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, int64_t limit, acc_t lam,
-                    const MaskRow<acc_t>& m) {
+                                     const MaskRow<acc_t>& m) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t end = std::clamp<int64_t>(limit - j0, 0, n);
   if (m.kind == MaskKind::kNone) {

@@ -98,8 +98,8 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, D, q, a.q_si, k + j0 * a.k_sj, a.k_sj, s_buf.data(),
-                      n, false);
+    block_gemm<acc_t>(false, true, rows, n, D, q, a.q_si, k + j0 * a.k_sj, a.k_sj, s_buf.data(), n,
+                      false);
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t alpha = softmax_row(s_buf.data() + r * n, n, j0, limit[r], lam[r],
                                       MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r]);
@@ -144,16 +144,17 @@ void forward_kernel(const FwdArgs<acc_t>& a) {
   });
 }
 
-using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                             at::Tensor, at::Tensor>;
+using FwdResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const std::optional<at::Tensor>& attn_mask,
                         const std::optional<at::Tensor>& scale, bool is_causal,
                         std::optional<double> scale_factor, c10::string_view scale_mode,
                         double temperature, double log_base, bool enable_gqa) {
-  const AttentionShape sh = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor,
-                                                   scale_mode, temperature, log_base, enable_gqa);
+  const AttentionShape sh =
+      check_attention_inputs(query, key, value, attn_mask, scale, scale_factor, scale_mode,
+                             temperature, log_base, enable_gqa);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   const at::Tensor q = with_unit_last_stride(query, acc);
   const at::Tensor k = with_unit_last_stride(key, acc);
@@ -188,7 +189,8 @@ FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at
           scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim))));
     }
     a.mode = mode;
-    a.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<scalar_t>(1.0 / std::log(log_base));
+    a.inv_log_base =
+        mode == ScaleMode::kFixed ? 0 : static_cast<scalar_t>(1.0 / std::log(log_base));
     a.inv_temperature = static_cast<scalar_t>(1.0 / temperature);
     a.causal = is_causal;
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();

@@ -23,13 +23,15 @@ at::Tensor reduce_rows(const at::Tensor& x, int64_t dim, const char* name, Reduc
   out_sizes.erase(out_sizes.begin() + d);
   at::Tensor out = at::empty(out_sizes, x.options());
   const int64_t count = out.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "entropy_attn_row_reduction_cpu", [&] {
-    const scalar_t* in = rows.const_data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) o[r] = static_cast<scalar_t>(reduce(in + r * n, n));
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
+                                  "entropy_attn_row_reduction_cpu", [&] {
+                                    const scalar_t* in = rows.const_data_ptr<scalar_t>();
+                                    scalar_t* o = out.data_ptr<scalar_t>();
+                                    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+                                      for (int64_t r = begin; r < end; ++r)
+                                        o[r] = static_cast<scalar_t>(reduce(in + r * n, n));
+                                    });
+                                  });
   return out;
 }
 

@@ -9,10 +9,10 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& scale, bool is_causal,
                           std::optional<double> scale_factor, std::string_view scale_mode,
                           double temperature, double log_base, bool enable_gqa) {
-  auto [out, lse, ent, p2, pmax, n, lam] = attention_op().call(
+  auto [out, lse, ent, p2, pmax, n, lam, factor] = attention_op().call(
       query, key, value, attn_mask, scale, is_causal, scale_factor,
       c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base, enable_gqa);
-  return {out, lse, ent, p2, pmax, n, lam};
+  return {out, lse, ent, p2, pmax, n, lam, factor};
 }
 
 at::Tensor entropy(const at::Tensor& p, int64_t dim) {

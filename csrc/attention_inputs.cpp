@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <vector>
 
 namespace entropy_attn {
 namespace {
@@ -133,17 +132,6 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
 
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc) {
   return scale.to(acc).expand({s.batch, s.heads, s.q_len});
-}
-
-at::Tensor length_factor_table(ScaleMode mode, double log_base, double temperature,
-                               int64_t max_keys, const at::Tensor& like) {
-  const double inv_log_base = mode == ScaleMode::kFixed ? 0.0 : 1.0 / std::log(log_base);
-  std::vector<double> table(static_cast<size_t>(max_keys) + 1);
-  for (int64_t n = 0; n <= max_keys; ++n) {
-    table[n] = length_factor<double>(mode, n, inv_log_base) / temperature;
-  }
-  return at::tensor(table, at::TensorOptions().dtype(at::kDouble))
-      .to(like.device(), like.scalar_type());
 }
 
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype) {

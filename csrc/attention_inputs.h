@@ -37,11 +37,6 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
 // Returns the per-row scale factor c expanded to (B, H, Lq) in `acc`.
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc);
 
-// g(n) / temperature for n = 0 .. max_keys, evaluated with the policy's scalar formula, as a table
-// on `like`'s device: the autograd of a tensor scale indexes it with n_keys.
-at::Tensor length_factor_table(ScaleMode mode, double log_base, double temperature,
-                               int64_t max_keys, const at::Tensor& like);
-
 // `x` in dtype `dtype` with a contiguous last dimension (a no-op for conforming inputs).
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype);
 

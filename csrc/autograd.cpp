@@ -5,7 +5,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "attention_inputs.h"
 #include "op_handles.h"
 
 namespace entropy_attn {
@@ -26,24 +25,22 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                std::optional<double> scale_factor, const std::string& scale_mode,
                                double temperature, double log_base, bool enable_gqa) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale] =
+    auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
         attention_op().call(query, key, value, attn_mask, scale, is_causal, scale_factor,
                             scale_mode, temperature, log_base, enable_gqa);
     ctx->set_materialize_grads(false);
-    ctx->mark_non_differentiable({max_weight, n_keys, row_scale});
+    ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
-                            sum_p2, row_scale, n_keys, scale.value_or(at::Tensor())});
+                            sum_p2, row_scale, length_factor, scale.value_or(at::Tensor())});
     ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale_mode"] = scale_mode;
-    ctx->saved_data["temperature"] = temperature;
-    ctx->saved_data["log_base"] = log_base;
-    return {out, lse, entropy, sum_p2, max_weight, n_keys, row_scale};
+    return {out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
-    const at::Tensor &out = saved[4], &row_scale = saved[8], &n_keys = saved[9], &scale = saved[10];
+    const at::Tensor &out = saved[4], &row_scale = saved[8], &length_factor = saved[9],
+                     &scale = saved[10];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     auto [dq, dk, dv, dlam] = attention_backward_op().call(
         grad_out, defined_or_null(grads[1]), defined_or_null(grads[2]), defined_or_null(grads[3]),
@@ -51,29 +48,26 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         ctx->saved_data["is_causal"].toBool());
 
     at::Tensor dscale;
-    if (scale.defined() && ctx->needs_input_grad(4)) {
+    // needs_input_grad counts tensor inputs only: the scale is the 4th without a mask.
+    if (scale.defined() && ctx->needs_input_grad(saved[3].defined() ? 4 : 3)) {
       // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
       // over the dims along which c was broadcast.
-      const at::Tensor table =
-          length_factor_table(parse_scale_mode(ctx->saved_data["scale_mode"].toStringRef()),
-                              ctx->saved_data["log_base"].toDouble(),
-                              ctx->saved_data["temperature"].toDouble(), key.size(2), dlam);
-      dscale = (dlam * table.index({n_keys})).sum_to_size(scale.sizes()).to(scale.scalar_type());
+      dscale = (dlam * length_factor).sum_to_size(scale.sizes()).to(scale.scalar_type());
     }
     return {dq,           dk,           dv,           at::Tensor(), dscale,      at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-attention_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                   const OptTensor& attn_mask, const OptTensor& scale, bool is_causal,
-                   std::optional<double> scale_factor, c10::string_view scale_mode,
-                   double temperature, double log_base, bool enable_gqa) {
+AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& key,
+                                    const at::Tensor& value, const OptTensor& attn_mask,
+                                    const OptTensor& scale, bool is_causal,
+                                    std::optional<double> scale_factor, c10::string_view scale_mode,
+                                    double temperature, double log_base, bool enable_gqa) {
   const variable_list r =
       AttentionFunction::apply(query, key, value, attn_mask, scale, is_causal, scale_factor,
                                std::string(scale_mode), temperature, log_base, enable_gqa);
-  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
 }
 
 // A row reduction whose backward is d result / d x = grad * local_grad(x), in ATen ops.

@@ -10,13 +10,14 @@
 namespace entropy_attn {
 
 struct AttentionResult {
-  at::Tensor output;      // (B, H, Lq, Dv), query's dtype
-  at::Tensor lse;         // (B, H, Lq) log-sum-exp of the scaled logits
-  at::Tensor entropy;     // (B, H, Lq) Shannon entropy of each row of weights
-  at::Tensor sum_p2;      // (B, H, Lq) sum of squared weights (1 / effective keys)
-  at::Tensor max_weight;  // (B, H, Lq) largest weight
-  at::Tensor n_keys;      // (B, H, Lq) int64, keys each row may attend to
-  at::Tensor row_scale;   // (B, H, Lq) the logit scale lambda_i used
+  at::Tensor output;         // (B, H, Lq, Dv), query's dtype
+  at::Tensor lse;            // (B, H, Lq) log-sum-exp of the scaled logits
+  at::Tensor entropy;        // (B, H, Lq) Shannon entropy of each row of weights
+  at::Tensor sum_p2;         // (B, H, Lq) sum of squared weights (1 / effective keys)
+  at::Tensor max_weight;     // (B, H, Lq) largest weight
+  at::Tensor n_keys;         // (B, H, Lq) int64, keys each row may attend to
+  at::Tensor row_scale;      // (B, H, Lq) the logit scale lambda_i used
+  at::Tensor length_factor;  // (B, H, Lq) g(n_i) / temperature: row_scale = c_i * length_factor
 };
 
 // See the schema in ops.cpp and the README for the semantics of each argument.

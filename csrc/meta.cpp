@@ -4,16 +4,17 @@
 #include <torch/library.h>
 
 #include "attention_inputs.h"
+#include "op_handles.h"
 #include "reduction_dim.h"
 
 namespace entropy_attn {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-attention_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-               const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& scale,
-               bool /*is_causal*/, std::optional<double> scale_factor, c10::string_view scale_mode,
-               double temperature, double log_base, bool enable_gqa) {
+AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                const std::optional<at::Tensor>& scale, bool /*is_causal*/,
+                                std::optional<double> scale_factor, c10::string_view scale_mode,
+                                double temperature, double log_base, bool enable_gqa) {
   const AttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor,
                                                   scale_mode, temperature, log_base, enable_gqa);
   const auto stat = query.options().dtype(accumulate_type(query.scalar_type()));
@@ -24,6 +25,7 @@ attention_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
           row(),
           row(),
           at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(at::kLong)),
+          row(),
           row()};
 }
 

@@ -11,8 +11,8 @@
 namespace entropy_attn {
 
 using OptTensor = std::optional<at::Tensor>;
-using AttentionOutputs =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using AttentionOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                    at::Tensor, at::Tensor, at::Tensor>;
 
 inline const c10::TypedOperatorHandle<AttentionOutputs(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,

@@ -7,13 +7,14 @@ TORCH_LIBRARY(entropy_attn, m) {
   // `scale` (broadcast to (B, H, Lq)), else `scale_factor`, else 1/sqrt(D), and g is the
   // scale_mode's length factor ("fixed": 1, "logn": log_b n_i, "logn_sharpen": max(1, log_b n_i),
   // b = log_base). Returns output (B, H, Lq, Dv) and, per row (B, H, Lq): lse, entropy, sum of
-  // squared weights, max weight, n_keys (int64), and the lambda used.
+  // squared weights, max weight, n_keys (int64), the lambda used, and g(n_i) / temperature (so
+  // that row_scale = c * length_factor: the gradient w.r.t. a scale tensor needs it).
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
       "bool enable_gqa=False) -> (Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, "
-      "Tensor max_weight, Tensor n_keys, Tensor row_scale)");
+      "Tensor max_weight, Tensor n_keys, Tensor row_scale, Tensor length_factor)");
   // Gradients of `attention` w.r.t. query, key, value and lambda, given the upstream gradients of
   // output and (optionally) of lse, entropy and sum_p2 (MATH.md section 3).
   m.def(

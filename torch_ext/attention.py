@@ -36,6 +36,10 @@ class AttentionStats(NamedTuple):
 
 def _scale_args(scale: object, train_length: float) -> tuple[torch.Tensor | None, float | None, str]:
     """Maps the public ``scale`` argument to the op's (scale tensor, scale_factor, scale_mode)."""
+    if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
+        raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
+    if not (math.isfinite(train_length) and train_length > 1):
+        raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
     if scale is None:
         return None, None, "fixed"
     if isinstance(scale, torch.Tensor):
@@ -43,10 +47,6 @@ def _scale_args(scale: object, train_length: float) -> tuple[torch.Tensor | None
     if isinstance(scale, str):
         if scale not in _SCALE_MODES:
             raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
-        if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
-            raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
-        if not (math.isfinite(train_length) and train_length > 1):
-            raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
         return None, None, scale
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not math.isfinite(scale):
@@ -100,7 +100,7 @@ def attention(
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     scale_tensor, scale_factor, scale_mode = _scale_args(scale, train_length)
-    out, lse, ent, sum_p2, max_weight, n_keys, row_scale = torch.ops.entropy_attn.attention(
+    out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _ = torch.ops.entropy_attn.attention(
         query,
         key,
         value,

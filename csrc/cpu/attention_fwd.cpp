@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../online_stats.h"
+#include "../op_handles.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
 #include "vec_exp.h"
@@ -26,7 +27,7 @@ struct FwdArgs {
   acc_t inv_log_base, inv_temperature;
   bool causal;
   // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
-  acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale;
+  acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
 };
 
@@ -87,7 +88,9 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
     const int64_t i = i0 + r;
     limit[r] = key_limit(i, sh.kv_len, a.causal);
     const int64_t n = count_allowed(MaskRow<acc_t>(a.mask, b, h, i), limit[r]);
-    lam[r] = a.scale.at(b, h, i) * length_factor(a.mode, n, a.inv_log_base) * a.inv_temperature;
+    const acc_t factor = length_factor(a.mode, n, a.inv_log_base) * a.inv_temperature;
+    lam[r] = a.scale.at(b, h, i) * factor;
+    a.length_factor[row0 + r] = factor;
     a.n_keys[row0 + r] = n;
     a.row_scale[row0 + r] = lam[r];
     stats[r] = RowStats<acc_t>{};
@@ -144,14 +147,11 @@ void forward_kernel(const FwdArgs<acc_t>& a) {
   });
 }
 
-using FwdResult =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                        const std::optional<at::Tensor>& attn_mask,
-                        const std::optional<at::Tensor>& scale, bool is_causal,
-                        std::optional<double> scale_factor, c10::string_view scale_mode,
-                        double temperature, double log_base, bool enable_gqa) {
+AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                               const std::optional<at::Tensor>& scale, bool is_causal,
+                               std::optional<double> scale_factor, c10::string_view scale_mode,
+                               double temperature, double log_base, bool enable_gqa) {
   const AttentionShape sh =
       check_attention_inputs(query, key, value, attn_mask, scale, scale_factor, scale_mode,
                              temperature, log_base, enable_gqa);
@@ -169,6 +169,7 @@ FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at
   at::Tensor lse = at::empty({sh.batch, sh.heads, sh.q_len}, stat_opts);
   at::Tensor entropy = at::empty_like(lse), sum_p2 = at::empty_like(lse);
   at::Tensor max_weight = at::empty_like(lse), row_scale = at::empty_like(lse);
+  at::Tensor length_factor = at::empty_like(lse);
   at::Tensor n_keys = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(at::kLong));
 
   const ScaleMode mode = parse_scale_mode(scale_mode);
@@ -196,10 +197,18 @@ FwdResult attention_cpu(const at::Tensor& query, const at::Tensor& key, const at
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
+    a.length_factor = length_factor.data_ptr<scalar_t>();
     a.n_keys = n_keys.data_ptr<int64_t>();
     forward_kernel(a);
   });
-  return {out.to(query.scalar_type()), lse, entropy, sum_p2, max_weight, n_keys, row_scale};
+  return {out.to(query.scalar_type()),
+          lse,
+          entropy,
+          sum_p2,
+          max_weight,
+          n_keys,
+          row_scale,
+          length_factor};
 }
 
 }  // namespace

@@ -4,7 +4,9 @@ The operators live in ``torch.ops.entropy_attn`` (registered by the compiled ``t
 this package wraps them with a ``scaled_dot_product_attention``-like interface.
 """
 
-from torch_ext import _C  # noqa: F401  (loads the library, which registers the operators)
+import torch  # noqa: F401  (loads libtorch, which the compiled library links against)
+
+from torch_ext import _C  # noqa: F401  (loading it registers the operators)
 from torch_ext.attention import AttentionStats, attention
 from torch_ext.reductions import entropy, sparsity
 

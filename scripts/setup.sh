@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Sets the project up on a fresh machine (Debian bookworm, Python 3.11, root or sudo, no torch):
+# apt packages (compilers, ninja, ccache, cmake, GoogleTest), pinned pip packages, and the Python
+# extension built in place. Used by scripts/main.sh (the main job) and .ci/run (the tests). Safe to
+# re-run: installed pieces are skipped, and ccache keeps rebuilds short.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export DEBIAN_FRONTEND=noninteractive
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off PIP_ROOT_USER_ACTION=ignore
+export PYTHONUNBUFFERED=1
+
+# Pinned versions (those used in development).
+TORCH_VERSION=2.14.1
+PY_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1)
+APT_PACKAGES=(googletest libgtest-dev ccache ninja-build cmake g++)
+
+PYTHON=${PYTHON:-python3}
+setup_start=$(date +%s)
+phase_start=$setup_start
+declare -a timings=()
+phase() {  # phase NAME: ends the current phase and starts NAME
+  local now
+  now=$(date +%s)
+  if [[ -n ${phase_name:-} ]]; then
+    timings+=("$(printf '%-28s %5ds' "$phase_name" $((now - phase_start)))")
+    echo "::: ${phase_name} took $((now - phase_start))s"
+  fi
+  phase_name=${1:-}
+  phase_start=$now
+  [[ -n $phase_name ]] && echo "::: ${phase_name}" || true
+}
+summary() {
+  local rc=$?
+  phase ""
+  echo "::: timings"
+  printf '  %s\n' "${timings[@]}"
+  echo "::: total $(($(date +%s) - setup_start))s, exit code ${rc}"
+}
+trap summary EXIT
+
+# --- system packages ----------------------------------------------------------------------
+phase "apt packages"
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then SUDO="sudo -n"; fi
+  echo "installing: ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "all present: ${APT_PACKAGES[*]}"
+fi
+
+# --- Python packages ----------------------------------------------------------------------
+phase "pip packages"
+"$PYTHON" --version
+"$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "${PY_DEPS[@]}"
+"$PYTHON" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cxx11 abi", torch.compiled_with_cxx11_abi(),
+      "threads", torch.get_num_threads())
+PY
+
+# --- the Python extension -----------------------------------------------------------------
+phase "build extension"
+build_env=(MAX_JOBS="${MAX_JOBS:-$(nproc)}")
+if command -v ccache >/dev/null; then
+  # Debian's ccache masquerade directory (gcc, g++, c++, cc -> ccache), only for this command:
+  # torch's BuildExtension resolves the compiler through PATH and accepts these (they report
+  # COLLECT_GCC=g++). CMake (tests/run_all.sh) uses ccache as its compiler launcher instead.
+  if [[ -d /usr/lib/ccache ]]; then
+    build_env+=(PATH="/usr/lib/ccache:$PATH")
+  else
+    build_env+=(CC="ccache gcc" CXX="ccache g++")
+  fi
+  ccache --zero-stats >/dev/null 2>&1 || true
+fi
+env "${build_env[@]}" "$PYTHON" setup.py build_ext --inplace
+if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs every test of the project: the Python suite (pytest, needs the extension built, e.g.
+# `python3 setup.py build_ext --inplace`), then the C++ suite (CMake + LibTorch + GoogleTest,
+# configured and built in build/cmake, run with CTest). Both decide the exit code.
+#
+#   bash tests/run_all.sh               # everything
+#   RUN_CPP=0 bash tests/run_all.sh     # pytest only       RUN_PY=0: C++ only
+#   bash tests/run_all.sh -k causal     # extra arguments go to pytest
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+BUILD_DIR=${BUILD_DIR:-build/cmake}
+JOBS=${JOBS:-$(nproc)}
+
+py_rc=skipped
+cpp_rc=skipped
+declare -a timings=()
+t0=$(date +%s)
+step_start=$t0
+step_done() {  # step_done NAME
+  local now
+  now=$(date +%s)
+  timings+=("$(printf '%-22s %5ds' "$1" $((now - step_start)))")
+  echo ">>> $1: $((now - step_start))s"
+  step_start=$now
+}
+
+if [[ ${RUN_PY:-1} != 0 ]]; then
+  echo ">>> pytest"
+  "$PYTHON" -m pytest tests -q "$@"
+  py_rc=$?
+  step_done "pytest"
+fi
+
+if [[ ${RUN_CPP:-1} != 0 ]]; then
+  cpp_rc=0
+  echo ">>> cmake configure (${BUILD_DIR})"
+  torch_prefix=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)') || cpp_rc=$?
+  if ((cpp_rc == 0)); then
+    gen=()
+    # Choose the generator only for a new build directory (CMake refuses to switch).
+    if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
+    cmake -S . -B "$BUILD_DIR" "${gen[@]}" \
+      -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
+      -DCMAKE_PREFIX_PATH="$torch_prefix" \
+      -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || cpp_rc=$?
+  fi
+  step_done "cmake configure"
+  if ((cpp_rc == 0)); then
+    echo ">>> cmake build"
+    cmake --build "$BUILD_DIR" --parallel "$JOBS" || cpp_rc=$?
+    step_done "cmake build"
+  fi
+  if ((cpp_rc == 0)); then
+    echo ">>> ctest"
+    ctest --test-dir "$BUILD_DIR" --output-on-failure --parallel "$JOBS" || cpp_rc=$?
+    step_done "ctest"
+  fi
+fi
+
+echo ">>> timings"
+printf '    %s\n' "${timings[@]}"
+echo ">>> pytest: ${py_rc}, C++ (cmake/ctest): ${cpp_rc}, total $(($(date +%s) - t0))s"
+for rc in "$py_rc" "$cpp_rc"; do
+  if [[ $rc != skipped && $rc != 0 ]]; then exit 1; fi
+done
+exit 0

@@ -1,0 +1,363 @@
+"""Backward of entropy_attn: gradcheck in float64 and gradients vs autograd through the reference."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+from torch.autograd import gradcheck
+
+import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
+from conftest import GRAD_TOL, rel_err
+from reference import reference_attention, reference_attention_raw
+
+
+
+def OP(*args: Any, **kwargs: Any) -> Tuple[Tensor, ...]:
+    """torch.ops.entropy_attn.attention (looked up lazily)."""
+    return torch.ops.entropy_attn.attention(*args, **kwargs)
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------
+def rand(*shape: int, dtype: torch.dtype = F64, device: str = "cpu", rg: bool = True) -> Tensor:
+    """N(0, 1) leaf tensor (generated in float64, then cast)."""
+    return torch.randn(*shape, dtype=F64).to(device=device, dtype=dtype).requires_grad_(rg)
+
+
+def raw_diff_outputs(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[Tensor], **kw: Any
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The differentiable outputs (output, lse, entropy, sum_p2) of the raw op."""
+    res = OP(q, k, v, mask, scale, **kw)
+    return res[0], res[1], res[2], res[3]
+
+
+def ref_diff_outputs(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[Tensor], **kw: Any
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The same four outputs from the float64 reference."""
+    r = reference_attention_raw(q, k, v, mask, scale, **kw)
+    return r.output, r.lse, r.entropy, r.sum_p2
+
+
+def grads_of(outputs: Sequence[Tensor], upstream: Sequence[Optional[Tensor]], inputs: Sequence[Tensor]) -> List[Tensor]:
+    """d/d inputs of sum_i <outputs_i, upstream_i>; unused inputs get zero gradients."""
+    loss = sum((o * u.to(o.dtype)).sum() for o, u in zip(outputs, upstream) if u is not None)
+    gs = torch.autograd.grad(loss, list(inputs), allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, inputs)]
+
+
+def leaf64(x: Tensor) -> Tensor:
+    """Detached float64 leaf copy (same values) for the reference."""
+    return x.detach().to(F64).requires_grad_(x.requires_grad)
+
+
+def bool_mask_with_empty_rows(B: int, H: int, Lq: int, Lk: int, device: str = "cpu") -> Tensor:
+    """Random bool mask (B, 1, Lq, Lk) with rows 1 and Lq-1 fully masked."""
+    m = torch.rand(B, 1, Lq, Lk) < 0.6
+    m[:, :, 1] = False
+    m[:, :, -1] = False
+    return m.to(device)
+
+
+# ----------------------------------------------------------------------------------------
+# gradcheck (float64, small shapes) on the raw op incl. lse / entropy / sum_p2
+# ----------------------------------------------------------------------------------------
+GC_CASES: Dict[str, Dict[str, Any]] = {
+    "plain": dict(),
+    "bool_mask_empty_rows": dict(mask="bool_empty"),
+    "float_mask_inf": dict(mask="float_inf"),
+    "causal_lq_gt_lk": dict(Lq=6, Lk=4, kw=dict(is_causal=True)),
+    "causal_lq_lt_lk": dict(Lq=3, Lk=6, kw=dict(is_causal=True)),
+    "causal_and_mask": dict(mask="bool_empty", kw=dict(is_causal=True)),
+    "gqa": dict(H=4, Hkv=2, kw=dict(enable_gqa=True)),
+    "gqa_mask_causal": dict(H=4, Hkv=1, mask="float_inf", kw=dict(enable_gqa=True, is_causal=True)),
+    "scale_H1": dict(scale=(2, 1)),
+    "scale_BHLq_temp": dict(scale=(2, 2, 5), kw=dict(temperature=0.6)),
+    "scale_1_logn": dict(scale=(1,), mask="bool_empty", kw=dict(scale_mode="logn", log_base=3.0)),
+    "scale_H1_sharpen": dict(scale=(2, 1), kw=dict(scale_mode="logn_sharpen", log_base=2.0, is_causal=True)),
+    "factor_logn": dict(kw=dict(scale_factor=0.8, scale_mode="logn", log_base=4.0)),
+    "dv_ne_d": dict(D=2, Dv=5),
+    "lk_zero": dict(Lk=0),
+}
+
+
+def _build_gc(case: Dict[str, Any], device: str) -> Tuple[List[Tensor], Optional[Tensor], Dict[str, Any]]:
+    """Inputs (q, k, v[, scale]), mask and op kwargs for a gradcheck case."""
+    B, H, Hkv = case.get("B", 2), case.get("H", 2), case.get("Hkv", case.get("H", 2))
+    Lq, Lk, D, Dv = case.get("Lq", 5), case.get("Lk", 4), case.get("D", 3), case.get("Dv", 2)
+    q = rand(B, H, Lq, D, device=device)
+    k = rand(B, Hkv, Lk, D, device=device)
+    v = rand(B, Hkv, Lk, Dv, device=device)
+    mask = None
+    if case.get("mask") == "bool_empty":
+        mask = bool_mask_with_empty_rows(B, H, Lq, Lk, device)
+    elif case.get("mask") == "float_inf":
+        mask = torch.randn(Lq, Lk, dtype=F64)
+        mask[torch.rand(Lq, Lk) < 0.3] = float("-inf")
+        mask[0] = float("-inf")
+        mask = mask.to(device)
+    inputs = [q, k, v]
+    if "scale" in case:
+        inputs.append((0.2 + torch.rand(case["scale"], dtype=F64)).to(device).requires_grad_())
+    return inputs, mask, dict(case.get("kw", {}))
+
+
+@pytest.mark.parametrize("name", list(GC_CASES))
+def test_gradcheck_raw_op(device: str, name: str) -> None:
+    """gradcheck w.r.t. q, k, v (and the scale tensor) of (output, lse, entropy, sum_p2)."""
+    inputs, mask, kw = _build_gc(GC_CASES[name], device)
+
+    def f(*xs: Tensor) -> Tuple[Tensor, ...]:
+        scale = xs[3] if len(xs) > 3 else None
+        return raw_diff_outputs(xs[0], xs[1], xs[2], mask, scale, **kw)
+
+    assert gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scale_kind,temperature", [("none", 1.0), ("tensor_H1", 1.0), ("tensor_BHLq", 2.5), ("logn", 0.7), ("float", 1.3)]
+)
+def test_gradcheck_python_api(device: str, scale_kind: str, temperature: float) -> None:
+    """gradcheck through torch_ext.attention(return_stats=True): output, stats.lse, stats.entropy."""
+    B, H, Lq, Lk = 1, 2, 4, 5
+    q, k, v = rand(B, H, Lq, 3, device=device), rand(B, H, Lk, 3, device=device), rand(B, H, Lk, 2, device=device)
+    mask = bool_mask_with_empty_rows(B, H, Lq, Lk, device)
+    inputs = [q, k, v]
+    fixed: Any = {"none": None, "logn": "logn", "float": 0.45}.get(scale_kind)
+    if scale_kind == "tensor_H1":
+        inputs.append((0.3 + torch.rand(H, 1, dtype=F64)).to(device).requires_grad_())
+    elif scale_kind == "tensor_BHLq":
+        inputs.append((0.3 + torch.rand(B, H, Lq, dtype=F64)).to(device).requires_grad_())
+
+    def f(*xs: Tensor) -> Tuple[Tensor, ...]:
+        scale = xs[3] if len(xs) > 3 else fixed
+        out, st = torch_ext.attention(
+            xs[0], xs[1], xs[2], mask, scale=scale, temperature=temperature, train_length=3, return_stats=True
+        )
+        return out, st.lse, st.entropy
+
+    assert gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# gradients vs the reference's autograd, larger shapes, all dtypes
+# ----------------------------------------------------------------------------------------
+BW_CASES = ["plain", "mask_causal", "gqa_logn", "tensor_scale", "float_mask", "long"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("case", BW_CASES)
+def test_grads_vs_reference(device: str, dtype: torch.dtype, case: str) -> None:
+    """Gradients of <dO, O> + <g_lse, lse> + <g_H, H> + <g_p2, sum_p2> vs the reference (relative norm)."""
+    B, H, Hkv, Lq, Lk, D, Dv = 2, 4, 4, 33, 65, 16, 16
+    kw: Dict[str, Any] = {}
+    mask = None
+    scale = None
+    if case == "mask_causal":
+        mask = bool_mask_with_empty_rows(B, H, Lq, Lk, device)
+        kw["is_causal"] = True
+    elif case == "gqa_logn":
+        Hkv = 2
+        kw.update(enable_gqa=True, scale_mode="logn_sharpen", log_base=8.0)
+    elif case == "tensor_scale":
+        scale = (0.1 + 0.4 * torch.rand(B, H, Lq, dtype=F64)).to(device=device, dtype=torch.float32)
+        scale = (scale.double() if dtype == F64 else scale).requires_grad_()
+        kw["temperature"] = 0.8
+    elif case == "float_mask":
+        mask = torch.randn(B, H, Lq, Lk, dtype=F64)
+        mask[torch.rand(B, H, Lq, Lk) < 0.3] = float("-inf")
+        mask[:, :, 3] = float("-inf")
+        mask = mask.to(device=device, dtype=dtype)
+    elif case == "long":
+        B, H, Hkv, Lq, Lk, D, Dv = 1, 2, 2, 130, 257, 32, 24
+    q = rand(B, H, Lq, D, dtype=dtype, device=device)
+    k = rand(B, Hkv, Lk, D, dtype=dtype, device=device)
+    v = rand(B, Hkv, Lk, Dv, dtype=dtype, device=device)
+    inputs = [q, k, v] + ([scale] if scale is not None else [])
+
+    outs = raw_diff_outputs(q, k, v, mask, scale, **kw)
+    upstream = [torch.randn(o.shape, dtype=F64).to(device=device, dtype=o.dtype) for o in outs]
+    g_op = grads_of(outs, upstream, inputs)
+
+    ref_inputs = [leaf64(x) for x in inputs]
+    rs = ref_inputs[3] if scale is not None else None
+    outs_ref = ref_diff_outputs(ref_inputs[0], ref_inputs[1], ref_inputs[2], mask, rs, **kw)
+    g_ref = grads_of(outs_ref, [u.to(F64) for u in upstream], ref_inputs)
+
+    for name, a, e, x in zip(["query", "key", "value", "scale"], g_op, g_ref, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype, f"grad {name}: {a.shape}/{a.dtype}"
+        assert torch.isfinite(a).all(), f"grad {name} not finite"
+        err = rel_err(a, e)
+        assert err < GRAD_TOL[dtype], f"grad {name}: relative error {err:.3g} (tol {GRAD_TOL[dtype]})"
+
+
+@pytest.mark.parametrize("which", ["output", "lse", "entropy", "sum_p2"])
+def test_grads_single_output(device: str, which: str) -> None:
+    """A loss on a single output (others unused -> undefined upstream grads) still gives correct grads."""
+    idx = ["output", "lse", "entropy", "sum_p2"].index(which)
+    q, k, v = rand(2, 2, 9, 8, device=device), rand(2, 2, 11, 8, device=device), rand(2, 2, 11, 4, device=device)
+    mask = bool_mask_with_empty_rows(2, 2, 9, 11, device)
+    out = raw_diff_outputs(q, k, v, mask, None, is_causal=True)[idx]
+    up = torch.randn_like(out)
+    g_op = grads_of([out], [up], [q, k, v])
+    rin = [leaf64(x) for x in (q, k, v)]
+    ref = ref_diff_outputs(*rin, mask, None, is_causal=True)[idx]
+    g_ref = grads_of([ref], [up], rin)
+    for name, a, e in zip(["query", "key", "value"], g_op, g_ref):
+        assert rel_err(a, e) < 1e-9 or (e.abs().max() == 0 and a.abs().max() == 0), name
+
+
+@pytest.mark.parametrize("scale_shape", [(2, 1), (1,), (), (3, 1, 1), (6,)])
+def test_scale_tensor_grad_shape(device: str, scale_shape: Tuple[int, ...]) -> None:
+    """A broadcast scale tensor receives a gradient of its own shape (reduced over broadcast dims)."""
+    B, H, Lq, Lk = 3, 2, 6, 7
+    q, k, v = rand(B, H, Lq, 4, device=device), rand(B, H, Lk, 4, device=device), rand(B, H, Lk, 4, device=device)
+    scale = (0.3 + torch.rand(scale_shape, dtype=F64)).to(device).requires_grad_()
+    out, st = torch_ext.attention(q, k, v, scale=scale, temperature=1.5, return_stats=True)
+    up = [torch.randn_like(out), torch.randn_like(st.entropy), torch.randn_like(st.lse)]
+    g = grads_of([out, st.entropy, st.lse], up, [q, k, v, scale])
+    rin = [leaf64(x) for x in (q, k, v, scale)]
+    r = reference_attention(rin[0], rin[1], rin[2], scale=rin[3], temperature=1.5)
+    gr = grads_of([r.output, r.entropy, r.lse], up, rin)
+    assert g[3].shape == scale.shape
+    for name, a, e in zip(["query", "key", "value", "scale"], g, gr):
+        assert rel_err(a, e) < 1e-9, name
+
+
+# ----------------------------------------------------------------------------------------
+# the attention_backward op called directly
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("with_stats_grads", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_attention_backward_op(device: str, with_stats_grads: bool, gqa: bool) -> None:
+    """entropy_attn.attention_backward matches the reference gradients (grad_row_scale = dL/dlambda)."""
+    B, H, Lq, Lk = 2, 4, 10, 13
+    Hkv = 2 if gqa else H
+    q, k, v = rand(B, H, Lq, 8, rg=False, device=device), rand(B, Hkv, Lk, 8, rg=False, device=device), rand(
+        B, Hkv, Lk, 5, rg=False, device=device
+    )
+    lam = (0.2 + torch.rand(B, H, Lq, dtype=F64)).to(device)
+    mask = bool_mask_with_empty_rows(B, H, Lq, Lk, device)
+    out, lse, ent, sp2, mw, nk, rs = OP(q, k, v, mask, lam, is_causal=True, enable_gqa=gqa)[:7]
+    go = torch.randn_like(out)
+    gl = torch.randn_like(lse) if with_stats_grads else None
+    ge = torch.randn_like(ent) if with_stats_grads else None
+    gp = torch.randn_like(sp2) if with_stats_grads else None
+    gq, gk, gv, gs = torch.ops.entropy_attn.attention_backward(
+        go, gl, ge, gp, q, k, v, mask, out, lse, ent, sp2, rs, True
+    )
+    assert gq.shape == q.shape and gk.shape == k.shape and gv.shape == v.shape and gs.shape == (B, H, Lq)
+    rin = [leaf64(x).requires_grad_() for x in (q, k, v, lam)]
+    routs = ref_diff_outputs(rin[0], rin[1], rin[2], mask, rin[3], is_causal=True, enable_gqa=gqa)
+    gref = grads_of(routs, [go, gl, ge, gp], rin)
+    for name, a, e in zip(["query", "key", "value", "row_scale"], (gq, gk, gv, gs), gref):
+        assert rel_err(a, e) < 1e-9, f"{name}: {rel_err(a, e):.3g}"
+
+
+# ----------------------------------------------------------------------------------------
+# fully masked rows, Lk = 0, edge cases
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_fully_masked_rows_zero_grads(device: str, dtype: torch.dtype, mask_kind: str) -> None:
+    """Fully masked rows get zero query/scale grads; keys nobody attends get zero k/v grads; no NaN."""
+    B, H, Lq, Lk = 1, 2, 6, 8
+    q, k, v = rand(B, H, Lq, 4, dtype=dtype, device=device), rand(B, H, Lk, 4, dtype=dtype, device=device), rand(
+        B, H, Lk, 4, dtype=dtype, device=device
+    )
+    allowed = torch.rand(B, H, Lq, Lk) < 0.7
+    allowed[:, :, 2] = False  # empty row
+    allowed[:, :, :, 5] = False  # key 5 never attended
+    allowed[:, :, 0, 0] = True
+    mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")).to(dtype)
+    mask = mask.to(device)
+    sdt = F64 if dtype == F64 else torch.float32
+    scale = torch.full((B, H, Lq), 0.5, dtype=sdt, device=device).requires_grad_()
+    for mode in ("fixed", "logn"):
+        outs = raw_diff_outputs(q, k, v, mask, scale, scale_mode=mode, log_base=4.0)
+        up = [torch.randn_like(o) for o in outs]
+        gq, gk, gv, gs = grads_of(outs, up, [q, k, v, scale])
+        for name, g in zip(["query", "key", "value", "scale"], (gq, gk, gv, gs)):
+            assert not torch.isnan(g).any(), f"NaN in grad {name}"
+        assert (gq[:, :, 2] == 0).all()
+        assert (gs[:, :, 2] == 0).all()
+        assert (gk[:, :, 5] == 0).all() and (gv[:, :, 5] == 0).all()
+        assert gq[:, :, 0].abs().sum() > 0  # non-trivial elsewhere
+
+
+def test_all_masked_zero_grads(device: str) -> None:
+    """Everything masked (and Lk = 0): all gradients exist, are zero and finite."""
+    q, k, v = rand(1, 2, 4, 3, device=device), rand(1, 2, 5, 3, device=device), rand(1, 2, 5, 3, device=device)
+    mask = torch.zeros(4, 5, dtype=torch.bool, device=device)
+    outs = raw_diff_outputs(q, k, v, mask, None)
+    gq, gk, gv = grads_of(outs, [torch.randn_like(o) for o in outs], [q, k, v])
+    assert (gq == 0).all() and (gk == 0).all() and (gv == 0).all()
+    q0, k0, v0 = rand(1, 2, 4, 3, device=device), rand(1, 2, 0, 3, device=device), rand(1, 2, 0, 3, device=device)
+    outs = raw_diff_outputs(q0, k0, v0, None, None, is_causal=True)
+    gq, gk, gv = grads_of(outs, [torch.randn_like(o) for o in outs], [q0, k0, v0])
+    assert (gq == 0).all() and gk.shape == k0.shape and gv.shape == v0.shape
+
+
+def test_grads_strided_inputs(device: str) -> None:
+    """Gradients for non-contiguous (B, L, H, D)-transposed inputs land in the right layout."""
+    B, H, Lq, Lk, D = 2, 3, 12, 17, 8
+    qb = rand(B, Lq, H, D, device=device, dtype=torch.float32)
+    kb = rand(B, Lk, H, D, device=device, dtype=torch.float32)
+    vb = rand(B, Lk, H, D, device=device, dtype=torch.float32)
+    out, st = torch_ext.attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=True, return_stats=True)
+    up = [torch.randn_like(out), torch.randn_like(st.entropy)]
+    g = grads_of([out, st.entropy], up, [qb, kb, vb])
+    rin = [leaf64(x) for x in (qb, kb, vb)]
+    r = reference_attention(rin[0].transpose(1, 2), rin[1].transpose(1, 2), rin[2].transpose(1, 2), is_causal=True)
+    gr = grads_of([r.output, r.entropy], up, rin)
+    for name, a, e in zip(["query", "key", "value"], g, gr):
+        assert rel_err(a, e) < GRAD_TOL[torch.float32], name
+
+
+def test_grads_huge_logits(device: str) -> None:
+    """|s| ~ 1e4 in float64: finite gradients that match the reference."""
+    q, k, v = rand(1, 2, 9, 8, device=device), rand(1, 2, 15, 8, device=device), rand(1, 2, 15, 8, device=device)
+    with torch.no_grad():
+        q.mul_(60)
+        k.mul_(60)
+    outs = raw_diff_outputs(q, k, v, None, None, is_causal=True)
+    assert outs[1].abs().max() > 3e3
+    up = [torch.randn_like(o) for o in outs]
+    g = grads_of(outs, up, [q, k, v])
+    rin = [leaf64(x) for x in (q, k, v)]
+    gr = grads_of(ref_diff_outputs(*rin, None, None, is_causal=True), up, rin)
+    for name, a, e in zip(["query", "key", "value"], g, gr):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, e) < 1e-6, name
+
+
+def test_only_some_inputs_require_grad(device: str) -> None:
+    """Only value requires grad: backward works and matches the reference."""
+    q, k = rand(1, 2, 5, 4, rg=False, device=device), rand(1, 2, 6, 4, rg=False, device=device)
+    v = rand(1, 2, 6, 3, device=device)
+    out = torch_ext.attention(q, k, v)
+    assert out.requires_grad
+    up = torch.randn_like(out)
+    (gv,) = grads_of([out], [up], [v])
+    vr = leaf64(v)
+    r = reference_attention(q, k, vr)
+    (gvr,) = grads_of([r.output], [up], [vr])
+    assert rel_err(gv, gvr) < 1e-9
+    # explicit: dL/dv_j = sum_i p_ij dO_i
+    assert rel_err(gv, r.probs.detach().transpose(-1, -2) @ up.double()) < 1e-9
+
+
+def test_differentiable_outputs(device: str) -> None:
+    """output/lse/entropy/sum_p2 carry grad; max_weight, n_keys, row_scale, length_factor do not."""
+    q, k, v = rand(1, 2, 4, 3, device=device), rand(1, 2, 5, 3, device=device), rand(1, 2, 5, 3, device=device)
+    scale = torch.full((2, 1), 0.5, dtype=F64, device=device, requires_grad=True)
+    res = OP(q, k, v, None, scale)
+    assert [t.requires_grad for t in res[:4]] == [True] * 4
+    assert not any(t.requires_grad for t in res[4:]), [t.requires_grad for t in res[4:]]

@@ -1,0 +1,666 @@
+"""Forward correctness of torch_ext.attention (and the raw op) against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torch_ext
+from conftest import OUT_TOL, STAT_TOL, assert_close64, stat_dtype
+from reference import RefResult, reference_attention, reference_attention_raw
+
+ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+STAT_FIELDS = (
+    "lse",
+    "entropy",
+    "normalized_entropy",
+    "sparsity",
+    "effective_keys",
+    "max_weight",
+    "n_keys",
+    "scale",
+)
+
+
+# ----------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------
+def make_qkv(
+    B: int,
+    H: int,
+    Hkv: int,
+    Lq: int,
+    Lk: int,
+    D: int,
+    Dv: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    requires_grad: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Random N(0, 1) query/key/value in the op's layout."""
+    Dv = D if Dv is None else Dv
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64).to(device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, Lk, Dv, dtype=torch.float64).to(device=device, dtype=dtype)
+    return q.requires_grad_(requires_grad), k.requires_grad_(requires_grad), v.requires_grad_(requires_grad)
+
+
+def make_mask(
+    kind: str, B: int, H: int, Lq: int, Lk: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Optional[Tensor]:
+    """Build a mask of the given kind (bool or additive float in the query dtype)."""
+    g = torch.Generator().manual_seed(1234)
+
+    def rb(*shape: int, p: float = 0.7) -> Tensor:
+        return torch.rand(*shape, generator=g) < p
+
+    if kind == "none":
+        m = None
+    elif kind == "bool2d":
+        m = rb(Lq, Lk)
+    elif kind == "bool4d":
+        m = rb(B, H, Lq, Lk)
+    elif kind == "bool3d":
+        m = rb(H, Lq, Lk)
+    elif kind == "bool1d":
+        m = rb(Lk)
+    elif kind == "bool_keypad":
+        m = rb(B, 1, 1, Lk, p=0.8)
+    elif kind == "bool_head":
+        m = rb(1, H, Lq, 1, p=0.8).expand(1, H, Lq, Lk).clone()
+        m |= rb(1, H, Lq, Lk)
+    elif kind == "bool_rows_masked":
+        m = rb(B, H, Lq, Lk)
+        m[:, :, ::3, :] = False  # every third row fully masked
+    elif kind == "float2d":
+        m = torch.randn(Lq, Lk, generator=g, dtype=torch.float64)
+    elif kind == "float_inf":
+        m = torch.randn(B, 1, Lq, Lk, generator=g, dtype=torch.float64)
+        m = m.masked_fill(rb(B, 1, Lq, Lk, p=0.3), float("-inf"))
+    elif kind == "float_rows_masked":
+        m = torch.randn(B, H, Lq, Lk, generator=g, dtype=torch.float64)
+        m = m.masked_fill(rb(B, H, Lq, Lk, p=0.3), float("-inf"))
+        m[:, :, 1::2, :] = float("-inf")  # odd rows fully masked
+    else:
+        raise ValueError(kind)
+    if m is None:
+        return None
+    if m.dtype != torch.bool:
+        m = m.to(dtype)
+    return m.to(device)
+
+
+def run_api(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, **kw: Any) -> Tuple[Tensor, Any]:
+    """Call torch_ext.attention with return_stats=True and check the basic contract."""
+    res = torch_ext.attention(q, k, v, mask, return_stats=True, **kw)
+    assert isinstance(res, tuple) and len(res) == 2, "return_stats=True must return (output, stats)"
+    out, stats = res
+    assert isinstance(stats, torch_ext.AttentionStats)
+    return out, stats
+
+
+def check_against_reference(
+    out: Tensor,
+    stats: Any,
+    ref: RefResult,
+    dtype: torch.dtype,
+    *,
+    tol_scale: float = 1.0,
+    skip_empty_row_scale: bool = False,
+) -> None:
+    """Compare the output and every stats field with the reference."""
+    B, H, Lq, Dv = ref.output.shape
+    assert out.dtype == dtype, f"output dtype {out.dtype} != {dtype}"
+    assert out.shape == (B, H, Lq, Dv)
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    oat, ort, sat, srt = oat * tol_scale, ort * tol_scale, sat * tol_scale, srt * tol_scale
+    assert_close64(out, ref.output, oat, ort, "output")
+
+    sd = stat_dtype(dtype)
+    for name in ("lse", "entropy", "max_weight", "scale", "normalized_entropy", "sparsity", "effective_keys"):
+        t = getattr(stats, name)
+        assert t.shape == (B, H, Lq), f"{name} shape {tuple(t.shape)}"
+        assert t.device == out.device, f"{name} on {t.device}"
+        assert t.dtype.is_floating_point, f"{name} dtype {t.dtype}"
+    for name in ("lse", "entropy", "max_weight", "scale"):
+        assert getattr(stats, name).dtype == sd, f"{name} dtype {getattr(stats, name).dtype} != {sd}"
+    assert stats.n_keys.dtype == torch.int64
+    assert torch.equal(stats.n_keys.cpu(), ref.n_keys.cpu()), "n_keys mismatch"
+
+    assert_close64(stats.lse, ref.lse, sat, srt, "lse")
+    assert_close64(stats.entropy, ref.entropy, sat, srt, "entropy")
+    assert_close64(stats.max_weight, ref.max_weight, sat, srt, "max_weight")
+    assert_close64(stats.normalized_entropy, ref.normalized_entropy, sat, srt, "normalized_entropy")
+    assert_close64(stats.sparsity, ref.sparsity, sat, srt, "sparsity")
+    assert_close64(stats.effective_keys, ref.effective_keys, sat, srt, "effective_keys")
+    if skip_empty_row_scale:
+        has = (ref.n_keys > 0).cpu()
+        assert_close64(stats.scale.cpu()[has], ref.row_scale.cpu()[has], sat, srt, "scale")
+    else:
+        assert_close64(stats.scale, ref.row_scale, sat, srt, "scale")
+
+
+def compare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    tol_scale: float = 1.0,
+    **kw: Any,
+) -> Tuple[Tensor, Any, RefResult]:
+    """Run the op and the reference with the same arguments and compare everything."""
+    out, stats = run_api(q, k, v, mask, **kw)
+    ref = reference_attention(q, k, v, mask, **kw)
+    check_against_reference(
+        out,
+        stats,
+        ref,
+        q.dtype,
+        tol_scale=tol_scale,
+        skip_empty_row_scale=(isinstance(kw.get("scale"), str) and kw["scale"] == "logn_sharpen"),
+    )
+    return out, stats, ref
+
+
+# ----------------------------------------------------------------------------------------
+# the reference itself
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Lq,Lk", [(7, 7), (5, 9), (9, 5)])
+def test_reference_matches_sdpa(causal: bool, Lq: int, Lk: int) -> None:
+    """Sanity check of the test oracle: output and lse agree with F.scaled_dot_product_attention."""
+    q, k, v = make_qkv(2, 4, 2, Lq, Lk, 8, 6, dtype=torch.float64)
+    mask = make_mask("bool4d", 2, 4, Lq, Lk)
+    mask[..., 0] = True  # no empty rows (SDPA's math path gives NaN/garbage there)
+    ref = reference_attention(q, k, v, mask, is_causal=False, enable_gqa=True, scale=0.7)
+    exp = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.7, enable_gqa=True)
+    torch.testing.assert_close(ref.output, exp, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ref.lse, torch.logsumexp((0.7 * q @ k.repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(~mask, float("-inf")), -1))
+    if causal:
+        ref = reference_attention(q, k, v, is_causal=True, enable_gqa=True)
+        exp = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(ref.output, exp, atol=1e-12, rtol=1e-12)
+    # entropy of a uniform row is ln n
+    qz = torch.zeros_like(q)
+    refz = reference_attention(qz, k, v, enable_gqa=True)
+    torch.testing.assert_close(refz.entropy, torch.full_like(refz.entropy, math.log(Lk)))
+    torch.testing.assert_close(refz.effective_keys, torch.full_like(refz.entropy, float(Lk)))
+
+
+# ----------------------------------------------------------------------------------------
+# shapes
+# ----------------------------------------------------------------------------------------
+SHAPES = [
+    # B, H, Hkv, Lq, Lk, D, Dv
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 3, 3, 7, 7, 16, 16),
+    (1, 2, 2, 1, 33, 16, 16),
+    (1, 2, 2, 33, 1, 16, 16),
+    (1, 2, 2, 33, 130, 32, 32),
+    (1, 2, 2, 130, 33, 16, 24),
+    (1, 1, 1, 257, 257, 64, 64),
+    (1, 2, 2, 600, 600, 32, 32),
+    (2, 2, 2, 1, 600, 16, 8),
+    (1, 2, 2, 600, 7, 16, 16),
+    (1, 2, 2, 7, 33, 1, 1),
+    (1, 2, 2, 5, 9, 3, 40),
+    (3, 1, 1, 130, 257, 7, 5),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shapes(device: str, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
+    """Plain attention (no mask, default scale) over many shapes incl. L=1, Lq != Lk, odd sizes."""
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device=device)
+    compare(q, k, v)
+
+
+def test_return_stats_false_returns_tensor() -> None:
+    """Without return_stats the API returns just the output tensor, equal to the stats variant."""
+    q, k, v = make_qkv(2, 2, 2, 9, 11, 8)
+    out = torch_ext.attention(q, k, v)
+    assert isinstance(out, Tensor)
+    out2, _ = run_api(q, k, v)
+    torch.testing.assert_close(out, out2, atol=1e-6, rtol=1e-6)
+    ref = reference_attention(q, k, v)
+    assert_close64(out, ref.output, *OUT_TOL[torch.float32], name="output")
+
+
+def test_attention_stats_fields() -> None:
+    """AttentionStats is a NamedTuple with the fields the spec lists."""
+    assert set(STAT_FIELDS) <= set(torch_ext.AttentionStats._fields)
+    q, k, v = make_qkv(1, 2, 2, 4, 5, 8)
+    _, stats = run_api(q, k, v)
+    for f in STAT_FIELDS:
+        assert isinstance(getattr(stats, f), Tensor), f
+
+
+# ----------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------
+MASK_KINDS = [
+    "bool2d",
+    "bool4d",
+    "bool3d",
+    "bool1d",
+    "bool_keypad",
+    "bool_head",
+    "bool_rows_masked",
+    "float2d",
+    "float_inf",
+    "float_rows_masked",
+]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("shape", [(2, 2, 2, 7, 33, 16), (1, 2, 2, 130, 257, 16)], ids=["small", "large"])
+def test_masks(device: str, kind: str, shape: Tuple[int, ...]) -> None:
+    """Bool / additive masks of several ranks, broadcast, incl. fully masked rows."""
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.float32, device=device)
+    mask = make_mask(kind, B, H, Lq, Lk, dtype=torch.float32, device=device)
+    out, stats, ref = compare(q, k, v, mask)
+    if "rows_masked" in kind:
+        empty = ref.n_keys == 0
+        assert empty.any()
+        assert (out[empty.to(out.device)] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["bool4d", "float_inf", "float_rows_masked"])
+def test_masks_float64(device: str, kind: str) -> None:
+    """Masks in float64 with tight tolerances."""
+    q, k, v = make_qkv(2, 3, 3, 17, 29, 8, 5, dtype=torch.float64, device=device)
+    mask = make_mask(kind, 2, 3, 17, 29, dtype=torch.float64, device=device)
+    compare(q, k, v, mask)
+
+
+def test_bool_mask_equals_additive_inf_mask(device: str) -> None:
+    """A bool mask and the equivalent -inf/0 additive mask give the same results."""
+    q, k, v = make_qkv(1, 2, 2, 19, 23, 8, device=device)
+    mb = make_mask("bool_rows_masked", 1, 2, 19, 23, device=device)
+    mf = torch.zeros(mb.shape, device=device).masked_fill(~mb, float("-inf"))
+    o1, s1 = run_api(q, k, v, mb)
+    o2, s2 = run_api(q, k, v, mf)
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=1e-6)
+    for f in STAT_FIELDS:
+        torch.testing.assert_close(getattr(s1, f), getattr(s2, f), atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# causal
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("Lq,Lk", [(1, 1), (7, 7), (33, 33), (33, 7), (7, 33), (130, 257), (257, 130), (1, 600), (5, 0)])
+def test_causal(device: str, Lq: int, Lk: int) -> None:
+    """Top-left causal masking, incl. Lq > Lk and Lq < Lk."""
+    q, k, v = make_qkv(2, 2, 2, Lq, Lk, 16, 12, device=device)
+    _, stats, _ = compare(q, k, v, is_causal=True)
+    expected_n = torch.clamp(torch.arange(Lq) + 1, max=Lk).view(1, 1, Lq).expand(2, 2, Lq)
+    assert torch.equal(stats.n_keys.cpu(), expected_n)
+
+
+@pytest.mark.parametrize("kind", ["bool2d", "bool_keypad", "float_inf", "bool_rows_masked"])
+@pytest.mark.parametrize("Lq,Lk", [(33, 33), (40, 17), (17, 40)])
+def test_causal_and_mask(device: str, kind: str, Lq: int, Lk: int) -> None:
+    """Causal and an explicit mask combine as an intersection."""
+    q, k, v = make_qkv(2, 2, 2, Lq, Lk, 16, device=device)
+    mask = make_mask(kind, 2, 2, Lq, Lk, device=device)
+    compare(q, k, v, mask, is_causal=True)
+
+
+def test_causal_mask_empties_first_row(device: str) -> None:
+    """Causal + a mask that hides key 0 leaves row 0 with no keys: zero output, no NaN."""
+    q, k, v = make_qkv(1, 2, 2, 6, 6, 8, device=device)
+    mask = torch.ones(6, 6, dtype=torch.bool, device=device)
+    mask[:, 0] = False
+    out, stats, ref = compare(q, k, v, mask, is_causal=True)
+    assert stats.n_keys[0, 0, 0].item() == 0
+    assert (out[:, :, 0] == 0).all()
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------------------
+# GQA
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (6, 1), (6, 3), (8, 2)])
+@pytest.mark.parametrize("variant", ["plain", "mask", "causal", "logn"])
+def test_gqa(device: str, H: int, Hkv: int, variant: str) -> None:
+    """Grouped-query attention: query head h uses kv head h // (H // Hkv)."""
+    B, Lq, Lk = 2, 13, 37
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 8, 6, device=device)
+    kw: Dict[str, Any] = {"enable_gqa": True}
+    mask = None
+    if variant == "mask":
+        mask = make_mask("bool4d", B, H, Lq, Lk, device=device)
+    elif variant == "causal":
+        kw["is_causal"] = True
+    elif variant == "logn":
+        mask = make_mask("bool_keypad", B, H, Lq, Lk, device=device)
+        kw["scale"] = "logn"
+    compare(q, k, v, mask, **kw)
+
+
+def test_gqa_equals_repeated_kv(device: str) -> None:
+    """GQA result equals the result with kv heads explicitly repeated (checks the head mapping)."""
+    q, k, v = make_qkv(1, 6, 2, 9, 11, 8, device=device)
+    o1, s1 = run_api(q, k, v, enable_gqa=True)
+    o2, s2 = run_api(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s1.entropy, s2.entropy, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# scale policies, temperature, train_length
+# ----------------------------------------------------------------------------------------
+SCALE_KINDS = [
+    "none",
+    "float",
+    "logn",
+    "logn_sharpen",
+    "t_H1",
+    "t_BHLq",
+    "t_1",
+    "t_0d",
+    "t_Lq",
+    "t_B11",
+]
+
+
+def make_scale(kind: str, B: int, H: int, Lq: int, device: str, dtype: torch.dtype = torch.float32) -> Any:
+    """Build a scale argument of the given kind (tensor scales are positive, around 0.3)."""
+    if kind == "none":
+        return None
+    if kind == "float":
+        return 0.37
+    if kind in ("logn", "logn_sharpen"):
+        return kind
+    shapes = {
+        "t_H1": (H, 1),
+        "t_BHLq": (B, H, Lq),
+        "t_1": (1,),
+        "t_0d": (),
+        "t_Lq": (Lq,),
+        "t_B11": (B, 1, 1),
+    }
+    return (0.1 + 0.5 * torch.rand(shapes[kind], dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+@pytest.mark.parametrize("mask_kind", ["bool_rows_masked", "causal"])
+def test_scale_kinds(device: str, scale_kind: str, temperature: float, mask_kind: str) -> None:
+    """Every scale kind x temperature, with per-row n_i varying (mask or causal)."""
+    B, H, Lq, Lk = 2, 3, 21, 45
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 16, device=device)
+    if mask_kind == "causal":
+        mask, causal = None, True
+    else:
+        mask, causal = make_mask(mask_kind, B, H, Lq, Lk, device=device), False
+    scale = make_scale(scale_kind, B, H, Lq, device)
+    compare(q, k, v, mask, is_causal=causal, scale=scale, temperature=temperature)
+
+
+@pytest.mark.parametrize("scale_kind", ["logn", "logn_sharpen"])
+@pytest.mark.parametrize("train_length", [2, 16, 100.0, 512, 4096])
+def test_train_length(device: str, scale_kind: str, train_length: float) -> None:
+    """log base = train_length; with small bases the sharpen clamp is inactive for long rows."""
+    B, H, Lq, Lk = 1, 2, 70, 70
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 16, device=device)
+    _, stats, ref = compare(q, k, v, is_causal=True, scale=scale_kind, train_length=train_length, temperature=0.8)
+    # explicit formula check for the scale field
+    n = ref.n_keys.to(torch.float64)
+    g = torch.log(n) / math.log(train_length)
+    if scale_kind == "logn_sharpen":
+        g = torch.clamp(g, min=1.0)
+    lam = g / math.sqrt(16) / 0.8
+    assert_close64(stats.scale, lam, 1e-6, 1e-5, "scale formula")
+
+
+def test_logn_scale_equals_standard_at_train_length(device: str) -> None:
+    """With n_i = train_length, 'logn' equals the standard 1/sqrt(D) scale."""
+    q, k, v = make_qkv(1, 2, 2, 8, 64, 16, device=device)
+    o1, s1 = run_api(q, k, v, scale="logn", train_length=64)
+    o2, s2 = run_api(q, k, v)
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s1.scale, torch.full_like(s1.scale, 0.25), atol=1e-6, rtol=1e-6)
+
+
+def test_logn_empty_rows_have_zero_scale(device: str) -> None:
+    """'logn' with n_i = 0 gives lambda 0 (and n_i = 1 gives lambda 0 too: ln 1 = 0)."""
+    q, k, v = make_qkv(1, 1, 1, 4, 5, 8, device=device)
+    mask = torch.ones(4, 5, dtype=torch.bool, device=device)
+    mask[1] = False
+    mask[2, 1:] = False
+    _, stats, _ = compare(q, k, v, mask, scale="logn")
+    assert stats.scale[0, 0, 1].item() == 0.0
+    assert stats.scale[0, 0, 2].item() == 0.0
+    assert stats.scale[0, 0, 0].item() > 0.0
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scale_tensor_dtypes(scale_dtype: torch.dtype) -> None:
+    """A float scale tensor of any float dtype is accepted (its values define lambda)."""
+    q, k, v = make_qkv(1, 2, 2, 6, 9, 8, dtype=torch.bfloat16)
+    scale = make_scale("t_H1", 1, 2, 6, "cpu", dtype=scale_dtype)
+    compare(q, k, v, scale=scale)
+
+
+def test_scale_tensor_equals_float_scale(device: str) -> None:
+    """A constant tensor scale equals the same float scale."""
+    q, k, v = make_qkv(2, 2, 2, 11, 13, 8, device=device)
+    o1, s1 = run_api(q, k, v, scale=0.4, temperature=2.0)
+    o2, s2 = run_api(q, k, v, scale=torch.full((1,), 0.4, device=device), temperature=2.0)
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s1.scale, torch.full_like(s1.scale, 0.2), atol=1e-7, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# raw op (scale_mode combinations not reachable from the Python API)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale_mode", ["fixed", "logn", "logn_sharpen"])
+@pytest.mark.parametrize("scale_src", ["none", "factor", "tensor"])
+def test_raw_op_matches_reference(device: str, scale_mode: str, scale_src: str) -> None:
+    """torch.ops.entropy_attn.attention: all seven outputs vs the reference."""
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 19, 31
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 8, 5, dtype=torch.float64, device=device)
+    mask = make_mask("bool_rows_masked", B, H, Lq, Lk, device=device)
+    scale = make_scale("t_BHLq", B, H, Lq, device, dtype=torch.float64) if scale_src == "tensor" else None
+    factor = 0.45 if scale_src == "factor" else None
+    kw = dict(
+        is_causal=True, scale_factor=factor, scale_mode=scale_mode, temperature=1.7, log_base=10.0, enable_gqa=True
+    )
+    res = torch.ops.entropy_attn.attention(q, k, v, mask, scale, **kw)
+    assert len(res) == 8
+    out, lse, ent, sp2, mw, nk, rs, lf = res
+    ref = reference_attention_raw(q, k, v, mask, scale, **kw)
+    tol = (1e-9, 1e-9)
+    assert_close64(out, ref.output, *tol, name="output")
+    assert_close64(lse, ref.lse, *tol, name="lse")
+    assert_close64(ent, ref.entropy, *tol, name="entropy")
+    assert_close64(sp2, ref.sum_p2, *tol, name="sum_p2")
+    assert_close64(mw, ref.max_weight, *tol, name="max_weight")
+    assert nk.dtype == torch.int64 and torch.equal(nk.cpu(), ref.n_keys.cpu())
+    has = (ref.n_keys > 0).cpu()
+    if scale_mode == "logn_sharpen":
+        assert_close64(rs.cpu()[has], ref.row_scale.cpu()[has], *tol, name="row_scale")
+        assert_close64(lf.cpu()[has], ref.length_factor.cpu()[has], *tol, name="length_factor")
+    else:
+        assert_close64(rs, ref.row_scale, *tol, name="row_scale")
+        assert_close64(lf, ref.length_factor, *tol, name="length_factor")
+    assert lf.shape == (B, H, Lq) and not lf.requires_grad
+    for t in (lse, ent, sp2, mw, rs, lf):
+        assert t.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_raw_op_length_factor(device: str, dtype: torch.dtype) -> None:
+    """length_factor = g(n_i)/temperature and row_scale = c_i * length_factor (float32 stats)."""
+    B, H, Lq, Lk = 1, 2, 9, 12
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 8, dtype=dtype, device=device)
+    c = make_scale("t_BHLq", B, H, Lq, device)
+    res = torch.ops.entropy_attn.attention(q, k, v, None, c, is_causal=True, scale_mode="logn", temperature=2.0, log_base=4.0)
+    assert len(res) == 8
+    rs, lf = res[6], res[7]
+    assert lf.dtype == torch.float32 and rs.dtype == torch.float32
+    n = torch.clamp(torch.arange(Lq, device=device) + 1, max=Lk).double()
+    assert_close64(lf, (torch.log(n) / math.log(4.0) / 2.0).expand(B, H, Lq), 1e-6, 1e-5, "length_factor")
+    assert_close64(rs, c.double() * lf.double(), 1e-6, 1e-5, "row_scale = c * length_factor")
+
+
+# ----------------------------------------------------------------------------------------
+# dtypes
+# ----------------------------------------------------------------------------------------
+DTYPE_CASES = ["plain", "mask_causal", "gqa_logn", "rows_masked", "tensor_scale", "long"]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", DTYPE_CASES)
+def test_dtypes(device: str, dtype: torch.dtype, case: str) -> None:
+    """All four dtypes with dtype-appropriate tolerances (reference uses the same rounded inputs)."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 4, 33, 47, 16
+    kw: Dict[str, Any] = {}
+    mask = None
+    if case == "mask_causal":
+        mask = make_mask("float_inf", B, H, Lq, Lk, dtype=dtype, device=device)
+        kw["is_causal"] = True
+    elif case == "gqa_logn":
+        Hkv = 2
+        kw.update(enable_gqa=True, scale="logn_sharpen", train_length=8)
+    elif case == "rows_masked":
+        mask = make_mask("bool_rows_masked", B, H, Lq, Lk, device=device)
+    elif case == "tensor_scale":
+        kw.update(scale=make_scale("t_BHLq", B, H, Lq, device), temperature=0.7)
+    elif case == "long":
+        Lq, Lk = 130, 600
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype=dtype, device=device)
+    out, stats, ref = compare(q, k, v, mask, **kw)
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------------------
+# layouts
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_inputs(device: str, dtype: torch.dtype) -> None:
+    """Non-contiguous inputs: (B, L, H, D) tensors transposed, expanded batch, sliced D, transposed mask."""
+    B, H, Lq, Lk, D = 2, 3, 17, 29, 16
+    q = torch.randn(B, Lq, H, D, device=device).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Lk, H, D, device=device).to(dtype).transpose(1, 2)
+    v_big = torch.randn(B, H, Lk, 2 * D, device=device).to(dtype)
+    v = v_big[..., ::2]  # stride 2 in the last dim
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    mask = (torch.rand(Lk, Lq, device=device) < 0.7).t()
+    assert not mask.is_contiguous()
+    compare(q, k, v, mask, is_causal=True)
+    # expanded (stride-0) batch dimension for key/value
+    k1 = torch.randn(1, H, Lk, D, device=device).to(dtype).expand(B, H, Lk, D)
+    v1 = torch.randn(1, H, Lk, D, device=device).to(dtype).expand(B, H, Lk, D)
+    compare(q, k1, v1, mask)
+
+
+# ----------------------------------------------------------------------------------------
+# edge cases: empty rows, Lk = 0, huge logits, NaN
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("scale_kind", ["none", "logn", "logn_sharpen", "t_BHLq"])
+def test_fully_masked_rows_no_nan(device: str, dtype: torch.dtype, scale_kind: str) -> None:
+    """Fully masked rows: output and every statistic 0 (n_keys 0), nothing NaN anywhere."""
+    B, H, Lq, Lk = 2, 2, 9, 12
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 8, dtype=dtype, device=device)
+    mask = make_mask("float_rows_masked", B, H, Lq, Lk, dtype=dtype, device=device)
+    scale = make_scale(scale_kind, B, H, Lq, device)
+    out, stats, ref = compare(q, k, v, mask, scale=scale)
+    empty = (ref.n_keys == 0).to(device)
+    assert empty.any()
+    assert not torch.isnan(out).any()
+    assert (out[empty] == 0).all()
+    for f in STAT_FIELDS:
+        t = getattr(stats, f)
+        assert not torch.isnan(t.double()).any(), f
+        if f != "scale":
+            assert (t[empty] == 0).all(), f"{f} nonzero on empty rows"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_all_rows_masked(device: str, dtype: torch.dtype) -> None:
+    """A mask with every entry False: everything zero, no NaN."""
+    q, k, v = make_qkv(1, 2, 2, 5, 7, 8, dtype=dtype, device=device)
+    mask = torch.zeros(5, 7, dtype=torch.bool, device=device)
+    out, stats, _ = compare(q, k, v, mask)
+    assert (out == 0).all()
+    for f in ("lse", "entropy", "max_weight", "n_keys", "effective_keys", "sparsity", "normalized_entropy"):
+        assert (getattr(stats, f) == 0).all(), f
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_lk_zero(device: str, causal: bool, dtype: torch.dtype) -> None:
+    """Lk = 0: output zeros of shape (B, H, Lq, Dv), statistics 0, no NaN."""
+    q, k, v = make_qkv(2, 2, 2, 5, 0, 8, 6, dtype=dtype, device=device)
+    out, stats, _ = compare(q, k, v, is_causal=causal)
+    assert out.shape == (2, 2, 5, 6)
+    assert (out == 0).all()
+    assert (stats.n_keys == 0).all()
+    assert (stats.lse == 0).all() and (stats.entropy == 0).all() and (stats.max_weight == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "mask_causal", "negative"])
+def test_huge_logits(device: str, dtype: torch.dtype, variant: str) -> None:
+    """|s| ~ 1e4: everything stays finite and matches the reference."""
+    B, H, Lq, Lk, D = 1, 2, 33, 65, 16
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype, device=device)
+    q = q * 50
+    k = k * 50
+    kw: Dict[str, Any] = {"scale": 1.0 / 4}
+    mask = None
+    if variant == "mask_causal":
+        mask = make_mask("bool_rows_masked", B, H, Lq, Lk, device=device)
+        kw["is_causal"] = True
+    elif variant == "negative":
+        # all logits hugely negative: -1e4 - |...|
+        mask = torch.full((Lq, Lk), -1e4, dtype=dtype, device=device)
+    out, stats, ref = compare(q, k, v, mask, **kw)
+    assert ref.lse.abs().max() > 3e3, "test does not reach large logits"
+    assert torch.isfinite(out).all()
+    for f in STAT_FIELDS:
+        assert torch.isfinite(getattr(stats, f).double()).all(), f
+
+
+def test_nan_query_propagates(device: str) -> None:
+    """A NaN in one query row gives NaN output in that row, no crash, other rows unaffected."""
+    q, k, v = make_qkv(1, 2, 2, 6, 9, 8, device=device)
+    q = q.clone()
+    q[0, 1, 3, 2] = float("nan")
+    out, stats = run_api(q, k, v)
+    assert torch.isnan(out[0, 1, 3]).any()
+    ref = reference_attention(q, k, v)
+    ok = torch.ones(1, 2, 6, dtype=torch.bool)
+    ok[0, 1, 3] = False
+    okd = ok.to(device)
+    assert_close64(out[okd], ref.output[ok], *OUT_TOL[torch.float32], name="output (finite rows)")
+    assert_close64(stats.entropy[okd], ref.entropy[ok], *STAT_TOL[torch.float32], name="entropy (finite rows)")
+
+
+def test_uniform_rows_statistics(device: str) -> None:
+    """q = 0 makes every allowed key equally likely: H = ln n, n_eff = n, sparsity = 1, p_max = 1/n."""
+    B, H, Lq, Lk = 1, 2, 8, 10
+    q = torch.zeros(B, H, Lq, 4, device=device)
+    k = torch.randn(B, H, Lk, 4, device=device)
+    v = torch.randn(B, H, Lk, 4, device=device)
+    out, stats = run_api(q, k, v, is_causal=True)
+    n = torch.clamp(torch.arange(Lq, device=device) + 1, max=Lk).double().expand(B, H, Lq)
+    torch.testing.assert_close(stats.entropy.double(), torch.log(n), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.effective_keys.double(), n, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(stats.max_weight.double(), 1 / n, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(stats.sparsity.double(), torch.ones_like(n), atol=1e-5, rtol=1e-5)
+    ne = stats.normalized_entropy.double()
+    torch.testing.assert_close(ne[..., 1:], torch.ones_like(ne[..., 1:]), atol=1e-5, rtol=1e-5)
+    assert (ne[..., 0] == 0).all()  # n = 1 -> 0 by convention

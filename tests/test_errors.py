@@ -1,0 +1,154 @@
+"""Bad inputs raise ValueError / TypeError whose message names the offending argument."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+
+import torch_ext
+from conftest import HAS_CUDA
+
+ERR = (ValueError, TypeError)
+B, H, Lq, Lk, D = 2, 4, 5, 6, 8
+
+
+def qkv(**over: Any) -> Dict[str, Any]:
+    """Valid keyword arguments for torch_ext.attention, with overrides."""
+    kw: Dict[str, Any] = dict(
+        query=torch.randn(B, H, Lq, D),
+        key=torch.randn(B, H, Lk, D),
+        value=torch.randn(B, H, Lk, D),
+    )
+    kw.update(over)
+    return kw
+
+
+def call(**over: Any) -> Any:
+    """Call torch_ext.attention with valid defaults overridden by `over`."""
+    kw = qkv(**over)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    mask = kw.pop("attn_mask", None)
+    return torch_ext.attention(q, k, v, mask, **kw)
+
+
+def test_valid_call_works() -> None:
+    """Control: the defaults used by the error tests are valid."""
+    out = call()
+    assert out.shape == (B, H, Lq, D)
+    call(key=torch.randn(B, 2, Lk, D), value=torch.randn(B, 2, Lk, D), enable_gqa=True)
+
+
+# (id, overrides, argument name regex)
+CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
+    # ranks
+    ("query_rank3", dict(query=torch.randn(H, Lq, D)), "query"),
+    ("query_rank5", dict(query=torch.randn(1, B, H, Lq, D)), "query"),
+    ("key_rank3", dict(key=torch.randn(H, Lk, D)), "key"),
+    ("value_rank2", dict(value=torch.randn(Lk, D)), "value"),
+    # mismatched dims
+    ("key_batch", dict(key=torch.randn(B + 1, H, Lk, D)), "key"),
+    ("value_batch", dict(value=torch.randn(B + 1, H, Lk, D)), "value"),
+    ("key_head_dim", dict(key=torch.randn(B, H, Lk, D + 1)), "key"),
+    ("value_len", dict(value=torch.randn(B, H, Lk + 1, D)), "value"),
+    ("value_heads", dict(value=torch.randn(B, 2, Lk, D)), "value"),
+    # GQA
+    ("gqa_not_multiple", dict(key=torch.randn(B, 3, Lk, D), value=torch.randn(B, 3, Lk, D), enable_gqa=True), "key|query|enable_gqa"),
+    ("gqa_more_kv_heads", dict(key=torch.randn(B, 8, Lk, D), value=torch.randn(B, 8, Lk, D), enable_gqa=True), "key|query|enable_gqa"),
+    ("gqa_not_enabled", dict(key=torch.randn(B, 2, Lk, D), value=torch.randn(B, 2, Lk, D)), "enable_gqa"),
+    # dtypes
+    ("key_dtype_mixed", dict(key=torch.randn(B, H, Lk, D, dtype=torch.float64)), "key"),
+    ("value_dtype_mixed", dict(value=torch.randn(B, H, Lk, D).bfloat16()), "value"),
+    ("query_int", dict(query=torch.ones(B, H, Lq, D, dtype=torch.int64)), "query"),
+    ("all_int", dict(query=torch.ones(B, H, Lq, D, dtype=torch.int32), key=torch.ones(B, H, Lk, D, dtype=torch.int32), value=torch.ones(B, H, Lk, D, dtype=torch.int32)), "query"),
+    ("key_int", dict(key=torch.ones(B, H, Lk, D, dtype=torch.int64)), "key"),
+    # masks
+    ("mask_shape", dict(attn_mask=torch.ones(Lq, Lk + 1, dtype=torch.bool)), "attn_mask"),
+    ("mask_shape_rows", dict(attn_mask=torch.ones(Lq + 2, Lk, dtype=torch.bool)), "attn_mask"),
+    ("mask_shape_batch", dict(attn_mask=torch.ones(3, 1, Lq, Lk, dtype=torch.bool)), "attn_mask"),
+    ("mask_rank5", dict(attn_mask=torch.ones(1, B, H, Lq, Lk, dtype=torch.bool)), "attn_mask"),
+    ("mask_int", dict(attn_mask=torch.ones(Lq, Lk, dtype=torch.int64)), "attn_mask"),
+    ("mask_uint8", dict(attn_mask=torch.ones(Lq, Lk, dtype=torch.uint8)), "attn_mask"),
+    ("mask_requires_grad", dict(attn_mask=torch.zeros(Lq, Lk, requires_grad=True)), "attn_mask"),
+    # scale
+    ("scale_tensor_bad_shape", dict(scale=torch.ones(H + 1, 1)), "scale"),
+    ("scale_tensor_bad_len", dict(scale=torch.ones(Lq + 1)), "scale"),
+    ("scale_tensor_rank4", dict(scale=torch.ones(B, H, Lq, 1)), "scale"),
+    ("scale_unknown_string", dict(scale="log"), "scale"),
+    ("scale_unknown_string2", dict(scale="fixed_logn"), "scale"),
+    ("scale_list", dict(scale=[0.5]), "scale"),
+    ("scale_object", dict(scale=object()), "scale"),
+    ("scale_complex", dict(scale=1j), "scale"),
+    ("scale_tensor_int", dict(scale=torch.ones(H, 1, dtype=torch.int64)), "scale"),
+    # temperature
+    ("temperature_zero", dict(temperature=0.0), "temperature"),
+    ("temperature_negative", dict(temperature=-1.0), "temperature"),
+    ("temperature_nan", dict(temperature=float("nan")), "temperature"),
+    ("temperature_inf", dict(temperature=float("inf")), "temperature"),
+    ("temperature_neg_inf", dict(temperature=float("-inf")), "temperature"),
+    # train_length
+    ("train_length_one_logn", dict(scale="logn", train_length=1), "train_length"),
+    ("train_length_zero_sharpen", dict(scale="logn_sharpen", train_length=0), "train_length"),
+    ("train_length_negative_logn", dict(scale="logn", train_length=-5), "train_length"),
+    ("train_length_half_logn", dict(scale="logn", train_length=0.5), "train_length"),
+    ("train_length_one_default_scale", dict(train_length=1), "train_length"),
+)
+
+
+@pytest.mark.parametrize("overrides,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_inputs_raise(overrides: Dict[str, Any], pattern: str) -> None:
+    """Each bad input raises ValueError/TypeError mentioning the argument."""
+    with pytest.raises(ERR, match=pattern):
+        call(**overrides)
+
+
+def test_bad_inputs_raise_with_return_stats() -> None:
+    """Validation also applies with return_stats=True and for the raw op."""
+    with pytest.raises(ERR, match="temperature"):
+        call(temperature=0.0, return_stats=True)
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, 2, Lk, D), torch.randn(B, 2, Lk, D)
+    with pytest.raises(ERR, match="enable_gqa"):
+        torch.ops.entropy_attn.attention(q, k, v)
+    with pytest.raises(ERR, match="scale"):
+        torch.ops.entropy_attn.attention(q, k, v, None, None, enable_gqa=True, scale_mode="bogus")
+    with pytest.raises(ERR, match="temperature"):
+        torch.ops.entropy_attn.attention(q, k, v, None, None, enable_gqa=True, temperature=-2.0)
+    with pytest.raises(ERR, match="attn_mask"):
+        torch.ops.entropy_attn.attention(q, k, v, torch.ones(Lq, Lk, dtype=torch.int32), None, enable_gqa=True)
+    with pytest.raises(ERR, match="scale"):
+        torch.ops.entropy_attn.attention(q, k, v, None, torch.ones(3, 3), enable_gqa=True)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("which", ["key", "value", "attn_mask", "scale"])
+def test_mixed_devices(which: str) -> None:
+    """Tensors on different devices raise, naming the argument."""
+    over: Dict[str, Any] = {
+        "query": torch.randn(B, H, Lq, D, device="cuda"),
+        "key": torch.randn(B, H, Lk, D, device="cuda"),
+        "value": torch.randn(B, H, Lk, D, device="cuda"),
+        "attn_mask": torch.ones(Lq, Lk, dtype=torch.bool, device="cuda"),
+        "scale": torch.ones(H, 1, device="cuda"),
+    }
+    over[which] = over[which].cpu()
+    with pytest.raises(ERR, match=which):
+        call(**over)
+
+
+STATS_OPS: Tuple[Tuple[str, Callable[..., Tensor]], ...] = (
+    ("entropy", lambda *a, **k: torch_ext.entropy(*a, **k)),
+    ("sparsity", lambda *a, **k: torch_ext.sparsity(*a, **k)),
+)
+
+
+@pytest.mark.parametrize("name,fn", STATS_OPS, ids=[s[0] for s in STATS_OPS])
+def test_stats_ops_bad_inputs(name: str, fn: Callable[..., Tensor]) -> None:
+    """entropy / sparsity: integer input raises; an out-of-range dim raises naming `dim`."""
+    with pytest.raises(ERR):
+        fn(torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
+        fn(torch.rand(3, 4), dim=2)
+    with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
+        fn(torch.rand(3, 4), dim=-3)

@@ -77,7 +77,11 @@ if command -v ccache >/dev/null; then
   else
     build_env+=(CC="ccache gcc" CXX="ccache g++")
   fi
+  # pip builds an editable install in a fresh temporary directory each time: keep that directory
+  # out of ccache's hash so that unchanged sources hit the cache.
+  build_env+=(CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD")
   ccache --zero-stats >/dev/null 2>&1 || true
 fi
-env "${build_env[@]}" "$PYTHON" setup.py build_ext --inplace
+# An editable install: `import torch_ext` works from any directory, and the package is this tree.
+env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
 if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi

@@ -39,6 +39,14 @@ ScaleMode parse_scale_mode(std::string_view scale_mode) {
                     std::string(scale_mode), "'");
 }
 
+SparsityKind parse_sparsity_kind(std::string_view kind) {
+  if (kind == "exp") return SparsityKind::kExp;
+  if (kind == "relu2") return SparsityKind::kRelu2;
+  if (kind == "identity") return SparsityKind::kIdentity;
+  TORCH_CHECK_VALUE(false, "kind must be one of 'exp', 'relu2', 'identity', got '",
+                    std::string(kind), "'");
+}
+
 at::ScalarType accumulate_type(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
 }

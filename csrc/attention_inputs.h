@@ -28,6 +28,10 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
 
 ScaleMode parse_scale_mode(std::string_view scale_mode);
 
+// The attention function f of attention_sparsity: a = exp(s), relu(s)^2 or s.
+enum class SparsityKind { kExp, kRelu2, kIdentity };
+SparsityKind parse_sparsity_kind(std::string_view kind);
+
 // The dtype of statistics and accumulators: float64 for float64 inputs, float32 otherwise.
 at::ScalarType accumulate_type(at::ScalarType input);
 

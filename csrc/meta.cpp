@@ -29,6 +29,19 @@ AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& key,
           row()};
 }
 
+at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& key,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& scale, c10::string_view kind,
+                                   bool /*is_causal*/, std::optional<double> scale_factor,
+                                   c10::string_view scale_mode, double temperature, double log_base,
+                                   bool enable_gqa) {
+  const AttentionShape s = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor,
+                                                  scale_mode, temperature, log_base, enable_gqa);
+  parse_sparsity_kind(kind);
+  return at::empty({s.batch, s.heads, s.q_len},
+                   query.options().dtype(accumulate_type(query.scalar_type())));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& /*grad_output*/, const std::optional<at::Tensor>& /*grad_lse*/,
     const std::optional<at::Tensor>& /*grad_entropy*/,
@@ -61,6 +74,7 @@ at::Tensor sparsity_meta(const at::Tensor& a, int64_t dim) {
 TORCH_LIBRARY_IMPL(entropy_attn, Meta, m) {
   m.impl("attention", &attention_meta);
   m.impl("attention_backward", &attention_backward_meta);
+  m.impl("attention_sparsity", &attention_sparsity_meta);
   m.impl("entropy", &entropy_meta);
   m.impl("sparsity", &sparsity_meta);
 }

@@ -23,6 +23,15 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
       "bool is_causal) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
       "Tensor grad_row_scale)");
+  // Per-row l1/l2 sparsity S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of general attention
+  // a_ij = f(s_ij), f = exp ("exp", softmax), relu^2 ("relu2") or identity ("identity"), with the
+  // logits s_ij, masks and scale arguments of `attention` (seed 003). (B, H, Lq); not
+  // differentiable.
+  m.def(
+      "attention_sparsity(Tensor query, Tensor key, Tensor? attn_mask=None, Tensor? scale=None, "
+      "*, str kind=\"exp\", bool is_causal=False, float? scale_factor=None, "
+      "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
+      "bool enable_gqa=False) -> Tensor");
   // Shannon entropy -sum p ln p of normalized weights along `dim` (0 ln 0 = 0).
   m.def("entropy(Tensor p, int dim=-1) -> Tensor");
   // l1/l2 sparsity mean|a| / sqrt(mean a^2) along `dim` (seed 003); 0 for an all-zero slice.

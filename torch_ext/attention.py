@@ -34,24 +34,27 @@ class AttentionStats(NamedTuple):
     """The logit scale lambda_i used (after temperature; not differentiable)."""
 
 
-def _scale_args(scale: object, train_length: float) -> tuple[torch.Tensor | None, float | None, str]:
-    """Maps the public ``scale`` argument to the op's (scale tensor, scale_factor, scale_mode)."""
+def _policy_args(scale: object, temperature: object, train_length: object) -> tuple[torch.Tensor | None, dict]:
+    """Validates the public scale arguments and maps them to the ops' (scale tensor, keyword args)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
         raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
     if not (math.isfinite(train_length) and train_length > 1):
         raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
-    if scale is None:
-        return None, None, "fixed"
-    if isinstance(scale, torch.Tensor):
-        return scale, None, "fixed"
+    kwargs = {"scale_factor": None, "scale_mode": "fixed", "temperature": float(temperature), "log_base": 512.0}
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale, kwargs
     if isinstance(scale, str):
         if scale not in _SCALE_MODES:
             raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
-        return None, None, scale
+        return None, {**kwargs, "scale_mode": scale, "log_base": float(train_length)}
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-        return None, float(scale), "fixed"
+        return None, {**kwargs, "scale_factor": float(scale)}
     raise TypeError(
         f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(scale).__name__}"
     )
@@ -95,27 +98,44 @@ def attention(
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0.
     """
-    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
-        raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    scale_tensor, scale_factor, scale_mode = _scale_args(scale, train_length)
+    scale_tensor, policy = _policy_args(scale, temperature, train_length)
     out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _ = torch.ops.entropy_attn.attention(
-        query,
-        key,
-        value,
-        attn_mask,
-        scale_tensor,
-        is_causal=bool(is_causal),
-        scale_factor=scale_factor,
-        scale_mode=scale_mode,
-        temperature=float(temperature),
-        log_base=float(train_length) if scale_mode != "fixed" else 512.0,
-        enable_gqa=bool(enable_gqa),
+        query, key, value, attn_mask, scale_tensor, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
     )
     if not return_stats:
         return out
     return out, derive_stats(lse, ent, sum_p2, max_weight, n_keys, row_scale)
+
+
+def attention_sparsity(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    kind: str = "exp",
+    is_causal: bool = False,
+    scale: float | str | torch.Tensor | None = None,
+    temperature: float = 1.0,
+    enable_gqa: bool = False,
+    train_length: int = 512,
+) -> torch.Tensor:
+    """Per-row l1/l2 sparsity of general attention, fused: no L_q x L_k matrix is formed.
+
+    For weights a_ij = f(s_ij) with the logits s_ij = lambda_i q_i . k_j (+ a finite additive mask)
+    of :func:`attention` (same ``attn_mask``, ``is_causal``, ``scale``, ``temperature``,
+    ``enable_gqa`` and ``train_length``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
+    shape (B, H, Lq), in (0, 1]: 1 for uniform weights, 1/sqrt(n_i) for one-hot (seed 003).
+
+    Args:
+        kind: f: ``"exp"`` (softmax attention; equals ``stats.sparsity`` of :func:`attention`),
+            ``"relu2"`` (relu(s)^2, as GAU) or ``"identity"`` (plain linear attention, signed).
+
+    Rows with no allowed key, or all-zero weights, give 0. Not differentiable.
+    """
+    scale_tensor, policy = _policy_args(scale, temperature, train_length)
+    return torch.ops.entropy_attn.attention_sparsity(
+        query, key, attn_mask, scale_tensor, kind=kind, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
+    )
 
 
 def derive_stats(

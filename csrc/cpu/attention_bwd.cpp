@@ -7,10 +7,9 @@
 
 #include <vector>
 
-#include "../online_stats.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
-#include "vec_exp.h"
+#include "row_kernels.h"
 
 namespace entropy_attn::cpu {
 namespace {
@@ -63,47 +62,6 @@ acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
 }
 
 // One query block of one query head against all the keys it may see.
-// Recomputes one row of weights p = e^{s - lse} (0 where masked) from raw scores s, which become
-// the scaled logits.
-template <typename acc_t>
-EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, int64_t n, int64_t j0, int64_t limit,
-                                       acc_t lam, const MaskRow<acc_t>& mask, acc_t lse) {
-  scaled_logits(s, n, j0, limit, lam, mask);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t x = s[j] - lse;
-    p[j] = exp_nonpositive(x, clamp_exp_arg(x));
-  }
-}
-
-// dP -> dS in place for one row (online_stats.h: logit_grad).
-template <typename acc_t>
-EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p, int64_t n,
-                                       acc_t delta, const RowGrads<acc_t>& g) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
-    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], s[j], delta, g);
-  }
-}
-
-EA_CPU_CLONES void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
-                               const MaskRow<float>& mask, float lse) {
-  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
-}
-void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
-                 const MaskRow<double>& mask, double lse) {
-  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
-}
-EA_CPU_CLONES void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
-                               const RowGrads<float>& g) {
-  dlogits_row_impl(ds, s, p, n, delta, g);
-}
-void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
-                 const RowGrads<double>& g) {
-  dlogits_row_impl(ds, s, p, n, delta, g);
-}
-
 template <typename acc_t>
 void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
                       BwdBuffers<acc_t>& buf) {

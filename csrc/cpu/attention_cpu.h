@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -58,16 +59,36 @@ struct MaskRow {
   }
 };
 
-// Per-row scale factor c_i: a strided (B, H, Lq) tensor, or one constant.
+// The scale policy of a call: lambda_i = c_i * g(n_i) / temperature (scale_policy.h), with c a
+// strided (B, H, Lq) tensor or one constant.
 template <typename acc_t>
-struct ScaleArg {
+struct ScalePolicy {
   const acc_t* data = nullptr;
   int64_t sb = 0, sh = 0, si = 0;
   acc_t constant = 1;
+  ScaleMode mode = ScaleMode::kFixed;
+  acc_t inv_log_base = 0, inv_temperature = 1;
 
-  acc_t at(int64_t b, int64_t h, int64_t i) const {
+  // `c` is the expanded scale tensor in acc_t, or undefined: then scale_factor, else 1/sqrt(D).
+  static ScalePolicy make(const at::Tensor& c, std::optional<double> scale_factor, int64_t head_dim,
+                          ScaleMode mode, double log_base, double temperature) {
+    ScalePolicy p;
+    if (c.defined()) {
+      p.data = c.const_data_ptr<acc_t>();
+      p.sb = c.stride(0), p.sh = c.stride(1), p.si = c.stride(2);
+    } else {
+      p.constant =
+          static_cast<acc_t>(scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
+    }
+    p.mode = mode;
+    p.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<acc_t>(1.0 / std::log(log_base));
+    p.inv_temperature = static_cast<acc_t>(1.0 / temperature);
+    return p;
+  }
+  acc_t c(int64_t b, int64_t h, int64_t i) const {
     return data ? data[b * sb + h * sh + i * si] : constant;
   }
+  acc_t factor(int64_t n) const { return length_factor(mode, n, inv_log_base) * inv_temperature; }
 };
 
 // Block sizes, as PyTorch's CPU flash attention: taller query blocks amortize the key/value
@@ -93,6 +114,21 @@ int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
   }
   return n;
 }
+
+// What a kernel needs to know of query row i before streaming keys: the causal key limit, n_i,
+// g(n_i) / temperature and lambda_i.
+template <typename acc_t>
+struct RowSetup {
+  int64_t limit, n;
+  acc_t factor, lam;
+
+  RowSetup(const MaskArg<acc_t>& mask, const ScalePolicy<acc_t>& scale, bool causal, int64_t kv_len,
+           int64_t b, int64_t h, int64_t i)
+      : limit(key_limit(i, kv_len, causal)),
+        n(count_allowed(MaskRow<acc_t>(mask, b, h, i), limit)),
+        factor(scale.factor(n)),
+        lam(scale.c(b, h, i) * factor) {}
+};
 
 // Turns raw scores r[0, n) of keys j0 .. j0 + n into logits s = lam * r + mask in place; keys
 // at or beyond `limit` or masked out become -inf. Returns the block's max logit (-inf if none).

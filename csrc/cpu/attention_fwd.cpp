@@ -7,11 +7,10 @@
 
 #include <vector>
 
-#include "../online_stats.h"
 #include "../op_handles.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
-#include "vec_exp.h"
+#include "row_kernels.h"
 
 namespace entropy_attn::cpu {
 namespace {
@@ -22,53 +21,12 @@ struct FwdArgs {
   const acc_t *q, *k, *v;
   int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
   MaskArg<acc_t> mask;
-  ScaleArg<acc_t> scale;
-  ScaleMode mode;
-  acc_t inv_log_base, inv_temperature;
+  ScalePolicy<acc_t> scale;
   bool causal;
   // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
   acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
 };
-
-// One row of a key block: raw scores -> logits (scale, mask, causality), a rescale of the running
-// state to the new max, then p = e^{s - m} in place, accumulating l, t, u (MATH.md section 2).
-// Returns the factor e^{m_old - m_new} by which the row's output accumulator must be multiplied.
-template <typename acc_t>
-EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,
-                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st) {
-  const acc_t block_max = scaled_logits(s, n, j0, limit, lam, mask);
-  acc_t alpha = 1;
-  if (!(block_max <= st.m)) alpha = rescale(st, block_max);  // a larger max, or NaN
-  if (st.m == -std::numeric_limits<acc_t>::infinity()) {
-    std::fill(s, s + n, acc_t(0));  // nothing allowed so far: no weight, and no -inf - -inf
-    return alpha;
-  }
-  const acc_t m = st.m;
-  acc_t l = 0, t = 0, u = 0;
-#pragma omp simd reduction(+ : l, t, u)
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t x = s[j] - m;
-    const acc_t xc = clamp_exp_arg(x);
-    const acc_t e = exp_nonpositive(x, xc);
-    s[j] = e;
-    accumulate(l, t, u, xc, e);
-  }
-  st.l += l;
-  st.t += t;
-  st.u += u;
-  return alpha;
-}
-
-EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                                const MaskRow<float>& mask, RowStats<float>& st) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
-}
-
-double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                   const MaskRow<double>& mask, RowStats<double>& st) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
-}
 
 template <typename acc_t>
 void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
@@ -85,14 +43,12 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
   std::vector<acc_t> lam(rows);
   std::vector<int64_t> limit(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r;
-    limit[r] = key_limit(i, sh.kv_len, a.causal);
-    const int64_t n = count_allowed(MaskRow<acc_t>(a.mask, b, h, i), limit[r]);
-    const acc_t factor = length_factor(a.mode, n, a.inv_log_base) * a.inv_temperature;
-    lam[r] = a.scale.at(b, h, i) * factor;
-    a.length_factor[row0 + r] = factor;
-    a.n_keys[row0 + r] = n;
-    a.row_scale[row0 + r] = lam[r];
+    const RowSetup<acc_t> row(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
+    limit[r] = row.limit;
+    lam[r] = row.lam;
+    a.n_keys[row0 + r] = row.n;
+    a.row_scale[row0 + r] = row.lam;
+    a.length_factor[row0 + r] = row.factor;
     stats[r] = RowStats<acc_t>{};
   }
   std::fill(o_buf.begin(), o_buf.begin() + rows * Dv, acc_t(0));
@@ -182,17 +138,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_sj = k.stride(2);
     a.v_sb = v.stride(0), a.v_sh = v.stride(1), a.v_sj = v.stride(2);
     a.mask = MaskArg<scalar_t>::make(mask);
-    if (c.defined()) {
-      a.scale.data = c.const_data_ptr<scalar_t>();
-      a.scale.sb = c.stride(0), a.scale.sh = c.stride(1), a.scale.si = c.stride(2);
-    } else {
-      a.scale.constant = static_cast<scalar_t>(
-          scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim))));
-    }
-    a.mode = mode;
-    a.inv_log_base =
-        mode == ScaleMode::kFixed ? 0 : static_cast<scalar_t>(1.0 / std::log(log_base));
-    a.inv_temperature = static_cast<scalar_t>(1.0 / temperature);
+    a.scale =
+        ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);
     a.causal = is_causal;
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();

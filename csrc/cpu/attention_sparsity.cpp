@@ -1,0 +1,118 @@
+// CPU kernel of the fused l1/l2 sparsity of general attention a_ij = f(s_ij) (seed 003):
+// S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) for f = exp (softmax), relu^2 or identity, with the
+// logits, masks, causality and scale policies of the attention op. Same blocking as the attention
+// forward: (batch, head, query block) tasks stream key blocks; no L_q x L_k buffer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attention_cpu.h"
+#include "block_gemm.h"
+#include "row_kernels.h"
+
+namespace entropy_attn::cpu {
+namespace {
+
+template <typename acc_t>
+struct SparsityArgs {
+  AttentionShape shape;
+  const acc_t *q, *k;
+  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj;
+  MaskArg<acc_t> mask;
+  ScalePolicy<acc_t> scale;
+  bool causal;
+  SparsityKind kind;
+  acc_t* out;  // (B, H, Lq), contiguous
+};
+
+template <typename acc_t>
+void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                   std::vector<acc_t>& s_buf, std::vector<RowStats<acc_t>>& stats) {
+  const AttentionShape& sh = a.shape;
+  const int64_t kvh = h / sh.group();
+  const acc_t* q = a.q + b * a.q_sb + h * a.q_sh + i0 * a.q_si;
+  const acc_t* k = a.k + b * a.k_sb + kvh * a.k_sh;
+  std::vector<RowSetup<acc_t>> setup;
+  setup.reserve(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    setup.emplace_back(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
+    stats[r] =
+        RowStats<acc_t>{};  // exp: l, u relative to the max; relu2/identity: l1 in l, l2 in u
+  }
+  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, kv_end - j0);
+    block_gemm<acc_t>(false, true, rows, n, sh.head_dim, q, a.q_si, k + j0 * a.k_sj, a.k_sj,
+                      s_buf.data(), n, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_t* s = s_buf.data() + r * n;
+      const MaskRow<acc_t> mask(a.mask, b, h, i0 + r);
+      if (a.kind == SparsityKind::kExp) {
+        softmax_row(s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
+      } else {
+        power_sums_row(a.kind, s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r].l,
+                       stats[r].u);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t l1 = stats[r].l, l2 = stats[r].u;
+    const acc_t denom = std::sqrt(static_cast<acc_t>(setup[r].n) * l2);
+    // An empty or all-zero row has no direction: 0, as the attention op's statistics.
+    a.out[(b * sh.heads + h) * sh.q_len + i0 + r] = denom > acc_t(0) || l2 != l2 ? l1 / denom : 0;
+  }
+}
+
+at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key,
+                                  const std::optional<at::Tensor>& attn_mask,
+                                  const std::optional<at::Tensor>& scale, c10::string_view kind,
+                                  bool is_causal, std::optional<double> scale_factor,
+                                  c10::string_view scale_mode, double temperature, double log_base,
+                                  bool enable_gqa) {
+  const AttentionShape sh = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor,
+                                                   scale_mode, temperature, log_base, enable_gqa);
+  const SparsityKind k_kind = parse_sparsity_kind(kind);
+  const at::ScalarType acc = accumulate_type(query.scalar_type());
+  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc);
+  std::optional<at::Tensor> mask;
+  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
+  at::Tensor c;
+  if (scale.has_value()) c = expand_scale(*scale, sh, acc);
+  at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
+
+  const ScaleMode mode = parse_scale_mode(scale_mode);
+  AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_attention_sparsity_cpu", [&] {
+    SparsityArgs<scalar_t> a{};
+    a.shape = sh;
+    a.q = q.const_data_ptr<scalar_t>(), a.k = k.const_data_ptr<scalar_t>();
+    a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_si = q.stride(2);
+    a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_sj = k.stride(2);
+    a.mask = MaskArg<scalar_t>::make(mask);
+    a.scale =
+        ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);
+    a.causal = is_causal;
+    a.kind = k_kind;
+    a.out = out.data_ptr<scalar_t>();
+    const int64_t qb = q_block_size(sh.q_len);
+    const int64_t blocks = (sh.q_len + qb - 1) / qb;
+    at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+      SerialBlasScope serial_blas;
+      std::vector<scalar_t> s_buf(qb * kKvBlock);
+      std::vector<RowStats<scalar_t>> stats(qb);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t blk = task % blocks, bh = task / blocks;
+        sparsity_task(a, bh / sh.heads, bh % sh.heads, blk * qb, std::min(qb, sh.q_len - blk * qb),
+                      s_buf, stats);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention_sparsity", &attention_sparsity_cpu); }
+
+}  // namespace entropy_attn::cpu

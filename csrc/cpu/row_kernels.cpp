@@ -1,0 +1,129 @@
+#include "row_kernels.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "vec_exp.h"
+
+namespace entropy_attn::cpu {
+namespace {
+
+// One row of a key block: raw scores -> logits (scale, mask, causality), a rescale of the running
+// state to the new max, then p = e^{s - m} in place, accumulating l, t, u (MATH.md section 2).
+// Returns the factor e^{m_old - m_new} by which the row's output accumulator must be multiplied.
+template <typename acc_t>
+EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,
+                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st) {
+  const acc_t block_max = scaled_logits(s, n, j0, limit, lam, mask);
+  acc_t alpha = 1;
+  if (!(block_max <= st.m)) alpha = rescale(st, block_max);  // a larger max, or NaN
+  if (st.m == -std::numeric_limits<acc_t>::infinity()) {
+    std::fill(s, s + n, acc_t(0));  // nothing allowed so far: no weight, and no -inf - -inf
+    return alpha;
+  }
+  const acc_t m = st.m;
+  acc_t l = 0, t = 0, u = 0;
+#pragma omp simd reduction(+ : l, t, u)
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = s[j] - m;
+    const acc_t xc = clamp_exp_arg(x);
+    const acc_t e = exp_nonpositive(x, xc);
+    s[j] = e;
+    accumulate(l, t, u, xc, e);
+  }
+  st.l += l;
+  st.t += t;
+  st.u += u;
+  return alpha;
+}
+
+// Recomputes one row of weights p = e^{s - lse} (0 where masked) from raw scores s, which become
+// the scaled logits.
+template <typename acc_t>
+EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, int64_t n, int64_t j0, int64_t limit,
+                                       acc_t lam, const MaskRow<acc_t>& mask, acc_t lse) {
+  scaled_logits(s, n, j0, limit, lam, mask);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = s[j] - lse;
+    p[j] = exp_nonpositive(x, clamp_exp_arg(x));
+  }
+}
+
+// dP -> dS in place for one row (online_stats.h: logit_grad).
+template <typename acc_t>
+EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p, int64_t n,
+                                       acc_t delta, const RowGrads<acc_t>& g) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
+    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], s[j], delta, g);
+  }
+}
+
+template <typename acc_t>
+EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n, int64_t j0,
+                                          int64_t limit, acc_t lam, const MaskRow<acc_t>& mask,
+                                          acc_t& l1, acc_t& l2) {
+  scaled_logits(s, n, j0, limit, lam, mask);
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  acc_t a1 = 0, a2 = 0;
+  if (kind == SparsityKind::kRelu2) {
+#pragma omp simd reduction(+ : a1, a2)
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t r = s[j] > acc_t(0) ? s[j] : acc_t(0);  // masked (-inf) entries give 0
+      const acc_t a = r * r;
+      a1 += a;
+      a2 += a * a;
+    }
+  } else {
+#pragma omp simd reduction(+ : a1, a2)
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t a = s[j] == kNegInf ? acc_t(0) : s[j];
+      a1 += a < acc_t(0) ? -a : a;
+      a2 += a * a;
+    }
+  }
+  l1 += a1;
+  l2 += a2;
+}
+
+}  // namespace
+
+EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
+                                const MaskRow<float>& mask, RowStats<float>& st) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+}
+
+double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
+                   const MaskRow<double>& mask, RowStats<double>& st) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+}
+
+EA_CPU_CLONES void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
+                               const MaskRow<float>& mask, float lse) {
+  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
+}
+void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
+                 const MaskRow<double>& mask, double lse) {
+  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
+}
+EA_CPU_CLONES void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
+                               const RowGrads<float>& g) {
+  dlogits_row_impl(ds, s, p, n, delta, g);
+}
+void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
+                 const RowGrads<double>& g) {
+  dlogits_row_impl(ds, s, p, n, delta, g);
+}
+
+EA_CPU_CLONES void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit,
+                                  float lam, const MaskRow<float>& mask, float& l1, float& l2) {
+  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, l1, l2);
+}
+void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
+                    const MaskRow<double>& mask, double& l1, double& l2) {
+  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, l1, l2);
+}
+
+}  // namespace entropy_attn::cpu

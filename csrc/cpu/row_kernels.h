@@ -1,0 +1,40 @@
+// Per-row loops of the CPU kernels (one row of a key block), compiled once per ISA: AVX-512, AVX2
+// and baseline x86-64 clones, picked at load time by GCC's function multiversioning, so one binary
+// vectorizes fully on any x86-64 CPU. The math comes from online_stats.h.
+#pragma once
+
+#include <cstdint>
+
+#include "../online_stats.h"
+#include "attention_cpu.h"
+
+namespace entropy_attn::cpu {
+
+// Forward: raw scores s[0, n) of keys j0.. -> logits (scale, mask, causality limit), the running
+// state moved to the new max, then p = e^{s - m} in place with l, t, u accumulated. Returns the
+// factor e^{m_old - m_new} for the row's output accumulator.
+float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
+                  const MaskRow<float>& mask, RowStats<float>& st);
+double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
+                   const MaskRow<double>& mask, RowStats<double>& st);
+
+// Backward: raw scores -> logits in s, and p = e^{s - lse} (0 where masked).
+void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
+                 const MaskRow<float>& mask, float lse);
+void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
+                 const MaskRow<double>& mask, double lse);
+
+// Backward: dP -> dS in place (online_stats.h: logit_grad).
+void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
+                 const RowGrads<float>& g);
+void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
+                 const RowGrads<double>& g);
+
+// Non-softmax attention a = f(s), f = relu^2 or identity: raw scores -> logits, then adds
+// sum_j |a_j| to l1 and sum_j a_j^2 to l2 over the allowed keys.
+void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit, float lam,
+                    const MaskRow<float>& mask, float& l1, float& l2);
+void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
+                    const MaskRow<double>& mask, double& l1, double& l2);
+
+}  // namespace entropy_attn::cpu

@@ -1,0 +1,152 @@
+"""torch_ext.attention_sparsity (fused l1/l2 sparsity of exp / relu^2 / identity attention) against a
+plain float64 n x n reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torch_ext
+from conftest import DEVICES, STAT_TOL, assert_close64
+
+KINDS = ["exp", "relu2", "identity"]
+
+
+def reference_sparsity(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    lam: torch.Tensor | float,
+    group: int = 1,
+) -> torch.Tensor:
+    """S_i = sum|a| / sqrt(n_i sum a^2) with a = f(lam_i q.k + additive mask) over allowed keys."""
+    q, k = q.double(), k.double().repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (lam.double().unsqueeze(-1) if isinstance(lam, torch.Tensor) else lam)
+    lq, lk = s.shape[-2:]
+    allowed = torch.ones_like(s, dtype=torch.bool)
+    if causal:
+        allowed = allowed & torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            allowed = allowed & (mask != -math.inf)
+            s = s + torch.where(mask == -math.inf, torch.zeros_like(mask), mask).double()
+    if kind == "exp":
+        row_max = s.masked_fill(~allowed, -math.inf).amax(-1, keepdim=True)
+        a = torch.exp(s - torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max))
+    elif kind == "relu2":
+        a = torch.relu(s) ** 2
+    else:
+        a = s
+    a = torch.where(allowed, a, torch.zeros_like(a))
+    n = allowed.sum(-1).double()
+    l1, l2 = a.abs().sum(-1), (a * a).sum(-1)
+    return torch.where(l2 > 0, l1 / torch.sqrt(n * l2).clamp_min(1e-300), torch.zeros_like(l1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 33), (130, 600), (40, 17)])
+def test_matches_reference(device: str, kind: str, causal: bool, mask_kind: str, lq: int, lk: int) -> None:
+    """Every kind, mask and causal setting against the n x n reference in float64 (incl. empty rows)."""
+    q = torch.randn(2, 4, lq, 8, dtype=torch.float64, device=device)
+    k = torch.randn(2, 2, lk, 8, dtype=torch.float64, device=device)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(lq, lk, device=device) > 0.4
+        mask[0] = False  # a fully masked row
+    elif mask_kind == "additive":
+        mask = torch.randn(2, 1, lq, lk, dtype=torch.float64, device=device)
+        mask = mask.masked_fill(torch.rand_like(mask) < 0.3, -math.inf)
+    got = torch_ext.attention_sparsity(q, k, mask, kind=kind, is_causal=causal, enable_gqa=True)
+    expected = reference_sparsity(q, k, mask, kind, causal, 8**-0.5, group=2)
+    assert got.shape == (2, 4, lq) and got.dtype == torch.float64
+    assert_close64(got, expected, 1e-10, 1e-10, name=kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_low_precision(dtype: torch.dtype, kind: str) -> None:
+    """16/32-bit inputs accumulate in float32 and return float32."""
+    q = torch.randn(1, 2, 50, 16).to(dtype)
+    k = torch.randn(1, 2, 700, 16).to(dtype)
+    got = torch_ext.attention_sparsity(q, k, kind=kind, is_causal=True)
+    assert got.dtype == torch.float32
+    assert_close64(got, reference_sparsity(q, k, None, kind, True, 0.25), *STAT_TOL[dtype], name=kind)
+
+
+@pytest.mark.parametrize("scale", ["logn", "logn_sharpen", 0.3, "tensor"])
+def test_scale_policies(scale: object) -> None:
+    """The per-row scale is the attention op's: compared through its row_scale output."""
+    q = torch.randn(1, 2, 20, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 20, 8, dtype=torch.float64)
+    if scale == "tensor":
+        scale = torch.rand(2, 1, dtype=torch.float64) + 0.5
+    _, stats = torch_ext.attention(q, k, k, is_causal=True, scale=scale, train_length=4, return_stats=True)
+    for kind in KINDS:
+        got = torch_ext.attention_sparsity(q, k, kind=kind, is_causal=True, scale=scale, train_length=4)
+        assert_close64(got, reference_sparsity(q, k, None, kind, True, stats.scale), 1e-10, 1e-10, name=kind)
+
+
+def test_exp_equals_attention_stats() -> None:
+    """kind="exp" is the softmax attention's own sparsity statistic."""
+    q, k = torch.randn(2, 3, 45, 8), torch.randn(2, 3, 77, 8)
+    mask = torch.rand(45, 77) > 0.5
+    _, stats = torch_ext.attention(q, k, k, mask, scale="logn", return_stats=True)
+    got = torch_ext.attention_sparsity(q, k, mask, scale="logn")
+    torch.testing.assert_close(got, stats.sparsity, atol=1e-6, rtol=1e-5)
+
+
+def test_limits() -> None:
+    """Uniform weights give 1, one dominant key gives about 1/sqrt(n), identity of a constant row 1."""
+    k = torch.randn(1, 1, 64, 4, dtype=torch.float64)
+    zero_q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    assert torch_ext.attention_sparsity(zero_q, k, kind="exp").item() == pytest.approx(1.0)
+    hot = torch.zeros(1, 1, 64, 4, dtype=torch.float64)
+    hot[..., 0, 0] = 1.0
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    q[..., 0] = 1e3
+    assert torch_ext.attention_sparsity(q, hot, kind="relu2").item() == pytest.approx(1 / 8)
+    assert torch_ext.attention_sparsity(zero_q, k, kind="relu2").item() == 0.0  # all-zero row
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_opcheck(kind: str) -> None:
+    """Schema, fake tensor and AOT dispatch of the op."""
+    q, k = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 11, 4)
+    torch.library.opcheck(
+        torch.ops.entropy_attn.attention_sparsity,
+        (q, k, torch.rand(9, 11) > 0.5, None),
+        {"kind": kind, "is_causal": True, "scale_mode": "logn", "log_base": 8.0},
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"kind": "cube"}, "kind"),
+        ({"scale": "log"}, "scale"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"train_length": 1}, "train_length"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, pattern: str) -> None:
+    """Bad arguments raise a ValueError naming them."""
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match=pattern):
+        torch_ext.attention_sparsity(q, k, **kwargs)
+
+
+def test_bad_shapes() -> None:
+    """query/key validation is the attention op's."""
+    with pytest.raises(ValueError, match="head_dim"):
+        torch_ext.attention_sparsity(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 6))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        torch_ext.attention_sparsity(torch.randn(1, 4, 3, 4), torch.randn(1, 2, 5, 4))

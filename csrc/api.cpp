@@ -15,6 +15,18 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
   return {out, lse, ent, p2, pmax, n, lam, factor};
 }
 
+at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
+                              const std::optional<at::Tensor>& attn_mask,
+                              const std::optional<at::Tensor>& scale, std::string_view kind,
+                              bool is_causal, std::optional<double> scale_factor,
+                              std::string_view scale_mode, double temperature, double log_base,
+                              bool enable_gqa) {
+  return attention_sparsity_op().call(
+      query, key, attn_mask, scale, c10::string_view(kind.data(), kind.size()), is_causal,
+      scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base,
+      enable_gqa);
+}
+
 at::Tensor entropy(const at::Tensor& p, int64_t dim) {
   static const auto op = row_reduction_op("entropy_attn::entropy");
   return op.call(p, dim);

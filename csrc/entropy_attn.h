@@ -28,6 +28,16 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           std::string_view scale_mode = "fixed", double temperature = 1.0,
                           double log_base = 512.0, bool enable_gqa = false);
 
+// Per-row l1/l2 sparsity of attention a = f(s), kind "exp" (softmax), "relu2" or "identity", with
+// the logits of `attention`; (B, H, Lq), not differentiable.
+at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
+                              const std::optional<at::Tensor>& attn_mask = std::nullopt,
+                              const std::optional<at::Tensor>& scale = std::nullopt,
+                              std::string_view kind = "exp", bool is_causal = false,
+                              std::optional<double> scale_factor = std::nullopt,
+                              std::string_view scale_mode = "fixed", double temperature = 1.0,
+                              double log_base = 512.0, bool enable_gqa = false);
+
 // -sum p ln p along dim (0 ln 0 = 0).
 at::Tensor entropy(const at::Tensor& p, int64_t dim = -1);
 

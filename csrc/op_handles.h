@@ -43,6 +43,19 @@ attention_backward_op() {
   return op;
 }
 
+inline const c10::TypedOperatorHandle<at::Tensor(
+    const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, c10::string_view,
+    bool, std::optional<double>, c10::string_view, double, double, bool)>&
+attention_sparsity_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("entropy_attn::attention_sparsity", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                            const OptTensor&, c10::string_view, bool, std::optional<double>,
+                            c10::string_view, double, double, bool)>();
+  return op;
+}
+
 // entropy_attn::entropy or entropy_attn::sparsity: (Tensor x, int dim) -> Tensor.
 inline c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)> row_reduction_op(
     const char* name) {

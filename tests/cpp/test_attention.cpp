@@ -801,6 +801,35 @@ TEST(SparsityOp, MatchesReferenceAlongEachDim) {
                         at::ones({1}, at::kDouble), {1e-12, 1e-12}));
 }
 
+// attention_sparsity against the full matrix a = f(lambda q k^T) under a causal bool mask.
+TEST(AttentionSparsityOp, MatchesFullMatrix) {
+  at::manual_seed(25);
+  const at::Tensor q = at::randn({2, 2, 9, 4}, at::kDouble);
+  const at::Tensor k = at::randn({2, 2, 700, 4}, at::kDouble);
+  const at::Tensor mask = at::rand({9, 700}, at::kDouble) > 0.3;
+  const at::Tensor allowed = mask.logical_and(at::ones({9, 700}, at::kBool).tril());
+  const at::Tensor s = at::matmul(q, k.transpose(-1, -2)) * 0.5;  // 1/sqrt(4)
+  const at::Tensor n = allowed.sum(-1).to(at::kDouble);
+  for (const char* kind : {"exp", "relu2", "identity"}) {
+    SCOPED_TRACE(kind);
+    at::Tensor a;
+    if (std::string(kind) == "exp") {
+      a = at::exp(s - std::get<0>(s.masked_fill(allowed.logical_not(), -1e300).max(-1, true)));
+    } else if (std::string(kind) == "relu2") {
+      a = at::relu(s).pow(2);
+    } else {
+      a = s;
+    }
+    a = at::where(allowed, a, at::zeros_like(a));
+    const at::Tensor want = a.abs().sum(-1) / at::sqrt(n * (a * a).sum(-1));
+    const at::Tensor got =
+        entropy_attn::attention_sparsity(q, k, mask, std::nullopt, kind, /*is_causal=*/true);
+    EXPECT_TRUE(all_close(got, want, {1e-10, 1e-10}));
+  }
+  EXPECT_THROW(entropy_attn::attention_sparsity(q, k, std::nullopt, std::nullopt, "cube"),
+               c10::ValueError);
+}
+
 TEST(SparsityOp, Gradient) {
   at::manual_seed(24);
   const at::Tensor a0 = at::randn({4, 7}, at::kDouble);

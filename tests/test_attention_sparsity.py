@@ -150,3 +150,26 @@ def test_bad_shapes() -> None:
         torch_ext.attention_sparsity(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 6))
     with pytest.raises(ValueError, match="enable_gqa"):
         torch_ext.attention_sparsity(torch.randn(1, 4, 3, 4), torch.randn(1, 2, 5, 4))
+
+
+@pytest.mark.parametrize("kind", ["relu2", "identity"])
+@pytest.mark.parametrize("magnitude", [1e9, 1e-12])
+def test_float32_extreme_magnitudes(kind: str, magnitude: float) -> None:
+    """S is scale-free: logits of 1e18 or 1e-12 give the float64 answer in float32 (no overflow
+    or underflow of sum a^2)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.rand(1, 1, 100, 4, generator=g) * (magnitude if magnitude > 1 else 1.0)
+    q = torch.full((1, 1, 1, 4), magnitude)
+    got = torch_ext.attention_sparsity(q, k, kind=kind, scale=1.0)
+    want = torch_ext.attention_sparsity(q.double(), k.double(), kind=kind, scale=1.0)
+    assert torch.isfinite(got).all() and got.item() > 0
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_propagates(kind: str) -> None:
+    """A NaN key makes every row that sees it NaN, for every kind."""
+    k = torch.rand(1, 1, 50, 4)
+    k[0, 0, 3, 0] = float("nan")
+    got = torch_ext.attention_sparsity(torch.ones(1, 1, 2, 4), k, kind=kind)
+    assert torch.isnan(got).all()

@@ -128,25 +128,36 @@ def test_sparsity_closed_form_properties() -> None:
     a = torch.linspace(-12, 12, 481, dtype=torch.float64)
     sr = theory.sparsity_relu2(a)
     assert abs(float(theory.sparsity_relu2(0.0)) - 1 / math.sqrt(6)) < 1e-15
-    assert bool((sr.diff() > 0).all()) and float(sr[0]) < 1e-15 and float(sr[-1]) > 0.99
+    assert bool((sr.diff() > 0).all()) and float(sr[0]) < 1e-15 and float(sr[-1]) > 0.98
     torch.testing.assert_close(theory.sparsity_relu2_beta_gamma(2 * a, 2.0), sr, atol=1e-15, rtol=0)
 
 
+def _simpson(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Composite Simpson rule on an even number of equal intervals (error O(h^4))."""
+    h = float(x[1] - x[0])
+    return h / 3 * (y[0] + y[-1] + 4 * y[1:-1:2].sum() + 2 * y[2:-1:2].sum())
+
+
 def test_sparsity_closed_forms_against_quadrature() -> None:
-    """E|f(x)| / sqrt(E f(x)^2), x ~ N(beta, gamma^2), by dense trapezoidal quadrature (float64)."""
-    eps = torch.linspace(-14, 14, 400_001, dtype=torch.float64)
-    w = torch.exp(-0.5 * eps**2)  # unnormalized: the constant cancels in S
+    """E|f(x)| / sqrt(E f(x)^2), x = beta + gamma eps, eps ~ N(0, 1), by Simpson quadrature in float64
+    on [-14, 14], split at the kink eps = -beta/gamma of |x| and relu(x)^2 (error << 1e-10)."""
     for beta, gamma in [(0.0, 1.0), (0.7, 0.4), (-1.3, 0.9), (-3.0, 1.0), (2.0, 1.5)]:
-        x = beta + gamma * eps
+        kink = -beta / gamma
+        pieces = [torch.linspace(-14.0, kink, 20_001, dtype=torch.float64),
+                  torch.linspace(kink, 14.0, 20_001, dtype=torch.float64)]
         for f, closed in [
             (torch.exp, theory.sparsity_exp(gamma)),
             (lambda t: t, theory.sparsity_identity(beta, gamma)),
             (lambda t: t.clamp(min=0) ** 2, theory.sparsity_relu2_beta_gamma(beta, gamma)),
         ]:
-            fx = f(x)
-            quad = torch.trapezoid(fx.abs() * w, eps) / torch.sqrt(torch.trapezoid(fx * fx * w, eps))
-            quad = quad * math.sqrt(torch.trapezoid(w, eps).item()) / torch.trapezoid(w, eps).sqrt()
-            assert abs(float(quad) - float(closed)) < 1e-9, (beta, gamma, float(quad), float(closed))
+            m1 = m2 = 0.0
+            for eps in pieces:
+                w = torch.exp(-0.5 * eps**2) / math.sqrt(2 * math.pi)
+                fx = f(beta + gamma * eps)
+                m1 += float(_simpson(fx.abs() * w, eps))
+                m2 += float(_simpson(fx * fx * w, eps))
+            quad = m1 / math.sqrt(m2)
+            assert abs(quad - float(closed)) < 1e-10, (beta, gamma, quad, float(closed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,10 +172,11 @@ _GAUSSIAN_CASES = {
         1.0,
         lambda b, g: theory.sparsity_exp(g),
     ),
-    # a = beta/gamma from -2 to 2; the last two rows have the same a = -0.5 as each other
-    # with different (beta, gamma) and sigma != 1.
+    # a = beta/gamma from -2 to 2 (keys with sigma = 0.5). (Rows with equal a and different
+    # (beta, gamma) would be a tautology here: they are proportional queries, and S is invariant
+    # to scaling the weights.)
     "relu2": (
-        [(-2.0, 1.0), (-1.0, 1.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (-0.5, 1.0), (-0.25, 0.5)],
+        [(-2.0, 1.0), (-1.5, 1.0), (-1.0, 1.0), (-0.5, 1.0), (0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (2.0, 1.0)],
         0.5,
         theory.sparsity_relu2_beta_gamma,
     ),
@@ -211,8 +223,9 @@ def test_nonneg_linear_attention_monte_carlo() -> None:
     (q'.mu') / sqrt((q'.mu')^2 + q'^T Sigma' q')."""
     gen = torch.Generator().manual_seed(99)
     d_feat, d = 6, 5
-    A = torch.rand(d, d_feat, generator=gen, dtype=torch.float64)
-    A[:, 0] *= 4.0  # one dominant feature: a wider spread of S across the rows
+    # Nearly one feature per coordinate: a query on one coordinate sees about one Exponential
+    # feature (S ~ 1/sqrt 2), a spread-out query a sum of several (S closer to 1).
+    A = torch.eye(d, d_feat, dtype=torch.float64) + 0.1 * torch.rand(d, d_feat, generator=gen, dtype=torch.float64)
     q = torch.rand(4, d, generator=gen, dtype=torch.float64)
     q[0] = torch.tensor([1.0, 0, 0, 0, 0])
     q[1] = torch.tensor([0, 0, 0, 0, 1.0])
@@ -225,7 +238,7 @@ def test_nonneg_linear_attention_monte_carlo() -> None:
     torch.testing.assert_close(s_op, s_hat, atol=1e-12, rtol=1e-12)
     mu = A.sum(1)
     expected = theory.sparsity_nonneg_linear(q @ mu, ((q @ A) ** 2).sum(-1))
-    assert float(expected.max() - expected.min()) > 0.05  # the rows are different cases
+    assert float(expected.max() - expected.min()) > 0.1  # the rows are different cases
     _check_monte_carlo(s_hat[:, 0], a, expected, "non-negative linear")
 
 
@@ -316,11 +329,13 @@ def test_entropy_floor_lower_bounds_random_configurations() -> None:
         n, configs = 512, 256
         cos = torch.empty(configs, n, dtype=torch.float64)
         for c in range(configs):
-            pts = torch.rand(int(torch.randint(2, 5, (1,), generator=gen)), generator=gen, dtype=torch.float64)
-            pts = torch.where(torch.rand(pts.shape, generator=gen) < 0.5, 2 * pts - 1, pts.sign() * 1.0 - 0 * pts)
-            pts[0], pts[-1] = 1.0, -1.0 if c % 2 else pts[-1]
-            idx = torch.multinomial(torch.rand(len(pts), generator=gen) ** 3 + 1e-3, n, True, generator=gen)
-            cos[c] = pts[idx]
+            n_pts = int(torch.randint(2, 5, (1,), generator=gen))
+            pts = 2 * torch.rand(n_pts, generator=gen, dtype=torch.float64) - 1
+            pts[0] = 1.0  # the largest logit at the edge; half the configurations also at -1
+            if c % 2:
+                pts[-1] = -1.0
+            masses = torch.rand(n_pts, generator=gen, dtype=torch.float64) ** 3 + 1e-3
+            cos[c] = pts[torch.multinomial(masses, n, True, generator=gen)]
         qc = torch.zeros(configs, 1, 1, 2, dtype=torch.float64)
         qc[..., 0] = 1.0
         kc = torch.stack([cos, torch.sqrt((1 - cos**2).clamp(min=0))], dim=-1).unsqueeze(1)
@@ -371,8 +386,8 @@ def test_mean_field_entropy_is_a_lower_bound_of_the_op_entropy() -> None:
         _, st = torch_ext.attention(q, k, v, mask, is_causal=True, scale=scale, return_stats=True)
         mf = theory.mean_field_entropy_from_scores(raw, st.scale, mask=mask & causal)
         n = (mask & causal).sum(-1)
-        assert torch.equal(n, st.n_keys.expand_as(n))
-        multi = n >= 2
+        assert torch.equal(n.expand_as(st.n_keys), st.n_keys)
+        multi = st.n_keys >= 2
         assert bool((st.entropy[multi] >= mf[multi] - 1e-12).all())
         gap = (st.entropy - mf)[multi]
         assert float(gap.max()) > 0.1  # a real inequality here, not an identity

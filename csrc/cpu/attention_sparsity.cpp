@@ -38,8 +38,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i
   setup.reserve(rows);
   for (int64_t r = 0; r < rows; ++r) {
     setup.emplace_back(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
-    stats[r] =
-        RowStats<acc_t>{};  // exp: l, u relative to the max; relu2/identity: l1 in l, l2 in u
+    stats[r] = RowStats<acc_t>{};  // l1 in l, l2 in u, relative to a running max in m
   }
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
@@ -52,8 +51,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i
       if (a.kind == SparsityKind::kExp) {
         softmax_row(s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
       } else {
-        power_sums_row(a.kind, s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r].l,
-                       stats[r].u);
+        power_sums_row(a.kind, s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
       }
     }
   }

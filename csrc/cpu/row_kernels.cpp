@@ -61,31 +61,49 @@ EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p
   }
 }
 
+// The base b of a = b^p: relu(s) with p = 2 (relu^2), or s with p = 1 (identity); masked (-inf)
+// logits give 0, NaN stays NaN.
+template <typename acc_t>
+EA_ALWAYS_INLINE acc_t power_base(bool relu2, acc_t s) {
+  if (relu2) return s < acc_t(0) ? acc_t(0) : s;
+  return s == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : s;
+}
+
 template <typename acc_t>
 EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n, int64_t j0,
                                           int64_t limit, acc_t lam, const MaskRow<acc_t>& mask,
-                                          acc_t& l1, acc_t& l2) {
-  scaled_logits(s, n, j0, limit, lam, mask);
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  acc_t a1 = 0, a2 = 0;
-  if (kind == SparsityKind::kRelu2) {
-#pragma omp simd reduction(+ : a1, a2)
-    for (int64_t j = 0; j < n; ++j) {
-      const acc_t r = s[j] > acc_t(0) ? s[j] : acc_t(0);  // masked (-inf) entries give 0
-      const acc_t a = r * r;
-      a1 += a;
-      a2 += a * a;
-    }
-  } else {
-#pragma omp simd reduction(+ : a1, a2)
-    for (int64_t j = 0; j < n; ++j) {
-      const acc_t a = s[j] == kNegInf ? acc_t(0) : s[j];
-      a1 += a < acc_t(0) ? -a : a;
-      a2 += a * a;
-    }
+                                          RowStats<acc_t>& st) {
+  const acc_t smax = scaled_logits(s, n, j0, limit, lam, mask);
+  if (smax != smax) st.l = smax;  // a row of only NaN and masked keys: NaN, as softmax gives
+  const bool relu2 = kind == SparsityKind::kRelu2;
+  // a = b^p is homogeneous and S is scale-free, so the sums are kept relative to the running
+  // max |b| (st.m), as the softmax keeps them relative to its max: no overflow or underflow.
+  acc_t bmax = 0;
+#pragma omp simd reduction(max : bmax)
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t b = power_base(relu2, s[j]);
+    const acc_t ab = b < acc_t(0) ? -b : b;
+    bmax = ab > bmax ? ab : bmax;
   }
-  l1 += a1;
-  l2 += a2;
+  if (bmax > st.m) {
+    const acc_t rho = st.m > acc_t(0) ? st.m / bmax : acc_t(0);
+    const acc_t rho_p = relu2 ? rho * rho : rho;
+    st.l *= rho_p;
+    st.u *= rho_p * rho_p;
+    st.m = bmax;
+  }
+  if (!(st.m > acc_t(0))) return;  // every weight so far is 0
+  const acc_t inv = acc_t(1) / st.m;
+  acc_t a1 = 0, a2 = 0;
+#pragma omp simd reduction(+ : a1, a2)
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t x = power_base(relu2, s[j]) * inv;
+    const acc_t a = relu2 ? x * x : x;
+    a1 += a < acc_t(0) ? -a : a;
+    a2 += a * a;
+  }
+  st.l += a1;
+  st.u += a2;
 }
 
 }  // namespace
@@ -118,12 +136,12 @@ void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double
 }
 
 EA_CPU_CLONES void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit,
-                                  float lam, const MaskRow<float>& mask, float& l1, float& l2) {
-  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, l1, l2);
+                                  float lam, const MaskRow<float>& mask, RowStats<float>& st) {
+  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, st);
 }
 void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                    const MaskRow<double>& mask, double& l1, double& l2) {
-  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, l1, l2);
+                    const MaskRow<double>& mask, RowStats<double>& st) {
+  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, st);
 }
 
 }  // namespace entropy_attn::cpu

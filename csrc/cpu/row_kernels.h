@@ -30,11 +30,12 @@ void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float del
 void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
                  const RowGrads<double>& g);
 
-// Non-softmax attention a = f(s), f = relu^2 or identity: raw scores -> logits, then adds
-// sum_j |a_j| to l1 and sum_j a_j^2 to l2 over the allowed keys.
+// Non-softmax attention a = f(s), f = relu^2 or identity: raw scores -> logits, then the sums
+// over the allowed keys of |a| (st.l) and a^2 (st.u), relative to the running max |relu(s)| or
+// |s| (st.m; starts at -inf), which S = l1 / sqrt(n l2) does not depend on.
 void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                    const MaskRow<float>& mask, float& l1, float& l2);
+                    const MaskRow<float>& mask, RowStats<float>& st);
 void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                    const MaskRow<double>& mask, double& l1, double& l2);
+                    const MaskRow<double>& mask, RowStats<double>& st);
 
 }  // namespace entropy_attn::cpu

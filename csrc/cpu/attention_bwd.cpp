@@ -14,18 +14,6 @@
 namespace entropy_attn::cpu {
 namespace {
 
-// A (B, heads, L, dim) tensor with a unit last stride, as a pointer and its three outer strides.
-template <typename T>
-struct Strided4 {
-  T* data = nullptr;
-  int64_t sb = 0, sh = 0, sl = 0;
-
-  static Strided4 of(const at::Tensor& t) {
-    return {const_cast<T*>(t.const_data_ptr<T>()), t.stride(0), t.stride(1), t.stride(2)};
-  }
-  T* at(int64_t b, int64_t h, int64_t l = 0) const { return data + b * sb + h * sh + l * sl; }
-};
-
 template <typename acc_t>
 struct BwdArgs {
   AttentionShape shape;

@@ -18,8 +18,7 @@ namespace {
 template <typename acc_t>
 struct FwdArgs {
   AttentionShape shape;
-  const acc_t *q, *k, *v;
-  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj, v_sb, v_sh, v_sj;
+  Strided4<acc_t> q, k, v;
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   bool causal;
@@ -35,9 +34,9 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
-  const acc_t* q = a.q + b * a.q_sb + h * a.q_sh + i0 * a.q_si;
-  const acc_t* k = a.k + b * a.k_sb + kvh * a.k_sh;
-  const acc_t* v = a.v + b * a.v_sb + kvh * a.v_sh;
+  const acc_t* q = a.q.at(b, h, i0);
+  const acc_t* k = a.k.at(b, kvh);
+  const acc_t* v = a.v.at(b, kvh);
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
 
   std::vector<acc_t> lam(rows);
@@ -57,7 +56,7 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, D, q, a.q_si, k + j0 * a.k_sj, a.k_sj, s_buf.data(), n,
+    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, s_buf.data(), n,
                       false);
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t alpha = softmax_row(s_buf.data() + r * n, n, j0, limit[r], lam[r],
@@ -68,7 +67,7 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
       }
     }
-    block_gemm<acc_t>(false, false, rows, Dv, n, s_buf.data(), n, v + j0 * a.v_sj, a.v_sj,
+    block_gemm<acc_t>(false, false, rows, Dv, n, s_buf.data(), n, v + j0 * a.v.sl, a.v.sl,
                       o_buf.data(), Dv, true);
   }
 
@@ -132,11 +131,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
     FwdArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = q.const_data_ptr<scalar_t>(), a.k = k.const_data_ptr<scalar_t>();
-    a.v = v.const_data_ptr<scalar_t>();
-    a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_si = q.stride(2);
-    a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_sj = k.stride(2);
-    a.v_sb = v.stride(0), a.v_sh = v.stride(1), a.v_sj = v.stride(2);
+    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
+    a.v = Strided4<scalar_t>::of(v);
     a.mask = MaskArg<scalar_t>::make(mask);
     a.scale =
         ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);

@@ -18,8 +18,7 @@ namespace {
 template <typename acc_t>
 struct SparsityArgs {
   AttentionShape shape;
-  const acc_t *q, *k;
-  int64_t q_sb, q_sh, q_si, k_sb, k_sh, k_sj;
+  Strided4<acc_t> q, k;
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   bool causal;
@@ -32,8 +31,8 @@ void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i
                    std::vector<acc_t>& s_buf, std::vector<RowStats<acc_t>>& stats) {
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
-  const acc_t* q = a.q + b * a.q_sb + h * a.q_sh + i0 * a.q_si;
-  const acc_t* k = a.k + b * a.k_sb + kvh * a.k_sh;
+  const acc_t* q = a.q.at(b, h, i0);
+  const acc_t* k = a.k.at(b, kvh);
   std::vector<RowSetup<acc_t>> setup;
   setup.reserve(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -43,7 +42,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, sh.head_dim, q, a.q_si, k + j0 * a.k_sj, a.k_sj,
+    block_gemm<acc_t>(false, true, rows, n, sh.head_dim, q, a.q.sl, k + j0 * a.k.sl, a.k.sl,
                       s_buf.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* s = s_buf.data() + r * n;
@@ -84,9 +83,7 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_attention_sparsity_cpu", [&] {
     SparsityArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = q.const_data_ptr<scalar_t>(), a.k = k.const_data_ptr<scalar_t>();
-    a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_si = q.stride(2);
-    a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_sj = k.stride(2);
+    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
     a.mask = MaskArg<scalar_t>::make(mask);
     a.scale =
         ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);

@@ -1,7 +1,8 @@
-// Pieces shared by the CPU forward and backward kernels: the kernel arguments, the block sizes and
-// how one row of raw scores q_i.k_j becomes scaled, masked logits.
+// Pieces shared by the CPU kernels: the kernel arguments, the block sizes and task loop, and how
+// one row of raw scores q_i.k_j becomes scaled, masked logits.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <optional>
 
 #include "../attention_inputs.h"
+#include "block_gemm.h"
 
 // The hot row loops are compiled once per ISA (AVX-512, AVX2, baseline) and picked at load time
 // by GCC's function multiversioning, so one binary vectorizes fully on any x86-64 CPU.
@@ -108,6 +110,23 @@ struct ScalePolicy {
 inline int64_t q_block_size(int64_t q_len) { return q_len >= 768 ? 256 : (q_len >= 192 ? 64 : 32); }
 constexpr int64_t kKvBlock = 512;
 
+// Runs body(state, b, h, i0, rows) for every (batch, head, query block of rows i0 .. i0 + rows), in
+// parallel over these tasks. Each thread builds its buffers once, as State(q_block_size, shape),
+// and runs its products with a single-threaded BLAS.
+template <typename State, typename Body>
+void parallel_query_blocks(const AttentionShape& sh, const Body& body) {
+  const int64_t qb = q_block_size(sh.q_len);
+  const int64_t blocks = (sh.q_len + qb - 1) / qb;
+  at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    SerialBlasScope serial_blas;
+    State state(qb, sh);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i0 = (task % blocks) * qb, bh = task / blocks;
+      body(state, bh / sh.heads, bh % sh.heads, i0, std::min(qb, sh.q_len - i0));
+    }
+  });
+}
+
 // Keys [0, key_limit) are allowed by causality for query row i (top-left alignment, as
 // scaled_dot_product_attention's is_causal).
 inline int64_t key_limit(int64_t i, int64_t kv_len, bool causal) {
@@ -131,9 +150,10 @@ int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
 // g(n_i) / temperature and lambda_i.
 template <typename acc_t>
 struct RowSetup {
-  int64_t limit, n;
-  acc_t factor, lam;
+  int64_t limit = 0, n = 0;
+  acc_t factor = 0, lam = 0;
 
+  RowSetup() = default;
   RowSetup(const MaskArg<acc_t>& mask, const ScalePolicy<acc_t>& scale, bool causal, int64_t kv_len,
            int64_t b, int64_t h, int64_t i)
       : limit(key_limit(i, kv_len, causal)),

@@ -2,7 +2,6 @@
 // tasks are (batch, head, query block); each streams key/value blocks of kKvBlock keys, keeping the
 // online statistics of online_stats.h per row. No L_q x L_k buffer is ever formed.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -27,10 +26,20 @@ struct FwdArgs {
   int64_t* n_keys;
 };
 
+// A thread's buffers: scores of one block (rows x kKvBlock), the output accumulator (rows x Dv),
+// and the per-row state.
 template <typename acc_t>
-void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                  std::vector<acc_t>& s_buf, std::vector<acc_t>& o_buf,
-                  std::vector<RowStats<acc_t>>& stats) {
+struct FwdBuffers {
+  std::vector<acc_t> s, o;
+  std::vector<RowSetup<acc_t>> setup;
+  std::vector<RowStats<acc_t>> stats;
+  FwdBuffers(int64_t rows, const AttentionShape& sh)
+      : s(rows * kKvBlock), o(rows * sh.v_head_dim), setup(rows), stats(rows) {}
+};
+
+template <typename acc_t>
+void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h, int64_t i0,
+                  int64_t rows) {
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
@@ -38,13 +47,12 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
   const acc_t* k = a.k.at(b, kvh);
   const acc_t* v = a.v.at(b, kvh);
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
+  std::vector<acc_t>&s_buf = buf.s, &o_buf = buf.o;
+  std::vector<RowStats<acc_t>>& stats = buf.stats;
 
-  std::vector<acc_t> lam(rows);
-  std::vector<int64_t> limit(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const RowSetup<acc_t> row(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
-    limit[r] = row.limit;
-    lam[r] = row.lam;
+    const RowSetup<acc_t>& row = buf.setup[r] =
+        RowSetup<acc_t>(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
     a.n_keys[row0 + r] = row.n;
     a.row_scale[row0 + r] = row.lam;
     a.length_factor[row0 + r] = row.factor;
@@ -59,8 +67,9 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
     block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, s_buf.data(), n,
                       false);
     for (int64_t r = 0; r < rows; ++r) {
-      const acc_t alpha = softmax_row(s_buf.data() + r * n, n, j0, limit[r], lam[r],
-                                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r]);
+      const acc_t alpha =
+          softmax_row(s_buf.data() + r * n, n, j0, buf.setup[r].limit, buf.setup[r].lam,
+                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r]);
       if (alpha != acc_t(1)) {
         acc_t* o = o_buf.data() + r * Dv;
 #pragma omp simd
@@ -82,24 +91,6 @@ void forward_task(const FwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int
     a.sum_p2[row0 + r] = res.sum_p2;
     a.max_weight[row0 + r] = res.max_weight;
   }
-}
-
-template <typename acc_t>
-void forward_kernel(const FwdArgs<acc_t>& a) {
-  const AttentionShape& sh = a.shape;
-  const int64_t qb = q_block_size(sh.q_len);
-  const int64_t blocks = (sh.q_len + qb - 1) / qb;
-  at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    SerialBlasScope serial_blas;
-    std::vector<acc_t> s_buf(qb * kKvBlock), o_buf(qb * sh.v_head_dim);
-    std::vector<RowStats<acc_t>> stats(qb);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t blk = task % blocks, bh = task / blocks;
-      const int64_t i0 = blk * qb;
-      forward_task(a, bh / sh.heads, bh % sh.heads, i0, std::min(qb, sh.q_len - i0), s_buf, o_buf,
-                   stats);
-    }
-  });
 }
 
 AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
@@ -142,7 +133,10 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();
     a.n_keys = n_keys.data_ptr<int64_t>();
-    forward_kernel(a);
+    parallel_query_blocks<FwdBuffers<scalar_t>>(
+        sh, [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+          forward_task(a, buf, b, h, i0, rows);
+        });
   });
   return {out.to(query.scalar_type()),
           lse,

@@ -3,7 +3,6 @@
 // logits, masks, causality and scale policies of the attention op. Same blocking as the attention
 // forward: (batch, head, query block) tasks stream key blocks; no L_q x L_k buffer.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -26,18 +25,29 @@ struct SparsityArgs {
   acc_t* out;  // (B, H, Lq), contiguous
 };
 
+// A thread's buffers: scores of one block (rows x kKvBlock) and the per-row state.
 template <typename acc_t>
-void sparsity_task(const SparsityArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                   std::vector<acc_t>& s_buf, std::vector<RowStats<acc_t>>& stats) {
+struct SparsityBuffers {
+  std::vector<acc_t> s;
+  std::vector<RowSetup<acc_t>> setup;
+  std::vector<RowStats<acc_t>> stats;  // l1 in l, l2 in u, relative to a running max in m
+  SparsityBuffers(int64_t rows, const AttentionShape& /*sh*/)
+      : s(rows * kKvBlock), setup(rows), stats(rows) {}
+};
+
+template <typename acc_t>
+void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, int64_t b, int64_t h,
+                   int64_t i0, int64_t rows) {
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const acc_t* q = a.q.at(b, h, i0);
   const acc_t* k = a.k.at(b, kvh);
-  std::vector<RowSetup<acc_t>> setup;
-  setup.reserve(rows);
+  std::vector<acc_t>& s_buf = buf.s;
+  std::vector<RowSetup<acc_t>>& setup = buf.setup;
+  std::vector<RowStats<acc_t>>& stats = buf.stats;
   for (int64_t r = 0; r < rows; ++r) {
-    setup.emplace_back(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
-    stats[r] = RowStats<acc_t>{};  // l1 in l, l2 in u, relative to a running max in m
+    setup[r] = RowSetup<acc_t>(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
+    stats[r] = RowStats<acc_t>{};
   }
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
@@ -90,18 +100,10 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
     a.causal = is_causal;
     a.kind = k_kind;
     a.out = out.data_ptr<scalar_t>();
-    const int64_t qb = q_block_size(sh.q_len);
-    const int64_t blocks = (sh.q_len + qb - 1) / qb;
-    at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-      SerialBlasScope serial_blas;
-      std::vector<scalar_t> s_buf(qb * kKvBlock);
-      std::vector<RowStats<scalar_t>> stats(qb);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t blk = task % blocks, bh = task / blocks;
-        sparsity_task(a, bh / sh.heads, bh % sh.heads, blk * qb, std::min(qb, sh.q_len - blk * qb),
-                      s_buf, stats);
-      }
-    });
+    parallel_query_blocks<SparsityBuffers<scalar_t>>(
+        sh, [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+          sparsity_task(a, buf, b, h, i0, rows);
+        });
   });
   return out;
 }

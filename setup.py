@@ -1,30 +1,90 @@
-"""Builds the torch_ext._C extension (the entropy_attn operators) with torch.utils.cpp_extension."""
+"""Builds the torch_ext._C extension (the entropy_attn operators) with torch.utils.cpp_extension.
+
+CUDA: when torch is a CUDA build and a CUDA toolkit (nvcc) is found, the extension also builds
+csrc/cuda/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), with ENTROPY_ATTN_WITH_CUDA=1
+defined for every translation unit, for the architectures of TORCH_CUDA_ARCH_LIST (default
+"8.0;9.0"). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build. ENTROPY_ATTN_WERROR=1 (set by CI)
+turns compiler warnings in our sources into errors.
+"""
 
 import glob
 import os
+import re
+import shutil
+import subprocess
 
+import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+WERROR = os.environ.get("ENTROPY_ATTN_WERROR") == "1"
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit root: $CUDA_HOME or $CUDA_PATH, else asked from nvcc (PATH, then
+    /usr/local/cuda/bin). nvcc may be a wrapper script (/usr/local/bin/nvcc) outside the toolkit,
+    where torch's own guess (the directory above nvcc) is wrong; its dry run prints the root."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    if nvcc is None:
+        return None
+    dry_run = subprocess.run([nvcc, "-dryrun", "-E", "-x", "cu", os.devnull],
+                             capture_output=True, text=True, check=False)
+    top = re.search(r"^#\$ TOP=(.+)$", dry_run.stderr, re.MULTILINE)
+    return os.path.realpath(top.group(1)) if top else None
+
+
+CUDA_HOME = cuda_home() if os.environ.get("ENTROPY_ATTN_CPU_ONLY") != "1" and torch.version.cuda else None
+WITH_CUDA = CUDA_HOME is not None
+if WITH_CUDA:
+    # Read by torch.utils.cpp_extension when it is imported (below). Without a GPU and without
+    # TORCH_CUDA_ARCH_LIST, CUDAExtension would compile for every architecture torch knows.
+    os.environ["CUDA_HOME"] = CUDA_HOME
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, include_paths  # noqa: E402
 
 
 def sources() -> list[str]:
-    """C++ sources of the extension, relative to the project root, in a stable order."""
-    files = glob.glob("csrc/*.cpp", root_dir=ROOT) + glob.glob("csrc/cpu/*.cpp", root_dir=ROOT)
-    return sorted(files)
+    """Sources of the extension, relative to the project root, in a stable order."""
+    patterns = ["csrc/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/*.cu", "csrc/cuda/*.cpp"] if WITH_CUDA else [])
+    return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT))
 
 
+def wheel_cuda_includes() -> list[str]:
+    """Header directories of the NVIDIA wheels torch was installed with. ATen/cuda/CUDAContext.h
+    includes cuBLAS, cuSPARSE and cuSOLVER headers, which a minimal CUDA toolkit may lack."""
+    nvidia = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")
+    return sorted(glob.glob(os.path.join(nvidia, "*", "include")))
+
+
+# Torch's headers warn under -Wextra: as system headers (-isystem outranks the -I that
+# cpp_extension adds for the same directories) they stay quiet, and the warnings left are ours.
+# The wheels' CUDA headers only fill in what the toolkit lacks (-idirafter: searched last).
+CXX_FLAGS = (["-O3", "-fopenmp-simd", "-Wall", "-Wextra"]
+             + [flag for path in include_paths() for flag in ("-isystem", path)]
+             + [flag for path in (wheel_cuda_includes() if WITH_CUDA else []) for flag in ("-idirafter", path)]
+             + (["-Werror"] if WERROR else []))
+# The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,
+# -D__CUDA_NO_HALF_OPERATORS__ & co. and the -gencode flags of TORCH_CUDA_ARCH_LIST.
+NVCC_FLAGS = (["-O3", "-lineinfo", "-Xcompiler=-Wall,-Wextra"]
+              + (["-Werror=all-warnings", "-Xcompiler=-Werror"] if WERROR else []))
+
+extension = CUDAExtension if WITH_CUDA else CppExtension
 setup(
     name="torch_ext",
     version="0.1.0",
     description="Entropy-invariant fused attention with per-row statistics for PyTorch",
     packages=find_packages(include=["torch_ext", "torch_ext.*"]),
     ext_modules=[
-        CppExtension(
+        extension(
             "torch_ext._C",
             sources(),
-            extra_compile_args={"cxx": ["-O3", "-fopenmp-simd"]},
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=[("ENTROPY_ATTN_WITH_CUDA", "1")] if WITH_CUDA else [],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
             py_limited_api=True,
         )
     ],

@@ -133,6 +133,39 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
   return s;
 }
 
+AttentionShape check_attention_backward_inputs(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale) {
+  const AttentionShape sh =
+      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed", 1.0,
+                             2.0, /*enable_gqa=*/true);
+  const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
+  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
+                        output.sizes() == at::IntArrayRef(out_sizes),
+                    "grad_output and output must have shape ", out_sizes, ", got ",
+                    grad_output.sizes(), " and ", output.sizes());
+  TORCH_CHECK_VALUE(grad_output.device() == query.device() && output.device() == query.device(),
+                    "grad_output and output must be on query's device (", query.device(), ")");
+  const std::vector<int64_t> row_sizes{sh.batch, sh.heads, sh.q_len};
+  auto check_row_stat = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes,
+                      ", got ", t.sizes());
+    TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
+                      query.device(), "), got ", t.device());
+  };
+  check_row_stat(lse, "lse");
+  check_row_stat(entropy, "entropy");
+  check_row_stat(sum_p2, "sum_p2");
+  check_row_stat(row_scale, "row_scale");
+  if (grad_lse.has_value()) check_row_stat(*grad_lse, "grad_lse");
+  if (grad_entropy.has_value()) check_row_stat(*grad_entropy, "grad_entropy");
+  if (grad_sum_p2.has_value()) check_row_stat(*grad_sum_p2, "grad_sum_p2");
+  return sh;
+}
+
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc) {
   at::Tensor m = attn_mask.scalar_type() == at::kBool ? attn_mask : attn_mask.to(acc);
   return m.expand({s.batch, s.heads, s.q_len, s.kv_len});

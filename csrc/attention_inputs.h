@@ -4,10 +4,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cmath>
 #include <optional>
 #include <string_view>
 
-#include "scale_policy.h"
+#include "kernel_args.h"
 
 namespace entropy_attn {
 
@@ -26,10 +27,17 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                                       std::string_view scale_mode, double temperature,
                                       double log_base, bool enable_gqa);
 
+// The checks of attention_backward beyond those of the forward: the shapes of output, grad_output,
+// the saved row statistics and the optional upstream statistic gradients (undefined = absent).
+AttentionShape check_attention_backward_inputs(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale);
+
 ScaleMode parse_scale_mode(std::string_view scale_mode);
 
-// The attention function f of attention_sparsity: a = exp(s), relu(s)^2 or s.
-enum class SparsityKind { kExp, kRelu2, kIdentity };
 SparsityKind parse_sparsity_kind(std::string_view kind);
 
 // The dtype of statistics and accumulators: float64 for float64 inputs, float32 otherwise.
@@ -43,5 +51,37 @@ at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::Sc
 
 // `x` in dtype `dtype` with a contiguous last dimension (a no-op for conforming inputs).
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype);
+
+// The kernel view of a mask from expand_mask (or none).
+template <typename acc_t>
+MaskArg<acc_t> make_mask_arg(const std::optional<at::Tensor>& expanded) {
+  MaskArg<acc_t> m;
+  if (!expanded.has_value()) return m;
+  const at::Tensor& t = *expanded;
+  m.kind = t.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+  m.data = t.const_data_ptr();
+  m.sb = t.stride(0), m.sh = t.stride(1), m.si = t.stride(2), m.sj = t.stride(3);
+  return m;
+}
+
+// The kernel view of the scale arguments: `c` is the expand_scale tensor in acc_t, or undefined:
+// then scale_factor, else 1/sqrt(head_dim).
+template <typename acc_t>
+ScalePolicy<acc_t> make_scale_policy(const at::Tensor& c, std::optional<double> scale_factor,
+                                     int64_t head_dim, ScaleMode mode, double log_base,
+                                     double temperature) {
+  ScalePolicy<acc_t> p;
+  if (c.defined()) {
+    p.data = c.const_data_ptr<acc_t>();
+    p.sb = c.stride(0), p.sh = c.stride(1), p.si = c.stride(2);
+  } else {
+    p.constant =
+        static_cast<acc_t>(scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
+  }
+  p.mode = mode;
+  p.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<acc_t>(1.0 / std::log(log_base));
+  p.inv_temperature = static_cast<acc_t>(1.0 / temperature);
+  return p;
+}
 
 }  // namespace entropy_attn

@@ -77,11 +77,17 @@ if command -v ccache >/dev/null; then
   else
     build_env+=(CC="ccache gcc" CXX="ccache g++")
   fi
+  # nvcc (the CUDA sources) through ccache as well: torch.utils.cpp_extension runs $PYTORCH_NVCC.
+  if command -v nvcc >/dev/null; then build_env+=(PYTORCH_NVCC="ccache nvcc"); fi
   # pip builds an editable install in a fresh temporary directory each time: keep that directory
   # out of ccache's hash so that unchanged sources hit the cache.
   build_env+=(CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD")
   ccache --zero-stats >/dev/null 2>&1 || true
 fi
 # An editable install: `import torch_ext` works from any directory, and the package is this tree.
+# CUDA sources are built when torch is a CUDA build and nvcc is found (setup.py).
+build_start=$(date +%s)
 env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+echo "extension built in $(($(date +%s) - build_start))s ($(compgen -G 'csrc/cuda/*.cu' | wc -l) CUDA" \
+     "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
 if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi

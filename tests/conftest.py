@@ -17,11 +17,20 @@ if _HERE not in sys.path:
 
 HAS_CUDA: bool = torch.cuda.is_available()
 
+#: Skip marker for tests that need a GPU: the reason is what scripts/gpu_suite.sh looks for to
+#: make sure that no CUDA test was skipped on a GPU machine.
+NO_CUDA_REASON = "no CUDA device"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
+
+#: Set ENTROPY_ATTN_REQUIRE_CUDA=1 (scripts/gpu_suite.sh does) to make a missing GPU an error
+#: instead of a skip.
+REQUIRE_CUDA: bool = os.environ.get("ENTROPY_ATTN_REQUIRE_CUDA", "0") not in ("", "0")
+
 #: Devices to parametrize device-aware tests over. CUDA is always listed so that a
 #: missing GPU shows up as a visible skip rather than a silently absent test.
 DEVICES: List[Any] = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")),
+    pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda]),
 ]
 
 #: (atol, rtol) for the attention output (in the query's dtype) per input dtype.
@@ -47,9 +56,21 @@ GRAD_TOL: Dict[torch.dtype, float] = {
 }
 
 
+#: ``nondet_tol`` for ``torch.autograd.gradcheck`` per device type. A CUDA backward may accumulate
+#: dQ/dK/dV with atomics, whose summation order (hence the last bits) changes between two calls;
+#: gradcheck's reentrancy check would then fail with a tolerance of 0. 1e-10 is far below the
+#: float64 gradcheck tolerances (atol 1e-7) and far above float64 rounding noise.
+GRADCHECK_NONDET_TOL: Dict[str, float] = {"cpu": 0.0, "cuda": 1e-10}
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register custom markers."""
+    """Register custom markers; refuse to run without a GPU when one is required."""
     config.addinivalue_line("markers", "cuda: test runs on a CUDA device")
+    if REQUIRE_CUDA and not HAS_CUDA:
+        raise pytest.UsageError(
+            "ENTROPY_ATTN_REQUIRE_CUDA is set but torch.cuda.is_available() is False: "
+            "the CUDA tests would all be skipped"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +93,28 @@ def torch_ext_module() -> Any:
     import torch_ext
 
     return torch_ext
+
+
+def nondet_tol(device: Any) -> float:
+    """gradcheck's ``nondet_tol`` for a device (0 on CPU, whose backward is deterministic)."""
+    return GRADCHECK_NONDET_TOL[torch.device(device).type]
+
+
+def to_device(obj: Any, device: Any) -> Any:
+    """Copy every tensor in a (nested) tuple/list/dict to `device`, keeping dtype and requires_grad.
+
+    Tensors that required grad come back as new leaves that require grad; other objects are kept.
+    """
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().to(device)
+        return out.requires_grad_(obj.requires_grad)
+    if isinstance(obj, tuple):
+        return tuple(to_device(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:

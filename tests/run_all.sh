@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Python suite (pytest, needs the extension built, e.g.
 # `python3 setup.py build_ext --inplace`), then the C++ suite (CMake + LibTorch + GoogleTest,
-# configured and built in build/cmake, run with CTest). Both decide the exit code.
+# configured and built in build/cmake, run with CTest; it builds the CUDA sources too when
+# CMakeLists.txt finds CUDA), then, when nvcc is there, the ptxas resource report of the CUDA
+# kernels (scripts/ptxas_report.py: results/ptxas/, fails on warnings and forbidden spills).
+# All three decide the exit code.
 #
 #   bash tests/run_all.sh               # everything
-#   RUN_CPP=0 bash tests/run_all.sh     # pytest only       RUN_PY=0: C++ only
+#   RUN_CPP=0 bash tests/run_all.sh     # no C++ suite      RUN_PY=0: no pytest, RUN_PTXAS=0: no report
 #   bash tests/run_all.sh -k causal     # extra arguments go to pytest
 set -uo pipefail
 
@@ -15,6 +18,7 @@ JOBS=${JOBS:-$(nproc)}
 
 py_rc=skipped
 cpp_rc=skipped
+ptxas_rc=skipped
 declare -a timings=()
 t0=$(date +%s)
 step_start=$t0
@@ -59,10 +63,20 @@ if [[ ${RUN_CPP:-1} != 0 ]]; then
   fi
 fi
 
+if [[ ${RUN_PTXAS:-1} != 0 && ${ENTROPY_ATTN_CPU_ONLY:-0} != 1 ]] && command -v nvcc >/dev/null; then
+  echo ">>> ptxas report"
+  ptxas_rc=0
+  "$PYTHON" scripts/ptxas_report.py -j "$JOBS" || ptxas_rc=$?
+  if git rev-parse --git-dir >/dev/null 2>&1 && ! git diff --quiet -- results/ptxas 2>/dev/null; then
+    echo ">>> note: results/ptxas/ differs from the committed report: commit it"
+  fi
+  step_done "ptxas report"
+fi
+
 echo ">>> timings"
 printf '    %s\n' "${timings[@]}"
-echo ">>> pytest: ${py_rc}, C++ (cmake/ctest): ${cpp_rc}, total $(($(date +%s) - t0))s"
-for rc in "$py_rc" "$cpp_rc"; do
+echo ">>> pytest: ${py_rc}, C++ (cmake/ctest): ${cpp_rc}, ptxas report: ${ptxas_rc}, total $(($(date +%s) - t0))s"
+for rc in "$py_rc" "$cpp_rc" "$ptxas_rc"; do
   if [[ $rc != skipped && $rc != 0 ]]; then exit 1; fi
 done
 exit 0

@@ -223,9 +223,9 @@ def test_shapes(device: str, shape: Tuple[int, ...], dtype: torch.dtype) -> None
     compare(q, k, v)
 
 
-def test_return_stats_false_returns_tensor() -> None:
+def test_return_stats_false_returns_tensor(device: str) -> None:
     """Without return_stats the API returns just the output tensor, equal to the stats variant."""
-    q, k, v = make_qkv(2, 2, 2, 9, 11, 8)
+    q, k, v = make_qkv(2, 2, 2, 9, 11, 8, device=device)
     out = torch_ext.attention(q, k, v)
     assert isinstance(out, Tensor)
     out2, _ = run_api(q, k, v)
@@ -445,10 +445,10 @@ def test_logn_empty_rows_have_zero_scale(device: str) -> None:
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_scale_tensor_dtypes(scale_dtype: torch.dtype) -> None:
+def test_scale_tensor_dtypes(device: str, scale_dtype: torch.dtype) -> None:
     """A float scale tensor of any float dtype is accepted (its values define lambda)."""
-    q, k, v = make_qkv(1, 2, 2, 6, 9, 8, dtype=torch.bfloat16)
-    scale = make_scale("t_H1", 1, 2, 6, "cpu", dtype=scale_dtype)
+    q, k, v = make_qkv(1, 2, 2, 6, 9, 8, dtype=torch.bfloat16, device=device)
+    scale = make_scale("t_H1", 1, 2, 6, device, dtype=scale_dtype)
     compare(q, k, v, scale=scale)
 
 

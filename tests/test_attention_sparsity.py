@@ -71,59 +71,64 @@ def test_matches_reference(device: str, kind: str, causal: bool, mask_kind: str,
     assert_close64(got, expected, 1e-10, 1e-10, name=kind)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_low_precision(dtype: torch.dtype, kind: str) -> None:
+def test_low_precision(device: str, dtype: torch.dtype, kind: str) -> None:
     """16/32-bit inputs accumulate in float32 and return float32."""
-    q = torch.randn(1, 2, 50, 16).to(dtype)
-    k = torch.randn(1, 2, 700, 16).to(dtype)
+    q = torch.randn(1, 2, 50, 16).to(device=device, dtype=dtype)
+    k = torch.randn(1, 2, 700, 16).to(device=device, dtype=dtype)
     got = torch_ext.attention_sparsity(q, k, kind=kind, is_causal=True)
     assert got.dtype == torch.float32
     assert_close64(got, reference_sparsity(q, k, None, kind, True, 0.25), *STAT_TOL[dtype], name=kind)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", ["logn", "logn_sharpen", 0.3, "tensor"])
-def test_scale_policies(scale: object) -> None:
+def test_scale_policies(device: str, scale: object) -> None:
     """The per-row scale is the attention op's: compared through its row_scale output."""
-    q = torch.randn(1, 2, 20, 8, dtype=torch.float64)
-    k = torch.randn(1, 2, 20, 8, dtype=torch.float64)
+    q = torch.randn(1, 2, 20, 8, dtype=torch.float64, device=device)
+    k = torch.randn(1, 2, 20, 8, dtype=torch.float64, device=device)
     if scale == "tensor":
-        scale = torch.rand(2, 1, dtype=torch.float64) + 0.5
+        scale = torch.rand(2, 1, dtype=torch.float64, device=device) + 0.5
     _, stats = torch_ext.attention(q, k, k, is_causal=True, scale=scale, train_length=4, return_stats=True)
     for kind in KINDS:
         got = torch_ext.attention_sparsity(q, k, kind=kind, is_causal=True, scale=scale, train_length=4)
         assert_close64(got, reference_sparsity(q, k, None, kind, True, stats.scale), 1e-10, 1e-10, name=kind)
 
 
-def test_exp_equals_attention_stats() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_exp_equals_attention_stats(device: str) -> None:
     """kind="exp" is the softmax attention's own sparsity statistic."""
-    q, k = torch.randn(2, 3, 45, 8), torch.randn(2, 3, 77, 8)
-    mask = torch.rand(45, 77) > 0.5
+    q, k = torch.randn(2, 3, 45, 8, device=device), torch.randn(2, 3, 77, 8, device=device)
+    mask = torch.rand(45, 77, device=device) > 0.5
     _, stats = torch_ext.attention(q, k, k, mask, scale="logn", return_stats=True)
     got = torch_ext.attention_sparsity(q, k, mask, scale="logn")
     torch.testing.assert_close(got, stats.sparsity, atol=1e-6, rtol=1e-5)
 
 
-def test_limits() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_limits(device: str) -> None:
     """Uniform weights give 1, one dominant key gives about 1/sqrt(n), identity of a constant row 1."""
-    k = torch.randn(1, 1, 64, 4, dtype=torch.float64)
-    zero_q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 64, 4, dtype=torch.float64, device=device)
+    zero_q = torch.zeros(1, 1, 1, 4, dtype=torch.float64, device=device)
     assert torch_ext.attention_sparsity(zero_q, k, kind="exp").item() == pytest.approx(1.0)
-    hot = torch.zeros(1, 1, 64, 4, dtype=torch.float64)
+    hot = torch.zeros(1, 1, 64, 4, dtype=torch.float64, device=device)
     hot[..., 0, 0] = 1.0
-    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64, device=device)
     q[..., 0] = 1e3
     assert torch_ext.attention_sparsity(q, hot, kind="relu2").item() == pytest.approx(1 / 8)
     assert torch_ext.attention_sparsity(zero_q, k, kind="relu2").item() == 0.0  # all-zero row
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_opcheck(kind: str) -> None:
+def test_opcheck(device: str, kind: str) -> None:
     """Schema, fake tensor and AOT dispatch of the op."""
-    q, k = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 11, 4)
+    q, k = torch.randn(1, 2, 9, 4, device=device), torch.randn(1, 2, 11, 4, device=device)
     torch.library.opcheck(
         torch.ops.entropy_attn.attention_sparsity,
-        (q, k, torch.rand(9, 11) > 0.5, None),
+        (q, k, torch.rand(9, 11, device=device) > 0.5, None),
         {"kind": kind, "is_causal": True, "scale_mode": "logn", "log_base": 8.0},
     )
 
@@ -137,39 +142,43 @@ def test_opcheck(kind: str) -> None:
         ({"train_length": 1}, "train_length"),
     ],
 )
-def test_bad_arguments(kwargs: dict, pattern: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments(device: str, kwargs: dict, pattern: str) -> None:
     """Bad arguments raise a ValueError naming them."""
-    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+    q, k = torch.randn(1, 2, 3, 4, device=device), torch.randn(1, 2, 5, 4, device=device)
     with pytest.raises(ValueError, match=pattern):
         torch_ext.attention_sparsity(q, k, **kwargs)
 
 
-def test_bad_shapes() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_shapes(device: str) -> None:
     """query/key validation is the attention op's."""
     with pytest.raises(ValueError, match="head_dim"):
-        torch_ext.attention_sparsity(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 6))
+        torch_ext.attention_sparsity(torch.randn(1, 2, 3, 4, device=device), torch.randn(1, 2, 5, 6, device=device))
     with pytest.raises(ValueError, match="enable_gqa"):
-        torch_ext.attention_sparsity(torch.randn(1, 4, 3, 4), torch.randn(1, 2, 5, 4))
+        torch_ext.attention_sparsity(torch.randn(1, 4, 3, 4, device=device), torch.randn(1, 2, 5, 4, device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["relu2", "identity"])
 @pytest.mark.parametrize("magnitude", [1e9, 1e-12])
-def test_float32_extreme_magnitudes(kind: str, magnitude: float) -> None:
+def test_float32_extreme_magnitudes(device: str, kind: str, magnitude: float) -> None:
     """S is scale-free: logits of 1e18 or 1e-12 give the float64 answer in float32 (no overflow
     or underflow of sum a^2)."""
     g = torch.Generator().manual_seed(0)
-    k = torch.rand(1, 1, 100, 4, generator=g) * (magnitude if magnitude > 1 else 1.0)
-    q = torch.full((1, 1, 1, 4), magnitude)
+    k = (torch.rand(1, 1, 100, 4, generator=g) * (magnitude if magnitude > 1 else 1.0)).to(device)
+    q = torch.full((1, 1, 1, 4), magnitude, device=device)
     got = torch_ext.attention_sparsity(q, k, kind=kind, scale=1.0)
     want = torch_ext.attention_sparsity(q.double(), k.double(), kind=kind, scale=1.0)
     assert torch.isfinite(got).all() and got.item() > 0
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_propagates(kind: str) -> None:
+def test_nan_propagates(device: str, kind: str) -> None:
     """A NaN key makes every row that sees it NaN, for every kind."""
     k = torch.rand(1, 1, 50, 4)
     k[0, 0, 3, 0] = float("nan")
-    got = torch_ext.attention_sparsity(torch.ones(1, 1, 2, 4), k, kind=kind)
+    got = torch_ext.attention_sparsity(torch.ones(1, 1, 2, 4, device=device), k.to(device), kind=kind)
     assert torch.isnan(got).all()

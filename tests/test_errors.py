@@ -9,26 +9,26 @@ import torch
 from torch import Tensor
 
 import torch_ext
-from conftest import HAS_CUDA
+from conftest import DEVICES, HAS_CUDA, to_device
 
 ERR = (ValueError, TypeError)
 B, H, Lq, Lk, D = 2, 4, 5, 6, 8
 
 
-def qkv(**over: Any) -> Dict[str, Any]:
-    """Valid keyword arguments for torch_ext.attention, with overrides."""
+def qkv(device: str = "cpu", **over: Any) -> Dict[str, Any]:
+    """Valid keyword arguments for torch_ext.attention on `device`, with overrides (used as given)."""
     kw: Dict[str, Any] = dict(
-        query=torch.randn(B, H, Lq, D),
-        key=torch.randn(B, H, Lk, D),
-        value=torch.randn(B, H, Lk, D),
+        query=torch.randn(B, H, Lq, D, device=device),
+        key=torch.randn(B, H, Lk, D, device=device),
+        value=torch.randn(B, H, Lk, D, device=device),
     )
     kw.update(over)
     return kw
 
 
-def call(**over: Any) -> Any:
-    """Call torch_ext.attention with valid defaults overridden by `over`."""
-    kw = qkv(**over)
+def call(device: str = "cpu", **over: Any) -> Any:
+    """Call torch_ext.attention with valid defaults on `device` overridden by `over`."""
+    kw = qkv(device, **over)
     q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
     mask = kw.pop("attn_mask", None)
     return torch_ext.attention(q, k, v, mask, **kw)
@@ -97,18 +97,20 @@ CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overrides,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_inputs_raise(overrides: Dict[str, Any], pattern: str) -> None:
-    """Each bad input raises ValueError/TypeError mentioning the argument."""
+def test_bad_inputs_raise(device: str, overrides: Dict[str, Any], pattern: str) -> None:
+    """Each bad input raises ValueError/TypeError mentioning the argument (tensors on `device`)."""
     with pytest.raises(ERR, match=pattern):
-        call(**overrides)
+        call(device, **to_device(overrides, device))
 
 
-def test_bad_inputs_raise_with_return_stats() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_with_return_stats(device: str) -> None:
     """Validation also applies with return_stats=True and for the raw op."""
     with pytest.raises(ERR, match="temperature"):
-        call(temperature=0.0, return_stats=True)
-    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, 2, Lk, D), torch.randn(B, 2, Lk, D)
+        call(device, temperature=0.0, return_stats=True)
+    q, k, v = (torch.randn(B, h, L, D, device=device) for h, L in ((H, Lq), (2, Lk), (2, Lk)))
     with pytest.raises(ERR, match="enable_gqa"):
         torch.ops.entropy_attn.attention(q, k, v)
     with pytest.raises(ERR, match="scale"):
@@ -116,12 +118,15 @@ def test_bad_inputs_raise_with_return_stats() -> None:
     with pytest.raises(ERR, match="temperature"):
         torch.ops.entropy_attn.attention(q, k, v, None, None, enable_gqa=True, temperature=-2.0)
     with pytest.raises(ERR, match="attn_mask"):
-        torch.ops.entropy_attn.attention(q, k, v, torch.ones(Lq, Lk, dtype=torch.int32), None, enable_gqa=True)
+        torch.ops.entropy_attn.attention(
+            q, k, v, torch.ones(Lq, Lk, dtype=torch.int32, device=device), None, enable_gqa=True
+        )
     with pytest.raises(ERR, match="scale"):
-        torch.ops.entropy_attn.attention(q, k, v, None, torch.ones(3, 3), enable_gqa=True)
+        torch.ops.entropy_attn.attention(q, k, v, None, torch.ones(3, 3, device=device), enable_gqa=True)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("which", ["key", "value", "attn_mask", "scale"])
 def test_mixed_devices(which: str) -> None:
     """Tensors on different devices raise, naming the argument."""
@@ -143,12 +148,13 @@ STATS_OPS: Tuple[Tuple[str, Callable[..., Tensor]], ...] = (
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,fn", STATS_OPS, ids=[s[0] for s in STATS_OPS])
-def test_stats_ops_bad_inputs(name: str, fn: Callable[..., Tensor]) -> None:
+def test_stats_ops_bad_inputs(device: str, name: str, fn: Callable[..., Tensor]) -> None:
     """entropy / sparsity: integer input raises; an out-of-range dim raises naming `dim`."""
     with pytest.raises(ERR):
-        fn(torch.ones(3, 4, dtype=torch.int64))
+        fn(torch.ones(3, 4, dtype=torch.int64, device=device))
     with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
-        fn(torch.rand(3, 4), dim=2)
+        fn(torch.rand(3, 4, device=device), dim=2)
     with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
-        fn(torch.rand(3, 4), dim=-3)
+        fn(torch.rand(3, 4, device=device), dim=-3)

@@ -1,4 +1,5 @@
-"""torch.library.opcheck on every registered op (schema, autograd registration, fake tensor, AOT)."""
+"""torch.library.opcheck on every registered op (schema, autograd registration, fake tensor, AOT),
+on every device (the CUDA variants skip with "no CUDA device" where there is none)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
+from conftest import to_device
 
 ops = torch.ops.entropy_attn
 F64 = torch.float64
@@ -78,10 +80,10 @@ ATT_SAMPLES = attention_samples()
 
 
 @pytest.mark.parametrize("sample", ATT_SAMPLES, ids=[s[0] for s in ATT_SAMPLES])
-def test_opcheck_attention(sample: Tuple[str, Tuple[Any, ...], Dict[str, Any]]) -> None:
+def test_opcheck_attention(device: str, sample: Tuple[str, Tuple[Any, ...], Dict[str, Any]]) -> None:
     """opcheck entropy_attn.attention (schema, autograd registration, fake tensors, AOT dispatch)."""
     _, args, kwargs = sample
-    torch.library.opcheck(ops.attention.default, args, kwargs)
+    torch.library.opcheck(ops.attention.default, to_device(args, device), kwargs)
 
 
 BW_CONFIGS: List[Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]] = [
@@ -93,8 +95,10 @@ BW_CONFIGS: List[Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]] = [
 ]
 
 
-def backward_args(config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> Tuple[Any, ...]:
-    """Arguments for entropy_attn.attention_backward built from a real forward call."""
+def backward_args(
+    config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]], device: str = "cpu"
+) -> Tuple[Any, ...]:
+    """Arguments for entropy_attn.attention_backward built from a real forward call on `device`."""
     _, (B, H, Hkv, Lq, Lk), mask_kind, causal, opt = config
     dt = opt.get("dtype", torch.float32)
     q, k, v = _r(B, H, Lq, 8, dtype=dt), _r(B, Hkv, Lk, 8, dtype=dt), _r(B, Hkv, Lk, 4, dtype=dt)
@@ -105,6 +109,7 @@ def backward_args(config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]
     elif mask_kind == "float":
         mask = torch.zeros(Lq, Lk, dtype=dt).masked_fill(torch.rand(Lq, Lk) < 0.3, float("-inf"))
     scale = (torch.rand(B, H, Lq, dtype=dt) + 0.1) if opt.get("scale") else None
+    q, k, v, mask, scale = to_device((q, k, v, mask, scale), device)
     o, lse, ent, sp2, _, _, rs = ops.attention(q, k, v, mask, scale, is_causal=causal, enable_gqa=opt.get("gqa", False))[:7]
     go = torch.randn_like(o)
     if opt.get("stats"):
@@ -115,9 +120,9 @@ def backward_args(config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]
 
 
 @pytest.mark.parametrize("config", BW_CONFIGS, ids=[c[0] for c in BW_CONFIGS])
-def test_opcheck_attention_backward(config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> None:
+def test_opcheck_attention_backward(device: str, config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> None:
     """opcheck entropy_attn.attention_backward on inputs from real forward calls."""
-    torch.library.opcheck(ops.attention_backward.default, backward_args(config))
+    torch.library.opcheck(ops.attention_backward.default, backward_args(config, device))
 
 
 def stats_samples() -> List[Tuple[str, Tuple[Any, ...]]]:
@@ -138,26 +143,32 @@ ST_SAMPLES = stats_samples()
 
 
 @pytest.mark.parametrize("sample", ST_SAMPLES, ids=[s[0] for s in ST_SAMPLES])
-def test_opcheck_entropy(sample: Tuple[str, Tuple[Any, ...]]) -> None:
+def test_opcheck_entropy(device: str, sample: Tuple[str, Tuple[Any, ...]]) -> None:
     """opcheck entropy_attn.entropy."""
-    torch.library.opcheck(ops.entropy.default, sample[1])
+    torch.library.opcheck(ops.entropy.default, to_device(sample[1], device))
 
 
 @pytest.mark.parametrize("sample", ST_SAMPLES, ids=[s[0] for s in ST_SAMPLES])
-def test_opcheck_sparsity(sample: Tuple[str, Tuple[Any, ...]]) -> None:
+def test_opcheck_sparsity(device: str, sample: Tuple[str, Tuple[Any, ...]]) -> None:
     """opcheck entropy_attn.sparsity (inputs made signed)."""
-    args = list(sample[1])
+    args = list(to_device(sample[1], device))
     x = args[0].detach()
     signed = (x - x.mean()).requires_grad_(args[0].requires_grad)
     args[0] = signed
     torch.library.opcheck(ops.sparsity.default, tuple(args))
 
 
-def test_all_ops_registered() -> None:
-    """The four ops exist in the entropy_attn namespace with a Meta kernel (needed for fake tensors)."""
-    for name in ("attention", "attention_backward", "entropy", "sparsity"):
+ALL_OPS = ("attention", "attention_backward", "entropy", "sparsity", "attention_sparsity")
+
+
+def test_all_ops_registered(device: str) -> None:
+    """The five ops exist with a kernel for the device and a Meta kernel (needed for fake tensors).
+
+    (attention_sparsity's opcheck is in test_attention_sparsity.py.)"""
+    key = "CUDA" if device == "cuda" else "CPU"
+    for name in ALL_OPS:
         op = getattr(ops, name).default
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), f"{name}: no {key} kernel"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"), name
 
 

@@ -144,33 +144,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     bool is_causal) {
-  const AttentionShape sh =
-      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed", 1.0,
-                             2.0, /*enable_gqa=*/true);
+  const AttentionShape sh = check_attention_backward_inputs(
+      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
+      entropy, sum_p2, row_scale);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
-  const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
-  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
-                        output.sizes() == at::IntArrayRef(out_sizes),
-                    "grad_output and output must have shape ", out_sizes, ", got ",
-                    grad_output.sizes(), " and ", output.sizes());
-  const std::vector<int64_t> row_sizes{sh.batch, sh.heads, sh.q_len};
-  auto row_stat = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes,
-                      ", got ", t.sizes());
-    return t.to(acc).contiguous();
-  };
-  auto opt_row_stat = [&](const std::optional<at::Tensor>& t, const char* name) {
-    return t.has_value() ? row_stat(*t, name) : at::Tensor();
+  auto row_stat = [&](const at::Tensor& t) { return t.to(acc).contiguous(); };
+  auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? row_stat(*t) : at::Tensor();
   };
   const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc),
                    v = with_unit_last_stride(value, acc);
   const at::Tensor out = with_unit_last_stride(output, acc);
   const at::Tensor dout = with_unit_last_stride(grad_output, acc);
-  const at::Tensor lse_c = row_stat(lse, "lse"), ent_c = row_stat(entropy, "entropy");
-  const at::Tensor p2_c = row_stat(sum_p2, "sum_p2"), lam_c = row_stat(row_scale, "row_scale");
-  const at::Tensor g_lse = opt_row_stat(grad_lse, "grad_lse");
-  const at::Tensor g_ent = opt_row_stat(grad_entropy, "grad_entropy");
-  const at::Tensor g_p2 = opt_row_stat(grad_sum_p2, "grad_sum_p2");
+  const at::Tensor lse_c = row_stat(lse), ent_c = row_stat(entropy);
+  const at::Tensor p2_c = row_stat(sum_p2), lam_c = row_stat(row_scale);
+  const at::Tensor g_lse = opt_row_stat(grad_lse), g_ent = opt_row_stat(grad_entropy);
+  const at::Tensor g_p2 = opt_row_stat(grad_sum_p2);
   std::optional<at::Tensor> mask;
   if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
 
@@ -190,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     a.v = Strided4<scalar_t>::of(v), a.out = Strided4<scalar_t>::of(out);
     a.dout = Strided4<scalar_t>::of(dout), a.dq = Strided4<scalar_t>::of(dq);
     a.dk = Strided4<scalar_t>::of(dk), a.dv = Strided4<scalar_t>::of(dv);
-    a.mask = MaskArg<scalar_t>::make(mask);
+    a.mask = make_mask_arg<scalar_t>(mask);
     a.causal = is_causal;
     a.lse = lse_c.const_data_ptr<scalar_t>(), a.entropy = ent_c.const_data_ptr<scalar_t>();
     a.sum_p2 = p2_c.const_data_ptr<scalar_t>(), a.row_scale = lam_c.const_data_ptr<scalar_t>();

@@ -25,8 +25,6 @@
 
 namespace entropy_attn::cpu {
 
-enum class MaskKind { kNone, kBool, kAdditive };
-
 // A (B, heads, L, dim) tensor with a unit last stride, as a pointer and its three outer strides.
 template <typename T>
 struct Strided4 {
@@ -39,24 +37,6 @@ struct Strided4 {
   T* at(int64_t b, int64_t h, int64_t l = 0) const { return data + b * sb + h * sh + l * sl; }
 };
 
-// A (B, H, Lq, Lk) mask as strided storage (broadcast dims have stride 0).
-template <typename acc_t>
-struct MaskArg {
-  MaskKind kind = MaskKind::kNone;
-  const void* data = nullptr;
-  int64_t sb = 0, sh = 0, si = 0, sj = 0;
-
-  static MaskArg make(const std::optional<at::Tensor>& expanded) {
-    MaskArg m;
-    if (!expanded.has_value()) return m;
-    const at::Tensor& t = *expanded;
-    m.kind = t.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
-    m.data = t.data_ptr();
-    m.sb = t.stride(0), m.sh = t.stride(1), m.si = t.stride(2), m.sj = t.stride(3);
-    return m;
-  }
-};
-
 // One row of the mask, positioned at key 0.
 template <typename acc_t>
 struct MaskRow {
@@ -67,42 +47,10 @@ struct MaskRow {
 
   MaskRow(const MaskArg<acc_t>& m, int64_t b_idx, int64_t h, int64_t i)
       : kind(m.kind), b(nullptr), a(nullptr), sj(m.sj) {
-    const int64_t off = b_idx * m.sb + h * m.sh + i * m.si;
-    if (kind == MaskKind::kBool) b = static_cast<const bool*>(m.data) + off;
-    if (kind == MaskKind::kAdditive) a = static_cast<const acc_t*>(m.data) + off;
+    const int64_t off = m.row_offset(b_idx, h, i);
+    if (kind == MaskKind::kBool) b = m.bool_data() + off;
+    if (kind == MaskKind::kAdditive) a = m.additive_data() + off;
   }
-};
-
-// The scale policy of a call: lambda_i = c_i * g(n_i) / temperature (scale_policy.h), with c a
-// strided (B, H, Lq) tensor or one constant.
-template <typename acc_t>
-struct ScalePolicy {
-  const acc_t* data = nullptr;
-  int64_t sb = 0, sh = 0, si = 0;
-  acc_t constant = 1;
-  ScaleMode mode = ScaleMode::kFixed;
-  acc_t inv_log_base = 0, inv_temperature = 1;
-
-  // `c` is the expanded scale tensor in acc_t, or undefined: then scale_factor, else 1/sqrt(D).
-  static ScalePolicy make(const at::Tensor& c, std::optional<double> scale_factor, int64_t head_dim,
-                          ScaleMode mode, double log_base, double temperature) {
-    ScalePolicy p;
-    if (c.defined()) {
-      p.data = c.const_data_ptr<acc_t>();
-      p.sb = c.stride(0), p.sh = c.stride(1), p.si = c.stride(2);
-    } else {
-      p.constant =
-          static_cast<acc_t>(scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
-    }
-    p.mode = mode;
-    p.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<acc_t>(1.0 / std::log(log_base));
-    p.inv_temperature = static_cast<acc_t>(1.0 / temperature);
-    return p;
-  }
-  acc_t c(int64_t b, int64_t h, int64_t i) const {
-    return data ? data[b * sb + h * sh + i * si] : constant;
-  }
-  acc_t factor(int64_t n) const { return length_factor(mode, n, inv_log_base) * inv_temperature; }
 };
 
 // Block sizes, as PyTorch's CPU flash attention: taller query blocks amortize the key/value
@@ -127,22 +75,13 @@ void parallel_query_blocks(const AttentionShape& sh, const Body& body) {
   });
 }
 
-// Keys [0, key_limit) are allowed by causality for query row i (top-left alignment, as
-// scaled_dot_product_attention's is_causal).
-inline int64_t key_limit(int64_t i, int64_t kv_len, bool causal) {
-  return causal ? std::min(i + 1, kv_len) : kv_len;
-}
-
 // Number of keys in [0, limit) that the mask allows: the row's n_i.
 template <typename acc_t>
-int64_t count_allowed(const MaskRow<acc_t>& m, int64_t limit) {
+int64_t count_allowed(const MaskArg<acc_t>& m, int64_t b, int64_t h, int64_t i, int64_t limit) {
   if (m.kind == MaskKind::kNone) return limit;
+  const int64_t off = m.row_offset(b, h, i);
   int64_t n = 0;
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  for (int64_t j = 0; j < limit; ++j) {
-    n += m.kind == MaskKind::kBool ? static_cast<int64_t>(m.b[j * m.sj])
-                                   : (m.a[j * m.sj] != kNegInf);
-  }
+  for (int64_t j = 0; j < limit; ++j) n += m.counts(off, j);
   return n;
 }
 
@@ -157,9 +96,9 @@ struct RowSetup {
   RowSetup(const MaskArg<acc_t>& mask, const ScalePolicy<acc_t>& scale, bool causal, int64_t kv_len,
            int64_t b, int64_t h, int64_t i)
       : limit(key_limit(i, kv_len, causal)),
-        n(count_allowed(MaskRow<acc_t>(mask, b, h, i), limit)),
+        n(count_allowed(mask, b, h, i, limit)),
         factor(scale.factor(n)),
-        lam(scale.c(b, h, i) * factor) {}
+        lam(scale.lambda(b, h, i, factor)) {}
 };
 
 // Turns raw scores r[0, n) of keys j0 .. j0 + n into logits s = lam * r + mask in place; keys

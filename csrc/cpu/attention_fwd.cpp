@@ -124,9 +124,9 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
     a.v = Strided4<scalar_t>::of(v);
-    a.mask = MaskArg<scalar_t>::make(mask);
+    a.mask = make_mask_arg<scalar_t>(mask);
     a.scale =
-        ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);
+        make_scale_policy<scalar_t>(c, scale_factor, sh.head_dim, mode, log_base, temperature);
     a.causal = is_causal;
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "../reduction_math.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
 #include "row_kernels.h"
@@ -65,10 +66,8 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t l1 = stats[r].l, l2 = stats[r].u;
-    const acc_t denom = std::sqrt(static_cast<acc_t>(setup[r].n) * l2);
-    // An empty or all-zero row has no direction: 0, as the attention op's statistics.
-    a.out[(b * sh.heads + h) * sh.q_len + i0 + r] = denom > acc_t(0) || l2 != l2 ? l1 / denom : 0;
+    a.out[(b * sh.heads + h) * sh.q_len + i0 + r] =
+        attention_sparsity_value(stats[r].l, stats[r].u, setup[r].n);
   }
 }
 
@@ -94,9 +93,9 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
     SparsityArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
-    a.mask = MaskArg<scalar_t>::make(mask);
+    a.mask = make_mask_arg<scalar_t>(mask);
     a.scale =
-        ScalePolicy<scalar_t>::make(c, scale_factor, sh.head_dim, mode, log_base, temperature);
+        make_scale_policy<scalar_t>(c, scale_factor, sh.head_dim, mode, log_base, temperature);
     a.causal = is_causal;
     a.kind = k_kind;
     a.out = out.data_ptr<scalar_t>();

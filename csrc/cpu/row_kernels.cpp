@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "../reduction_math.h"
 #include "vec_exp.h"
 
 namespace entropy_attn::cpu {
@@ -61,14 +62,6 @@ EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p
   }
 }
 
-// The base b of a = b^p: relu(s) with p = 2 (relu^2), or s with p = 1 (identity); masked (-inf)
-// logits give 0, NaN stays NaN.
-template <typename acc_t>
-EA_ALWAYS_INLINE acc_t power_base(bool relu2, acc_t s) {
-  if (relu2) return s < acc_t(0) ? acc_t(0) : s;
-  return s == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : s;
-}
-
 template <typename acc_t>
 EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n, int64_t j0,
                                           int64_t limit, acc_t lam, const MaskRow<acc_t>& mask,
@@ -76,8 +69,6 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
   const acc_t smax = scaled_logits(s, n, j0, limit, lam, mask);
   if (smax != smax) st.l = smax;  // a row of only NaN and masked keys: NaN, as softmax gives
   const bool relu2 = kind == SparsityKind::kRelu2;
-  // a = b^p is homogeneous and S is scale-free, so the sums are kept relative to the running
-  // max |b| (st.m), as the softmax keeps them relative to its max: no overflow or underflow.
   acc_t bmax = 0;
 #pragma omp simd reduction(max : bmax)
   for (int64_t j = 0; j < n; ++j) {
@@ -85,13 +76,7 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
     const acc_t ab = b < acc_t(0) ? -b : b;
     bmax = ab > bmax ? ab : bmax;
   }
-  if (bmax > st.m) {
-    const acc_t rho = st.m > acc_t(0) ? st.m / bmax : acc_t(0);
-    const acc_t rho_p = relu2 ? rho * rho : rho;
-    st.l *= rho_p;
-    st.u *= rho_p * rho_p;
-    st.m = bmax;
-  }
+  rescale_power_sums(st, bmax, relu2);
   if (!(st.m > acc_t(0))) return;  // every weight so far is 0
   const acc_t inv = acc_t(1) / st.m;
   acc_t a1 = 0, a2 = 0;

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "../reduction_dim.h"
+#include "../reduction_math.h"
 
 namespace entropy_attn::cpu {
 namespace {
@@ -39,10 +40,7 @@ at::Tensor entropy_cpu(const at::Tensor& p, int64_t dim) {
   return reduce_rows(p, dim, "p", [](const auto* x, int64_t n) {
     using acc_t = at::opmath_type<std::remove_cv_t<std::remove_pointer_t<decltype(x)>>>;
     acc_t h = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const acc_t v = static_cast<acc_t>(x[j]);
-      h -= v == acc_t(0) ? acc_t(0) : v * std::log(v);  // 0 ln 0 = 0
-    }
+    for (int64_t j = 0; j < n; ++j) h += entropy_term(static_cast<acc_t>(x[j]));
     return h;
   });
 }
@@ -56,8 +54,7 @@ at::Tensor sparsity_cpu(const at::Tensor& a, int64_t dim) {
       l1 += std::abs(v);
       l2 += v * v;
     }
-    // mean|a| / sqrt(mean a^2) = l1 / sqrt(n * l2); an all-zero slice has no direction: 0.
-    return l2 == acc_t(0) ? acc_t(0) : l1 / std::sqrt(static_cast<acc_t>(n) * l2);
+    return sparsity_value(l1, l2, n);
   });
 }
 

@@ -1,0 +1,202 @@
+// CUDA backward kernels of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
+// section 3; the per-element math is online_stats.h's, shared with the CPU kernel).
+//
+// A preprocess kernel computes D~_i = row_delta(dO_i . O_i, ...) per query row. The main kernel
+// runs one thread block per (batch, query head, tile of kBN keys): it keeps K, V and the dK, dV
+// accumulators of its tile in shared memory and streams the query tiles that can see it,
+// recomputing p = e^{s - lse} from the saved lse:
+//   dV += P^T dO,  dP = dO V^T,  dS = logit_grad(p, dP, s, D~),  dK += (lambda dS)^T Q,
+//   G += dS K (fp32/fp64 atomics into a global accumulator; the host forms dq = lambda G and
+//   d lambda = q . G).
+#pragma once
+
+#include "../online_stats.h"
+#include "block_gemm.cuh"
+#include "device_utils.cuh"
+#include "params.h"
+
+namespace entropy_attn::cuda {
+
+template <typename T, int kD>
+struct BwdLayout {
+  using Acc = AccType<T>;
+  using OpT = std::conditional_t<kIs16Bit<T>, T, Acc>;  // P and dS as product operands
+  static constexpr int kBM = kIs16Bit<T> ? 32 : (std::is_same_v<T, float> && kD <= 64 ? 32 : 16);
+  static constexpr int kBN = kBM;
+  static constexpr int kLdT = padded_ld<T>(kD);     // K, V, Q, dO tiles
+  static constexpr int kLdS = padded_ld<Acc>(kBN);  // logits, dP
+  static constexpr int kLdP = padded_ld<OpT>(kBN);  // P, dS, lambda dS
+  static constexpr int kLdA = padded_ld<Acc>(kD);   // dK, dV accumulators
+  static constexpr size_t kTileT = align128(sizeof(T) * kBM * kLdT);
+  static constexpr size_t kTileS = align128(sizeof(Acc) * kBM * kLdS);
+  static constexpr size_t kTileP = align128(sizeof(OpT) * kBM * kLdP);
+  static constexpr size_t kTileA = align128(sizeof(Acc) * kBN * kLdA);
+  static constexpr size_t kRow = align128(sizeof(Acc) * kBM);
+  static constexpr size_t kK = 0, kV = kK + kTileT, kQ = kV + kTileT, kDO = kQ + kTileT;
+  static constexpr size_t kS = kDO + kTileT, kDP = kS + kTileS;
+  static constexpr size_t kP = kDP + kTileS, kDS = kP + kTileP, kDSL = kDS + kTileP;
+  static constexpr size_t kDK = kDSL + kTileP, kDV = kDK + kTileA;
+  // Per-row lse, lambda, D~, upstream entropy and sum_p2 gradients; then the key limits.
+  static constexpr size_t kRows = kDV + kTileA;
+  static constexpr size_t kLimit = kRows + 5 * kRow;
+  static constexpr size_t kScratch = kLimit + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
+  static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
+  // The grid: one block per (batch, query head, key tile).
+  static int64_t blocks(const AttentionArgs<Acc>& p) {
+    return (p.kv_len + kBN - 1) / kBN * p.batch * p.heads;
+  }
+};
+
+// The preprocess grid: one warp per query row.
+template <typename acc_t>
+int64_t preprocess_blocks(const AttentionArgs<acc_t>& p) {
+  return (p.batch * p.heads * p.q_len + kWarps - 1) / kWarps;
+}
+
+// D~_i (online_stats.h: row_delta), one warp per query row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_bwd_preprocess_kernel(const BwdParams<AccType<T>> p) {
+  using Acc = AccType<T>;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.batch * p.heads * p.q_len) return;
+  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
+  const T* o = static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
+  const T* d_o = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl;
+  Acc dot = 0;
+  for (int64_t d = lane; d < p.v_head_dim; d += 32) dot += to_acc(d_o[d]) * to_acc(o[d]);
+  dot = warp_sum(dot);
+  if (lane == 0) {
+    RowGrads<Acc> g;
+    g.g_lse = p.g_lse ? p.g_lse[row] : Acc(0);
+    g.g_entropy = p.g_entropy ? p.g_entropy[row] : Acc(0);
+    g.g_sum_p2 = p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
+    p.delta[row] = row_delta(dot, g, p.lse[row], p.entropy[row], p.sum_p2[row]);
+  }
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams<AccType<T>> p) {
+  using L = BwdLayout<T, kD>;
+  using Acc = typename L::Acc;
+  using OpT = typename L::OpT;
+  constexpr int kBM = L::kBM, kBN = L::kBN;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sdO = reinterpret_cast<T*>(smem + L::kDO);
+  Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
+  Acc* sdP = reinterpret_cast<Acc*>(smem + L::kDP);
+  OpT* sP = reinterpret_cast<OpT*>(smem + L::kP);
+  OpT* sdS = reinterpret_cast<OpT*>(smem + L::kDS);
+  OpT* sdSl = reinterpret_cast<OpT*>(smem + L::kDSL);
+  Acc* sdK = reinterpret_cast<Acc*>(smem + L::kDK);
+  Acc* sdV = reinterpret_cast<Acc*>(smem + L::kDV);
+  Acc* sLse = reinterpret_cast<Acc*>(smem + L::kRows);
+  Acc* sLam = reinterpret_cast<Acc*>(smem + L::kRows + L::kRow);
+  Acc* sDelta = reinterpret_cast<Acc*>(smem + L::kRows + 2 * L::kRow);
+  Acc* sGH = reinterpret_cast<Acc*>(smem + L::kRows + 3 * L::kRow);
+  Acc* sGU = reinterpret_cast<Acc*>(smem + L::kRows + 4 * L::kRow);
+  int64_t* sLimit = reinterpret_cast<int64_t*>(smem + L::kLimit);
+  float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
+
+  const BlockIndex blk = block_index((p.kv_len + kBN - 1) / kBN, p.heads, p.kv_heads);
+  const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, j0 = blk.tile * kBN;
+  const int cols = static_cast<int>(p.kv_len - j0 < kBN ? p.kv_len - j0 : kBN);
+  const int64_t D = p.head_dim, Dv = p.v_head_dim;
+  const int64_t row0 = blk.bh * p.q_len;  // first (B, H, Lq) row of this head
+
+  load_tile<kBN, kD>(sK, L::kLdT, static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh +
+                                      j0 * p.k.sl, p.k.sl, cols, D);
+  load_tile<kBN, kD>(sV, L::kLdT, static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh +
+                                      j0 * p.v.sl, p.v.sl, cols, Dv);
+  for (int e = threadIdx.x; e < kBN * kD; e += kThreads) {
+    sdK[(e / kD) * L::kLdA + e % kD] = Acc(0);
+    sdV[(e / kD) * L::kLdA + e % kD] = Acc(0);
+  }
+
+  // Causality: query rows i < j0 see none of this tile's keys.
+  const int64_t i_first = p.causal ? j0 / kBM * kBM : 0;
+  for (int64_t i0 = i_first; i0 < p.q_len; i0 += kBM) {
+    const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
+    const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
+    const T* d_o =
+        static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.sl;
+    load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, D);
+    load_tile<kBM, kD>(sdO, L::kLdT, d_o, p.dout.sl, rows, Dv);
+    for (int r = threadIdx.x; r < kBM; r += kThreads) {
+      const int64_t row = row0 + i0 + r;
+      const bool valid = r < rows;  // padding rows see no key, so p = dS = 0 there
+      sLimit[r] = valid ? key_limit(i0 + r, p.kv_len, p.causal) : 0;
+      sLse[r] = valid ? p.lse[row] : Acc(0);
+      sLam[r] = valid ? p.row_scale[row] : Acc(0);
+      sDelta[r] = valid ? p.delta[row] : Acc(0);
+      sGH[r] = valid && p.g_entropy ? p.g_entropy[row] : Acc(0);
+      sGU[r] = valid && p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
+    }
+    __syncthreads();
+
+    block_gemm<kBM, kBN, kD, false, true, Acc>(sQ, L::kLdT, sK, L::kLdT, scratch,
+                                               [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    __syncthreads();
+    // Logits and p = e^{s - lse} (0 where masked or outside the causal limit).
+    for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
+      const int r = e / kBN, c = e % kBN;
+      const int64_t j = j0 + c;
+      Acc s = neg_inf<Acc>(), pw = 0;
+      if (j < sLimit[r]) {
+        s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, sLam[r], sS[r * L::kLdS + c]);
+        if (s != neg_inf<Acc>()) pw = std::exp(s - sLse[r]);
+      }
+      sS[r * L::kLdS + c] = s;
+      sP[r * L::kLdP + c] = from_acc<OpT>(pw);
+    }
+    __syncthreads();
+    // dV += P^T dO ; dP = dO V^T
+    block_gemm<kBN, kD, kBM, true, false, Acc>(
+        sP, L::kLdP, sdO, L::kLdT, scratch, [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
+    block_gemm<kBM, kBN, kD, false, true, Acc>(
+        sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
+    __syncthreads();
+    for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
+      const int r = e / kBN, c = e % kBN;
+      const Acc s = sS[r * L::kLdS + c];
+      Acc ds = 0;
+      if (s != neg_inf<Acc>()) {
+        const Acc pw = std::exp(s - sLse[r]);
+        RowGrads<Acc> g;
+        g.g_entropy = sGH[r];
+        g.g_sum_p2 = sGU[r];
+        // p = 0 (underflow) contributes nothing, as on the CPU.
+        if (pw != Acc(0)) ds = logit_grad(pw, sdP[r * L::kLdS + c], s, sDelta[r], g);
+      }
+      sdS[r * L::kLdP + c] = from_acc<OpT>(ds);
+      sdSl[r * L::kLdP + c] = from_acc<OpT>(ds * sLam[r]);
+    }
+    __syncthreads();
+    // dK += (lambda dS)^T Q ; G += dS K
+    block_gemm<kBN, kD, kBM, true, false, Acc>(
+        sdSl, L::kLdP, sQ, L::kLdT, scratch, [=](int m, int n, Acc x) { sdK[m * L::kLdA + n] += x; });
+    Acc* const dq = p.dq_accum + (row0 + i0) * D;
+    const int dq_cols = static_cast<int>(D);
+    block_gemm<kBM, kD, kBN, false, false, Acc>(
+        sdS, L::kLdP, sK, L::kLdT, scratch, [=](int m, int n, Acc x) {
+          if (m < rows && n < dq_cols) atomicAdd(dq + m * dq_cols + n, x);
+        });
+    __syncthreads();
+  }
+
+  // dK, dV of this query head (the host sums them over the heads of a GQA group).
+  for (int e = threadIdx.x; e < kBN * kD; e += kThreads) {
+    const int c = e / kD, d = e % kD;
+    if (c >= cols) continue;
+    const int64_t key_row = blk.bh * p.kv_len + j0 + c;
+    if (d < D) p.dk[key_row * D + d] = sdK[c * L::kLdA + d];
+    if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
+  }
+}
+
+}  // namespace entropy_attn::cuda

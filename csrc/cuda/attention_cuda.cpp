@@ -1,0 +1,143 @@
+// The CUDA ops: attention_host.h prepares the tensors and kernel parameters; this file checks the
+// device's shared memory, guards the device and launches on its current stream. Registered for the
+// CUDA dispatch key.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "attention_host.h"
+#include "launch.h"
+
+namespace entropy_attn::cuda {
+namespace {
+
+// Calls f(std::type_identity<T>{}) with T the CUDA type of `dtype`.
+template <typename F>
+void dispatch_cuda_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(std::type_identity<float>{});
+    case at::kDouble: return f(std::type_identity<double>{});
+    case at::kHalf: return f(std::type_identity<__half>{});
+    case at::kBFloat16: return f(std::type_identity<__nv_bfloat16>{});
+    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", dtype);
+  }
+}
+
+// Raises unless the current device grants `bytes` of shared memory to one block (an A100 or H100
+// does for every kernel; GPUs with 99 KB per block lack it for some head dims above 128).
+void check_shared_memory(size_t bytes, const char* kernel) {
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  TORCH_CHECK(bytes <= static_cast<size_t>(optin), "the ", kernel,
+              " kernel for this head_dim and dtype needs ", bytes,
+              " bytes of shared memory per block, but CUDA device ", static_cast<int>(device),
+              " allows ", optin, ": use a head_dim of at most 128, or float16/bfloat16");
+}
+
+AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                const std::optional<at::Tensor>& scale, bool is_causal,
+                                std::optional<double> scale_factor, c10::string_view scale_mode,
+                                double temperature, double log_base, bool enable_gqa) {
+  const ForwardCall call =
+      prepare_forward(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
+                      temperature, log_base, enable_gqa);
+  const AttentionShape& sh = call.shape;
+  if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
+  const c10::cuda::CUDAGuard guard(query.device());
+  dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    check_shared_memory(attention_forward_smem_bytes<T>(std::max(sh.head_dim, sh.v_head_dim)),
+                        "attention forward");
+    C10_CUDA_CHECK(launch_attention_forward<T>(call.params<AccType<T>>(),
+                                               c10::cuda::getCurrentCUDAStream()));
+  });
+  return call.outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool is_causal) {
+  const BackwardCall call =
+      prepare_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value,
+                       attn_mask, output, lse, entropy, sum_p2, row_scale, is_causal);
+  const AttentionShape& sh = call.shape;
+  if (call.delta.numel() > 0 || call.dk.numel() > 0) {
+    const c10::cuda::CUDAGuard guard(query.device());
+    dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      check_shared_memory(attention_backward_smem_bytes<T>(std::max(sh.head_dim, sh.v_head_dim)),
+                          "attention backward");
+      C10_CUDA_CHECK(launch_attention_backward<T>(call.params<AccType<T>>(),
+                                                  c10::cuda::getCurrentCUDAStream()));
+    });
+  }
+  return call.finish();
+}
+
+at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& key,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& scale, c10::string_view kind,
+                                   bool is_causal, std::optional<double> scale_factor,
+                                   c10::string_view scale_mode, double temperature,
+                                   double log_base, bool enable_gqa) {
+  const SparsityCall call =
+      prepare_attention_sparsity(query, key, attn_mask, scale, kind, is_causal, scale_factor,
+                                 scale_mode, temperature, log_base, enable_gqa);
+  if (call.out.numel() == 0) return call.out;
+  const c10::cuda::CUDAGuard guard(query.device());
+  dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    check_shared_memory(attention_sparsity_smem_bytes<T>(call.shape.head_dim),
+                        "attention_sparsity");
+    C10_CUDA_CHECK(launch_attention_sparsity<T>(call.params<AccType<T>>(),
+                                                c10::cuda::getCurrentCUDAStream()));
+  });
+  return call.out;
+}
+
+// entropy / sparsity: rows along `dim`, made contiguous, one warp each.
+template <typename Launch>
+at::Tensor reduce_rows_cuda(const at::Tensor& x, int64_t dim, const char* name, Launch launch) {
+  const RowReductionCall call = prepare_row_reduction(x, dim, name);
+  if (call.out.numel() == 0) return call.out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  dispatch_cuda_type(x.scalar_type(), [&](auto tag) {
+    C10_CUDA_CHECK(launch(tag, call.params(), c10::cuda::getCurrentCUDAStream()));
+  });
+  return call.out;
+}
+
+at::Tensor entropy_cuda(const at::Tensor& p, int64_t dim) {
+  return reduce_rows_cuda(p, dim, "p", [](auto tag, const RowReductionParams& rp, cudaStream_t s) {
+    return launch_row_entropy<typename decltype(tag)::type>(rp, s);
+  });
+}
+
+at::Tensor sparsity_cuda(const at::Tensor& a, int64_t dim) {
+  return reduce_rows_cuda(a, dim, "a", [](auto tag, const RowReductionParams& rp, cudaStream_t s) {
+    return launch_row_sparsity<typename decltype(tag)::type>(rp, s);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("attention_backward", &attention_backward_cuda);
+  m.impl("attention_sparsity", &attention_sparsity_cuda);
+  m.impl("entropy", &entropy_cuda);
+  m.impl("sparsity", &sparsity_cuda);
+}
+
+}  // namespace entropy_attn::cuda

@@ -1,0 +1,218 @@
+// CUDA forward kernel of the fused attention with per-row statistics (FlashAttention-2 structure).
+//
+// One thread block per (batch, head, tile of kBM query rows). The block keeps its query tile, the
+// running output O (fp32/fp64) and the per-row state of online_stats.h in shared memory, and streams
+// key/value tiles of kBN keys through shared memory: S = Q K^T, the row pass (logits, running max,
+// p = e^{s - m}, l/t/u sums: the same functions the CPU kernel uses), then O = alpha O + P V. No
+// L_q x L_k buffer exists; lse is written for the backward.
+#pragma once
+
+#include "../online_stats.h"
+#include "block_gemm.cuh"
+#include "device_utils.cuh"
+#include "params.h"
+
+namespace entropy_attn::cuda {
+
+// Tile sizes per input type and head-dim bucket, chosen so that the shared memory of a block stays
+// within 99 KB (every GPU since sm_80 but the A100/H100 class) where the head dim allows.
+template <typename T, int kD>
+struct FwdTiles {
+  static constexpr bool k16 = kIs16Bit<T>, k64 = std::is_same_v<T, double>;
+  static constexpr int kBM = k16 ? (kD <= 128 ? 64 : 32) : k64 ? (kD <= 64 ? 32 : 16)
+                                                               : (kD <= 64 ? 64 : kD <= 128 ? 32 : 16);
+  static constexpr int kBN = k16 ? (kD <= 64 ? 64 : 32) : kBM;
+};
+
+template <typename T, int kD>
+struct FwdLayout : FwdTiles<T, kD> {
+  using Acc = AccType<T>;
+  // P's type in P V: the input type on tensor cores, else the accumulate type, then P overwrites S.
+  using OpT = std::conditional_t<kIs16Bit<T>, T, Acc>;
+  static constexpr bool kPInPlace = std::is_same_v<OpT, Acc>;
+  using FwdTiles<T, kD>::kBM;
+  using FwdTiles<T, kD>::kBN;
+  static constexpr int kLdT = padded_ld<T>(kD);     // Q, K, V tiles
+  static constexpr int kLdS = padded_ld<Acc>(kBN);  // scores
+  static constexpr int kLdP = padded_ld<OpT>(kBN);  // weights
+  static constexpr int kLdO = padded_ld<Acc>(kD);   // output accumulator
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kK = kQ + align128(sizeof(T) * kBM * kLdT);
+  static constexpr size_t kV = kK + align128(sizeof(T) * kBN * kLdT);
+  static constexpr size_t kS = kV + align128(sizeof(T) * kBN * kLdT);
+  static constexpr size_t kP = kS + align128(sizeof(Acc) * kBM * kLdS);
+  static constexpr size_t kO = kP + (kPInPlace ? 0 : align128(sizeof(OpT) * kBM * kLdP));
+  static constexpr size_t kStats = kO + align128(sizeof(Acc) * kBM * kLdO);
+  static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
+  static constexpr size_t kAlpha = kLam + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kFactor = kAlpha + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kLimit = kFactor + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kN = kLimit + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kScratch = kN + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
+  static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
+  // The grid: one block per (batch, head, query tile).
+  static int64_t blocks(const AttentionArgs<Acc>& p) {
+    return (p.q_len + kBM - 1) / kBM * p.batch * p.heads;
+  }
+};
+
+// Per-row state of a query tile in shared memory, set up before the key loop.
+template <typename Acc>
+struct TileRows {
+  RowStats<Acc>* stats;  // the online state of online_stats.h
+  Acc* lam;              // lambda_i
+  Acc* factor;           // g(n_i) / temperature
+  int64_t* limit;        // causal key limit
+  int64_t* n;            // n_i
+};
+
+// Row setup of the tile, one warp per row: the causal key limit, n_i (a warp-wide count of the
+// mask's allowed keys), g(n_i) / temperature and lambda_i (scale_policy.h via ScalePolicy).
+template <typename Acc>
+__device__ void setup_rows(const AttentionArgs<Acc>& a, const ScalePolicy<Acc>& scale, int64_t b,
+                           int64_t h, int64_t i0, int rows, int tile_rows, const TileRows<Acc>& t) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < tile_rows; r += kWarps) {
+    const int64_t i = i0 + r;
+    const int64_t lim = r < rows ? key_limit(i, a.kv_len, a.causal) : 0;  // padding rows: no key
+    int64_t n = lim;
+    if (a.mask.kind != MaskKind::kNone && r < rows) {
+      const int64_t off = a.mask.row_offset(b, h, i);
+      n = 0;
+      for (int64_t j = lane; j < lim; j += 32) n += a.mask.counts(off, j);
+      n = warp_sum(n);
+    }
+    const Acc factor = scale.factor(n);
+    const Acc lam = r < rows ? scale.lambda(b, h, i, factor) : Acc(0);
+    if (lane == 0) {
+      t.stats[r] = RowStats<Acc>{};
+      t.lam[r] = lam, t.factor[r] = factor, t.limit[r] = lim, t.n[r] = n;
+    }
+  }
+}
+
+// The row pass over one key tile, one warp per row: raw scores in s[0, kBN) become logits (scale,
+// mask, causality), the running state moves to the new max (online_stats.h: rescale), and
+// p = e^{s - m} goes to pw with l, t, u accumulated. alpha = e^{m_old - m_new} rescales the row's
+// output in the P V epilogue.
+template <int kBN, typename Acc, typename OpT>
+__device__ __forceinline__ void softmax_row(const MaskArg<Acc>& mask, int64_t mask_off, int64_t j0,
+                                            int64_t limit, Acc lam, Acc* s, OpT* pw,
+                                            RowStats<Acc>& state, Acc& alpha_out) {
+  const int lane = threadIdx.x % 32;
+  Acc mx = neg_inf<Acc>();
+  for (int c = lane; c < kBN; c += 32) {
+    const int64_t j = j0 + c;
+    const Acc x = j < limit ? mask.logit(mask_off, j, lam, s[c]) : neg_inf<Acc>();
+    s[c] = x;
+    mx = nan_max(mx, x);
+  }
+  mx = warp_max(mx);
+  RowStats<Acc> st = state;  // every lane holds the same state and computes the same update
+  Acc alpha = 1;
+  if (!(mx <= st.m)) alpha = rescale(st, mx);  // a larger max, or NaN
+  // While no key of the row has been allowed (m = -inf) every weight is 0, and s - m would be
+  // -inf - -inf = NaN.
+  const bool any_allowed = st.m != neg_inf<Acc>();
+  Acc l = 0, t = 0, u = 0;
+  for (int c = lane; c < kBN; c += 32) {
+    const Acc x = s[c] - st.m;  // -inf for masked keys
+    Acc e = 0;
+    if (any_allowed && x != neg_inf<Acc>()) {
+      e = std::exp(x);
+      accumulate(l, t, u, x, e);
+    }
+    pw[c] = from_acc<OpT>(e);
+  }
+  l = warp_sum(l), t = warp_sum(t), u = warp_sum(u);
+  st.l += l, st.t += t, st.u += u;
+  __syncwarp();
+  if (lane == 0) state = st, alpha_out = alpha;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams<AccType<T>> p) {
+  using L = FwdLayout<T, kD>;
+  using Acc = typename L::Acc;
+  using OpT = typename L::OpT;
+  constexpr int kBM = L::kBM, kBN = L::kBN;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
+  OpT* sP = reinterpret_cast<OpT*>(smem + L::kP);
+  Acc* sO = reinterpret_cast<Acc*>(smem + L::kO);
+  const TileRows<Acc> tr{reinterpret_cast<RowStats<Acc>*>(smem + L::kStats),
+                         reinterpret_cast<Acc*>(smem + L::kLam),
+                         reinterpret_cast<Acc*>(smem + L::kFactor),
+                         reinterpret_cast<int64_t*>(smem + L::kLimit),
+                         reinterpret_cast<int64_t*>(smem + L::kN)};
+  Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);
+  float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
+
+  const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
+  const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, i0 = blk.tile * kBM;
+  const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
+
+  load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, p.head_dim);
+  for (int e = threadIdx.x; e < kBM * kD; e += kThreads) sO[(e / kD) * L::kLdO + e % kD] = Acc(0);
+  setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
+  __syncthreads();
+
+  // Causality: no row of the tile sees keys past the last row's limit.
+  const int64_t kv_end = key_limit(i0 + rows - 1, p.kv_len, p.causal);
+  const int warp = threadIdx.x / 32;
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kBN) {
+    const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
+    load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
+    load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim);
+    __syncthreads();
+    block_gemm<kBM, kBN, kD, false, true, Acc>(
+        sQ, L::kLdT, sK, L::kLdT, scratch,
+        [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    __syncthreads();
+    for (int r = warp; r < kBM; r += kWarps) {
+      if (r < rows) {
+        softmax_row<kBN>(p.mask, p.mask.row_offset(b, h, i0 + r), j0, tr.limit[r], tr.lam[r],
+                         sS + r * L::kLdS, sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
+      } else {
+        for (int c = threadIdx.x % 32; c < kBN; c += 32) sP[r * L::kLdP + c] = from_acc<OpT>(Acc(0));
+        if (threadIdx.x % 32 == 0) sAlpha[r] = Acc(0);
+      }
+    }
+    __syncthreads();
+    block_gemm<kBM, kD, kBN, false, false, Acc>(
+        sP, L::kLdP, sV, L::kLdT, scratch, [=](int m, int n, Acc x) {
+          Acc& o = sO[m * L::kLdO + n];
+          o = o * sAlpha[m] + x;
+        });
+    __syncthreads();
+  }
+
+  // Finish each row: O / l and the statistics (online_stats.h: finalize).
+  const int lane = threadIdx.x % 32;
+  T* out = static_cast<T*>(p.out);
+  for (int r = warp; r < rows; r += kWarps) {
+    const RowResult<Acc> res = finalize(tr.stats[r]);
+    const int64_t row = blk.bh * p.q_len + i0 + r;
+    for (int64_t d = lane; d < p.v_head_dim; d += 32) {
+      out[row * p.v_head_dim + d] = from_acc<T>(sO[r * L::kLdO + d] * res.inv_l);
+    }
+    if (lane == 0) {
+      p.n_keys[row] = tr.n[r];
+      p.row_scale[row] = tr.lam[r];
+      p.length_factor[row] = tr.factor[r];
+      p.lse[row] = res.lse;
+      p.entropy[row] = res.entropy;
+      p.sum_p2[row] = res.sum_p2;
+      p.max_weight[row] = res.max_weight;
+    }
+  }
+}
+
+}  // namespace entropy_attn::cuda

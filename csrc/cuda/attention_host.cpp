@@ -1,0 +1,229 @@
+#include "attention_host.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "../reduction_dim.h"
+
+namespace entropy_attn::cuda {
+namespace {
+
+View4 view_of(const at::Tensor& t) {
+  return {t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename acc_t>
+void fill_attention_args(AttentionArgs<acc_t>& a, const AttentionShape& sh, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask, bool causal) {
+  a.q = view_of(q), a.k = view_of(k), a.v = view_of(v);
+  a.batch = sh.batch, a.heads = sh.heads, a.kv_heads = sh.kv_heads;
+  a.q_len = sh.q_len, a.kv_len = sh.kv_len, a.head_dim = sh.head_dim, a.v_head_dim = sh.v_head_dim;
+  a.mask = make_mask_arg<acc_t>(mask);
+  a.causal = causal;
+}
+
+template <typename acc_t>
+const acc_t* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<acc_t>() : nullptr;
+}
+
+}  // namespace
+
+void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(s.head_dim <= kMaxHeadDim && s.v_head_dim <= kMaxHeadDim,
+                    "head_dim and v_head_dim must be at most ", kMaxHeadDim,
+                    " on CUDA, got head_dim=", s.head_dim, " and v_head_dim=", s.v_head_dim);
+  TORCH_CHECK_VALUE(
+      dtype != at::kDouble ||
+          (s.head_dim <= kMaxHeadDimFloat64 && s.v_head_dim <= kMaxHeadDimFloat64),
+      "float64 attention on CUDA supports head_dim and v_head_dim up to ", kMaxHeadDimFloat64,
+      ", got head_dim=", s.head_dim, " and v_head_dim=", s.v_head_dim,
+      ": use float32, or run float64 on the CPU");
+  // The kernels index their grids (batch x heads x tiles of at least 16 rows) in 32 bits.
+  const int64_t blocks = s.batch * s.heads * ((std::max(s.q_len, s.kv_len) + 15) / 16);
+  TORCH_CHECK_VALUE(blocks < std::numeric_limits<int32_t>::max(),
+                    "batch * heads * ceil(max(q_len, kv_len) / 16) = ", blocks,
+                    " exceeds the CUDA kernels' grid limit of 2^31 - 1 thread blocks: split the "
+                    "batch");
+}
+
+ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                            const std::optional<at::Tensor>& scale, bool is_causal,
+                            std::optional<double> scale_factor, std::string_view scale_mode,
+                            double temperature, double log_base, bool enable_gqa) {
+  ForwardCall f;
+  f.shape = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor, scale_mode,
+                                   temperature, log_base, enable_gqa);
+  const AttentionShape& sh = f.shape;
+  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
+  check_cuda_limits(sh, dtype);
+  f.causal = is_causal;
+  f.q = with_unit_last_stride(query, dtype);
+  f.k = with_unit_last_stride(key, dtype);
+  f.v = with_unit_last_stride(value, dtype);
+  if (attn_mask.has_value()) f.mask = expand_mask(*attn_mask, sh, acc);
+  if (scale.has_value()) f.c = expand_scale(*scale, sh, acc);
+  f.scale_factor = scale_factor;
+  f.mode = parse_scale_mode(scale_mode);
+  f.log_base = log_base, f.temperature = temperature;
+
+  const auto stat = query.options().dtype(acc);
+  auto row = [&] { return at::empty({sh.batch, sh.heads, sh.q_len}, stat); };
+  f.outputs = {at::empty({sh.batch, sh.heads, sh.q_len, sh.v_head_dim}, query.options()),
+               row(),
+               row(),
+               row(),
+               row(),
+               at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(at::kLong)),
+               row(),
+               row()};
+  return f;
+}
+
+template <typename acc_t>
+FwdParams<acc_t> ForwardCall::params() const {
+  FwdParams<acc_t> p;
+  fill_attention_args(p, shape, q, k, v, mask, causal);
+  p.scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] = outputs;
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<acc_t>(), p.entropy = entropy.data_ptr<acc_t>();
+  p.sum_p2 = sum_p2.data_ptr<acc_t>(), p.max_weight = max_weight.data_ptr<acc_t>();
+  p.row_scale = row_scale.data_ptr<acc_t>(), p.length_factor = length_factor.data_ptr<acc_t>();
+  p.n_keys = n_keys.data_ptr<int64_t>();
+  return p;
+}
+template FwdParams<float> ForwardCall::params<float>() const;
+template FwdParams<double> ForwardCall::params<double>() const;
+
+BackwardCall prepare_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool is_causal) {
+  BackwardCall c;
+  c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2,
+                                            query, key, value, attn_mask, output, lse, entropy,
+                                            sum_p2, row_scale);
+  const AttentionShape& sh = c.shape;
+  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
+  check_cuda_limits(sh, dtype);
+  c.causal = is_causal;
+  c.key_dtype = key.scalar_type(), c.value_dtype = value.scalar_type();
+  c.row_scale_dtype = row_scale.scalar_type();
+  c.q = with_unit_last_stride(query, dtype);
+  c.k = with_unit_last_stride(key, dtype);
+  c.v = with_unit_last_stride(value, dtype);
+  c.out = with_unit_last_stride(output, dtype);
+  c.dout = with_unit_last_stride(grad_output, dtype);
+  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, sh, acc);
+  auto row_stat = [&](const at::Tensor& t) { return t.to(acc).contiguous(); };
+  auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? row_stat(*t) : at::Tensor();
+  };
+  c.lse = row_stat(lse), c.entropy = row_stat(entropy), c.sum_p2 = row_stat(sum_p2);
+  c.row_scale = row_stat(row_scale);
+  c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
+  c.g_sum_p2 = opt_row_stat(grad_sum_p2);
+
+  const auto opts = query.options().dtype(acc);
+  c.delta = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+  c.g = at::zeros({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+  // Every (key row, head) is written by the kernel, including keys no query sees (zeros).
+  c.dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
+  c.dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
+  return c;
+}
+
+template <typename acc_t>
+BwdParams<acc_t> BackwardCall::params() const {
+  BwdParams<acc_t> p;
+  fill_attention_args(p, shape, q, k, v, mask, causal);
+  p.out = view_of(out), p.dout = view_of(dout);
+  p.lse = lse.const_data_ptr<acc_t>(), p.entropy = entropy.const_data_ptr<acc_t>();
+  p.sum_p2 = sum_p2.const_data_ptr<acc_t>(), p.row_scale = row_scale.const_data_ptr<acc_t>();
+  p.g_lse = ptr_or_null<acc_t>(g_lse), p.g_entropy = ptr_or_null<acc_t>(g_entropy);
+  p.g_sum_p2 = ptr_or_null<acc_t>(g_sum_p2);
+  p.delta = delta.data_ptr<acc_t>();
+  p.dq_accum = g.data_ptr<acc_t>(), p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
+  return p;
+}
+template BwdParams<float> BackwardCall::params<float>() const;
+template BwdParams<double> BackwardCall::params<double>() const;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> BackwardCall::finish() const {
+  const AttentionShape& sh = shape;
+  // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
+  const at::Tensor dq = g * row_scale.unsqueeze(-1);
+  const at::Tensor dlam = (q.to(g.scalar_type()) * g).sum(-1);
+  at::Tensor dk_sum = dk, dv_sum = dv;
+  if (sh.heads != sh.kv_heads) {  // GQA: sum the per-query-head dK, dV over each group
+    dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);
+    dv_sum = dv.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.v_head_dim}).sum(2);
+  }
+  return {dq.to(q.scalar_type()), dk_sum.to(key_dtype), dv_sum.to(value_dtype),
+          dlam.to(row_scale_dtype)};
+}
+
+SparsityCall prepare_attention_sparsity(const at::Tensor& query, const at::Tensor& key,
+                                        const std::optional<at::Tensor>& attn_mask,
+                                        const std::optional<at::Tensor>& scale,
+                                        std::string_view kind, bool is_causal,
+                                        std::optional<double> scale_factor,
+                                        std::string_view scale_mode, double temperature,
+                                        double log_base, bool enable_gqa) {
+  SparsityCall c;
+  c.shape = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor, scale_mode,
+                                   temperature, log_base, enable_gqa);
+  const AttentionShape& sh = c.shape;
+  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
+  c.kind = parse_sparsity_kind(kind);
+  check_cuda_limits(sh, dtype);
+  c.causal = is_causal;
+  c.q = with_unit_last_stride(query, dtype);
+  c.k = with_unit_last_stride(key, dtype);
+  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, sh, acc);
+  if (scale.has_value()) c.c = expand_scale(*scale, sh, acc);
+  c.scale_factor = scale_factor;
+  c.mode = parse_scale_mode(scale_mode);
+  c.log_base = log_base, c.temperature = temperature;
+  c.out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
+  return c;
+}
+
+template <typename acc_t>
+SparsityParams<acc_t> SparsityCall::params() const {
+  SparsityParams<acc_t> p;
+  fill_attention_args(p, shape, q, k, k, mask, causal);
+  p.scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+  p.kind = kind;
+  p.out = out.data_ptr<acc_t>();
+  return p;
+}
+template SparsityParams<float> SparsityCall::params<float>() const;
+template SparsityParams<double> SparsityCall::params<double>() const;
+
+RowReductionCall prepare_row_reduction(const at::Tensor& x, int64_t dim, const char* name) {
+  const int64_t d = checked_reduction_dim(x, dim, name);
+  RowReductionCall c;
+  c.rows = x.movedim(d, -1).contiguous();
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.erase(out_sizes.begin() + d);
+  c.out = at::empty(out_sizes, x.options());
+  TORCH_CHECK_VALUE(c.out.numel() / 4 < std::numeric_limits<int32_t>::max(), name, " has ",
+                    c.out.numel(), " rows, more than the CUDA kernel's grid allows");
+  return c;
+}
+
+RowReductionParams RowReductionCall::params() const {
+  return {rows.const_data_ptr(), out.data_ptr(), out.numel(), rows.size(-1)};
+}
+
+}  // namespace entropy_attn::cuda

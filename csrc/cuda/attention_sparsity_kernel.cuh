@@ -1,0 +1,131 @@
+// CUDA kernel of the fused l1/l2 sparsity of general attention a_ij = f(s_ij) (seed 003):
+// S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2), f = exp (softmax), relu^2 or identity, with the
+// logits, masks, causality and scale policies of the attention op. The forward's structure without
+// values: one block per (batch, head, query tile) streams key tiles through shared memory; the row
+// sums come from online_stats.h (exp) and reduction_math.h (powers), as on the CPU.
+#pragma once
+
+#include "../reduction_math.h"
+#include "attention_fwd_kernel.cuh"
+
+namespace entropy_attn::cuda {
+
+template <typename T, int kD>
+struct SparsityLayout : FwdTiles<T, kD> {
+  using Acc = AccType<T>;
+  using FwdTiles<T, kD>::kBM;
+  using FwdTiles<T, kD>::kBN;
+  static constexpr int kLdT = padded_ld<T>(kD);
+  static constexpr int kLdS = padded_ld<Acc>(kBN);
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kK = kQ + align128(sizeof(T) * kBM * kLdT);
+  static constexpr size_t kS = kK + align128(sizeof(T) * kBN * kLdT);
+  static constexpr size_t kStats = kS + align128(sizeof(Acc) * kBM * kLdS);
+  static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
+  static constexpr size_t kFactor = kLam + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kAlpha = kFactor + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kLimit = kAlpha + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kN = kLimit + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kScratch = kN + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
+  static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
+  static int64_t blocks(const AttentionArgs<Acc>& p) {
+    return (p.q_len + kBM - 1) / kBM * p.batch * p.heads;
+  }
+};
+
+// One row of a key tile for a = relu(s)^2 or s, one warp per row: raw scores become logits, and
+// the power sums l1 (st.l) and l2 (st.u) grow, relative to the running max |b| (st.m).
+template <int kBN, typename Acc>
+__device__ __forceinline__ void power_sums_row(bool relu2, const MaskArg<Acc>& mask,
+                                               int64_t mask_off, int64_t j0, int64_t limit,
+                                               Acc lam, Acc* s, RowStats<Acc>& state) {
+  const int lane = threadIdx.x % 32;
+  Acc mx = neg_inf<Acc>(), bmax = 0;
+  for (int c = lane; c < kBN; c += 32) {
+    const int64_t j = j0 + c;
+    const Acc x = j < limit ? mask.logit(mask_off, j, lam, s[c]) : neg_inf<Acc>();
+    s[c] = x;
+    mx = nan_max(mx, x);
+    const Acc b = power_base(relu2, x);
+    const Acc ab = b < Acc(0) ? -b : b;
+    bmax = ab > bmax ? ab : bmax;
+  }
+  mx = warp_max(mx);
+  bmax = warp_max(bmax);
+  RowStats<Acc> st = state;
+  if (mx != mx) st.l = mx;  // a NaN logit makes the row NaN, as softmax does
+  rescale_power_sums(st, bmax, relu2);
+  if (st.m > Acc(0)) {  // else every weight so far is 0
+    const Acc inv = Acc(1) / st.m;
+    Acc a1 = 0, a2 = 0;
+    for (int c = lane; c < kBN; c += 32) {
+      const Acc x = power_base(relu2, s[c]) * inv;
+      const Acc a = relu2 ? x * x : x;
+      a1 += a < Acc(0) ? -a : a;
+      a2 += a * a;
+    }
+    st.l += warp_sum(a1);
+    st.u += warp_sum(a2);
+  }
+  __syncwarp();
+  if (lane == 0) state = st;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+    attention_sparsity_kernel(const SparsityParams<AccType<T>> p) {
+  using L = SparsityLayout<T, kD>;
+  using Acc = typename L::Acc;
+  constexpr int kBM = L::kBM, kBN = L::kBN;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
+  const TileRows<Acc> tr{reinterpret_cast<RowStats<Acc>*>(smem + L::kStats),
+                         reinterpret_cast<Acc*>(smem + L::kLam),
+                         reinterpret_cast<Acc*>(smem + L::kFactor),
+                         reinterpret_cast<int64_t*>(smem + L::kLimit),
+                         reinterpret_cast<int64_t*>(smem + L::kN)};
+  Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);  // unused e^{m_old - m_new}
+  float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
+
+  const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
+  const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, i0 = blk.tile * kBM;
+  const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
+  load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, p.head_dim);
+  setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
+  __syncthreads();
+
+  const int64_t kv_end = key_limit(i0 + rows - 1, p.kv_len, p.causal);
+  const int warp = threadIdx.x / 32;
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kBN) {
+    const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
+    load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
+    __syncthreads();
+    block_gemm<kBM, kBN, kD, false, true, Acc>(
+        sQ, L::kLdT, sK, L::kLdT, scratch,
+        [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    __syncthreads();
+    for (int r = warp; r < rows; r += kWarps) {
+      Acc* s = sS + r * L::kLdS;
+      const int64_t off = p.mask.row_offset(b, h, i0 + r);
+      if (p.kind == SparsityKind::kExp) {  // l1 = sum p = l and l2 = sum p^2 = u, relative to m
+        softmax_row<kBN>(p.mask, off, j0, tr.limit[r], tr.lam[r], s, s, tr.stats[r], sAlpha[r]);
+      } else {
+        power_sums_row<kBN>(p.kind == SparsityKind::kRelu2, p.mask, off, j0, tr.limit[r],
+                            tr.lam[r], s, tr.stats[r]);
+      }
+    }
+    __syncthreads();
+  }
+
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    p.out[blk.bh * p.q_len + i0 + r] =
+        attention_sparsity_value(tr.stats[r].l, tr.stats[r].u, tr.n[r]);
+  }
+}
+
+}  // namespace entropy_attn::cuda

@@ -1,0 +1,101 @@
+// Small device helpers of the CUDA kernels: type conversions, NaN-propagating max, warp reductions
+// and tile loads. Every kernel runs kThreads threads (kWarps warps) per block.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace entropy_attn::cuda {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+
+template <typename T>
+constexpr bool kIs16Bit = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+
+// Input values to the accumulate type (explicit intrinsics: torch builds with the implicit half
+// conversions disabled).
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Accumulate-type values to T, rounding to nearest.
+template <typename T>
+__device__ __forceinline__ T from_acc(float x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+template <typename T>
+__device__ __forceinline__ T from_acc(double x) {
+  static_assert(std::is_same_v<T, double>, "double accumulators only store double");
+  return x;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t neg_inf() {
+  return -std::numeric_limits<acc_t>::infinity();
+}
+
+// max that propagates NaN (fmax drops it): a NaN logit must make the row NaN, as on the CPU.
+template <typename acc_t>
+__device__ __forceinline__ acc_t nan_max(acc_t a, acc_t b) {
+  return (a > b || a != a) ? a : b;
+}
+
+template <typename V>
+__device__ __forceinline__ V warp_sum(V v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t warp_max(acc_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Copies rows [0, rows) x columns [0, cols) of a row-major source (row stride src_ld, unit column
+// stride) into a kRows x kCols shared-memory tile with leading dimension ld, zero-filling the rest:
+// padded rows and columns then add nothing to any product.
+template <int kRows, int kCols, typename T>
+__device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t src_ld, int rows,
+                                          int64_t cols) {
+  for (int e = threadIdx.x; e < kRows * kCols; e += kThreads) {
+    const int r = e / kCols, c = e % kCols;
+    dst[r * ld + c] = (r < rows && c < cols) ? src[r * src_ld + c] : from_acc<T>(0.0f);
+  }
+}
+
+// The (batch, head, tile) of this block in a 1-D grid of batch x heads x tiles blocks, tiles fastest;
+// also the key/value head of the query head (GQA). 32-bit division: the host keeps the grid below
+// 2^31 blocks, and 64-bit division would be a called subroutine (register spills around the call).
+struct BlockIndex {
+  int64_t bh, b, h, kvh, tile;  // bh = b * heads + h
+};
+__device__ __forceinline__ BlockIndex block_index(int64_t tiles, int64_t heads, int64_t kv_heads) {
+  const unsigned t = static_cast<unsigned>(tiles), nh = static_cast<unsigned>(heads);
+  const unsigned bh = blockIdx.x / t, h = bh % nh;
+  return {bh, bh / nh, h, h / (nh / static_cast<unsigned>(kv_heads)), blockIdx.x % t};
+}
+
+// Shared-memory layout helpers: 16 bytes of padding per row (WMMA needs leading dimensions that are
+// multiples of 16 bytes; the padding also spreads rows over banks), sections aligned to 128 bytes.
+template <typename T>
+constexpr int padded_ld(int n) {
+  return n + 16 / static_cast<int>(sizeof(T));
+}
+constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+}  // namespace entropy_attn::cuda

@@ -1,0 +1,78 @@
+// Kernel parameters of the CUDA ops: plain structs (pointers, sizes, strides) filled by the host code
+// (attention_cuda.cpp) and passed by value to the kernels, in the manner of flash-attention's
+// Flash_fwd_params. No ATen here: the .cu files include only CUDA headers and the project's own.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../kernel_args.h"
+
+namespace entropy_attn::cuda {
+
+// The accumulate type of an input type: double for double, float otherwise (as on the CPU).
+template <typename T>
+using AccType = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// A (B, heads, L, dim) tensor with a unit last stride: a pointer and its three outer strides.
+struct View4 {
+  const void* data = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0;
+};
+
+// What the forward and the backward both read: the inputs and the attention pattern.
+template <typename acc_t>
+struct AttentionArgs {
+  View4 q, k, v;
+  int64_t batch = 0, heads = 0, kv_heads = 0, q_len = 0, kv_len = 0, head_dim = 0, v_head_dim = 0;
+  MaskArg<acc_t> mask;
+  bool causal = false;
+};
+
+template <typename acc_t>
+struct FwdParams : AttentionArgs<acc_t> {
+  ScalePolicy<acc_t> scale;
+  // Outputs, contiguous: out (B, H, Lq, Dv) in the input type; the rest (B, H, Lq).
+  void* out = nullptr;
+  acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
+  acc_t *row_scale = nullptr, *length_factor = nullptr;
+  int64_t* n_keys = nullptr;
+};
+
+template <typename acc_t>
+struct BwdParams : AttentionArgs<acc_t> {
+  View4 out, dout;  // the forward output and its gradient (B, H, Lq, Dv)
+  // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
+  const acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *row_scale = nullptr;
+  const acc_t *g_lse = nullptr, *g_entropy = nullptr, *g_sum_p2 = nullptr;
+  acc_t* delta = nullptr;  // D~_i, written by the preprocess kernel
+  // Contiguous accumulators: G = sum_j dS_ij k_j (B, H, Lq, D), zero-filled by the caller (the
+  // host turns it into dq = lambda G and d lambda = q . G); dK and dV per query head (B, H, Lk, D)
+  // and (B, H, Lk, Dv), summed over GQA groups by the host.
+  acc_t *dq_accum = nullptr, *dk = nullptr, *dv = nullptr;
+};
+
+// attention_sparsity: the forward's inputs (v unused) and one output per row, (B, H, Lq) contiguous.
+template <typename acc_t>
+struct SparsityParams : AttentionArgs<acc_t> {
+  ScalePolicy<acc_t> scale;
+  SparsityKind kind = SparsityKind::kExp;
+  acc_t* out = nullptr;
+};
+
+// A row reduction (entropy or sparsity) of `rows` contiguous rows of length n.
+struct RowReductionParams {
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t rows = 0, n = 0;
+};
+
+// Head dims are padded up to a compiled bucket; 0 = larger than any (unsupported).
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDimFloat64 = 128;  // float64 tiles of 256 exceed an A100's shared memory
+inline int head_dim_bucket(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0; }
+
+}  // namespace entropy_attn::cuda

@@ -1,0 +1,43 @@
+// CUDA kernels of the row-reduction ops on a given attention matrix: entropy of normalized weights
+// and the l1/l2 sparsity of seed 003, one warp per contiguous row, accumulated in float (double for
+// double inputs) with the per-element formulas the CPU kernels use (reduction_math.h).
+#pragma once
+
+#include "../reduction_math.h"
+#include "device_utils.cuh"
+#include "params.h"
+
+namespace entropy_attn::cuda {
+
+// The grid: one warp per row.
+inline int64_t row_reduction_blocks(const RowReductionParams& p) {
+  return (p.rows + kWarps - 1) / kWarps;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_entropy_kernel(const RowReductionParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const T* x = static_cast<const T*>(p.in) + row * p.n;
+  AccType<T> h = 0;
+  for (int64_t j = threadIdx.x % 32; j < p.n; j += 32) h += entropy_term(to_acc(x[j]));
+  h = warp_sum(h);
+  if (threadIdx.x % 32 == 0) static_cast<T*>(p.out)[row] = from_acc<T>(h);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_sparsity_kernel(const RowReductionParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const T* x = static_cast<const T*>(p.in) + row * p.n;
+  AccType<T> l1 = 0, l2 = 0;
+  for (int64_t j = threadIdx.x % 32; j < p.n; j += 32) {
+    const AccType<T> v = to_acc(x[j]);
+    l1 += v < 0 ? -v : v;
+    l2 += v * v;
+  }
+  l1 = warp_sum(l1), l2 = warp_sum(l2);
+  if (threadIdx.x % 32 == 0) static_cast<T*>(p.out)[row] = from_acc<T>(sparsity_value(l1, l2, p.n));
+}
+
+}  // namespace entropy_attn::cuda

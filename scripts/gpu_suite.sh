@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The one command to run on a GPU machine: checks that a GPU is visible, sets up and builds the
+# extension with its CUDA kernels (scripts/setup.sh), runs the whole pytest suite (CPU and CUDA
+# tests; a CUDA test skipped for "no CUDA device" is a failure), the ptxas register/spill report
+# (scripts/ptxas_report.py, if present) and the GPU benchmark against SDPA
+# (benchmarks/gpu_vs_sdpa.py, which writes results/gpu/benchmark.md). Prints a summary with
+# timings; exits non-zero if any step failed (later steps still run, so one run shows everything).
+#
+#   bash scripts/gpu_suite.sh                    # everything
+#   bash scripts/gpu_suite.sh -x --maxfail=5     # extra arguments are pytest options (it runs tests/)
+#   SKIP_SETUP=1 bash scripts/gpu_suite.sh       # reuse the current build (no scripts/setup.sh)
+#   SKIP_BENCH=1 bash scripts/gpu_suite.sh       # tests only
+#   BENCH_ARGS="--seq 1024 4096" bash scripts/gpu_suite.sh   # arguments for the benchmark
+#   RUN_CPP=1 bash scripts/gpu_suite.sh          # also the C++ suite (CMake + CTest)
+#
+# Logs go to build/gpu_suite/ (pytest.log, ptxas.log, benchmark.log).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+LOG_DIR=${LOG_DIR:-build/gpu_suite}
+mkdir -p "$LOG_DIR"
+
+# --- bookkeeping: per-step status and time, printed at exit --------------------------------------
+suite_start=$(date +%s)
+declare -a summary=()
+overall_rc=0
+step_start=$suite_start
+begin() {  # begin NAME: announce a step and start its clock
+  step_name=$1
+  step_start=$(date +%s)
+  echo
+  echo "=== ${step_name}"
+}
+finish() {  # finish STATUS: record the current step as ok / FAILED (...) / skipped (...)
+  local status=$1
+  summary+=("$(printf '%-40s %6ds  %s' "$step_name" $(($(date +%s) - step_start)) "$status")")
+  echo "=== ${step_name}: ${status} ($(($(date +%s) - step_start))s)"
+  if [[ $status == FAILED* ]]; then overall_rc=1; fi
+}
+print_summary() {
+  local rc=$?
+  if ((rc != 0)); then overall_rc=$rc; fi
+  echo
+  echo "=== gpu_suite summary"
+  printf '  %s\n' "${summary[@]}"
+  echo "  total $(($(date +%s) - suite_start))s, exit code ${overall_rc}; logs in ${LOG_DIR}/"
+  exit "$overall_rc"
+}
+trap print_summary EXIT
+
+# --- 1. a GPU must be visible -------------------------------------------------------------------
+# nvidia-smi first (torch may not be installed yet: setup installs it); the torch check follows
+# the setup. A machine without a GPU stops here: this script would only measure skips.
+begin "GPU visible (nvidia-smi)"
+if ! command -v nvidia-smi >/dev/null; then
+  echo "nvidia-smi not found: is this a GPU machine with the NVIDIA driver installed?"
+  finish "FAILED (no nvidia-smi)"
+  exit 1
+fi
+if ! nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader; then
+  finish "FAILED (nvidia-smi sees no GPU)"
+  exit 1
+fi
+finish ok
+
+# --- 2. setup and build (the CUDA kernels are compiled when torch is a CUDA build) ---------------
+begin "setup + build (scripts/setup.sh)"
+if [[ ${SKIP_SETUP:-0} != 0 ]]; then
+  finish "skipped (SKIP_SETUP)"
+else
+  if bash scripts/setup.sh; then finish ok; else
+    finish "FAILED (scripts/setup.sh)"
+    exit 1
+  fi
+fi
+
+# --- 3. torch sees the GPU and the extension has CUDA kernels ------------------------------------
+begin "torch.cuda + CUDA kernels registered"
+if "$PYTHON" - <<'PY'
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} (CUDA {torch.version.cuda}): torch.cuda.is_available() is False")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+try:
+    import torch_ext
+except ImportError:  # not installed: use this checkout (built in place)
+    sys.path.insert(0, ".")
+    import torch_ext
+print("torch_ext from", torch_ext.__file__)
+ops = ("attention", "attention_backward", "entropy", "sparsity", "attention_sparsity")
+missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"entropy_attn::{op}", "CUDA")]
+if missing:
+    sys.exit(f"no CUDA kernel registered for: {', '.join(missing)} (was the extension built with CUDA?)")
+print("CUDA kernels registered for", ", ".join(ops))
+PY
+then finish ok; else
+  finish "FAILED"
+  exit 1
+fi
+
+# --- 4. the whole pytest suite, CPU and CUDA -----------------------------------------------------
+# ENTROPY_ATTN_REQUIRE_CUDA makes tests/conftest.py refuse to run without a GPU; -rs lists every
+# skip with its reason, and any skip for "no CUDA device" fails this step (the CUDA tests must
+# run here). Other skips (e.g. "needs 2 CUDA devices" on a one-GPU machine) are reported only.
+begin "pytest (CPU + CUDA)"
+pytest_log=$LOG_DIR/pytest.log
+py_rc=0
+ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider --durations=15 "$@" 2>&1 |
+  tee "$pytest_log" || py_rc=$?
+tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$pytest_log" | tail -1 | tr -d '=' | xargs || true)
+# (grep exits 1 when nothing matches: `|| true` keeps set -e/pipefail from ending the script.)
+no_cuda_skips=$( (grep -E '^SKIPPED \[[0-9]+\].*no CUDA device' "$pytest_log" || true) |
+  sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
+other_skips=$( (grep -E '^SKIPPED \[[0-9]+\]' "$pytest_log" || true) | (grep -v 'no CUDA device' || true) |
+  sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
+if ((py_rc != 0)); then
+  finish "FAILED (pytest exit ${py_rc}; ${tally:-no tally})"
+elif ((no_cuda_skips > 0)); then
+  finish "FAILED (${no_cuda_skips} tests skipped for 'no CUDA device'; ${tally})"
+else
+  finish "ok (${tally}; ${other_skips} other skips)"
+fi
+
+# --- 5. optional: the C++ suite ------------------------------------------------------------------
+if [[ ${RUN_CPP:-0} != 0 ]]; then
+  begin "C++ suite (CMake + CTest)"
+  if RUN_PY=0 bash tests/run_all.sh; then finish ok; else finish "FAILED"; fi
+fi
+
+# --- 6. ptxas report (registers, spills, shared memory of the CUDA kernels) ----------------------
+begin "ptxas report"
+if [[ -f scripts/ptxas_report.py ]]; then
+  if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log"; then finish ok; else finish "FAILED"; fi
+else
+  finish "skipped (scripts/ptxas_report.py not present)"
+fi
+
+# --- 7. GPU benchmark against SDPA (writes results/gpu/benchmark.md) ------------------------------
+begin "benchmark (benchmarks/gpu_vs_sdpa.py)"
+if [[ ${SKIP_BENCH:-0} != 0 ]]; then
+  finish "skipped (SKIP_BENCH)"
+else
+  # BENCH_ARGS is split on spaces on purpose (a list of options).
+  # shellcheck disable=SC2086
+  if "$PYTHON" benchmarks/gpu_vs_sdpa.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/benchmark.log"; then
+    finish "ok (results/gpu/benchmark.md)"
+  else
+    finish "FAILED"
+  fi
+fi

@@ -1,0 +1,972 @@
+"""CUDA kernels against the CPU kernels and the float64 reference, plus what only a GPU has.
+
+Every test here needs a CUDA device and skips with "no CUDA device" without one (module-level
+``pytestmark``). The rest of the suite also runs its device-parametrized tests on CUDA; this file
+adds what those do not cover:
+
+* CPU-vs-CUDA agreement of all 8 outputs of ``entropy_attn.attention`` and the 4 gradients of
+  ``entropy_attn.attention_backward`` (with upstream gradients of lse / entropy / sum_p2), each
+  also checked against the float64 reference (``reference.py``), over dtypes, head dims up to 256,
+  Dv != D, lengths that are not multiples of any tile size, causal with Lq < Lk and Lq > Lk,
+  bool / additive / broadcast masks with fully masked rows, GQA, scale tensors, the log-n scale
+  modes and temperature;
+* the row reductions ``entropy`` / ``sparsity`` and the fused ``attention_sparsity``;
+* non-contiguous and misaligned inputs, a second GPU (device guard), a non-default stream, the
+  CUDA-only limits (head_dim > 256; float64 with a head dim > 128), mixed devices, grids with
+  B*H > 65535, a long sequence against SDPA (and without an L x L buffer), NaN propagation.
+
+Inputs are drawn on the CPU (same values on both devices); the CPU op and the reference run on
+the CPU copies. 16-bit CUDA kernels round P to the input dtype before P.V (as FlashAttention
+does), so they are held to the same per-dtype tolerances as the CPU kernels (conftest), which
+leave room for that rounding.
+
+Dry run of this file's logic without a GPU (CPU kernels compared with themselves; the tests that
+need real CUDA features still skip): ``ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu pytest tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torch_ext
+from conftest import GRAD_TOL, HAS_CUDA, NO_CUDA_REASON, OUT_TOL, STAT_TOL, assert_close64, rel_err, stat_dtype
+from reference import reference_attention_raw, reference_entropy, reference_sparsity
+from test_attention_forward import make_mask, make_scale
+from test_attention_sparsity import reference_sparsity as reference_attention_sparsity
+
+#: The device under test: "cuda", or "cpu" for a dry run of the test logic (see the docstring).
+DEV = torch.device(os.environ.get("ENTROPY_ATTN_CUDA_TEST_DEVICE", "cuda"))
+DRY_RUN = DEV.type != "cuda"
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_CUDA and not DRY_RUN, reason=NO_CUDA_REASON),
+    pytest.mark.cuda,
+]
+#: For tests that exercise CUDA itself (streams, devices, CUDA-only limits, memory).
+real_cuda = pytest.mark.skipif(DRY_RUN or not HAS_CUDA, reason=NO_CUDA_REASON)
+
+F64 = torch.float64
+ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+OUT_NAMES = ("output", "lse", "entropy", "sum_p2", "max_weight", "n_keys", "row_scale", "length_factor")
+GRAD_NAMES = ("grad_query", "grad_key", "grad_value", "grad_row_scale")
+#: The CUDA kernels' documented limits.
+CUDA_MAX_HEAD_DIM = 256
+CUDA_MAX_HEAD_DIM_F64 = 128
+
+
+def OP(*args: Any, **kwargs: Any) -> Tuple[Tensor, ...]:
+    """torch.ops.entropy_attn.attention."""
+    return torch.ops.entropy_attn.attention(*args, **kwargs)
+
+
+def BW(*args: Any) -> Tuple[Tensor, ...]:
+    """torch.ops.entropy_attn.attention_backward."""
+    return torch.ops.entropy_attn.attention_backward(*args)
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    """Short test id of a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def supported(dtype: torch.dtype, D: int, Dv: Optional[int] = None) -> bool:
+    """Whether the CUDA kernels accept this dtype and head dims."""
+    m = max(D, D if Dv is None else Dv)
+    return m <= (CUDA_MAX_HEAD_DIM_F64 if dtype == F64 else CUDA_MAX_HEAD_DIM)
+
+
+def cuda(x: Any) -> Any:
+    """The tensor on the device under test (None and non-tensors are kept)."""
+    return x.to(DEV) if isinstance(x, Tensor) else x
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> Tensor:
+    """N(0, scale^2) on the CPU, drawn in float64 then cast (same values for every dtype)."""
+    return (scale * torch.randn(*shape, dtype=F64)).to(dtype)
+
+
+def make_qkv(
+    B: int, H: int, Hkv: int, Lq: int, Lk: int, D: int, Dv: Optional[int] = None, dtype: torch.dtype = torch.float32
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """CPU query/key/value in the op's layout."""
+    Dv = D if Dv is None else Dv
+    return randn(B, H, Lq, D, dtype=dtype), randn(B, Hkv, Lk, D, dtype=dtype), randn(B, Hkv, Lk, Dv, dtype=dtype)
+
+
+def leaf64(x: Tensor) -> Tensor:
+    """Detached float64 CPU leaf that requires grad."""
+    return x.detach().to("cpu", F64).requires_grad_()
+
+
+def grads_of(outputs: Sequence[Tensor], upstream: Sequence[Optional[Tensor]], inputs: Sequence[Tensor]) -> List[Tensor]:
+    """d/d inputs of sum_i <outputs_i, upstream_i> (None upstream: unused); zeros for unused inputs."""
+    loss = sum((o * u.to(o.dtype)).sum() for o, u in zip(outputs, upstream) if u is not None)
+    gs = torch.autograd.grad(loss, list(inputs), allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, inputs)]
+
+
+# ----------------------------------------------------------------------------------------
+# forward: all 8 outputs on both devices and the reference
+# ----------------------------------------------------------------------------------------
+def compare_forward(
+    cu: Sequence[Tensor],
+    cpu: Sequence[Tensor],
+    ref: Any,
+    dtype: torch.dtype,
+    *,
+    sharpen: bool = False,
+    tol_scale: float = 1.0,
+) -> None:
+    """All 8 outputs: device, dtype and shape as on the CPU; n_keys exact; values against the
+    reference (the dtype's tolerance) and against the CPU kernel (twice that: both may err)."""
+    assert len(cu) == 8, f"attention returned {len(cu)} outputs"
+    for name, a, b in zip(OUT_NAMES, cu, cpu):
+        assert a.device.type == DEV.type, f"{name} on {a.device}"
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} (CPU: {b.dtype})"
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} (CPU: {tuple(b.shape)})"
+        if a.is_floating_point():
+            assert not torch.isnan(a).any(), f"{name}: NaN"
+    assert torch.equal(cpu[5], ref.n_keys), "n_keys (CPU) != reference"
+    assert torch.equal(cu[5].cpu(), cpu[5]), "n_keys (CUDA) != CPU"
+
+    oat, ort = (t * tol_scale for t in OUT_TOL[dtype])
+    sat, srt = (t * tol_scale for t in STAT_TOL[dtype])
+    assert_close64(cu[0], ref.output, oat, ort, "output vs reference")
+    assert_close64(cu[0], cpu[0], 2 * oat, 2 * ort, "output vs CPU")
+    for i, refv in ((1, ref.lse), (2, ref.entropy), (3, ref.sum_p2), (4, ref.max_weight)):
+        assert_close64(cu[i], refv, sat, srt, f"{OUT_NAMES[i]} vs reference")
+        assert_close64(cu[i], cpu[i], 2 * sat, 2 * srt, f"{OUT_NAMES[i]} vs CPU")
+    # row_scale / length_factor: the same closed form on both devices (float32 or float64).
+    has = ref.n_keys > 0
+    ftol = 1e-12 if dtype == F64 else 2e-6
+    for i, refv in ((6, ref.row_scale), (7, ref.length_factor)):
+        a = cu[i].cpu()
+        if sharpen:  # the reference's empty-row convention differs under logn_sharpen
+            assert_close64(a[has], refv[has], sat, srt, f"{OUT_NAMES[i]} vs reference")
+        else:
+            assert_close64(a, refv, sat, srt, f"{OUT_NAMES[i]} vs reference")
+        assert_close64(a, cpu[i], ftol, ftol, f"{OUT_NAMES[i]} vs CPU")
+    # rows with no key: output 0 and statistics 0 (exactly, as on the CPU)
+    empty = ~has
+    if empty.any():
+        e = empty.to(cu[0].device)
+        assert (cu[0][e] == 0).all(), "output nonzero on a fully masked row"
+        for i in (1, 2, 3, 4):
+            assert (cu[i][e] == 0).all(), f"{OUT_NAMES[i]} nonzero on a fully masked row"
+
+
+def check_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    scale: Optional[Tensor] = None,
+    *,
+    tol_scale: float = 1.0,
+    **kw: Any,
+) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...], Any]:
+    """Run the raw op on CPU inputs and on their device copies; compare with each other and the
+    reference. Returns (device outputs, CPU outputs, reference)."""
+    cpu = OP(q, k, v, mask, scale, **kw)
+    cu = OP(cuda(q), cuda(k), cuda(v), cuda(mask), cuda(scale), **kw)
+    ref = reference_attention_raw(q, k, v, mask, scale, **kw)
+    compare_forward(cu, cpu, ref, q.dtype, sharpen=kw.get("scale_mode") == "logn_sharpen", tol_scale=tol_scale)
+    return cu, cpu, ref
+
+
+HEAD_DIMS = [8, 16, 40, 64, 80, 96, 128, 160, 256]
+HEAD_DIM_CASES = [(dt, D) for dt in ALL_DTYPES for D in HEAD_DIMS if supported(dt, D)]
+
+
+@pytest.mark.parametrize("dtype,D", HEAD_DIM_CASES, ids=[f"{dtype_id(dt)}-D{D}" for dt, D in HEAD_DIM_CASES])
+@pytest.mark.parametrize("variant", ["plain", "causal_mask"])
+def test_forward_head_dims(dtype: torch.dtype, D: int, variant: str) -> None:
+    """Every supported head dim and dtype: plain (Lq < Lk) and causal with a key-padding mask
+    (Lq > Lk, fully masked rows)."""
+    if variant == "plain":
+        q, k, v = make_qkv(2, 3, 3, 63, 257, D, dtype=dtype)
+        check_forward(q, k, v)
+    else:
+        q, k, v = make_qkv(2, 3, 3, 130, 65, D, dtype=dtype)
+        mask = make_mask("bool_rows_masked", 2, 3, 130, 65)
+        check_forward(q, k, v, mask, is_causal=True)
+
+
+DV_PAIRS = [(64, 128), (128, 64), (40, 80), (16, 256), (256, 16), (96, 8), (8, 160), (80, 40), (1, 1), (3, 5)]
+DV_CASES = [(dt, D, Dv) for dt in ALL_DTYPES for D, Dv in DV_PAIRS if supported(dt, D, Dv)]
+
+
+@pytest.mark.parametrize(
+    "dtype,D,Dv", DV_CASES, ids=[f"{dtype_id(dt)}-D{D}-Dv{Dv}" for dt, D, Dv in DV_CASES]
+)
+def test_forward_dv_ne_d(dtype: torch.dtype, D: int, Dv: int) -> None:
+    """Value head dim different from the query/key head dim (incl. tiny and odd dims), causal, GQA."""
+    q, k, v = make_qkv(2, 4, 2, 65, 130, D, Dv, dtype=dtype)
+    check_forward(q, k, v, is_causal=True, enable_gqa=True)
+
+
+LENGTHS = [1, 17, 63, 65, 130, 257, 1000]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Lk", LENGTHS)
+@pytest.mark.parametrize("Lq", LENGTHS)
+def test_forward_lengths(dtype: torch.dtype, causal: bool, Lq: int, Lk: int) -> None:
+    """Every (Lq, Lk) pair of lengths that are not multiples of tile sizes, causal (Lq < Lk and
+    Lq > Lk) and not, D = 64."""
+    q, k, v = make_qkv(1, 2, 2, Lq, Lk, 64, dtype=dtype)
+    check_forward(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=dtype_id)
+@pytest.mark.parametrize("Lq,Lk", [(1, 1000), (1000, 1), (17, 1000), (1000, 1000), (257, 63), (5, 0), (0, 5)])
+def test_forward_lengths_more_dtypes(dtype: torch.dtype, Lq: int, Lk: int) -> None:
+    """Long / degenerate lengths in float16 and float64 (Lk = 0: zero output; Lq = 0: empty)."""
+    q, k, v = make_qkv(1, 2, 2, Lq, Lk, 128, 64, dtype=dtype)
+    check_forward(q, k, v, is_causal=True)
+    check_forward(q, k, v)
+
+
+MASK_KINDS = [
+    "bool2d",
+    "bool4d",
+    "bool3d",
+    "bool1d",
+    "bool_keypad",
+    "bool_head",
+    "bool_rows_masked",
+    "float2d",
+    "float_inf",
+    "float_rows_masked",
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_forward_masks(dtype: torch.dtype, causal: bool, kind: str) -> None:
+    """Bool / additive masks of every rank, broadcast, with fully masked rows, alone and with causal."""
+    B, H, Lq, Lk = 2, 4, 130, 257
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 64, dtype=dtype)
+    mask = make_mask(kind, B, H, Lq, Lk, dtype=dtype)
+    check_forward(q, k, v, mask, is_causal=causal)
+
+
+def test_forward_all_masked_and_lk_zero() -> None:
+    """A mask hiding every key, and Lk = 0: all outputs zero on both devices."""
+    q, k, v = make_qkv(2, 2, 2, 17, 33, 64, dtype=torch.bfloat16)
+    cu, _, _ = check_forward(q, k, v, torch.zeros(17, 33, dtype=torch.bool))
+    assert (cu[0] == 0).all() and (cu[5] == 0).all()
+    q, k, v = make_qkv(2, 2, 2, 17, 0, 64, 32, dtype=torch.float32)
+    cu, _, _ = check_forward(q, k, v, is_causal=True)
+    assert cu[0].shape == (2, 2, 17, 32) and (cu[0] == 0).all()
+
+
+GQA_CASES = [(4, 2), (6, 1), (8, 2), (16, 4), (12, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("H,Hkv", GQA_CASES)
+@pytest.mark.parametrize("variant", ["plain", "mask", "causal_logn"])
+def test_forward_gqa(dtype: torch.dtype, H: int, Hkv: int, variant: str) -> None:
+    """Grouped-query attention (query head h uses kv head h // (H // Hkv))."""
+    B, Lq, Lk = 2, 65, 130
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 64, 32, dtype=dtype)
+    kw: Dict[str, Any] = {"enable_gqa": True}
+    mask = None
+    if variant == "mask":
+        mask = make_mask("bool4d", B, H, Lq, Lk)
+    elif variant == "causal_logn":
+        kw.update(is_causal=True, scale_mode="logn", log_base=64.0)
+    check_forward(q, k, v, mask, **kw)
+
+
+SCALE_KINDS = ["none", "float", "t_H1", "t_BHLq", "t_1", "t_0d", "t_Lq", "t_B11"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("scale_mode", ["fixed", "logn", "logn_sharpen"])
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+def test_forward_scales(dtype: torch.dtype, scale_mode: str, scale_kind: str, temperature: float) -> None:
+    """Scale tensor (every broadcast shape) or factor x scale mode x temperature, with per-row n_i
+    varying (mask with empty rows, causal)."""
+    B, H, Lq, Lk = 2, 3, 70, 90
+    q, k, v = make_qkv(B, H, H, Lq, Lk, 32, dtype=dtype)
+    mask = make_mask("bool_rows_masked", B, H, Lq, Lk)
+    factor = 0.37 if scale_kind == "float" else None
+    scale = None
+    if scale_kind.startswith("t_"):
+        scale = make_scale(scale_kind, B, H, Lq, "cpu", dtype=F64 if dtype == F64 else torch.float32)
+    check_forward(
+        q,
+        k,
+        v,
+        mask,
+        scale,
+        is_causal=True,
+        scale_factor=factor,
+        scale_mode=scale_mode,
+        temperature=temperature,
+        log_base=16.0,
+    )
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_forward_scale_tensor_other_dtype(dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+    """A scale tensor whose dtype differs from the inputs' is accepted and gives the same result."""
+    q, k, v = make_qkv(2, 4, 4, 33, 65, 64, dtype=dtype)
+    scale = make_scale("t_H1", 2, 4, 33, "cpu", dtype=scale_dtype)
+    check_forward(q, k, v, None, scale, scale_mode="logn_sharpen", log_base=8.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_id)
+def test_forward_huge_logits(dtype: torch.dtype) -> None:
+    """|s| ~ 1e4: finite and equal to the reference (online softmax relative to the running max)."""
+    q, k, v = make_qkv(1, 2, 2, 65, 257, 64, dtype=dtype)
+    q, k = q * 25, k * 25
+    mask = make_mask("bool_rows_masked", 1, 2, 65, 257)
+    _, _, ref = check_forward(q, k, v, mask, is_causal=True, scale_factor=0.25)
+    assert ref.lse.abs().max() > 3e3, "test does not reach large logits"
+
+
+# ----------------------------------------------------------------------------------------
+# backward: the attention_backward op and autograd, against CPU and the reference
+# ----------------------------------------------------------------------------------------
+def check_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    scale: Optional[Tensor] = None,
+    *,
+    stats_grads: bool = True,
+    tol_scale: float = 1.0,
+    **kw: Any,
+) -> Tuple[Tensor, ...]:
+    """attention_backward on each device's own forward outputs, with upstream gradients of the
+    output and (stats_grads) of lse, entropy and sum_p2; the 4 gradients against the CPU op's and
+    the reference's autograd (relative norm). Returns the device gradients."""
+    dtype = q.dtype
+    causal = bool(kw.get("is_causal", False))
+    cpu = OP(q, k, v, mask, scale, **kw)
+    cu = OP(cuda(q), cuda(k), cuda(v), cuda(mask), cuda(scale), **kw)
+    go = randn(*cpu[0].shape, dtype=dtype)
+    sd = cpu[1].dtype
+    gl, ge, gp = (randn(*cpu[i].shape, dtype=sd) if stats_grads else None for i in (1, 2, 3))
+    g_cpu = BW(go, gl, ge, gp, q, k, v, mask, cpu[0], cpu[1], cpu[2], cpu[3], cpu[6], causal)
+    g_cu = BW(
+        cuda(go), cuda(gl), cuda(ge), cuda(gp), cuda(q), cuda(k), cuda(v), cuda(mask),
+        cu[0], cu[1], cu[2], cu[3], cu[6], causal,
+    )  # fmt: skip
+    assert len(g_cu) == 4
+
+    # reference: lambda_i given directly (the row_scale the CPU op used), scale_mode "fixed"
+    rin = [leaf64(q), leaf64(k), leaf64(v), leaf64(cpu[6])]
+    r = reference_attention_raw(
+        rin[0], rin[1], rin[2], mask, rin[3], is_causal=causal, enable_gqa=bool(kw.get("enable_gqa", False))
+    )
+    g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], [go, gl, ge, gp], rin)
+
+    tol = GRAD_TOL[dtype] * tol_scale
+    for name, a, b, e, x in zip(GRAD_NAMES, g_cu, g_cpu, g_ref, (q, k, v, cpu[6])):
+        assert a.device.type == DEV.type, f"{name} on {a.device}"
+        assert a.shape == x.shape, f"{name}: shape {tuple(a.shape)} != {tuple(x.shape)}"
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} (CPU: {b.dtype})"
+        assert torch.isfinite(a).all(), f"{name} not finite"
+        err = rel_err(a, e)
+        assert err < tol, f"{name}: relative error {err:.3g} vs reference (tol {tol:.3g})"
+        err = rel_err(a, b)
+        assert err < 2 * tol, f"{name}: relative error {err:.3g} vs CPU (tol {2 * tol:.3g})"
+    # fully masked rows: zero query and row-scale gradients
+    empty = (r.n_keys == 0).to(g_cu[0].device)
+    if empty.any():
+        assert (g_cu[0][empty] == 0).all(), "grad_query nonzero on a fully masked row"
+        assert (g_cu[3][empty] == 0).all(), "grad_row_scale nonzero on a fully masked row"
+    return g_cu
+
+
+BW_HEAD_DIM_CASES = [(dt, D) for dt in ALL_DTYPES for D in (16, 40, 64, 96, 128, 160, 256) if supported(dt, D)]
+
+
+@pytest.mark.parametrize("dtype,D", BW_HEAD_DIM_CASES, ids=[f"{dtype_id(dt)}-D{D}" for dt, D in BW_HEAD_DIM_CASES])
+@pytest.mark.parametrize("stats_grads", [True, False], ids=["all_grads", "output_grad"])
+def test_backward_head_dims(dtype: torch.dtype, D: int, stats_grads: bool) -> None:
+    """Every supported head dim and dtype, causal Lq > Lk with a mask (empty rows), a per-row scale."""
+    B, H, Lq, Lk = 2, 3, 130, 65
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype)
+    mask = make_mask("bool_rows_masked", B, H, Lq, Lk)
+    scale = make_scale("t_BHLq", B, H, Lq, "cpu", dtype=stat_dtype(dtype))
+    check_backward(q, k, v, mask, scale, stats_grads=stats_grads, is_causal=True)
+
+
+BW_DV_CASES = [(dt, D, Dv) for dt in ALL_DTYPES for D, Dv in DV_PAIRS if supported(dt, D, Dv)]
+
+
+@pytest.mark.parametrize(
+    "dtype,D,Dv", BW_DV_CASES, ids=[f"{dtype_id(dt)}-D{D}-Dv{Dv}" for dt, D, Dv in BW_DV_CASES]
+)
+def test_backward_dv_ne_d(dtype: torch.dtype, D: int, Dv: int) -> None:
+    """Dv != D with GQA (dK / dV summed over the query heads of a group) and causal."""
+    q, k, v = make_qkv(2, 4, 2, 65, 130, D, Dv, dtype=dtype)
+    check_backward(q, k, v, is_causal=True, enable_gqa=True)
+
+
+BW_LENGTHS = [(1, 1), (1, 1000), (1000, 1), (17, 63), (63, 17), (65, 130), (130, 65), (257, 1000), (1000, 257), (1000, 1000)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Lq,Lk", BW_LENGTHS)
+def test_backward_lengths(dtype: torch.dtype, causal: bool, Lq: int, Lk: int) -> None:
+    """Lengths that are not multiples of tile sizes; causal with Lq < Lk and Lq > Lk."""
+    q, k, v = make_qkv(1, 2, 2, Lq, Lk, 64, dtype=dtype)
+    check_backward(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("kind", ["bool_rows_masked", "bool_keypad", "bool1d", "float_inf", "float_rows_masked", "float2d"])
+def test_backward_masks(dtype: torch.dtype, kind: str) -> None:
+    """Bool / additive broadcast masks with fully masked rows, causal, GQA."""
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 130, 257
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 64, dtype=dtype)
+    mask = make_mask(kind, B, H, Lq, Lk, dtype=dtype)
+    check_backward(q, k, v, mask, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("H,Hkv", GQA_CASES)
+def test_backward_gqa(dtype: torch.dtype, H: int, Hkv: int) -> None:
+    """GQA gradients of K / V (reduced over each group of query heads)."""
+    q, k, v = make_qkv(2, H, Hkv, 65, 130, 64, 32, dtype=dtype)
+    check_backward(q, k, v, make_mask("bool_keypad", 2, H, 65, 130), enable_gqa=True)
+
+
+AUTOGRAD_CASES: Dict[str, Dict[str, Any]] = {
+    "plain": dict(),
+    "logn_causal": dict(kw=dict(is_causal=True, scale_mode="logn", log_base=32.0)),
+    "sharpen_mask": dict(mask="bool_rows_masked", kw=dict(scale_mode="logn_sharpen", log_base=4.0, temperature=0.7)),
+    "scale_H1": dict(scale=(4, 1), kw=dict(is_causal=True, temperature=2.0)),
+    "scale_BHLq_logn": dict(scale="BHLq", mask="float_inf", kw=dict(scale_mode="logn", log_base=16.0)),
+    "scale_0d_gqa": dict(scale=(), Hkv=2, kw=dict(enable_gqa=True, is_causal=True)),
+    "factor_temp": dict(kw=dict(scale_factor=0.2, temperature=0.5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("name", list(AUTOGRAD_CASES))
+def test_autograd_through_op(dtype: torch.dtype, name: str) -> None:
+    """Autograd through the raw op (loss on output, lse, entropy, sum_p2) w.r.t. q, k, v and a
+    broadcast scale tensor: CUDA vs CPU vs the reference's autograd."""
+    case = AUTOGRAD_CASES[name]
+    B, H, Lq, Lk, D = 2, 4, 65, 130, 64
+    Hkv = case.get("Hkv", H)
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, 48, dtype=dtype)
+    mask = make_mask(case["mask"], B, H, Lq, Lk, dtype=dtype) if "mask" in case else None
+    kw = dict(case.get("kw", {}))
+    scale = None
+    if "scale" in case:
+        shape = (B, H, Lq) if case["scale"] == "BHLq" else case["scale"]
+        scale = (0.05 + 0.2 * torch.rand(shape, dtype=F64)).to(stat_dtype(dtype))
+    inputs = [q, k, v] + ([scale] if scale is not None else [])
+    upstream: List[Tensor] = []
+
+    def run(xs: List[Tensor], mask_: Optional[Tensor]) -> List[Tensor]:
+        s = xs[3] if len(xs) > 3 else None
+        outs = OP(xs[0], xs[1], xs[2], mask_, s, **kw)[:4]
+        if not upstream:
+            upstream.extend(randn(*o.shape, dtype=F64) for o in outs)
+        return grads_of(outs, [u.to(o.device) for u, o in zip(upstream, outs)], xs)
+
+    g_cpu = run([x.clone().requires_grad_() for x in inputs], mask)
+    g_cu = run([cuda(x).requires_grad_() for x in inputs], cuda(mask))
+    rin = [leaf64(x) for x in inputs]
+    r = reference_attention_raw(rin[0], rin[1], rin[2], mask, rin[3] if scale is not None else None, **kw)
+    g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], upstream, rin)
+    tol = GRAD_TOL[dtype]
+    for gname, a, b, e, x in zip(("query", "key", "value", "scale"), g_cu, g_cpu, g_ref, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype and a.device.type == DEV.type, gname
+        assert torch.isfinite(a).all(), gname
+        assert rel_err(a, e) < tol, f"grad {gname}: {rel_err(a, e):.3g} vs reference (tol {tol:.3g})"
+        assert rel_err(a, b) < 2 * tol, f"grad {gname}: {rel_err(a, b):.3g} vs CPU (tol {2 * tol:.3g})"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["plain", "bool_mask_empty_rows", "causal_lq_gt_lk", "causal_lq_lt_lk", "gqa_scale", "logn_sharpen", "dv_ne_d"],
+)
+def test_gradcheck_float64(name: str) -> None:
+    """gradcheck (float64) on the device, w.r.t. q, k, v and a scale tensor, of output, lse,
+    entropy and sum_p2; lengths beyond one tile of the CUDA kernels (nondet_tol: atomics)."""
+    B, H, Hkv, Lq, Lk, D, Dv = 1, 2, 2, 9, 70, 4, 3
+    kw: Dict[str, Any] = {}
+    mask = None
+    with_scale = False
+    if name == "bool_mask_empty_rows":
+        mask = make_mask("bool_rows_masked", B, H, Lq, Lk)
+    elif name == "causal_lq_gt_lk":
+        Lq, Lk = 70, 9
+        kw["is_causal"] = True
+    elif name == "causal_lq_lt_lk":
+        kw["is_causal"] = True
+    elif name == "gqa_scale":
+        H, Hkv, with_scale = 4, 2, True
+        kw.update(enable_gqa=True, temperature=0.7)
+    elif name == "logn_sharpen":
+        with_scale = True
+        kw.update(scale_mode="logn_sharpen", log_base=4.0, is_causal=True)
+        mask = make_mask("float_rows_masked", B, H, Lq, Lk, dtype=F64)
+    elif name == "dv_ne_d":
+        D, Dv = 7, 12
+    inputs = [cuda(x).requires_grad_() for x in make_qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64)]
+    if with_scale:
+        inputs.append(cuda(0.3 + torch.rand(H, 1, dtype=F64)).requires_grad_())
+    m = cuda(mask)
+
+    def f(*xs: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(OP(xs[0], xs[1], xs[2], m, xs[3] if len(xs) > 3 else None, **kw)[:4])
+
+    assert torch.autograd.gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5, nondet_tol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------
+# row reductions and the fused attention_sparsity
+# ----------------------------------------------------------------------------------------
+RED_SHAPES = [((1,), -1), ((17,), 0), ((3, 1000), -1), ((1000, 3), 0), ((2, 70000), -1), ((70000, 5), -1),
+              ((70000, 5), 0), ((4, 257, 33), 1), ((4, 257, 33), -1), ((2, 0, 5), -1), ((2, 0, 5), 1)]  # fmt: skip
+RED_TOL = {F64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape,dim", RED_SHAPES, ids=[f"{'x'.join(map(str, s))}-dim{d}" for s, d in RED_SHAPES])
+@pytest.mark.parametrize("op", ["entropy", "sparsity"])
+def test_reductions(op: str, dtype: torch.dtype, shape: Tuple[int, ...], dim: int) -> None:
+    """entropy / sparsity on the device vs the CPU op and the float64 formula (zeros included)."""
+    if op == "entropy":
+        x = torch.softmax(2 * torch.randn(shape, dtype=F64), dim=dim) if 0 not in shape else torch.rand(shape, dtype=F64)
+        x = x * (torch.rand(shape, dtype=F64) > 0.2)  # exact zeros: 0 ln 0 = 0
+        fn, ref = torch_ext.entropy, reference_entropy
+    else:
+        x = torch.randn(shape, dtype=F64) * (torch.rand(shape, dtype=F64) > 0.2)
+        fn, ref = torch_ext.sparsity, reference_sparsity
+    x = x.to(dtype)
+    got, cpu = fn(cuda(x), dim=dim), fn(x, dim=dim)
+    assert got.device.type == DEV.type and got.dtype == cpu.dtype and got.shape == cpu.shape
+    t = RED_TOL[dtype]
+    assert_close64(got, ref(x, dim), t, t, f"{op} vs formula")
+    assert_close64(got, cpu, 2 * t, 2 * t, f"{op} vs CPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", ["entropy", "sparsity"])
+def test_reductions_grad_and_strides(op: str, dtype: torch.dtype) -> None:
+    """Gradients and non-contiguous inputs (transposed, sliced) of the row reductions."""
+    base = (0.05 + torch.rand(300, 70, dtype=F64)) * torch.where(torch.rand(300, 70) < 0.5, -1.0, 1.0).double()
+    if op == "entropy":
+        base = base.abs()
+    fn = torch_ext.entropy if op == "entropy" else torch_ext.sparsity
+    for view in (lambda t: t, lambda t: t.t(), lambda t: t[::3, 1::2]):
+        for dim in (0, -1):
+            x = view(base.to(dtype))
+            xc = view(cuda(base.to(dtype))).requires_grad_()
+            xr = view(base.to(dtype)).detach().requires_grad_()
+            g = randn(*reduced(x.shape, dim), dtype=dtype)
+            (gc,) = torch.autograd.grad((fn(xc, dim=dim) * cuda(g)).sum(), [xc])
+            (gr,) = torch.autograd.grad((fn(xr, dim=dim) * g).sum(), [xr])
+            assert_close64(fn(xc.detach(), dim=dim), fn(x, dim=dim), 1e-5, 1e-5, f"{op} value")
+            assert gc.shape == xc.shape
+            assert rel_err(gc, gr) < GRAD_TOL[dtype], f"{op} grad: {rel_err(gc, gr):.3g}"
+
+
+def reduced(shape: Sequence[int], dim: int) -> Tuple[int, ...]:
+    """Shape after reducing `dim`."""
+    d = dim % len(shape)
+    return tuple(s for i, s in enumerate(shape) if i != d)
+
+
+SPARSITY_KINDS = ["exp", "relu2", "identity"]
+
+
+SPARSITY_CASES = [(dt, D) for dt in ALL_DTYPES for D in (8, 64, 128, 256) if supported(dt, D)]
+
+
+@pytest.mark.parametrize("dtype,D", SPARSITY_CASES, ids=[f"{dtype_id(dt)}-D{D}" for dt, D in SPARSITY_CASES])
+@pytest.mark.parametrize("kind", SPARSITY_KINDS)
+@pytest.mark.parametrize("variant", ["causal_mask", "additive_gqa_logn"])
+def test_attention_sparsity(dtype: torch.dtype, kind: str, D: int, variant: str) -> None:
+    """The fused l1/l2 sparsity op: device vs CPU vs the n x n reference."""
+    B, H, Lq, Lk = 2, 4, 130, 257
+    q = randn(B, H, Lq, D, dtype=dtype, scale=0.5)
+    if variant == "causal_mask":
+        k = randn(B, H, Lk, D, dtype=dtype, scale=0.5)
+        mask = make_mask("bool_rows_masked", B, H, Lq, Lk)
+        kw: Dict[str, Any] = dict(is_causal=True, temperature=0.8)
+        group = 1
+    else:
+        k = randn(B, 2, Lk, D, dtype=dtype, scale=0.5)
+        mask = make_mask("float_inf", B, H, Lq, Lk, dtype=dtype)
+        kw = dict(enable_gqa=True, scale="logn", train_length=64)
+        group = 2
+    got = torch_ext.attention_sparsity(cuda(q), cuda(k), cuda(mask), kind=kind, **kw)
+    cpu = torch_ext.attention_sparsity(q, k, mask, kind=kind, **kw)
+    # the op's per-row scale, through the attention op's row_scale output
+    _, st = torch_ext.attention(q, k, k, mask, return_stats=True, **kw)
+    ref = reference_attention_sparsity(q, k, mask, kind, bool(kw.get("is_causal")), st.scale, group=group)
+    assert got.device.type == DEV.type and got.dtype == cpu.dtype and got.shape == (B, H, Lq)
+    t = (1e-10, 1e-10) if dtype == F64 else STAT_TOL[dtype]
+    assert_close64(got, ref, *t, name=f"{kind} vs reference")
+    assert_close64(got, cpu, 2 * t[0], 2 * t[1], name=f"{kind} vs CPU")
+
+
+# ----------------------------------------------------------------------------------------
+# layouts: non-contiguous, broadcast, misaligned
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["blhd", "sliced_last_dim", "expanded_kv", "odd_row_stride", "offset_by_one"])
+def test_strided_inputs(dtype: torch.dtype, layout: str) -> None:
+    """Non-contiguous inputs give the contiguous result (forward and gradients): (B, L, H, D)
+    transposed, stride-2 last dim, stride-0 batch, rows of odd stride, storage offset of one
+    element (rows not aligned to 16 bytes), with a transposed / expanded mask and scale."""
+    B, H, Lq, Lk, D = 2, 3, 65, 130, 64
+
+    def build(shape: Tuple[int, ...], device: Any, seed: int) -> Tensor:
+        """The same values on every device, in the layout under test (made in `dtype` first:
+        casting would make a copy with the default strides)."""
+        g = torch.Generator().manual_seed(seed)
+        b_, h_, l_, d_ = shape
+        if layout == "blhd":
+            base = torch.randn(b_, l_, h_, d_, generator=g, dtype=F64).to(device=device, dtype=dtype)
+            return base.transpose(1, 2)
+        if layout == "sliced_last_dim":
+            base = torch.randn(b_, h_, l_, 2 * d_, generator=g, dtype=F64).to(device=device, dtype=dtype)
+            return base[..., ::2]
+        if layout == "expanded_kv":
+            base = torch.randn(1, h_, l_, d_, generator=g, dtype=F64).to(device=device, dtype=dtype)
+            return base.expand(b_, h_, l_, d_)
+        if layout == "odd_row_stride":
+            base = torch.randn(b_, h_, l_, d_ + 1, generator=g, dtype=F64).to(device=device, dtype=dtype)
+            return base[..., :d_]
+        base = torch.randn(b_ * h_ * l_ * d_ + 1, generator=g, dtype=F64).to(device=device, dtype=dtype)
+        view = base[1:].view(b_, h_, l_, d_)  # rows start one element past a 16-byte boundary
+        assert view.storage_offset() == 1
+        return view
+
+    results = []
+    upstream: List[Tensor] = []
+    for dev in ("cpu", DEV):
+        q = build((B, H, Lq, D), dev, 1)
+        k = build((B, H, Lk, D), dev, 2)
+        v = build((B, H, Lk, D), dev, 3)
+        if layout == "offset_by_one":
+            assert q.is_contiguous() and q.storage_offset() == 1
+        else:
+            assert not q.is_contiguous() and not k.is_contiguous(), "layout is contiguous"
+        mask = (torch.rand(Lk, Lq, generator=torch.Generator().manual_seed(4)) < 0.8).t().to(dev)
+        mask = mask.view(1, 1, Lq, Lk).expand(B, H, Lq, Lk)  # stride-0 batch / heads, transposed rows
+        scale = (0.1 + torch.rand(Lq, H, generator=torch.Generator().manual_seed(5), dtype=F64)).t()
+        scale = scale.to(device=dev, dtype=stat_dtype(dtype))  # (H, Lq), non-contiguous
+        assert not scale.is_contiguous() and not mask.is_contiguous()
+        xs = [t.detach().requires_grad_() for t in (q, k, v)]
+        res = OP(xs[0], xs[1], xs[2], mask, scale, is_causal=True)
+        if not upstream:
+            upstream.extend(randn(*o.shape, dtype=F64) for o in res[:4])
+        grads = grads_of(res[:4], [u.to(dev) for u in upstream], xs)
+        results.append((q, k, v, mask, scale, res, grads))
+
+    (q, k, v, mask, scale, cpu, g_cpu), (qc, kc, vc, maskc, scalec, cu, g_cu) = results
+    # the same values through contiguous copies on the device
+    contig = OP(qc.contiguous(), kc.contiguous(), vc.contiguous(), maskc.contiguous(), scalec.contiguous(), is_causal=True)
+    ref = reference_attention_raw(q, k, v, mask, scale.unsqueeze(0), is_causal=True)
+    compare_forward(cu, cpu, ref, dtype)
+    for i, (name, a, b) in enumerate(zip(OUT_NAMES, cu, contig)):
+        tol = OUT_TOL[dtype] if i == 0 else STAT_TOL[dtype]
+        assert_close64(a, b, *tol, f"{name}: strided vs contiguous")
+    rin = [leaf64(t) for t in (q, k, v)]
+    r = reference_attention_raw(rin[0], rin[1], rin[2], mask, scale.unsqueeze(0), is_causal=True)
+    g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], upstream, rin)
+    for name, a, b, e, x in zip(("query", "key", "value"), g_cu, g_cpu, g_ref, (qc, kc, vc)):
+        assert a.shape == x.shape, name
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"grad {name}: {rel_err(a, e):.3g} vs reference"
+        assert rel_err(a, b) < 2 * GRAD_TOL[dtype], f"grad {name}: {rel_err(a, b):.3g} vs CPU"
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA specifics: device guard, streams, limits, mixed devices, grid size, long rows, NaN
+# ----------------------------------------------------------------------------------------
+@real_cuda
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_second_device() -> None:
+    """Tensors on cuda:1 while cuda:0 is current: results on cuda:1 and correct (device guard)."""
+    torch.cuda.set_device(0)
+    dev1 = torch.device("cuda", 1)
+    q, k, v = make_qkv(2, 4, 2, 65, 130, 64, dtype=torch.bfloat16)
+    mask = make_mask("bool_rows_masked", 2, 4, 65, 130)
+    kw = dict(is_causal=True, enable_gqa=True, scale_mode="logn", log_base=32.0)
+    res = OP(q.to(dev1), k.to(dev1), v.to(dev1), mask.to(dev1), None, **kw)
+    assert torch.cuda.current_device() == 0
+    cpu = OP(q, k, v, mask, None, **kw)
+    ref = reference_attention_raw(q, k, v, mask, None, **kw)
+    for name, t in zip(OUT_NAMES, res):
+        assert t.device == dev1, f"{name} on {t.device}"
+    compare_forward([t.to(DEV) for t in res], cpu, ref, torch.bfloat16)
+    # backward on cuda:1
+    go = randn(*res[0].shape, dtype=torch.bfloat16).to(dev1)
+    gl = torch.randn_like(res[1])
+    grads = BW(go, gl, None, None, q.to(dev1), k.to(dev1), v.to(dev1), mask.to(dev1), res[0], res[1], res[2], res[3], res[6], True)
+    g_cpu = BW(go.cpu(), gl.cpu(), None, None, q, k, v, mask, cpu[0], cpu[1], cpu[2], cpu[3], cpu[6], True)
+    for name, a, b in zip(GRAD_NAMES, grads, g_cpu):
+        assert a.device == dev1, name
+        assert rel_err(a, b) < 2 * GRAD_TOL[torch.bfloat16], name
+    # the other ops
+    x = torch.softmax(torch.randn(33, 1000), -1)
+    assert_close64(torch_ext.entropy(x.to(dev1)), reference_entropy(x), 1e-5, 1e-5, "entropy on cuda:1")
+    assert_close64(torch_ext.sparsity(x.to(dev1), 0), reference_sparsity(x, 0), 1e-5, 1e-5, "sparsity on cuda:1")
+    sp = torch_ext.attention_sparsity(q.to(dev1), k.to(dev1), mask.to(dev1), kind="relu2", is_causal=True, enable_gqa=True)
+    assert sp.device == dev1
+    assert_close64(sp, torch_ext.attention_sparsity(q, k, mask, kind="relu2", is_causal=True, enable_gqa=True), 4e-2, 4e-2)
+    assert torch.cuda.current_device() == 0
+    # cuda:0 and cuda:1 mixed
+    with pytest.raises((ValueError, TypeError), match="key"):
+        OP(q.cuda(0), k.to(dev1), v.cuda(0), None, None, enable_gqa=True)
+
+
+@real_cuda
+def test_non_default_stream() -> None:
+    """Kernels run on the current stream: inputs written on a side stream just before the call
+    (behind a long sleep) are seen, and results are ready for that stream's next kernels."""
+    dtype = torch.bfloat16
+    B, H, Lq, Lk, D = 2, 4, 257, 257, 64
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype)
+    mask = make_mask("bool_rows_masked", B, H, Lq, Lk)
+    go = randn(B, H, Lq, D, dtype=dtype)
+    cpu = OP(q, k, v, mask, None, is_causal=True)
+    g_cpu = BW(go, None, None, None, q, k, v, mask, cpu[0], cpu[1], cpu[2], cpu[3], cpu[6], True)
+    p = torch.softmax(torch.randn(64, 5000), -1)
+
+    # Buffers filled with zeros on the default stream; the real values arrive on stream s only
+    # after ~0.1 s of GPU sleep. A kernel launched on another stream would read the zeros.
+    bufs = [torch.zeros(t.shape, dtype=t.dtype, device="cuda") for t in (q, k, v, go)]
+    pbuf = torch.zeros(p.shape, device="cuda")
+    srcs = [t.to("cuda") for t in (q, k, v, go)] + [p.to("cuda")]
+    mask_c = mask.cuda()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        for b, src in zip(bufs + [pbuf], srcs):
+            b.copy_(src, non_blocking=True)
+        qb, kb, vb, gob = bufs
+        res = OP(qb, kb, vb, mask_c, None, is_causal=True)
+        grads = BW(gob, None, None, None, qb, kb, vb, mask_c, res[0], res[1], res[2], res[3], res[6], True)
+        ent = torch_ext.entropy(pbuf)
+        spars = torch_ext.attention_sparsity(qb, kb, mask_c, kind="exp", is_causal=True)
+        # consumers on s: copies made after the kernels on the same stream
+        res_copy = [t.clone() for t in res]
+        grads_copy = [t.clone() for t in grads]
+        ent_copy, spars_copy = ent.clone(), spars.clone()
+    s.synchronize()
+    ref = reference_attention_raw(q, k, v, mask, None, is_causal=True)
+    compare_forward(res_copy, cpu, ref, dtype)
+    for name, a, b in zip(GRAD_NAMES, grads_copy, g_cpu):
+        assert rel_err(a, b) < 2 * GRAD_TOL[dtype], f"{name} under a side stream: {rel_err(a, b):.3g}"
+    assert_close64(ent_copy, reference_entropy(p), 1e-5, 1e-5, "entropy under a side stream")
+    cpu_sparsity = torch_ext.attention_sparsity(q, k, mask, kind="exp", is_causal=True)
+    assert_close64(spars_copy, cpu_sparsity, 4e-2, 4e-2, "attention_sparsity under a side stream")
+
+
+@real_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("which", ["head_dim", "v_head_dim"])
+def test_cuda_head_dim_limits(dtype: torch.dtype, which: str) -> None:
+    """A head dim of 257 raises ValueError naming head_dim on CUDA (forward, backward op,
+    attention_sparsity for the query/key dim); 256 works; the CPU has no such limit."""
+    D, Dv = (257, 64) if which == "head_dim" else (64, 257)
+    q, k, v = make_qkv(1, 2, 2, 9, 17, D, Dv, dtype=dtype)
+    out = OP(q, k, v)  # CPU: fine
+    with pytest.raises(ValueError, match="head_dim"):
+        OP(cuda(q), cuda(k), cuda(v))
+    with pytest.raises(ValueError, match="head_dim"):
+        torch_ext.attention(cuda(q), cuda(k), cuda(v), return_stats=True)
+    # The backward op called directly and attention_sparsity (no value): a ValueError naming
+    # head_dim, or (if that kernel has no such limit) the CPU's result; never a crash.
+    bw_args = (out[0], None, None, None, q, k, v, None, out[0], out[1], out[2], out[3], out[6], False)
+    raises_head_dim_or_matches(lambda: BW(*(cuda(a) for a in bw_args)), BW(*bw_args), GRAD_TOL[dtype], "attention_backward")
+    if which == "head_dim":
+        raises_head_dim_or_matches(
+            lambda: (torch_ext.attention_sparsity(cuda(q), cuda(k)),),
+            (torch_ext.attention_sparsity(q, k),),
+            GRAD_TOL[dtype],
+            "attention_sparsity",
+        )
+    # the largest supported size works
+    q, k, v = make_qkv(1, 2, 2, 9, 17, 256, 256, dtype=dtype)
+    check_forward(q, k, v)
+
+
+def raises_head_dim_or_matches(fn: Any, expected: Sequence[Tensor], tol: float, name: str) -> None:
+    """`fn()` raises a ValueError naming head_dim, or returns tensors close to `expected`."""
+    try:
+        got = fn()
+    except ValueError as e:
+        assert "head_dim" in str(e), f"{name}: ValueError does not name head_dim: {e}"
+        return
+    for a, b in zip(got, expected):
+        assert a.device.type == DEV.type and a.shape == b.shape, name
+        assert rel_err(a, b) < tol, f"{name}: no error raised, and the result differs from the CPU's"
+    torch.cuda.synchronize()  # a kernel fault shows up here rather than in a later test
+
+
+@real_cuda
+@pytest.mark.parametrize("D,Dv", [(129, 64), (64, 129), (256, 256), (129, 129)])
+def test_cuda_float64_head_dim_limit(D: int, Dv: int) -> None:
+    """float64 with max(head_dim, v_head_dim) > 128 raises ValueError naming head_dim on CUDA;
+    128 works; float32 with the same dims works."""
+    q, k, v = make_qkv(1, 2, 2, 9, 17, D, Dv, dtype=F64)
+    OP(q, k, v)  # CPU: fine
+    with pytest.raises(ValueError, match="head_dim"):
+        OP(cuda(q), cuda(k), cuda(v), is_causal=True)
+    check_forward(q.float(), k.float(), v.float())
+    q, k, v = make_qkv(1, 2, 2, 9, 17, 128, 128, dtype=F64)
+    check_forward(q, k, v)
+
+
+@real_cuda
+@pytest.mark.parametrize("which", ["key", "value", "attn_mask", "scale"])
+def test_mixed_devices(which: str) -> None:
+    """One input on the CPU, the others on CUDA: ValueError/TypeError naming the argument, for
+    the attention API and attention_sparsity."""
+    t = {
+        "query": torch.randn(2, 4, 5, 8, device="cuda"),
+        "key": torch.randn(2, 4, 6, 8, device="cuda"),
+        "value": torch.randn(2, 4, 6, 8, device="cuda"),
+        "attn_mask": torch.ones(5, 6, dtype=torch.bool, device="cuda"),
+        "scale": torch.ones(4, 1, device="cuda"),
+    }
+    t[which] = t[which].cpu()
+    with pytest.raises((ValueError, TypeError), match=which):
+        torch_ext.attention(t["query"], t["key"], t["value"], t["attn_mask"], scale=t["scale"], return_stats=True)
+    if which != "value":
+        with pytest.raises((ValueError, TypeError), match=which):
+            torch_ext.attention_sparsity(t["query"], t["key"], t["attn_mask"], scale=t["scale"])
+    # query on the CPU, the rest on CUDA
+    with pytest.raises((ValueError, TypeError), match="query|key|value"):
+        torch_ext.attention(t["query"].cpu(), t["key"].cuda(), t["value"].cuda())
+
+
+@real_cuda
+def test_mixed_devices_backward() -> None:
+    """attention_backward with a CPU grad_output and CUDA tensors raises (no kernel is launched)."""
+    q, k, v = (torch.randn(1, 2, 5, 8, device="cuda") for _ in range(3))
+    o, lse, ent, sp2, _, _, rs, _ = OP(q, k, v)
+    with pytest.raises((ValueError, TypeError)):
+        BW(o.cpu(), None, None, None, q, k, v, None, o, lse, ent, sp2, rs, False)
+    with pytest.raises((ValueError, TypeError)):
+        BW(o, lse.cpu(), None, None, q, k, v, None, o, lse, ent, sp2, rs, False)
+
+
+GRID_CASES = {
+    "B70000": (70000, 1, 1, 2, 3, 8),
+    "H70000_gqa": (2, 35000, 7000, 1, 5, 16),
+    "BH70000_Lq65": (7, 10000, 10000, 65, 9, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(GRID_CASES))
+def test_large_grid(name: str) -> None:
+    """B*H >= 70000 (above the 65535 limit of gridDim.y/z): forward and backward correct, also the
+    rows of the last heads (a wrapped or truncated grid would leave them zero or wrong)."""
+    B, H, Hkv, Lq, Lk, D = GRID_CASES[name]
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.float32)
+    kw: Dict[str, Any] = dict(is_causal=True, enable_gqa=H != Hkv)
+    check_forward(q, k, v, **kw)
+    check_backward(q, k, v, **kw)
+    sp = torch_ext.attention_sparsity(cuda(q), cuda(k), kind="relu2", **kw)
+    assert_close64(sp, torch_ext.attention_sparsity(q, k, kind="relu2", **kw), 1e-5, 1e-5, "attention_sparsity")
+
+
+@real_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence_vs_sdpa(causal: bool) -> None:
+    """L = 8192, D = 128, bfloat16: output as close to the exact result (SDPA in float64) as SDPA's
+    own bfloat16 output is, and within bfloat16 resolution of it; no L x L buffer (peak memory)."""
+    B, H, L, D = 1, 4, 8192, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", generator=g).bfloat16() for _ in range(3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, st = torch_ext.attention(q, k, v, is_causal=causal, return_stats=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    lxl = B * H * L * L * 2  # one bfloat16 L x L matrix
+    assert extra < lxl / 4, f"forward used {extra / 2**20:.0f} MiB extra (an L x L bf16 matrix is {lxl / 2**20:.0f} MiB)"
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    err_ours, err_sdpa = rel_err(out, exact), rel_err(sdpa, exact)
+    assert err_ours <= 1.5 * err_sdpa + 1e-3, f"relative error {err_ours:.3g} vs SDPA's {err_sdpa:.3g}"
+    assert rel_err(out, sdpa) < 2 * err_sdpa + 2e-3, f"ours vs SDPA: {rel_err(out, sdpa):.3g}"
+    assert torch.isfinite(out).all()
+    for name in ("lse", "entropy", "effective_keys"):
+        assert torch.isfinite(getattr(st, name)).all(), name
+    n = torch.clamp(torch.arange(L, device="cuda") + 1, max=L) if causal else torch.full((L,), L, device="cuda")
+    assert torch.equal(st.n_keys[0, 0], n)
+    # backward: gradients finite, no L x L buffer either
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o2, st2 = torch_ext.attention(qg, kg, vg, is_causal=causal, return_stats=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (o2.float().sum() + st2.entropy.sum()).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < lxl / 2, f"backward used {extra / 2**20:.0f} MiB extra"
+    for t in (qg, kg, vg):
+        assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+def test_nan_propagation(dtype: torch.dtype) -> None:
+    """NaN in a query row: that row's output is NaN, other rows are exact. NaN in key j (causal):
+    rows i >= j are NaN, rows i < j exact. NaN in value j: rows that see j are NaN. The NaN rows
+    are the CPU kernel's."""
+    B, H, Lq, Lk, D = 1, 2, 130, 130, 64
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype)
+    j = 70
+    cases = {"query": (q.clone(), k, v), "key": (q, k.clone(), v), "value": (q, k, v.clone())}
+    cases["query"][0][0, 1, 40, 3] = float("nan")
+    cases["key"][1][0, 1, j, 5] = float("nan")
+    cases["value"][2][0, 1, j, 7] = float("nan")
+    for which, (qq, kk, vv) in cases.items():
+        cu = OP(cuda(qq), cuda(kk), cuda(vv), None, None, is_causal=True)
+        cpu = OP(qq, kk, vv, None, None, is_causal=True)
+        nan_rows = torch.isnan(cu[0].cpu()).any(-1)
+        nan_rows_cpu = torch.isnan(cpu[0]).any(-1)
+        if which == "query":
+            expect = torch.zeros(B, H, Lq, dtype=torch.bool)
+            expect[0, 1, 40] = True
+        else:
+            expect = torch.zeros(B, H, Lq, dtype=torch.bool)
+            expect[0, 1, j:] = True
+        if which == "value":  # P.V may also spread the NaN to rows that do not see key j (0 * NaN)
+            assert nan_rows[expect].all(), "value NaN: a row that sees it is not NaN"
+            continue
+        assert torch.equal(nan_rows, expect), f"{which} NaN: NaN rows {nan_rows.nonzero().tolist()[:8]}..."
+        assert torch.equal(nan_rows, nan_rows_cpu), f"{which} NaN: NaN rows differ from the CPU kernel's"
+        ok = ~expect
+        ref = reference_attention_raw(qq, kk, vv, None, None, is_causal=True)
+        oat, ort = OUT_TOL[dtype]
+        sat, srt = STAT_TOL[dtype]
+        assert_close64(cu[0].cpu()[ok], ref.output[ok], oat, ort, f"{which} NaN: output of clean rows")
+        assert_close64(cu[1].cpu()[ok], ref.lse[ok], sat, srt, f"{which} NaN: lse of clean rows")
+        assert_close64(cu[2].cpu()[ok], ref.entropy[ok], sat, srt, f"{which} NaN: entropy of clean rows")
+        assert torch.equal(torch.isnan(cu[1].cpu()), torch.isnan(cpu[1])), f"{which} NaN: lse NaN rows differ from the CPU's"

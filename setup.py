@@ -53,19 +53,10 @@ def sources() -> list[str]:
     return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT))
 
 
-def wheel_cuda_includes() -> list[str]:
-    """Header directories of the NVIDIA wheels torch was installed with. ATen/cuda/CUDAContext.h
-    includes cuBLAS, cuSPARSE and cuSOLVER headers, which a minimal CUDA toolkit may lack."""
-    nvidia = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")
-    return sorted(glob.glob(os.path.join(nvidia, "*", "include")))
-
-
 # Torch's headers warn under -Wextra: as system headers (-isystem outranks the -I that
 # cpp_extension adds for the same directories) they stay quiet, and the warnings left are ours.
-# The wheels' CUDA headers only fill in what the toolkit lacks (-idirafter: searched last).
 CXX_FLAGS = (["-O3", "-fopenmp-simd", "-Wall", "-Wextra"]
              + [flag for path in include_paths() for flag in ("-isystem", path)]
-             + [flag for path in (wheel_cuda_includes() if WITH_CUDA else []) for flag in ("-idirafter", path)]
              + (["-Werror"] if WERROR else []))
 # The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,
 # -D__CUDA_NO_HALF_OPERATORS__ & co. and the -gencode flags of TORCH_CUDA_ARCH_LIST.

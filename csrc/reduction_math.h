@@ -50,7 +50,7 @@ EA_HOST_DEVICE void rescale_power_sums(RowStats<acc_t>& st, acc_t block_bmax, bo
 template <typename acc_t>
 EA_HOST_DEVICE acc_t attention_sparsity_value(acc_t l1, acc_t l2, int64_t n) {
   const acc_t denom = std::sqrt(static_cast<acc_t>(n) * l2);
-  return denom > acc_t(0) || l2 != l2 ? l1 / denom : acc_t(0);
+  return denom > acc_t(0) || l2 != l2 || l1 != l1 ? l1 / denom : acc_t(0);
 }
 
 }  // namespace entropy_attn

@@ -182,3 +182,14 @@ def test_nan_propagates(device: str, kind: str) -> None:
     k[0, 0, 3, 0] = float("nan")
     got = torch_ext.attention_sparsity(torch.ones(1, 1, 2, 4, device=device), k.to(device), kind=kind)
     assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_query_row_propagates(device: str, kind: str) -> None:
+    """A NaN query entry makes its row NaN (every logit of the row is NaN) and no other row."""
+    q = torch.rand(1, 1, 3, 4)
+    q[0, 0, 1, 2] = float("nan")
+    got = torch_ext.attention_sparsity(q.to(device), torch.rand(1, 1, 50, 4).to(device), kind=kind).cpu()
+    assert torch.isnan(got[0, 0, 1])
+    assert torch.isfinite(got[0, 0, [0, 2]]).all()

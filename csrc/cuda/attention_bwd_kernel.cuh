@@ -139,8 +139,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
     }
     __syncthreads();
 
-    block_gemm<kBM, kBN, kD, false, true, Acc>(sQ, L::kLdT, sK, L::kLdT, scratch,
-                                               [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
     // Logits and p = e^{s - lse} (0 where masked or outside the causal limit).
     for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {

@@ -40,8 +40,8 @@ struct FwdLayout : FwdTiles<T, kD> {
   static constexpr size_t kK = kQ + align128(sizeof(T) * kBM * kLdT);
   static constexpr size_t kV = kK + align128(sizeof(T) * kBN * kLdT);
   static constexpr size_t kS = kV + align128(sizeof(T) * kBN * kLdT);
-  static constexpr size_t kP = kS + align128(sizeof(Acc) * kBM * kLdS);
-  static constexpr size_t kO = kP + (kPInPlace ? 0 : align128(sizeof(OpT) * kBM * kLdP));
+  static constexpr size_t kP = kS + (kPInPlace ? 0 : align128(sizeof(Acc) * kBM * kLdS));
+  static constexpr size_t kO = kP + align128(sizeof(OpT) * kBM * kLdP);
   static constexpr size_t kStats = kO + align128(sizeof(Acc) * kBM * kLdO);
   static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
   static constexpr size_t kAlpha = kLam + align128(sizeof(Acc) * kBM);
@@ -67,13 +67,22 @@ struct TileRows {
   int64_t* n;            // n_i
 };
 
+// The TileRows of a kernel's shared-memory layout L (with kStats, kLam, kFactor, kLimit, kN).
+template <typename L>
+__device__ __forceinline__ TileRows<typename L::Acc> tile_rows(unsigned char* smem) {
+  using Acc = typename L::Acc;
+  return {reinterpret_cast<RowStats<Acc>*>(smem + L::kStats), reinterpret_cast<Acc*>(smem + L::kLam),
+          reinterpret_cast<Acc*>(smem + L::kFactor), reinterpret_cast<int64_t*>(smem + L::kLimit),
+          reinterpret_cast<int64_t*>(smem + L::kN)};
+}
+
 // Row setup of the tile, one warp per row: the causal key limit, n_i (a warp-wide count of the
 // mask's allowed keys), g(n_i) / temperature and lambda_i (scale_policy.h via ScalePolicy).
 template <typename Acc>
 __device__ void setup_rows(const AttentionArgs<Acc>& a, const ScalePolicy<Acc>& scale, int64_t b,
-                           int64_t h, int64_t i0, int rows, int tile_rows, const TileRows<Acc>& t) {
+                           int64_t h, int64_t i0, int rows, int tile_height, const TileRows<Acc>& t) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < tile_rows; r += kWarps) {
+  for (int r = warp; r < tile_height; r += kWarps) {
     const int64_t i = i0 + r;
     const int64_t lim = r < rows ? key_limit(i, a.kv_len, a.causal) : 0;  // padding rows: no key
     int64_t n = lim;
@@ -144,11 +153,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
   Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
   OpT* sP = reinterpret_cast<OpT*>(smem + L::kP);
   Acc* sO = reinterpret_cast<Acc*>(smem + L::kO);
-  const TileRows<Acc> tr{reinterpret_cast<RowStats<Acc>*>(smem + L::kStats),
-                         reinterpret_cast<Acc*>(smem + L::kLam),
-                         reinterpret_cast<Acc*>(smem + L::kFactor),
-                         reinterpret_cast<int64_t*>(smem + L::kLimit),
-                         reinterpret_cast<int64_t*>(smem + L::kN)};
+  const TileRows<Acc> tr = tile_rows<L>(smem);
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
@@ -172,9 +177,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
     load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim);
     __syncthreads();
-    block_gemm<kBM, kBN, kD, false, true, Acc>(
-        sQ, L::kLdT, sK, L::kLdT, scratch,
-        [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
     for (int r = warp; r < kBM; r += kWarps) {
       if (r < rows) {

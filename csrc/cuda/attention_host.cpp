@@ -51,28 +51,42 @@ void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
                     "batch");
 }
 
+LogitsCall::LogitsCall(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const std::optional<at::Tensor>& attn_mask,
+                       const std::optional<at::Tensor>& scale, bool is_causal,
+                       std::optional<double> scale_factor_, std::string_view scale_mode,
+                       double temperature_, double log_base_, bool enable_gqa)
+    : shape(check_attention_inputs(query, key, value, attn_mask, scale, scale_factor_, scale_mode,
+                                   temperature_, log_base_, enable_gqa)),
+      causal(is_causal),
+      scale_factor(scale_factor_),
+      mode(parse_scale_mode(scale_mode)),
+      log_base(log_base_),
+      temperature(temperature_) {
+  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
+  check_cuda_limits(shape, dtype);
+  q = with_unit_last_stride(query, dtype);
+  k = with_unit_last_stride(key, dtype);
+  v = with_unit_last_stride(value, dtype);
+  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, shape, acc);
+  if (scale.has_value()) c = expand_scale(*scale, shape, acc);
+}
+
+template <typename acc_t>
+void LogitsCall::fill(AttentionArgs<acc_t>& a, ScalePolicy<acc_t>& scale) const {
+  fill_attention_args(a, shape, q, k, v, mask, causal);
+  scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+}
+
 ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                             const std::optional<at::Tensor>& scale, bool is_causal,
                             std::optional<double> scale_factor, std::string_view scale_mode,
                             double temperature, double log_base, bool enable_gqa) {
-  ForwardCall f;
-  f.shape = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor, scale_mode,
-                                   temperature, log_base, enable_gqa);
+  ForwardCall f(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
+                temperature, log_base, enable_gqa);
   const AttentionShape& sh = f.shape;
-  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
-  check_cuda_limits(sh, dtype);
-  f.causal = is_causal;
-  f.q = with_unit_last_stride(query, dtype);
-  f.k = with_unit_last_stride(key, dtype);
-  f.v = with_unit_last_stride(value, dtype);
-  if (attn_mask.has_value()) f.mask = expand_mask(*attn_mask, sh, acc);
-  if (scale.has_value()) f.c = expand_scale(*scale, sh, acc);
-  f.scale_factor = scale_factor;
-  f.mode = parse_scale_mode(scale_mode);
-  f.log_base = log_base, f.temperature = temperature;
-
-  const auto stat = query.options().dtype(acc);
+  const auto stat = query.options().dtype(accumulate_type(query.scalar_type()));
   auto row = [&] { return at::empty({sh.batch, sh.heads, sh.q_len}, stat); };
   f.outputs = {at::empty({sh.batch, sh.heads, sh.q_len, sh.v_head_dim}, query.options()),
                row(),
@@ -88,8 +102,7 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key,
 template <typename acc_t>
 FwdParams<acc_t> ForwardCall::params() const {
   FwdParams<acc_t> p;
-  fill_attention_args(p, shape, q, k, v, mask, causal);
-  p.scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+  fill(p, p.scale);
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] = outputs;
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<acc_t>(), p.entropy = entropy.data_ptr<acc_t>();
@@ -179,21 +192,11 @@ SparsityCall prepare_attention_sparsity(const at::Tensor& query, const at::Tenso
                                         std::optional<double> scale_factor,
                                         std::string_view scale_mode, double temperature,
                                         double log_base, bool enable_gqa) {
-  SparsityCall c;
-  c.shape = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor, scale_mode,
-                                   temperature, log_base, enable_gqa);
-  const AttentionShape& sh = c.shape;
-  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
+  SparsityCall c(query, key, key, attn_mask, scale, is_causal, scale_factor, scale_mode,
+                 temperature, log_base, enable_gqa);
   c.kind = parse_sparsity_kind(kind);
-  check_cuda_limits(sh, dtype);
-  c.causal = is_causal;
-  c.q = with_unit_last_stride(query, dtype);
-  c.k = with_unit_last_stride(key, dtype);
-  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, sh, acc);
-  if (scale.has_value()) c.c = expand_scale(*scale, sh, acc);
-  c.scale_factor = scale_factor;
-  c.mode = parse_scale_mode(scale_mode);
-  c.log_base = log_base, c.temperature = temperature;
+  const AttentionShape& sh = c.shape;
+  const at::ScalarType acc = accumulate_type(query.scalar_type());
   c.out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
   return c;
 }
@@ -201,8 +204,7 @@ SparsityCall prepare_attention_sparsity(const at::Tensor& query, const at::Tenso
 template <typename acc_t>
 SparsityParams<acc_t> SparsityCall::params() const {
   SparsityParams<acc_t> p;
-  fill_attention_args(p, shape, q, k, k, mask, causal);
-  p.scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+  fill(p, p.scale);
   p.kind = kind;
   p.out = out.data_ptr<acc_t>();
   return p;

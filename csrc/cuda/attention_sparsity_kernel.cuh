@@ -82,11 +82,7 @@ __global__ void __launch_bounds__(kThreads)
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
-  const TileRows<Acc> tr{reinterpret_cast<RowStats<Acc>*>(smem + L::kStats),
-                         reinterpret_cast<Acc*>(smem + L::kLam),
-                         reinterpret_cast<Acc*>(smem + L::kFactor),
-                         reinterpret_cast<int64_t*>(smem + L::kLimit),
-                         reinterpret_cast<int64_t*>(smem + L::kN)};
+  const TileRows<Acc> tr = tile_rows<L>(smem);
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);  // unused e^{m_old - m_new}
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
@@ -105,9 +101,7 @@ __global__ void __launch_bounds__(kThreads)
     const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
     __syncthreads();
-    block_gemm<kBM, kBN, kD, false, true, Acc>(
-        sQ, L::kLdT, sK, L::kLdT, scratch,
-        [=](int m, int n, Acc x) { sS[m * L::kLdS + n] = x; });
+    scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
     for (int r = warp; r < rows; r += kWarps) {
       Acc* s = sS + r * L::kLdS;

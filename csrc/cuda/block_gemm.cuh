@@ -107,4 +107,13 @@ __device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int 
   }
 }
 
+// Raw scores S = Q K^T of a query tile (rows of sQ) and a key tile (rows of sK), both with leading
+// dimension ld, into sS (leading dimension lds).
+template <int kBM, int kBN, int kD, typename Acc, typename T>
+__device__ __forceinline__ void scores(const T* sQ, const T* sK, int ld, Acc* sS, int lds,
+                                       float* scratch) {
+  block_gemm<kBM, kBN, kD, false, true, Acc>(sQ, ld, sK, ld, scratch,
+                                             [=](int m, int n, Acc x) { sS[m * lds + n] = x; });
+}
+
 }  // namespace entropy_attn::cuda

@@ -1,0 +1,706 @@
+// The CUDA kernels (csrc/cuda/*_kernel.cuh) run on the CPU through an emulation of the CUDA
+// execution model (cuda_emulation.h: 128 std::threads per block, barriers for __syncthreads and
+// __syncwarp, shuffles through per-warp slots, std::atomic_ref atomics), so that their index
+// arithmetic, masking, tiling, synchronization and statistics are tested on machines without a GPU.
+// The host halves (attention_host.h: prepare_forward / prepare_backward / prepare_row_reduction)
+// allocate on the CPU here; the results are compared with an independent float64 reference written
+// with plain ATen ops over the full (B, H, Lq, Lk) matrix, its gradients by autograd.
+//
+// On the host (no __CUDA_ARCH__) block_gemm.cuh takes its CUDA-core path for every type: everything
+// but the WMMA tensor-core path of the 16-bit types is exercised.
+
+// clang-format off
+#include "cuda_emulation.h"  // first: the CUDA built-ins the kernel headers use
+// clang-format on
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/attention_bwd_kernel.cuh"
+#include "cuda/attention_fwd_kernel.cuh"
+#include "cuda/attention_host.h"
+#include "cuda/attention_sparsity_kernel.cuh"
+#include "cuda/row_reduction_kernels.cuh"
+
+namespace {
+
+namespace ec = entropy_attn::cuda;
+using entropy_attn::AttentionOutputs;
+
+// ---------------------------------------------------------------------------------------------
+// Emulated launches of the project's kernels, with the grids and shared memory of the launchers
+// (attention_fwd_launch.cuh, attention_bwd_launch.cuh, row_reductions.cu).
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+at::ScalarType scalar_type_of() {
+  if constexpr (std::is_same_v<T, float>) return at::kFloat;
+  if constexpr (std::is_same_v<T, double>) return at::kDouble;
+  if constexpr (std::is_same_v<T, __half>) return at::kHalf;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return at::kBFloat16;
+}
+
+int head_dim_bucket_of(int64_t d, int64_t dv) { return ec::head_dim_bucket(std::max(d, dv)); }
+
+template <typename T, int kD>
+void launch_forward_d(const ec::FwdParams<ec::AccType<T>>& p) {
+  using L = ec::FwdLayout<T, kD>;
+  emulate_launch(ec::attention_fwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
+  switch (head_dim_bucket_of(p.head_dim, p.v_head_dim)) {
+    case 64: return launch_forward_d<T, 64>(p);
+    case 128: return launch_forward_d<T, 128>(p);
+    case 256:
+      if constexpr (!std::is_same_v<T, double>) return launch_forward_d<T, 256>(p);
+      [[fallthrough]];
+    default: FAIL() << "no head-dim bucket for " << p.head_dim << ", " << p.v_head_dim;
+  }
+}
+
+template <typename T, int kD>
+void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
+  using L = ec::BwdLayout<T, kD>;
+  emulate_launch(ec::attention_bwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_backward(const ec::BwdParams<ec::AccType<T>>& p) {
+  emulate_launch(ec::attention_bwd_preprocess_kernel<T>, ec::preprocess_blocks(p), 0, p);
+  switch (head_dim_bucket_of(p.head_dim, p.v_head_dim)) {
+    case 64: return launch_backward_d<T, 64>(p);
+    case 128: return launch_backward_d<T, 128>(p);
+    case 256:
+      if constexpr (!std::is_same_v<T, double>) return launch_backward_d<T, 256>(p);
+      [[fallthrough]];
+    default: FAIL() << "no head-dim bucket for " << p.head_dim << ", " << p.v_head_dim;
+  }
+}
+
+template <typename T, int kD>
+void launch_sparsity_d(const ec::SparsityParams<ec::AccType<T>>& p) {
+  using L = ec::SparsityLayout<T, kD>;
+  emulate_launch(ec::attention_sparsity_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_sparsity(const ec::SparsityParams<ec::AccType<T>>& p) {
+  switch (ec::head_dim_bucket(p.head_dim)) {  // as attention_sparsity.cu: values play no part
+    case 64: return launch_sparsity_d<T, 64>(p);
+    case 128: return launch_sparsity_d<T, 128>(p);
+    case 256:
+      if constexpr (!std::is_same_v<T, double>) return launch_sparsity_d<T, 256>(p);
+      [[fallthrough]];
+    default: FAIL() << "no head-dim bucket for " << p.head_dim;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparison helpers
+// ---------------------------------------------------------------------------------------------
+
+// |actual - expected| <= tol * max(1, max |expected|) elementwise, NaN where and only where the
+// reference has NaN.
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const at::Tensor a = actual.to(at::kDouble), b = expected.to(at::kDouble);
+  const at::Tensor nan_a = a.isnan(), nan_b = b.isnan();
+  EXPECT_TRUE(at::equal(nan_a, nan_b))
+      << what << ": NaN pattern differs (" << nan_a.sum().item<int64_t>() << " NaN in the kernel's, "
+      << nan_b.sum().item<int64_t>() << " in the reference's)";
+  if (a.numel() == 0) return;
+  const at::Tensor ok = nan_a.logical_not().logical_and(nan_b.logical_not());
+  const at::Tensor diff = at::where(ok, (a - b).abs(), at::zeros_like(a));
+  const at::Tensor finite_b = at::where(ok, b.abs(), at::zeros_like(b));
+  const double scale = std::max(1.0, finite_b.max().item<double>());
+  const double err = diff.max().item<double>();
+  if (!(err <= tol * scale)) {
+    const int64_t flat = diff.flatten().argmax().item<int64_t>();
+    ADD_FAILURE() << what << ": max |kernel - reference| = " << err << " > " << tol * scale
+                  << " at flat index " << flat << " of shape " << a.sizes()
+                  << " (kernel " << a.flatten()[flat].item<double>() << ", reference "
+                  << b.flatten()[flat].item<double>() << ")";
+  }
+}
+
+struct Tolerances {
+  double out, stats, grad;
+};
+Tolerances tolerances(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return {1e-11, 1e-11, 1e-9};
+    case at::kFloat: return {2e-5, 2e-5, 1e-4};
+    // 16-bit: P is rounded to the input type before P V (and P, dS before the backward products),
+    // the output and the gradients are stored in it; the statistics are float32.
+    case at::kHalf: return {5e-3, 1e-4, 2e-2};
+    default: return {3e-2, 1e-4, 6e-2};  // bfloat16
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The float64 reference, over the full (B, H, Lq, Lk) matrix.
+// ---------------------------------------------------------------------------------------------
+
+enum class MaskType { kNone, kBool, kBoolQK, kBoolKeys, kAdditive, kAdditiveQK, kAdditiveKeys };
+
+struct Case {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  int64_t B = 1, H = 1, Hkv = 1, Lq = 17, Lk = 17, D = 8, Dv = -1;  // Dv = -1: D
+  bool causal = false;
+  MaskType mask = MaskType::kNone;
+  bool masked_rows = false;  // some rows (or a batch for kBoolKeys/kAdditiveKeys) fully masked
+  bool mask_transposed = false;  // the mask as a transposed view (strides of Lq and Lk swapped)
+  bool scale_tensor = false;  // a (B, H, 1) scale tensor
+  std::optional<double> scale_factor;
+  const char* mode = "fixed";
+  double log_base = 16, temperature = 1;
+  bool noncontig = false;  // q, k, v as transpose(1, 2) views of (B, L, H, D) tensors
+  bool nan_row = false;    // NaN in one query row
+  bool stat_grads = true;  // upstream gradients of lse, entropy and sum_p2
+  int64_t dv() const { return Dv < 0 ? D : Dv; }
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+struct Inputs {
+  at::Tensor q, k, v;            // the kernel's inputs (dtype, possibly non-contiguous)
+  std::optional<at::Tensor> mask;  // as passed to the op (unexpanded)
+  std::optional<at::Tensor> scale;
+  at::Tensor dout, g_lse, g_entropy, g_sum_p2;
+};
+
+Inputs make_inputs(const Case& c) {
+  at::manual_seed(1234);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::ScalarType acc = c.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  Inputs in;
+  auto qkv = [&](int64_t heads, int64_t len, int64_t d) {
+    if (c.noncontig) return at::randn({c.B, len, heads, d}, f64).to(c.dtype).transpose(1, 2);
+    return at::randn({c.B, heads, len, d}, f64).to(c.dtype);
+  };
+  in.q = qkv(c.H, c.Lq, c.D);
+  in.k = qkv(c.Hkv, c.Lk, c.D);
+  in.v = qkv(c.Hkv, c.Lk, c.dv());
+  if (c.nan_row && c.Lq > 2) {
+    in.q.select(0, 0).select(0, 0).select(0, 2).fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  std::vector<int64_t> mshape;
+  switch (c.mask) {
+    case MaskType::kBool:
+    case MaskType::kAdditive: mshape = {c.B, c.H, c.Lq, c.Lk}; break;
+    case MaskType::kBoolQK:
+    case MaskType::kAdditiveQK: mshape = {c.Lq, c.Lk}; break;
+    case MaskType::kBoolKeys:
+    case MaskType::kAdditiveKeys: mshape = {c.B, 1, 1, c.Lk}; break;
+    case MaskType::kNone: break;
+  }
+  if (c.mask != MaskType::kNone) {
+    at::Tensor allow = at::rand(mshape, f64) > 0.3;
+    if (c.masked_rows) {
+      if (c.mask == MaskType::kBoolKeys || c.mask == MaskType::kAdditiveKeys) {
+        allow.select(0, c.B - 1).fill_(false);  // the last batch sees no key at all
+      } else if (c.Lq > 1) {
+        allow.select(-2, 1).fill_(false);
+        allow.select(-2, c.Lq - 1).fill_(false);
+      }
+    }
+    const bool additive = c.mask == MaskType::kAdditive || c.mask == MaskType::kAdditiveQK ||
+                          c.mask == MaskType::kAdditiveKeys;
+    if (additive) {
+      const at::Tensor values = at::randn(mshape, f64) * 0.5;
+      in.mask = at::where(allow, values,
+                          at::full_like(values, -std::numeric_limits<double>::infinity()))
+                    .to(c.dtype);
+    } else {
+      in.mask = allow;
+    }
+    if (c.mask_transposed) in.mask = in.mask->transpose(-1, -2).contiguous().transpose(-1, -2);
+  }
+  if (c.scale_tensor) in.scale = (at::rand({c.B, c.H, 1}, f64) * 0.4 + 0.1).to(c.dtype);
+  in.dout = at::randn({c.B, c.H, c.Lq, c.dv()}, f64).to(c.dtype);
+  in.g_lse = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
+  in.g_entropy = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
+  in.g_sum_p2 = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
+  return in;
+}
+
+// The logits of the reference: s_ij = lambda_i q_i.k_j + additive mask where key j is allowed (by
+// causality, top-left aligned, and the mask), -inf elsewhere; n_i = allowed keys;
+// lambda_i = c * g(n_i) / temperature, a leaf of the graph (for d lambda).
+struct RefLogits {
+  at::Tensor q, k, v;  // float64 leaves
+  at::Tensor allowed, n, any, factor, lam, s;
+};
+
+RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
+  const double inf = std::numeric_limits<double>::infinity();
+  RefLogits L;
+  L.q = in.q.to(at::kDouble).detach().requires_grad_(grads);
+  L.k = in.k.to(at::kDouble).detach().requires_grad_(grads);
+  L.v = in.v.to(at::kDouble).detach().requires_grad_(grads);
+  const int64_t group = c.H / c.Hkv;
+  const at::Tensor kx = L.k.repeat_interleave(group, 1);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+
+  // Which keys each row may see, and the additive term.
+  L.allowed = at::ones({c.B, c.H, c.Lq, c.Lk}, at::TensorOptions().dtype(at::kBool));
+  if (c.causal) {
+    const at::Tensor i = at::arange(c.Lq).unsqueeze(1), j = at::arange(c.Lk).unsqueeze(0);
+    L.allowed = L.allowed.logical_and(j <= i);
+  }
+  at::Tensor add = at::zeros({c.B, c.H, c.Lq, c.Lk}, f64);
+  if (in.mask.has_value()) {
+    const at::Tensor m = in.mask->expand({c.B, c.H, c.Lq, c.Lk});
+    if (m.scalar_type() == at::kBool) {
+      L.allowed = L.allowed.logical_and(m);
+    } else {
+      const at::Tensor md = m.to(at::kDouble);
+      L.allowed = L.allowed.logical_and(md != -inf);
+      add = at::where(L.allowed, md, at::zeros_like(md));
+    }
+  }
+  L.n = L.allowed.sum(-1);  // int64 (B, H, Lq)
+  const at::Tensor nd = L.n.to(at::kDouble);
+  L.any = L.n > 0;
+
+  // lambda_i = c * g(n_i) / temperature.
+  at::Tensor g;
+  const std::string mode = c.mode;
+  if (mode == "fixed") {
+    g = at::ones_like(nd);
+  } else {
+    const at::Tensor lg = at::where(L.any, nd, at::ones_like(nd)).log() / std::log(c.log_base);
+    g = mode == "logn" ? lg : lg.clamp_min(1.0);
+    g = at::where(L.any, g, at::zeros_like(g));
+  }
+  L.factor = g / c.temperature;
+  at::Tensor cc;
+  if (in.scale.has_value()) {
+    cc = in.scale->to(at::kDouble).expand({c.B, c.H, c.Lq});
+  } else {
+    cc = at::full({c.B, c.H, c.Lq}, c.scale_factor.value_or(1.0 / std::sqrt(double(c.D))), f64);
+  }
+  L.lam = (cc * L.factor).detach().requires_grad_(grads);
+  const at::Tensor r = at::matmul(L.q, kx.transpose(-1, -2));
+  const at::Tensor s = L.lam.unsqueeze(-1) * r + add;
+  L.s = at::where(L.allowed, s, at::full_like(s, -inf));
+  return L;
+}
+
+struct Reference {
+  at::Tensor out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor;
+  at::Tensor dq, dk, dv, dlam;  // defined when gradients were asked for
+};
+
+Reference reference(const Case& c, const Inputs& in, bool grads) {
+  const RefLogits L = reference_logits(c, in, grads);
+  const at::Tensor vx = L.v.repeat_interleave(c.H / c.Hkv, 1);
+  const at::Tensor nd = L.n.to(at::kDouble);
+  // Rows without any allowed key: finite placeholder logits, their weights zeroed below.
+  const at::Tensor s_filled = at::where(L.any.unsqueeze(-1), L.s, at::zeros_like(L.s));
+  const at::Tensor p = at::softmax(s_filled, -1) * L.any.unsqueeze(-1).to(at::kDouble);
+
+  Reference ref;
+  ref.out = at::matmul(p, vx);
+  ref.lse = at::where(L.any, at::logsumexp(s_filled, {-1}), at::zeros_like(nd));
+  ref.entropy = -(p * at::where(p > 0, p, at::ones_like(p)).log()).sum(-1);
+  ref.sum_p2 = (p * p).sum(-1);
+  ref.max_weight = c.Lk > 0 ? std::get<0>(p.max(-1)) : at::zeros_like(nd);
+  ref.n_keys = L.n;
+  ref.row_scale = L.lam.detach();
+  ref.length_factor = L.factor;
+
+  if (grads) {
+    at::Tensor loss = (ref.out * in.dout.to(at::kDouble)).sum();
+    if (c.stat_grads) {
+      loss = loss + (ref.lse * in.g_lse.to(at::kDouble)).sum() +
+             (ref.entropy * in.g_entropy.to(at::kDouble)).sum() +
+             (ref.sum_p2 * in.g_sum_p2.to(at::kDouble)).sum();
+    }
+    const auto gr = torch::autograd::grad({loss}, {L.q, L.k, L.v, L.lam}, /*grad_outputs=*/{},
+                                          /*retain_graph=*/false, /*create_graph=*/false,
+                                          /*allow_unused=*/true);
+    auto or_zeros = [](const at::Tensor& g, const at::Tensor& like) {
+      return g.defined() ? g : at::zeros_like(like);
+    };
+    ref.dq = or_zeros(gr[0], L.q), ref.dk = or_zeros(gr[1], L.k), ref.dv = or_zeros(gr[2], L.v);
+    ref.dlam = or_zeros(gr[3], L.lam);
+  }
+  for (at::Tensor* t : {&ref.out, &ref.lse, &ref.entropy, &ref.sum_p2, &ref.max_weight}) {
+    *t = t->detach();
+  }
+  return ref;
+}
+
+// attention_sparsity: S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) with a = softmax (exp),
+// relu(s)^2 (relu2) or s (identity) over the allowed keys (0 elsewhere); 0 for an all-zero row;
+// NaN for a row with a NaN logit (README: NaN in the inputs propagates to the rows that see it).
+at::Tensor reference_sparsity(const Case& c, const Inputs& in, const std::string& kind) {
+  const RefLogits L = reference_logits(c, in, false);
+  const at::Tensor zero = at::zeros_like(L.s);
+  at::Tensor a;
+  if (kind == "exp") {
+    const at::Tensor s_filled = at::where(L.any.unsqueeze(-1), L.s, zero);
+    a = at::softmax(s_filled, -1) * L.any.unsqueeze(-1).to(at::kDouble);
+  } else if (kind == "relu2") {
+    a = at::where(L.allowed, L.s.clamp_min(0).pow(2), zero);
+  } else {
+    a = at::where(L.allowed, L.s, zero);
+  }
+  const at::Tensor l1 = a.abs().sum(-1), l2 = (a * a).sum(-1);
+  const at::Tensor denom = (L.n.to(at::kDouble) * l2).sqrt();
+  const at::Tensor defined = (denom > 0).logical_or(l1.isnan()).logical_or(l2.isnan());
+  return at::where(defined, l1 / denom, at::zeros_like(l1)).detach();
+}
+
+// ---------------------------------------------------------------------------------------------
+// One case: the emulated forward and backward against the reference.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void run_case_typed(const Case& c, bool backward) {
+  using Acc = ec::AccType<T>;
+  const Inputs in = make_inputs(c);
+  const Tolerances tol = tolerances(c.dtype);
+  const bool gqa = c.H != c.Hkv;
+
+  const ec::ForwardCall fwd = ec::prepare_forward(in.q, in.k, in.v, in.mask, in.scale, c.causal,
+                                                  c.scale_factor, c.mode, c.temperature,
+                                                  c.log_base, gqa);
+  launch_forward<T>(fwd.params<Acc>());
+  if (::testing::Test::HasFatalFailure()) return;
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
+      fwd.outputs;
+
+  const Reference ref = reference(c, in, backward);
+  const at::ScalarType acc = c.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  EXPECT_EQ(out.scalar_type(), c.dtype);
+  EXPECT_EQ(lse.scalar_type(), acc);
+  expect_close(out, ref.out, tol.out, "output");
+  expect_close(lse, ref.lse, tol.stats, "lse");
+  expect_close(entropy, ref.entropy, tol.stats, "entropy");
+  expect_close(sum_p2, ref.sum_p2, tol.stats, "sum_p2");
+  expect_close(max_weight, ref.max_weight, tol.stats, "max_weight");
+  EXPECT_TRUE(at::equal(n_keys, ref.n_keys)) << "n_keys:\n" << n_keys << "\nreference:\n"
+                                             << ref.n_keys;
+  expect_close(row_scale, ref.row_scale, tol.stats, "row_scale");
+  expect_close(length_factor, ref.length_factor, tol.stats, "length_factor");
+  if (c.nan_row && c.Lq > 2) {
+    // NaN in query row 2 of (b, h) = (0, 0): that row's output and statistics are NaN, no other.
+    EXPECT_TRUE(out[0][0][2].isnan().all().item<bool>());
+    EXPECT_TRUE(lse[0][0][2].isnan().item<bool>());
+    EXPECT_EQ(out.isnan().sum().item<int64_t>(), c.dv()) << "NaN beyond the NaN row";
+    EXPECT_EQ(entropy.isnan().sum().item<int64_t>(), 1);
+  }
+  if (!backward) return;
+
+  const ec::BackwardCall bwd = ec::prepare_backward(
+      in.dout, c.stat_grads ? std::optional<at::Tensor>(in.g_lse) : std::nullopt,
+      c.stat_grads ? std::optional<at::Tensor>(in.g_entropy) : std::nullopt,
+      c.stat_grads ? std::optional<at::Tensor>(in.g_sum_p2) : std::nullopt, in.q, in.k, in.v,
+      in.mask, out, lse, entropy, sum_p2, row_scale, c.causal);
+  launch_backward<T>(bwd.params<Acc>());
+  if (::testing::Test::HasFatalFailure()) return;
+  const auto [dq, dk, dv, dlam] = bwd.finish();
+  EXPECT_EQ(dq.scalar_type(), c.dtype);
+  expect_close(dq, ref.dq, tol.grad, "grad_query");
+  expect_close(dk, ref.dk, tol.grad, "grad_key");
+  expect_close(dv, ref.dv, tol.grad, "grad_value");
+  expect_close(dlam, ref.dlam, tol.grad, "grad_row_scale");
+  if (c.nan_row && c.Lq > 2) {
+    // dq of every other row stays finite (dk, dv of the keys the NaN row sees are NaN).
+    EXPECT_EQ(dq.isnan().sum().item<int64_t>(), c.D) << "NaN beyond the NaN row of grad_query";
+  }
+}
+
+void run_case(const Case& c, bool backward = true) {
+  switch (c.dtype) {
+    case at::kFloat: return run_case_typed<float>(c, backward);
+    case at::kDouble: return run_case_typed<double>(c, backward);
+    case at::kHalf: return run_case_typed<__half>(c, backward);
+    case at::kBFloat16: return run_case_typed<__nv_bfloat16>(c, backward);
+    default: FAIL() << "dtype";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases
+// ---------------------------------------------------------------------------------------------
+
+Case mk(std::string name, at::ScalarType dtype, int64_t lq, int64_t lk, int64_t d,
+        int64_t dv = -1) {
+  Case c;
+  c.name = std::move(name), c.dtype = dtype, c.Lq = lq, c.Lk = lk, c.D = d, c.Dv = dv;
+  return c;
+}
+
+std::vector<Case> attention_cases() {
+  using at::kBFloat16;
+  using at::kDouble;
+  using at::kFloat;
+  using at::kHalf;
+  std::vector<Case> v;
+  Case c;
+  // Head-dim buckets (64, 128, 256) and Dv != D; lengths that are not multiples of the tiles.
+  v.push_back(mk("f32_d8", kFloat, 17, 17, 8));
+  v.push_back(mk("f32_d40_dv24_65x97", kFloat, 65, 97, 40, 24));
+  v.push_back(mk("f32_d64_dv100_63x65", kFloat, 63, 65, 64, 100));  // bucket 128 from Dv
+  v.push_back(mk("f32_d100_33x130", kFloat, 33, 130, 100));
+  v.push_back(mk("f32_d200_dv256_17x33", kFloat, 17, 33, 200, 256));
+  v.push_back(mk("f32_d256_1x17", kFloat, 1, 17, 256));
+  v.push_back(mk("f32_lq1_lk130", kFloat, 1, 130, 8));
+  v.push_back(mk("f32_lk0", kFloat, 17, 0, 8));
+  v.push_back(mk("f32_lq0", kFloat, 0, 17, 8));
+  c = mk("f32_lk0_logn_mask", kFloat, 5, 0, 8), c.mode = "logn", c.mask = MaskType::kBool;
+  v.push_back(c);
+  // Causal, Lq < Lk and Lq > Lk.
+  c = mk("f32_causal_17x65", kFloat, 17, 65, 8), c.causal = true, v.push_back(c);
+  c = mk("f32_causal_97x17", kFloat, 97, 17, 8), c.causal = true, v.push_back(c);
+  c = mk("f32_causal_130x130_d100", kFloat, 130, 130, 100), c.causal = true, v.push_back(c);
+  // Masks: bool and additive, full and broadcast, with fully masked rows.
+  c = mk("f32_bool_mask_masked_rows", kFloat, 33, 65, 8), c.mask = MaskType::kBool;
+  c.masked_rows = true, c.B = 2, v.push_back(c);
+  c = mk("f32_bool_mask_qk_causal", kFloat, 65, 33, 8), c.mask = MaskType::kBoolQK;
+  c.causal = true, c.masked_rows = true, c.H = 2, c.Hkv = 2, v.push_back(c);
+  c = mk("f32_bool_mask_keys", kFloat, 17, 65, 8), c.mask = MaskType::kBoolKeys, c.B = 2;
+  c.masked_rows = true, v.push_back(c);
+  c = mk("f32_additive_mask_masked_rows", kFloat, 33, 65, 8), c.mask = MaskType::kAdditive;
+  c.masked_rows = true, v.push_back(c);
+  c = mk("f32_additive_mask_qk_logn", kFloat, 17, 97, 40), c.mask = MaskType::kAdditiveQK;
+  c.mode = "logn", c.causal = true, v.push_back(c);
+  c = mk("f32_additive_mask_keys", kFloat, 17, 33, 8), c.mask = MaskType::kAdditiveKeys;
+  c.B = 2, c.masked_rows = true, v.push_back(c);
+  c = mk("f32_bool_mask_transposed_logn", kFloat, 65, 97, 8), c.mask = MaskType::kBool;
+  c.mask_transposed = true, c.mode = "logn", c.B = 2, c.H = 2, c.Hkv = 2, v.push_back(c);
+  c = mk("f32_additive_mask_qk_transposed", kFloat, 33, 17, 8), c.mask = MaskType::kAdditiveQK;
+  c.mask_transposed = true, c.masked_rows = true, v.push_back(c);
+  // GQA, scale tensor, scale modes, temperature, scale factor.
+  c = mk("f32_gqa", kFloat, 17, 33, 8), c.H = 4, c.Hkv = 2, c.causal = true, v.push_back(c);
+  c = mk("f32_scale_tensor_logn", kFloat, 33, 65, 8), c.B = 2, c.H = 2, c.Hkv = 2;
+  c.scale_tensor = true, c.mode = "logn", c.causal = true, v.push_back(c);
+  c = mk("f32_logn_sharpen_temperature", kFloat, 65, 33, 8), c.mode = "logn_sharpen";
+  c.causal = true, c.temperature = 0.7, c.log_base = 8, v.push_back(c);
+  c = mk("f32_scale_factor_temperature", kFloat, 17, 65, 8), c.scale_factor = 0.3;
+  c.temperature = 1.7, v.push_back(c);
+  c = mk("f32_no_stat_grads", kFloat, 17, 17, 8), c.stat_grads = false, v.push_back(c);
+  // Non-contiguous inputs (transpose views), NaN in one query row.
+  c = mk("f32_noncontig_gqa", kFloat, 17, 33, 40, 8), c.noncontig = true, c.H = 2, c.Hkv = 1;
+  v.push_back(c);
+  c = mk("f32_nan_row", kFloat, 17, 33, 8), c.nan_row = true, c.H = 2, c.Hkv = 2, v.push_back(c);
+  // float64 (buckets 64 and 128).
+  c = mk("f64_d64_causal_mask", kDouble, 33, 17, 64), c.causal = true;
+  c.mask = MaskType::kAdditiveQK, v.push_back(c);
+  c = mk("f64_d100_dv128_17x33", kDouble, 17, 33, 100, 128), c.mode = "logn", v.push_back(c);
+  c = mk("f64_gqa_bool_mask", kDouble, 17, 17, 8), c.H = 2, c.Hkv = 1;
+  c.mask = MaskType::kBool, c.masked_rows = true, v.push_back(c);
+  c = mk("f64_causal_130x65_logn_sharpen", kDouble, 130, 65, 8), c.causal = true;
+  c.mode = "logn_sharpen", c.scale_tensor = true, c.B = 2, v.push_back(c);
+  // 16-bit inputs (float32 statistics), every bucket.
+  c = mk("f16_d64_causal_mask", kHalf, 65, 33, 64), c.causal = true, c.mask = MaskType::kBool;
+  v.push_back(c);
+  c = mk("f16_d128_17x65", kHalf, 17, 65, 128), c.mode = "logn_sharpen", v.push_back(c);
+  c = mk("f16_d40_130x130_causal_additive", kHalf, 130, 130, 40), c.causal = true;
+  c.mask = MaskType::kAdditiveKeys, c.B = 2, c.H = 2, c.Hkv = 1, v.push_back(c);
+  c = mk("f16_d256_dv40_17x33", kHalf, 17, 33, 256, 40), v.push_back(c);
+  c = mk("bf16_d64_additive_gqa", kBFloat16, 33, 65, 64), c.mask = MaskType::kAdditive;
+  c.masked_rows = true, c.H = 2, c.Hkv = 1, v.push_back(c);
+  c = mk("bf16_d128_causal_noncontig", kBFloat16, 33, 17, 100), c.causal = true;
+  c.noncontig = true, v.push_back(c);
+  c = mk("bf16_d256_scale_tensor", kBFloat16, 17, 33, 256), c.scale_tensor = true;
+  v.push_back(c);
+  return v;
+}
+
+class EmulatedAttention : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EmulatedAttention, ForwardAndBackwardMatchFloat64Reference) { run_case(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// attention_sparsity (the forward's structure without values)
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void run_sparsity_typed(const Case& c, const std::string& kind) {
+  const Inputs in = make_inputs(c);
+  const ec::SparsityCall call = ec::prepare_attention_sparsity(
+      in.q, in.k, in.mask, in.scale, kind, c.causal, c.scale_factor, c.mode, c.temperature,
+      c.log_base, c.H != c.Hkv);
+  launch_sparsity<T>(call.params<ec::AccType<T>>());
+  if (::testing::Test::HasFatalFailure()) return;
+  const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on
+  expect_close(call.out, reference_sparsity(c, in, kind), tol, "attention_sparsity " + kind);
+}
+
+void run_sparsity(const Case& c) {
+  for (const std::string kind : {"exp", "relu2", "identity"}) {
+    SCOPED_TRACE(kind);
+    switch (c.dtype) {
+      case at::kFloat: run_sparsity_typed<float>(c, kind); break;
+      case at::kDouble: run_sparsity_typed<double>(c, kind); break;
+      case at::kHalf: run_sparsity_typed<__half>(c, kind); break;
+      case at::kBFloat16: run_sparsity_typed<__nv_bfloat16>(c, kind); break;
+      default: FAIL() << "dtype";
+    }
+  }
+}
+
+std::vector<Case> sparsity_cases() {
+  std::vector<Case> v;
+  Case c = mk("f32_d8_65x97", at::kFloat, 65, 97, 8);
+  v.push_back(c);
+  c = mk("f32_d100_causal_bool_mask", at::kFloat, 33, 65, 100), c.causal = true;
+  c.mask = MaskType::kBool, c.masked_rows = true, c.mode = "logn", v.push_back(c);
+  c = mk("f32_gqa_additive_keys", at::kFloat, 17, 33, 8), c.H = 4, c.Hkv = 2;
+  c.mask = MaskType::kAdditiveKeys, c.masked_rows = true, c.scale_tensor = true, v.push_back(c);
+  c = mk("f32_lk0", at::kFloat, 5, 0, 8), v.push_back(c);
+  c = mk("f32_nan_row", at::kFloat, 17, 33, 8), c.nan_row = true, v.push_back(c);
+  c = mk("f64_d64_causal_97x17", at::kDouble, 97, 17, 64), c.causal = true;
+  c.temperature = 0.5, v.push_back(c);
+  c = mk("f16_d256_noncontig", at::kHalf, 17, 33, 256), c.noncontig = true, v.push_back(c);
+  c = mk("bf16_d128_causal", at::kBFloat16, 33, 33, 128), c.causal = true, v.push_back(c);
+  return v;
+}
+
+class EmulatedAttentionSparsity : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EmulatedAttentionSparsity, MatchesFloat64Reference) { run_sparsity(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttentionSparsity, ::testing::ValuesIn(sparsity_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// Row reductions
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void run_row_reductions(at::ScalarType dtype) {
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const double tol = dtype == at::kDouble ? 1e-12 : dtype == at::kFloat ? 1e-5 : 1e-2;
+  for (const int64_t dim : {-1, 1}) {
+    at::manual_seed(7);
+    // Normalized rows along `dim` (with exact zeros), 3 x 37 x 5, and an all-zero row.
+    at::Tensor x = at::softmax(at::randn({3, 37, 5}, f64) * 2, dim);
+    x = at::where(at::rand({3, 37, 5}, f64) < 0.2, at::zeros_like(x), x);
+    x.select(0, 1).select(dim == 1 ? 1 : 0, 2).zero_();
+    const at::Tensor xt = x.to(dtype);
+    const at::Tensor xd = xt.to(at::kDouble);
+    const at::Tensor h_ref = -(xd * at::where(xd > 0, xd, at::ones_like(xd)).log()).sum(dim);
+    const at::Tensor l1 = xd.abs().sum(dim), l2 = (xd * xd).sum(dim);
+    const double n = static_cast<double>(xd.size(dim));
+    const at::Tensor s_ref =
+        at::where(l2 > 0, l1 / (n * l2).sqrt(), at::zeros_like(l1));
+
+    const ec::RowReductionCall he = ec::prepare_row_reduction(xt, dim, "entropy");
+    emulate_launch(ec::row_entropy_kernel<T>, ec::row_reduction_blocks(he.params()), 0,
+                   he.params());
+    EXPECT_EQ(he.out.scalar_type(), dtype);
+    expect_close(he.out, h_ref, tol, "row entropy, dim " + std::to_string(dim));
+
+    const ec::RowReductionCall hs = ec::prepare_row_reduction(xt, dim, "sparsity");
+    emulate_launch(ec::row_sparsity_kernel<T>, ec::row_reduction_blocks(hs.params()), 0,
+                   hs.params());
+    expect_close(hs.out, s_ref, tol, "row sparsity, dim " + std::to_string(dim));
+  }
+  // Rows of length 0: entropy 0, sparsity 0.
+  const at::Tensor empty = at::zeros({3, 0}, f64).to(dtype);
+  const ec::RowReductionCall e = ec::prepare_row_reduction(empty, -1, "entropy");
+  emulate_launch(ec::row_entropy_kernel<T>, ec::row_reduction_blocks(e.params()), 0, e.params());
+  expect_close(e.out, at::zeros({3}, f64), 0, "row entropy of empty rows");
+  const ec::RowReductionCall s = ec::prepare_row_reduction(empty, -1, "sparsity");
+  emulate_launch(ec::row_sparsity_kernel<T>, ec::row_reduction_blocks(s.params()), 0, s.params());
+  expect_close(s.out, at::zeros({3}, f64), 0, "row sparsity of empty rows");
+}
+
+TEST(EmulatedRowReductions, Float32) { run_row_reductions<float>(at::kFloat); }
+TEST(EmulatedRowReductions, Float64) { run_row_reductions<double>(at::kDouble); }
+TEST(EmulatedRowReductions, Float16) { run_row_reductions<__half>(at::kHalf); }
+TEST(EmulatedRowReductions, BFloat16) { run_row_reductions<__nv_bfloat16>(at::kBFloat16); }
+
+// ---------------------------------------------------------------------------------------------
+// The emulation itself: shuffles, barriers, atomics and the checks that report GPU bugs.
+// ---------------------------------------------------------------------------------------------
+
+struct SelfTestParams {
+  int64_t* out = nullptr;
+  double* sum = nullptr;
+  int mode = 0;
+};
+
+__global__ void self_test_kernel(const SelfTestParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * 128 + threadIdx.x;
+  if (p.mode == 0) {
+    // xor shuffles of every width, a block-wide exchange through shared memory, atomics.
+    int64_t x = gid;
+    for (int o = 1; o < 32; o <<= 1) x += 1000 * __shfl_xor_sync(0xffffffffu, lane, o);
+    int* s = reinterpret_cast<int*>(entropy_attn::cuda::smem);
+    s[threadIdx.x] = static_cast<int>(gid);
+    __syncthreads();
+    p.out[gid] = x + 1000000 * static_cast<int64_t>(s[127 - threadIdx.x]);
+    atomicAdd(p.sum, 0.5);
+  } else if (p.mode == 1) {
+    // Divergent shuffles: half a warp exchanges with lane ^ 1, the other half with lane ^ 2.
+    p.out[gid] = __shfl_xor_sync(0xffffffffu, lane, lane < 16 ? 1 : 2);
+  } else if (p.mode == 2) {
+    // A shuffle after half of the warp returned.
+    if (lane >= 16) return;
+    p.out[gid] = __shfl_xor_sync(0xffffffffu, lane, 1);
+  } else if (p.mode == 3) {
+    // A deadlock: half of each warp waits at a shuffle, the other half at __syncthreads().
+    if (lane < 16) p.out[gid] = __shfl_xor_sync(0xffffffffu, lane, 1);
+    __syncthreads();
+  }
+}
+
+TEST(CudaEmulation, ShufflesBarriersAtomics) {
+  std::vector<int64_t> out(3 * 128, -1);
+  double sum = 0;
+  emulate_launch(self_test_kernel, 3, 128 * sizeof(int), SelfTestParams{out.data(), &sum, 0});
+  for (int64_t gid = 0; gid < 3 * 128; ++gid) {
+    const int lane = static_cast<int>(gid % 32), t = static_cast<int>(gid % 128);
+    int64_t x = gid;
+    for (int o = 1; o < 32; o <<= 1) x += 1000 * (lane ^ o);
+    x += 1000000 * (gid - t + 127 - t);
+    EXPECT_EQ(out[gid], x) << "thread " << gid;
+  }
+  EXPECT_EQ(sum, 0.5 * 3 * 128);
+}
+
+TEST(CudaEmulation, ReportsDivergenceAndDeadlocks) {
+  std::vector<int64_t> out(128);
+  double sum = 0;
+  EXPECT_THROW(emulate_launch(self_test_kernel, 1, 0, SelfTestParams{out.data(), &sum, 1}),
+               cuda_emu::CudaEmulationError);
+  EXPECT_THROW(emulate_launch(self_test_kernel, 1, 0, SelfTestParams{out.data(), &sum, 2}),
+               cuda_emu::CudaEmulationError);
+  try {
+    emulate_launch(self_test_kernel, 2, 0, SelfTestParams{out.data(), &sum, 3});
+    ADD_FAILURE() << "no deadlock reported";
+  } catch (const cuda_emu::CudaEmulationError& e) {
+    EXPECT_NE(std::string(e.what()).find("deadlock in block 0"), std::string::npos) << e.what();
+  }
+  // The emulation is usable after a deadlock.
+  emulate_launch(self_test_kernel, 1, 128 * sizeof(int), SelfTestParams{out.data(), &sum, 0});
+  EXPECT_THROW(emulate_launch(self_test_kernel, 1, cuda_emu::kSmemCapacity + 1,
+                              SelfTestParams{out.data(), &sum, 0}),
+               cuda_emu::CudaEmulationError);
+}
+
+}  // namespace

@@ -1,10 +1,9 @@
 """Builds the torch_ext._C extension (the entropy_attn operators) with torch.utils.cpp_extension.
 
 CUDA: when torch is a CUDA build and a CUDA toolkit (nvcc) is found, the extension also builds
-csrc/cuda/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), with ENTROPY_ATTN_WITH_CUDA=1
-defined for every translation unit, for the architectures of TORCH_CUDA_ARCH_LIST (default
-"8.0;9.0"). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build. ENTROPY_ATTN_WERROR=1 (set by CI)
-turns compiler warnings in our sources into errors.
+csrc/cuda/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the architectures of
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
+ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
 """
 
 import glob
@@ -74,7 +73,6 @@ setup(
             "torch_ext._C",
             sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
-            define_macros=[("ENTROPY_ATTN_WITH_CUDA", "1")] if WITH_CUDA else [],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
             py_limited_api=True,
         )

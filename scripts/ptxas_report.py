@@ -35,7 +35,7 @@ NVCC_FLAGS = [
     "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo",
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-    "-DENTROPY_ATTN_WITH_CUDA=1", "-Werror=all-warnings", "-Icsrc",
+    "-Werror=all-warnings", "-Icsrc",
 ]
 
 

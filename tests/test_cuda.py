@@ -38,7 +38,7 @@ from torch import Tensor
 import torch_ext
 from conftest import GRAD_TOL, HAS_CUDA, NO_CUDA_REASON, OUT_TOL, STAT_TOL, assert_close64, rel_err, stat_dtype
 from reference import reference_attention_raw, reference_entropy, reference_sparsity
-from test_attention_forward import make_mask, make_scale
+from test_attention_forward import MASK_KINDS, make_mask, make_scale
 from test_attention_sparsity import reference_sparsity as reference_attention_sparsity
 
 #: The device under test: "cuda", or "cpu" for a dry run of the test logic (see the docstring).
@@ -236,18 +236,6 @@ def test_forward_lengths_more_dtypes(dtype: torch.dtype, Lq: int, Lk: int) -> No
     check_forward(q, k, v)
 
 
-MASK_KINDS = [
-    "bool2d",
-    "bool4d",
-    "bool3d",
-    "bool1d",
-    "bool_keypad",
-    "bool_head",
-    "bool_rows_masked",
-    "float2d",
-    "float_inf",
-    "float_rows_masked",
-]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)

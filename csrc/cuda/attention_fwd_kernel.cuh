@@ -24,11 +24,14 @@ struct FwdTiles {
   static constexpr int kBN = k16 ? (kD <= 64 ? 64 : 32) : kBM;
 };
 
-template <typename T, int kD>
-struct FwdLayout : FwdTiles<T, kD> {
+// Shared memory of a block that owns a query tile: Q, K (and V) tiles, scores S, weights P, the
+// output accumulator O (without values, for attention_sparsity: no V, O, and P overwrites S), the
+// per-row arrays of TileRows and alpha, and the WMMA scratch.
+template <typename T, int kD, bool kValues>
+struct QueryTileLayout : FwdTiles<T, kD> {
   using Acc = AccType<T>;
   // P's type in P V: the input type on tensor cores, else the accumulate type, then P overwrites S.
-  using OpT = std::conditional_t<kIs16Bit<T>, T, Acc>;
+  using OpT = std::conditional_t<kIs16Bit<T> && kValues, T, Acc>;
   static constexpr bool kPInPlace = std::is_same_v<OpT, Acc>;
   using FwdTiles<T, kD>::kBM;
   using FwdTiles<T, kD>::kBN;
@@ -39,10 +42,10 @@ struct FwdLayout : FwdTiles<T, kD> {
   static constexpr size_t kQ = 0;
   static constexpr size_t kK = kQ + align128(sizeof(T) * kBM * kLdT);
   static constexpr size_t kV = kK + align128(sizeof(T) * kBN * kLdT);
-  static constexpr size_t kS = kV + align128(sizeof(T) * kBN * kLdT);
+  static constexpr size_t kS = kV + (kValues ? align128(sizeof(T) * kBN * kLdT) : 0);
   static constexpr size_t kP = kS + (kPInPlace ? 0 : align128(sizeof(Acc) * kBM * kLdS));
   static constexpr size_t kO = kP + align128(sizeof(OpT) * kBM * kLdP);
-  static constexpr size_t kStats = kO + align128(sizeof(Acc) * kBM * kLdO);
+  static constexpr size_t kStats = kO + (kValues ? align128(sizeof(Acc) * kBM * kLdO) : 0);
   static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
   static constexpr size_t kAlpha = kLam + align128(sizeof(Acc) * kBM);
   static constexpr size_t kFactor = kAlpha + align128(sizeof(Acc) * kBM);
@@ -56,6 +59,9 @@ struct FwdLayout : FwdTiles<T, kD> {
     return (p.q_len + kBM - 1) / kBM * p.batch * p.heads;
   }
 };
+
+template <typename T, int kD>
+using FwdLayout = QueryTileLayout<T, kD, true>;
 
 // Per-row state of a query tile in shared memory, set up before the key loop.
 template <typename Acc>

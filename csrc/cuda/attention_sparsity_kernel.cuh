@@ -11,28 +11,7 @@
 namespace entropy_attn::cuda {
 
 template <typename T, int kD>
-struct SparsityLayout : FwdTiles<T, kD> {
-  using Acc = AccType<T>;
-  using FwdTiles<T, kD>::kBM;
-  using FwdTiles<T, kD>::kBN;
-  static constexpr int kLdT = padded_ld<T>(kD);
-  static constexpr int kLdS = padded_ld<Acc>(kBN);
-  static constexpr size_t kQ = 0;
-  static constexpr size_t kK = kQ + align128(sizeof(T) * kBM * kLdT);
-  static constexpr size_t kS = kK + align128(sizeof(T) * kBN * kLdT);
-  static constexpr size_t kStats = kS + align128(sizeof(Acc) * kBM * kLdS);
-  static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
-  static constexpr size_t kFactor = kLam + align128(sizeof(Acc) * kBM);
-  static constexpr size_t kAlpha = kFactor + align128(sizeof(Acc) * kBM);
-  static constexpr size_t kLimit = kAlpha + align128(sizeof(Acc) * kBM);
-  static constexpr size_t kN = kLimit + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kScratch = kN + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
-  static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
-  static int64_t blocks(const AttentionArgs<Acc>& p) {
-    return (p.q_len + kBM - 1) / kBM * p.batch * p.heads;
-  }
-};
+using SparsityLayout = QueryTileLayout<T, kD, false>;
 
 // One row of a key tile for a = relu(s)^2 or s, one warp per row: raw scores become logits, and
 // the power sums l1 (st.l) and l2 (st.u) grow, relative to the running max |b| (st.m).
@@ -81,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sK = reinterpret_cast<T*>(smem + L::kK);
-  Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);
+  Acc* sS = reinterpret_cast<Acc*>(smem + L::kS);  // scores, then weights in place
   const TileRows<Acc> tr = tile_rows<L>(smem);
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);  // unused e^{m_old - m_new}
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);

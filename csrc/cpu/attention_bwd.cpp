@@ -1,6 +1,8 @@
 // CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
 // section 3). Tasks are (batch, key/value head): a task owns dK and dV of its head and dQ of the
 // query heads that share it, so tasks never write the same memory. p is recomputed from lse.
+// Every product is row-major without transposes (block_gemm): K and V are also read transposed,
+// and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,7 +19,8 @@ namespace {
 template <typename acc_t>
 struct BwdArgs {
   AttentionShape shape;
-  Strided4<acc_t> q, k, v, out, dout, dq, dk, dv;
+  Strided4<acc_t> q, k, out, dout, dq;
+  Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
   MaskArg<acc_t> mask;
   bool causal;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
@@ -28,15 +31,17 @@ struct BwdArgs {
 template <typename acc_t>
 struct BwdBuffers {
   std::vector<acc_t> s, p, dp;  // logits, weights, dP then dS (rows x block)
-  std::vector<acc_t> g, qs;     // G = sum_j dS_ij k_j and lambda_i q_i (rows x D)
-  std::vector<acc_t> delta;     // D~_i per row
+  std::vector<acc_t> g;          // G = sum_j dS_ij k_j (rows x D)
+  std::vector<acc_t> qs_t, do_t;  // (lambda_i q_i)^T (D x rows) and dO^T (Dv x rows)
+  std::vector<acc_t> delta;       // D~_i per row
   std::vector<RowGrads<acc_t>> grads;
-  BwdBuffers(int64_t rows, int64_t d)
+  BwdBuffers(int64_t rows, const AttentionShape& sh)
       : s(rows * kKvBlock),
         p(rows * kKvBlock),
         dp(rows * kKvBlock),
-        g(rows * d),
-        qs(rows * d),
+        g(rows * sh.head_dim),
+        qs_t(rows * sh.head_dim),
+        do_t(rows * sh.v_head_dim),
         delta(rows),
         grads(rows) {}
 };
@@ -60,9 +65,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   const acc_t* q = a.q.at(b, h, i0);
   const acc_t* dout = a.dout.at(b, h, i0);
   const acc_t* k = a.k.at(b, kvh);
-  const acc_t* v = a.v.at(b, kvh);
-  acc_t* dk = a.dk.at(b, kvh);
-  acc_t* dv = a.dv.at(b, kvh);
+  const acc_t *kt = a.kt.at(b, kvh), *vt = a.vt.at(b, kvh);
+  acc_t *dkt = a.dkt.at(b, kvh), *dvt = a.dvt.at(b, kvh);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
@@ -77,36 +81,31 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t lam = a.row_scale[row0 + r];
     const acc_t* qr = q + r * a.q.sl;
-    acc_t* qs = buf.qs.data() + r * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) qs[d] = lam * qr[d];
+    for (int64_t d = 0; d < D; ++d) buf.qs_t[d * rows + r] = lam * qr[d];
   }
+  transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
 
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, buf.s.data(), n,
-                      false);
+    block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       weights_row(buf.s.data() + r * n, buf.p.data() + r * n, n, j0,
                   key_limit(i, sh.kv_len, a.causal), a.row_scale[row0 + r],
                   MaskRow<acc_t>(a.mask, b, h, i), a.lse[row0 + r]);
     }
-    // dV += P^T dO ; dP = dO V^T
-    block_gemm<acc_t>(true, false, n, Dv, rows, buf.p.data(), n, dout, a.dout.sl, dv + j0 * a.dv.sl,
-                      a.dv.sl, true);
-    block_gemm<acc_t>(false, true, rows, n, Dv, dout, a.dout.sl, v + j0 * a.v.sl, a.v.sl,
-                      buf.dp.data(), n, false);
+    // dV^T += dO^T P ; dP = dO V^T
+    block_gemm<acc_t>(Dv, n, rows, buf.do_t.data(), rows, buf.p.data(), n, dvt + j0, a.dvt.sl,
+                      true);
+    block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       dlogits_row(buf.dp.data() + r * n, buf.s.data() + r * n, buf.p.data() + r * n, n,
                   buf.delta[r], buf.grads[r]);
     }
-    // G += dS K (unscaled); dK += dS^T (lambda Q)
-    block_gemm<acc_t>(false, false, rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
-                      buf.g.data(), D, true);
-    block_gemm<acc_t>(true, false, n, D, rows, buf.dp.data(), n, buf.qs.data(), D,
-                      dk + j0 * a.dk.sl, a.dk.sl, true);
+    // G += dS K (unscaled); dK^T += (lambda Q)^T dS
+    block_gemm<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl, buf.g.data(), D, true);
+    block_gemm<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0, a.dkt.sl, true);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -125,7 +124,7 @@ void backward_kernel(const BwdArgs<acc_t>& a) {
   const int64_t qb = q_block_size(sh.q_len);
   at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
-    BwdBuffers<acc_t> buf(qb, sh.head_dim);
+    BwdBuffers<acc_t> buf(qb, sh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / sh.kv_heads, kvh = task % sh.kv_heads;
       for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
@@ -152,8 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
     return t.has_value() ? row_stat(*t) : at::Tensor();
   };
-  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc),
-                   v = with_unit_last_stride(value, acc);
+  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc);
+  const at::Tensor kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
   const at::Tensor out = with_unit_last_stride(output, acc);
   const at::Tensor dout = with_unit_last_stride(grad_output, acc);
   const at::Tensor lse_c = row_stat(lse), ent_c = row_stat(entropy);
@@ -165,8 +164,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
 
   const auto opts = query.options().dtype(acc);
   at::Tensor dq = at::empty({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
-  at::Tensor dk = at::zeros({sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, opts);
-  at::Tensor dv = at::zeros({sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim}, opts);
+  at::Tensor dkt = at::zeros({sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
+  at::Tensor dvt = at::zeros({sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
   at::Tensor dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
@@ -176,9 +175,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     BwdArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
-    a.v = Strided4<scalar_t>::of(v), a.out = Strided4<scalar_t>::of(out);
-    a.dout = Strided4<scalar_t>::of(dout), a.dq = Strided4<scalar_t>::of(dq);
-    a.dk = Strided4<scalar_t>::of(dk), a.dv = Strided4<scalar_t>::of(dv);
+    a.out = Strided4<scalar_t>::of(out), a.dout = Strided4<scalar_t>::of(dout);
+    a.dq = Strided4<scalar_t>::of(dq);
+    a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
+    a.dkt = Strided4<scalar_t>::of(dkt), a.dvt = Strided4<scalar_t>::of(dvt);
     a.mask = make_mask_arg<scalar_t>(mask);
     a.causal = is_causal;
     a.lse = lse_c.const_data_ptr<scalar_t>(), a.entropy = ent_c.const_data_ptr<scalar_t>();
@@ -187,8 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     a.d_row_scale = dlam.data_ptr<scalar_t>();
     backward_kernel(a);
   });
-  return {dq.to(query.scalar_type()), dk.to(key.scalar_type()), dv.to(value.scalar_type()),
-          dlam.to(row_scale.scalar_type())};
+  return {dq.to(query.scalar_type()), transposed_copy(dkt, key.scalar_type()),
+          transposed_copy(dvt, value.scalar_type()), dlam.to(row_scale.scalar_type())};
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -36,6 +37,14 @@ struct Strided4 {
   }
   T* at(int64_t b, int64_t h, int64_t l = 0) const { return data + b * sb + h * sh + l * sl; }
 };
+
+// x (B, heads, L, dim) as a contiguous (B, heads, dim, L) tensor in `dtype`, in one copy: the
+// row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is.
+// (Tensor::to with a memory format would alias: a transposed view "suggests" the contiguous format.)
+inline at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype) {
+  const at::Tensor xt = x.transpose(2, 3);
+  return at::empty(xt.sizes(), x.options().dtype(dtype)).copy_(xt);
+}
 
 // One row of the mask, positioned at key 0.
 template <typename acc_t>

@@ -17,7 +17,7 @@ namespace {
 template <typename acc_t>
 struct FwdArgs {
   AttentionShape shape;
-  Strided4<acc_t> q, k, v;
+  Strided4<acc_t> q, kt, v;  // kt: K transposed, (B, Hkv, D, Lk)
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   bool causal;
@@ -44,7 +44,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
   const acc_t* q = a.q.at(b, h, i0);
-  const acc_t* k = a.k.at(b, kvh);
+  const acc_t* kt = a.kt.at(b, kvh);
   const acc_t* v = a.v.at(b, kvh);
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
   std::vector<acc_t>&s_buf = buf.s, &o_buf = buf.o;
@@ -64,8 +64,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, D, q, a.q.sl, k + j0 * a.k.sl, a.k.sl, s_buf.data(), n,
-                      false);
+    block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, s_buf.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t alpha =
           softmax_row(s_buf.data() + r * n, n, j0, buf.setup[r].limit, buf.setup[r].lam,
@@ -76,8 +75,8 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
       }
     }
-    block_gemm<acc_t>(false, false, rows, Dv, n, s_buf.data(), n, v + j0 * a.v.sl, a.v.sl,
-                      o_buf.data(), Dv, true);
+    block_gemm<acc_t>(rows, Dv, n, s_buf.data(), n, v + j0 * a.v.sl, a.v.sl, o_buf.data(), Dv,
+                      true);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -103,7 +102,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                              temperature, log_base, enable_gqa);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   const at::Tensor q = with_unit_last_stride(query, acc);
-  const at::Tensor k = with_unit_last_stride(key, acc);
+  const at::Tensor kt = transposed_copy(key, acc);
   const at::Tensor v = with_unit_last_stride(value, acc);
   std::optional<at::Tensor> mask;
   if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
@@ -122,7 +121,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
     FwdArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
+    a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
     a.v = Strided4<scalar_t>::of(v);
     a.mask = make_mask_arg<scalar_t>(mask);
     a.scale =

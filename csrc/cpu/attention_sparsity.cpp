@@ -18,7 +18,7 @@ namespace {
 template <typename acc_t>
 struct SparsityArgs {
   AttentionShape shape;
-  Strided4<acc_t> q, k;
+  Strided4<acc_t> q, kt;  // kt: K transposed, (B, Hkv, D, Lk)
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   bool causal;
@@ -42,7 +42,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const acc_t* q = a.q.at(b, h, i0);
-  const acc_t* k = a.k.at(b, kvh);
+  const acc_t* kt = a.kt.at(b, kvh);
   std::vector<acc_t>& s_buf = buf.s;
   std::vector<RowSetup<acc_t>>& setup = buf.setup;
   std::vector<RowStats<acc_t>>& stats = buf.stats;
@@ -53,8 +53,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
   const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
   for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(false, true, rows, n, sh.head_dim, q, a.q.sl, k + j0 * a.k.sl, a.k.sl,
-                      s_buf.data(), n, false);
+    block_gemm<acc_t>(rows, n, sh.head_dim, q, a.q.sl, kt + j0, a.kt.sl, s_buf.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* s = s_buf.data() + r * n;
       const MaskRow<acc_t> mask(a.mask, b, h, i0 + r);
@@ -81,7 +80,7 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
                                                    scale_mode, temperature, log_base, enable_gqa);
   const SparsityKind k_kind = parse_sparsity_kind(kind);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
-  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc);
+  const at::Tensor q = with_unit_last_stride(query, acc), kt = transposed_copy(key, acc);
   std::optional<at::Tensor> mask;
   if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
   at::Tensor c;
@@ -92,7 +91,7 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_attention_sparsity_cpu", [&] {
     SparsityArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
+    a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
     a.mask = make_mask_arg<scalar_t>(mask);
     a.scale =
         make_scale_policy<scalar_t>(c, scale_factor, sh.head_dim, mode, log_base, temperature);

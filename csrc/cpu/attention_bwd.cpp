@@ -121,7 +121,7 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
 template <typename acc_t>
 void backward_kernel(const BwdArgs<acc_t>& a) {
   const AttentionShape& sh = a.shape;
-  const int64_t qb = q_block_size(sh.q_len);
+  const int64_t qb = q_block_size(sh.q_len, a.causal);
   at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(qb, sh);

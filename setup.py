@@ -52,9 +52,13 @@ def sources() -> list[str]:
     return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT))
 
 
-# Torch's headers warn under -Wextra: as system headers (-isystem outranks the -I that
-# cpp_extension adds for the same directories) they stay quiet, and the warnings left are ours.
-CXX_FLAGS = (["-O3", "-fopenmp-simd", "-Wall", "-Wextra"]
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into our
+# library: without the flag every kernel silently runs on one thread. The libgomp.so.1 it links
+# against is, at run time, the one torch has already loaded (same soname), so torch.set_num_threads
+# governs our kernels too. Torch's headers warn under -Wextra: as system headers (-isystem outranks
+# the -I that cpp_extension adds for the same directories) they stay quiet, and the warnings left
+# are ours.
+CXX_FLAGS = (["-O3", "-fopenmp", "-Wall", "-Wextra"]
              + [flag for path in include_paths() for flag in ("-isystem", path)]
              + (["-Werror"] if WERROR else []))
 # The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,
@@ -74,6 +78,7 @@ setup(
             sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+            extra_link_args=["-fopenmp"],
             py_limited_api=True,
         )
     ],

@@ -30,8 +30,8 @@ struct BwdArgs {
 
 template <typename acc_t>
 struct BwdBuffers {
-  std::vector<acc_t> s, p, dp;  // logits, weights, dP then dS (rows x block)
-  std::vector<acc_t> g;          // G = sum_j dS_ij k_j (rows x D)
+  std::vector<acc_t> s, p, dp;    // logits, weights, dP then dS (rows x block)
+  std::vector<acc_t> g;           // G = sum_j dS_ij k_j (rows x D)
   std::vector<acc_t> qs_t, do_t;  // (lambda_i q_i)^T (D x rows) and dO^T (Dv x rows)
   std::vector<acc_t> delta;       // D~_i per row
   std::vector<RowGrads<acc_t>> grads;
@@ -105,7 +105,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     }
     // G += dS K (unscaled); dK^T += (lambda Q)^T dS
     block_gemm<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl, buf.g.data(), D, true);
-    block_gemm<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0, a.dkt.sl, true);
+    block_gemm<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0, a.dkt.sl,
+                      true);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -143,9 +144,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     bool is_causal) {
-  const AttentionShape sh = check_attention_backward_inputs(
-      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
-      entropy, sum_p2, row_scale);
+  const AttentionShape sh =
+      check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
+                                      value, attn_mask, output, lse, entropy, sum_p2, row_scale);
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   auto row_stat = [&](const at::Tensor& t) { return t.to(acc).contiguous(); };
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {

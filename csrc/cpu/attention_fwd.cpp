@@ -133,7 +133,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.length_factor = length_factor.data_ptr<scalar_t>();
     a.n_keys = n_keys.data_ptr<int64_t>();
     parallel_query_blocks<FwdBuffers<scalar_t>>(
-        sh, is_causal, [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+        sh, is_causal,
+        [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           forward_task(a, buf, b, h, i0, rows);
         });
   });

@@ -99,7 +99,8 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
     a.kind = k_kind;
     a.out = out.data_ptr<scalar_t>();
     parallel_query_blocks<SparsityBuffers<scalar_t>>(
-        sh, is_causal, [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+        sh, is_causal,
+        [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           sparsity_task(a, buf, b, h, i0, rows);
         });
   });

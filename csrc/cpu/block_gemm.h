@@ -1,9 +1,10 @@
 // Matrix products on blocks of row-major buffers for the CPU kernels: C = [C +] A B, every operand
 // row-major with a unit column stride (the kernels keep transposed copies of K, V and small blocks
 // rather than asking for transposed operands). float goes through ATen's exported brgemm (oneDNN's
-// JIT micro-kernel, with runtime ISA dispatch: measured 2.3x faster than MKL's sgemm on the blocks of
-// attention on an AVX-512 AMD CPU, where MKL stays on its AVX2 path); double through ATen's mm. The
-// kernels parallelize over their own tasks, so each task runs its products inside a SerialBlasScope.
+// JIT micro-kernel, with runtime ISA dispatch: measured 2.3x faster than MKL's sgemm on the blocks
+// of attention on an AVX-512 AMD CPU, where MKL stays on its AVX2 path); double through ATen's mm.
+// The kernels parallelize over their own tasks, so each task runs its products inside a
+// SerialBlasScope.
 #pragma once
 
 #include <cstdint>

@@ -362,3 +362,27 @@ def test_differentiable_outputs(device: str) -> None:
     res = OP(q, k, v, None, scale)
     assert [t.requires_grad for t in res[:4]] == [True] * 4
     assert not any(t.requires_grad for t in res[4:]), [t.requires_grad for t in res[4:]]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_grads_key_chunks(causal: bool, threads: int) -> None:
+    """With fewer (batch, kv head) pairs than threads, the CPU backward splits the keys into chunks
+    with partial dQ/dlambda (1 pair, 3 key blocks: 1, 3 and 3 chunks); all must match the reference."""
+    B, H, Hkv, Lq, Lk, D, Dv = 1, 2, 1, 70, 1100, 8, 8
+    q, k, v = rand(B, H, Lq, D), rand(B, Hkv, Lk, D), rand(B, Hkv, Lk, Dv)
+    scale = (0.1 + 0.2 * torch.rand(B, H, Lq, dtype=F64)).requires_grad_()
+    kw: Dict[str, Any] = {"is_causal": causal, "enable_gqa": True}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = raw_diff_outputs(q, k, v, None, scale, **kw)
+        upstream = [torch.randn(o.shape, dtype=F64) for o in outs]
+        g_op = grads_of(outs, upstream, [q, k, v, scale])
+    finally:
+        torch.set_num_threads(previous)
+    ref_inputs = [leaf64(x) for x in (q, k, v, scale)]
+    outs_ref = ref_diff_outputs(*ref_inputs[:3], None, ref_inputs[3], **kw)
+    g_ref = grads_of(outs_ref, upstream, ref_inputs)
+    for name, a, e in zip(["query", "key", "value", "scale"], g_op, g_ref):
+        assert rel_err(a, e) < 1e-10, f"grad {name}: relative error {rel_err(a, e):.3g}"

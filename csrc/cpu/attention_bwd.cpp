@@ -1,6 +1,10 @@
 // CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
-// section 3). Tasks are (batch, key/value head): a task owns dK and dV of its head and dQ of the
-// query heads that share it, so tasks never write the same memory. p is recomputed from lse.
+// section 3). Tasks are (batch, key/value head, key chunk): a task owns dK and dV of its head's
+// chunk of keys and a partial dQ (and dlambda) of the query heads that share it, in its chunk's own
+// buffer, so tasks never write the same memory; the partials are summed afterwards. Keys are split
+// into chunks only when there are fewer (batch, key/value head) pairs than threads (e.g. MQA with
+// one sequence), else each task takes all keys and there is nothing to sum. p is recomputed from
+// lse.
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
 // and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
 #include <ATen/ATen.h>
@@ -19,13 +23,15 @@ namespace {
 template <typename acc_t>
 struct BwdArgs {
   AttentionShape shape;
-  Strided4<acc_t> q, k, out, dout, dq;
+  Strided4<acc_t> q, k, out, dout;
+  Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
   Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
   MaskArg<acc_t> mask;
   bool causal;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
-  acc_t* d_row_scale;
+  acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
+  int64_t chunk_keys;  // keys per chunk, a multiple of kKvBlock
 };
 
 template <typename acc_t>
@@ -54,10 +60,10 @@ acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   return r;
 }
 
-// One query block of one query head against all the keys it may see.
+// One query block of one query head against the keys it may see in key chunk `chunk`.
 template <typename acc_t>
 void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                      BwdBuffers<acc_t>& buf) {
+                      int64_t chunk, BwdBuffers<acc_t>& buf) {
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
@@ -85,8 +91,10 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   }
   transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
 
-  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
+  const int64_t kv_begin = chunk * a.chunk_keys;
+  const int64_t kv_end =
+      std::min(key_limit(i0 + rows - 1, sh.kv_len, a.causal), kv_begin + a.chunk_keys);
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
     block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
@@ -112,25 +120,36 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t* g = buf.g.data() + r * D;
     const acc_t lam = a.row_scale[row0 + r];
-    a.d_row_scale[row0 + r] = dot(q + r * a.q.sl, g, D);
-    acc_t* dq = a.dq.at(b, h, i0 + r);
+    a.d_row_scale[chunk * sh.batch * sh.heads * sh.q_len + row0 + r] = dot(q + r * a.q.sl, g, D);
+    acc_t* dq = a.dq.at(chunk * sh.batch + b, h, i0 + r);
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) dq[d] = lam * g[d];
   }
 }
 
+// Keys per task: all of them, unless there are fewer (batch, key/value head) pairs than threads;
+// then as many chunks of whole key blocks as it takes to give every thread a task.
+inline int64_t backward_chunk_keys(const AttentionShape& sh) {
+  const int64_t pairs = sh.batch * sh.kv_heads, threads = at::get_num_threads();
+  const int64_t kv_blocks = std::max<int64_t>(1, (sh.kv_len + kKvBlock - 1) / kKvBlock);
+  if (pairs == 0 || pairs >= threads || kv_blocks == 1) return kv_blocks * kKvBlock;
+  const int64_t chunks = std::min(kv_blocks, (threads + pairs - 1) / pairs);
+  return (kv_blocks + chunks - 1) / chunks * kKvBlock;
+}
+
 template <typename acc_t>
-void backward_kernel(const BwdArgs<acc_t>& a) {
+void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks) {
   const AttentionShape& sh = a.shape;
   const int64_t qb = q_block_size(sh.q_len, a.causal);
-  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, sh.batch * sh.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(qb, sh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / sh.kv_heads, kvh = task % sh.kv_heads;
+      const int64_t chunk = task % chunks, pair = task / chunks;
+      const int64_t b = pair / sh.kv_heads, kvh = pair % sh.kv_heads;
       for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
         for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
-          backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), buf);
+          backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
         }
       }
     }
@@ -164,10 +183,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
 
   const auto opts = query.options().dtype(acc);
-  at::Tensor dq = at::empty({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+  const int64_t chunk_keys = backward_chunk_keys(sh);
+  const int64_t chunks = std::max<int64_t>(1, (sh.kv_len + chunk_keys - 1) / chunk_keys);
+  at::Tensor dq = at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
   at::Tensor dkt = at::zeros({sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
   at::Tensor dvt = at::zeros({sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
-  at::Tensor dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+  at::Tensor dlam = at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts);
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
     auto opt_ptr = [](const at::Tensor& t) {
@@ -186,8 +207,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     a.sum_p2 = p2_c.const_data_ptr<scalar_t>(), a.row_scale = lam_c.const_data_ptr<scalar_t>();
     a.g_lse = opt_ptr(g_lse), a.g_entropy = opt_ptr(g_ent), a.g_sum_p2 = opt_ptr(g_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
-    backward_kernel(a);
+    a.chunk_keys = chunk_keys;
+    backward_kernel(a, chunks);
   });
+  if (chunks > 1) {  // the key chunks' partial dQ and dlambda
+    dq = dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0);
+    dlam = dlam.sum(0);
+  } else {
+    dlam = dlam.squeeze(0);
+  }
   return {dq.to(query.scalar_type()), transposed_copy(dkt, key.scalar_type()),
           transposed_copy(dvt, value.scalar_type()), dlam.to(row_scale.scalar_type())};
 }

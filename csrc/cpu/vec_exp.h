@@ -3,9 +3,9 @@
 // polynomial (about 2 ulp); double keeps std::exp, since it serves the float64 reference path.
 #pragma once
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace entropy_attn::cpu {
 
@@ -26,6 +26,15 @@ inline T clamp_exp_arg(T x) {
   return x < ExpLimits<T>::kLo ? ExpLimits<T>::kLo : x;
 }
 
+// std::bit_cast without C++20 (torch 2.11 builds extensions as C++17); GCC folds the memcpy.
+template <typename To, typename From>
+inline To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
 // e^x for kLo <= x <= 0 (callers pass clamped s - max or s - lse); NaN propagates.
 inline float exp_clamped(float x) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
@@ -40,8 +49,8 @@ inline float exp_clamped(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   // 2^n: n sits in the low mantissa bits of t; move it into the exponent field.
-  const uint32_t bits = (std::bit_cast<uint32_t>(t) - 0x4B400000u + 127u) << 23;
-  return p * std::bit_cast<float>(bits);
+  const uint32_t bits = (bit_cast<uint32_t>(t) - 0x4B400000u + 127u) << 23;
+  return p * bit_cast<float>(bits);
 }
 
 inline double exp_clamped(double x) { return std::exp(x); }

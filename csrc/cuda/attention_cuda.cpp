@@ -16,14 +16,20 @@
 namespace entropy_attn::cuda {
 namespace {
 
-// Calls f(std::type_identity<T>{}) with T the CUDA type of `dtype`.
+// A value that carries a type (std::type_identity is C++20; torch 2.11 builds extensions as C++17).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) with T the CUDA type of `dtype`.
 template <typename F>
 void dispatch_cuda_type(at::ScalarType dtype, F&& f) {
   switch (dtype) {
-    case at::kFloat: return f(std::type_identity<float>{});
-    case at::kDouble: return f(std::type_identity<double>{});
-    case at::kHalf: return f(std::type_identity<__half>{});
-    case at::kBFloat16: return f(std::type_identity<__nv_bfloat16>{});
+    case at::kFloat: return f(TypeTag<float>{});
+    case at::kDouble: return f(TypeTag<double>{});
+    case at::kHalf: return f(TypeTag<__half>{});
+    case at::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
     default: TORCH_CHECK_TYPE(false, "unsupported dtype ", dtype);
   }
 }

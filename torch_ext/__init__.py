@@ -1,13 +1,30 @@
 """Entropy-invariant softmax attention with fused per-row statistics.
 
 The operators live in ``torch.ops.entropy_attn`` (registered by the compiled ``torch_ext._C``);
-this package wraps them with a ``scaled_dot_product_attention``-like interface.
+this package wraps them with a ``scaled_dot_product_attention``-like interface
+(:func:`attention`), a drop-in ``torch.nn.MultiheadAttention`` (:mod:`torch_ext.nn`), an SDPA router
+(:class:`replace_sdpa`), a Hugging Face transformers backend (:mod:`torch_ext.hf`, imported on
+demand) and a training monitor (:class:`AttentionEntropyMonitor`).
 """
 
 import torch  # noqa: F401  (loads libtorch, which the compiled library links against)
 
 from torch_ext import _C  # noqa: F401  (loading it registers the operators)
+from torch_ext import nn
 from torch_ext.attention import AttentionStats, attention, attention_sparsity
+from torch_ext.monitor import AttentionEntropyMonitor
+from torch_ext.policy import AttentionPolicy
 from torch_ext.reductions import entropy, sparsity
+from torch_ext.sdpa import replace_sdpa
 
-__all__ = ["AttentionStats", "attention", "attention_sparsity", "entropy", "sparsity"]
+__all__ = [
+    "AttentionEntropyMonitor",
+    "AttentionPolicy",
+    "AttentionStats",
+    "attention",
+    "attention_sparsity",
+    "entropy",
+    "nn",
+    "replace_sdpa",
+    "sparsity",
+]

@@ -34,7 +34,9 @@ class AttentionStats(NamedTuple):
     """The logit scale lambda_i used (after temperature; not differentiable)."""
 
 
-def _policy_args(scale: object, temperature: object, train_length: object) -> tuple[torch.Tensor | None, dict]:
+def _policy_args(
+    scale: object, temperature: object, train_length: object, scale_factor: object = None
+) -> tuple[torch.Tensor | None, dict]:
     """Validates the public scale arguments and maps them to the ops' (scale tensor, keyword args)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
@@ -45,19 +47,30 @@ def _policy_args(scale: object, temperature: object, train_length: object) -> tu
     if not (math.isfinite(train_length) and train_length > 1):
         raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
     kwargs = {"scale_factor": None, "scale_mode": "fixed", "temperature": float(temperature), "log_base": 512.0}
+    if scale_factor is not None and not (isinstance(scale, str) and scale in _SCALE_MODES):
+        raise ValueError(
+            f"scale_factor is the base scale of the {_SCALE_MODES} policies; with scale={scale!r} pass the "
+            "scale itself as `scale`"
+        )
     if scale is None or isinstance(scale, torch.Tensor):
         return scale, kwargs
     if isinstance(scale, str):
         if scale not in _SCALE_MODES:
             raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
-        return None, {**kwargs, "scale_mode": scale, "log_base": float(train_length)}
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-        return None, {**kwargs, "scale_factor": float(scale)}
-    raise TypeError(
-        f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(scale).__name__}"
-    )
+        kwargs = {**kwargs, "scale_mode": scale, "log_base": float(train_length)}
+        if scale_factor is None or isinstance(scale_factor, torch.Tensor):
+            return scale_factor, kwargs
+        return None, {**kwargs, "scale_factor": _finite_float(scale_factor, "scale_factor")}
+    return None, {**kwargs, "scale_factor": _finite_float(scale, "scale")}
+
+
+def _finite_float(x: object, name: str) -> float:
+    """``x`` as a float, or a TypeError/ValueError naming ``name``."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+        return float(x)
+    raise TypeError(f"{name} must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(x).__name__}")
 
 
 def attention(
@@ -71,6 +84,7 @@ def attention(
     temperature: float = 1.0,
     enable_gqa: bool = False,
     train_length: int = 512,
+    scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """Softmax attention with a per-row logit scale and, optionally, per-row statistics.
@@ -92,13 +106,17 @@ def attention(
         temperature: tau > 0; the scale is divided by it.
         enable_gqa: allow H to be a multiple of Hkv (query head h uses kv head h // (H // Hkv)).
         train_length: the log base b of the "logn" policies (> 1).
+        scale_factor: with ``scale="logn"`` or ``"logn_sharpen"``, the base scale c that replaces
+            1/sqrt(D): a float, or a tensor broadcastable to (B, H, Lq), differentiable (e.g. a
+            learnable per-head s_h / sqrt(D) of shape (H, 1): the SSMax form s_h log n_i / sqrt(D)
+            up to the constant ln b). Not allowed with the other policies.
         return_stats: also return an :class:`AttentionStats`.
 
     Returns:
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0.
     """
-    scale_tensor, policy = _policy_args(scale, temperature, train_length)
+    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _ = torch.ops.entropy_attn.attention(
         query, key, value, attn_mask, scale_tensor, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
     )
@@ -118,12 +136,13 @@ def attention_sparsity(
     temperature: float = 1.0,
     enable_gqa: bool = False,
     train_length: int = 512,
+    scale_factor: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row l1/l2 sparsity of general attention, fused: no L_q x L_k matrix is formed.
 
     For weights a_ij = f(s_ij) with the logits s_ij = lambda_i q_i . k_j (+ a finite additive mask)
     of :func:`attention` (same ``attn_mask``, ``is_causal``, ``scale``, ``temperature``,
-    ``enable_gqa`` and ``train_length``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
+    ``enable_gqa``, ``train_length`` and ``scale_factor``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
     shape (B, H, Lq), in (0, 1]: 1 for uniform weights, 1/sqrt(n_i) for one-hot (seed 003).
 
     Args:
@@ -132,7 +151,7 @@ def attention_sparsity(
 
     Rows with no allowed key, or all-zero weights, give 0. Not differentiable.
     """
-    scale_tensor, policy = _policy_args(scale, temperature, train_length)
+    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     return torch.ops.entropy_attn.attention_sparsity(
         query, key, attn_mask, scale_tensor, kind=kind, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
     )

@@ -1,0 +1,506 @@
+"""``AttentionEntropyMonitor``: per-layer, per-head attention statistics during training, from the
+fused op's per-row outputs (no L x L matrix), recorded every N steps.
+
+The wrappers (``torch_ext.nn.MultiheadAttention``, ``torch_ext.replace_sdpa``, the ``torch_ext.hf``
+backend) call :func:`torch_ext.policy.attend`, which asks :func:`is_recording` and, on a recording
+step, passes the statistics to :func:`record`. On a recording step the per-head sums, minima and
+maxima stay on the device; they are copied to the host once, when the step ends (after an
+all-reduce under ``torch.distributed``), and handed to the writers. Other steps cost one check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from torch_ext.attention import AttentionStats
+
+#: The per-head fields of a record, in order (besides ``step``, ``layer``, ``head`` and ``rows``).
+METRICS = (
+    "entropy_mean",
+    "entropy_min",
+    "entropy_max",
+    "normalized_entropy_mean",
+    "normalized_entropy_min",
+    "normalized_entropy_max",
+    "effective_keys_mean",
+    "sparsity_mean",
+    "max_weight_mean",
+)
+# Sums over rows (means = sum / count): entropy, effective keys, sparsity and max weight over rows
+# with n_i >= 1; normalized entropy over rows with n_i >= 2 (it is 0 by definition below).
+_SUMS = ("entropy", "effective_keys", "sparsity", "max_weight", "normalized_entropy")
+_COUNTS = ("rows", "rows_n2")
+
+Record = Dict[str, Any]
+"""One (step, layer, head): ``step``, ``layer``, ``head``, ``rows`` (rows with n_i >= 1) and
+:data:`METRICS` (floats; NaN where no row qualified)."""
+
+
+@dataclass
+class _LayerAccumulator:
+    """Per-head partial reductions of one layer over the calls of one step, on the device."""
+
+    sums: torch.Tensor  # (H, len(_SUMS)) float64
+    counts: torch.Tensor  # (H, 2) float64: rows with n >= 1, rows with n >= 2
+    mins: torch.Tensor  # (H, 2): entropy, normalized entropy
+    maxs: torch.Tensor  # (H, 2)
+    position_sum: Optional[torch.Tensor] = None  # (H, Lq): normalized entropy summed over batch
+    position_count: Optional[torch.Tensor] = None  # (H, Lq): rows with n >= 2
+
+    def add(self, other: "_LayerAccumulator") -> None:
+        if self.sums.shape != other.sums.shape:
+            raise RuntimeError(
+                f"a layer was called with {other.sums.shape[0]} and {self.sums.shape[0]} heads in one step"
+            )
+        self.sums += other.sums
+        self.counts += other.counts
+        torch.minimum(self.mins, other.mins, out=self.mins)
+        torch.maximum(self.maxs, other.maxs, out=self.maxs)
+        if self.position_sum is not None and other.position_sum is not None:
+            self.position_sum, other_sum = _pad_to_same(self.position_sum, other.position_sum)
+            self.position_count, other_count = _pad_to_same(self.position_count, other.position_count)
+            self.position_sum += other_sum
+            self.position_count += other_count
+
+
+def _pad_to_same(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pads the last dim of the shorter of two (H, L) tensors."""
+    n = max(a.shape[-1], b.shape[-1])
+    return (torch.nn.functional.pad(a, (0, n - a.shape[-1])), torch.nn.functional.pad(b, (0, n - b.shape[-1])))
+
+
+def _reduce_call(stats: AttentionStats, positions: bool) -> _LayerAccumulator:
+    """Per-head reductions of one call's (B, H, Lq) statistics over batch and rows."""
+    n = stats.n_keys
+    valid, valid2 = n >= 1, n >= 2
+    f64 = torch.float64
+
+    def masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, x.to(f64), 0).sum(dim=(0, 2))
+
+    def masked_extreme(x: torch.Tensor, m: torch.Tensor, fill: float, op: Callable) -> torch.Tensor:
+        return op(torch.where(m, x.to(f64), fill).transpose(0, 1).flatten(1), dim=1)
+
+    sums = torch.stack(
+        [
+            masked_sum(stats.entropy, valid),
+            masked_sum(stats.effective_keys, valid),
+            masked_sum(stats.sparsity, valid),
+            masked_sum(stats.max_weight, valid),
+            masked_sum(stats.normalized_entropy, valid2),
+        ],
+        dim=1,
+    )
+    counts = torch.stack([valid.sum(dim=(0, 2)), valid2.sum(dim=(0, 2))], dim=1).to(f64)
+    inf = math.inf
+    mins = torch.stack(
+        [masked_extreme(stats.entropy, valid, inf, torch.amin), masked_extreme(stats.normalized_entropy, valid2, inf, torch.amin)],
+        dim=1,
+    )
+    maxs = torch.stack(
+        [masked_extreme(stats.entropy, valid, -inf, torch.amax), masked_extreme(stats.normalized_entropy, valid2, -inf, torch.amax)],
+        dim=1,
+    )
+    acc = _LayerAccumulator(sums.detach(), counts, mins.detach(), maxs.detach())
+    if positions:
+        acc.position_sum = torch.where(valid2, stats.normalized_entropy.to(f64), 0).sum(0).detach()
+        acc.position_count = valid2.sum(0).to(f64)
+    return acc
+
+
+class _Writer:
+    """What a writer implements: ``write(step, records)`` once per recorded step; ``close()``."""
+
+    def write(self, step: int, records: List[Record]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CallbackWriter(_Writer):
+    """Calls ``fn(step, records)``."""
+
+    def __init__(self, fn: Callable[[int, List[Record]], None]) -> None:
+        self.fn = fn
+
+    def write(self, step: int, records: List[Record]) -> None:
+        self.fn(step, records)
+
+
+class TensorBoardWriter(_Writer):
+    """Scalars to a ``torch.utils.tensorboard.SummaryWriter``: ``{prefix}/{layer}/{metric}`` (the
+    mean over heads) and, with ``per_head``, ``{prefix}/{layer}/head_{h}/{metric}``."""
+
+    def __init__(self, summary_writer: Any, prefix: str = "attention", per_head: bool = True,
+                 metrics: Sequence[str] = METRICS) -> None:
+        self.summary_writer, self.prefix, self.per_head, self.metrics = summary_writer, prefix, per_head, metrics
+
+    def write(self, step: int, records: List[Record]) -> None:
+        by_layer: Dict[str, List[Record]] = {}
+        for r in records:
+            by_layer.setdefault(r["layer"], []).append(r)
+        for layer, rs in by_layer.items():
+            for m in self.metrics:
+                values = [r[m] for r in rs if not math.isnan(r[m])]
+                if values:
+                    self.summary_writer.add_scalar(f"{self.prefix}/{layer}/{m}", sum(values) / len(values), step)
+                if self.per_head:
+                    for r in rs:
+                        if not math.isnan(r[m]):
+                            self.summary_writer.add_scalar(f"{self.prefix}/{layer}/head_{r['head']}/{m}", r[m], step)
+
+    def close(self) -> None:
+        self.summary_writer.flush()
+
+
+class CSVWriter(_Writer):
+    """One row per (step, layer, head) in a CSV file (header written once; appends)."""
+
+    FIELDS = ("step", "layer", "head", "rows") + METRICS
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        self._file = open(self.path, "a", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=self.FIELDS)
+        if new:
+            self._csv.writeheader()
+
+    def write(self, step: int, records: List[Record]) -> None:
+        self._csv.writerows(records)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class JSONLWriter(_Writer):
+    """One JSON object per (step, layer, head) per line (NaN written as null; appends)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._file = open(os.fspath(path), "a")
+
+    def write(self, step: int, records: List[Record]) -> None:
+        for r in records:
+            clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+            self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _as_writer(w: Any) -> _Writer:
+    if isinstance(w, _Writer):
+        return w
+    if hasattr(w, "add_scalar"):  # a SummaryWriter
+        return TensorBoardWriter(w)
+    if callable(w):
+        return CallbackWriter(w)
+    raise TypeError(
+        "writers must be torch_ext.monitor writers (TensorBoardWriter, CSVWriter, JSONLWriter, "
+        f"CallbackWriter), a SummaryWriter or a callable(step, records), got {type(w).__name__}"
+    )
+
+
+_state = threading.local()  # .monitor: the monitor recording on this thread, if any
+
+
+def _active() -> Optional["AttentionEntropyMonitor"]:
+    return getattr(_state, "monitor", None)
+
+
+def is_recording() -> bool:
+    """Whether an :class:`AttentionEntropyMonitor` is recording on this thread (always False
+    while torch.compile traces: a compiled graph does not report to the monitor)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _active() is not None
+
+
+def record(stats: AttentionStats, module: Optional[torch.nn.Module] = None) -> None:
+    """Adds one attention call's statistics to the recording monitor (no-op when none records).
+
+    ``module`` names the layer (its path in the monitor's model); without it, the innermost module
+    of the model that is running, else ``"attention"``.
+    """
+    m = _active()
+    if m is not None and not torch.compiler.is_compiling():
+        m._add(stats, module)
+
+
+@dataclass
+class _ModuleTracker:
+    """Tracks the innermost running module of a model through global forward hooks."""
+
+    names: Dict[int, str]
+    stack: List[str] = field(default_factory=list)
+    handles: List[Any] = field(default_factory=list)
+
+    def __enter__(self) -> "_ModuleTracker":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            name = self.names.get(id(module))
+            if name is not None:
+                self.stack.append(name)
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if id(module) in self.names and self.stack:
+                self.stack.pop()
+
+        self.handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.stack = [], []
+
+
+class AttentionEntropyMonitor:
+    """Records attention statistics per layer and head every ``every`` steps.
+
+    Args:
+        model: the model whose attention layers are monitored; layers are named by their module
+            path in it (e.g. ``"model.layers.3.self_attn"``). Without it, layers are named
+            ``"attention"`` (all calls of a step then pool into one record per head).
+        every: record on steps ``s`` with ``s % every == 0``.
+        writers: where records go, each step that records: ``TensorBoardWriter`` (or a
+            ``SummaryWriter`` itself), ``CSVWriter``, ``JSONLWriter``, ``CallbackWriter`` (or any
+            callable ``fn(step, records)``).
+        reduce: under an initialized ``torch.distributed`` with several ranks, reduce the
+            statistics over ``process_group`` (sums and row counts summed, minima and maxima
+            taken), so that every rank holds the global numbers. Every rank must then record the
+            same layers on the same steps (as with DDP).
+        rank_zero_only: with several ranks, only rank 0 calls the writers.
+        positions: also keep, per layer, the normalized entropy per query position (mean over
+            batch and calls, shape (H, Lq)), in :attr:`latest_positions`.
+        keep_history: append each step's records to :attr:`history`.
+
+    Usage::
+
+        monitor = torch_ext.AttentionEntropyMonitor(model, every=100, writers=[SummaryWriter()])
+        for step, batch in enumerate(loader):
+            with monitor.step(step):      # records on steps 0, 100, 200, ...
+                loss = model(batch)
+            loss.backward(); opt.step()
+
+    ``with monitor:`` records every call until it exits (e.g. one evaluation pass) as one step.
+    Only attention run through ``torch_ext`` wrappers is seen: ``torch_ext.nn.MultiheadAttention``,
+    ``torch_ext.replace_sdpa``, the ``torch_ext.hf`` backend, or :func:`torch_ext.policy.attend`.
+    Under ``torch.compile`` the compiled graph does not report (the op compiles with
+    ``fullgraph=True`` and the monitor records nothing from it): monitor eagerly on the steps
+    that record, or read ``return_stats=True`` outputs from the compiled model.
+    """
+
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        *,
+        every: int = 100,
+        writers: Sequence[Any] = (),
+        reduce: bool = True,
+        process_group: Any = None,
+        rank_zero_only: bool = True,
+        positions: bool = False,
+        keep_history: bool = False,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.model = model
+        self.every = every
+        self.writers = [_as_writer(w) for w in writers]
+        self.reduce, self.process_group, self.rank_zero_only = reduce, process_group, rank_zero_only
+        self.positions = positions
+        self.keep_history = keep_history
+        self.history: List[Record] = []
+        #: the records of the last recorded step (after the reduction over ranks).
+        self.latest: List[Record] = []
+        #: layer -> (H, Lq) mean normalized entropy per query position (with ``positions=True``).
+        self.latest_positions: Dict[str, torch.Tensor] = {}
+        self._layers: Dict[str, _LayerAccumulator] = {}
+        self._names: Optional[Dict[int, str]] = None
+        self._tracker: Optional[_ModuleTracker] = None
+        self._step_counter = 0
+        self._current_step: Optional[int] = None
+
+    # --- activation ---------------------------------------------------------------------------
+    def should_record(self, step: int) -> bool:
+        """Whether ``step`` is one the monitor records."""
+        return step % self.every == 0
+
+    @contextlib.contextmanager
+    def step(self, step: Optional[int] = None) -> Iterator[bool]:
+        """Context for one training step; records if ``step % every == 0``. Yields whether it
+        records. Without ``step``, counts the steps itself (0, 1, 2, ...)."""
+        if step is None:
+            step = self._step_counter
+        self._step_counter = step + 1
+        if not self.should_record(step):
+            yield False
+            return
+        with self._recording(step):
+            yield True
+
+    def __enter__(self) -> "AttentionEntropyMonitor":
+        step = self._step_counter
+        self._step_counter += 1
+        self._cm = self._recording(step)
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        cm, self._cm = self._cm, None
+        cm.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def _recording(self, step: int) -> Iterator[None]:
+        if _active() is not None:
+            raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
+        self._layers, self._current_step = {}, step
+        _state.monitor = self
+        tracker = contextlib.nullcontext()
+        if self.model is not None:
+            tracker = self._tracker = _ModuleTracker(self._module_names())
+        try:
+            with tracker:
+                yield
+        finally:
+            _state.monitor = None
+            self._tracker = None
+        self._flush(step)
+
+    def _module_names(self) -> Dict[int, str]:
+        if self._names is None:
+            assert self.model is not None
+            self._names = {id(m): name or type(m).__name__ for name, m in self.model.named_modules()}
+        return self._names
+
+    # --- recording ----------------------------------------------------------------------------
+    def _layer_name(self, module: Optional[torch.nn.Module]) -> str:
+        if module is not None and self.model is not None:
+            name = self._module_names().get(id(module))
+            if name is not None:
+                return name
+        if self._tracker is not None and self._tracker.stack:
+            return self._tracker.stack[-1]
+        return "attention"
+
+    def _add(self, stats: AttentionStats, module: Optional[torch.nn.Module]) -> None:
+        name = self._layer_name(module)
+        acc = _reduce_call(stats, self.positions)
+        if name in self._layers:
+            self._layers[name].add(acc)
+        else:
+            self._layers[name] = acc
+
+    # --- end of a recorded step ---------------------------------------------------------------
+    def _flush(self, step: int) -> None:
+        names = sorted(self._layers)
+        multi_rank = self.reduce and _world_size(self.process_group) > 1
+        if multi_rank:
+            names = self._reduce_over_ranks(names)
+        records: List[Record] = []
+        positions: Dict[str, torch.Tensor] = {}
+        for name in names:
+            acc = self._layers[name]
+            sums, counts = acc.sums.cpu(), acc.counts.cpu()
+            mins, maxs = acc.mins.cpu(), acc.maxs.cpu()
+            for h in range(sums.shape[0]):
+                rows, rows2 = counts[h, 0].item(), counts[h, 1].item()
+
+                def mean(i: int, c: float) -> float:
+                    return sums[h, i].item() / c if c > 0 else math.nan
+
+                def extreme(t: torch.Tensor, i: int, c: float) -> float:
+                    return t[h, i].item() if c > 0 else math.nan
+
+                records.append(
+                    {
+                        "step": step,
+                        "layer": name,
+                        "head": h,
+                        "rows": int(rows),
+                        "entropy_mean": mean(0, rows),
+                        "entropy_min": extreme(mins, 0, rows),
+                        "entropy_max": extreme(maxs, 0, rows),
+                        "normalized_entropy_mean": mean(4, rows2),
+                        "normalized_entropy_min": extreme(mins, 1, rows2),
+                        "normalized_entropy_max": extreme(maxs, 1, rows2),
+                        "effective_keys_mean": mean(1, rows),
+                        "sparsity_mean": mean(2, rows),
+                        "max_weight_mean": mean(3, rows),
+                    }
+                )
+            if acc.position_sum is not None:
+                positions[name] = (acc.position_sum / acc.position_count.clamp_min(1)).cpu()
+        self._layers = {}
+        self.latest, self.latest_positions = records, positions
+        if self.keep_history:
+            self.history.extend(records)
+        if not (multi_rank and self.rank_zero_only and _rank(self.process_group) != 0):
+            for w in self.writers:
+                w.write(step, records)
+
+    def _reduce_over_ranks(self, names: List[str]) -> List[str]:
+        import torch.distributed as dist
+
+        group = self.process_group
+        signature = [(n, self._layers[n].sums.shape[0]) for n in names]
+        gathered: List[Any] = [None] * _world_size(group)
+        dist.all_gather_object(gathered, signature, group=group)
+        if any(g != signature for g in gathered):
+            raise RuntimeError(
+                "AttentionEntropyMonitor: ranks recorded different layers in one step "
+                f"(this rank: {signature}); every rank must run the same attention layers"
+            )
+        if not names:
+            return names
+        accs = [self._layers[n] for n in names]
+        sums = torch.cat([torch.cat([a.sums, a.counts], 1) for a in accs])
+        mins = torch.cat([a.mins for a in accs])
+        maxs = torch.cat([a.maxs for a in accs])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
+        row = 0
+        for a in accs:
+            h = a.sums.shape[0]
+            a.sums, a.counts = sums[row : row + h, : len(_SUMS)], sums[row : row + h, len(_SUMS) :]
+            a.mins, a.maxs = mins[row : row + h], maxs[row : row + h]
+            row += h
+            if a.position_sum is not None:
+                dist.all_reduce(a.position_sum, group=group)
+                dist.all_reduce(a.position_count, group=group)
+        return names
+
+    def close(self) -> None:
+        """Closes the writers."""
+        for w in self.writers:
+            w.close()
+
+
+def _world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+

@@ -1,0 +1,239 @@
+"""``torch_ext.nn.MultiheadAttention``: ``torch.nn.MultiheadAttention`` on the fused op, with a scale
+policy, a temperature and an optional learnable per-head scale."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torch_ext import monitor as _monitor
+from torch_ext.attention import attention
+from torch_ext.policy import AttentionPolicy, attend
+
+
+def _keep_off_fast_path(module: torch.nn.Module, args: Any) -> None:
+    """A no-op forward pre-hook. ``nn.TransformerEncoderLayer`` skips its fused inference fast path
+    (which reads ``self_attn``'s weights and never calls its forward) when a submodule has hooks."""
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """Drop-in for :class:`torch.nn.MultiheadAttention` computed by the fused op.
+
+    Same constructor arguments, parameters and ``state_dict`` keys (``in_proj_weight``,
+    ``in_proj_bias``, ``out_proj.*``, ``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ,
+    ``bias_k``/``bias_v``), same forward signature and mask conventions (bool masks: ``True`` =
+    not allowed; float masks are added), so existing weights load and calls are unchanged. It is
+    an instance of ``torch.nn.MultiheadAttention``.
+
+    Keyword-only additions:
+        scale: the scale policy of :func:`torch_ext.attention`: ``None`` (1/sqrt(head_dim), as
+            torch), a float, ``"logn"`` (log_b(n_i)/sqrt(head_dim), b = ``train_length``) or
+            ``"logn_sharpen"``. n_i counts the keys row i may attend to under the masks.
+        temperature: divides the scale.
+        train_length: the log base b of the "logn" policies.
+        learnable_scale: adds a parameter ``head_scale`` of shape (num_heads,), initialized to 1,
+            that multiplies each head's scale: with ``scale="logn"`` this is the SSMax form
+            s_h log_b(n_i)/sqrt(head_dim). A state_dict without ``head_scale`` (e.g. from
+            ``torch.nn.MultiheadAttention``) still loads strictly, keeping the initial value.
+
+    Differences: attention dropout is not supported (``dropout > 0`` raises in training mode);
+    ``need_weights=True`` (torch's default) materializes the (L, S) weights, as torch does: pass
+    ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` does) to keep memory linear in L.
+    Rows with no allowed key give output 0 (torch: NaN). Nested-tensor inputs are not supported
+    (build ``nn.TransformerEncoder`` with ``enable_nested_tensor=False``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        scale: float | str | None = None,
+        temperature: float = 1.0,
+        train_length: float = 512,
+        learnable_scale: bool = False,
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
+        self.policy = AttentionPolicy(scale, temperature, train_length)
+        self.head_scale: Optional[torch.nn.Parameter] = None
+        if learnable_scale:
+            self.head_scale = torch.nn.Parameter(torch.ones(num_heads, device=device, dtype=dtype))
+        self.register_forward_pre_hook(_keep_off_fast_path)
+
+    def extra_repr(self) -> str:
+        p = self.policy
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+            f"scale={p.scale!r}, temperature={p.temperature}, train_length={p.train_length}, "
+            f"learnable_scale={self.head_scale is not None}"
+        )
+
+    def _load_from_state_dict(
+        self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool, missing_keys: list,
+        unexpected_keys: list, error_msgs: list,
+    ) -> None:
+        key = prefix + "head_scale"
+        absent = self.head_scale is not None and key not in state_dict
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if absent and key in missing_keys:  # a torch.nn.MultiheadAttention state_dict: keep the init
+            missing_keys.remove(key)
+
+    def forward(  # type: ignore[override]
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """As :meth:`torch.nn.MultiheadAttention.forward`. ``is_causal=True`` applies the causal
+        mask (top-left aligned) and ignores ``attn_mask``, which it declares to be that mask."""
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError(
+                "torch_ext.nn.MultiheadAttention does not take nested tensors: build "
+                "nn.TransformerEncoder with enable_nested_tensor=False"
+            )
+        if self.training and self.dropout > 0:
+            raise NotImplementedError(
+                f"torch_ext.nn.MultiheadAttention has no attention dropout (dropout={self.dropout}): "
+                "construct it with dropout=0.0, or call .eval()"
+            )
+        batched = query.dim() == 3
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                "query, key and value must all be 3-D (batched) or 2-D (unbatched), got "
+                f"{query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
+            )
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+            if attn_mask is not None and attn_mask.dim() == 3:
+                attn_mask = attn_mask.unsqueeze(0).flatten(0, 1)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        # now (B, L, E), (B, S, kdim), (B, S, vdim)
+        B, L, E = query.shape
+        S, H = key.shape[1], self.num_heads
+        if E != self.embed_dim:
+            raise ValueError(f"query's embedding dim must be embed_dim={self.embed_dim}, got {E}")
+
+        q, k, v = self._project(query, key, value)
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.expand(B, 1, E)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(B, 1, E)], dim=1)
+        q, k, v = (t.unflatten(-1, (H, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(B, H, 1, self.head_dim)], dim=2)
+            v = torch.cat([v, v.new_zeros(B, H, 1, self.head_dim)], dim=2)
+        extra = k.shape[2] - S  # appended keys, visible to every row
+
+        if is_causal and extra:  # the appended keys fall outside a top-left causal band
+            attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1)
+            is_causal = False
+        elif is_causal:
+            attn_mask = None
+        mask = self._merged_mask(attn_mask, key_padding_mask, B, L, S, extra, q.dtype)
+
+        multiplier = None if self.head_scale is None else self.head_scale.view(H, 1)
+        if need_weights:
+            out, weights = self._attention_with_weights(q, k, v, mask, is_causal, multiplier)
+            weights = weights.mean(dim=1) if average_attn_weights else weights
+        else:
+            out = attend(q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self)
+            weights = None
+        out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
+        if not batched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        E = self.embed_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E : 2 * E], b[2 * E :])
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _merged_mask(
+        self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], B: int, L: int, S: int,
+        extra: int, dtype: torch.dtype,
+    ) -> Optional[Tensor]:
+        """attn_mask and key_padding_mask in the op's convention (bool True = attend, or additive),
+        broadcastable to (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
+        masks = []
+        if attn_mask is not None:
+            if attn_mask.dim() == 2:
+                if attn_mask.shape != (L, S):
+                    raise ValueError(f"2-D attn_mask must have shape {(L, S)}, got {tuple(attn_mask.shape)}")
+            elif attn_mask.dim() == 3:
+                if attn_mask.shape != (B * self.num_heads, L, S):
+                    raise ValueError(
+                        f"3-D attn_mask must have shape {(B * self.num_heads, L, S)}, got {tuple(attn_mask.shape)}"
+                    )
+                attn_mask = attn_mask.view(B, self.num_heads, L, S)
+            else:
+                raise ValueError(f"attn_mask must be 2-D or 3-D, got {attn_mask.dim()}-D")
+            masks.append(attn_mask)
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (B, S):
+                raise ValueError(f"key_padding_mask must have shape {(B, S)}, got {tuple(key_padding_mask.shape)}")
+            masks.append(key_padding_mask.view(B, 1, 1, S))
+        if not masks:
+            return None
+        if all(m.dtype == torch.bool for m in masks):
+            allowed = ~masks[0]
+            for m in masks[1:]:
+                allowed = allowed & ~m
+            return F.pad(allowed, (0, extra), value=True)
+        additive = None
+        for m in masks:
+            term = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
+            additive = term if additive is None else additive + term
+        return F.pad(additive, (0, extra), value=0.0)
+
+    def _attention_with_weights(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, multiplier: Optional[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """The output, from the op, and the (B, H, L, S) weights, materialized with the op's own
+        per-row scale (``need_weights=True``)."""
+        kwargs = self.policy.attention_kwargs(q.shape[-1], None, multiplier)
+        out, stats = attention(q, k, v, mask, is_causal=is_causal, return_stats=True, **kwargs)
+        _monitor.record(stats, self)
+        lam = stats.scale  # lambda_i, not differentiable: route the learnable multiplier's gradient
+        if multiplier is not None:
+            m = multiplier.to(lam.dtype)
+            lam = torch.where(m != 0, lam / m.detach().where(m != 0, 1.0), 0.0) * m
+        logits = lam.unsqueeze(-1).to(q.dtype) * (q @ k.transpose(-1, -2))
+        L, S = logits.shape[-2:]
+        if is_causal:
+            logits = logits.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+        acc = torch.promote_types(q.dtype, torch.float32)
+        weights = torch.softmax(logits.to(acc), dim=-1).nan_to_num(0.0).to(q.dtype)  # empty rows: 0
+        return out, weights

@@ -1,0 +1,82 @@
+"""The scale policy shared by the model-facing wrappers (``torch_ext.nn``, ``torch_ext.replace_sdpa``,
+``torch_ext.hf``), and :func:`attend`, the one call they all make: it runs the fused op and hands
+its statistics to an active :class:`~torch_ext.AttentionEntropyMonitor`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_ext import monitor as _monitor
+from torch_ext.attention import _policy_args, attention
+
+
+@dataclass(frozen=True)
+class AttentionPolicy:
+    """How the logits are scaled: the ``scale``, ``temperature`` and ``train_length`` arguments of
+    :func:`torch_ext.attention`, checked once at construction.
+
+    ``scale``: ``None`` keeps the caller's scale (the model's own, e.g. a transformers module's
+    ``scaling``, else 1/sqrt(D)); a float replaces it; ``"logn"`` / ``"logn_sharpen"`` multiply the
+    caller's scale by log_b(n_i) (resp. max(1, log_b n_i)), b = ``train_length``.
+    """
+
+    scale: float | str | None = None
+    temperature: float = 1.0
+    train_length: float = 512
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, torch.Tensor):
+            raise TypeError("AttentionPolicy.scale must be None, a float, 'logn' or 'logn_sharpen', not a Tensor")
+        _policy_args(self.scale, self.temperature, self.train_length)
+
+    @property
+    def uses_length(self) -> bool:
+        """Whether the scale depends on n_i (the "logn" policies)."""
+        return isinstance(self.scale, str)
+
+    def attention_kwargs(
+        self, head_dim: int, base_scale: float | None = None, multiplier: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments of :func:`torch_ext.attention` for a call site whose own scale is
+        ``base_scale`` (None: 1/sqrt(head_dim)), times an optional learnable ``multiplier``
+        broadcastable to (B, H, Lq)."""
+        base = self.scale if isinstance(self.scale, (int, float)) else base_scale
+        if base is None:
+            base = 1.0 / math.sqrt(head_dim)
+        c: float | torch.Tensor = base if multiplier is None else multiplier * base
+        kwargs: dict[str, Any] = {"temperature": self.temperature, "train_length": self.train_length}
+        if self.uses_length:
+            return {**kwargs, "scale": self.scale, "scale_factor": c}
+        return {**kwargs, "scale": c}
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    policy: AttentionPolicy,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    base_scale: float | None = None,
+    multiplier: torch.Tensor | None = None,
+    module: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """:func:`torch_ext.attention` under ``policy``; reports the statistics to the active monitor.
+
+    ``module`` names the layer for the monitor (its path in the monitored model); without it the
+    monitor uses the innermost module running.
+    """
+    kwargs = policy.attention_kwargs(query.shape[-1], base_scale, multiplier)
+    if not _monitor.is_recording():
+        return attention(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+    out, stats = attention(
+        query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs
+    )
+    _monitor.record(stats, module)
+    return out

@@ -12,7 +12,8 @@ export PYTHONUNBUFFERED=1
 
 # Pinned versions (those used in development).
 TORCH_VERSION=2.14.1
-PY_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 matplotlib==3.11.2)
+PY_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 matplotlib==3.11.2
+         transformers==5.23.0 tensorboard==2.21.0)
 APT_PACKAGES=(googletest libgtest-dev ccache ninja-build cmake g++)
 
 PYTHON=${PYTHON:-python3}

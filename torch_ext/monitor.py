@@ -232,7 +232,7 @@ def record(stats: AttentionStats, module: Optional[torch.nn.Module] = None) -> N
     """Adds one attention call's statistics to the recording monitor (no-op when none records).
 
     ``module`` names the layer (its path in the monitor's model); without it, the innermost module
-    of the model that is running, else ``"attention"``.
+    of the model that is running, else the call's order in the step.
     """
     m = _active()
     if m is not None and not torch.compiler.is_compiling():
@@ -273,8 +273,11 @@ class AttentionEntropyMonitor:
 
     Args:
         model: the model whose attention layers are monitored; layers are named by their module
-            path in it (e.g. ``"model.layers.3.self_attn"``). Without it, layers are named
-            ``"attention"`` (all calls of a step then pool into one record per head).
+            path in it (e.g. ``"model.layers.3.self_attn"``), and calls of one layer within a step
+            (micro-batches) pool into one record per head. Without it, a module that reports
+            itself (``torch_ext.nn.MultiheadAttention``, the hf backend) is named by its class and
+            order of appearance (``"MultiheadAttention.0"``), other calls by their order in the
+            step (``"attention.0"``, ``"attention.1"``, ...).
         every: record on steps ``s`` with ``s % every == 0``.
         writers: where records go, each step that records: ``TensorBoardWriter`` (or a
             ``SummaryWriter`` itself), ``CSVWriter``, ``JSONLWriter``, ``CallbackWriter`` (or any
@@ -331,6 +334,8 @@ class AttentionEntropyMonitor:
         self.latest_positions: Dict[str, torch.Tensor] = {}
         self._layers: Dict[str, _LayerAccumulator] = {}
         self._names: Optional[Dict[int, str]] = None
+        self._unnamed: Dict[int, str] = {}
+        self._anonymous_calls = 0
         self._tracker: Optional[_ModuleTracker] = None
         self._step_counter = 0
         self._current_step: Optional[int] = None
@@ -368,7 +373,7 @@ class AttentionEntropyMonitor:
     def _recording(self, step: int) -> Iterator[None]:
         if _active() is not None:
             raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
-        self._layers, self._current_step = {}, step
+        self._layers, self._current_step, self._anonymous_calls = {}, step, 0
         _state.monitor = self
         tracker = contextlib.nullcontext()
         if self.model is not None:
@@ -395,7 +400,10 @@ class AttentionEntropyMonitor:
                 return name
         if self._tracker is not None and self._tracker.stack:
             return self._tracker.stack[-1]
-        return "attention"
+        if module is not None:  # no model: name modules by class and first appearance
+            return self._unnamed.setdefault(id(module), f"{type(module).__name__}.{len(self._unnamed)}")
+        self._anonymous_calls += 1  # no module: by call order within the step
+        return f"attention.{self._anonymous_calls - 1}"
 
     def _add(self, stats: AttentionStats, module: Optional[torch.nn.Module]) -> None:
         name = self._layer_name(module)

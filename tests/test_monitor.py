@@ -1,0 +1,266 @@
+"""AttentionEntropyMonitor: its numbers against statistics of the materialized probabilities, its
+schedule, writers, layer names, torch.distributed reduction and torch.compile behaviour."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import torch_ext
+from torch_ext.monitor import CSVWriter, JSONLWriter, TensorBoardWriter
+
+E = 24
+
+
+class Block(torch.nn.Module):
+    def __init__(self, heads: int, scale: Any = None) -> None:
+        super().__init__()
+        self.attn = torch_ext.nn.MultiheadAttention(E, heads, batch_first=True, scale=scale, train_length=4)
+        self.mlp = torch.nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, x, x, key_padding_mask=pad, is_causal=True, need_weights=False)[0]
+        return x + torch.tanh(self.mlp(x))
+
+
+class Net(torch.nn.Module):
+    """Two causal self-attention layers with 4 and 2 heads."""
+
+    def __init__(self, scale: Any = None) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(4, scale), Block(2, scale)])
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, pad)
+        return x
+
+
+def batch(B: int = 3, L: int = 9, seed: int = 0, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, L, E, generator=g, dtype=dtype)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1, 6:] = True  # right padding: rows 6.. of sequence 1 see keys 0..5 only
+    pad[2, :2] = True  # left padding: rows 0, 1 of sequence 2 see no key
+    return x, pad
+
+
+def materialized_stats(model: Net, x: torch.Tensor, pad: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Per layer, per-row statistics (B, H, L) from the materialized float64 probabilities."""
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    B, L, _ = x.shape
+    for i, layer in enumerate(model.layers):
+        a = layer.attn
+        H, d = a.num_heads, a.head_dim
+        w, b = a.in_proj_weight, a.in_proj_bias
+        q, k = (torch.nn.functional.linear(x, w[j * E : (j + 1) * E], b[j * E : (j + 1) * E]) for j in range(2))
+        q, k = (t.view(B, L, H, d).transpose(1, 2) for t in (q, k))
+        allowed = torch.ones(L, L, dtype=torch.bool).tril() & ~pad.view(B, 1, 1, L)
+        n = allowed.sum(-1).double()  # (B, 1, L)
+        lam = 1 / math.sqrt(d)
+        if a.policy.scale == "logn":  # log_b(n_i) / sqrt(d), b = train_length = 4
+            lam = (n.clamp_min(1).log() / math.log(4) / math.sqrt(d)).unsqueeze(-1)
+        logits = (lam * q @ k.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
+        p = torch.where(allowed, logits.softmax(-1).nan_to_num(0), 0)
+        ent = -(torch.where(p > 0, p * p.log(), 0)).sum(-1)
+        p2 = (p * p).sum(-1)
+        n = n.expand_as(ent)
+        out[f"layers.{i}.attn"] = {
+            "n": n,
+            "entropy": ent,
+            "normalized_entropy": torch.where(n >= 2, ent / n.clamp_min(2).log(), 0),
+            "effective_keys": 1 / p2,
+            "sparsity": 1 / (n * p2).sqrt(),
+            "max_weight": p.amax(-1),
+        }
+        x = layer(x, pad)
+    return out
+
+
+def check_records(records: List[Dict[str, Any]], ref: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    assert sorted({r["layer"] for r in records}) == sorted(ref)
+    for r in records:
+        s, h = ref[r["layer"]], r["head"]
+        valid, valid2 = s["n"][:, h] >= 1, s["n"][:, h] >= 2
+        assert r["rows"] == valid.sum().item()
+        for name, sel in (("entropy", valid), ("normalized_entropy", valid2)):
+            vals = s[name][:, h][sel]
+            assert r[f"{name}_mean"] == pytest.approx(vals.mean().item(), rel=1e-9, abs=1e-12)
+            assert r[f"{name}_min"] == pytest.approx(vals.min().item(), rel=1e-9, abs=1e-12)
+            assert r[f"{name}_max"] == pytest.approx(vals.max().item(), rel=1e-9, abs=1e-12)
+        for name in ("effective_keys", "sparsity", "max_weight"):
+            assert r[f"{name}_mean"] == pytest.approx(s[name][:, h][valid].mean().item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("scale", [None, "logn"])
+def test_numbers_match_materialized_probabilities(scale: Any) -> None:
+    torch.manual_seed(0)
+    model = Net(scale).double()
+    x, pad = batch()
+    monitor = torch_ext.AttentionEntropyMonitor(model, positions=True)
+    with monitor:
+        model(x, pad)
+    ref = materialized_stats(model, x, pad)
+    check_records(monitor.latest, ref)
+    assert {r["head"] for r in monitor.latest if r["layer"] == "layers.1.attn"} == {0, 1}
+    # per-position profile: mean over the batch rows with n >= 2
+    s = ref["layers.0.attn"]
+    n2 = s["n"] >= 2
+    expected = torch.where(n2, s["normalized_entropy"], 0).sum(0) / n2.sum(0).clamp_min(1)
+    torch.testing.assert_close(monitor.latest_positions["layers.0.attn"], expected)
+
+
+def test_pools_calls_of_one_step() -> None:
+    """Two micro-batches in one step pool into the statistics of their concatenation."""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, pad = batch(B=4)
+    monitor = torch_ext.AttentionEntropyMonitor(model)
+    with monitor.step(0):
+        model(x[:2], pad[:2])
+        model(x[2:], pad[2:])
+    check_records(monitor.latest, materialized_stats(model, x, pad))
+
+
+def test_every_n_steps_and_writers(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x, pad = batch(dtype=torch.float32)
+    calls: List[tuple[int, int]] = []
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = SummaryWriter(str(tmp_path / "tb"))
+    monitor = torch_ext.AttentionEntropyMonitor(
+        model,
+        every=3,
+        writers=[
+            lambda step, records: calls.append((step, len(records))),
+            CSVWriter(tmp_path / "stats.csv"),
+            JSONLWriter(tmp_path / "stats.jsonl"),
+            tb,
+        ],
+        keep_history=True,
+    )
+    recorded = []
+    for step in range(7):
+        with monitor.step(step) as rec:
+            recorded.append(rec)
+            assert torch_ext.monitor.is_recording() == rec
+            model(x, pad)
+    monitor.close()
+    assert recorded == [True, False, False, True, False, False, True]
+    assert calls == [(0, 6), (3, 6), (6, 6)]  # 4 + 2 heads
+    assert len(monitor.history) == 18
+    rows = list(csv.DictReader(open(tmp_path / "stats.csv")))
+    assert len(rows) == 18 and rows[0]["layer"] == "layers.0.attn" and rows[-1]["step"] == "6"
+    assert float(rows[0]["entropy_mean"]) == pytest.approx(monitor.history[0]["entropy_mean"])
+    lines = [json.loads(line) for line in open(tmp_path / "stats.jsonl")]
+    assert len(lines) == 18 and lines[5] == {**monitor.history[5]}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "attention/layers.0.attn/normalized_entropy_mean" in tags
+    assert "attention/layers.1.attn/head_1/entropy_max" in tags
+    assert [e.step for e in acc.Scalars("attention/layers.0.attn/entropy_mean")] == [0, 3, 6]
+
+
+def test_names_without_model_and_auto_steps() -> None:
+    model = Net()
+    x, pad = batch(dtype=torch.float32)
+    monitor = torch_ext.AttentionEntropyMonitor(every=2)
+    steps = []
+    for _ in range(3):
+        with monitor.step() as rec:
+            steps.append(rec)
+            model(x, pad)
+    assert steps == [True, False, True]
+    # modules that report themselves, named by class and first appearance; 4 then 2 heads
+    heads = {r["layer"]: r["head"] + 1 for r in monitor.latest}
+    assert heads == {"MultiheadAttention.0": 4, "MultiheadAttention.1": 2}
+    # calls without a module: by order within the step
+    q = torch.randn(1, 2, 5, 8)
+    with monitor:
+        for _ in range(2):
+            torch_ext.policy.attend(q, q, q, policy=torch_ext.AttentionPolicy())
+    assert sorted({r["layer"] for r in monitor.latest}) == ["attention.0", "attention.1"]
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="every"):
+        torch_ext.AttentionEntropyMonitor(every=0)
+    with pytest.raises(TypeError, match="writers"):
+        torch_ext.AttentionEntropyMonitor(writers=[42])
+    m1, m2 = torch_ext.AttentionEntropyMonitor(), torch_ext.AttentionEntropyMonitor()
+    with m1:
+        with pytest.raises(RuntimeError, match="already recording"):
+            with m2:
+                pass
+    assert not torch_ext.monitor.is_recording()
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_torch_compile_fullgraph() -> None:
+    """The op compiles with fullgraph=True (inductor) and matches eager, forward and backward; the
+    compiled graph does not report to the monitor (documented), eager calls do."""
+    torch.manual_seed(0)
+    model = Net("logn")
+    x, pad = batch(dtype=torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    monitor = torch_ext.AttentionEntropyMonitor(model)
+    with monitor:
+        out_c = compiled(x, pad)
+    assert monitor.latest == []
+    with monitor:
+        out_e = model(x, pad)
+    assert len(monitor.latest) == 6
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    g_c = torch.autograd.grad(out_c.square().sum(), list(model.parameters()))
+    g_e = torch.autograd.grad(out_e.square().sum(), list(model.parameters()))
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# --- torch.distributed ------------------------------------------------------------------------
+def _ddp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = Net().double()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x, pad = batch(B=4)
+    x, pad = x[2 * rank : 2 * rank + 2], pad[2 * rank : 2 * rank + 2]
+    monitor = torch_ext.AttentionEntropyMonitor(ddp.module, every=1)
+    with monitor.step(0):
+        loss = ddp(x, pad).square().mean()
+    loss.backward()
+    if rank == 0:
+        grads = {n: p.grad.tolist() for n, p in model.named_parameters()}
+        json.dump({"records": monitor.latest, "grads": grads}, open(out_file, "w"))
+    dist.destroy_process_group()
+
+
+def test_ddp_two_processes_gloo(tmp_path: Any) -> None:
+    """A 2-process DDP run: the monitor reduces over ranks to the statistics of the whole batch,
+    and the gradients equal a single-process run's."""
+    out_file = str(tmp_path / "rank0.json")
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True)
+    got = json.load(open(out_file))
+    torch.manual_seed(0)
+    model = Net().double()
+    x, pad = batch(B=4)
+    model(x, pad).square().mean().backward()
+    check_records(got["records"], materialized_stats(model, x, pad))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(torch.tensor(got["grads"][n], dtype=torch.float64), p.grad, atol=1e-10, rtol=1e-9)

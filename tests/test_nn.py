@@ -1,0 +1,242 @@
+"""torch_ext.nn.MultiheadAttention against torch.nn.MultiheadAttention with the same weights, and its
+scale policies against a plain float64 formula."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_ext
+
+E, H = 16, 4
+B, L, S = 3, 5, 6
+
+
+def pair(**kw: Any) -> tuple[torch.nn.MultiheadAttention, torch_ext.nn.MultiheadAttention]:
+    """A torch MHA with random weights and ours loaded from its state_dict (float64)."""
+    ref = torch.nn.MultiheadAttention(E, H, **kw).double()
+    with torch.no_grad():  # nonzero biases, so that a wrongly split in_proj_bias shows
+        for name, p in ref.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    ours = torch_ext.nn.MultiheadAttention(E, H, **kw).double()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def inputs(batch_first: bool, kdim: int = E, vdim: int = E, batched: bool = True) -> list[torch.Tensor]:
+    def make(n: int, e: int) -> torch.Tensor:
+        shape = ((B, n, e) if batch_first else (n, B, e)) if batched else (n, e)
+        return torch.randn(shape, dtype=torch.float64, requires_grad=True)
+
+    return [make(L, E), make(S, kdim), make(S, vdim)]
+
+
+def masks(kind: str) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    am = torch.rand(L, S, generator=g) < 0.3
+    am[:, 0] = False
+    kpm = torch.rand(B, S, generator=g) < 0.3
+    kpm[:, 1] = False
+    return {
+        "none": {},
+        "attn_bool": {"attn_mask": am},
+        "attn_float": {"attn_mask": torch.randn(L, S, generator=g, dtype=torch.float64)},
+        "attn_3d": {"attn_mask": torch.rand(B * H, L, S, generator=g) < 0.3},
+        "kpm_bool": {"key_padding_mask": kpm},
+        "kpm_float": {"key_padding_mask": kpm.double() * -3.0},
+        "both_bool": {"attn_mask": am, "key_padding_mask": kpm},
+        "mixed": {"attn_mask": torch.randn(L, S, generator=g, dtype=torch.float64), "key_padding_mask": kpm},
+    }[kind]
+
+
+def grads(out: torch.Tensor, tensors: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return torch.autograd.grad((out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum(), tensors)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+@pytest.mark.parametrize("mask", ["none", "attn_bool", "attn_float", "attn_3d", "kpm_bool", "kpm_float", "both_bool", "mixed"])
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"batch_first": True}, {"kdim": 5, "vdim": 7}, {"bias": False}, {"add_bias_kv": True}, {"add_zero_attn": True}],
+    ids=["default", "batch_first", "kdim_vdim", "no_bias", "bias_kv", "zero_attn"],
+)
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_matches_torch(config: Dict[str, Any], mask: str, need_weights: bool) -> None:
+    """Same outputs, weights and gradients (inputs and every parameter) as torch, float64."""
+    torch.manual_seed(0)
+    ref, ours = pair(**config)
+    q, k, v = inputs(config.get("batch_first", False), config.get("kdim", E), config.get("vdim", E))
+    kw = masks(mask)
+    r_out, r_w = ref(q, k, v, need_weights=need_weights, **kw)
+    o_out, o_w = ours(q, k, v, need_weights=need_weights, **kw)
+    assert_close(o_out, r_out)
+    if need_weights:
+        assert_close(o_w, r_w)
+    else:
+        assert o_w is None and r_w is None
+    params = [p for _, p in sorted(ref.named_parameters())]
+    our_params = [p for _, p in sorted(ours.named_parameters())]
+    for a, b in zip(grads(o_out, [q, k, v] + our_params), grads(r_out, [q, k, v] + params)):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_per_head_weights_unbatched_and_causal(batch_first: bool) -> None:
+    """average_attn_weights=False, unbatched inputs, and is_causal with its mask."""
+    torch.manual_seed(0)
+    ref, ours = pair(batch_first=batch_first)
+    q, k, v = inputs(batch_first)
+    r = ref(q, k, v, average_attn_weights=False)
+    o = ours(q, k, v, average_attn_weights=False)
+    assert o[1].shape == (B, H, L, S)
+    assert_close(o[0], r[0]), assert_close(o[1], r[1])
+    x = inputs(batch_first, batched=False)
+    assert_close(ours(*x)[0], ref(*x)[0]), assert_close(ours(*x)[1], ref(*x)[1])
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    x = inputs(batch_first)[0]
+    r_out, _ = ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
+    o_out, _ = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
+    assert_close(o_out, r_out)
+    o_none, _ = ours(x, x, x, is_causal=True, need_weights=False)  # torch requires the mask; we don't
+    assert_close(o_none, r_out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_low_precision(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    ref, ours = pair(batch_first=True)
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    q = torch.randn(B, L, E, dtype=dtype)
+    kpm = masks("kpm_bool")["key_padding_mask"][:, :L]
+    r, _ = ref.double()(q.double(), q.double(), q.double(), key_padding_mask=kpm, need_weights=False)
+    o, _ = ours(q, q, q, key_padding_mask=kpm, need_weights=False)
+    assert o.dtype == dtype
+    torch.testing.assert_close(o.double(), r, atol=tol * 4, rtol=tol)
+
+
+def test_state_dict_compatible() -> None:
+    """Same keys as torch; torch's state_dict loads strictly, also into a learnable-scale module."""
+    for kw in ({}, {"kdim": 5, "vdim": 7}, {"add_bias_kv": True}, {"bias": False}):
+        ref = torch.nn.MultiheadAttention(E, H, **kw)
+        ours = torch_ext.nn.MultiheadAttention(E, H, **kw)
+        assert list(ours.state_dict()) == list(ref.state_dict())
+        ref.load_state_dict(ours.state_dict())
+        learn = torch_ext.nn.MultiheadAttention(E, H, learnable_scale=True, **kw)
+        assert set(learn.state_dict()) == set(ref.state_dict()) | {"head_scale"}
+        learn.load_state_dict(ref.state_dict())  # strict: head_scale keeps its initial 1
+        assert torch.equal(learn.head_scale, torch.ones(H))
+        learn.load_state_dict({**ref.state_dict(), "head_scale": torch.full((H,), 2.0)})
+        assert torch.equal(learn.head_scale, torch.full((H,), 2.0))
+    assert isinstance(torch_ext.nn.MultiheadAttention(E, H), torch.nn.MultiheadAttention)
+
+
+def plain_mha(
+    m: torch.nn.MultiheadAttention, x: torch.Tensor, allowed: torch.Tensor, scale_of_n: Any, head_scale: Any = None
+) -> torch.Tensor:
+    """Batch-first self-attention written out: lambda_i = scale_of_n(n_i) * head_scale_h, with n_i the
+    number of allowed keys of row i (allowed: (B, 1, L, S) bool)."""
+    w, b = m.in_proj_weight, m.in_proj_bias
+    q, k, v = (F.linear(x, w[i * E : (i + 1) * E], b[i * E : (i + 1) * E]) for i in range(3))
+    q, k, v = (t.unflatten(-1, (H, E // H)).transpose(1, 2) for t in (q, k, v))
+    nonempty = allowed.any(-1, keepdim=True)  # rows with no allowed key: output 0, no NaN gradient
+    n = allowed.sum(-1, keepdim=True).double().clamp_min(1)  # (B, 1, L, 1)
+    lam = scale_of_n(n)
+    if head_scale is not None:
+        lam = lam * head_scale.view(1, H, 1, 1)
+    logits = (lam * (q @ k.transpose(-1, -2))).masked_fill(~(allowed | ~nonempty), float("-inf"))
+    out = (torch.softmax(logits, -1) * nonempty) @ v
+    return m.out_proj(out.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("policy", ["logn", "logn_sharpen", "float", "temperature"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_policies_match_plain_formula(policy: str, learnable: bool) -> None:
+    """Scale policies (and the learnable per-head scale, with its gradient) against the formula,
+    with causal + key padding so that n_i varies per row and batch."""
+    torch.manual_seed(0)
+    d = E // H
+    b = 3.0
+    kw, scale_of_n = {
+        "logn": ({"scale": "logn", "train_length": b}, lambda n: torch.log(n) / math.log(b) / math.sqrt(d)),
+        "logn_sharpen": (
+            {"scale": "logn_sharpen", "train_length": b},
+            lambda n: torch.clamp(torch.log(n) / math.log(b), min=1) / math.sqrt(d),
+        ),
+        "float": ({"scale": 0.7}, lambda n: torch.full_like(n, 0.7)),
+        "temperature": ({"temperature": 2.5}, lambda n: torch.full_like(n, 1 / math.sqrt(d) / 2.5)),
+    }[policy]
+    ours = torch_ext.nn.MultiheadAttention(E, H, batch_first=True, learnable_scale=learnable, **kw).double()
+    if learnable:
+        with torch.no_grad():
+            ours.head_scale.copy_(torch.tensor([0.5, 1.0, 1.5, 2.0]))
+    x = torch.randn(B, L, E, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, 3:] = True
+    kpm[2, :2] = True
+    out, _ = ours(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed = causal.view(1, 1, L, L) & ~kpm.view(B, 1, 1, L)
+    ref = plain_mha(ours, x, allowed, scale_of_n, ours.head_scale)
+    assert_close(out, ref)
+    if learnable:
+        (g_ours,) = torch.autograd.grad(out.sum(), [ours.head_scale])
+        (g_ref,) = torch.autograd.grad(ref.sum(), [ours.head_scale])
+        assert_close(g_ours, g_ref)
+        _, w = ours(x, x, x, key_padding_mask=kpm, is_causal=True)  # the weights carry its gradient too
+        (g_w,) = torch.autograd.grad((w * torch.randn_like(w)).sum(), [ours.head_scale])
+        assert g_w.abs().sum() > 0
+    if policy == "logn":  # a test that can fail: logn differs from the standard scale
+        std = torch_ext.nn.MultiheadAttention(E, H, batch_first=True).double()
+        std.load_state_dict(ours.state_dict(), strict=False)
+        assert not torch.allclose(std(x, x, x, need_weights=False)[0], ours(x, x, x, need_weights=False)[0])
+
+
+def test_inside_transformer_encoder_layer_eval() -> None:
+    """nn.TransformerEncoderLayer's inference fast path would bypass self_attn.forward: it must not."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    ref_out_layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    ref_out_layer.load_state_dict(layer.state_dict())
+    ours = torch_ext.nn.MultiheadAttention(E, H, batch_first=True, scale="logn", train_length=2)
+    ours.load_state_dict(layer.self_attn.state_dict())
+    layer.self_attn = ours
+    layer.eval(), ref_out_layer.eval()
+    x = torch.randn(B, L, E)
+    with torch.no_grad():
+        got = layer(x)
+        std = ref_out_layer(x)
+    assert not torch.allclose(got, std, atol=1e-4)  # our forward ran (logn differs from 1/sqrt(d))
+    ours.policy = torch_ext.AttentionPolicy()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), std, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_errors() -> None:
+    m = torch_ext.nn.MultiheadAttention(E, H, dropout=0.1, batch_first=True)
+    x = torch.randn(B, L, E)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        m(x, x, x)
+    m.eval()
+    m(x, x, x)
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(x, x, x, key_padding_mask=torch.zeros(B, L + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="scale"):
+        torch_ext.nn.MultiheadAttention(E, H, scale="log")
+    with pytest.raises(ValueError, match="temperature"):
+        torch_ext.nn.MultiheadAttention(E, H, temperature=0.0)
+    with pytest.raises(ValueError, match="nested"):
+        nt = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
+        m(nt, nt, nt)

@@ -1,0 +1,159 @@
+"""torch_ext.replace_sdpa: F.scaled_dot_product_attention calls inside it run on the fused op."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
+
+import torch_ext
+
+
+class CausalSelfAttention(torch.nn.Module):
+    """nanoGPT's attention block, unchanged: it calls F.scaled_dot_product_attention."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.c_attn = torch.nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = torch.nn.Linear(n_embd, n_embd)
+        self.n_head = n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([CausalSelfAttention() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def qkv(B: int = 2, H: int = 4, Hkv: int = 4, L: int = 7, S: int = 9, D: int = 8, dtype=torch.float64) -> list:
+    return [torch.randn(B, h, n, D, dtype=dtype, requires_grad=True) for h, n in ((H, L), (Hkv, S), (Hkv, S))]
+
+
+CASES: Dict[str, Dict[str, Any]] = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "bool_mask": {"attn_mask": "bool"},
+    "float_mask": {"attn_mask": "float"},
+    "scale": {"scale": 0.3},
+    "gqa": {"enable_gqa": True, "Hkv": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_scale_none_matches_sdpa(case: str) -> None:
+    """With scale=None the routed call equals SDPA: outputs and gradients (float64)."""
+    torch.manual_seed(0)
+    kw = dict(CASES[case])
+    q, k, v = qkv(Hkv=kw.pop("Hkv", 4), L=9 if kw.get("is_causal") else 7)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(q.shape[2], k.shape[2]) < 0.7
+        kw["attn_mask"][:, 0] = True
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(2, 1, q.shape[2], k.shape[2], dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    with torch_ext.replace_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v], g), torch.autograd.grad(ref, [q, k, v], g)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_routes_calls_with_policy() -> None:
+    """Inside, the policy applies (however SDPA was imported); outside, SDPA is untouched."""
+    torch.manual_seed(0)
+    q, k, v = qkv(L=9, S=9)
+    std = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = torch_ext.attention(q, k, v, is_causal=True, scale="logn", train_length=4)
+    with torch_ext.replace_sdpa(scale="logn", train_length=4):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = imported_sdpa(q, k, v, is_causal=True)
+        c = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for t in (a, b, c):
+        torch.testing.assert_close(t, expected, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(a, std)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), std)
+    # the call's explicit scale is the policy's base scale: c * log_b(n_i)
+    with torch_ext.replace_sdpa(scale="logn", train_length=4):
+        d = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2)
+    torch.testing.assert_close(
+        d, torch_ext.attention(q, k, v, is_causal=True, scale="logn", train_length=4, scale_factor=0.2)
+    )
+    # nested: the innermost policy applies
+    with torch_ext.replace_sdpa(scale="logn", train_length=4), torch_ext.replace_sdpa():
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), std)
+
+
+def test_three_dim_inputs() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, n, 8, dtype=torch.float64) for n in (5, 6, 6))
+    mask = torch.rand(3, 5, 6) < 0.7
+    mask[..., 0] = True
+    with torch_ext.replace_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_nanogpt_model_and_monitor() -> None:
+    """A model that calls SDPA switches without edits; the monitor names layers by module path and
+    its entropy equals the one computed from the materialized probabilities."""
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    x = torch.randn(2, 11, 32, dtype=torch.float64)
+    ref = model(x)
+    monitor = torch_ext.AttentionEntropyMonitor(model)
+    with torch_ext.replace_sdpa(), monitor:
+        out = model(x)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert sorted({r["layer"] for r in monitor.latest}) == ["blocks.0", "blocks.1"]
+    # entropy of block 0 from the materialized matrix
+    blk = model.blocks[0]
+    q, k, _ = blk.c_attn(x).split(32, dim=2)
+    q, k = (t.view(2, 11, 4, 8).transpose(1, 2) for t in (q, k))
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(torch.ones(11, 11, dtype=torch.bool).triu(1), -math.inf)
+    p = logits.softmax(-1)
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)  # (B, H, L)
+    got = [r for r in monitor.latest if r["layer"] == "blocks.0"]
+    for h, r in enumerate(got):
+        assert r["entropy_mean"] == pytest.approx(ent[:, h].mean().item(), rel=1e-9)
+        assert r["entropy_max"] == pytest.approx(ent[:, h].max().item(), rel=1e-9)
+
+
+def test_errors() -> None:
+    q, k, v = qkv()
+    with torch_ext.replace_sdpa():
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        with pytest.raises(ValueError, match="4-D"):
+            F.scaled_dot_product_attention(q[None], k[None], v[None])
+    with pytest.raises(ValueError, match="scale"):
+        torch_ext.replace_sdpa(scale="bad")
+
+
+def test_torch_compile_fullgraph() -> None:
+    """A model compiled with fullgraph=True inside replace_sdpa matches eager."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    x = torch.randn(2, 11, 32)
+    with torch_ext.replace_sdpa(scale="logn", train_length=8):
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(eager, model(x), atol=1e-4)

@@ -157,3 +157,23 @@ def test_torch_compile_fullgraph() -> None:
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(eager, model(x), atol=1e-4)
+
+
+def test_sdpa_conventions_batch_broadcast_and_finfo_min_mask() -> None:
+    """SDPA broadcasts a batch of 1; a finfo.min-filled float mask counts as masked (out of n_i),
+    so that "logn" sees the same n_i as with the equivalent bool mask."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)  # shared queries
+    k, v = torch.randn(3, 2, 6, 8, dtype=torch.float64), torch.randn(3, 2, 6, 8, dtype=torch.float64)
+    allowed = torch.rand(3, 1, 5, 6) < 0.6
+    allowed[..., 0] = True
+    additive = torch.zeros(3, 1, 5, 6, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    with torch_ext.replace_sdpa():
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), sdpa)
+    ref = torch_ext.attention(q.expand(3, -1, -1, -1), k, v, allowed, scale="logn", train_length=3)
+    with torch_ext.replace_sdpa(scale="logn", train_length=3):
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=additive), ref)
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), ref)
+        with pytest.raises(ValueError, match="batch sizes"):
+            F.scaled_dot_product_attention(q.expand(2, -1, -1, -1), k, v)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from torch_ext import monitor as _monitor
 from torch_ext.attention import attention
-from torch_ext.policy import AttentionPolicy, attend
+from torch_ext.policy import AttentionPolicy, attend, sdpa_conventions
 
 
 def _keep_off_fast_path(module: torch.nn.Module, args: Any) -> None:
@@ -221,6 +221,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor]:
         """The output, from the op, and the (B, H, L, S) weights, materialized with the op's own
         per-row scale (``need_weights=True``)."""
+        q, k, v, mask = sdpa_conventions(q, k, v, mask)
         kwargs = self.policy.attention_kwargs(q.shape[-1], None, multiplier)
         out, stats = attention(q, k, v, mask, is_causal=is_causal, return_stats=True, **kwargs)
         _monitor.record(stats, self)

@@ -54,6 +54,27 @@ class AttentionPolicy:
         return {**kwargs, "scale": c}
 
 
+def sdpa_conventions(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Adapts SDPA-style call arguments to the op: a batch of 1 is expanded to the others' batch
+    (SDPA broadcasts it, e.g. learned queries shared by the batch), and a float mask's "masked"
+    entries (``finfo(dtype).min``, or anything at or below half of it, as transformers and many
+    models fill padding) become ``-inf``, so that those keys do not count in n_i nor in the
+    monitor's statistics. Other additive values are kept."""
+    sizes = {query.shape[0], key.shape[0], value.shape[0]}
+    b = max(sizes)
+    if not sizes <= {1, b}:
+        raise ValueError(
+            f"query, key and value batch sizes {query.shape[0]}, {key.shape[0]} and {value.shape[0]} do not broadcast"
+        )
+    if len(sizes) > 1:
+        query, key, value = (t.expand(b, *t.shape[1:]) if t.shape[0] != b else t for t in (query, key, value))
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.masked_fill(attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
+    return query, key, value, attn_mask
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -67,11 +88,13 @@ def attend(
     multiplier: torch.Tensor | None = None,
     module: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """:func:`torch_ext.attention` under ``policy``; reports the statistics to the active monitor.
+    """:func:`torch_ext.attention` under ``policy``, with SDPA's conventions
+    (:func:`sdpa_conventions`); reports the statistics to the active monitor.
 
     ``module`` names the layer for the monitor (its path in the monitored model); without it the
     monitor uses the innermost module running.
     """
+    query, key, value, attn_mask = sdpa_conventions(query, key, value, attn_mask)
     kwargs = policy.attention_kwargs(query.shape[-1], base_scale, multiplier)
     if not _monitor.is_recording():
         return attention(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)

@@ -61,7 +61,9 @@ class replace_sdpa(TorchFunctionMode):
     A :class:`~torch_ext.AttentionEntropyMonitor` that records sees these calls, named by the
     innermost module running. It is a ``TorchFunctionMode``: thread-local, nestable (the innermost
     applies), and traced by ``torch.compile`` when active around the compiled call. Calls with
-    ``dropout_p > 0`` raise (the op has no attention dropout).
+    ``dropout_p > 0`` raise (the op has no attention dropout). Float-mask entries at or below
+    ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0 (SDPA:
+    the mean of the values for a ``finfo.min`` mask, NaN for ``-inf``).
 
     Example::
 

@@ -41,6 +41,7 @@ This module imports transformers; ``import torch_ext`` does not.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Optional
 
@@ -200,28 +201,12 @@ def register(
             "logn" equals the model's own scale.
 
     The mask function registered with it is transformers' ``sdpa_mask``: boolean masks (True =
-    attend), or None where causality alone applies. (Additive masks filled with ``finfo.min``
-    would make masked keys count in n_i.)
+    attend), or None where causality alone applies.
     """
     name = _check_name(name)
     policy = AttentionPolicy(scale, temperature, train_length)
 
-    def entropy_invariant_attention(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        dropout: float = 0.0,
-        scaling: Optional[float] = None,
-        is_causal: Optional[bool] = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        return attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, policy=policy, **kwargs
-        )
-
-    entropy_invariant_attention.__doc__ = f"torch_ext.hf attention {name!r} under {policy}."
+    entropy_invariant_attention = functools.partial(attention_forward, policy=policy)
     entropy_invariant_attention.policy = policy  # type: ignore[attr-defined]
     transformers.AttentionInterface.register(name, entropy_invariant_attention)
     AttentionMaskInterface.register(name, sdpa_mask)

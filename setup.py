@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -66,6 +67,28 @@ CXX_FLAGS = (["-O3", "-fopenmp", "-Wall", "-Wextra"]
 NVCC_FLAGS = (["-O3", "-lineinfo", "-Xcompiler=-Wall,-Wextra"]
               + (["-Werror=all-warnings", "-Xcompiler=-Werror"] if WERROR else []))
 
+
+def shared_libstdcxx_flags() -> list[str]:
+    """The libstdc++.so.6 that torch (imported above) runs on, as a link input ahead of the
+    driver's own -lstdc++: the C++ runtime is then linked dynamically whatever that -lstdc++ would
+    find, and -lstdc++ adds nothing. Where g++ finds libstdc++.so first this changes nothing.
+
+    A toolchain with only a static runtime in reach (on one GPU machine, a relocated g++ behind a
+    wrapper whose -B directory holds libstdc++.a and a dangling libstdc++.so symlink) otherwise
+    links a private copy of libstdc++ into our library. With Python's -Wl,-Bsymbolic-functions that
+    copy's functions run on the data of the process's libstdc++.so.6 (another GCC's), and the
+    first number written into a std::ostringstream (c10::str: every TORCH_CHECK message with a
+    size in it) segfaulted instead of raising, on the CPU and CUDA alike. tests/test_build.py
+    checks the result."""
+    if not sys.platform.startswith("linux"):
+        return []
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    return loaded[:1] or ["-l:libstdc++.so.6"]
+
+
+LINK_FLAGS = ["-fopenmp"] + shared_libstdcxx_flags()
+
 extension = CUDAExtension if WITH_CUDA else CppExtension
 setup(
     name="torch_ext",
@@ -78,7 +101,7 @@ setup(
             sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=LINK_FLAGS,
             py_limited_api=True,
         )
     ],

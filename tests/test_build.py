@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import torch_ext
 
@@ -17,3 +20,22 @@ def test_cpu_kernels_compiled_with_openmp() -> None:
     right. With it, the library calls libgomp's GOMP_parallel."""
     library = Path(torch_ext._C.__file__).read_bytes()
     assert b"GOMP_parallel" in library, "torch_ext._C was built without OpenMP: CPU kernels run on one thread"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks an ELF shared library")
+def test_cpp_runtime_linked_dynamically() -> None:
+    """The extension uses the process's libstdc++.so.6, not a private static copy (which a g++
+    that finds libstdc++.a first links in: setup.py's shared_libstdcxx_flags). With Python's
+    -Wl,-Bsymbolic-functions such a copy's functions run on another libstdc++'s data: formatting a
+    number into an error message (every TORCH_CHECK with a size) segfaulted instead of raising."""
+    library = Path(torch_ext._C.__file__)
+    assert b"libstdc++.so.6" in library.read_bytes(), "torch_ext._C does not link libstdc++.so.6"
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the defined dynamic symbols")
+    defined = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    # std::basic_ostream<char>::_M_insert<long> & co., the function that crashed: libstdc++'s, never ours.
+    assert "_ZNSo9_M_insert" not in defined.stdout, "torch_ext._C carries its own static copy of libstdc++"
+    # The error path it broke, with numbers in the message, raises.
+    with pytest.raises(ValueError, match="head_dim, got 4 and 6"):
+        torch.ops.entropy_attn.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 6), torch.randn(1, 2, 5, 6))

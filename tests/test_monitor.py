@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import torch_ext
+from conftest import DEVICES
 from torch_ext.monitor import CSVWriter, JSONLWriter, TensorBoardWriter
 
 E = 24
@@ -99,15 +100,16 @@ def check_records(records: List[Dict[str, Any]], ref: Dict[str, Dict[str, torch.
             assert r[f"{name}_mean"] == pytest.approx(s[name][:, h][valid].mean().item(), rel=1e-9)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", [None, "logn"])
-def test_numbers_match_materialized_probabilities(scale: Any) -> None:
+def test_numbers_match_materialized_probabilities(scale: Any, device: str) -> None:
     torch.manual_seed(0)
     model = Net(scale).double()
     x, pad = batch()
-    monitor = torch_ext.AttentionEntropyMonitor(model, positions=True)
+    monitor = torch_ext.AttentionEntropyMonitor(model.to(device), positions=True)
     with monitor:
-        model(x, pad)
-    ref = materialized_stats(model, x, pad)
+        model(x.to(device), pad.to(device))
+    ref = materialized_stats(model.cpu(), x, pad)
     check_records(monitor.latest, ref)
     assert {r["head"] for r in monitor.latest if r["layer"] == "layers.1.attn"} == {0, 1}
     # per-position profile: mean over the batch rows with n >= 2

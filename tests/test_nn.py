@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_ext
+from conftest import DEVICES
 
 E, H = 16, 4
 B, L, S = 3, 5, 6
@@ -240,3 +241,22 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="nested"):
         nt = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
         m(nt, nt, nt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_matches_torch_on_device(device: str, dtype: torch.dtype, tol: float) -> None:
+    """On each device: outputs and input gradients against torch's float64 result, with masks."""
+    torch.manual_seed(0)
+    ref, ours = pair(batch_first=True)
+    ours = ours.to(device, dtype)
+    x = torch.randn(B, L, E, dtype=torch.float64, requires_grad=True)
+    kw = {"key_padding_mask": masks("kpm_bool")["key_padding_mask"][:, :L], "attn_mask": masks("attn_bool")["attn_mask"][:, :L]}
+    r, _ = ref(x, x, x, need_weights=False, **kw)
+    xd = x.detach().to(device, dtype).requires_grad_()
+    o, _ = ours(xd, xd, xd, need_weights=False, **{k: v.to(device) for k, v in kw.items()})
+    torch.testing.assert_close(o.double().cpu(), r, atol=4 * tol, rtol=tol)
+    g = torch.randn_like(r)
+    (gr,) = torch.autograd.grad(r, x, g)
+    (go,) = torch.autograd.grad(o, xd, g.to(device, dtype))
+    assert (go.double().cpu() - gr).norm() <= 4 * tol * gr.norm()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
 
 import torch_ext
+from conftest import DEVICES
 
 
 class CausalSelfAttention(torch.nn.Module):
@@ -177,3 +178,21 @@ def test_sdpa_conventions_batch_broadcast_and_finfo_min_mask() -> None:
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), ref)
         with pytest.raises(ValueError, match="batch sizes"):
             F.scaled_dot_product_attention(q.expand(2, -1, -1, -1), k, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_routed_on_device(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Routed calls on each device and dtype: scale None equals SDPA, "logn" equals torch_ext.attention."""
+    torch.manual_seed(0)
+    q, k, v = (t.detach().to(device, dtype) for t in qkv(H=4, Hkv=2, L=33, S=33, D=16))
+    mask = (torch.rand(2, 1, 33, 33) < 0.8).to(device)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    with torch_ext.replace_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.dtype == dtype and out.device.type == device
+    torch.testing.assert_close(out.double(), ref, atol=4 * tol, rtol=tol)
+    with torch_ext.replace_sdpa(scale="logn", train_length=8):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = torch_ext.attention(q, k, v, is_causal=True, enable_gqa=True, scale="logn", train_length=8)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

@@ -26,11 +26,16 @@ struct TypeTag {
 template <typename F>
 void dispatch_cuda_type(at::ScalarType dtype, F&& f) {
   switch (dtype) {
-    case at::kFloat: return f(TypeTag<float>{});
-    case at::kDouble: return f(TypeTag<double>{});
-    case at::kHalf: return f(TypeTag<__half>{});
-    case at::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
-    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", dtype);
+    case at::kFloat:
+      return f(TypeTag<float>{});
+    case at::kDouble:
+      return f(TypeTag<double>{});
+    case at::kHalf:
+      return f(TypeTag<__half>{});
+    case at::kBFloat16:
+      return f(TypeTag<__nv_bfloat16>{});
+    default:
+      TORCH_CHECK_TYPE(false, "unsupported dtype ", dtype);
   }
 }
 
@@ -61,8 +66,8 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
     using T = typename decltype(tag)::type;
     check_shared_memory(attention_forward_smem_bytes<T>(std::max(sh.head_dim, sh.v_head_dim)),
                         "attention forward");
-    C10_CUDA_CHECK(launch_attention_forward<T>(call.params<AccType<T>>(),
-                                               c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(
+        launch_attention_forward<T>(call.params<AccType<T>>(), c10::cuda::getCurrentCUDAStream()));
   });
   return call.outputs;
 }
@@ -95,8 +100,8 @@ at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& ke
                                    const std::optional<at::Tensor>& attn_mask,
                                    const std::optional<at::Tensor>& scale, c10::string_view kind,
                                    bool is_causal, std::optional<double> scale_factor,
-                                   c10::string_view scale_mode, double temperature,
-                                   double log_base, bool enable_gqa) {
+                                   c10::string_view scale_mode, double temperature, double log_base,
+                                   bool enable_gqa) {
   const SparsityCall call =
       prepare_attention_sparsity(query, key, attn_mask, scale, kind, is_causal, scale_factor,
                                  scale_mode, temperature, log_base, enable_gqa);
@@ -106,8 +111,8 @@ at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& ke
     using T = typename decltype(tag)::type;
     check_shared_memory(attention_sparsity_smem_bytes<T>(call.shape.head_dim),
                         "attention_sparsity");
-    C10_CUDA_CHECK(launch_attention_sparsity<T>(call.params<AccType<T>>(),
-                                                c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(
+        launch_attention_sparsity<T>(call.params<AccType<T>>(), c10::cuda::getCurrentCUDAStream()));
   });
   return call.out;
 }

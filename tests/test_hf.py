@@ -352,3 +352,32 @@ def test_bad_registration_raises(kwargs: Dict[str, Any], error: type, match: str
     with pytest.raises(error, match=match):
         hf.register(name, **kwargs)
     assert "torch_ext_test_bad" not in transformers.AttentionInterface()
+
+
+# --- replace_sdpa around transformers' own "sdpa" backend ---------------------------------------
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_replace_sdpa_routes_transformers_sdpa_backend(padded: bool) -> None:
+    """transformers' "sdpa" backend inside torch_ext.replace_sdpa runs on the op: with scale None
+    it gives sdpa's logits, with "logn" those of our registered "logn" backend (two paths, one
+    result), including cached decoding (Lq = 1, where "sdpa" packs the GQA group into the query)."""
+    model = llama("sdpa")
+    ids, mask = batch(padded)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        with torch_ext.replace_sdpa():
+            routed = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(routed, ref, rtol=RTOL, atol=RTOL * ref.abs().max().item())
+        with torch_ext.replace_sdpa(scale="logn", train_length=TRAIN_LENGTH):
+            routed_logn = model(input_ids=ids, attention_mask=mask).logits
+            routed_gen = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                                        output_logits=True, return_dict_in_generate=True)
+        model.set_attn_implementation(LOGN)
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        ours_gen = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                                  output_logits=True, return_dict_in_generate=True)
+    valid = mask.bool()  # left-padded query rows see no key: "sdpa" and the op differ there by design
+    torch.testing.assert_close(routed_logn[valid], ours[valid], rtol=RTOL, atol=RTOL * ours.abs().max().item())
+    assert not torch.allclose(routed_logn[valid], ref[valid], atol=1e-2)
+    assert torch.equal(routed_gen.sequences, ours_gen.sequences)
+    for a, b in zip(routed_gen.logits, ours_gen.logits):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * b.abs().max().item())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from typing import Any, Dict, List
 
 import pytest
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 
 import torch_ext
 from conftest import DEVICES
-from torch_ext.monitor import CSVWriter, JSONLWriter, TensorBoardWriter
+from torch_ext.monitor import CSVWriter, JSONLWriter
 
 E = 24
 
@@ -250,6 +249,10 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     if rank == 0:
         grads = {n: p.grad.tolist() for n, p in model.named_parameters()}
         json.dump({"records": monitor.latest, "grads": grads}, open(out_file, "w"))
+    # Tear down in step: a rank that destroys its group (and DDP's reducer) while the other still
+    # talks to it can abort in gloo's threads ("terminate called without an active exception").
+    del ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 

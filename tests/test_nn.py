@@ -103,6 +103,9 @@ def test_per_head_weights_unbatched_and_causal(batch_first: bool) -> None:
     assert_close(o[0], r[0]), assert_close(o[1], r[1])
     x = inputs(batch_first, batched=False)
     assert_close(ours(*x)[0], ref(*x)[0]), assert_close(ours(*x)[1], ref(*x)[1])
+    per_head = torch.rand(H, L, S) < 0.3  # unbatched 3-D mask: (num_heads, L, S)
+    per_head[..., 0] = False
+    assert_close(ours(*x, attn_mask=per_head)[0], ref(*x, attn_mask=per_head)[0])
     causal = torch.ones(L, L, dtype=torch.bool).triu(1)
     x = inputs(batch_first)[0]
     r_out, _ = ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)

@@ -38,7 +38,8 @@ METRICS = (
 # Sums over rows (means = sum / count): entropy, effective keys, sparsity and max weight over rows
 # with n_i >= 1; normalized entropy over rows with n_i >= 2 (it is 0 by definition below).
 _SUMS = ("entropy", "effective_keys", "sparsity", "max_weight", "normalized_entropy")
-_COUNTS = ("rows", "rows_n2")
+# The columns of the per-step table (one row per layer and head): sums, row counts, minima, maxima.
+_COLUMNS = _SUMS + ("rows", "rows_n2", "entropy_min", "normalized_entropy_min", "entropy_max", "normalized_entropy_max")
 
 Record = Dict[str, Any]
 """One (step, layer, head): ``step``, ``layer``, ``head``, ``rows`` (rows with n_i >= 1) and
@@ -115,6 +116,18 @@ def _reduce_call(stats: AttentionStats, positions: bool) -> _LayerAccumulator:
         acc.position_sum = torch.where(valid2, stats.normalized_entropy.to(f64), 0).sum(0).detach()
         acc.position_count = valid2.sum(0).to(f64)
     return acc
+
+
+def _record(step: int, layer: str, head: int, row: List[float]) -> Record:
+    """A :data:`Record` from one row of the per-step table (columns :data:`_COLUMNS`)."""
+    v = dict(zip(_COLUMNS, row))
+    counts = {name: v["rows_n2"] if name == "normalized_entropy" else v["rows"] for name in _SUMS}
+    out: Record = {"step": step, "layer": layer, "head": head, "rows": int(v["rows"])}
+    for m in METRICS:
+        name, stat = m.rsplit("_", 1)
+        c = counts[name]
+        out[m] = math.nan if c == 0 else (v[name] / c if stat == "mean" else v[m])
+    return out
 
 
 class _Writer:
@@ -338,7 +351,7 @@ class AttentionEntropyMonitor:
         self._anonymous_calls = 0
         self._tracker: Optional[_ModuleTracker] = None
         self._step_counter = 0
-        self._current_step: Optional[int] = None
+        self._cm: Optional[contextlib.AbstractContextManager] = None
 
     # --- activation ---------------------------------------------------------------------------
     def should_record(self, step: int) -> bool:
@@ -373,7 +386,7 @@ class AttentionEntropyMonitor:
     def _recording(self, step: int) -> Iterator[None]:
         if _active() is not None:
             raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
-        self._layers, self._current_step, self._anonymous_calls = {}, step, 0
+        self._layers, self._anonymous_calls = {}, 0
         _state.monitor = self
         tracker = contextlib.nullcontext()
         if self.model is not None:
@@ -416,56 +429,34 @@ class AttentionEntropyMonitor:
     # --- end of a recorded step ---------------------------------------------------------------
     def _flush(self, step: int) -> None:
         names = sorted(self._layers)
+        accs = [self._layers[n] for n in names]
+        self._layers = {}
         multi_rank = self.reduce and _world_size(self.process_group) > 1
         if multi_rank:
-            names = self._reduce_over_ranks(names)
-        records: List[Record] = []
-        positions: Dict[str, torch.Tensor] = {}
-        for name in names:
-            acc = self._layers[name]
-            sums, counts = acc.sums.cpu(), acc.counts.cpu()
-            mins, maxs = acc.mins.cpu(), acc.maxs.cpu()
-            for h in range(sums.shape[0]):
-                rows, rows2 = counts[h, 0].item(), counts[h, 1].item()
-
-                def mean(i: int, c: float) -> float:
-                    return sums[h, i].item() / c if c > 0 else math.nan
-
-                def extreme(t: torch.Tensor, i: int, c: float) -> float:
-                    return t[h, i].item() if c > 0 else math.nan
-
-                records.append(
-                    {
-                        "step": step,
-                        "layer": name,
-                        "head": h,
-                        "rows": int(rows),
-                        "entropy_mean": mean(0, rows),
-                        "entropy_min": extreme(mins, 0, rows),
-                        "entropy_max": extreme(maxs, 0, rows),
-                        "normalized_entropy_mean": mean(4, rows2),
-                        "normalized_entropy_min": extreme(mins, 1, rows2),
-                        "normalized_entropy_max": extreme(maxs, 1, rows2),
-                        "effective_keys_mean": mean(1, rows),
-                        "sparsity_mean": mean(2, rows),
-                        "max_weight_mean": mean(3, rows),
-                    }
-                )
-            if acc.position_sum is not None:
-                positions[name] = (acc.position_sum / acc.position_count.clamp_min(1)).cpu()
-        self._layers = {}
-        self.latest, self.latest_positions = records, positions
+            self._reduce_over_ranks(names, accs)
+        rows: List[List[float]] = []
+        if accs:  # one host copy for the whole step
+            rows = torch.cat([torch.cat([a.sums, a.counts, a.mins, a.maxs], 1) for a in accs]).cpu().tolist()
+        heads = [(name, h) for name, a in zip(names, accs) for h in range(a.sums.shape[0])]
+        records = [_record(step, name, h, row) for (name, h), row in zip(heads, rows)]
+        self.latest = records
+        self.latest_positions = {
+            name: (a.position_sum / a.position_count.clamp_min(1)).cpu()
+            for name, a in zip(names, accs)
+            if a.position_sum is not None
+        }
         if self.keep_history:
             self.history.extend(records)
         if not (multi_rank and self.rank_zero_only and _rank(self.process_group) != 0):
             for w in self.writers:
                 w.write(step, records)
 
-    def _reduce_over_ranks(self, names: List[str]) -> List[str]:
+    def _reduce_over_ranks(self, names: List[str], accs: List[_LayerAccumulator]) -> None:
+        """All-reduces the accumulators in place (sums and counts summed, min and max taken)."""
         import torch.distributed as dist
 
         group = self.process_group
-        signature = [(n, self._layers[n].sums.shape[0]) for n in names]
+        signature = [(n, a.sums.shape[0]) for n, a in zip(names, accs)]
         gathered: List[Any] = [None] * _world_size(group)
         dist.all_gather_object(gathered, signature, group=group)
         if any(g != signature for g in gathered):
@@ -473,9 +464,8 @@ class AttentionEntropyMonitor:
                 "AttentionEntropyMonitor: ranks recorded different layers in one step "
                 f"(this rank: {signature}); every rank must run the same attention layers"
             )
-        if not names:
-            return names
-        accs = [self._layers[n] for n in names]
+        if not accs:
+            return
         sums = torch.cat([torch.cat([a.sums, a.counts], 1) for a in accs])
         mins = torch.cat([a.mins for a in accs])
         maxs = torch.cat([a.maxs for a in accs])
@@ -491,7 +481,6 @@ class AttentionEntropyMonitor:
             if a.position_sum is not None:
                 dist.all_reduce(a.position_sum, group=group)
                 dist.all_reduce(a.position_count, group=group)
-        return names
 
     def close(self) -> None:
         """Closes the writers."""

@@ -9,9 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_ext import monitor as _monitor
-from torch_ext.attention import attention
-from torch_ext.policy import AttentionPolicy, attend, sdpa_conventions
+from torch_ext.policy import AttentionPolicy, attend
 
 
 def _keep_off_fast_path(module: torch.nn.Module, args: Any) -> None:
@@ -127,8 +125,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-            if attn_mask is not None and attn_mask.dim() == 3:
-                attn_mask = attn_mask.unsqueeze(0).flatten(0, 1)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         # now (B, L, E), (B, S, kdim), (B, S, vdim)
@@ -221,10 +217,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor]:
         """The output, from the op, and the (B, H, L, S) weights, materialized with the op's own
         per-row scale (``need_weights=True``)."""
-        q, k, v, mask = sdpa_conventions(q, k, v, mask)
-        kwargs = self.policy.attention_kwargs(q.shape[-1], None, multiplier)
-        out, stats = attention(q, k, v, mask, is_causal=is_causal, return_stats=True, **kwargs)
-        _monitor.record(stats, self)
+        out, stats = attend(
+            q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self, return_stats=True
+        )
         lam = stats.scale  # lambda_i, not differentiable: route the learnable multiplier's gradient
         if multiplier is not None:
             m = multiplier.to(lam.dtype)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from torch_ext import monitor as _monitor
-from torch_ext.attention import _policy_args, attention
+from torch_ext.attention import AttentionStats, _policy_args, attention
 
 
 @dataclass(frozen=True)
@@ -87,19 +87,20 @@ def attend(
     base_scale: float | None = None,
     multiplier: torch.Tensor | None = None,
     module: torch.nn.Module | None = None,
-) -> torch.Tensor:
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """:func:`torch_ext.attention` under ``policy``, with SDPA's conventions
     (:func:`sdpa_conventions`); reports the statistics to the active monitor.
 
     ``module`` names the layer for the monitor (its path in the monitored model); without it the
-    monitor uses the innermost module running.
+    monitor uses the innermost module running. ``return_stats`` also returns the statistics.
     """
     query, key, value, attn_mask = sdpa_conventions(query, key, value, attn_mask)
     kwargs = policy.attention_kwargs(query.shape[-1], base_scale, multiplier)
-    if not _monitor.is_recording():
+    if not (return_stats or _monitor.is_recording()):
         return attention(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
     out, stats = attention(
         query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs
     )
     _monitor.record(stats, module)
-    return out
+    return (out, stats) if return_stats else out

@@ -1,6 +1,6 @@
 #include "entropy_attn.h"
 
-#include "op_handles.h"
+#include "attention_call.h"
 
 namespace entropy_attn {
 
@@ -9,9 +9,11 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& scale, bool is_causal,
                           std::optional<double> scale_factor, std::string_view scale_mode,
                           double temperature, double log_base, bool enable_gqa) {
-  auto [out, lse, ent, p2, pmax, n, lam, factor] = attention_op().call(
-      query, key, value, attn_mask, scale, is_causal, scale_factor,
-      c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base, enable_gqa);
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
+      log_base, enable_gqa);
+  auto [out, lse, ent, p2, pmax, n, lam, factor] =
+      call_attention(query, key, value, attn_mask, scale, options);
   return {out, lse, ent, p2, pmax, n, lam, factor};
 }
 

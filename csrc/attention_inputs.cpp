@@ -55,9 +55,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& value,
                                       const std::optional<at::Tensor>& attn_mask,
                                       const std::optional<at::Tensor>& scale,
-                                      std::optional<double> scale_factor,
-                                      std::string_view scale_mode, double temperature,
-                                      double log_base, bool enable_gqa) {
+                                      const AttentionOptions& options) {
   check_qkv_tensor(query, "query", "(batch, heads, q_len, head_dim)");
   check_qkv_tensor(key, "key", "(batch, kv_heads, kv_len, head_dim)");
   check_qkv_tensor(value, "value", "(batch, kv_heads, kv_len, v_head_dim)");
@@ -87,7 +85,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
     TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "the number of query heads (",
                       s.heads, ") must be a multiple of the number of key/value heads (",
                       s.kv_heads, ")");
-    TORCH_CHECK_VALUE(enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
+    TORCH_CHECK_VALUE(options.enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
                       ": pass enable_gqa=True for grouped-query attention");
   }
 
@@ -117,18 +115,19 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                       "scale tensor of shape ", c.sizes(),
                       " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ", s.heads,
                       ", ", s.q_len, ")");
-    TORCH_CHECK_VALUE(!scale_factor.has_value(),
+    TORCH_CHECK_VALUE(!options.scale_factor.has_value(),
                       "pass either a scale tensor or scale_factor, not both");
   }
-  if (scale_factor.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*scale_factor), "scale must be finite, got ", *scale_factor);
+  if (options.scale_factor.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*options.scale_factor), "scale must be finite, got ",
+                      *options.scale_factor);
   }
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
-                    "temperature must be a finite number > 0, got ", temperature);
-  const ScaleMode mode = parse_scale_mode(scale_mode);
-  if (mode != ScaleMode::kFixed) {
-    TORCH_CHECK_VALUE(std::isfinite(log_base) && log_base > 1,
-                      "log_base (train_length) must be a finite number > 1, got ", log_base);
+  TORCH_CHECK_VALUE(std::isfinite(options.temperature) && options.temperature > 0,
+                    "temperature must be a finite number > 0, got ", options.temperature);
+  if (options.scale_mode != ScaleMode::kFixed) {
+    TORCH_CHECK_VALUE(std::isfinite(options.log_base) && options.log_base > 1,
+                      "log_base (train_length) must be a finite number > 1, got ",
+                      options.log_base);
   }
   return s;
 }
@@ -139,9 +138,9 @@ AttentionShape check_attention_backward_inputs(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale) {
-  const AttentionShape sh =
-      check_attention_inputs(query, key, value, attn_mask, std::nullopt, std::nullopt, "fixed", 1.0,
-                             2.0, /*enable_gqa=*/true);
+  AttentionOptions gqa;  // the forward checked the options; the backward accepts any group
+  gqa.enable_gqa = true;
+  const AttentionShape sh = check_attention_inputs(query, key, value, attn_mask, std::nullopt, gqa);
   const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
   TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
                         output.sizes() == at::IntArrayRef(out_sizes),

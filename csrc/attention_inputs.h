@@ -8,6 +8,7 @@
 #include <optional>
 #include <string_view>
 
+#include "attention_options.h"
 #include "kernel_args.h"
 
 namespace entropy_attn {
@@ -23,9 +24,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& value,
                                       const std::optional<at::Tensor>& attn_mask,
                                       const std::optional<at::Tensor>& scale,
-                                      std::optional<double> scale_factor,
-                                      std::string_view scale_mode, double temperature,
-                                      double log_base, bool enable_gqa);
+                                      const AttentionOptions& options);
 
 // The checks of attention_backward beyond those of the forward: the shapes of output, grad_output,
 // the saved row statistics and the optional upstream statistic gradients (undefined = absent).

@@ -5,7 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "op_handles.h"
+#include "attention_call.h"
 
 namespace entropy_attn {
 namespace {
@@ -21,18 +21,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const OptTensor& attn_mask,
-                               const OptTensor& scale, bool is_causal,
-                               std::optional<double> scale_factor, const std::string& scale_mode,
-                               double temperature, double log_base, bool enable_gqa) {
+                               const OptTensor& scale, const AttentionOptions& options) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
-        attention_op().call(query, key, value, attn_mask, scale, is_causal, scale_factor,
-                            scale_mode, temperature, log_base, enable_gqa);
+        call_attention(query, key, value, attn_mask, scale, options);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
                             sum_p2, row_scale, length_factor, scale.value_or(at::Tensor())});
-    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["is_causal"] = options.causal;
     return {out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor};
   }
 
@@ -54,8 +51,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       // over the dims along which c was broadcast.
       dscale = (dlam * length_factor).sum_to_size(scale.sizes()).to(scale.scalar_type());
     }
-    return {dq,           dk,           dv,           at::Tensor(), dscale,      at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), dscale, at::Tensor()};
   }
 };
 
@@ -64,9 +60,10 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                                     const OptTensor& scale, bool is_causal,
                                     std::optional<double> scale_factor, c10::string_view scale_mode,
                                     double temperature, double log_base, bool enable_gqa) {
-  const variable_list r =
-      AttentionFunction::apply(query, key, value, attn_mask, scale, is_causal, scale_factor,
-                               std::string(scale_mode), temperature, log_base, enable_gqa);
+  const variable_list r = AttentionFunction::apply(
+      query, key, value, attn_mask, scale,
+      AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,
+                                    enable_gqa));
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
 }
 

@@ -3,56 +3,32 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "attention_inputs.h"
-#include "op_handles.h"
+#include "attention_call.h"
 #include "reduction_dim.h"
 
 namespace entropy_attn {
 namespace {
 
-AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& key,
-                                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                const std::optional<at::Tensor>& scale, bool /*is_causal*/,
-                                std::optional<double> scale_factor, c10::string_view scale_mode,
-                                double temperature, double log_base, bool enable_gqa) {
-  const AttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, scale_factor,
-                                                  scale_mode, temperature, log_base, enable_gqa);
-  const auto stat = query.options().dtype(accumulate_type(query.scalar_type()));
-  auto row = [&] { return at::empty({s.batch, s.heads, s.q_len}, stat); };
-  return {at::empty({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
-          row(),
-          row(),
-          row(),
-          row(),
-          at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(at::kLong)),
-          row(),
-          row()};
+AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& /*key*/,
+                                const at::Tensor& /*value*/, const AttentionCall& call) {
+  return call.allocate_outputs(query);
 }
 
-at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& key,
-                                   const std::optional<at::Tensor>& attn_mask,
-                                   const std::optional<at::Tensor>& scale, c10::string_view kind,
-                                   bool /*is_causal*/, std::optional<double> scale_factor,
-                                   c10::string_view scale_mode, double temperature, double log_base,
-                                   bool enable_gqa) {
-  const AttentionShape s = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor,
-                                                  scale_mode, temperature, log_base, enable_gqa);
-  parse_sparsity_kind(kind);
-  return at::empty({s.batch, s.heads, s.q_len},
-                   query.options().dtype(accumulate_type(query.scalar_type())));
+at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& /*key*/,
+                                   SparsityKind /*kind*/, const AttentionCall& call) {
+  const AttentionShape& s = call.shape;
+  return at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.acc));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
-    const at::Tensor& /*grad_output*/, const std::optional<at::Tensor>& /*grad_lse*/,
-    const std::optional<at::Tensor>& /*grad_entropy*/,
-    const std::optional<at::Tensor>& /*grad_sum_p2*/, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& /*attn_mask*/,
-    const at::Tensor& /*output*/, const at::Tensor& /*lse*/, const at::Tensor& /*entropy*/,
-    const at::Tensor& /*sum_p2*/, const at::Tensor& row_scale, bool /*is_causal*/) {
+AttentionGrads attention_backward_meta(const at::Tensor& /*grad_output*/, const at::Tensor& query,
+                                       const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& /*output*/,
+                                       const AttentionBackwardCall& call) {
+  const AttentionShape& s = call.shape;
   return {at::empty_like(query, at::MemoryFormat::Contiguous),
           at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous),
-          at::empty_like(row_scale, at::MemoryFormat::Contiguous)};
+          at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.row_scale_dtype))};
 }
 
 at::Tensor row_reduction_meta(const at::Tensor& x, int64_t dim, const char* name) {
@@ -72,9 +48,9 @@ at::Tensor sparsity_meta(const at::Tensor& a, int64_t dim) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(entropy_attn, Meta, m) {
-  m.impl("attention", &attention_meta);
-  m.impl("attention_backward", &attention_backward_meta);
-  m.impl("attention_sparsity", &attention_sparsity_meta);
+  m.impl("attention", &attention_kernel<attention_meta>);
+  m.impl("attention_backward", &attention_backward_kernel<attention_backward_meta>);
+  m.impl("attention_sparsity", &attention_sparsity_kernel<attention_sparsity_meta>);
   m.impl("entropy", &entropy_meta);
   m.impl("sparsity", &sparsity_meta);
 }

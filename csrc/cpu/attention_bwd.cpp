@@ -13,6 +13,7 @@
 
 #include <vector>
 
+#include "../attention_call.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
 #include "row_kernels.h"
@@ -156,31 +157,15 @@ void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal) {
-  const AttentionShape sh =
-      check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
-                                      value, attn_mask, output, lse, entropy, sum_p2, row_scale);
-  const at::ScalarType acc = accumulate_type(query.scalar_type());
-  auto row_stat = [&](const at::Tensor& t) { return t.to(acc).contiguous(); };
-  auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? row_stat(*t) : at::Tensor();
-  };
+AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
+                                     const at::Tensor& key, const at::Tensor& value,
+                                     const at::Tensor& output, const AttentionBackwardCall& call) {
+  const AttentionShape& sh = call.shape;
+  const at::ScalarType acc = call.acc;
   const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc);
   const at::Tensor kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
   const at::Tensor out = with_unit_last_stride(output, acc);
   const at::Tensor dout = with_unit_last_stride(grad_output, acc);
-  const at::Tensor lse_c = row_stat(lse), ent_c = row_stat(entropy);
-  const at::Tensor p2_c = row_stat(sum_p2), lam_c = row_stat(row_scale);
-  const at::Tensor g_lse = opt_row_stat(grad_lse), g_ent = opt_row_stat(grad_entropy);
-  const at::Tensor g_p2 = opt_row_stat(grad_sum_p2);
-  std::optional<at::Tensor> mask;
-  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
 
   const auto opts = query.options().dtype(acc);
   const int64_t chunk_keys = backward_chunk_keys(sh);
@@ -201,11 +186,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     a.dq = Strided4<scalar_t>::of(dq);
     a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
     a.dkt = Strided4<scalar_t>::of(dkt), a.dvt = Strided4<scalar_t>::of(dvt);
-    a.mask = make_mask_arg<scalar_t>(mask);
-    a.causal = is_causal;
-    a.lse = lse_c.const_data_ptr<scalar_t>(), a.entropy = ent_c.const_data_ptr<scalar_t>();
-    a.sum_p2 = p2_c.const_data_ptr<scalar_t>(), a.row_scale = lam_c.const_data_ptr<scalar_t>();
-    a.g_lse = opt_ptr(g_lse), a.g_entropy = opt_ptr(g_ent), a.g_sum_p2 = opt_ptr(g_p2);
+    a.mask = make_mask_arg<scalar_t>(call.mask);
+    a.causal = call.causal;
+    a.lse = call.lse.const_data_ptr<scalar_t>();
+    a.entropy = call.entropy.const_data_ptr<scalar_t>();
+    a.sum_p2 = call.sum_p2.const_data_ptr<scalar_t>();
+    a.row_scale = call.row_scale.const_data_ptr<scalar_t>();
+    a.g_lse = opt_ptr(call.g_lse), a.g_entropy = opt_ptr(call.g_entropy);
+    a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
     a.chunk_keys = chunk_keys;
     backward_kernel(a, chunks);
@@ -217,11 +205,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     dlam = dlam.squeeze(0);
   }
   return {dq.to(query.scalar_type()), transposed_copy(dkt, key.scalar_type()),
-          transposed_copy(dvt, value.scalar_type()), dlam.to(row_scale.scalar_type())};
+          transposed_copy(dvt, value.scalar_type()), dlam.to(call.row_scale_dtype)};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention_backward", &attention_backward_cpu); }
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
+  m.impl("attention_backward", &attention_backward_kernel<attention_backward_cpu>);
+}
 
 }  // namespace entropy_attn::cpu

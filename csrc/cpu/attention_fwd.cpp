@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "../op_handles.h"
+#include "../attention_call.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
 #include "row_kernels.h"
@@ -93,63 +93,44 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 }
 
 AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                               const std::optional<at::Tensor>& scale, bool is_causal,
-                               std::optional<double> scale_factor, c10::string_view scale_mode,
-                               double temperature, double log_base, bool enable_gqa) {
-  const AttentionShape sh =
-      check_attention_inputs(query, key, value, attn_mask, scale, scale_factor, scale_mode,
-                             temperature, log_base, enable_gqa);
-  const at::ScalarType acc = accumulate_type(query.scalar_type());
+                               const at::Tensor& value, const AttentionCall& call) {
+  const AttentionShape& sh = call.shape;
+  const at::ScalarType acc = call.acc;
   const at::Tensor q = with_unit_last_stride(query, acc);
   const at::Tensor kt = transposed_copy(key, acc);
   const at::Tensor v = with_unit_last_stride(value, acc);
-  std::optional<at::Tensor> mask;
-  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
-  at::Tensor c;
-  if (scale.has_value()) c = expand_scale(*scale, sh, acc);
+  auto [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
+      call.allocate_outputs(query);
+  // The kernel accumulates the output in `acc`; 16-bit inputs round once at the end.
+  at::Tensor out = out_t.scalar_type() == acc ? out_t : at::empty_like(out_t, out_t.options().dtype(acc));
 
-  const auto stat_opts = query.options().dtype(acc);
-  at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len, sh.v_head_dim}, stat_opts);
-  at::Tensor lse = at::empty({sh.batch, sh.heads, sh.q_len}, stat_opts);
-  at::Tensor entropy = at::empty_like(lse), sum_p2 = at::empty_like(lse);
-  at::Tensor max_weight = at::empty_like(lse), row_scale = at::empty_like(lse);
-  at::Tensor length_factor = at::empty_like(lse);
-  at::Tensor n_keys = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(at::kLong));
-
-  const ScaleMode mode = parse_scale_mode(scale_mode);
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
     FwdArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
     a.v = Strided4<scalar_t>::of(v);
-    a.mask = make_mask_arg<scalar_t>(mask);
-    a.scale =
-        make_scale_policy<scalar_t>(c, scale_factor, sh.head_dim, mode, log_base, temperature);
-    a.causal = is_causal;
+    a.mask = call.mask_arg<scalar_t>();
+    a.scale = call.scale_policy<scalar_t>();
+    a.causal = call.options.causal;
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();
     a.n_keys = n_keys.data_ptr<int64_t>();
     parallel_query_blocks<FwdBuffers<scalar_t>>(
-        sh, is_causal,
+        sh, call.options.causal,
         [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           forward_task(a, buf, b, h, i0, rows);
         });
   });
-  return {out.to(query.scalar_type()),
-          lse,
-          entropy,
-          sum_p2,
-          max_weight,
-          n_keys,
-          row_scale,
-          length_factor};
+  if (!out.is_same(out_t)) out_t.copy_(out);
+  return {out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention", &attention_cpu); }
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
+  m.impl("attention", &attention_kernel<attention_cpu>);
+}
 
 }  // namespace entropy_attn::cpu

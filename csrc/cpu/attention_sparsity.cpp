@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "../attention_call.h"
 #include "../reduction_math.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
@@ -71,35 +72,23 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
 }
 
 at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key,
-                                  const std::optional<at::Tensor>& attn_mask,
-                                  const std::optional<at::Tensor>& scale, c10::string_view kind,
-                                  bool is_causal, std::optional<double> scale_factor,
-                                  c10::string_view scale_mode, double temperature, double log_base,
-                                  bool enable_gqa) {
-  const AttentionShape sh = check_attention_inputs(query, key, key, attn_mask, scale, scale_factor,
-                                                   scale_mode, temperature, log_base, enable_gqa);
-  const SparsityKind k_kind = parse_sparsity_kind(kind);
-  const at::ScalarType acc = accumulate_type(query.scalar_type());
+                                  SparsityKind kind, const AttentionCall& call) {
+  const AttentionShape& sh = call.shape;
+  const at::ScalarType acc = call.acc;
   const at::Tensor q = with_unit_last_stride(query, acc), kt = transposed_copy(key, acc);
-  std::optional<at::Tensor> mask;
-  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, sh, acc);
-  at::Tensor c;
-  if (scale.has_value()) c = expand_scale(*scale, sh, acc);
   at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
 
-  const ScaleMode mode = parse_scale_mode(scale_mode);
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_attention_sparsity_cpu", [&] {
     SparsityArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
-    a.mask = make_mask_arg<scalar_t>(mask);
-    a.scale =
-        make_scale_policy<scalar_t>(c, scale_factor, sh.head_dim, mode, log_base, temperature);
-    a.causal = is_causal;
-    a.kind = k_kind;
+    a.mask = call.mask_arg<scalar_t>();
+    a.scale = call.scale_policy<scalar_t>();
+    a.causal = call.options.causal;
+    a.kind = kind;
     a.out = out.data_ptr<scalar_t>();
     parallel_query_blocks<SparsityBuffers<scalar_t>>(
-        sh, is_causal,
+        sh, call.options.causal,
         [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           sparsity_task(a, buf, b, h, i0, rows);
         });
@@ -109,6 +98,8 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention_sparsity", &attention_sparsity_cpu); }
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
+  m.impl("attention_sparsity", &attention_sparsity_kernel<attention_sparsity_cpu>);
+}
 
 }  // namespace entropy_attn::cpu

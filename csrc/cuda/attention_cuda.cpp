@@ -52,14 +52,9 @@ void check_shared_memory(size_t bytes, const char* kernel) {
 }
 
 AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
-                                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                const std::optional<at::Tensor>& scale, bool is_causal,
-                                std::optional<double> scale_factor, c10::string_view scale_mode,
-                                double temperature, double log_base, bool enable_gqa) {
-  const ForwardCall call =
-      prepare_forward(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
-                      temperature, log_base, enable_gqa);
-  const AttentionShape& sh = call.shape;
+                                const at::Tensor& value, const AttentionCall& checked) {
+  const ForwardCall call(query, key, value, checked);
+  const AttentionShape& sh = call.call.shape;
   if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
   const c10::cuda::CUDAGuard guard(query.device());
   dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
@@ -72,17 +67,12 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   return call.outputs;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal) {
-  const BackwardCall call =
-      prepare_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value,
-                       attn_mask, output, lse, entropy, sum_p2, row_scale, is_causal);
-  const AttentionShape& sh = call.shape;
+AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::Tensor& query,
+                                      const at::Tensor& key, const at::Tensor& value,
+                                      const at::Tensor& output,
+                                      const AttentionBackwardCall& checked) {
+  const BackwardCall call(grad_output, query, key, value, output, checked);
+  const AttentionShape& sh = call.call.shape;
   if (call.delta.numel() > 0 || call.dk.numel() > 0) {
     const c10::cuda::CUDAGuard guard(query.device());
     dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
@@ -97,19 +87,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
 }
 
 at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& key,
-                                   const std::optional<at::Tensor>& attn_mask,
-                                   const std::optional<at::Tensor>& scale, c10::string_view kind,
-                                   bool is_causal, std::optional<double> scale_factor,
-                                   c10::string_view scale_mode, double temperature, double log_base,
-                                   bool enable_gqa) {
-  const SparsityCall call =
-      prepare_attention_sparsity(query, key, attn_mask, scale, kind, is_causal, scale_factor,
-                                 scale_mode, temperature, log_base, enable_gqa);
+                                   SparsityKind kind, const AttentionCall& checked) {
+  const SparsityCall call(query, key, kind, checked);
   if (call.out.numel() == 0) return call.out;
   const c10::cuda::CUDAGuard guard(query.device());
   dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    check_shared_memory(attention_sparsity_smem_bytes<T>(call.shape.head_dim),
+    check_shared_memory(attention_sparsity_smem_bytes<T>(call.call.shape.head_dim),
                         "attention_sparsity");
     C10_CUDA_CHECK(
         launch_attention_sparsity<T>(call.params<AccType<T>>(), c10::cuda::getCurrentCUDAStream()));
@@ -144,9 +128,9 @@ at::Tensor sparsity_cuda(const at::Tensor& a, int64_t dim) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(entropy_attn, CUDA, m) {
-  m.impl("attention", &attention_cuda);
-  m.impl("attention_backward", &attention_backward_cuda);
-  m.impl("attention_sparsity", &attention_sparsity_cuda);
+  m.impl("attention", &attention_kernel<attention_cuda>);
+  m.impl("attention_backward", &attention_backward_kernel<attention_backward_cuda>);
+  m.impl("attention_sparsity", &attention_sparsity_kernel<attention_sparsity_cuda>);
   m.impl("entropy", &entropy_cuda);
   m.impl("sparsity", &sparsity_cuda);
 }

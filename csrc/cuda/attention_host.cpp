@@ -51,53 +51,24 @@ void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
                     "batch");
 }
 
-LogitsCall::LogitsCall(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const std::optional<at::Tensor>& attn_mask,
-                       const std::optional<at::Tensor>& scale, bool is_causal,
-                       std::optional<double> scale_factor_, std::string_view scale_mode,
-                       double temperature_, double log_base_, bool enable_gqa)
-    : shape(check_attention_inputs(query, key, value, attn_mask, scale, scale_factor_, scale_mode,
-                                   temperature_, log_base_, enable_gqa)),
-      causal(is_causal),
-      scale_factor(scale_factor_),
-      mode(parse_scale_mode(scale_mode)),
-      log_base(log_base_),
-      temperature(temperature_) {
-  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
-  check_cuda_limits(shape, dtype);
-  q = with_unit_last_stride(query, dtype);
-  k = with_unit_last_stride(key, dtype);
-  v = with_unit_last_stride(value, dtype);
-  if (attn_mask.has_value()) mask = expand_mask(*attn_mask, shape, acc);
-  if (scale.has_value()) c = expand_scale(*scale, shape, acc);
+LogitsInputs::LogitsInputs(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const AttentionCall& c)
+    : call(c) {
+  check_cuda_limits(call.shape, call.dtype);
+  q = with_unit_last_stride(query, call.dtype);
+  k = with_unit_last_stride(key, call.dtype);
+  v = with_unit_last_stride(value, call.dtype);
 }
 
 template <typename acc_t>
-void LogitsCall::fill(AttentionArgs<acc_t>& a, ScalePolicy<acc_t>& scale) const {
-  fill_attention_args(a, shape, q, k, v, mask, causal);
-  scale = make_scale_policy<acc_t>(c, scale_factor, shape.head_dim, mode, log_base, temperature);
+void LogitsInputs::fill(AttentionArgs<acc_t>& a, ScalePolicy<acc_t>& scale) const {
+  fill_attention_args(a, call.shape, q, k, v, call.mask, call.options.causal);
+  scale = call.scale_policy<acc_t>();
 }
 
-ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                            const std::optional<at::Tensor>& scale, bool is_causal,
-                            std::optional<double> scale_factor, std::string_view scale_mode,
-                            double temperature, double log_base, bool enable_gqa) {
-  ForwardCall f(query, key, value, attn_mask, scale, is_causal, scale_factor, scale_mode,
-                temperature, log_base, enable_gqa);
-  const AttentionShape& sh = f.shape;
-  const auto stat = query.options().dtype(accumulate_type(query.scalar_type()));
-  auto row = [&] { return at::empty({sh.batch, sh.heads, sh.q_len}, stat); };
-  f.outputs = {at::empty({sh.batch, sh.heads, sh.q_len, sh.v_head_dim}, query.options()),
-               row(),
-               row(),
-               row(),
-               row(),
-               at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(at::kLong)),
-               row(),
-               row()};
-  return f;
-}
+ForwardCall::ForwardCall(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const AttentionCall& c)
+    : LogitsInputs(query, key, value, c), outputs(c.allocate_outputs(query)) {}
 
 template <typename acc_t>
 FwdParams<acc_t> ForwardCall::params() const {
@@ -114,56 +85,35 @@ FwdParams<acc_t> ForwardCall::params() const {
 template FwdParams<float> ForwardCall::params<float>() const;
 template FwdParams<double> ForwardCall::params<double>() const;
 
-BackwardCall prepare_backward(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal) {
-  BackwardCall c;
-  c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2,
-                                            query, key, value, attn_mask, output, lse, entropy,
-                                            sum_p2, row_scale);
-  const AttentionShape& sh = c.shape;
-  const at::ScalarType dtype = query.scalar_type(), acc = accumulate_type(dtype);
-  check_cuda_limits(sh, dtype);
-  c.causal = is_causal;
-  c.key_dtype = key.scalar_type(), c.value_dtype = value.scalar_type();
-  c.row_scale_dtype = row_scale.scalar_type();
-  c.q = with_unit_last_stride(query, dtype);
-  c.k = with_unit_last_stride(key, dtype);
-  c.v = with_unit_last_stride(value, dtype);
-  c.out = with_unit_last_stride(output, dtype);
-  c.dout = with_unit_last_stride(grad_output, dtype);
-  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, sh, acc);
-  auto row_stat = [&](const at::Tensor& t) { return t.to(acc).contiguous(); };
-  auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? row_stat(*t) : at::Tensor();
-  };
-  c.lse = row_stat(lse), c.entropy = row_stat(entropy), c.sum_p2 = row_stat(sum_p2);
-  c.row_scale = row_stat(row_scale);
-  c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
-  c.g_sum_p2 = opt_row_stat(grad_sum_p2);
-
-  const auto opts = query.options().dtype(acc);
-  c.delta = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
-  c.g = at::zeros({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+BackwardCall::BackwardCall(const at::Tensor& grad_output, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& output, const AttentionBackwardCall& c)
+    : call(c) {
+  const AttentionShape& sh = call.shape;
+  check_cuda_limits(sh, call.dtype);
+  q = with_unit_last_stride(query, call.dtype);
+  k = with_unit_last_stride(key, call.dtype);
+  v = with_unit_last_stride(value, call.dtype);
+  out = with_unit_last_stride(output, call.dtype);
+  dout = with_unit_last_stride(grad_output, call.dtype);
+  const auto opts = query.options().dtype(call.acc);
+  delta = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+  g = at::zeros({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
   // Every (key row, head) is written by the kernel, including keys no query sees (zeros).
-  c.dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
-  c.dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
-  return c;
+  dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
+  dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
 }
 
 template <typename acc_t>
 BwdParams<acc_t> BackwardCall::params() const {
   BwdParams<acc_t> p;
-  fill_attention_args(p, shape, q, k, v, mask, causal);
+  fill_attention_args(p, call.shape, q, k, v, call.mask, call.causal);
   p.out = view_of(out), p.dout = view_of(dout);
-  p.lse = lse.const_data_ptr<acc_t>(), p.entropy = entropy.const_data_ptr<acc_t>();
-  p.sum_p2 = sum_p2.const_data_ptr<acc_t>(), p.row_scale = row_scale.const_data_ptr<acc_t>();
-  p.g_lse = ptr_or_null<acc_t>(g_lse), p.g_entropy = ptr_or_null<acc_t>(g_entropy);
-  p.g_sum_p2 = ptr_or_null<acc_t>(g_sum_p2);
+  p.lse = call.lse.const_data_ptr<acc_t>(), p.entropy = call.entropy.const_data_ptr<acc_t>();
+  p.sum_p2 = call.sum_p2.const_data_ptr<acc_t>();
+  p.row_scale = call.row_scale.const_data_ptr<acc_t>();
+  p.g_lse = ptr_or_null<acc_t>(call.g_lse), p.g_entropy = ptr_or_null<acc_t>(call.g_entropy);
+  p.g_sum_p2 = ptr_or_null<acc_t>(call.g_sum_p2);
   p.delta = delta.data_ptr<acc_t>();
   p.dq_accum = g.data_ptr<acc_t>(), p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   return p;
@@ -171,35 +121,26 @@ BwdParams<acc_t> BackwardCall::params() const {
 template BwdParams<float> BackwardCall::params<float>() const;
 template BwdParams<double> BackwardCall::params<double>() const;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> BackwardCall::finish() const {
-  const AttentionShape& sh = shape;
+AttentionGrads BackwardCall::finish() const {
+  const AttentionShape& sh = call.shape;
   // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
-  const at::Tensor dq = g * row_scale.unsqueeze(-1);
+  const at::Tensor dq = g * call.row_scale.unsqueeze(-1);
   const at::Tensor dlam = (q.to(g.scalar_type()) * g).sum(-1);
   at::Tensor dk_sum = dk, dv_sum = dv;
   if (sh.heads != sh.kv_heads) {  // GQA: sum the per-query-head dK, dV over each group
     dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);
     dv_sum = dv.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.v_head_dim}).sum(2);
   }
-  return {dq.to(q.scalar_type()), dk_sum.to(key_dtype), dv_sum.to(value_dtype),
-          dlam.to(row_scale_dtype)};
+  return {dq.to(call.dtype), dk_sum.to(call.dtype), dv_sum.to(call.dtype),
+          dlam.to(call.row_scale_dtype)};
 }
 
-SparsityCall prepare_attention_sparsity(const at::Tensor& query, const at::Tensor& key,
-                                        const std::optional<at::Tensor>& attn_mask,
-                                        const std::optional<at::Tensor>& scale,
-                                        std::string_view kind, bool is_causal,
-                                        std::optional<double> scale_factor,
-                                        std::string_view scale_mode, double temperature,
-                                        double log_base, bool enable_gqa) {
-  SparsityCall c(query, key, key, attn_mask, scale, is_causal, scale_factor, scale_mode,
-                 temperature, log_base, enable_gqa);
-  c.kind = parse_sparsity_kind(kind);
-  const AttentionShape& sh = c.shape;
-  const at::ScalarType acc = accumulate_type(query.scalar_type());
-  c.out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
-  return c;
-}
+SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind_,
+                           const AttentionCall& c)
+    : LogitsInputs(query, key, key, c),
+      kind(kind_),
+      out(at::empty({c.shape.batch, c.shape.heads, c.shape.q_len},
+                    query.options().dtype(c.acc))) {}
 
 template <typename acc_t>
 SparsityParams<acc_t> SparsityCall::params() const {

@@ -9,8 +9,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../attention_inputs.h"
-#include "../op_handles.h"
+#include "../attention_call.h"
 #include "params.h"
 
 namespace entropy_attn::cuda {
@@ -18,79 +17,50 @@ namespace entropy_attn::cuda {
 // The limits of the CUDA kernels beyond the op's own checks (head dims, grid size).
 void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype);
 
-// What the forward and attention_sparsity share: the logits s = lambda q.k + mask of a call.
-struct LogitsCall {
-  AttentionShape shape;
-  bool causal = false;
-  at::Tensor q, k, v;              // input dtype, unit last stride (v: the key for sparsity)
-  std::optional<at::Tensor> mask;  // expanded to (B, H, Lq, Lk), bool or the accumulate type
-  at::Tensor c;                    // expanded scale tensor, or undefined
-  std::optional<double> scale_factor;
-  ScaleMode mode = ScaleMode::kFixed;
-  double log_base = 0, temperature = 1;
+// The CUDA view of a checked call: query, key and value in the input dtype with a unit last
+// stride (the key stands in for the value in attention_sparsity).
+struct LogitsInputs {
+  AttentionCall call;
+  at::Tensor q, k, v;
 
-  // Checks the arguments (the op's checks and the CUDA limits) and fills every field.
-  LogitsCall(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-             const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& scale,
-             bool is_causal, std::optional<double> scale_factor, std::string_view scale_mode,
-             double temperature, double log_base, bool enable_gqa);
+  LogitsInputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+               const AttentionCall& call);  // also checks the CUDA limits
   template <typename acc_t>
   void fill(AttentionArgs<acc_t>& a, ScalePolicy<acc_t>& scale) const;
 };
 
-struct ForwardCall : LogitsCall {
-  using LogitsCall::LogitsCall;
+struct ForwardCall : LogitsInputs {
   AttentionOutputs outputs;  // allocated, written by the kernel
 
+  ForwardCall(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+              const AttentionCall& call);
   template <typename acc_t>
   FwdParams<acc_t> params() const;
 };
 
-ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                            const std::optional<at::Tensor>& scale, bool is_causal,
-                            std::optional<double> scale_factor, std::string_view scale_mode,
-                            double temperature, double log_base, bool enable_gqa);
-
 struct BackwardCall {
-  AttentionShape shape;
-  bool causal = false;
-  at::ScalarType key_dtype, value_dtype, row_scale_dtype;
-  at::Tensor q, k, v, out, dout;   // input dtype, unit last stride
-  std::optional<at::Tensor> mask;  // as in LogitsCall
-  at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;  // accumulate type
-  at::Tensor delta, g, dk, dv;  // kernel outputs: D~, G = sum_j dS_ij k_j, per-query-head dK, dV
+  AttentionBackwardCall call;
+  at::Tensor q, k, v, out, dout;  // input dtype, unit last stride
+  at::Tensor delta, g, dk, dv;    // kernel outputs: D~, G = sum_j dS_ij k_j, per-query-head dK, dV
 
+  BackwardCall(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
+               const at::Tensor& value, const at::Tensor& output,
+               const AttentionBackwardCall& call);
   template <typename acc_t>
   BwdParams<acc_t> params() const;
   // (grad_query, grad_key, grad_value, grad_row_scale) from the kernel outputs.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish() const;
+  AttentionGrads finish() const;
 };
 
-BackwardCall prepare_backward(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal);
-
-struct SparsityCall : LogitsCall {
-  using LogitsCall::LogitsCall;
+struct SparsityCall : LogitsInputs {
   SparsityKind kind = SparsityKind::kExp;
   at::Tensor out;  // (B, H, Lq) in the accumulate type, written by the kernel
 
+  SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind,
+               const AttentionCall& call);
   template <typename acc_t>
   SparsityParams<acc_t> params() const;
 };
-
-SparsityCall prepare_attention_sparsity(const at::Tensor& query, const at::Tensor& key,
-                                        const std::optional<at::Tensor>& attn_mask,
-                                        const std::optional<at::Tensor>& scale,
-                                        std::string_view kind, bool is_causal,
-                                        std::optional<double> scale_factor,
-                                        std::string_view scale_mode, double temperature,
-                                        double log_base, bool enable_gqa);
 
 // The rows of `x` along `dim`, contiguous, with the allocated output, for the row reductions.
 struct RowReductionCall {

@@ -176,6 +176,11 @@ struct Case {
 
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
+entropy_attn::AttentionOptions options(const Case& c) {
+  return entropy_attn::AttentionOptions::from_schema(c.causal, c.scale_factor, c.mode,
+                                                     c.temperature, c.log_base, c.H != c.Hkv);
+}
+
 struct Inputs {
   at::Tensor q, k, v;            // the kernel's inputs (dtype, possibly non-contiguous)
   std::optional<at::Tensor> mask;  // as passed to the op (unexpanded)
@@ -376,11 +381,10 @@ void run_case_typed(const Case& c, bool backward) {
   using Acc = ec::AccType<T>;
   const Inputs in = make_inputs(c);
   const Tolerances tol = tolerances(c.dtype);
-  const bool gqa = c.H != c.Hkv;
 
-  const ec::ForwardCall fwd = ec::prepare_forward(in.q, in.k, in.v, in.mask, in.scale, c.causal,
-                                                  c.scale_factor, c.mode, c.temperature,
-                                                  c.log_base, gqa);
+  const ec::ForwardCall fwd(in.q, in.k, in.v,
+                            entropy_attn::prepare_attention(in.q, in.k, in.v, in.mask, in.scale,
+                                                            options(c)));
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
@@ -408,11 +412,13 @@ void run_case_typed(const Case& c, bool backward) {
   }
   if (!backward) return;
 
-  const ec::BackwardCall bwd = ec::prepare_backward(
-      in.dout, c.stat_grads ? std::optional<at::Tensor>(in.g_lse) : std::nullopt,
-      c.stat_grads ? std::optional<at::Tensor>(in.g_entropy) : std::nullopt,
-      c.stat_grads ? std::optional<at::Tensor>(in.g_sum_p2) : std::nullopt, in.q, in.k, in.v,
-      in.mask, out, lse, entropy, sum_p2, row_scale, c.causal);
+  const ec::BackwardCall bwd(
+      in.dout, in.q, in.k, in.v, out,
+      entropy_attn::prepare_attention_backward(
+          in.dout, c.stat_grads ? std::optional<at::Tensor>(in.g_lse) : std::nullopt,
+          c.stat_grads ? std::optional<at::Tensor>(in.g_entropy) : std::nullopt,
+          c.stat_grads ? std::optional<at::Tensor>(in.g_sum_p2) : std::nullopt, in.q, in.k, in.v,
+          in.mask, out, lse, entropy, sum_p2, row_scale, c.causal));
   launch_backward<T>(bwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
   const auto [dq, dk, dv, dlam] = bwd.finish();
@@ -539,9 +545,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention
 template <typename T>
 void run_sparsity_typed(const Case& c, const std::string& kind) {
   const Inputs in = make_inputs(c);
-  const ec::SparsityCall call = ec::prepare_attention_sparsity(
-      in.q, in.k, in.mask, in.scale, kind, c.causal, c.scale_factor, c.mode, c.temperature,
-      c.log_base, c.H != c.Hkv);
+  const ec::SparsityCall call(
+      in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
+      entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale, options(c)));
   launch_sparsity<T>(call.params<ec::AccType<T>>());
   if (::testing::Test::HasFatalFailure()) return;
   const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on

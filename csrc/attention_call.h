@@ -1,0 +1,131 @@
+// One call of the attention ops, checked and normalized once for every device.
+//
+// The dispatcher hands each device's kernel the schema's arguments (ops.cpp). Right after it, the
+// adaptors below fold the scalar options into one AttentionOptions and build the call: the checks
+// of attention_inputs.h, the mask and scale tensor expanded to their kernel views, and the outputs
+// allocated on the inputs' device. The CPU, CUDA and Meta kernels all start from the same
+// AttentionCall, so they accept the same inputs, raise the same errors and return the same shapes,
+// and a new option touches the schema, AttentionOptions and the kernels that use it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+#include "attention_inputs.h"
+#include "op_handles.h"
+
+namespace entropy_attn {
+
+// The checked call of `attention` (or `attention_sparsity`, whose value is its key).
+struct AttentionCall {
+  AttentionShape shape;
+  AttentionOptions options;
+  at::ScalarType dtype;            // of query, key and value
+  at::ScalarType acc;              // accumulate type: float64 for float64 inputs, else float32
+  std::optional<at::Tensor> mask;  // expanded to (B, H, Lq, Lk): bool, or additive in `acc`
+  at::Tensor scale;                // the scale tensor c expanded to (B, H, Lq) in `acc`, or undefined
+
+  // The kernel views of the mask and the scale policy.
+  template <typename acc_t>
+  MaskArg<acc_t> mask_arg() const {
+    return make_mask_arg<acc_t>(mask);
+  }
+  template <typename acc_t>
+  ScalePolicy<acc_t> scale_policy() const {
+    return make_scale_policy<acc_t>(scale, options.scale_factor, shape.head_dim, options.scale_mode,
+                                    options.log_base, options.temperature);
+  }
+  // The op's outputs, allocated (uninitialized) on `query`'s device: output (B, H, Lq, Dv) in the
+  // input dtype, the row statistics (B, H, Lq) in `acc`, n_keys in int64.
+  AttentionOutputs allocate_outputs(const at::Tensor& query) const;
+};
+
+AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                const std::optional<at::Tensor>& scale,
+                                const AttentionOptions& options);
+
+// The checked call of `attention_backward`: the row statistics and the upstream statistic
+// gradients in the accumulate type, contiguous (undefined when absent), the mask expanded.
+struct AttentionBackwardCall {
+  AttentionShape shape;
+  bool causal = false;
+  at::ScalarType dtype, acc;
+  at::ScalarType row_scale_dtype;  // of the row_scale argument, for its gradient
+  std::optional<at::Tensor> mask;
+  at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;
+};
+
+AttentionBackwardCall prepare_attention_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool is_causal);
+
+// The dispatcher-facing kernel of `attention_backward` for a device implementation
+//   std::tuple<...> impl(const at::Tensor& grad_output, const at::Tensor& query,
+//                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
+//                        const AttentionBackwardCall& call);
+using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+template <AttentionGrads (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&,
+                                 const AttentionBackwardCall&)>
+AttentionGrads attention_backward_kernel(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool is_causal) {
+  return Impl(grad_output, query, key, value, output,
+              prepare_attention_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
+                                         key, value, attn_mask, output, lse, entropy, sum_p2,
+                                         row_scale, is_causal));
+}
+
+// The dispatcher-facing kernel of `attention` for a device implementation
+//   AttentionOutputs impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+//                         const AttentionCall& call);
+// registered as m.impl("attention", &attention_kernel<impl>).
+template <AttentionOutputs (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const AttentionCall&)>
+AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& value,
+                                  const std::optional<at::Tensor>& attn_mask,
+                                  const std::optional<at::Tensor>& scale, bool is_causal,
+                                  std::optional<double> scale_factor, c10::string_view scale_mode,
+                                  double temperature, double log_base, bool enable_gqa) {
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa);
+  return Impl(query, key, value, prepare_attention(query, key, value, attn_mask, scale, options));
+}
+
+// The same for `attention_sparsity` (no value: the key stands in for it), with the kind of f.
+template <at::Tensor (*Impl)(const at::Tensor&, const at::Tensor&, SparsityKind,
+                             const AttentionCall&)>
+at::Tensor attention_sparsity_kernel(const at::Tensor& query, const at::Tensor& key,
+                                     const std::optional<at::Tensor>& attn_mask,
+                                     const std::optional<at::Tensor>& scale, c10::string_view kind,
+                                     bool is_causal, std::optional<double> scale_factor,
+                                     c10::string_view scale_mode, double temperature,
+                                     double log_base, bool enable_gqa) {
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa);
+  const AttentionCall call = prepare_attention(query, key, key, attn_mask, scale, options);
+  return Impl(query, key, parse_sparsity_kind(kind), call);
+}
+
+// Calls `attention` through the dispatcher with `options` (autograd and the C++ API).
+inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor& key,
+                                       const at::Tensor& value, const OptTensor& attn_mask,
+                                       const OptTensor& scale, const AttentionOptions& o) {
+  return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
+                             o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa);
+}
+
+}  // namespace entropy_attn

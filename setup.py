@@ -1,12 +1,16 @@
 """Builds the torch_ext._C extension (the entropy_attn operators) with torch.utils.cpp_extension.
 
 CUDA: when torch is a CUDA build and a CUDA toolkit (nvcc) is found, the extension also builds
-csrc/cuda/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the architectures of
-TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
+csrc/cuda/**/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the architectures of
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The tensor-core family (csrc/cuda/sm80) is written with
+CuTe: its headers come from the pinned nvidia-cutlass package (csrc/cuda/cutlass_version.txt),
+found where it is installed. ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
 """
 
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -49,8 +53,24 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 def sources() -> list[str]:
     """Sources of the extension, relative to the project root, in a stable order."""
-    patterns = ["csrc/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/*.cu", "csrc/cuda/*.cpp"] if WITH_CUDA else [])
-    return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT))
+    patterns = ["csrc/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/**/*.cu", "csrc/cuda/*.cpp"] if WITH_CUDA else [])
+    return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT, recursive=True))
+
+
+def cutlass_include() -> str:
+    """The CUTLASS/CuTe headers of the installed nvidia-cutlass package, at the pinned version."""
+    with open(os.path.join(ROOT, "csrc", "cuda", "cutlass_version.txt"), encoding="utf-8") as f:
+        pinned = f.read().strip()
+    spec = importlib.util.find_spec("cutlass_library")
+    try:
+        installed = importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if spec is None or installed != pinned:
+        sys.exit(f"setup.py: the CUDA build needs the CUTLASS headers of nvidia-cutlass=={pinned} (found "
+                 f"{installed or 'none'}): pip install --no-deps nvidia-cutlass=={pinned}, or set "
+                 "ENTROPY_ATTN_CPU_ONLY=1")
+    return os.path.join(spec.submodule_search_locations[0], "source", "include")
 
 
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into our
@@ -64,7 +84,10 @@ CXX_FLAGS = (["-O3", "-fopenmp", "-Wall", "-Wextra"]
              + (["-Werror"] if WERROR else []))
 # The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,
 # -D__CUDA_NO_HALF_OPERATORS__ & co. and the -gencode flags of TORCH_CUDA_ARCH_LIST.
-NVCC_FLAGS = (["-O3", "-lineinfo", "-Xcompiler=-Wall,-Wextra"]
+# CuTe's headers as system headers (their warnings are not ours); -DNDEBUG drops CuTe's device
+# asserts from the kernels.
+NVCC_FLAGS = (["-O3", "-lineinfo", "-DNDEBUG", "-Xcompiler=-Wall,-Wextra"]
+              + (["-isystem", cutlass_include()] if WITH_CUDA else [])
               + (["-Werror=all-warnings", "-Xcompiler=-Werror"] if WERROR else []))
 
 

@@ -1,4 +1,4 @@
-// Online softmax with per-row statistics (MATH.md section 2).
+// Online softmax with per-row statistics (docs/math.md section 2).
 //
 // This header is the single place where the streaming update of one attention row lives: the
 // CPU kernel uses it today and the CUDA kernel includes the same functions, so the math that the
@@ -38,17 +38,36 @@ struct RowResult {
   acc_t max_weight;  // 1 / l = e^{m - lse}
 };
 
+// The unit in which a kernel measures logits. Kernels that exponentiate with exp2 (one MUFU.EX2 on
+// a GPU) keep m and t in log2 units, y = s * log2(e): e^{s - m} = 2^{y - m2}, so l and u are the
+// same numbers, and t2 = t / ln 2 and delta2 = delta / ln 2 obey the same linear update. kLn
+// converts a log-unit value back to natural units in finalize().
+struct NaturalLog {
+  static constexpr double kLn = 1.0;
+  template <typename acc_t>
+  static EA_HOST_DEVICE acc_t exp(acc_t x) {
+    return std::exp(x);
+  }
+};
+struct Log2 {
+  static constexpr double kLn = 0.69314718055994530942;  // ln 2
+  template <typename acc_t>
+  static EA_HOST_DEVICE acc_t exp(acc_t x) {
+    return std::exp2(x);
+  }
+};
+
 // Moves the running state to a new, larger-or-equal max m_new and returns the factor e^{m - m_new}
 // by which anything accumulated with weights e^{s - m} (the output row) must be multiplied.
 // With an empty state (l = 0, m = -inf) the factor is 0 and nothing is formed from -inf * 0.
-template <typename acc_t>
+template <typename acc_t, typename Unit = NaturalLog>
 EA_HOST_DEVICE acc_t rescale(RowStats<acc_t>& st, acc_t m_new) {
   if (st.l == acc_t(0)) {
     st.m = m_new;
     return acc_t(0);
   }
   const acc_t delta = st.m - m_new;  // <= 0
-  const acc_t alpha = std::exp(delta);
+  const acc_t alpha = Unit::exp(delta);
   st.t = alpha * (st.t + delta * st.l);
   st.l = alpha * st.l;
   st.u = alpha * alpha * st.u;
@@ -65,21 +84,39 @@ EA_HOST_DEVICE void accumulate(acc_t& l, acc_t& t, acc_t& u, acc_t x, acc_t e) {
   u += e * e;
 }
 
-template <typename acc_t>
+// The statistics of a finished row, in natural units whatever the Unit of m and t.
+template <typename acc_t, typename Unit = NaturalLog>
 EA_HOST_DEVICE RowResult<acc_t> finalize(const RowStats<acc_t>& st) {
   if (!(st.l > acc_t(0))) {
     // Fully masked row, or NaN inputs: NaN must propagate, an empty row gives zeros.
     const acc_t z = st.l == acc_t(0) ? acc_t(0) : st.l;
     return {z, z, z, z, z};
   }
+  constexpr acc_t ln_unit = static_cast<acc_t>(Unit::kLn);
   const acc_t inv_l = acc_t(1) / st.l;
   const acc_t log_l = std::log(st.l);
-  acc_t h = log_l - st.t * inv_l;
+  acc_t h = log_l - ln_unit * st.t * inv_l;
   h = h < acc_t(0) ? acc_t(0) : h;
-  return {inv_l, st.m + log_l, h, st.u * inv_l * inv_l, inv_l};
+  return {inv_l, ln_unit * st.m + log_l, h, st.u * inv_l * inv_l, inv_l};
 }
 
-// Backward of one row (MATH.md section 3). With upstream gradients gL, gH, gU of lse, entropy and
+// The statistics that follow from a row's entropy, sum of squared weights and n_i (docs/math.md
+// section 2), written by the kernels' epilogues: normalized entropy H / ln n (0 for n < 2),
+// l1/l2 sparsity 1 / sqrt(n sum_p2) and effective keys 1 / sum_p2 (both 0 for an empty row).
+template <typename acc_t>
+struct DerivedStats {
+  acc_t normalized_entropy, sparsity, effective_keys;
+};
+
+template <typename acc_t>
+EA_HOST_DEVICE DerivedStats<acc_t> derive(acc_t entropy, acc_t sum_p2, int64_t n) {
+  if (n <= 0) return {acc_t(0), acc_t(0), acc_t(0)};
+  const acc_t nn = static_cast<acc_t>(n);
+  const acc_t ne = n >= 2 ? entropy / std::log(nn) : acc_t(0);
+  return {ne, acc_t(1) / std::sqrt(nn * sum_p2), acc_t(1) / sum_p2};
+}
+
+// Backward of one row (docs/math.md section 3). With upstream gradients gL, gH, gU of lse, entropy and
 // sum_p2 beside dO, the gradient w.r.t. the scaled logit keeps the FlashAttention-2 form
 //   dS_ij = p_ij (dP~_ij - D~_i),  dP~_ij = dP_ij - gH s_ij + 2 gU p_ij,
 //   D~_i = dO_i . O_i - gL - gH (lse_i - H_i) + 2 gU sum_p2_i,

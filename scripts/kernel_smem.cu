@@ -3,11 +3,11 @@
 // shared memory). Host-only: compiled by nvcc and run on the CPU, no GPU needed.
 #include <cstdio>
 
-#include "cuda/attention_bwd_kernel.cuh"
-#include "cuda/attention_fwd_kernel.cuh"
-#include "cuda/attention_sparsity_kernel.cuh"
+#include "cuda/fallback/bwd_kernel.cuh"
+#include "cuda/fallback/fwd_kernel.cuh"
+#include "cuda/fallback/sparsity_kernel.cuh"
 
-namespace ea = entropy_attn::cuda;
+namespace ea = entropy_attn::cuda::fallback;
 
 template <typename T>
 const char* type_name() {
@@ -20,11 +20,11 @@ const char* type_name() {
 template <typename T, int kD>
 void print_kernels() {
   const char* t = type_name<T>();
-  std::printf("entropy_attn::cuda::attention_fwd_kernel<%s, %d> %zu\n", t, kD,
+  std::printf("entropy_attn::cuda::fallback::attention_fwd_kernel<%s, %d> %zu\n", t, kD,
               ea::FwdLayout<T, kD>::kBytes);
-  std::printf("entropy_attn::cuda::attention_bwd_kernel<%s, %d> %zu\n", t, kD,
+  std::printf("entropy_attn::cuda::fallback::attention_bwd_kernel<%s, %d> %zu\n", t, kD,
               ea::BwdLayout<T, kD>::kBytes);
-  std::printf("entropy_attn::cuda::attention_sparsity_kernel<%s, %d> %zu\n", t, kD,
+  std::printf("entropy_attn::cuda::fallback::attention_sparsity_kernel<%s, %d> %zu\n", t, kD,
               ea::SparsityLayout<T, kD>::kBytes);
 }
 

@@ -1,6 +1,7 @@
 """Records ptxas resource use (registers, shared memory, stack, spills) of every CUDA kernel.
 
-Compiles the device code of each csrc/cuda/*.cu for each architecture of TORCH_CUDA_ARCH_LIST
+Compiles the device code of each CUDA translation unit (those csrc/cuda/kernels.toml generates, via
+scripts/kernel_list.py, and the hand-written csrc/cuda/**/*.cu) for each architecture of TORCH_CUDA_ARCH_LIST
 (default "8.0;9.0") with `nvcc -cubin -Xptxas -v` and the flags of the real build (setup.py,
 CMakeLists.txt), in parallel and through ccache when available, then writes
 results/ptxas/report.md (a table per architecture) and results/ptxas/report.json.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -27,7 +29,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_list  # noqa: E402
+
+ROOT = kernel_list.ROOT
 SPILL_FREE_MAX_BUCKET = 128  # kernels for head dims up to this one must not spill
 # The nvcc flags of the real build (setup.py's NVCC_FLAGS and what torch.utils.cpp_extension
 # adds; CMakeLists.txt's CUDA options), with every warning an error.
@@ -35,7 +40,7 @@ NVCC_FLAGS = [
     "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo",
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-    "-Werror=all-warnings", "-Icsrc",
+    "-Werror=all-warnings", "-Icsrc", "-DNDEBUG",
 ]
 
 
@@ -217,6 +222,14 @@ def write_report(kernels: list[Kernel], archs: list[str], nvcc_version: str, out
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
+def cutlass_include() -> str:
+    """The CUTLASS/CuTe headers of the installed nvidia-cutlass package (as setup.py finds them)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None:
+        raise SystemExit("ptxas_report: nvidia-cutlass is not installed (scripts/setup.sh installs it)")
+    return str(Path(spec.submodule_search_locations[0]) / "source" / "include")
+
+
 def main() -> int:
     """Compiles, parses, writes the report; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,7 +250,12 @@ def main() -> int:
         nvcc.insert(0, ccache)
     nvcc_version = subprocess.run([args.nvcc, "--version"], capture_output=True, text=True,
                                   check=True).stdout.strip().splitlines()[-2].strip()
-    sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+    generated = kernel_list.translation_units()
+    sources = sorted(set(generated) | set((ROOT / "csrc" / "cuda").rglob("*.cu")))
+    if stray := [p for p in sources if p.parent.name == "instantiations" and p not in generated]:
+        print(f"ptxas_report: not generated from csrc/cuda/kernels.toml: {stray}", file=sys.stderr)
+        return 1
+    NVCC_FLAGS.extend(["-isystem", cutlass_include()])
     jobs = [(source, arch) for source in sources for arch in archs]
 
     failed, kernels = [], []

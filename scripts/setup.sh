@@ -15,6 +15,11 @@ TORCH_VERSION=2.14.1
 PY_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 matplotlib==3.11.2
          transformers==5.23.0 tensorboard==2.21.0)
 APT_PACKAGES=(googletest libgtest-dev ccache ninja-build cmake g++)
+# The CUTLASS/CuTe headers of the tensor-core kernels (one pinned version, read by setup.py and
+# CMakeLists.txt too), and cuobjdump/nvdisasm for the SASS check of the CUDA kernels
+# (scripts/sass_check.py); header and tool wheels, installed without dependencies.
+CUTLASS_VERSION=$(cat csrc/cuda/cutlass_version.txt)
+NO_DEPS=("nvidia-cutlass==${CUTLASS_VERSION}" nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.78)
 
 PYTHON=${PYTHON:-python3}
 setup_start=$(date +%s)
@@ -60,6 +65,7 @@ fi
 phase "pip packages"
 "$PYTHON" --version
 "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "${PY_DEPS[@]}"
+"$PYTHON" -m pip install -q --no-deps "${NO_DEPS[@]}"
 "$PYTHON" - <<'PY'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cxx11 abi", torch.compiled_with_cxx11_abi(),
@@ -89,6 +95,6 @@ fi
 # CUDA sources are built when torch is a CUDA build and nvcc is found (setup.py).
 build_start=$(date +%s)
 env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
-echo "extension built in $(($(date +%s) - build_start))s ($(compgen -G 'csrc/cuda/*.cu' | wc -l) CUDA" \
+echo "extension built in $(($(date +%s) - build_start))s ($(find csrc/cuda -name '*.cu' | wc -l) CUDA" \
      "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
 if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi

@@ -11,7 +11,8 @@
 #include <type_traits>
 
 #include "attention_host.h"
-#include "launch.h"
+#include "fallback/launch.h"
+#include "family.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -57,13 +58,9 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   const AttentionShape& sh = call.call.shape;
   if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
   const c10::cuda::CUDAGuard guard(query.device());
-  dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    check_shared_memory(attention_forward_smem_bytes<T>(std::max(sh.head_dim, sh.v_head_dim)),
-                        "attention forward");
-    C10_CUDA_CHECK(
-        launch_attention_forward<T>(call.params<AccType<T>>(), c10::cuda::getCurrentCUDAStream()));
-  });
+  const Family family = select_forward(call).family;
+  check_shared_memory(forward_smem_bytes(call, family), "attention forward");
+  C10_CUDA_CHECK(launch_forward(call, family, c10::cuda::getCurrentCUDAStream()));
   return call.outputs;
 }
 
@@ -71,17 +68,15 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
                                       const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& output,
                                       const AttentionBackwardCall& checked) {
-  const BackwardCall call(grad_output, query, key, value, output, checked);
+  BackwardCall call(grad_output, query, key, value, output, checked);
   const AttentionShape& sh = call.call.shape;
-  if (call.delta.numel() > 0 || call.dk.numel() > 0) {
-    const c10::cuda::CUDAGuard guard(query.device());
-    dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      check_shared_memory(attention_backward_smem_bytes<T>(std::max(sh.head_dim, sh.v_head_dim)),
-                          "attention backward");
-      C10_CUDA_CHECK(launch_attention_backward<T>(call.params<AccType<T>>(),
-                                                  c10::cuda::getCurrentCUDAStream()));
-    });
+  const c10::cuda::CUDAGuard guard(query.device());
+  const bool empty = sh.batch * sh.heads * sh.q_len == 0 && sh.batch * sh.kv_heads * sh.kv_len == 0;
+  const Family family = empty ? Family::kFallback : select_backward(call).family;
+  call.allocate(family);
+  if (!empty) {
+    check_shared_memory(backward_smem_bytes(call, family), "attention backward");
+    C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
   }
   return call.finish();
 }
@@ -93,10 +88,10 @@ at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& ke
   const c10::cuda::CUDAGuard guard(query.device());
   dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    check_shared_memory(attention_sparsity_smem_bytes<T>(call.call.shape.head_dim),
+    check_shared_memory(fallback::attention_sparsity_smem_bytes<T>(call.call.shape.head_dim),
                         "attention_sparsity");
-    C10_CUDA_CHECK(
-        launch_attention_sparsity<T>(call.params<AccType<T>>(), c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(fallback::launch_attention_sparsity<T>(call.params<AccType<T>>(),
+                                                          c10::cuda::getCurrentCUDAStream()));
   });
   return call.out;
 }
@@ -115,13 +110,13 @@ at::Tensor reduce_rows_cuda(const at::Tensor& x, int64_t dim, const char* name, 
 
 at::Tensor entropy_cuda(const at::Tensor& p, int64_t dim) {
   return reduce_rows_cuda(p, dim, "p", [](auto tag, const RowReductionParams& rp, cudaStream_t s) {
-    return launch_row_entropy<typename decltype(tag)::type>(rp, s);
+    return fallback::launch_row_entropy<typename decltype(tag)::type>(rp, s);
   });
 }
 
 at::Tensor sparsity_cuda(const at::Tensor& a, int64_t dim) {
   return reduce_rows_cuda(a, dim, "a", [](auto tag, const RowReductionParams& rp, cudaStream_t s) {
-    return launch_row_sparsity<typename decltype(tag)::type>(rp, s);
+    return fallback::launch_row_sparsity<typename decltype(tag)::type>(rp, s);
   });
 }
 

@@ -96,12 +96,24 @@ BackwardCall::BackwardCall(const at::Tensor& grad_output, const at::Tensor& quer
   v = with_unit_last_stride(value, call.dtype);
   out = with_unit_last_stride(output, call.dtype);
   dout = with_unit_last_stride(grad_output, call.dtype);
-  const auto opts = query.options().dtype(call.acc);
+}
+
+void BackwardCall::allocate(Family f) {
+  const AttentionShape& sh = call.shape;
+  family = f;
+  const auto opts = q.options().dtype(call.acc);
   delta = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
   g = at::zeros({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
-  // Every (key row, head) is written by the kernel, including keys no query sees (zeros).
-  dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
-  dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
+  // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
+  if (f == Family::kFallback) {
+    dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
+    dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
+  } else {
+    dq = at::empty({sh.batch, sh.heads, sh.q_len, sh.head_dim}, q.options());
+    dk = at::empty({sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, q.options());
+    dv = at::empty({sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim}, q.options());
+    dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+  }
 }
 
 template <typename acc_t>
@@ -115,13 +127,21 @@ BwdParams<acc_t> BackwardCall::params() const {
   p.g_lse = ptr_or_null<acc_t>(call.g_lse), p.g_entropy = ptr_or_null<acc_t>(call.g_entropy);
   p.g_sum_p2 = ptr_or_null<acc_t>(call.g_sum_p2);
   p.delta = delta.data_ptr<acc_t>();
-  p.dq_accum = g.data_ptr<acc_t>(), p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
+  p.dq_accum = g.data_ptr<acc_t>();
+  if (family == Family::kFallback) {
+    p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
+  } else {
+    p.dq_out = dq.data_ptr(), p.dk_out = dk.data_ptr(), p.dv_out = dv.data_ptr();
+    p.d_row_scale = dlam.data_ptr<acc_t>();
+    p.deterministic = at::globalContext().deterministicAlgorithms();
+  }
   return p;
 }
 template BwdParams<float> BackwardCall::params<float>() const;
 template BwdParams<double> BackwardCall::params<double>() const;
 
 AttentionGrads BackwardCall::finish() const {
+  if (family != Family::kFallback) return {dq, dk, dv, dlam.to(call.row_scale_dtype)};
   const AttentionShape& sh = call.shape;
   // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
   const at::Tensor dq = g * call.row_scale.unsqueeze(-1);

@@ -14,6 +14,9 @@
 
 namespace entropy_attn::cuda {
 
+// The kernel families (csrc/cuda/family.h chooses one per call).
+enum class Family { kFallback, kSm80 };
+
 // The limits of the CUDA kernels beyond the op's own checks (head dims, grid size).
 void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype);
 
@@ -41,11 +44,16 @@ struct ForwardCall : LogitsInputs {
 struct BackwardCall {
   AttentionBackwardCall call;
   at::Tensor q, k, v, out, dout;  // input dtype, unit last stride
-  at::Tensor delta, g, dk, dv;    // kernel outputs: D~, G = sum_j dS_ij k_j, per-query-head dK, dV
+  // Kernel outputs, allocated by allocate() for the family that runs: D~ and G = sum_j dS_ij k_j
+  // (accumulate type) for both; the fallback's dK, dV per query head (accumulate type), or the
+  // tensor-core family's dq, dk, dv (input type, dk and dv per key/value head) and d lambda.
+  Family family = Family::kFallback;
+  at::Tensor delta, g, dk, dv, dq, dlam;
 
   BackwardCall(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
                const at::Tensor& value, const at::Tensor& output,
                const AttentionBackwardCall& call);
+  void allocate(Family f);
   template <typename acc_t>
   BwdParams<acc_t> params() const;
   // (grad_query, grad_key, grad_value, grad_row_scale) from the kernel outputs.

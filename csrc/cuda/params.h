@@ -40,6 +40,10 @@ struct FwdParams : AttentionArgs<acc_t> {
   acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   acc_t *row_scale = nullptr, *length_factor = nullptr;
   int64_t* n_keys = nullptr;
+  // The statistics that follow from entropy, sum_p2 and n_i (online_stats.h: derive), written by
+  // the epilogue. A forward without statistics (lse, row_scale, length_factor and n_keys only)
+  // leaves entropy, sum_p2, max_weight and these null.
+  acc_t *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
 };
 
 template <typename acc_t>
@@ -53,6 +57,13 @@ struct BwdParams : AttentionArgs<acc_t> {
   // host turns it into dq = lambda G and d lambda = q . G); dK and dV per query head (B, H, Lk, D)
   // and (B, H, Lk, Dv), summed over GQA groups by the host.
   acc_t *dq_accum = nullptr, *dk = nullptr, *dv = nullptr;
+  // The tensor-core family writes the gradients itself, contiguous, in the input type: dq
+  // (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group in the kernel, and
+  // d lambda (B, H, Lq) in acc_t (a postprocess kernel forms dq = lambda G, d lambda = q . G from
+  // dq_accum). `deterministic` asks for a dq computed without atomics.
+  void *dq_out = nullptr, *dk_out = nullptr, *dv_out = nullptr;
+  acc_t* d_row_scale = nullptr;
+  bool deterministic = false;
 };
 
 // attention_sparsity: the forward's inputs (v unused) and one output per row, (B, H, Lq) contiguous.

@@ -1,5 +1,5 @@
 # The CPU emulation test of the CUDA kernels (test_cuda_emulation.cpp with cuda_emulation.h): the
-# kernels of csrc/cuda/*_kernel.cuh compiled by the host compiler and run on emulated thread blocks,
+# fallback kernels of csrc/cuda/fallback/*_kernel.cuh compiled by the host compiler and run on emulated thread blocks,
 # against a float64 reference. Included from tests/cpp/CMakeLists.txt, after ${_ea_gtest_main} is
 # set; tests/cpp/CMakeLists.txt's glob of *.cpp must leave test_cuda_emulation.cpp out.
 #

@@ -8,7 +8,7 @@
 //     a launch run one after another on the same 128 threads;
 //   * __syncthreads() is a barrier of the block's threads, __syncwarp() one of the warp's 32;
 //   * __shfl_xor_sync exchanges values through a per-warp slot array at a warp barrier;
-//   * dynamic shared memory is entropy_attn::cuda::smem (the kernels' `extern __shared__ smem[]`
+//   * dynamic shared memory is entropy_attn::cuda::fallback::smem (the kernels' `extern __shared__ smem[]`
 //     binds to it), filled with 0xff bytes (NaN for every floating type) before each block, so that
 //     reading shared memory nobody wrote shows up as NaN; the pages past the launch's smem_bytes
 //     are made inaccessible during the launch (an overrun far enough to leave the last page
@@ -406,11 +406,11 @@ inline double atomicAdd(double* address, double value) {
 }
 
 // The dynamic shared memory the kernels' `extern __shared__ __align__(128) unsigned char smem[]`
-// (a block-scope declaration in namespace entropy_attn::cuda) refers to. Page-aligned, a whole
+// (a block-scope declaration in namespace entropy_attn::cuda::fallback) refers to. Page-aligned, a whole
 // number of pages, so that the part past a launch's smem_bytes can be protected.
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 alignas(4096) inline unsigned char smem[cuda_emu::kSmemCapacity];
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback
 
 namespace cuda_emu {
 
@@ -471,13 +471,13 @@ class SmemGuard {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     begin_ = (bytes + page - 1) / page * page;
     if (begin_ < kSmemCapacity &&
-        mprotect(entropy_attn::cuda::smem + begin_, kSmemCapacity - begin_, PROT_NONE) != 0) {
+        mprotect(entropy_attn::cuda::fallback::smem + begin_, kSmemCapacity - begin_, PROT_NONE) != 0) {
       begin_ = kSmemCapacity;  // best effort
     }
   }
   ~SmemGuard() {
     if (begin_ < kSmemCapacity) {
-      mprotect(entropy_attn::cuda::smem + begin_, kSmemCapacity - begin_, PROT_READ | PROT_WRITE);
+      mprotect(entropy_attn::cuda::fallback::smem + begin_, kSmemCapacity - begin_, PROT_READ | PROT_WRITE);
     }
   }
   SmemGuard(const SmemGuard&) = delete;
@@ -489,7 +489,7 @@ class SmemGuard {
 
 inline void prepare_block(size_t smem_bytes) {
   g_block.reset();
-  std::memset(entropy_attn::cuda::smem, 0xff, smem_bytes);  // NaN in every floating type
+  std::memset(entropy_attn::cuda::fallback::smem, 0xff, smem_bytes);  // NaN in every floating type
 }
 
 }  // namespace cuda_emu

@@ -26,20 +26,23 @@
 #include <string>
 #include <vector>
 
-#include "cuda/attention_bwd_kernel.cuh"
-#include "cuda/attention_fwd_kernel.cuh"
 #include "cuda/attention_host.h"
-#include "cuda/attention_sparsity_kernel.cuh"
-#include "cuda/row_reduction_kernels.cuh"
+#include "cuda/fallback/bwd_kernel.cuh"
+#include "cuda/fallback/fwd_kernel.cuh"
+#include "cuda/fallback/instantiations/dispatch.h"
+#include "cuda/fallback/row_reduction_kernels.cuh"
+#include "cuda/fallback/sparsity_kernel.cuh"
 
 namespace {
 
 namespace ec = entropy_attn::cuda;
+namespace ef = entropy_attn::cuda::fallback;
 using entropy_attn::AttentionOutputs;
 
 // ---------------------------------------------------------------------------------------------
-// Emulated launches of the project's kernels, with the grids and shared memory of the launchers
-// (attention_fwd_launch.cuh, attention_bwd_launch.cuh, row_reductions.cu).
+// Emulated launches of the fallback family's kernels, with the grids and shared memory of its
+// launchers (fallback/fwd_launch.cuh, bwd_launch.cuh, sparsity.cu, row_reductions.cu), for the
+// instantiations csrc/cuda/kernels.toml lists (the same dispatch table as the selection point).
 // ---------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -54,45 +57,45 @@ int head_dim_bucket_of(int64_t d, int64_t dv) { return ec::head_dim_bucket(std::
 
 template <typename T, int kD>
 void launch_forward_d(const ec::FwdParams<ec::AccType<T>>& p) {
-  using L = ec::FwdLayout<T, kD>;
-  emulate_launch(ec::attention_fwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+  using L = ef::FwdLayout<T, kD>;
+  emulate_launch(ef::attention_fwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
 }
 
 template <typename T>
 void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
-  switch (head_dim_bucket_of(p.head_dim, p.v_head_dim)) {
-    case 64: return launch_forward_d<T, 64>(p);
-    case 128: return launch_forward_d<T, 128>(p);
-    case 256:
-      if constexpr (!std::is_same_v<T, double>) return launch_forward_d<T, 256>(p);
-      [[fallthrough]];
-    default: FAIL() << "no head-dim bucket for " << p.head_dim << ", " << p.v_head_dim;
+  const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
+#define EA_MATCH(U, D) \
+  if constexpr (std::is_same_v<T, U>) {   \
+    if (d == D) return launch_forward_d<T, D>(p); \
   }
+  EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  FAIL() << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
 }
 
 template <typename T, int kD>
 void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
-  using L = ec::BwdLayout<T, kD>;
-  emulate_launch(ec::attention_bwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+  using L = ef::BwdLayout<T, kD>;
+  emulate_launch(ef::attention_bwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
 }
 
 template <typename T>
 void launch_backward(const ec::BwdParams<ec::AccType<T>>& p) {
-  emulate_launch(ec::attention_bwd_preprocess_kernel<T>, ec::preprocess_blocks(p), 0, p);
-  switch (head_dim_bucket_of(p.head_dim, p.v_head_dim)) {
-    case 64: return launch_backward_d<T, 64>(p);
-    case 128: return launch_backward_d<T, 128>(p);
-    case 256:
-      if constexpr (!std::is_same_v<T, double>) return launch_backward_d<T, 256>(p);
-      [[fallthrough]];
-    default: FAIL() << "no head-dim bucket for " << p.head_dim << ", " << p.v_head_dim;
+  emulate_launch(ef::attention_bwd_preprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
+  const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
+#define EA_MATCH(U, D) \
+  if constexpr (std::is_same_v<T, U>) {    \
+    if (d == D) return launch_backward_d<T, D>(p); \
   }
+  EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  FAIL() << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
 }
 
 template <typename T, int kD>
 void launch_sparsity_d(const ec::SparsityParams<ec::AccType<T>>& p) {
-  using L = ec::SparsityLayout<T, kD>;
-  emulate_launch(ec::attention_sparsity_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+  using L = ef::SparsityLayout<T, kD>;
+  emulate_launch(ef::attention_sparsity_kernel<T, kD>, L::blocks(p), L::kBytes, p);
 }
 
 template <typename T>
@@ -412,13 +415,14 @@ void run_case_typed(const Case& c, bool backward) {
   }
   if (!backward) return;
 
-  const ec::BackwardCall bwd(
+  ec::BackwardCall bwd(
       in.dout, in.q, in.k, in.v, out,
       entropy_attn::prepare_attention_backward(
           in.dout, c.stat_grads ? std::optional<at::Tensor>(in.g_lse) : std::nullopt,
           c.stat_grads ? std::optional<at::Tensor>(in.g_entropy) : std::nullopt,
           c.stat_grads ? std::optional<at::Tensor>(in.g_sum_p2) : std::nullopt, in.q, in.k, in.v,
           in.mask, out, lse, entropy, sum_p2, row_scale, c.causal));
+  bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
   const auto [dq, dk, dv, dlam] = bwd.finish();
@@ -614,23 +618,23 @@ void run_row_reductions(at::ScalarType dtype) {
         at::where(l2 > 0, l1 / (n * l2).sqrt(), at::zeros_like(l1));
 
     const ec::RowReductionCall he = ec::prepare_row_reduction(xt, dim, "entropy");
-    emulate_launch(ec::row_entropy_kernel<T>, ec::row_reduction_blocks(he.params()), 0,
+    emulate_launch(ef::row_entropy_kernel<T>, ef::row_reduction_blocks(he.params()), 0,
                    he.params());
     EXPECT_EQ(he.out.scalar_type(), dtype);
     expect_close(he.out, h_ref, tol, "row entropy, dim " + std::to_string(dim));
 
     const ec::RowReductionCall hs = ec::prepare_row_reduction(xt, dim, "sparsity");
-    emulate_launch(ec::row_sparsity_kernel<T>, ec::row_reduction_blocks(hs.params()), 0,
+    emulate_launch(ef::row_sparsity_kernel<T>, ef::row_reduction_blocks(hs.params()), 0,
                    hs.params());
     expect_close(hs.out, s_ref, tol, "row sparsity, dim " + std::to_string(dim));
   }
   // Rows of length 0: entropy 0, sparsity 0.
   const at::Tensor empty = at::zeros({3, 0}, f64).to(dtype);
   const ec::RowReductionCall e = ec::prepare_row_reduction(empty, -1, "entropy");
-  emulate_launch(ec::row_entropy_kernel<T>, ec::row_reduction_blocks(e.params()), 0, e.params());
+  emulate_launch(ef::row_entropy_kernel<T>, ef::row_reduction_blocks(e.params()), 0, e.params());
   expect_close(e.out, at::zeros({3}, f64), 0, "row entropy of empty rows");
   const ec::RowReductionCall s = ec::prepare_row_reduction(empty, -1, "sparsity");
-  emulate_launch(ec::row_sparsity_kernel<T>, ec::row_reduction_blocks(s.params()), 0, s.params());
+  emulate_launch(ef::row_sparsity_kernel<T>, ef::row_reduction_blocks(s.params()), 0, s.params());
   expect_close(s.out, at::zeros({3}, f64), 0, "row sparsity of empty rows");
 }
 
@@ -656,7 +660,7 @@ __global__ void self_test_kernel(const SelfTestParams p) {
     // xor shuffles of every width, a block-wide exchange through shared memory, atomics.
     int64_t x = gid;
     for (int o = 1; o < 32; o <<= 1) x += 1000 * __shfl_xor_sync(0xffffffffu, lane, o);
-    int* s = reinterpret_cast<int*>(entropy_attn::cuda::smem);
+    int* s = reinterpret_cast<int*>(entropy_attn::cuda::fallback::smem);
     s[threadIdx.x] = static_cast<int>(gid);
     __syncthreads();
     p.out[gid] = x + 1000000 * static_cast<int64_t>(s[127 - threadIdx.x]);

@@ -1,4 +1,4 @@
-// CUDA backward kernels of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
+// CUDA backward kernels of the fused attention (FlashAttention-2 form with a per-row scale, docs/math.md
 // section 3; the per-element math is online_stats.h's, shared with the CPU kernel).
 //
 // A preprocess kernel computes D~_i = row_delta(dO_i . O_i, ...) per query row. The main kernel
@@ -10,12 +10,12 @@
 //   d lambda = q . G).
 #pragma once
 
-#include "../online_stats.h"
+#include "../../online_stats.h"
 #include "block_gemm.cuh"
 #include "device_utils.cuh"
-#include "params.h"
+#include "../params.h"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 template <typename T, int kD>
 struct BwdLayout {
@@ -198,4 +198,4 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
   }
 }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

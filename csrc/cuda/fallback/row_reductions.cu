@@ -2,7 +2,7 @@
 #include "launch.h"
 #include "row_reduction_kernels.cuh"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 namespace {
 
 template <typename Kernel>
@@ -33,4 +33,4 @@ EA_INSTANTIATE(__half)
 EA_INSTANTIATE(__nv_bfloat16)
 #undef EA_INSTANTIATE
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

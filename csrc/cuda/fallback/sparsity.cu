@@ -1,9 +1,9 @@
 // Launch of the CUDA attention_sparsity kernel (attention_sparsity_kernel.cuh), for every input
 // type: the kernel is the forward's without values, small enough for one translation unit.
-#include "attention_sparsity_kernel.cuh"
+#include "sparsity_kernel.cuh"
 #include "launch.h"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 namespace {
 
 template <typename T, int kD>
@@ -57,4 +57,4 @@ EA_INSTANTIATE(__half)
 EA_INSTANTIATE(__nv_bfloat16)
 #undef EA_INSTANTIATE
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

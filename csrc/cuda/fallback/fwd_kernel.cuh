@@ -7,12 +7,12 @@
 // L_q x L_k buffer exists; lse is written for the backward.
 #pragma once
 
-#include "../online_stats.h"
+#include "../../online_stats.h"
 #include "block_gemm.cuh"
 #include "device_utils.cuh"
-#include "params.h"
+#include "../params.h"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 // Tile sizes per input type and head-dim bucket, chosen so that the shared memory of a block stays
 // within 99 KB (every GPU since sm_80 but the A100/H100 class) where the head dim allows.
@@ -224,4 +224,4 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
   }
 }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

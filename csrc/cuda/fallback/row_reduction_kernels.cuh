@@ -3,11 +3,11 @@
 // double inputs) with the per-element formulas the CPU kernels use (reduction_math.h).
 #pragma once
 
-#include "../reduction_math.h"
+#include "../../reduction_math.h"
 #include "device_utils.cuh"
-#include "params.h"
+#include "../params.h"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 // The grid: one warp per row.
 inline int64_t row_reduction_blocks(const RowReductionParams& p) {
@@ -40,4 +40,4 @@ __global__ void __launch_bounds__(kThreads) row_sparsity_kernel(const RowReducti
   if (threadIdx.x % 32 == 0) static_cast<T*>(p.out)[row] = from_acc<T>(sparsity_value(l1, l2, p.n));
 }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

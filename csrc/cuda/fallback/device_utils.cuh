@@ -9,7 +9,7 @@
 #include <limits>
 #include <type_traits>
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -98,4 +98,4 @@ constexpr int padded_ld(int n) {
 }
 constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

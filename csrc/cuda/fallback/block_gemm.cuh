@@ -13,7 +13,7 @@
 
 #include "device_utils.cuh"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 // CUDA-core product: the 16 x 8 threads of the block each own an RM x RN micro-tile of every
 // (up to) 64 x 64 chunk of C, rows ty + 16 i and columns tx + 8 j, so that each loaded value is
@@ -116,4 +116,4 @@ __device__ __forceinline__ void scores(const T* sQ, const T* sK, int ld, Acc* sS
                                              [=](int m, int n, Acc x) { sS[m * lds + n] = x; });
 }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

@@ -5,10 +5,10 @@
 // sums come from online_stats.h (exp) and reduction_math.h (powers), as on the CPU.
 #pragma once
 
-#include "../reduction_math.h"
-#include "attention_fwd_kernel.cuh"
+#include "../../reduction_math.h"
+#include "fwd_kernel.cuh"
 
-namespace entropy_attn::cuda {
+namespace entropy_attn::cuda::fallback {
 
 template <typename T, int kD>
 using SparsityLayout = QueryTileLayout<T, kD, false>;
@@ -101,4 +101,4 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace entropy_attn::cuda
+}  // namespace entropy_attn::cuda::fallback

@@ -1,8 +1,0 @@
-// The CUDA attention backward for double inputs: one translation unit per input type keeps each
-// compile short and lets a build compile them in parallel.
-#include "attention_bwd_launch.cuh"
-
-namespace entropy_attn::cuda {
-template size_t attention_backward_smem_bytes<double>(int64_t);
-template cudaError_t launch_attention_backward<double>(const BwdParams<AccType<double>>&, cudaStream_t);
-}  // namespace entropy_attn::cuda

@@ -1,0 +1,193 @@
+#include "family.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string_view>
+#include <type_traits>
+
+#include "fallback/instantiations/dispatch.h"
+#include "fallback/launch.h"
+#include "sm80/instantiations/dispatch.h"
+#include "sm80/launch.h"
+
+namespace entropy_attn::cuda {
+namespace {
+
+template <typename T>
+bool is_dtype(at::ScalarType t) {
+  if constexpr (std::is_same_v<T, float>) return t == at::kFloat;
+  if constexpr (std::is_same_v<T, double>) return t == at::kDouble;
+  if constexpr (std::is_same_v<T, __half>) return t == at::kHalf;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return t == at::kBFloat16;
+  return false;
+}
+
+MaskKind mask_kind(const std::optional<at::Tensor>& mask) {
+  if (!mask.has_value()) return MaskKind::kNone;
+  return mask->scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+}
+
+// The fallback's head-dim bucket of a call: the kernels pad max(head_dim, v_head_dim) up to it.
+int fallback_bucket(const AttentionShape& s) {
+  return head_dim_bucket(std::max(s.head_dim, s.v_head_dim));
+}
+
+int device_sm() {
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major * 10 + minor;
+}
+
+// 16-byte vector loads (cp.async) need every row of q, k, v (and of out and dout) to start on a
+// 16-byte boundary: aligned data and strides that are multiples of 8 elements.
+bool rows_16b_aligned(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
+  }
+  return true;
+}
+
+// Why the tensor-core family cannot run a call with these inputs (empty when it can). `has` tells
+// whether an instantiation exists for the call's dtype, head dim and flags.
+std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
+                                 std::initializer_list<const at::Tensor*> rows, bool has) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return "dtype is not bfloat16 or float16";
+  if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
+  if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
+  if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
+  if (device_sm() < 80) return "the GPU is older than sm_80";
+  for (const at::Tensor* t : rows) {
+    if (!rows_16b_aligned(*t)) return "a tensor's rows are not 16-byte aligned";
+  }
+  if (s.heads > 65535 || s.batch > 65535) return "more than 65535 heads or batches";
+  return {};
+}
+
+// The launch function of the tensor-core instantiation for a call, or null.
+using Sm80Forward = cudaError_t (*)(const FwdParams<float>&, cudaStream_t);
+using Sm80Backward = cudaError_t (*)(const BwdParams<float>&, cudaStream_t);
+
+// (The parameters go unused while kernels.toml lists no instantiation of the family.)
+Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
+                         [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask,
+                         [[maybe_unused]] bool stats) {
+#define EA_MATCH(T, D, C, M, S)                                                          \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M && stats == S) {          \
+    return &sm80::launch_forward<T, D, C, M, S>;                                         \
+  }
+  EA_SM80_FORWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return nullptr;
+}
+
+Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
+                           [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask) {
+#define EA_MATCH(T, D, C, M)                                                        \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M) {                   \
+    return &sm80::launch_backward<T, D, C, M>;                                      \
+  }
+  EA_SM80_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return nullptr;
+}
+
+Selection choose(const std::string& obstacle) {
+  const std::optional<Family> requested = requested_family();
+  const bool want = requested.has_value() ? *requested == Family::kSm80 : kTensorCoreFamilyByDefault;
+  if (!want) return {Family::kFallback, requested.has_value() ? "ENTROPY_ATTN_CUDA_FAMILY=fallback"
+                                                              : "off by default"};
+  if (!obstacle.empty()) return {Family::kFallback, obstacle};
+  return {Family::kSm80, {}};
+}
+
+}  // namespace
+
+const char* family_name(Family f) { return f == Family::kSm80 ? "sm80" : "fallback"; }
+
+std::optional<Family> requested_family() {
+  const char* env = std::getenv("ENTROPY_ATTN_CUDA_FAMILY");
+  const std::string_view v = env ? env : "";
+  if (v.empty() || v == "auto") return std::nullopt;
+  if (v == "fallback") return Family::kFallback;
+  if (v == "sm80") return Family::kSm80;
+  TORCH_CHECK_VALUE(false, "ENTROPY_ATTN_CUDA_FAMILY must be 'auto', 'fallback' or 'sm80', got '",
+                    std::string(v), "'");
+}
+
+Selection select_forward(const ForwardCall& c) {
+  const AttentionShape& s = c.call.shape;
+  const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                mask_kind(c.call.mask), /*stats=*/true) != nullptr;
+  return choose(tensor_core_obstacle(s, c.call.dtype, {&c.q, &c.k, &c.v}, has));
+}
+
+Selection select_backward(const BackwardCall& c) {
+  const AttentionShape& s = c.call.shape;
+  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.causal, mask_kind(c.call.mask)) !=
+                   nullptr;
+  return choose(
+      tensor_core_obstacle(s, c.call.dtype, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has));
+}
+
+size_t forward_smem_bytes(const ForwardCall& c, Family f) {
+  if (f != Family::kFallback) return 0;
+  const int d = fallback_bucket(c.call.shape);
+#define EA_MATCH(T, D) \
+  if (is_dtype<T>(c.call.dtype) && d == D) return fallback::forward_smem_bytes<T, D>();
+  EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return 0;
+}
+
+size_t backward_smem_bytes(const BackwardCall& c, Family f) {
+  if (f != Family::kFallback) return 0;
+  const int d = fallback_bucket(c.call.shape);
+#define EA_MATCH(T, D) \
+  if (is_dtype<T>(c.call.dtype) && d == D) return fallback::backward_smem_bytes<T, D>();
+  EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return 0;
+}
+
+cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) {
+  const AttentionShape& s = c.call.shape;
+  if (f == Family::kSm80) {
+    const Sm80Forward launch =
+        sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask),
+                     /*stats=*/true);
+    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
+  }
+  const int d = fallback_bucket(s);
+#define EA_MATCH(T, D)                                                                  \
+  if (is_dtype<T>(c.call.dtype) && d == D) {                                            \
+    return fallback::launch_forward<T, D>(c.params<AccType<T>>(), stream);              \
+  }
+  EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return cudaErrorInvalidValue;  // the host checks reject what no instantiation covers
+}
+
+cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream) {
+  const AttentionShape& s = c.call.shape;
+  if (f == Family::kSm80) {
+    const Sm80Backward launch =
+        sm80_backward(c.call.dtype, s.head_dim, c.call.causal, mask_kind(c.call.mask));
+    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
+  }
+  const int d = fallback_bucket(s);
+#define EA_MATCH(T, D)                                                                  \
+  if (is_dtype<T>(c.call.dtype) && d == D) {                                            \
+    return fallback::launch_backward<T, D>(c.params<AccType<T>>(), stream);             \
+  }
+  EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace entropy_attn::cuda

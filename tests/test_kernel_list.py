@@ -1,0 +1,83 @@
+"""The CUDA kernel instantiation list (csrc/cuda/kernels.toml) and the files generated from it.
+
+No GPU is needed: these check the list itself, that the checked-in translation units and dispatch
+tables are what scripts/generate_kernels.py makes of it, and that the build compiles exactly those.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import kernel_list  # noqa: E402
+
+
+def test_generated_files_are_up_to_date() -> None:
+    """`generate_kernels.py --check` passes: no generated file is missing, stale or edited."""
+    proc = subprocess.run([sys.executable, "scripts/generate_kernels.py", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_check_detects_an_edited_file(tmp_path: Path) -> None:
+    """The check fails when a generated file differs (so the test above can fail)."""
+    files = kernel_list.generated_files()
+    path, text = next(iter(files.items()))
+    assert path.read_text() == text
+    path.write_text(text + "// edited\n")
+    try:
+        proc = subprocess.run([sys.executable, "scripts/generate_kernels.py", "--check"], cwd=ROOT,
+                              capture_output=True, text=True, check=False)
+    finally:
+        path.write_text(text)
+    assert proc.returncode == 1 and path.name in proc.stdout
+
+
+def test_fallback_covers_every_dtype_and_head_dim_bucket() -> None:
+    """The fallback serves every call the tensor-core family does not: all four dtypes at head-dim
+    buckets 64 and 128 (256 for all but float64), forward and backward, flags at run time."""
+    insts = kernel_list.load()["fallback"]
+    for direction in ("forward", "backward"):
+        have = {(i.dtype, i.head_dim) for i in insts if i.direction == direction}
+        for dtype in kernel_list.DTYPES:
+            for d in (64, 128) + (() if dtype == "float64" else (256,)):
+                assert (dtype, d) in have, (direction, dtype, d)
+    assert all(i.causal is None and i.mask is None and i.stats is None for i in insts)
+
+
+def test_tensor_core_flags_are_compile_time() -> None:
+    """The sm80 family's instantiations carry causality, the mask kind and (forward) the
+    statistics as template arguments: each combination listed once."""
+    insts = kernel_list.load()["sm80"]
+    fwd = [i for i in insts if i.direction == "forward"]
+    bwd = [i for i in insts if i.direction == "backward"]
+    assert len(set(insts)) == len(insts)
+    assert all(i.causal is not None and i.mask is not None and i.stats is not None for i in fwd)
+    assert all(i.causal is not None and i.mask is not None and i.stats is None for i in bwd)
+    assert all(i.dtype in ("bfloat16", "float16") for i in insts)
+
+
+def test_dispatch_table_lists_every_instantiation() -> None:
+    """Each family's dispatch.h names each instantiation once, with its template arguments."""
+    files = kernel_list.generated_files()
+    for family, insts in kernel_list.load().items():
+        table = files[ROOT / "csrc" / "cuda" / family / "instantiations" / "dispatch.h"]
+        for direction in ("forward", "backward"):
+            section = table.split(f"EA_{family.upper()}_{direction.upper()}_KERNELS(X)")[1].split("#define")[0]
+            listed = sorted(line.strip()[2:-3] for line in section.splitlines() if line.strip().startswith("X("))
+            assert listed == sorted(i.template_args() for i in insts if i.direction == direction)
+
+
+@pytest.mark.parametrize("builder", ["setup.py", "CMakeLists.txt"])
+def test_builds_compile_the_generated_units(builder: str) -> None:
+    """setup.py and CMake take every .cu under csrc/cuda recursively, so the generated units are
+    built; scripts/ptxas_report.py compiles the same set."""
+    text = (ROOT / builder).read_text()
+    assert "csrc/cuda/**/*.cu" in text or "GLOB_RECURSE ENTROPY_ATTN_CUDA_SOURCES" in text
+    on_disk = {p for p in (ROOT / "csrc" / "cuda").rglob("*.cu") if p.parent.name == "instantiations"}
+    assert on_disk == set(kernel_list.translation_units())

@@ -16,7 +16,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "bool enable_gqa=False) -> (Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, "
       "Tensor max_weight, Tensor n_keys, Tensor row_scale, Tensor length_factor)");
   // Gradients of `attention` w.r.t. query, key, value and lambda, given the upstream gradients of
-  // output and (optionally) of lse, entropy and sum_p2 (MATH.md section 3).
+  // output and (optionally) of lse, entropy and sum_p2 (docs/math.md section 3).
   m.def(
       "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "

@@ -1,4 +1,4 @@
-// Scale policies (MATH.md section 1): the one place where the per-row logit scale lambda_i is
+// Scale policies (docs/math.md section 1): the one place where the per-row logit scale lambda_i is
 // derived from the number of keys n_i that row i may attend to. Shared by every device.
 #pragma once
 

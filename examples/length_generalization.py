@@ -8,7 +8,7 @@ a logit margin Δ between the right key and the rest, the weight on the right ke
 higher-entropy attention at longer lengths. The entropy-invariant ("log-n") scale multiplies the
 logits of row i by log_b(n_i) (b = the training length, so it equals the standard 1/sqrt(d) there),
 which grows the margin with ln n_i and is meant to keep the entropy, and the retrieval, as they
-were at the training length (MATH.md section 1).
+were at the training length (docs/math.md section 1).
 
 The task: multi-query associative recall (MQAR, Zoology, arXiv 2312.04927)
 --------------------------------------------------------------------------

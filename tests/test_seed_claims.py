@@ -1,4 +1,4 @@
-"""The seed documents' claims (MATH.md section 4, items 1 and 3), measured with the project's ops.
+"""The seed documents' claims (docs/math.md section 5, items 1 and 3), measured with the project's ops.
 
 (a) Noise robustness (seeds 000/001): with iid logit noise eps_ij (an additive float ``attn_mask``
     of N(0, sigma_eps^2) entries), the perturbed output o~ = softmax(s + eps) V stays close to o, and

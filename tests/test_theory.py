@@ -1,4 +1,4 @@
-"""The closed forms of MATH.md section 4 (``torch_ext.theory``) against Monte Carlo computed with
+"""The closed forms of docs/math.md section 5 (``torch_ext.theory``) against Monte Carlo computed with
 the project's own ops.
 
 - Sparsity of exp / relu^2 / identity attention: ``torch_ext.attention_sparsity`` on Gaussian keys
@@ -113,7 +113,7 @@ def _check_monte_carlo(s_hat: torch.Tensor, a: torch.Tensor, expected: torch.Ten
 
 
 def test_sparsity_closed_form_properties() -> None:
-    """The qualitative statements of MATH.md 4.4, on the closed forms themselves."""
+    """The qualitative statements of docs/math.md 5.4, on the closed forms themselves."""
     # exp: exp(-gamma^2/2), -> 0 as gamma grows.
     g = torch.linspace(0, 6, 61, dtype=torch.float64)
     s = theory.sparsity_exp(g)

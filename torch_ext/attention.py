@@ -165,7 +165,7 @@ def derive_stats(
     n_keys: torch.Tensor,
     row_scale: torch.Tensor,
 ) -> AttentionStats:
-    """Builds :class:`AttentionStats` from the op's raw per-row outputs (MATH.md section 2)."""
+    """Builds :class:`AttentionStats` from the op's raw per-row outputs (docs/math.md section 2)."""
     n = n_keys.to(lse.dtype)
     nonempty = n_keys > 0
     safe_p2 = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))

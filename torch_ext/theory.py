@@ -1,4 +1,4 @@
-"""Closed forms of the seed documents' results (``shared/MATH.md`` section 4), as torch functions.
+"""Closed forms of the seed documents' results (``docs/math.md`` section 5), as torch functions.
 
 Everything here takes tensors (or Python numbers, promoted to float64 tensors), broadcasts like
 ordinary torch ops and uses torch ops only, so it runs on any device and in any float dtype. These
@@ -48,7 +48,7 @@ def _as_tensor(x: Tensor | float) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Sparsity S = E|f| / sqrt(E f^2)   (seed 003, MATH.md section 4.4)
+# Sparsity S = E|f| / sqrt(E f^2)   (seed 003, docs/math.md section 5.4)
 # --------------------------------------------------------------------------------------------
 
 

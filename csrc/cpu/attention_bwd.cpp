@@ -1,4 +1,4 @@
-// CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, MATH.md
+// CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, docs/math.md
 // section 3). Tasks are (batch, key/value head, key chunk): a task owns dK and dV of its head's
 // chunk of keys and a partial dQ (and dlambda) of the query heads that share it, in its chunk's own
 // buffer, so tasks never write the same memory; the partials are summed afterwards. Keys are split

@@ -10,7 +10,7 @@ namespace entropy_attn::cpu {
 namespace {
 
 // One row of a key block: raw scores -> logits (scale, mask, causality), a rescale of the running
-// state to the new max, then p = e^{s - m} in place, accumulating l, t, u (MATH.md section 2).
+// state to the new max, then p = e^{s - m} in place, accumulating l, t, u (docs/math.md section 2).
 // Returns the factor e^{m_old - m_new} by which the row's output accumulator must be multiplied.
 template <typename acc_t>
 EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,

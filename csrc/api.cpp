@@ -8,13 +8,14 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& attn_mask,
                           const std::optional<at::Tensor>& scale, bool is_causal,
                           std::optional<double> scale_factor, std::string_view scale_mode,
-                          double temperature, double log_base, bool enable_gqa) {
+                          double temperature, double log_base, bool enable_gqa,
+                          bool return_stats) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
-      log_base, enable_gqa);
-  auto [out, lse, ent, p2, pmax, n, lam, factor] =
+      log_base, enable_gqa, return_stats);
+  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
       call_attention(query, key, value, attn_mask, scale, options);
-  return {out, lse, ent, p2, pmax, n, lam, factor};
+  return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 
 at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,

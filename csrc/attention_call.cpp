@@ -6,7 +6,8 @@ namespace entropy_attn {
 
 AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<double> scale_factor,
                                                c10::string_view scale_mode, double temperature,
-                                               double log_base, bool enable_gqa) {
+                                               double log_base, bool enable_gqa,
+                                               bool return_stats) {
   AttentionOptions o;
   o.causal = is_causal;
   o.scale_factor = scale_factor;
@@ -14,6 +15,7 @@ AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<dou
   o.temperature = temperature;
   o.log_base = log_base;
   o.enable_gqa = enable_gqa;
+  o.return_stats = return_stats;
   return o;
 }
 
@@ -44,14 +46,19 @@ AttentionOutputs AttentionCall::allocate_outputs(const at::Tensor& query) const 
   const AttentionShape& s = shape;
   const auto stat = query.options().dtype(acc);
   auto row = [&] { return at::empty({s.batch, s.heads, s.q_len}, stat); };
+  // A statistic the call did not ask for: empty, and never written.
+  auto stat_row = [&] { return options.return_stats ? row() : at::empty({0}, stat); };
   return {at::empty({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
           row(),
-          row(),
-          row(),
-          row(),
+          stat_row(),
+          stat_row(),
+          stat_row(),
           at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(at::kLong)),
           row(),
-          row()};
+          row(),
+          stat_row(),
+          stat_row(),
+          stat_row()};
 }
 
 AttentionBackwardCall prepare_attention_backward(
@@ -74,7 +81,14 @@ AttentionBackwardCall prepare_attention_backward(
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
     return t.has_value() ? row_stat(*t) : at::Tensor();
   };
-  c.lse = row_stat(lse), c.entropy = row_stat(entropy), c.sum_p2 = row_stat(sum_p2);
+  // A forward without statistics left entropy and sum_p2 empty: they enter the backward only
+  // multiplied by their (then absent) gradients, so zeros stand in.
+  auto stat_or_zeros = [&](const at::Tensor& t) {
+    return t.numel() == 0 && c.shape.batch * c.shape.heads * c.shape.q_len > 0
+               ? at::zeros({c.shape.batch, c.shape.heads, c.shape.q_len}, lse.options().dtype(c.acc))
+               : row_stat(t);
+  };
+  c.lse = row_stat(lse), c.entropy = stat_or_zeros(entropy), c.sum_p2 = stat_or_zeros(sum_p2);
   c.row_scale = row_stat(row_scale);
   c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);

@@ -99,9 +99,10 @@ AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key
                                   const std::optional<at::Tensor>& attn_mask,
                                   const std::optional<at::Tensor>& scale, bool is_causal,
                                   std::optional<double> scale_factor, c10::string_view scale_mode,
-                                  double temperature, double log_base, bool enable_gqa) {
+                                  double temperature, double log_base, bool enable_gqa,
+                                  bool return_stats) {
   const AttentionOptions options = AttentionOptions::from_schema(
-      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa);
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats);
   return Impl(query, key, value, prepare_attention(query, key, value, attn_mask, scale, options));
 }
 
@@ -125,7 +126,8 @@ inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& value, const OptTensor& attn_mask,
                                        const OptTensor& scale, const AttentionOptions& o) {
   return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
-                             o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa);
+                             o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa,
+                             o.return_stats);
 }
 
 }  // namespace entropy_attn

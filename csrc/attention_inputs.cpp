@@ -156,8 +156,9 @@ AttentionShape check_attention_backward_inputs(
                       query.device(), "), got ", t.device());
   };
   check_row_stat(lse, "lse");
-  check_row_stat(entropy, "entropy");
-  check_row_stat(sum_p2, "sum_p2");
+  // Empty entropy / sum_p2 come from a forward without statistics: allowed without their gradient.
+  if (entropy.numel() > 0 || grad_entropy.has_value()) check_row_stat(entropy, "entropy");
+  if (sum_p2.numel() > 0 || grad_sum_p2.has_value()) check_row_stat(sum_p2, "sum_p2");
   check_row_stat(row_scale, "row_scale");
   if (grad_lse.has_value()) check_row_stat(*grad_lse, "grad_lse");
   if (grad_entropy.has_value()) check_row_stat(*grad_entropy, "grad_entropy");

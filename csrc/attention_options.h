@@ -18,11 +18,12 @@ struct AttentionOptions {
   double temperature = 1.0;
   double log_base = 512.0;  // b of the "logn" policies
   bool enable_gqa = false;
+  bool return_stats = true;  // false: the kernels compute output, lse and lambda only
 
   // From the schema's arguments (raises ValueError for a bad scale_mode).
   static AttentionOptions from_schema(bool is_causal, std::optional<double> scale_factor,
                                       c10::string_view scale_mode, double temperature,
-                                      double log_base, bool enable_gqa);
+                                      double log_base, bool enable_gqa, bool return_stats = true);
   // The schema's name of scale_mode.
   c10::string_view scale_mode_name() const;
 };

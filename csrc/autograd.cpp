@@ -23,14 +23,47 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const at::Tensor& value, const OptTensor& attn_mask,
                                const OptTensor& scale, const AttentionOptions& options) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
+    auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+          normalized_entropy, sparsity, effective_keys] =
         call_attention(query, key, value, attn_mask, scale, options);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
-                            sum_p2, row_scale, length_factor, scale.value_or(at::Tensor())});
+                            sum_p2, row_scale, length_factor, scale.value_or(at::Tensor()),
+                            n_keys});
     ctx->saved_data["is_causal"] = options.causal;
-    return {out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor};
+    ctx->saved_data["return_stats"] = options.return_stats;
+    return {out,           lse,           entropy,           sum_p2,     max_weight,    n_keys,
+            row_scale,     length_factor, normalized_entropy, sparsity, effective_keys};
+  }
+
+  // The upstream gradients of entropy and sum_p2 with those of the statistics derived from them
+  // chained in (docs/math.md section 3): normalized entropy H / ln n adds g / ln n to g_H;
+  // effective keys 1 / U adds -g / U^2 and sparsity (n U)^(-1/2) adds -g S / (2 U) to g_U. Rows
+  // with n < 2 (normalized entropy) or n = 0 (the others) have constant statistics: no gradient.
+  static std::pair<at::Tensor, at::Tensor> statistic_grads(const variable_list& grads,
+                                                           const at::Tensor& sum_p2,
+                                                           const at::Tensor& n_keys) {
+    at::Tensor g_entropy = grads[2], g_sum_p2 = grads[3];
+    const at::Tensor &g_norm = grads[8], &g_sparsity = grads[9], &g_eff = grads[10];
+    if (g_norm.defined()) {
+      const at::Tensor log_n = at::log(n_keys.clamp_min(2).to(sum_p2.scalar_type()));
+      const at::Tensor term = at::where(n_keys >= 2, g_norm / log_n, at::zeros_like(g_norm));
+      g_entropy = g_entropy.defined() ? g_entropy + term : term;
+    }
+    if (g_sparsity.defined() || g_eff.defined()) {
+      const at::Tensor nonempty = n_keys > 0;
+      const at::Tensor u = at::where(nonempty, sum_p2, at::ones_like(sum_p2));
+      at::Tensor term = at::zeros_like(sum_p2);
+      if (g_eff.defined()) term = term - g_eff / (u * u);
+      if (g_sparsity.defined()) {
+        const at::Tensor s = at::rsqrt(n_keys.clamp_min(1).to(u.scalar_type()) * u);
+        term = term - 0.5 * g_sparsity * s / u;
+      }
+      term = at::where(nonempty, term, at::zeros_like(term));
+      g_sum_p2 = g_sum_p2.defined() ? g_sum_p2 + term : term;
+    }
+    return {g_entropy, g_sum_p2};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -39,8 +72,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor &out = saved[4], &row_scale = saved[8], &length_factor = saved[9],
                      &scale = saved[10];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    at::Tensor g_entropy, g_sum_p2;  // a forward without statistics returned them empty
+    if (ctx->saved_data["return_stats"].toBool()) {
+      std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], saved[11]);
+    }
     auto [dq, dk, dv, dlam] = attention_backward_op().call(
-        grad_out, defined_or_null(grads[1]), defined_or_null(grads[2]), defined_or_null(grads[3]),
+        grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),
         query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
         ctx->saved_data["is_causal"].toBool());
 
@@ -59,12 +96,13 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                                     const at::Tensor& value, const OptTensor& attn_mask,
                                     const OptTensor& scale, bool is_causal,
                                     std::optional<double> scale_factor, c10::string_view scale_mode,
-                                    double temperature, double log_base, bool enable_gqa) {
+                                    double temperature, double log_base, bool enable_gqa,
+                                    bool return_stats) {
   const variable_list r = AttentionFunction::apply(
       query, key, value, attn_mask, scale,
       AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,
-                                    enable_gqa));
-  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
+                                    enable_gqa, return_stats));
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]};
 }
 
 // A row reduction whose backward is d result / d x = grad * local_grad(x), in ATen ops.

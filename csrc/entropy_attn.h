@@ -18,6 +18,10 @@ struct AttentionResult {
   at::Tensor n_keys;         // (B, H, Lq) int64, keys each row may attend to
   at::Tensor row_scale;      // (B, H, Lq) the logit scale lambda_i used
   at::Tensor length_factor;  // (B, H, Lq) g(n_i) / temperature: row_scale = c_i * length_factor
+  at::Tensor normalized_entropy;  // (B, H, Lq) entropy / ln n_i (0 where n_i < 2)
+  at::Tensor sparsity;            // (B, H, Lq) l1/l2 sparsity 1 / sqrt(n_i sum_p2)
+  at::Tensor effective_keys;      // (B, H, Lq) 1 / sum_p2
+  // With return_stats = false: entropy, sum_p2, max_weight and the three above are empty.
 };
 
 // See the schema in ops.cpp and the README for the semantics of each argument.
@@ -26,7 +30,8 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& scale = std::nullopt,
                           bool is_causal = false, std::optional<double> scale_factor = std::nullopt,
                           std::string_view scale_mode = "fixed", double temperature = 1.0,
-                          double log_base = 512.0, bool enable_gqa = false);
+                          double log_base = 512.0, bool enable_gqa = false,
+                          bool return_stats = true);
 
 // Per-row l1/l2 sparsity of attention a = f(s), kind "exp" (softmax), "relu2" or "identity", with
 // the logits of `attention`; (B, H, Lq), not differentiable.

@@ -20,15 +20,20 @@ at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& /*
   return at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.acc));
 }
 
-AttentionGrads attention_backward_meta(const at::Tensor& /*grad_output*/, const at::Tensor& query,
-                                       const at::Tensor& key, const at::Tensor& value,
-                                       const at::Tensor& /*output*/,
-                                       const AttentionBackwardCall& call) {
-  const AttentionShape& s = call.shape;
+// The gradients have the shapes of the inputs they belong to. No checks here, unlike the forward's
+// Meta kernel: the backward runs under dynamic shapes (symbolic sizes) when torch.compile traces
+// it, and its inputs come from a forward that was checked.
+AttentionGrads attention_backward_meta(
+    const at::Tensor& /*grad_output*/, const std::optional<at::Tensor>& /*grad_lse*/,
+    const std::optional<at::Tensor>& /*grad_entropy*/,
+    const std::optional<at::Tensor>& /*grad_sum_p2*/, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& /*attn_mask*/,
+    const at::Tensor& /*output*/, const at::Tensor& /*lse*/, const at::Tensor& /*entropy*/,
+    const at::Tensor& /*sum_p2*/, const at::Tensor& row_scale, bool /*is_causal*/) {
   return {at::empty_like(query, at::MemoryFormat::Contiguous),
           at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous),
-          at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.row_scale_dtype))};
+          at::empty_like(row_scale, at::MemoryFormat::Contiguous)};
 }
 
 at::Tensor row_reduction_meta(const at::Tensor& x, int64_t dim, const char* name) {
@@ -49,7 +54,7 @@ at::Tensor sparsity_meta(const at::Tensor& a, int64_t dim) {
 
 TORCH_LIBRARY_IMPL(entropy_attn, Meta, m) {
   m.impl("attention", &attention_kernel<attention_meta>);
-  m.impl("attention_backward", &attention_backward_kernel<attention_backward_meta>);
+  m.impl("attention_backward", &attention_backward_meta);
   m.impl("attention_sparsity", &attention_sparsity_kernel<attention_sparsity_meta>);
   m.impl("entropy", &entropy_meta);
   m.impl("sparsity", &sparsity_meta);

@@ -11,19 +11,22 @@
 namespace entropy_attn {
 
 using OptTensor = std::optional<at::Tensor>;
-using AttentionOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                    at::Tensor, at::Tensor, at::Tensor>;
+// (output, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor, normalized_entropy,
+// sparsity, effective_keys), as the schema orders them.
+using AttentionOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 inline const c10::TypedOperatorHandle<AttentionOutputs(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-    bool, std::optional<double>, c10::string_view, double, double, bool)>&
+    bool, std::optional<double>, c10::string_view, double, double, bool, bool)>&
 attention_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::attention", "")
           .typed<AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                  c10::string_view, double, double, bool)>();
+                                  c10::string_view, double, double, bool, bool)>();
   return op;
 }
 

@@ -7,16 +7,21 @@ TORCH_LIBRARY(entropy_attn, m) {
   // `scale` (broadcast to (B, H, Lq)), else `scale_factor`, else 1/sqrt(D), and g is the
   // scale_mode's length factor ("fixed": 1, "logn": log_b n_i, "logn_sharpen": max(1, log_b n_i),
   // b = log_base). Returns output (B, H, Lq, Dv) and, per row (B, H, Lq): lse, entropy, sum of
-  // squared weights, max weight, n_keys (int64), the lambda used, and g(n_i) / temperature (so
-  // that row_scale = c * length_factor: the gradient w.r.t. a scale tensor needs it).
+  // squared weights, max weight, n_keys (int64), the lambda used, g(n_i) / temperature (so that
+  // row_scale = c * length_factor: the gradient w.r.t. a scale tensor needs it), and the
+  // statistics derived from them in the kernels' epilogue: normalized entropy, l1/l2 sparsity,
+  // effective keys (docs/math.md section 2). With return_stats=False the kernels skip the
+  // statistics: entropy, sum_p2, max_weight and the derived ones are empty (0 elements).
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
-      "bool enable_gqa=False) -> (Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, "
-      "Tensor max_weight, Tensor n_keys, Tensor row_scale, Tensor length_factor)");
+      "bool enable_gqa=False, bool return_stats=True) -> (Tensor output, Tensor lse, "
+      "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
+      "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
   // Gradients of `attention` w.r.t. query, key, value and lambda, given the upstream gradients of
-  // output and (optionally) of lse, entropy and sum_p2 (docs/math.md section 3).
+  // output and (optionally) of lse, entropy and sum_p2 (docs/math.md section 3). entropy and
+  // sum_p2 may be empty (a forward without statistics) when their gradients are absent.
   m.def(
       "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "

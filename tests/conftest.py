@@ -63,6 +63,11 @@ GRAD_TOL: Dict[torch.dtype, float] = {
 GRADCHECK_NONDET_TOL: Dict[str, float] = {"cpu": 0.0, "cuda": 1e-10}
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which CUDA kernel family the run asks for (csrc/cuda/family.h)."""
+    return f"ENTROPY_ATTN_CUDA_FAMILY={os.environ.get('ENTROPY_ATTN_CUDA_FAMILY', 'auto')}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Register custom markers; refuse to run without a GPU when one is required."""
     config.addinivalue_line("markers", "cuda: test runs on a CUDA device")

@@ -3,7 +3,8 @@
 # `python3 setup.py build_ext --inplace`), then the C++ suite (CMake + LibTorch + GoogleTest,
 # configured and built in build/cmake, run with CTest; it builds the CUDA sources too when
 # CMakeLists.txt finds CUDA), then, when nvcc is there, the ptxas resource report of the CUDA
-# kernels (scripts/ptxas_report.py: results/ptxas/, fails on warnings and forbidden spills).
+# kernels (scripts/ptxas_report.py: results/ptxas/, fails on warnings and forbidden spills) and the
+# SASS check of the tensor-core family in the built extension (scripts/sass_check.py).
 # All three decide the exit code.
 #
 #   bash tests/run_all.sh               # everything
@@ -45,7 +46,14 @@ if [[ ${RUN_CPP:-1} != 0 ]]; then
     gen=()
     # Choose the generator only for a new build directory (CMake refuses to switch).
     if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
+    # Without a GPU nothing can run the tensor-core family's kernels here, and the Python build
+    # (scripts/setup.sh) compiled them already, with warnings as errors, and scripts/ptxas_report.py
+    # and scripts/sass_check.py check them: the C++ library leaves their device code out, so that
+    # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too.
+    tc_family=OFF
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tc_family=ON; fi
     cmake -S . -B "$BUILD_DIR" "${gen[@]}" \
+      -DENTROPY_ATTN_TENSOR_CORE_FAMILY="${ENTROPY_ATTN_TENSOR_CORE_FAMILY:-$tc_family}" \
       -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
       -DCMAKE_PREFIX_PATH="$torch_prefix" \
       -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || cpp_rc=$?
@@ -71,11 +79,15 @@ if [[ ${RUN_PTXAS:-1} != 0 && ${ENTROPY_ATTN_CPU_ONLY:-0} != 1 ]] && command -v 
     echo ">>> note: results/ptxas/ differs from the committed report: commit it"
   fi
   step_done "ptxas report"
+  # The machine code of the built extension: the tensor-core family uses HMMA, LDSM, LDGSTS, ...
+  echo ">>> SASS check"
+  "$PYTHON" scripts/sass_check.py || ptxas_rc=$?
+  step_done "SASS check"
 fi
 
 echo ">>> timings"
 printf '    %s\n' "${timings[@]}"
-echo ">>> pytest: ${py_rc}, C++ (cmake/ctest): ${cpp_rc}, ptxas report: ${ptxas_rc}, total $(($(date +%s) - t0))s"
+echo ">>> pytest: ${py_rc}, C++ (cmake/ctest): ${cpp_rc}, ptxas report + SASS check: ${ptxas_rc}, total $(($(date +%s) - t0))s"
 for rc in "$py_rc" "$cpp_rc" "$ptxas_rc"; do
   if [[ $rc != skipped && $rc != 0 ]]; then exit 1; fi
 done

@@ -356,12 +356,14 @@ def test_only_some_inputs_require_grad(device: str) -> None:
 
 
 def test_differentiable_outputs(device: str) -> None:
-    """output/lse/entropy/sum_p2 carry grad; max_weight, n_keys, row_scale, length_factor do not."""
+    """output/lse/entropy/sum_p2 and the derived statistics (normalized entropy, sparsity,
+    effective keys) carry grad; max_weight, n_keys, row_scale, length_factor do not."""
     q, k, v = rand(1, 2, 4, 3, device=device), rand(1, 2, 5, 3, device=device), rand(1, 2, 5, 3, device=device)
     scale = torch.full((2, 1), 0.5, dtype=F64, device=device, requires_grad=True)
     res = OP(q, k, v, None, scale)
     assert [t.requires_grad for t in res[:4]] == [True] * 4
-    assert not any(t.requires_grad for t in res[4:]), [t.requires_grad for t in res[4:]]
+    assert not any(t.requires_grad for t in res[4:8]), [t.requires_grad for t in res[4:8]]
+    assert all(t.requires_grad for t in res[8:]), [t.requires_grad for t in res[8:]]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -386,3 +388,59 @@ def test_grads_key_chunks(causal: bool, threads: int) -> None:
     g_ref = grads_of(outs_ref, upstream, ref_inputs)
     for name, a, e in zip(["query", "key", "value", "scale"], g_op, g_ref):
         assert rel_err(a, e) < 1e-10, f"grad {name}: relative error {rel_err(a, e):.3g}"
+
+
+# ----------------------------------------------------------------------------------------
+# the derived statistics as differentiable outputs, and a forward without statistics
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["normalized_entropy", "sparsity", "effective_keys", "all"])
+def test_gradcheck_derived_statistics(device: str, which: str) -> None:
+    """gradcheck (float64) through normalized entropy, sparsity and effective keys, which the kernel
+    writes in its epilogue and autograd chains into the entropy / sum_p2 gradients; with a mask that
+    leaves a row with one key (n = 1: normalized entropy constant 0) and one with none."""
+    q, k, v = rand(1, 2, 5, 4, device=device), rand(1, 2, 7, 4, device=device), rand(1, 2, 7, 3, device=device)
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[1] = False
+    mask[3] = False
+    mask[3, 2] = True
+    mask = mask.to(device)
+    index = {"normalized_entropy": [8], "sparsity": [9], "effective_keys": [10], "all": [8, 9, 10]}[which]
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, ...]:
+        res = OP(q, k, v, mask, None, is_causal=True, scale_mode="logn", log_base=4.0)
+        return tuple(res[i] for i in index)
+
+    assert gradcheck(f, (q, k, v), nondet_tol=nondet_tol(device))
+
+
+def test_derived_statistics_grads_vs_reference(device: str) -> None:
+    """Gradients through the derived statistics equal autograd through their definitions on the
+    float64 reference (H / ln n, 1 / sqrt(n sum p^2), 1 / sum p^2)."""
+    q, k, v = rand(2, 2, 6, 5, device=device), rand(2, 2, 9, 5, device=device), rand(2, 2, 9, 4, device=device)
+    res = OP(q, k, v, None, None, is_causal=True)
+    ups = [torch.randn_like(res[i]) for i in (8, 9, 10)]
+    got = grads_of([res[8], res[9], res[10]], ups, [q, k, v])
+    q2, k2, v2 = leaf64(q), leaf64(k), leaf64(v)
+    r = reference_attention_raw(q2, k2, v2, None, None, is_causal=True)
+    n = r.n_keys.to(F64)
+    log_n = torch.log(torch.where(n >= 2, n, torch.full_like(n, 2.0)))
+    ne = torch.where(n >= 2, r.entropy / log_n, torch.zeros_like(n))
+    spars, eff = torch.rsqrt(n * r.sum_p2), 1 / r.sum_p2
+    want = grads_of([ne, spars, eff], ups, [q2, k2, v2])
+    for g, w, name in zip(got, want, "qkv"):
+        assert rel_err(g, w) < 1e-9, name
+
+
+def test_backward_without_statistics(device: str) -> None:
+    """A forward with return_stats=False (no entropy, sum_p2) gives the same gradients of the output
+    and lse as the full forward."""
+    q, k, v = rand(1, 2, 5, 4, device=device), rand(1, 2, 8, 4, device=device), rand(1, 2, 8, 4, device=device)
+    go = torch.randn(1, 2, 5, 4, dtype=F64, device=device)
+    gl = torch.randn(1, 2, 5, dtype=F64, device=device)
+    lean = OP(q, k, v, None, None, is_causal=True, return_stats=False)
+    full = OP(q, k, v, None, None, is_causal=True)
+    assert lean[2].numel() == 0
+    got = grads_of([lean[0], lean[1]], [go, gl], [q, k, v])
+    want = grads_of([full[0], full[1]], [go, gl], [q, k, v])
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-12

@@ -467,7 +467,7 @@ def test_scale_tensor_equals_float_scale(device: str) -> None:
 @pytest.mark.parametrize("scale_mode", ["fixed", "logn", "logn_sharpen"])
 @pytest.mark.parametrize("scale_src", ["none", "factor", "tensor"])
 def test_raw_op_matches_reference(device: str, scale_mode: str, scale_src: str) -> None:
-    """torch.ops.entropy_attn.attention: all seven outputs vs the reference."""
+    """torch.ops.entropy_attn.attention: all eleven outputs vs the reference."""
     B, H, Hkv, Lq, Lk = 2, 4, 2, 19, 31
     q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 8, 5, dtype=torch.float64, device=device)
     mask = make_mask("bool_rows_masked", B, H, Lq, Lk, device=device)
@@ -477,8 +477,8 @@ def test_raw_op_matches_reference(device: str, scale_mode: str, scale_src: str) 
         is_causal=True, scale_factor=factor, scale_mode=scale_mode, temperature=1.7, log_base=10.0, enable_gqa=True
     )
     res = torch.ops.entropy_attn.attention(q, k, v, mask, scale, **kw)
-    assert len(res) == 8
-    out, lse, ent, sp2, mw, nk, rs, lf = res
+    assert len(res) == 11
+    out, lse, ent, sp2, mw, nk, rs, lf, ne, spars, eff = res
     ref = reference_attention_raw(q, k, v, mask, scale, **kw)
     tol = (1e-9, 1e-9)
     assert_close64(out, ref.output, *tol, name="output")
@@ -495,8 +495,21 @@ def test_raw_op_matches_reference(device: str, scale_mode: str, scale_src: str) 
         assert_close64(rs, ref.row_scale, *tol, name="row_scale")
         assert_close64(lf, ref.length_factor, *tol, name="length_factor")
     assert lf.shape == (B, H, Lq) and not lf.requires_grad
-    for t in (lse, ent, sp2, mw, rs, lf):
+    # The statistics derived in the kernel's epilogue, from their definitions on the reference.
+    n = ref.n_keys.double()
+    zero = torch.zeros_like(n)
+    log_n = torch.log(torch.where(n >= 2, n, torch.full_like(n, 2.0)))
+    assert_close64(ne, torch.where(n >= 2, ref.entropy / log_n, zero), *tol, name="normalized_entropy")
+    p2 = torch.where(n > 0, ref.sum_p2, torch.ones_like(n))
+    assert_close64(spars, torch.where(n > 0, torch.rsqrt(n.clamp_min(1) * p2), zero), *tol, name="sparsity")
+    assert_close64(eff, torch.where(n > 0, 1 / p2, zero), *tol, name="effective_keys")
+    for t in (lse, ent, sp2, mw, rs, lf, ne, spars, eff):
         assert t.dtype == torch.float64
+    # Without statistics: output, lse, n_keys and lambda as before; the statistics empty.
+    lean = torch.ops.entropy_attn.attention(q, k, v, mask, scale, return_stats=False, **kw)
+    assert torch.equal(lean[0], out) and torch.equal(lean[1], lse) and torch.equal(lean[5], nk)
+    assert torch.equal(lean[6], rs)
+    assert all(lean[i].numel() == 0 for i in (2, 3, 4, 8, 9, 10))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -506,7 +519,7 @@ def test_raw_op_length_factor(device: str, dtype: torch.dtype) -> None:
     q, k, v = make_qkv(B, H, H, Lq, Lk, 8, dtype=dtype, device=device)
     c = make_scale("t_BHLq", B, H, Lq, device)
     res = torch.ops.entropy_attn.attention(q, k, v, None, c, is_causal=True, scale_mode="logn", temperature=2.0, log_base=4.0)
-    assert len(res) == 8
+    assert len(res) == 11
     rs, lf = res[6], res[7]
     assert lf.dtype == torch.float32 and rs.dtype == torch.float32
     n = torch.clamp(torch.arange(Lq, device=device) + 1, max=Lk).double()

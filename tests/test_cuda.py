@@ -55,7 +55,10 @@ real_cuda = pytest.mark.skipif(DRY_RUN or not HAS_CUDA, reason=NO_CUDA_REASON)
 F64 = torch.float64
 ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 HALF_DTYPES = [torch.bfloat16, torch.float16]
-OUT_NAMES = ("output", "lse", "entropy", "sum_p2", "max_weight", "n_keys", "row_scale", "length_factor")
+OUT_NAMES = (
+    "output", "lse", "entropy", "sum_p2", "max_weight", "n_keys", "row_scale", "length_factor",
+    "normalized_entropy", "sparsity", "effective_keys",
+)
 GRAD_NAMES = ("grad_query", "grad_key", "grad_value", "grad_row_scale")
 #: The CUDA kernels' documented limits.
 CUDA_MAX_HEAD_DIM = 256
@@ -114,7 +117,7 @@ def grads_of(outputs: Sequence[Tensor], upstream: Sequence[Optional[Tensor]], in
 
 
 # ----------------------------------------------------------------------------------------
-# forward: all 8 outputs on both devices and the reference
+# forward: all 11 outputs on both devices and the reference
 # ----------------------------------------------------------------------------------------
 def compare_forward(
     cu: Sequence[Tensor],
@@ -125,9 +128,9 @@ def compare_forward(
     sharpen: bool = False,
     tol_scale: float = 1.0,
 ) -> None:
-    """All 8 outputs: device, dtype and shape as on the CPU; n_keys exact; values against the
+    """All 11 outputs: device, dtype and shape as on the CPU; n_keys exact; values against the
     reference (the dtype's tolerance) and against the CPU kernel (twice that: both may err)."""
-    assert len(cu) == 8, f"attention returned {len(cu)} outputs"
+    assert len(cu) == 11, f"attention returned {len(cu)} outputs"
     for name, a, b in zip(OUT_NAMES, cu, cpu):
         assert a.device.type == DEV.type, f"{name} on {a.device}"
         assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} (CPU: {b.dtype})"
@@ -159,8 +162,12 @@ def compare_forward(
     if empty.any():
         e = empty.to(cu[0].device)
         assert (cu[0][e] == 0).all(), "output nonzero on a fully masked row"
-        for i in (1, 2, 3, 4):
+        for i in (1, 2, 3, 4, 8, 9, 10):
             assert (cu[i][e] == 0).all(), f"{OUT_NAMES[i]} nonzero on a fully masked row"
+    # The derived statistics: as the CPU kernel's epilogue writes them (the same formulas).
+    for i in (8, 9, 10):
+        scale_i = cpu[i].abs().clamp_min(1.0) if i == 10 else 1.0  # effective keys reach n
+        assert_close64(cu[i].cpu() / scale_i, cpu[i] / scale_i, 2 * sat, 2 * srt, f"{OUT_NAMES[i]} vs CPU")
 
 
 def check_forward(
@@ -958,3 +965,53 @@ def test_nan_propagation(dtype: torch.dtype) -> None:
         assert_close64(cu[1].cpu()[ok], ref.lse[ok], sat, srt, f"{which} NaN: lse of clean rows")
         assert_close64(cu[2].cpu()[ok], ref.entropy[ok], sat, srt, f"{which} NaN: entropy of clean rows")
         assert torch.equal(torch.isnan(cu[1].cpu()), torch.isnan(cpu[1])), f"{which} NaN: lse NaN rows differ from the CPU's"
+
+
+# ----------------------------------------------------------------------------------------
+# kernel families (csrc/cuda/family.h): the switch, and agreement of the families
+# ----------------------------------------------------------------------------------------
+@real_cuda
+def test_family_switch_rejects_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY takes auto, fallback or sm80; anything else is a clear error."""
+    q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fastest")
+    with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_FAMILY"):
+        OP(q, q, q)
+
+
+@real_cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+def test_families_agree(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, D: int, causal: bool, mask_kind: str, stats: bool
+) -> None:
+    """The tensor-core family (forced) and the fallback give the same outputs and gradients within
+    the dtype's tolerance, over the flags each sm80 instantiation fixes at compile time; GQA,
+    lengths that are no multiple of a tile, a logn scale."""
+    torch.manual_seed(0)
+    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, 77, 143, D, dtype=dtype))
+    mask = None
+    if mask_kind == "bool":
+        mask = cuda(torch.rand(77, 143) < 0.8)
+    elif mask_kind == "additive":
+        mask = cuda(torch.randn(77, 143).masked_fill(torch.rand(77, 143) < 0.2, float("-inf")))
+    kw = dict(is_causal=causal, enable_gqa=True, scale_mode="logn", log_base=64.0, return_stats=stats)
+    go = torch.randn(2, 4, 77, D, device=DEV, dtype=dtype)
+    results = {}
+    for family in ("fallback", "sm80"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+        res = OP(q, k, v, mask, None, **kw)
+        grads = torch.autograd.grad(res[0], (q, k, v), go)
+        results[family] = (res, grads)
+    (fb, fb_g), (tc, tc_g) = results["fallback"], results["sm80"]
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    assert_close64(tc[0], fb[0], 2 * oat, 2 * ort, "output")
+    for i in (1, 6, 7) + ((2, 3, 4, 8, 9) if stats else ()):
+        assert_close64(tc[i], fb[i], 2 * sat, 2 * srt, OUT_NAMES[i])
+    assert torch.equal(tc[5], fb[5]), "n_keys"
+    for a, b, name in zip(tc_g, fb_g, ("dq", "dk", "dv")):
+        assert rel_err(a, b) < 2 * GRAD_TOL[dtype], name

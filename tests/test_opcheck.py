@@ -60,6 +60,13 @@ def attention_samples() -> List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]:
         )
         out.append(
             (
+                "no_stats_mask_causal" + sfx,
+                (_r(1, 2, 5, 8, rg=rg), _r(1, 2, 7, 8, rg=rg), _r(1, 2, 7, 8, rg=rg), m),
+                {"is_causal": True, "return_stats": False},
+            )
+        )
+        out.append(
+            (
                 "lk_zero" + sfx,
                 (_r(1, 2, 3, 8, rg=rg), _r(1, 2, 0, 8, rg=rg), _r(1, 2, 0, 8, rg=rg)),
                 {},

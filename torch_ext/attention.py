@@ -117,12 +117,31 @@ def attention(
         to no key give output 0 and statistics 0.
     """
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
-    out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _ = torch.ops.entropy_attn.attention(
-        query, key, value, attn_mask, scale_tensor, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
+    # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
+    res = torch.ops.entropy_attn.attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        scale_tensor,
+        is_causal=bool(is_causal),
+        enable_gqa=bool(enable_gqa),
+        return_stats=bool(return_stats),
+        **policy,
     )
     if not return_stats:
-        return out
-    return out, derive_stats(lse, ent, sum_p2, max_weight, n_keys, row_scale)
+        return res[0]
+    out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _, norm_ent, sparsity, eff_keys = res
+    return out, AttentionStats(
+        lse=lse,
+        entropy=ent,
+        normalized_entropy=norm_ent,
+        sparsity=sparsity,
+        effective_keys=eff_keys,
+        max_weight=max_weight,
+        n_keys=n_keys,
+        scale=row_scale,
+    )
 
 
 def attention_sparsity(
@@ -154,29 +173,4 @@ def attention_sparsity(
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     return torch.ops.entropy_attn.attention_sparsity(
         query, key, attn_mask, scale_tensor, kind=kind, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
-    )
-
-
-def derive_stats(
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    sum_p2: torch.Tensor,
-    max_weight: torch.Tensor,
-    n_keys: torch.Tensor,
-    row_scale: torch.Tensor,
-) -> AttentionStats:
-    """Builds :class:`AttentionStats` from the op's raw per-row outputs (docs/math.md section 2)."""
-    n = n_keys.to(lse.dtype)
-    nonempty = n_keys > 0
-    safe_p2 = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))
-    log_n = torch.where(n_keys >= 2, torch.log(n.clamp_min(2)), torch.ones_like(n))
-    return AttentionStats(
-        lse=lse,
-        entropy=entropy,
-        normalized_entropy=torch.where(n_keys >= 2, entropy / log_n, torch.zeros_like(entropy)),
-        sparsity=torch.where(nonempty, torch.rsqrt(n.clamp_min(1) * safe_p2), torch.zeros_like(sum_p2)),
-        effective_keys=torch.where(nonempty, 1.0 / safe_p2, torch.zeros_like(sum_p2)),
-        max_weight=max_weight,
-        n_keys=n_keys,
-        scale=row_scale,
     )

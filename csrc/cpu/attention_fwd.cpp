@@ -24,6 +24,9 @@ struct FwdArgs {
   // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
   acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
+  // The statistics (null without return_stats): entropy, sum_p2, max_weight above and these.
+  acc_t *normalized_entropy, *sparsity, *effective_keys;
+  bool with_stats;
 };
 
 // A thread's buffers: scores of one block (rows x kKvBlock), the output accumulator (rows x Dv),
@@ -68,7 +71,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t alpha =
           softmax_row(s_buf.data() + r * n, n, j0, buf.setup[r].limit, buf.setup[r].lam,
-                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r]);
+                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r], a.with_stats);
       if (alpha != acc_t(1)) {
         acc_t* o = o_buf.data() + r * Dv;
 #pragma omp simd
@@ -86,9 +89,14 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 #pragma omp simd
     for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * res.inv_l;
     a.lse[row0 + r] = res.lse;
+    if (!a.with_stats) continue;
+    const DerivedStats<acc_t> d = derive(res.entropy, res.sum_p2, buf.setup[r].n);
     a.entropy[row0 + r] = res.entropy;
     a.sum_p2[row0 + r] = res.sum_p2;
     a.max_weight[row0 + r] = res.max_weight;
+    a.normalized_entropy[row0 + r] = d.normalized_entropy;
+    a.sparsity[row0 + r] = d.sparsity;
+    a.effective_keys[row0 + r] = d.effective_keys;
   }
 }
 
@@ -99,8 +107,9 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const at::Tensor q = with_unit_last_stride(query, acc);
   const at::Tensor kt = transposed_copy(key, acc);
   const at::Tensor v = with_unit_last_stride(value, acc);
-  auto [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
-      call.allocate_outputs(query);
+  AttentionOutputs outputs = call.allocate_outputs(query);
+  auto& [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+         normalized_entropy, sparsity, effective_keys] = outputs;
   // The kernel accumulates the output in `acc`; 16-bit inputs round once at the end.
   at::Tensor out = out_t.scalar_type() == acc ? out_t : at::empty_like(out_t, out_t.options().dtype(acc));
 
@@ -117,6 +126,10 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();
     a.n_keys = n_keys.data_ptr<int64_t>();
+    a.normalized_entropy = normalized_entropy.data_ptr<scalar_t>();
+    a.sparsity = sparsity.data_ptr<scalar_t>();
+    a.effective_keys = effective_keys.data_ptr<scalar_t>();
+    a.with_stats = call.options.return_stats;
     parallel_query_blocks<FwdBuffers<scalar_t>>(
         sh, call.options.causal,
         [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
@@ -124,7 +137,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
         });
   });
   if (!out.is_same(out_t)) out_t.copy_(out);
-  return {out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor};
+  return outputs;
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
       acc_t* s = s_buf.data() + r * n;
       const MaskRow<acc_t> mask(a.mask, b, h, i0 + r);
       if (a.kind == SparsityKind::kExp) {
-        softmax_row(s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
+        softmax_row(s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r], /*with_stats=*/true);
       } else {
         power_sums_row(a.kind, s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
       }

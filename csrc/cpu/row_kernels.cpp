@@ -12,9 +12,12 @@ namespace {
 // One row of a key block: raw scores -> logits (scale, mask, causality), a rescale of the running
 // state to the new max, then p = e^{s - m} in place, accumulating l, t, u (docs/math.md section 2).
 // Returns the factor e^{m_old - m_new} by which the row's output accumulator must be multiplied.
+// Without statistics only l is accumulated (t and u stay 0): a call that does not ask for them
+// pays nothing for them.
 template <typename acc_t>
 EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,
-                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st) {
+                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st,
+                                        bool with_stats) {
   const acc_t block_max = scaled_logits(s, n, j0, limit, lam, mask);
   acc_t alpha = 1;
   if (!(block_max <= st.m)) alpha = rescale(st, block_max);  // a larger max, or NaN
@@ -24,13 +27,23 @@ EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t
   }
   const acc_t m = st.m;
   acc_t l = 0, t = 0, u = 0;
+  if (with_stats) {
 #pragma omp simd reduction(+ : l, t, u)
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t x = s[j] - m;
-    const acc_t xc = clamp_exp_arg(x);
-    const acc_t e = exp_nonpositive(x, xc);
-    s[j] = e;
-    accumulate(l, t, u, xc, e);
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t x = s[j] - m;
+      const acc_t xc = clamp_exp_arg(x);
+      const acc_t e = exp_nonpositive(x, xc);
+      s[j] = e;
+      accumulate(l, t, u, xc, e);
+    }
+  } else {
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t x = s[j] - m;
+      const acc_t e = exp_nonpositive(x, clamp_exp_arg(x));
+      s[j] = e;
+      l += e;
+    }
   }
   st.l += l;
   st.t += t;
@@ -94,13 +107,13 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
 }  // namespace
 
 EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                                const MaskRow<float>& mask, RowStats<float>& st) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+                                const MaskRow<float>& mask, RowStats<float>& st, bool with_stats) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st, with_stats);
 }
 
 double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                   const MaskRow<double>& mask, RowStats<double>& st) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st);
+                   const MaskRow<double>& mask, RowStats<double>& st, bool with_stats) {
+  return softmax_row_impl(s, n, j0, limit, lam, mask, st, with_stats);
 }
 
 EA_CPU_CLONES void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,

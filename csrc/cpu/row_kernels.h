@@ -11,12 +11,12 @@
 namespace entropy_attn::cpu {
 
 // Forward: raw scores s[0, n) of keys j0.. -> logits (scale, mask, causality limit), the running
-// state moved to the new max, then p = e^{s - m} in place with l, t, u accumulated. Returns the
-// factor e^{m_old - m_new} for the row's output accumulator.
+// state moved to the new max, then p = e^{s - m} in place with l (and, with_stats, t and u)
+// accumulated. Returns the factor e^{m_old - m_new} for the row's output accumulator.
 float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                  const MaskRow<float>& mask, RowStats<float>& st);
+                  const MaskRow<float>& mask, RowStats<float>& st, bool with_stats);
 double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                   const MaskRow<double>& mask, RowStats<double>& st);
+                   const MaskRow<double>& mask, RowStats<double>& st, bool with_stats);
 
 // Backward: raw scores -> logits in s, and p = e^{s - lse} (0 where masked).
 void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,

@@ -74,12 +74,19 @@ template <typename acc_t>
 FwdParams<acc_t> ForwardCall::params() const {
   FwdParams<acc_t> p;
   fill(p, p.scale);
-  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] = outputs;
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = outputs;
   p.out = out.data_ptr();
-  p.lse = lse.data_ptr<acc_t>(), p.entropy = entropy.data_ptr<acc_t>();
-  p.sum_p2 = sum_p2.data_ptr<acc_t>(), p.max_weight = max_weight.data_ptr<acc_t>();
+  p.lse = lse.data_ptr<acc_t>();
   p.row_scale = row_scale.data_ptr<acc_t>(), p.length_factor = length_factor.data_ptr<acc_t>();
   p.n_keys = n_keys.data_ptr<int64_t>();
+  if (call.options.return_stats) {  // else the statistic pointers stay null
+    p.entropy = entropy.data_ptr<acc_t>(), p.sum_p2 = sum_p2.data_ptr<acc_t>();
+    p.max_weight = max_weight.data_ptr<acc_t>();
+    p.normalized_entropy = normalized_entropy.data_ptr<acc_t>();
+    p.sparsity = sparsity.data_ptr<acc_t>();
+    p.effective_keys = effective_keys.data_ptr<acc_t>();
+  }
   return p;
 }
 template FwdParams<float> ForwardCall::params<float>() const;

@@ -81,7 +81,9 @@ Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
   if (is_dtype<T>(dtype) && d == D && causal == C && mask == M && stats == S) {          \
     return &sm80::launch_forward<T, D, C, M, S>;                                         \
   }
+#ifndef ENTROPY_ATTN_NO_SM80  // a CMake build without the family's device code
   EA_SM80_FORWARD_KERNELS(EA_MATCH)
+#endif
 #undef EA_MATCH
   return nullptr;
 }
@@ -92,7 +94,9 @@ Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
   if (is_dtype<T>(dtype) && d == D && causal == C && mask == M) {                   \
     return &sm80::launch_backward<T, D, C, M>;                                      \
   }
+#ifndef ENTROPY_ATTN_NO_SM80
   EA_SM80_BACKWARD_KERNELS(EA_MATCH)
+#endif
 #undef EA_MATCH
   return nullptr;
 }
@@ -123,7 +127,7 @@ std::optional<Family> requested_family() {
 Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                mask_kind(c.call.mask), /*stats=*/true) != nullptr;
+                                mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
   return choose(tensor_core_obstacle(s, c.call.dtype, {&c.q, &c.k, &c.v}, has));
 }
 
@@ -160,7 +164,7 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   if (f == Family::kSm80) {
     const Sm80Forward launch =
         sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask),
-                     /*stats=*/true);
+                     c.call.options.return_stats);
     return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
   }
   const int d = fallback_bucket(s);

@@ -45,8 +45,9 @@ struct Args {
 };
 
 // The schema returns (output, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor).
-using AttentionTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                  at::Tensor, at::Tensor, at::Tensor>;
+using AttentionTuple =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // entropy_attn::attention through a typed dispatcher handle.
 AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -56,11 +57,11 @@ AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const 
           .findSchemaOrThrow("entropy_attn::attention", "")
           .typed<AttentionTuple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                c10::string_view, double, double, bool)>();
-  auto [out, lse, ent, p2, pmax, n, lam, g] =
+                                c10::string_view, double, double, bool, bool)>();
+  auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] =
       op.call(q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode,
-              a.temperature, a.log_base, a.enable_gqa);
-  return {out, lse, ent, p2, pmax, n, lam, g};
+              a.temperature, a.log_base, a.enable_gqa, /*return_stats=*/true);
+  return {out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff};
 }
 
 // The C++ API of csrc/entropy_attn.h.
@@ -139,6 +140,16 @@ AttentionResult reference(const at::Tensor& query, const at::Tensor& key, const 
   r.n_keys = n;
   r.row_scale = lambda;
   r.length_factor = g / a.temperature;
+  // The derived statistics from their definitions: H / ln n (n >= 2), the l1/l2 ratio
+  // sum_j p / sqrt(n sum_j p^2) and 1 / sum_j p^2, each 0 for an empty row.
+  const at::Tensor nf = n.to(f64);
+  const at::Tensor zero = at::zeros({B, H, Lq}, f64);
+  r.normalized_entropy =
+      at::where(n >= 2, r.entropy / at::log(at::where(n >= 2, nf, at::full_like(nf, 2.0))), zero);
+  const at::Tensor safe_p2 = at::where(has, r.sum_p2, at::ones_like(r.sum_p2));
+  r.sparsity = at::where(has, p.sum(-1) / at::sqrt(at::where(has, nf, at::ones_like(nf)) * safe_p2),
+                         zero);
+  r.effective_keys = at::where(has, 1.0 / safe_p2, zero);
   return r;
 }
 
@@ -207,6 +218,13 @@ void expect_matches_reference(const AttentionResult& r, const AttentionResult& r
   EXPECT_TRUE(all_close(r.max_weight, ref.max_weight, stat_tol(dtype))) << "max_weight";
   EXPECT_TRUE(all_close(r.row_scale, ref.row_scale, stat_tol(dtype))) << "row_scale";
   EXPECT_TRUE(all_close(r.length_factor, ref.length_factor, stat_tol(dtype))) << "length_factor";
+  EXPECT_TRUE(all_close(r.normalized_entropy, ref.normalized_entropy, stat_tol(dtype)))
+      << "normalized_entropy";
+  EXPECT_TRUE(all_close(r.sparsity, ref.sparsity, stat_tol(dtype))) << "sparsity";
+  // 1 / sum p^2 is up to n: compare relative to it.
+  EXPECT_TRUE(all_close(r.effective_keys / ref.effective_keys.clamp_min(1),
+                        ref.effective_keys / ref.effective_keys.clamp_min(1), stat_tol(dtype)))
+      << "effective_keys";
   ASSERT_EQ(r.n_keys.sizes(), ref.n_keys.sizes());
   EXPECT_TRUE(at::equal(r.n_keys, ref.n_keys)) << "n_keys " << r.n_keys << " vs " << ref.n_keys;
 }
@@ -427,6 +445,19 @@ TEST_P(AttentionForward, MatchesReference) {
   expect_matches_reference(via_dispatcher, ref, dtype, "dispatcher");
   expect_matches_reference(via_api, ref, dtype, "C++ API");
   EXPECT_EQ(via_dispatcher.output.sizes(), (std::vector<int64_t>{c.B, c.H, c.Lq, c.Dv}));
+  // Without statistics: the same output, lse and lambda; the statistics empty.
+  const Args& a = in.args;
+  const AttentionResult lean =
+      entropy_attn::attention(in.q, in.k, in.v, a.attn_mask, a.scale, a.is_causal, a.scale_factor,
+                              a.scale_mode, a.temperature, a.log_base, a.enable_gqa,
+                              /*return_stats=*/false);
+  EXPECT_TRUE(all_close(lean.output, ref.output, output_tol(dtype))) << "output without stats";
+  EXPECT_TRUE(all_close(lean.lse, ref.lse, stat_tol(dtype))) << "lse without stats";
+  EXPECT_TRUE(all_close(lean.row_scale, ref.row_scale, stat_tol(dtype)));
+  for (const at::Tensor* t : {&lean.entropy, &lean.sum_p2, &lean.max_weight,
+                              &lean.normalized_entropy, &lean.sparsity, &lean.effective_keys}) {
+    EXPECT_EQ(t->numel(), 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

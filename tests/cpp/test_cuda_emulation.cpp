@@ -311,6 +311,7 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
 
 struct Reference {
   at::Tensor out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor;
+  at::Tensor normalized_entropy, sparsity, effective_keys;
   at::Tensor dq, dk, dv, dlam;  // defined when gradients were asked for
 };
 
@@ -331,6 +332,14 @@ Reference reference(const Case& c, const Inputs& in, bool grads) {
   ref.n_keys = L.n;
   ref.row_scale = L.lam.detach();
   ref.length_factor = L.factor;
+  // The derived statistics from their definitions (0 for empty rows; H / ln n for n >= 2).
+  const at::Tensor z = at::zeros_like(nd);
+  ref.normalized_entropy =
+      at::where(L.n >= 2, ref.entropy / at::where(L.n >= 2, nd, at::full_like(nd, 2.0)).log(), z);
+  const at::Tensor p2 = at::where(L.any, ref.sum_p2, at::ones_like(nd));
+  ref.sparsity =
+      at::where(L.any, p.sum(-1) / (at::where(L.any, nd, at::ones_like(nd)) * p2).sqrt(), z);
+  ref.effective_keys = at::where(L.any, 1.0 / p2, z);
 
   if (grads) {
     at::Tensor loss = (ref.out * in.dout.to(at::kDouble)).sum();
@@ -390,8 +399,8 @@ void run_case_typed(const Case& c, bool backward) {
                                                             options(c)));
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
-  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor] =
-      fwd.outputs;
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = fwd.outputs;
 
   const Reference ref = reference(c, in, backward);
   const at::ScalarType acc = c.dtype == at::kDouble ? at::kDouble : at::kFloat;
@@ -406,6 +415,10 @@ void run_case_typed(const Case& c, bool backward) {
                                              << ref.n_keys;
   expect_close(row_scale, ref.row_scale, tol.stats, "row_scale");
   expect_close(length_factor, ref.length_factor, tol.stats, "length_factor");
+  expect_close(normalized_entropy, ref.normalized_entropy, tol.stats, "normalized_entropy");
+  expect_close(sparsity, ref.sparsity, tol.stats, "sparsity");
+  expect_close(effective_keys / ref.effective_keys.clamp_min(1),
+               ref.effective_keys / ref.effective_keys.clamp_min(1), tol.stats, "effective_keys");
   if (c.nan_row && c.Lq > 2) {
     // NaN in query row 2 of (b, h) = (0, 0): that row's output and statistics are NaN, no other.
     EXPECT_TRUE(out[0][0][2].isnan().all().item<bool>());

@@ -217,9 +217,15 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
       p.row_scale[row] = tr.lam[r];
       p.length_factor[row] = tr.factor[r];
       p.lse[row] = res.lse;
-      p.entropy[row] = res.entropy;
-      p.sum_p2[row] = res.sum_p2;
-      p.max_weight[row] = res.max_weight;
+      if (p.entropy != nullptr) {  // a call with statistics
+        const DerivedStats<Acc> d = derive(res.entropy, res.sum_p2, tr.n[r]);
+        p.entropy[row] = res.entropy;
+        p.sum_p2[row] = res.sum_p2;
+        p.max_weight[row] = res.max_weight;
+        p.normalized_entropy[row] = d.normalized_entropy;
+        p.sparsity[row] = d.sparsity;
+        p.effective_keys[row] = d.effective_keys;
+      }
     }
   }
 }

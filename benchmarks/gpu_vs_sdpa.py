@@ -1,91 +1,231 @@
-"""Forward and forward+backward time of torch_ext.attention against F.scaled_dot_product_attention
-on a CUDA GPU, in one process.
+"""torch_ext.attention against F.scaled_dot_product_attention on a CUDA GPU, in one process.
 
-For each (dtype, head dim, causal, sequence length), times with CUDA events (median of blocks):
-  * SDPA with PyTorch's default backend selection (no statistics); the backend it picks is
-    reported (``torch._fused_sdp_choice``), and ``--sdpa-backends`` times chosen ones explicitly;
-  * ours: ``torch_ext.attention(..., return_stats=True)`` (output and every per-row statistic);
-  * forward+backward of both (gradients w.r.t. q, k, v from the output), and ours with a loss on
-    the entropy as well (entropy regularization, which SDPA cannot do without the L x L matrix).
-Prints a Markdown table with the ratios ours / SDPA (lower is better) and writes it to
-``results/gpu/benchmark.md``. Without a GPU it says so and exits 0.
+Each point (dtype x H:Hkv x head dim x causal x L x kernel family) is timed with CUDA events (median
+of blocks), ours and SDPA in the same run: ``fwd_stats`` (ours with ``return_stats=True``: output and
+every per-row statistic), ``fwd`` (``return_stats=False``), both against SDPA's forward, and
+``fwd_bwd`` (forward + backward of the output: grads of q, k, v). SDPA runs per backend by name
+(cudnn, flash, efficient; a backend that refuses a point gets null); ratios (ours / SDPA, lower is
+better) are against the fastest. Times also come as TFLOP/s (forward 4·B·H·Lq·Lk·D, halved when
+causal; forward+backward 3.5x) and as a fraction of the matmul peak measured at startup. ``--family``
+sets ENTROPY_ATTN_CUDA_FAMILY before ours runs; a point records the family requested (the extension
+may still fall back where it has no kernel). Points over 70% of the free memory, or out of memory,
+are recorded as skipped. Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
+nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
+--check found a mismatch.
 
-    python3 benchmarks/gpu_vs_sdpa.py                                   # full table (B=4, H=16)
-    python3 benchmarks/gpu_vs_sdpa.py --dtype bfloat16 --head-dim 128 --seq 4096 8192 --causal yes
-    python3 benchmarks/gpu_vs_sdpa.py --sdpa-backends flash efficient cudnn --no-backward
+    python3 benchmarks/gpu_vs_sdpa.py                       # full grid (B=4; H:Hkv 16:16 and 32:8)
+    python3 benchmarks/gpu_vs_sdpa.py --quick --check       # smoke run, outputs and grads checked first
+    python3 benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 128 --seq 4096 --causal yes \\
+        --heads-kv 32:8 --family fallback sm80 --no-backward --out-json ''
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import math
 import os
-import platform
 import shlex
+import subprocess
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-DTYPES: Dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-BACKENDS: Dict[str, SDPBackend] = {
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MD = os.path.join(REPO_ROOT, "results", "gpu", "benchmark.md")
+DEFAULT_JSON = os.path.join(REPO_ROOT, "results", "gpu", "benchmark.json")
+DTYPES: Dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES: Dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
+SDPA_BACKENDS: Dict[str, SDPBackend] = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
 }
-BACKEND_NAMES: Dict[int, str] = {int(b.value): name for name, b in BACKENDS.items()}
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO_ROOT, "results", "gpu", "benchmark.md")
+FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
+FAMILIES = ("auto", "fallback", "sm80")
+KINDS = ("fwd_stats", "fwd", "fwd_bwd")
+TFLOPS_KEYS = ("ours_fwd_stats", "ours_fwd", "ours_fwd_bwd", "sdpa_fwd", "sdpa_fwd_bwd")
+ERR_KEYS = ("out", "dq", "dk", "dv")
+BWD_FACTOR = 3.5  # forward + backward = 3.5 x forward (FlashAttention's convention: backward 2.5x)
+MEM_FRACTION = 0.7
+MATMUL_N = 8192
+#: (atol, rtol) of --check: a point mismatches where max|ours - SDPA| > atol + rtol * max|SDPA|.
+CHECK_TOL: Dict[str, Dict[str, Tuple[float, float]]] = {
+    "bfloat16": {"out": (2e-2, 2e-2), "grad": (2e-2, 5e-2)},
+    "float16": {"out": (3e-3, 3e-3), "grad": (3e-3, 1e-2)},
+}
+GRID = ("dtype", "batch", "heads_kv", "head_dim", "seq", "min_run_time")
+DEFAULTS = dict(zip(GRID, (["bfloat16", "float16"], 4, [(16, 16), (32, 8)], [64, 128, 256], [1024, 4096, 16384], 0.5)))
+QUICK = dict(zip(GRID, (["bfloat16"], 2, [(16, 16), (32, 8)], [64, 128], [1024], 0.1)))
+Times = Dict[str, Optional[float]]
+Timer = Callable[[Callable[[], object], float], float]
 
 
-def import_torch_ext() -> Any:
-    """The extension package: the installed one, else the one in this checkout (built in place)."""
-    try:
-        import torch_ext
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import torch_ext
-    return torch_ext
-
-
-@dataclass
-class Config:
-    """One row of the table."""
+@dataclass(frozen=True)
+class Shape:
+    """One point of the grid, less the kernel family."""
 
     dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
     head_dim: int
+    seq_len: int
     causal: bool
-    seq: int
+
+    @property
+    def gqa(self) -> bool:
+        """Whether query heads share key/value heads."""
+        return self.heads != self.kv_heads
 
 
 @dataclass
-class Row:
-    """Measured times (ms) of one configuration; None where not measured, `errors` where a call failed."""
+class Inputs:
+    """The tensors of one point: q, k, v (requiring grad) and the output gradient."""
 
-    config: Config
-    backend: str = "?"
-    times: Dict[str, Optional[float]] = field(default_factory=dict)
-    errors: List[str] = field(default_factory=list)
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+
+
+def parse_heads_kv(text: str) -> Tuple[int, int]:
+    """'H:Hkv' -> (H, Hkv); both positive, H a multiple of Hkv."""
+    try:
+        heads, kv_heads = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads-kv wants 'H:Hkv' pairs such as 32:8, got {text!r}") from None
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"--heads-kv {text!r}: H and Hkv must be positive, H a multiple of Hkv")
+    return heads, kv_heads
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Command-line arguments; grid flags left out take --quick's or the full grid's values."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke grid: bf16, B=2, D 64 128, L 1024")
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPE_NAMES), help="default bf16 fp16")
+    p.add_argument("--batch", type=int, help="B (default 4)")
+    p.add_argument("--heads-kv", nargs="+", type=parse_heads_kv, metavar="H:Hkv", help="default 16:16 32:8")
+    p.add_argument("--head-dim", nargs="+", type=int, help="default 64 128 256")
+    p.add_argument("--seq", nargs="+", type=int, help="Lq = Lk (default 1024 4096 16384)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--family", nargs="+", choices=FAMILIES, default=["auto"], help=f"sets {FAMILY_ENV}")
+    p.add_argument("--no-backward", dest="backward", action="store_false", help="skip fwd_bwd")
+    p.add_argument("--check", action="store_true", help="compare output (and grads) with SDPA's first")
+    p.add_argument("--min-run-time", type=float, help="seconds per measurement (default 0.5, --quick 0.1)")
+    p.add_argument("--out-md", default=DEFAULT_MD, help="Markdown file ('' to skip)")
+    p.add_argument("--out-json", default=DEFAULT_JSON, help="JSON file ('' to skip)")
+    p.add_argument("--require-gpu", action="store_true", help="exit 1 (not 0) without a CUDA device")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = list(dict.fromkeys(DTYPE_NAMES[d] for d in args.dtype))
+    return args
+
+
+def expand_grid(args: argparse.Namespace) -> List[Shape]:
+    """The shapes of the grid (families apart), in table order."""
+    causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    return [
+        Shape(dt, args.batch, h, hkv, d, seq, c)
+        for dt in args.dtype for h, hkv in args.heads_kv for d in args.head_dim for c in causal for seq in args.seq
+    ]  # fmt: skip
+
+
+def attention_flops(shape: Shape, backward: bool = False) -> float:
+    """4·B·H·Lq·Lk·D (two matmuls; query heads H, not Hkv), halved when causal; x3.5 with backward."""
+    flops = 4.0 * shape.batch * shape.heads * shape.seq_len * shape.seq_len * shape.head_dim
+    flops = flops / 2 if shape.causal else flops
+    return flops * BWD_FACTOR if backward else flops
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    """num / den; None when either is missing or den is not positive."""
+    return None if num is None or den is None or den <= 0 else num / den
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    """TFLOP/s of `flops` done in `ms` milliseconds; None without a time."""
+    return None if ms is None or ms <= 0 else flops / (ms * 1e-3) / 1e12
+
+
+def fastest(by_backend: Dict[str, Times], kind: str) -> Tuple[Optional[str], Optional[float]]:
+    """(name, ms) of the fastest SDPA backend for `kind` ("fwd" or "fwd_bwd"); (None, None) if none ran."""
+    timed = [(t[kind], name) for name, t in by_backend.items() if t.get(kind) is not None]
+    return (min(timed)[1], min(timed)[0]) if timed else (None, None)
+
+
+def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], peak: Optional[float], *,
+                skipped: Optional[str] = None, errors: Sequence[str] = (), max_abs_err: Optional[Times] = None,
+                mismatch: Optional[bool] = None) -> Dict[str, Any]:  # fmt: skip
+    """The JSON record of one point from ours' times by kind and SDPA's by backend then kind (missing
+    ones None). "sdpa_backend" is the fastest backend in the forward; each measurement also names the
+    backend it is compared with."""
+    by_backend = {name: {k: sdpa.get(name, {}).get(k) for k in ("fwd", "fwd_bwd")} for name in SDPA_BACKENDS}
+    fwd_name, fwd_ms = fastest(by_backend, "fwd")
+    bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
+    point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
+    point.update(kv_heads=shape.kv_heads, causal=shape.causal, family=family, sdpa_backend=fwd_name)
+    against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
+    for kind, (name, ms) in against.items():
+        point[kind] = {"ours_ms": ours.get(kind), "sdpa_ms": ms, "ratio": ratio(ours.get(kind), ms), "sdpa_backend": name}
+    point["sdpa_ms_by_backend"] = by_backend
+    times = [ours.get("fwd_stats"), ours.get("fwd"), ours.get("fwd_bwd"), fwd_ms, bwd_ms]
+    point["tflops"] = {k: tflops(attention_flops(shape, k.endswith("bwd")), t) for k, t in zip(TFLOPS_KEYS, times)}
+    point["peak_fraction"] = {k: ratio(v, peak) for k, v in point["tflops"].items()}
+    point.update(max_abs_err=max_abs_err, mismatch=mismatch, skipped=skipped, errors=list(errors))
+    return point
+
+
+def is_mismatch(errs: Times, scales: Dict[str, float], dtype: str) -> bool:
+    """Whether an error is beyond CHECK_TOL (relative to max|reference| in `scales`); NaN is one."""
+    for key in ERR_KEYS:
+        atol, rtol = CHECK_TOL[dtype]["out" if key == "out" else "grad"]
+        err = errs.get(key)
+        if err is not None and not err <= atol + rtol * scales.get(key, 0.0):
+            return True
+    return False
+
+
+def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
+    """Memory of a point: q, k, v, output and statistics; with backward dout, grads and a float32 dQ
+    workspace; with --check the reference's output and grads (and k, v expanded for GQA)."""
+    nq = shape.batch * shape.heads * shape.seq_len * shape.head_dim
+    nkv = shape.batch * shape.kv_heads * shape.seq_len * shape.head_dim
+    elems = (2 * nq + 2 * nkv) * (2 if backward else 1)
+    if check:
+        elems += (2 * nq + 2 * nkv if backward else nq) + (2 * nq * (2 if backward else 1) if shape.gqa else 0)
+    workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
+    return elems * DTYPES[shape.dtype].itemsize + workspace
+
+
+def memory_skip_reason(need: int, free: int) -> Optional[str]:
+    """Why a point needing `need` bytes is skipped with `free` bytes free, or None if it fits."""
+    if need <= MEM_FRACTION * free:
+        return None
+    return f"needs ~{need / 2**30:.1f} GiB, over {MEM_FRACTION:.0%} of the {free / 2**30:.1f} GiB free"
 
 
 def cuda_time_ms(fn: Callable[[], object], min_run_time: float, blocks: int = 5) -> float:
-    """Median time of one call of `fn` in ms: `blocks` blocks of n calls between CUDA events, with n
+    """Median time of one call of `fn` in ms: `blocks` blocks of n calls between CUDA events, n
     chosen so that the blocks take about `min_run_time` seconds together (after a warm-up)."""
-    for _ in range(2):
-        fn()
+    fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     end.synchronize()
-    one = max(start.elapsed_time(end), 1e-3)  # ms
-    n = max(1, int(min_run_time * 1e3 / blocks / one))
+    n = max(1, int(min_run_time * 1e3 / blocks / max(start.elapsed_time(end), 1e-3)))
     per_call = []
     for _ in range(blocks):
         start.record()
@@ -97,143 +237,228 @@ def cuda_time_ms(fn: Callable[[], object], min_run_time: float, blocks: int = 5)
     return sorted(per_call)[len(per_call) // 2]
 
 
-def sdpa_backend_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
-    """Which fused SDPA backend the default selection picks for these inputs."""
+@dataclass
+class Run:
+    """What the points of one run share: the extension module, the options and the timer."""
+
+    ext: Any
+    backward: bool = True
+    check: bool = False
+    min_run_time: float = 0.5
+    device: str = "cuda"
+    timer: Timer = cuda_time_ms
+
+
+def describe(e: BaseException) -> str:
+    """An exception in one line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def try_time(fn: Callable[[], object], run: Run, errors: Optional[List[str]], label: str) -> Optional[float]:
+    """run.timer(fn), or None if a call is refused (noted in `errors` unless None); OOM propagates."""
     try:
-        choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal))
-    except (AttributeError, RuntimeError, TypeError):
-        return "default"
-    return BACKEND_NAMES.get(choice, f"backend {choice}")
-
-
-def measure_config(
-    cfg: Config, batch: int, heads: int, backward: bool, explicit: Sequence[str], min_run_time: float
-) -> Row:
-    """Time SDPA (default selection and the `explicit` backends) and ours for one configuration."""
-    torch_ext = import_torch_ext()
-    row = Row(cfg)
-    dtype = DTYPES[cfg.dtype]
-    shape = (batch, heads, cfg.seq, cfg.head_dim)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-    dout = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-    dent = torch.randn((batch, heads, cfg.seq), device="cuda", dtype=torch.float32, generator=gen)
-    causal = cfg.causal
-    with torch.no_grad():  # the choice may depend on whether gradients are needed
-        fwd_backend = sdpa_backend_name(q, k, v, causal)
-    train_backend = sdpa_backend_name(q, k, v, causal)
-    row.backend = fwd_backend if fwd_backend == train_backend or not backward else f"{fwd_backend} / {train_backend}"
-
-    def sdpa_fwd() -> object:
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    def sdpa_fwd_bwd() -> object:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return torch.autograd.grad(out, (q, k, v), dout)
-
-    def ours_fwd() -> object:
-        with torch.no_grad():
-            return torch_ext.attention(q, k, v, is_causal=causal, return_stats=True)
-
-    def ours_fwd_bwd() -> object:
-        out, _ = torch_ext.attention(q, k, v, is_causal=causal, return_stats=True)
-        return torch.autograd.grad(out, (q, k, v), dout)
-
-    def ours_fwd_bwd_entropy() -> object:
-        out, st = torch_ext.attention(q, k, v, is_causal=causal, return_stats=True)
-        return torch.autograd.grad((out, st.entropy), (q, k, v), (dout, dent))
-
-    cases: Dict[str, Callable[[], object]] = {"sdpa_fwd": sdpa_fwd, "ours_fwd": ours_fwd}
-    if backward:
-        cases.update(sdpa_fwd_bwd=sdpa_fwd_bwd, ours_fwd_bwd=ours_fwd_bwd, ours_fwd_bwd_ent=ours_fwd_bwd_entropy)
-    for name, fn in cases.items():
-        row.times[name] = timed(fn, min_run_time, row, name)
-    for bname in explicit:
-        with sdpa_kernel(BACKENDS[bname]):
-            row.times[f"sdpa_{bname}_fwd"] = timed(sdpa_fwd, min_run_time, row, f"sdpa {bname} fwd", expected=True)
-            if backward:
-                row.times[f"sdpa_{bname}_fwd_bwd"] = timed(
-                    sdpa_fwd_bwd, min_run_time, row, f"sdpa {bname} fwd+bwd", expected=True
-                )
-    del q, k, v, dout, dent
-    torch.cuda.empty_cache()
-    return row
-
-
-def timed(fn: Callable[[], object], min_run_time: float, row: Row, name: str, expected: bool = False) -> Optional[float]:
-    """cuda_time_ms, or None (recorded in row.errors unless `expected`) if the call fails (e.g. an
-    explicitly chosen SDPA backend that does not support the inputs, or out of memory)."""
-    try:
-        return cuda_time_ms(fn, min_run_time)
-    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as e:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        if not expected:
-            row.errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return run.timer(fn, run.min_run_time)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as e:
+        if errors is not None:
+            errors.append(f"{label}: {describe(e)}")
         return None
 
 
-def fmt_ms(t: Optional[float]) -> str:
-    """A time in ms, or n/a."""
-    return "n/a" if t is None else (f"{t:.3f}" if t < 1 else f"{t:.2f}")
+def make_inputs(shape: Shape, device: str) -> Inputs:
+    """Seeded standard-normal q and dout (B, H, L, D), k and v (B, Hkv, L, D)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(heads: int, grad: bool = True) -> torch.Tensor:
+        size = (shape.batch, heads, shape.seq_len, shape.head_dim)
+        return torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen).requires_grad_(grad)
+
+    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), rand(shape.heads, False))
 
 
-def fmt_ratio(a: Optional[float], b: Optional[float]) -> str:
-    """a / b as '1.23x', or n/a."""
-    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+def timed_calls(attn: Callable[..., Any], x: Inputs) -> Tuple[Callable[[], object], Callable[[], object]]:
+    """The two timed calls of `attn(q, k, v)`: forward (no grad) and forward + backward of the output."""
+
+    def fwd() -> object:
+        with torch.no_grad():
+            return attn(x.q, x.k, x.v)
+
+    def fwd_bwd() -> object:
+        return torch.autograd.grad(attn(x.q, x.k, x.v), (x.q, x.k, x.v), x.dout)
+
+    return fwd, fwd_bwd
 
 
-def markdown(rows: Sequence[Row], header: str, backward: bool, explicit: Sequence[str]) -> str:
-    """The results as a Markdown document (header paragraph and one table)."""
-    cols = ["dtype", "D", "causal", "L", "SDPA backend", "SDPA fwd (ms)", "ours fwd + stats (ms)", "fwd ratio"]
-    if backward:
-        cols += ["SDPA fwd+bwd (ms)", "ours fwd+bwd (ms)", "fwd+bwd ratio", "ours fwd+bwd, entropy loss too (ms)"]
-    for b in explicit:
-        cols += [f"SDPA {b} fwd (ms)"] + ([f"SDPA {b} fwd+bwd (ms)"] if backward else [])
-    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        c, t = r.config, r.times
-        cells = [c.dtype, str(c.head_dim), "yes" if c.causal else "no", str(c.seq), r.backend,
-                 fmt_ms(t.get("sdpa_fwd")), fmt_ms(t.get("ours_fwd")), fmt_ratio(t.get("ours_fwd"), t.get("sdpa_fwd"))]  # fmt: skip
-        if backward:
-            cells += [
-                fmt_ms(t.get("sdpa_fwd_bwd")),
-                fmt_ms(t.get("ours_fwd_bwd")),
-                fmt_ratio(t.get("ours_fwd_bwd"), t.get("sdpa_fwd_bwd")),
-                fmt_ms(t.get("ours_fwd_bwd_ent")),
-            ]
-        for b in explicit:
-            cells += [fmt_ms(t.get(f"sdpa_{b}_fwd"))] + ([fmt_ms(t.get(f"sdpa_{b}_fwd_bwd"))] if backward else [])
-        lines.append("| " + " | ".join(cells) + " |")
-    errors = [f"- {r.config.dtype} D={r.config.head_dim} causal={r.config.causal} L={r.config.seq}: {e}"
-              for r in rows for e in r.errors]  # fmt: skip
-    if errors:
-        lines += ["", "Failures:", ""] + errors
-    return "\n".join(lines) + "\n"
+def ours_fn(ext: Any, shape: Shape, stats: bool = False) -> Callable[..., Any]:
+    """ours(q, k, v) for a shape."""
+    return lambda q, k, v: ext.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, return_stats=stats)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Command-line arguments."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], nargs="+", default=["bfloat16", "float16"])
-    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument(
-        "--fp32-seq", type=int, nargs="*", default=[2048],
-        help="sequence lengths of the float32 rows (first head dim, not causal); none to skip",
-    )  # fmt: skip
-    p.add_argument("--no-backward", dest="backward", action="store_false", help="time the forward only")
-    p.add_argument(
-        "--sdpa-backends", nargs="*", choices=sorted(BACKENDS), default=[],
-        help="SDPA backends to also time explicitly (sdpa_kernel); n/a where one does not support the inputs",
-    )  # fmt: skip
-    p.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (all blocks)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="Markdown file to write ('' to skip)")
-    return p.parse_args(argv)
+def measure_sdpa(x: Inputs, shape: Shape, run: Run) -> Dict[str, Times]:
+    """SDPA's times by backend name and kind; None where the backend refuses the point."""
+    fwd, fwd_bwd = timed_calls(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa), x
+    )
+    times: Dict[str, Times] = {}
+    for name, backend in SDPA_BACKENDS.items():
+        with warnings.catch_warnings(), sdpa_kernel(backend):
+            warnings.simplefilter("ignore")  # a refusing backend warns why before it raises
+            times[name] = {"fwd": try_time(fwd, run, None, name)}
+            times[name]["fwd_bwd"] = try_time(fwd_bwd, run, None, name) if run.backward else None
+    return times
+
+
+def measure_ours(x: Inputs, shape: Shape, run: Run, errors: List[str]) -> Times:
+    """Ours' times by kind; None where a call failed (noted in `errors`)."""
+    fwd, fwd_bwd = timed_calls(ours_fn(run.ext, shape), x)
+    return {
+        "fwd_stats": try_time(timed_calls(ours_fn(run.ext, shape, True), x)[0], run, errors, "fwd_stats"),
+        "fwd": try_time(fwd, run, errors, "fwd"),
+        "fwd_bwd": try_time(fwd_bwd, run, errors, "fwd_bwd") if run.backward else None,
+    }
+
+
+def check_point(x: Inputs, shape: Shape, run: Run) -> Tuple[Times, bool]:
+    """Max abs errors of ours against SDPA (fused backends only: the math one would hold L x L; k
+    and v expanded for GQA) and whether one is beyond CHECK_TOL."""
+    rep = shape.heads // shape.kv_heads
+
+    def outputs_and_grads(attn: Callable[..., torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        if not run.backward:  # [out, dq, dk, dv]
+            with torch.no_grad():
+                return [attn(x.q, x.k, x.v), None, None, None]
+        out = attn(x.q, x.k, x.v)
+        return [out.detach(), *torch.autograd.grad(out, (x.q, x.k, x.v), x.dout)]
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)) if shape.gqa else (k, v)
+        with sdpa_kernel(list(SDPA_BACKENDS.values())):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+    ref = outputs_and_grads(reference)
+    ours = outputs_and_grads(ours_fn(run.ext, shape))
+    errs = {k: None if a is None else (a.float() - b.float()).abs().max().item() for k, a, b in zip(ERR_KEYS, ours, ref)}
+    scales = {k: 0.0 if b is None else b.float().abs().max().item() for k, b in zip(ERR_KEYS, ref)}
+    bad = is_mismatch(errs, scales, shape.dtype)
+    return {k: e if e is None or math.isfinite(e) else None for k, e in errs.items()}, bad  # JSON has no NaN
+
+
+def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times], run: Run, peak: Optional[float]) -> Dict[str, Any]:  # fmt: skip
+    """One point: set the family, check against SDPA (with --check), time ours, build the record."""
+    os.environ[FAMILY_ENV] = family
+    errors: List[str] = []
+    errs, bad = None, None
+    if run.check:
+        try:
+            errs, bad = check_point(x, shape, run)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError) as e:
+            errors.append(f"check: {describe(e)}")
+    ours = measure_ours(x, shape, run, errors)
+    return build_point(shape, family, ours, sdpa, peak, errors=errors, max_abs_err=errs, mismatch=bad)
+
+
+def measure_shape(shape: Shape, families: Sequence[str], run: Run, peak: Optional[float], free: Optional[int]) -> List[Dict[str, Any]]:  # fmt: skip
+    """The points of one shape, one per family (SDPA timed once for all); skipped ones when the
+    memory guard says so (`free` bytes free; None: no guard) or on out of memory."""
+    reason = None if free is None else memory_skip_reason(estimate_bytes(shape, run.backward, run.check), free)
+    points: List[Dict[str, Any]] = []
+    if reason is None:
+        try:
+            x = make_inputs(shape, run.device)
+            sdpa = measure_sdpa(x, shape, run)
+            for family in families:
+                points.append(measure_family(x, shape, family, sdpa, run, peak))
+        except torch.cuda.OutOfMemoryError:
+            reason = "out of memory"
+        x = sdpa = None  # type: ignore[assignment]  # freed (the exception and its frames are gone here)
+        if run.device == "cuda":
+            torch.cuda.empty_cache()
+    return points + [build_point(shape, f, {}, {}, peak, skipped=reason) for f in families[len(points) :]]
+
+
+def matmul_peak_tflops(dtype: str, min_run_time: float, n: int = MATMUL_N) -> Optional[float]:
+    """TFLOP/s of an n x n x n torch.matmul in `dtype` (median of blocks); None on out of memory."""
+    try:
+        a, b = (torch.randn(n, n, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
+        ms: Optional[float] = cuda_time_ms(lambda: torch.matmul(a, b), min_run_time)
+    except torch.cuda.OutOfMemoryError:
+        ms = None
+    a = b = None  # type: ignore[assignment]
+    torch.cuda.empty_cache()
+    return tflops(2.0 * n**3, ms)
+
+
+def environment(command: str) -> Dict[str, Any]:
+    """The header of the JSON: device, driver, versions, the checkout's commit (the kernels measured), date."""
+
+    def run_quiet(cmd: List[str]) -> str:  # a read-only command's stdout, '' if it fails
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO_ROOT).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    props = torch.cuda.get_device_properties(0)
+    driver = run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()
+    return {
+        "device": f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
+        "driver": driver[0] if driver else "unknown",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "commit": run_quiet(["git", "rev-parse", "HEAD"]) or "unknown",
+        "dirty": bool(run_quiet(["git", "--no-optional-locks", "status", "--porcelain", "--", "csrc/"])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
+def fmt(value: Optional[float], spec: str = ".3g", suffix: str = "") -> str:
+    """A number for the tables, or n/a."""
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def note(p: Dict[str, Any]) -> str:
+    """The note cell of a point: skipped, the check's result and largest error, failures."""
+    parts = [f"skipped: {p['skipped']}"] if p["skipped"] else []
+    if p["max_abs_err"] is not None:
+        worst = max((e for e in p["max_abs_err"].values() if e is not None), default=None)
+        parts.append(f"{'MISMATCH' if p['mismatch'] else 'checked'}, max err {fmt(worst, '.2g')}")
+    return "; ".join(parts + ([f"{len(p['errors'])} failure(s)"] if p["errors"] else []))
+
+
+def markdown(result: Dict[str, Any], backward: bool) -> str:
+    """The report: a header line and three tables (times and ratios, throughput, SDPA by backend)."""
+    peaks = ", ".join(f"{k} {fmt(v, '.0f')}" for k, v in result["matmul_peak_tflops"].items())
+    lines = [
+        f"{result['device']}, driver {result['driver']}, torch {result['torch']}, CUDA {result['cuda']}, commit "
+        f"{result['commit'][:12]}{' (csrc/ modified)' if result['dirty'] else ''}, {result['date']}; "
+        f"command: `{result['command']}`",
+        "",
+        "Times: medians of CUDA-event blocks (ms); ratio = ours / fastest SDPA backend (lower is better); "
+        "TFLOP/s count 4·B·H·L²·D per forward (halved when causal), 3.5x that for forward+backward; "
+        f"matmul peak (TFLOP/s, 8192³): {peaks}.",
+    ]
+    keys = ["dtype", "B", "H:Hkv", "D", "L", "causal", "family"]
+
+    def table(title: str, cols: List[str], cells: Callable[[Dict[str, Any]], List[str]]) -> None:
+        lines.extend(["", f"## {title}", "", "| " + " | ".join(keys + cols) + " |", "|" + "---|" * (len(keys) + len(cols))])  # fmt: skip
+        for p in result["points"]:
+            key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", p["family"]]  # fmt: skip
+            lines.append("| " + " | ".join(str(c) for c in key + cells(p)) + " |")
+
+    kinds = KINDS if backward else KINDS[:2]
+    table("Times (ms): ours / SDPA / ratio", ["SDPA backend"] + list(kinds) + ["note"], lambda p: [p["sdpa_backend"] or "n/a"]
+          + [f"{fmt(p[k]['ours_ms'])} / {fmt(p[k]['sdpa_ms'])} / {fmt(p[k]['ratio'], '.2f', 'x')}" for k in kinds] + [note(p)])  # fmt: skip
+    tkeys = [k for k in TFLOPS_KEYS if backward or not k.endswith("bwd")]
+    table("TFLOP/s (fraction of the matmul peak)", tkeys, lambda p: [f"{fmt(p['tflops'][k], '.1f')} ({fmt(p['peak_fraction'][k], '.0%')})" for k in tkeys])  # fmt: skip
+    sdpa_kinds = ("fwd", "fwd_bwd") if backward else ("fwd",)
+    table("SDPA by backend (ms; n/a: refused)", [f"{b} {k}" for b in SDPA_BACKENDS for k in sdpa_kinds],
+          lambda p: [fmt(p["sdpa_ms_by_backend"][b][k]) for b in SDPA_BACKENDS for k in sdpa_kinds])  # fmt: skip
+    errors = [f"- {p['dtype']} {p['heads']}:{p['kv_heads']} D={p['head_dim']} L={p['seq_len']} causal={p['causal']} "
+              f"{p['family']}: {e}" for p in result["points"] for e in p["errors"]]  # fmt: skip
+    return "\n".join(lines + (["", "## Failures", ""] + errors if errors else [])) + "\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -241,45 +466,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "gpu_vs_sdpa: no CUDA device is visible (torch.cuda.is_available() is False): nothing to "
-            "benchmark. Run it on a GPU machine (bash scripts/gpu_suite.sh runs it after the tests)."
+            "gpu_vs_sdpa: no CUDA device is visible (torch.cuda.is_available() is False): nothing "
+            f"benchmarked, nothing written{' (--require-gpu: failing)' if args.require_gpu else ''}."
         )
-        return 0
-    import_torch_ext()  # registers the operators
+        return 1 if args.require_gpu else 0
+    try:
+        import torch_ext as ext
+    except ImportError:  # not installed: the one built in place in this checkout
+        sys.path.insert(0, REPO_ROOT)
+        import torch_ext as ext
     if not torch._C._dispatch_has_kernel_for_dispatch_key("entropy_attn::attention", "CUDA"):
         print("gpu_vs_sdpa: torch_ext has no CUDA kernel for entropy_attn::attention (built without CUDA?)")
         return 1
-
-    causal_opts = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    configs = [Config(dt, d, c, s) for dt in args.dtype for d in args.head_dim for c in causal_opts for s in args.seq]
-    configs += [Config("float32", args.head_dim[0], False, s) for s in args.fp32_seq]
-    rows = [
-        measure_config(cfg, args.batch, args.heads, args.backward, args.sdpa_backends, args.min_run_time)
-        for cfg in tqdm(configs, desc="configurations", file=sys.stderr)
-    ]
-
-    props = torch.cuda.get_device_properties(0)
-    header = (
-        f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}, {platform.node()}, {datetime.date.today().isoformat()}; "
-        f"B={args.batch}, H={args.heads}; times are medians of CUDA-event blocks; ratio = ours / SDPA "
-        f"(lower is better); ours returns the output and every per-row statistic, SDPA the output only; "
-        f"fwd+bwd = gradients of q, k, v from the output; 'SDPA backend' is the default selection "
-        f"(forward / forward+backward where they differ).\n\n"
-        f"Command: `python3 benchmarks/gpu_vs_sdpa.py {shlex.join(argv if argv is not None else sys.argv[1:])}`"
-    )
-    text = markdown(rows, header, args.backward, args.sdpa_backends)
+    run = Run(ext, backward=args.backward, check=args.check, min_run_time=args.min_run_time)
+    command = "python3 benchmarks/gpu_vs_sdpa.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    result = environment(command.strip())
+    result["matmul_peak_tflops"] = peaks = {dt: matmul_peak_tflops(dt, args.min_run_time) for dt in args.dtype}
+    saved, points = os.environ.get(FAMILY_ENV), []
+    try:
+        for shape in tqdm(expand_grid(args), desc="gpu_vs_sdpa", unit="shape", file=sys.stderr):
+            points += measure_shape(shape, args.family, run, peaks[shape.dtype], torch.cuda.mem_get_info()[0])
+    finally:  # the family variable as it was
+        if saved is None:
+            os.environ.pop(FAMILY_ENV, None)
+        else:
+            os.environ[FAMILY_ENV] = saved
+    result["points"] = points
+    text = markdown(result, args.backward)
     print("\n" + text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"written to {args.out}")
-    failed = [r for r in rows if r.errors]
+    for path, content in ((args.out_md, text), (args.out_json, json.dumps(result, indent=1) + "\n")):
+        if path:  # '' skips
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(content)
+            print(f"written to {path}")
+    failed = [p for p in points if p["errors"] or p["mismatch"]]
     if failed:
-        print(f"gpu_vs_sdpa: {sum(len(r.errors) for r in failed)} measurement(s) failed (see 'Failures')")
-        return 1
-    return 0
+        print(f"gpu_vs_sdpa: {len(failed)} point(s) with failures or mismatches (see the notes)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

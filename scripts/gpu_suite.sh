@@ -129,19 +129,29 @@ else
   finish "ok (${tally}; ${other_skips} other skips)"
 fi
 
+# --- 4b. the CUDA tests once more with each kernel family forced (csrc/cuda/family.h) -------------
+# The run above uses the default choice; here every CUDA test runs with ENTROPY_ATTN_CUDA_FAMILY
+# set to each family (the tensor-core family where it applies, the fallback elsewhere).
+for family in ${CUDA_FAMILIES:-fallback sm80}; do
+  begin "pytest -k cuda, ENTROPY_ATTN_CUDA_FAMILY=${family}"
+  family_log=$LOG_DIR/pytest_${family}.log
+  fam_rc=0
+  ENTROPY_ATTN_CUDA_FAMILY=$family ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -k "cuda or CUDA" \
+    -p no:cacheprovider "$@" 2>&1 | tee "$family_log" || fam_rc=$?
+  tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$family_log" | tail -1 | tr -d '=' | xargs || true)
+  if ((fam_rc != 0)); then finish "FAILED (${tally:-no tally})"; else finish "ok (${tally})"; fi
+done
+
 # --- 5. optional: the C++ suite ------------------------------------------------------------------
 if [[ ${RUN_CPP:-0} != 0 ]]; then
   begin "C++ suite (CMake + CTest)"
   if RUN_PY=0 bash tests/run_all.sh; then finish ok; else finish "FAILED"; fi
 fi
 
-# --- 6. ptxas report (registers, spills, shared memory of the CUDA kernels) ----------------------
-begin "ptxas report"
-if [[ -f scripts/ptxas_report.py ]]; then
-  if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log"; then finish ok; else finish "FAILED"; fi
-else
-  finish "skipped (scripts/ptxas_report.py not present)"
-fi
+# --- 6. ptxas report and SASS check (registers, spills, shared memory; tensor-core instructions) --
+begin "ptxas report + SASS check"
+if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log" &&
+   "$PYTHON" scripts/sass_check.py 2>&1 | tee "$LOG_DIR/sass.log"; then finish ok; else finish "FAILED"; fi
 
 # --- 7. GPU benchmark against SDPA (writes results/gpu/benchmark.md) ------------------------------
 begin "benchmark (benchmarks/gpu_vs_sdpa.py)"

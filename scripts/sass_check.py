@@ -1,0 +1,150 @@
+"""Static SASS gate of the tensor-core family: reads the machine code of the built extension.
+
+For every architecture in the built `torch_ext/_C*.so` (cuobjdump -sass), checks that the kernels
+of the sm80 family (namespace entropy_attn::cuda::sm80) are built the way the fastest attention
+kernels are:
+  * forward kernels: tensor-core MMA (HMMA.16816.F32 with the input type), ldmatrix (LDSM),
+    16-byte asynchronous copies (LDGSTS), exp2 on the special-function unit (MUFU.EX2);
+  * backward main and dq kernels: HMMA, LDSM, LDGSTS; the main kernel also accumulates dQ with
+    reductions (RED or ATOM);
+  * every kernel of the family: no local memory (LDL/STL: register spills or stack arrays).
+Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each
+architecture. Writes results/sass/report.md; exits 1 on any violation.
+
+    python3 scripts/sass_check.py                  # the extension built in place (torch_ext/)
+    python3 scripts/sass_check.py --lib path/to/_C.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_list  # noqa: E402
+
+ROOT = kernel_list.ROOT
+FAMILY_NS = "entropy_attn::cuda::sm80::"
+MMA_TYPE = {"bfloat16": "BF16", "float16": "F16"}
+
+
+def tool(name: str) -> str:
+    """cuobjdump / nvdisasm / c++filt: on PATH, else from the nvidia-cuda-* wheels."""
+    if found := shutil.which(name):
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for base in spec.submodule_search_locations if spec else []:
+        for candidate in Path(base).glob(f"cu*/bin/{name}"):
+            return str(candidate)
+    raise SystemExit(f"sass_check: {name} not found (scripts/setup.sh installs nvidia-cuda-cuobjdump)")
+
+
+def library(path: str | None) -> Path:
+    """The extension's shared library."""
+    if path:
+        return Path(path)
+    libs = sorted((ROOT / "torch_ext").glob("_C*.so"))
+    if not libs:
+        raise SystemExit("sass_check: no torch_ext/_C*.so: build the extension first (scripts/setup.sh)")
+    return libs[0]
+
+
+def disassemble(lib: Path) -> dict[tuple[str, str], collections.Counter]:
+    """(arch, mangled function) -> counts of instruction mnemonics (with their modifiers)."""
+    env = {"PATH": f"{Path(tool('nvdisasm')).parent}:{Path(tool('cuobjdump')).parent}:/usr/bin:/bin"}
+    out = subprocess.run([tool("cuobjdump"), "-sass", str(lib)], capture_output=True, text=True, check=True, env=env).stdout
+    functions: dict[tuple[str, str], collections.Counter] = {}
+    arch, current = "", None
+    for line in out.splitlines():
+        if m := re.match(r"\s*arch = (sm_\w+)", line):
+            arch = m[1]
+        elif m := re.match(r"\s*Function : (\S+)", line):
+            current = functions.setdefault((arch, m[1]), collections.Counter())
+        elif current is not None and (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
+            current[m[1]] += 1
+    return functions
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Mangled -> demangled names (c++filt)."""
+    out = subprocess.run([tool("c++filt")], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def has(counts: collections.Counter, prefix: str) -> int:
+    """Instructions whose mnemonic starts with prefix."""
+    return sum(n for op, n in counts.items() if op.startswith(prefix))
+
+
+def check(name: str, counts: collections.Counter) -> list[str]:
+    """Violations of one sm80-family function."""
+    short = name[len(FAMILY_NS):] if name.startswith(FAMILY_NS) else name
+    problems = [f"{op} ({has(counts, op)})" for op in ("LDL", "STL") if has(counts, op)]
+    dtype = "BF16" if "bfloat16" in name else "F16"
+    needs: list[str] = []
+    if short.startswith("forward_kernel"):
+        needs = [f"HMMA.16816.F32.{dtype}", "LDSM", "LDGSTS", "MUFU.EX2"]
+    elif short.startswith(("bwd::main_kernel", "bwd::dq_kernel")):
+        needs = [f"HMMA.16816.F32.{dtype}", "LDSM", "LDGSTS"]
+        if short.startswith("bwd::main_kernel") and not (has(counts, "RED") or has(counts, "ATOM")):
+            problems.append("no RED/ATOM for the dQ accumulation")
+    problems += [f"no {op}" for op in needs if not has(counts, op)]
+    return problems
+
+
+def main() -> int:
+    """Disassembles, checks, writes the report."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lib", help="the extension library (default: torch_ext/_C*.so)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "sass", help="output directory")
+    args = parser.parse_args()
+    lib = library(args.lib)
+    functions = disassemble(lib)
+    names = demangle(sorted({name for _, name in functions}))
+    family = {key: counts for key, counts in functions.items() if names[key[1]].startswith(FAMILY_NS)}
+    archs = sorted({arch for arch, _ in functions})
+    failures: list[str] = []
+    rows = []
+    for (arch, mangled), counts in sorted(family.items(), key=lambda kv: (kv[0][0], names[kv[0][1]])):
+        name = names[mangled]
+        problems = check(name, counts)
+        failures += [f"{arch} {name}: {p}" for p in problems]
+        rows.append((arch, name, counts, problems))
+    # Every listed instantiation is there, for every architecture.
+    expected = [i for i in kernel_list.load().get("sm80", [])]
+    for arch in archs:
+        kernels = [names[m] for a, m in family if a == arch]
+        fwd = [k for k in kernels if k.startswith(FAMILY_NS + "forward_kernel")]
+        main_kernels = [k for k in kernels if k.startswith(FAMILY_NS + "bwd::main_kernel")]
+        n_fwd = sum(i.direction == "forward" for i in expected)
+        n_bwd = sum(i.direction == "backward" for i in expected)
+        if len(fwd) != n_fwd or len(main_kernels) != n_bwd:
+            failures.append(f"{arch}: {len(fwd)} forward and {len(main_kernels)} backward main kernels, "
+                            f"kernels.toml lists {n_fwd} and {n_bwd}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cols = ["HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "RED", "ATOM", "LDL", "STL"]
+    lines = [f"SASS of the sm80 family in `{lib.relative_to(ROOT) if lib.is_relative_to(ROOT) else lib}` "
+             f"({', '.join(archs)}): instruction counts per kernel (`scripts/sass_check.py`).", "",
+             "| arch | kernel | " + " | ".join(cols) + " | verdict |", "|---" * (len(cols) + 3) + "|"]
+    for arch, name, counts, problems in rows:
+        short = re.sub(r"cute::|entropy_attn::cuda::(sm80::)?", "", name)
+        lines.append(f"| {arch} | `{short}` | " + " | ".join(str(has(counts, c)) for c in cols)
+                     + f" | {'; '.join(problems) or 'ok'} |")
+    if not rows:
+        lines.append("| – | no kernel of the sm80 family in this build | " + " | ".join("–" for _ in cols) + " | – |")
+    (args.out / "report.md").write_text("\n".join(lines) + "\n")
+    for f in failures:
+        print(f"sass_check: {f}", file=sys.stderr)
+    print(f"sass_check: {len(rows)} sm80-family kernels over {len(archs)} architectures, {len(failures)} "
+          f"violations; wrote {args.out}/report.md")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""benchmarks/gpu_vs_sdpa.py without a GPU: its pure parts (FLOPs, ratios, the JSON point, the grid
+from the flags, the --check tolerance, the memory guard), its measuring plumbing on the CPU with a
+wall-clock timer, and that it exits 0 writing nothing when no CUDA device is visible."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, List
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_vs_sdpa.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_vs_sdpa", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_script()
+POINT_KEYS = {
+    "dtype", "head_dim", "seq_len", "batch", "heads", "kv_heads", "causal", "family", "sdpa_backend",
+    "fwd_stats", "fwd", "fwd_bwd", "sdpa_ms_by_backend", "tflops", "peak_fraction",
+}  # fmt: skip
+TFLOPS_KEYS = {"ours_fwd_stats", "ours_fwd", "ours_fwd_bwd", "sdpa_fwd", "sdpa_fwd_bwd"}
+
+
+def shape(**kw: Any) -> Any:
+    base = dict(dtype="bfloat16", batch=2, heads=4, kv_heads=4, head_dim=16, seq_len=8, causal=False)
+    return bench.Shape(**{**base, **kw})
+
+
+def wall_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    """A CPU stand-in for cuda_time_ms: one call, wall clock."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def test_flops_causal_halves_gqa_counts_query_heads() -> None:
+    s = shape(batch=4, heads=32, kv_heads=8, head_dim=128, seq_len=1024)
+    assert bench.attention_flops(s) == 4 * 4 * 32 * 1024 * 1024 * 128
+    assert bench.attention_flops(s) == bench.attention_flops(shape(batch=4, heads=32, kv_heads=32, head_dim=128, seq_len=1024))  # fmt: skip
+    causal = shape(batch=4, heads=32, kv_heads=8, head_dim=128, seq_len=1024, causal=True)
+    assert bench.attention_flops(causal) == bench.attention_flops(s) / 2
+    assert bench.attention_flops(causal, backward=True) == 3.5 * bench.attention_flops(causal)
+    assert bench.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert bench.tflops(2e12, None) is None and bench.tflops(2e12, 0.0) is None
+
+
+def test_ratio_with_missing_values() -> None:
+    assert bench.ratio(3.0, 1.5) == pytest.approx(2.0)
+    assert bench.ratio(None, 1.0) is None
+    assert bench.ratio(1.0, None) is None
+    assert bench.ratio(None, None) is None
+    assert bench.ratio(1.0, 0.0) is None
+
+
+def test_point_schema_fastest_backend_and_nulls() -> None:
+    s = shape(causal=True)
+    ours = {"fwd_stats": 4.0, "fwd": 3.0, "fwd_bwd": 12.0}
+    sdpa = {"cudnn": {"fwd": None, "fwd_bwd": None}, "flash": {"fwd": 2.0, "fwd_bwd": 6.0}, "efficient": {"fwd": 1.0, "fwd_bwd": 8.0}}  # fmt: skip
+    p = bench.build_point(s, "sm80", ours, sdpa, peak=100.0)
+    assert POINT_KEYS <= set(p)
+    assert (p["dtype"], p["heads"], p["kv_heads"], p["causal"], p["family"]) == ("bfloat16", 4, 4, True, "sm80")
+    assert p["sdpa_backend"] == "efficient"  # fastest forward
+    assert p["fwd"] == {"ours_ms": 3.0, "sdpa_ms": 1.0, "ratio": 3.0, "sdpa_backend": "efficient"}
+    assert p["fwd_stats"]["ratio"] == pytest.approx(4.0)
+    assert p["fwd_bwd"]["sdpa_ms"] == 6.0 and p["fwd_bwd"]["ratio"] == pytest.approx(2.0)  # against flash
+    assert p["sdpa_ms_by_backend"]["cudnn"] == {"fwd": None, "fwd_bwd": None}
+    assert set(p["sdpa_ms_by_backend"]) == {"cudnn", "flash", "efficient"}
+    assert set(p["tflops"]) == TFLOPS_KEYS and set(p["peak_fraction"]) == TFLOPS_KEYS
+    fwd_flops = bench.attention_flops(s)
+    assert p["tflops"]["ours_fwd"] == pytest.approx(fwd_flops / 3e-3 / 1e12)
+    assert p["tflops"]["sdpa_fwd_bwd"] == pytest.approx(3.5 * fwd_flops / 6e-3 / 1e12)
+    assert p["peak_fraction"]["ours_fwd"] == pytest.approx(p["tflops"]["ours_fwd"] / 100.0)
+
+    # Missing: no backward, a backend absent from the dict, no peak.
+    q = bench.build_point(s, "auto", {"fwd_stats": 4.0, "fwd": None}, {"flash": {"fwd": 2.0}}, peak=None)
+    assert POINT_KEYS <= set(q) and q["sdpa_backend"] == "flash"
+    assert q["fwd"]["ratio"] is None and q["fwd_bwd"] == {"ours_ms": None, "sdpa_ms": None, "ratio": None, "sdpa_backend": None}  # fmt: skip
+    assert q["sdpa_ms_by_backend"]["efficient"] == {"fwd": None, "fwd_bwd": None}
+    assert q["tflops"]["ours_fwd"] is None and q["tflops"]["ours_fwd_stats"] is not None
+    assert all(v is None for v in q["peak_fraction"].values())
+    skipped = bench.build_point(s, "auto", {}, {}, 100.0, skipped="too big")
+    assert skipped["skipped"] == "too big" and skipped["sdpa_backend"] is None
+    assert all(v is None for v in skipped["tflops"].values())
+
+
+def test_grid_defaults_and_quick() -> None:
+    grid = bench.expand_grid(bench.parse_args([]))
+    assert len(grid) == 2 * 2 * 3 * 3 * 2
+    assert {s.dtype for s in grid} == {"bfloat16", "float16"}
+    assert {(s.heads, s.kv_heads) for s in grid} == {(16, 16), (32, 8)}
+    assert {s.head_dim for s in grid} == {64, 128, 256} and {s.seq_len for s in grid} == {1024, 4096, 16384}
+    assert {s.batch for s in grid} == {4} and {s.causal for s in grid} == {False, True}
+    quick = bench.expand_grid(bench.parse_args(["--quick"]))
+    assert len({s.dtype for s in quick}) == 1 and {s.batch for s in quick} == {2}
+    assert {s.head_dim for s in quick} == {64, 128} and {s.seq_len for s in quick} == {1024}
+    assert bench.parse_args(["--quick"]).min_run_time < bench.parse_args([]).min_run_time
+    # Flags override --quick and the defaults.
+    args = bench.parse_args(["--quick", "--dtype", "fp16", "--seq", "2048", "--heads-kv", "8:2", "--causal", "yes", "--family", "fallback", "sm80"])  # fmt: skip
+    grid = bench.expand_grid(args)
+    assert {(s.dtype, s.seq_len, s.heads, s.kv_heads, s.causal) for s in grid} == {("float16", 2048, 8, 2, True)}
+    assert args.family == ["fallback", "sm80"] and args.backward and not args.check
+    assert not bench.parse_args(["--no-backward"]).backward
+
+
+@pytest.mark.parametrize("text", ["32x8", "32:7", "0:0", "8:0", "a:b", "16:16:16", ""])
+def test_bad_heads_kv_is_a_clear_error(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="H"):
+        bench.parse_heads_kv(text)
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--heads-kv", "16:16", text])
+    assert exc.value.code == 2 and "--heads-kv" in capsys.readouterr().err
+
+
+def test_heads_kv_parses() -> None:
+    assert bench.parse_heads_kv("32:8") == (32, 8)
+    assert bench.parse_args(["--heads-kv", "4:4", "12:3"]).heads_kv == [(4, 4), (12, 3)]
+
+
+def test_check_tolerance() -> None:
+    scales = {"out": 1.0, "dq": 1.0, "dk": 1.0, "dv": 1.0}
+    ok = {"out": 1e-2, "dq": 3e-2, "dk": None, "dv": None}
+    assert not bench.is_mismatch(ok, scales, "bfloat16")
+    assert bench.is_mismatch(ok, scales, "float16")  # fp16 is held tighter
+    assert bench.is_mismatch({**ok, "dv": 0.5}, scales, "bfloat16")
+    assert bench.is_mismatch({**ok, "out": float("nan")}, scales, "bfloat16")
+
+
+def test_memory_guard() -> None:
+    s = shape(batch=4, heads=32, kv_heads=8, head_dim=256, seq_len=16384)
+    fwd, bwd, checked = (bench.estimate_bytes(s, b, c) for b, c in ((False, False), (True, False), (True, True)))
+    q_bytes = 4 * 32 * 16384 * 256 * 2
+    assert q_bytes * 2 < fwd < bwd < checked  # at least q and the output
+    assert bench.memory_skip_reason(100, 1000) is None
+    reason = bench.memory_skip_reason(800, 1000)
+    assert reason is not None and "GiB" in reason
+
+
+class FailingExt:
+    """A torch_ext stand-in whose attention raises `error`."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def attention(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
+
+
+def cpu_run(ext: Any, **kw: Any) -> Any:
+    return bench.Run(ext, device="cpu", timer=wall_ms, min_run_time=0.0, **kw)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch_ext
+
+    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
+    s = shape(heads=4, kv_heads=kv_heads, seq_len=64, causal=True)
+    points: List[dict] = bench.measure_shape(s, ["auto", "fallback"], cpu_run(torch_ext, check=True), 50.0, None)
+    assert [p["family"] for p in points] == ["auto", "fallback"]
+    assert os.environ[bench.FAMILY_ENV] == "fallback"  # set before each family
+    for p in points:
+        assert p["errors"] == [] and p["skipped"] is None and p["mismatch"] is False
+        assert all(p[k]["ours_ms"] > 0 for k in bench.KINDS)
+        # On the CPU only SDPA's flash backend exists: the others are refused, recorded as null.
+        assert p["sdpa_backend"] == "flash" and p["sdpa_ms_by_backend"]["cudnn"] == {"fwd": None, "fwd_bwd": None}
+        assert all(p[k]["ratio"] is not None for k in bench.KINDS)
+        assert set(p["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(p["max_abs_err"].values()) < 0.1
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {"bfloat16": 50.0}, "points": points}, True)  # fmt: skip
+    assert text.count("| bfloat16 |") == 3 * len(points) and "checked" in text and "Failures" not in text
+
+
+def test_failures_and_out_of_memory_do_not_stop_the_run() -> None:
+    s = shape(seq_len=32)
+    failed = bench.measure_shape(s, ["auto"], cpu_run(FailingExt(RuntimeError("no kernel\nmore"))), None, None)
+    assert failed[0]["fwd"]["ours_ms"] is None and failed[0]["fwd"]["sdpa_ms"] is not None
+    assert len(failed[0]["errors"]) == 3 and "no kernel" in failed[0]["errors"][0]
+    oom = bench.measure_shape(s, ["auto", "sm80"], cpu_run(FailingExt(torch.cuda.OutOfMemoryError("oom"))), None, None)
+    assert [p["skipped"] for p in oom] == ["out of memory"] * 2
+    guarded = bench.measure_shape(s, ["auto"], cpu_run(FailingExt(AssertionError("not reached"))), None, free=1)
+    assert guarded[0]["skipped"] and "GiB" in guarded[0]["skipped"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the script would run")
+def test_main_without_gpu_exits_0_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    outs = ["--out-md", str(tmp_path / "b.md"), "--out-json", str(tmp_path / "b.json")]
+    assert bench.main(["--quick", *outs]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert bench.main(["--quick", "--require-gpu", *outs]) == 1
+    assert list(tmp_path.iterdir()) == []
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", *outs], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -88,7 +88,7 @@ CXX_FLAGS = (["-O3", "-fopenmp", "-Wall", "-Wextra"]
 # asserts from the kernels.
 NVCC_FLAGS = (["-O3", "-lineinfo", "-DNDEBUG", "-Xcompiler=-Wall,-Wextra"]
               + (["-isystem", cutlass_include()] if WITH_CUDA else [])
-              + (["-Werror=all-warnings", "-Xcompiler=-Werror"] if WERROR else []))
+              + (["-Werror=all-warnings", "-Xcompiler=-Werror", "-Xptxas=-Werror"] if WERROR else []))
 
 
 def shared_libstdcxx_flags() -> list[str]:

@@ -38,6 +38,18 @@ def derive_with_aten(lse: torch.Tensor, entropy: torch.Tensor, sum_p2: torch.Ten
     )
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def median_ms(fn, min_run_time: float) -> float:
     """Median wall time of fn() in ms (torch.utils.benchmark synchronizes CUDA)."""
     return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
@@ -77,7 +89,7 @@ def main() -> None:
         rows.append({"seq_len": L, **{f"{k}_ms": v for k, v in t.items()},
                      "stats_overhead": t["stats_epilogue"] / t["no_stats"] - 1,
                      "aten_chain_ms": t["stats_epilogue_plus_aten_chain"] - t["stats_epilogue"]})
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     meta = {"device": device_name, "torch": torch.__version__, "commit": commit, "threads": torch.get_num_threads(),
             "dtype": args.dtype, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": True}

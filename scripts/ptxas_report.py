@@ -68,8 +68,9 @@ class Kernel:
 
     @property
     def spills(self) -> bool:
-        """True when the kernel uses local memory (ptxas spilled registers, or a stack array)."""
-        return self.local > 0
+        """True when the kernel uses local memory: a stack frame (where ptxas spills registers) or
+        local arrays."""
+        return self.stack > 0 or self.local > 0
 
 
 def resource_usage(cuobjdump: str, lib: Path) -> list[Kernel]:
@@ -141,7 +142,9 @@ def first_int_template_arg(name: str) -> int | None:
     for arg in args:
         if match := re.fullmatch(r"(?:\(\w+\))?(-?\d+)[uUlL]*", arg):
             return int(match[1])
-    return None
+    # A traits type as the first argument (the tensor-core family): its first integer argument.
+    match = re.search(r"<[^<>]*?,\s*(\d+)\s*[,>]", name)
+    return int(match[1]) if match else None
 
 
 def dynamic_smem(nvcc: list[str], tmp: Path) -> dict[str, int]:
@@ -186,8 +189,9 @@ def write_report(kernels: list[Kernel], archs: list[str], source: str, out: Path
             lines.append(f"| `{k.name}`{flag} | {k.file} | {bucket} | {k.registers} | {k.smem} | {dyn} "
                          f"| {k.stack} | {k.local} |")
         worst_reg = max(rows, key=lambda k: k.registers)
-        worst_local = max(rows, key=lambda k: k.local)
-        local = f"{worst_local.local} B (`{worst_local.name}`)" if worst_local.spills else "none"
+        worst_local = max(rows, key=lambda k: k.stack + k.local)
+        local = (f"{worst_local.stack} B stack + {worst_local.local} B local (`{worst_local.name}`)"
+                 if worst_local.spills else "none")
         worst_smem = max(rows, key=lambda k: k.smem + (k.dynamic_smem or 0))
         lines += ["", f"Worst case on {arch}: max registers {worst_reg.registers} (`{worst_reg.name}`), "
                       f"max shared memory {worst_smem.smem + (worst_smem.dynamic_smem or 0)} B per block "
@@ -238,7 +242,8 @@ def main() -> int:
     write_report(kernels, archs, source, args.out)
     spilling = [k for k in kernels if k.spills and k.must_not_spill]
     for k in spilling:
-        print(f"ptxas_report: {k.name} ({k.file}, {k.arch}) uses {k.local} B of local memory per thread; "
+        print(f"ptxas_report: {k.name} ({k.file}, {k.arch}) uses {k.stack} B of stack and {k.local} B of "
+              "local memory per thread; "
               f"head-dim bucket {k.bucket} must not", file=sys.stderr)
     print(f"ptxas_report: {len(files)} translation units x {len(archs)} archs, {len(kernels)} kernels, "
           f"{len(missing)} missing units, {len(spilling)} kernels using local memory that must not; "

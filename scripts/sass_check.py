@@ -3,7 +3,8 @@
 For every architecture in the built `torch_ext/_C*.so` (cuobjdump -sass), checks that the kernels
 of the sm80 family (namespace entropy_attn::cuda::sm80) are built the way the fastest attention
 kernels are:
-  * forward kernels: tensor-core MMA (HMMA.16816.F32 with the input type), ldmatrix (LDSM),
+  * forward kernels: tensor-core MMA (HMMA.16816.F32.BF16 for bf16, HMMA.16816.F32 for fp16),
+    ldmatrix (LDSM),
     16-byte asynchronous copies (LDGSTS), exp2 on the special-function unit (MUFU.EX2);
   * backward main and dq kernels: HMMA, LDSM, LDGSTS; the main kernel also accumulates dQ with
     reductions (RED or ATOM);
@@ -74,7 +75,7 @@ def disassemble(lib: Path) -> dict[tuple[str, str], collections.Counter]:
 def demangle(names: list[str]) -> dict[str, str]:
     """Mangled -> demangled names (c++filt)."""
     out = subprocess.run([tool("c++filt")], input="\n".join(names), capture_output=True, text=True, check=True).stdout
-    return dict(zip(names, out.splitlines()))
+    return {m: d.removeprefix("void ") for m, d in zip(names, out.splitlines())}
 
 
 def has(counts: collections.Counter, prefix: str) -> int:
@@ -82,17 +83,30 @@ def has(counts: collections.Counter, prefix: str) -> int:
     return sum(n for op, n in counts.items() if op.startswith(prefix))
 
 
+def kernel_kind(name: str) -> str:
+    """'forward', 'backward' (the main kernel over key blocks), 'dq' or 'other', from the name."""
+    for kind, pattern in (("forward", r"::forward_kernel<"), ("backward", r"::main_kernel<"), ("dq", r"::dq_kernel<")):
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
 def check(name: str, counts: collections.Counter) -> list[str]:
     """Violations of one sm80-family function."""
-    short = name[len(FAMILY_NS):] if name.startswith(FAMILY_NS) else name
     problems = [f"{op} ({has(counts, op)})" for op in ("LDL", "STL") if has(counts, op)]
-    dtype = "BF16" if "bfloat16" in name else "F16"
+    # The MMA of the input type: HMMA.16816.F32.BF16 for bf16; fp16 is the default input type,
+    # spelled HMMA.16816.F32 with no suffix.
+    bf16 = "bfloat16" in name
+    mma = "HMMA.16816.F32.BF16" if bf16 else "HMMA.16816.F32"
     needs: list[str] = []
-    if short.startswith("forward_kernel"):
-        needs = [f"HMMA.16816.F32.{dtype}", "LDSM", "LDGSTS", "MUFU.EX2"]
-    elif short.startswith(("bwd::main_kernel", "bwd::dq_kernel")):
-        needs = [f"HMMA.16816.F32.{dtype}", "LDSM", "LDGSTS"]
-        if short.startswith("bwd::main_kernel") and not (has(counts, "RED") or has(counts, "ATOM")):
+    kind = kernel_kind(name)
+    if kind in ("forward", "backward", "dq") and not counts.get(mma):
+        problems.append(f"no {mma}")
+    if kind == "forward":
+        needs = ["LDSM", "LDGSTS", "MUFU.EX2"]
+    elif kind in ("backward", "dq"):
+        needs = ["LDSM", "LDGSTS"]
+        if kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
             problems.append("no RED/ATOM for the dQ accumulation")
     problems += [f"no {op}" for op in needs if not has(counts, op)]
     return problems
@@ -120,8 +134,8 @@ def main() -> int:
     expected = [i for i in kernel_list.load().get("sm80", [])]
     for arch in archs:
         kernels = [names[m] for a, m in family if a == arch]
-        fwd = [k for k in kernels if k.startswith(FAMILY_NS + "forward_kernel")]
-        main_kernels = [k for k in kernels if k.startswith(FAMILY_NS + "bwd::main_kernel")]
+        fwd = [k for k in kernels if kernel_kind(k) == "forward"]
+        main_kernels = [k for k in kernels if kernel_kind(k) == "backward"]
         n_fwd = sum(i.direction == "forward" for i in expected)
         n_bwd = sum(i.direction == "backward" for i in expected)
         if len(fwd) != n_fwd or len(main_kernels) != n_bwd:

@@ -1,0 +1,67 @@
+// launch_backward of the tensor-core family (declared in launch.h): the delta preprocess, the
+// deterministic dq kernel when asked for, the main kernel over key blocks, the dq / d lambda
+// postprocess, all on one stream. A generated translation unit under instantiations/ includes this
+// file and instantiates one (T, head dim, causal, mask kind).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "../params.h"
+#include "bwd_kernel.cuh"
+#include "launch.h"
+
+namespace entropy_attn::cuda::sm80 {
+
+namespace bwd {
+
+// Grids: x the blocks of a sequence (up to 2^31 - 1), y the heads, z the batch (up to 65535 each).
+inline dim3 row_grid(int64_t q_len, int rows_per_block, int64_t heads, int64_t batch) {
+  return dim3(static_cast<unsigned>((q_len + rows_per_block - 1) / rows_per_block),
+              static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+}
+
+template <typename Kernel>
+cudaError_t set_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+}  // namespace bwd
+
+template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
+cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
+  using Kt = bwd::BwdTraits<T, kHeadDim>;
+  if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
+  const dim3 block(Kt::kNThreads);
+
+  bwd::preprocess_kernel<Kt>
+      <<<bwd::row_grid(p.q_len, Kt::kPreRows, p.heads, p.batch), block, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  if (p.deterministic) {  // G without atomics, before the main kernel (which then skips it)
+    auto kernel = &bwd::dq_kernel<Kt, kCausal, kMask>;
+    err = bwd::set_smem(kernel, Kt::kDqBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<bwd::row_grid(p.q_len, Kt::kBlockM, p.heads, p.batch), block, Kt::kDqBytes, stream>>>(
+        p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+
+  {
+    auto kernel = &bwd::main_kernel<Kt, kCausal, kMask>;
+    err = bwd::set_smem(kernel, Kt::kMainBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<bwd::row_grid(p.kv_len, Kt::kBlockN, p.kv_heads, p.batch), block, Kt::kMainBytes,
+             stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+
+  bwd::postprocess_kernel<Kt>
+      <<<bwd::row_grid(p.q_len, Kt::kPostRows, p.heads, p.batch), block, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace entropy_attn::cuda::sm80

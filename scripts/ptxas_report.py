@@ -83,7 +83,8 @@ def resource_usage(cuobjdump: str, lib: Path) -> list[Kernel]:
         if match := re.match(r"\s*arch = (sm_\w+)", line):
             arch = match[1]
         elif match := re.match(r"\s*identifier = (\S+)", line):
-            file = re.sub(r"^(\.\./)+", "", match[1])
+            # The source path as the build passed it (relative or absolute): from csrc/ on.
+            file = re.sub(r"^.*?(?=csrc/)", "", match[1])
         elif match := re.match(r"\s*Function (\S+):", line):
             current = Kernel(file, arch, match[1], entry=True)
             kernels.append(current)

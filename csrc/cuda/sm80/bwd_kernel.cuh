@@ -88,9 +88,9 @@ struct BwdTraits {
   using TiledMmadKV = TiledMmaOf<kWarpsNdKV>;  // dV = P^T dO, dK = dS^T (lambda Q): (keys, D)
   using TiledMmadQ = TiledMmaOf<kWarpsMdQ>;    // G = dS K: (rows, D)
   // dP = dO V^T is the register peak (dK, dV, S and dP all live). At D = 128 it runs in two
-  // halves of 64 keys so that only half of dP is live: about 240 registers are needed instead of
-  // more than 255 (ptxas spilled), for 11% more ldmatrix (dO is read twice). D = 64 has registers
-  // to spare.
+  // halves of 64 keys so that only half of dP is live, which keeps every variant within 255
+  // registers without spills (ptxas; the whole product spilled), for 11% more ldmatrix (dO is
+  // read twice). D = 64 has registers to spare.
   static constexpr int kDpParts = kHeadDim == 128 ? 2 : 1;
 
   // Shared memory in 8 x 64 atoms (128-byte rows) with the 3-bit XOR swizzle of the 16-byte
@@ -287,9 +287,9 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
 //   s_ij = lambda_i x (+ additive mask), -inf where masked (causal limit, bool mask, j >= Lk, or a
 //          padding row i >= Lq), and p_ij = e^{s_ij - lse_i} = 2^{s log2(e) - lse log2(e)}.
 // kKeepLogits: acc keeps s (the entropy gradient needs it); otherwise acc becomes p. kStoreProbs:
-// probs (the same layout, in T) receives p for the dV product, converted pairwise in registers (a
-// T pair is one register: no fp32 copy of P lives beside S). A fully masked row (lse = 0, every
-// s = -inf) gets p = 0 everywhere.
+// p goes to probs (shared memory, the accumulator's partition of sP) as T for the dV product,
+// each pair of adjacent columns as one 32-bit store as soon as it is formed: no copy of P waits
+// in registers next to S, dK and dV. A fully masked row (lse = 0, every s = -inf) gets p = 0.
 template <bool kKeepLogits, bool kStoreProbs, bool kCausal, MaskKind kMask, typename Kt,
           typename Acc, typename Probs, typename Coord>
 CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, const float* srow,
@@ -302,11 +302,10 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
   auto put = [&](int mi, int ni, float s0, float s1, float p0, float p1) {
     acc(mi, ni) = kKeepLogits ? s0 : p0;
     acc(mi, ni + 1) = kKeepLogits ? s1 : p1;
-    if constexpr (kStoreProbs) {
+    if constexpr (kStoreProbs) {  // (ni, ni + 1) are adjacent and 4-byte aligned in sP
       cutlass::NumericArrayConverter<Element, float, 2> to_pair;
-      const cutlass::Array<Element, 2> pair = to_pair(cutlass::Array<float, 2>{p0, p1});
-      probs(mi, ni) = pair[0];
-      probs(mi, ni + 1) = pair[1];
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&probs(mi, ni))) =
+          to_pair(cutlass::Array<float, 2>{p0, p1});
     }
   };
   if (!t.edge) {  // every key allowed, no mask (kMask == kNone)
@@ -335,11 +334,6 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
   }
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    if constexpr (kMask != MaskKind::kNone) {
-      // Mask loads in two batches of rows: half as many loads (and 64-bit addresses) in flight
-      // next to dK, dV and S, where all of them at once made ptxas spill.
-      if (mi == kRows / 2) asm volatile("" ::: "memory");
-    }
     const int r = get<0>(coord(mi, 0));
     const float lam = srow[Kt::kStatLambda * Kt::kBlockM + r];
     const float bias2 = -srow[Kt::kStatLse * Kt::kBlockM + r] * kLog2e;
@@ -545,6 +539,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   Tensor tdPsdO = thr_a_sdp.partition_S(sdO);
   Tensor tSsK = thr_b_sdp.partition_S(sK);
   Tensor tPsP = thr_sdp.partition_C(sP);
+  Tensor sP_rc = make_tensor(tPsP.data(), rowcol(tPsP.layout()));
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
   Tensor coord_s = make_tensor(tScS.data(), rowcol(tScS.layout()));
@@ -629,14 +624,11 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     clear(acc_s);
     gemm_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    Tensor rP_rc = make_tensor(rP.data(), rowcol(rP.layout()));
     if (grads) {  // uniform branch: keep s for the entropy term
-      scores_to_probs<true, true, kCausal, kMask, Kt>(s_rc, rP_rc, coord_s, srow, spot);
+      scores_to_probs<true, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
     } else {
-      scores_to_probs<false, true, kCausal, kMask, Kt>(s_rc, rP_rc, coord_s, srow, spot);
+      scores_to_probs<false, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
     }
-    cute::copy(rP, tPsP);
 
     // dP = dO V^T, then dS = logit_grad(...) to shared memory as T, in kDpParts column parts.
     for_each(make_int_sequence<Kt::kDpParts>{}, [&](auto part) {

@@ -9,12 +9,17 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& scale, bool is_causal,
                           std::optional<double> scale_factor, std::string_view scale_mode,
                           double temperature, double log_base, bool enable_gqa,
-                          bool return_stats) {
+                          bool return_stats, std::array<int64_t, 2> window_size,
+                          std::string_view causal_alignment, double softcap,
+                          const std::optional<at::Tensor>& sinks, double dropout_p,
+                          int64_t dropout_seed) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
-      log_base, enable_gqa, return_stats);
+      log_base, enable_gqa, return_stats, window_size,
+      c10::string_view(causal_alignment.data(), causal_alignment.size()), softcap, dropout_p,
+      dropout_seed);
   auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
-      call_attention(query, key, value, attn_mask, scale, options);
+      call_attention(query, key, value, attn_mask, scale, sinks, options);
   return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 
@@ -23,11 +28,13 @@ at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
                               const std::optional<at::Tensor>& scale, std::string_view kind,
                               bool is_causal, std::optional<double> scale_factor,
                               std::string_view scale_mode, double temperature, double log_base,
-                              bool enable_gqa) {
+                              bool enable_gqa, std::array<int64_t, 2> window_size,
+                              std::string_view causal_alignment, double softcap) {
   return attention_sparsity_op().call(
       query, key, attn_mask, scale, c10::string_view(kind.data(), kind.size()), is_causal,
       scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base,
-      enable_gqa);
+      enable_gqa, window_size, c10::string_view(causal_alignment.data(), causal_alignment.size()),
+      softcap);
 }
 
 at::Tensor entropy(const at::Tensor& p, int64_t dim) {

@@ -6,9 +6,22 @@ namespace entropy_attn {
 
 AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<double> scale_factor,
                                                c10::string_view scale_mode, double temperature,
-                                               double log_base, bool enable_gqa,
-                                               bool return_stats) {
+                                               double log_base, bool enable_gqa, bool return_stats,
+                                               c10::IntArrayRef window_size,
+                                               c10::string_view causal_alignment, double softcap,
+                                               double dropout_p, int64_t dropout_seed) {
   AttentionOptions o;
+  TORCH_CHECK_VALUE(window_size.size() == 2, "window_size must be (left, right), got ",
+                    window_size);
+  o.window_left = window_size[0], o.window_right = window_size[1];
+  const std::string_view align(causal_alignment.data(), causal_alignment.size());
+  TORCH_CHECK_VALUE(align == "top_left" || align == "bottom_right",
+                    "causal_alignment must be 'top_left' or 'bottom_right', got '",
+                    std::string(align), "'");
+  o.bottom_right = align == "bottom_right";
+  o.softcap = softcap;
+  o.dropout_p = dropout_p;
+  o.dropout_seed = dropout_seed;
   o.causal = is_causal;
   o.scale_factor = scale_factor;
   o.scale_mode = parse_scale_mode(std::string_view(scale_mode.data(), scale_mode.size()));
@@ -28,17 +41,34 @@ c10::string_view AttentionOptions::scale_mode_name() const {
   return "fixed";
 }
 
+c10::string_view AttentionOptions::causal_alignment_name() const {
+  return bottom_right ? "bottom_right" : "top_left";
+}
+
+KeyPattern CallPattern::key_pattern() const {
+  KeyPattern p = options.key_pattern();
+  if (cu_q.defined()) {
+    p.cu_q = cu_q.const_data_ptr<int32_t>(), p.cu_k = cu_k.const_data_ptr<int32_t>();
+    p.seqused_k = seqused_k.defined() ? seqused_k.const_data_ptr<int32_t>() : nullptr;
+    p.documents = cu_q.numel() - 1;
+  }
+  return p;
+}
+
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
+                                const std::optional<at::Tensor>& sinks,
                                 const AttentionOptions& options) {
   AttentionCall c;
   c.shape = check_attention_inputs(query, key, value, attn_mask, scale, options);
+  check_sinks(sinks, c.shape, query);
   c.options = options;
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
   if (scale.has_value()) c.scale = expand_scale(*scale, c.shape, c.acc);
+  if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
   return c;
 }
 
@@ -67,12 +97,13 @@ AttentionBackwardCall prepare_attention_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal) {
+    const std::optional<at::Tensor>& sinks, const AttentionOptions& options) {
   AttentionBackwardCall c;
   c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
                                             key, value, attn_mask, output, lse, entropy, sum_p2,
-                                            row_scale);
-  c.causal = is_causal;
+                                            row_scale, options);
+  check_sinks(sinks, c.shape, query);
+  c.options = options;
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.row_scale_dtype = row_scale.scalar_type();
@@ -92,7 +123,28 @@ AttentionBackwardCall prepare_attention_backward(
   c.row_scale = row_stat(row_scale);
   c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
+  if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
   return c;
+}
+
+at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
+                     const AttentionBackwardCall& c) {
+  if (!c.sinks.defined()) return at::empty({0}, output.options().dtype(c.acc));
+  const at::Tensor sink = c.sinks.view({1, -1, 1});
+  const at::Tensor p_sink = at::exp(sink - c.lse);  // the sink's weight per row
+  // D~_i (online_stats.h: row_delta) and dP~_sink = -g_H s_sink + 2 g_U p_sink.
+  at::Tensor delta = (grad_output.to(c.acc) * output.to(c.acc)).sum(-1);
+  at::Tensor dp = at::zeros_like(p_sink);
+  if (c.g_lse.defined()) delta = delta - c.g_lse;
+  if (c.g_entropy.defined()) {
+    delta = delta - c.g_entropy * (c.lse - c.entropy);
+    dp = dp - c.g_entropy * sink;
+  }
+  if (c.g_sum_p2.defined()) {
+    delta = delta + 2 * c.g_sum_p2 * c.sum_p2;
+    dp = dp + 2 * c.g_sum_p2 * p_sink;
+  }
+  return (p_sink * (dp - delta)).sum({0, 2});
 }
 
 }  // namespace entropy_attn

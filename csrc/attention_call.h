@@ -10,19 +10,40 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <string_view>
 #include <tuple>
 
 #include "attention_inputs.h"
+#include "dropout.h"
 #include "op_handles.h"
 
 namespace entropy_attn {
 
-// The checked call of `attention` (or `attention_sparsity`, whose value is its key).
-struct AttentionCall {
-  AttentionShape shape;
+// What the forward and the backward share of a call: the options, the packed documents (varlen)
+// and the sinks, and their kernel views.
+struct CallPattern {
   AttentionOptions options;
+  // Packed documents (int32, contiguous): cu_seq_q, cu_seq_k and seqused_k of a varlen call, the
+  // query and key tokens seen as one batch entry; undefined for a dense call.
+  at::Tensor cu_q, cu_k, seqused_k;
+  at::Tensor sinks;  // (H,) in the accumulate type, contiguous, or undefined
+
+  KeyPattern key_pattern() const;
+  template <typename acc_t>
+  const acc_t* sink_data() const {
+    return sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr;
+  }
+  template <typename acc_t>
+  Dropout<acc_t> dropout() const {
+    return Dropout<acc_t>::make(options.dropout_p, options.dropout_seed);
+  }
+};
+
+// The checked call of `attention` (or `attention_sparsity`, whose value is its key).
+struct AttentionCall : CallPattern {
+  AttentionShape shape;
   at::ScalarType dtype;            // of query, key and value
   at::ScalarType acc;              // accumulate type: float64 for float64 inputs, else float32
   std::optional<at::Tensor> mask;  // expanded to (B, H, Lq, Lk): bool, or additive in `acc`
@@ -46,13 +67,13 @@ struct AttentionCall {
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
+                                const std::optional<at::Tensor>& sinks,
                                 const AttentionOptions& options);
 
 // The checked call of `attention_backward`: the row statistics and the upstream statistic
 // gradients in the accumulate type, contiguous (undefined when absent), the mask expanded.
-struct AttentionBackwardCall {
+struct AttentionBackwardCall : CallPattern {
   AttentionShape shape;
-  bool causal = false;
   at::ScalarType dtype, acc;
   at::ScalarType row_scale_dtype;  // of the row_scale argument, for its gradient
   std::optional<at::Tensor> mask;
@@ -65,27 +86,41 @@ AttentionBackwardCall prepare_attention_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal);
+    const std::optional<at::Tensor>& sinks, const AttentionOptions& options);
+
+// The gradient of the sinks (H,) from the backward's row quantities (docs/math.md section 6):
+// the sink is one more softmax entry whose value is 0, so its logit gradient follows the same
+// FlashAttention-2 form as the keys', dS = p_sink (dP~_sink - D~_i) with dP_sink = 0; undefined
+// without sinks.
+at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
+                     const AttentionBackwardCall& call);
 
 // The dispatcher-facing kernel of `attention_backward` for a device implementation
 //   std::tuple<...> impl(const at::Tensor& grad_output, const at::Tensor& query,
 //                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
 //                        const AttentionBackwardCall& call);
+// returning (grad_query, grad_key, grad_value, grad_row_scale); the adaptor adds grad_sinks.
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <AttentionGrads (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&,
                                  const AttentionBackwardCall&)>
-AttentionGrads attention_backward_kernel(
+AttentionBackwardOutputs attention_backward_kernel(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal) {
-  return Impl(grad_output, query, key, value, output,
-              prepare_attention_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
-                                         key, value, attn_mask, output, lse, entropy, sum_p2,
-                                         row_scale, is_causal));
+    bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment,
+    double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
+    int64_t dropout_seed) {
+  AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
+      window_size, causal_alignment, softcap, dropout_p, dropout_seed);
+  const AttentionBackwardCall call = prepare_attention_backward(
+      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
+      entropy, sum_p2, row_scale, sinks, options);
+  auto [dq, dk, dv, dlam] = Impl(grad_output, query, key, value, output, call);
+  return {dq, dk, dv, dlam, sink_grad(grad_output, output, call)};
 }
 
 // The dispatcher-facing kernel of `attention` for a device implementation
@@ -100,10 +135,15 @@ AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key
                                   const std::optional<at::Tensor>& scale, bool is_causal,
                                   std::optional<double> scale_factor, c10::string_view scale_mode,
                                   double temperature, double log_base, bool enable_gqa,
-                                  bool return_stats) {
+                                  bool return_stats, c10::IntArrayRef window_size,
+                                  c10::string_view causal_alignment, double softcap,
+                                  const std::optional<at::Tensor>& sinks, double dropout_p,
+                                  int64_t dropout_seed) {
   const AttentionOptions options = AttentionOptions::from_schema(
-      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats);
-  return Impl(query, key, value, prepare_attention(query, key, value, attn_mask, scale, options));
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
+      window_size, causal_alignment, softcap, dropout_p, dropout_seed);
+  return Impl(query, key, value,
+              prepare_attention(query, key, value, attn_mask, scale, sinks, options));
 }
 
 // The same for `attention_sparsity` (no value: the key stands in for it), with the kind of f.
@@ -114,20 +154,41 @@ at::Tensor attention_sparsity_kernel(const at::Tensor& query, const at::Tensor& 
                                      const std::optional<at::Tensor>& scale, c10::string_view kind,
                                      bool is_causal, std::optional<double> scale_factor,
                                      c10::string_view scale_mode, double temperature,
-                                     double log_base, bool enable_gqa) {
+                                     double log_base, bool enable_gqa,
+                                     c10::IntArrayRef window_size,
+                                     c10::string_view causal_alignment, double softcap) {
   const AttentionOptions options = AttentionOptions::from_schema(
-      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa);
-  const AttentionCall call = prepare_attention(query, key, key, attn_mask, scale, options);
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa,
+      /*return_stats=*/true, window_size, causal_alignment, softcap, 0.0, 0);
+  const AttentionCall call =
+      prepare_attention(query, key, key, attn_mask, scale, std::nullopt, options);
   return Impl(query, key, parse_sparsity_kind(kind), call);
 }
 
 // Calls `attention` through the dispatcher with `options` (autograd and the C++ API).
 inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor& key,
                                        const at::Tensor& value, const OptTensor& attn_mask,
-                                       const OptTensor& scale, const AttentionOptions& o) {
+                                       const OptTensor& scale, const OptTensor& sinks,
+                                       const AttentionOptions& o) {
+  const std::array<int64_t, 2> window = o.window_size();
   return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
                              o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa,
-                             o.return_stats);
+                             o.return_stats, window, o.causal_alignment_name(), o.softcap, sinks,
+                             o.dropout_p, o.dropout_seed);
+}
+
+// Calls `attention_backward` through the dispatcher with the options of the forward.
+inline AttentionBackwardOutputs call_attention_backward(
+    const at::Tensor& grad_output, const OptTensor& grad_lse, const OptTensor& grad_entropy,
+    const OptTensor& grad_sum_p2, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const OptTensor& attn_mask, const at::Tensor& output,
+    const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& sum_p2,
+    const at::Tensor& row_scale, const OptTensor& sinks, const AttentionOptions& o) {
+  const std::array<int64_t, 2> window = o.window_size();
+  return attention_backward_op().call(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
+                                      value, attn_mask, output, lse, entropy, sum_p2, row_scale,
+                                      o.causal, window, o.causal_alignment_name(), o.softcap,
+                                      sinks, o.dropout_p, o.dropout_seed);
 }
 
 }  // namespace entropy_attn

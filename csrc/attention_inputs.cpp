@@ -129,7 +129,32 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                       "log_base (train_length) must be a finite number > 1, got ",
                       options.log_base);
   }
+  check_pattern_options(options);
   return s;
+}
+
+void check_pattern_options(const AttentionOptions& o) {
+  TORCH_CHECK_VALUE(o.window_left >= -1 && o.window_right >= -1,
+                    "window_size must be (left, right) with each >= 0, or -1 for unbounded, got (",
+                    o.window_left, ", ", o.window_right, ")");
+  TORCH_CHECK_VALUE(!(o.causal && o.window_right > 0), "is_causal=True means window_size[1] = 0, ",
+                    "got window_size = (", o.window_left, ", ", o.window_right, ")");
+  TORCH_CHECK_VALUE(std::isfinite(o.softcap) && o.softcap >= 0,
+                    "softcap must be a finite number > 0 (or 0 for none), got ", o.softcap);
+  TORCH_CHECK_VALUE(o.dropout_p >= 0 && o.dropout_p < 1, "dropout_p must be in [0, 1), got ",
+                    o.dropout_p);
+}
+
+void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
+                 const at::Tensor& query) {
+  if (!sinks.has_value()) return;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK_TYPE(is_supported_dtype(t.scalar_type()),
+                   "sinks must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == s.heads, "sinks must have shape (heads,) = (",
+                    s.heads, ",), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == query.device(), "sinks must be on query's device (",
+                    query.device(), "), got ", t.device());
 }
 
 AttentionShape check_attention_backward_inputs(
@@ -137,8 +162,9 @@ AttentionShape check_attention_backward_inputs(
     const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale) {
-  AttentionOptions gqa;  // the forward checked the options; the backward accepts any group
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    const AttentionOptions& options) {
+  AttentionOptions gqa = options;  // the backward accepts any group
   gqa.enable_gqa = true;
   const AttentionShape sh = check_attention_inputs(query, key, value, attn_mask, std::nullopt, gqa);
   const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};

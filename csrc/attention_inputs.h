@@ -33,7 +33,15 @@ AttentionShape check_attention_backward_inputs(
     const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
-    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale);
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    const AttentionOptions& options);
+
+// sinks: (H,) float on query's device, or absent.
+void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
+                 const at::Tensor& query);
+
+// The window, softcap and dropout options (ValueError naming the argument).
+void check_pattern_options(const AttentionOptions& options);
 
 ScaleMode parse_scale_mode(std::string_view scale_mode);
 

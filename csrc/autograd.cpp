@@ -17,22 +17,47 @@ std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// The forward's options that the backward needs, kept in the context's saved_data.
+void save_options(AutogradContext* ctx, const AttentionOptions& o) {
+  ctx->saved_data["return_stats"] = o.return_stats;
+  ctx->saved_data["is_causal"] = o.causal;
+  ctx->saved_data["window_left"] = o.window_left;
+  ctx->saved_data["window_right"] = o.window_right;
+  ctx->saved_data["bottom_right"] = o.bottom_right;
+  ctx->saved_data["softcap"] = o.softcap;
+  ctx->saved_data["dropout_p"] = o.dropout_p;
+  ctx->saved_data["dropout_seed"] = o.dropout_seed;
+}
+
+AttentionOptions saved_options(AutogradContext* ctx) {
+  AttentionOptions o;
+  o.return_stats = ctx->saved_data["return_stats"].toBool();
+  o.causal = ctx->saved_data["is_causal"].toBool();
+  o.window_left = ctx->saved_data["window_left"].toInt();
+  o.window_right = ctx->saved_data["window_right"].toInt();
+  o.bottom_right = ctx->saved_data["bottom_right"].toBool();
+  o.softcap = ctx->saved_data["softcap"].toDouble();
+  o.dropout_p = ctx->saved_data["dropout_p"].toDouble();
+  o.dropout_seed = ctx->saved_data["dropout_seed"].toInt();
+  return o;
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const OptTensor& attn_mask,
-                               const OptTensor& scale, const AttentionOptions& options) {
+                               const OptTensor& scale, const OptTensor& sinks,
+                               const AttentionOptions& options) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
           normalized_entropy, sparsity, effective_keys] =
-        call_attention(query, key, value, attn_mask, scale, options);
+        call_attention(query, key, value, attn_mask, scale, sinks, options);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
                             sum_p2, row_scale, length_factor, scale.value_or(at::Tensor()),
-                            n_keys});
-    ctx->saved_data["is_causal"] = options.causal;
-    ctx->saved_data["return_stats"] = options.return_stats;
+                            n_keys, sinks.value_or(at::Tensor())});
+    save_options(ctx, options);
     return {out,           lse,           entropy,           sum_p2,     max_weight,    n_keys,
             row_scale,     length_factor, normalized_entropy, sparsity, effective_keys};
   }
@@ -70,25 +95,31 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
     const at::Tensor &out = saved[4], &row_scale = saved[8], &length_factor = saved[9],
-                     &scale = saved[10];
+                     &scale = saved[10], &sinks = saved[12];
+    const AttentionOptions options = saved_options(ctx);
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     at::Tensor g_entropy, g_sum_p2;  // a forward without statistics returned them empty
-    if (ctx->saved_data["return_stats"].toBool()) {
+    if (options.return_stats) {
       std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], saved[11]);
     }
-    auto [dq, dk, dv, dlam] = attention_backward_op().call(
+    auto [dq, dk, dv, dlam, dsinks] = call_attention_backward(
         grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),
         query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
-        ctx->saved_data["is_causal"].toBool());
+        defined_or_null(sinks), options);
 
     at::Tensor dscale;
-    // needs_input_grad counts tensor inputs only: the scale is the 4th without a mask.
-    if (scale.defined() && ctx->needs_input_grad(saved[3].defined() ? 4 : 3)) {
+    // needs_input_grad counts the tensor inputs given: the scale follows q, k, v and the mask.
+    const int64_t scale_input = saved[3].defined() ? 4 : 3;
+    if (scale.defined() && ctx->needs_input_grad(scale_input)) {
       // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
       // over the dims along which c was broadcast.
       dscale = (dlam * length_factor).sum_to_size(scale.sizes()).to(scale.scalar_type());
     }
-    return {dq, dk, dv, at::Tensor(), dscale, at::Tensor()};
+    at::Tensor dsink;
+    if (sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))) {
+      dsink = dsinks.to(sinks.scalar_type());
+    }
+    return {dq, dk, dv, at::Tensor(), dscale, dsink, at::Tensor()};
   }
 };
 
@@ -97,11 +128,15 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                                     const OptTensor& scale, bool is_causal,
                                     std::optional<double> scale_factor, c10::string_view scale_mode,
                                     double temperature, double log_base, bool enable_gqa,
-                                    bool return_stats) {
+                                    bool return_stats, c10::IntArrayRef window_size,
+                                    c10::string_view causal_alignment, double softcap,
+                                    const OptTensor& sinks, double dropout_p,
+                                    int64_t dropout_seed) {
   const variable_list r = AttentionFunction::apply(
-      query, key, value, attn_mask, scale,
+      query, key, value, attn_mask, scale, sinks,
       AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,
-                                    enable_gqa, return_stats));
+                                    enable_gqa, return_stats, window_size, causal_alignment,
+                                    softcap, dropout_p, dropout_seed));
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]};
 }
 

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
+#include <cstdint>
 #include <optional>
 #include <string_view>
 
@@ -31,7 +33,10 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           bool is_causal = false, std::optional<double> scale_factor = std::nullopt,
                           std::string_view scale_mode = "fixed", double temperature = 1.0,
                           double log_base = 512.0, bool enable_gqa = false,
-                          bool return_stats = true);
+                          bool return_stats = true, std::array<int64_t, 2> window_size = {-1, -1},
+                          std::string_view causal_alignment = "top_left", double softcap = 0.0,
+                          const std::optional<at::Tensor>& sinks = std::nullopt,
+                          double dropout_p = 0.0, int64_t dropout_seed = 0);
 
 // Per-row l1/l2 sparsity of attention a = f(s), kind "exp" (softmax), "relu2" or "identity", with
 // the logits of `attention`; (B, H, Lq), not differentiable.
@@ -41,7 +46,10 @@ at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
                               std::string_view kind = "exp", bool is_causal = false,
                               std::optional<double> scale_factor = std::nullopt,
                               std::string_view scale_mode = "fixed", double temperature = 1.0,
-                              double log_base = 512.0, bool enable_gqa = false);
+                              double log_base = 512.0, bool enable_gqa = false,
+                              std::array<int64_t, 2> window_size = {-1, -1},
+                              std::string_view causal_alignment = "top_left",
+                              double softcap = 0.0);
 
 // -sum p ln p along dim (0 ln 0 = 0).
 at::Tensor entropy(const at::Tensor& p, int64_t dim = -1);

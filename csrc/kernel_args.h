@@ -39,14 +39,14 @@ struct MaskArg {
     return true;
   }
 
-  // The logit of raw score r = q.k for key j: lam * r, plus the additive mask, or -inf where a
-  // bool mask forbids the key.
-  EA_HOST_DEVICE acc_t logit(int64_t row_off, int64_t j, acc_t lam, acc_t r) const {
+  // The logit of a scaled (and capped) score x = cap(lam * q.k) for key j: x plus the additive
+  // mask, or -inf where a bool mask forbids the key.
+  EA_HOST_DEVICE acc_t logit(int64_t row_off, int64_t j, acc_t x) const {
     if (kind == MaskKind::kBool) {
-      return bool_data()[row_off + j * sj] ? lam * r : -std::numeric_limits<acc_t>::infinity();
+      return bool_data()[row_off + j * sj] ? x : -std::numeric_limits<acc_t>::infinity();
     }
-    if (kind == MaskKind::kAdditive) return lam * r + additive_data()[row_off + j * sj];
-    return lam * r;
+    if (kind == MaskKind::kAdditive) return x + additive_data()[row_off + j * sj];
+    return x;
   }
 };
 
@@ -74,9 +74,87 @@ struct ScalePolicy {
 };
 
 // Keys [0, key_limit) are allowed by causality for query row i (top-left alignment, as
-// scaled_dot_product_attention's is_causal).
+// scaled_dot_product_attention's is_causal). The tensor-core family, whose causal flag is a
+// compile-time top-left pattern, uses it; everything else asks a KeyPattern.
 EA_HOST_DEVICE int64_t key_limit(int64_t i, int64_t kv_len, bool causal) {
   return causal ? (i + 1 < kv_len ? i + 1 : kv_len) : kv_len;
 }
+
+// The keys [lo, hi) a query row may see before the mask is applied.
+struct KeyRange {
+  int64_t lo = 0, hi = 0;
+};
+
+// Which keys each query row may see: causality and a sliding window around the row's diagonal,
+// and, for packed (varlen) calls, the boundaries of the documents. One definition for every
+// kernel, so that n_i, the skipped key blocks and the masked entries agree on every device.
+//
+// Row i's diagonal is key i (top-left alignment, scaled_dot_product_attention's is_causal) or key
+// i + Lk - Lq (bottom-right: the last query row sees the last key, as a decoding cache, chunked
+// prefill, FlashAttention and varlen_attn align). The row sees keys diag - left .. diag + right,
+// clipped to [0, Lk); a bound of -1 is unbounded, and causality is right = 0.
+struct KeyPattern {
+  int64_t left = -1, right = -1;
+  bool bottom_right = false;
+  // Packed documents: document d owns query rows [cu_q[d], cu_q[d + 1]) and keys
+  // [cu_k[d], cu_k[d] + len_k), len_k = seqused_k[d] when given, else cu_k[d + 1] - cu_k[d]; the
+  // window applies within each document. Null cu_q: one document of Lq rows and Lk keys.
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  const int32_t* seqused_k = nullptr;
+  int64_t documents = 0;
+
+  // True when some row may see fewer than all keys of its document (before the mask).
+  EA_HOST_DEVICE bool banded() const { return left >= 0 || right >= 0; }
+
+  // The range of row i of a document of q_len rows and kv_len keys, in the document's key indices.
+  EA_HOST_DEVICE KeyRange local(int64_t i, int64_t q_len, int64_t kv_len) const {
+    const int64_t diag = bottom_right ? i + kv_len - q_len : i;
+    int64_t lo = left >= 0 ? diag - left : 0;
+    int64_t hi = right >= 0 ? diag + right + 1 : kv_len;
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > kv_len ? kv_len : hi;
+    // An empty range sits at a position that keeps lo and hi non-decreasing in i, so that the
+    // range of a tile of rows is [lo of its first row, hi of its last).
+    if (hi < lo) hi = lo = (lo > kv_len ? kv_len : lo);
+    return {lo, hi};
+  }
+
+  // The range of row i of a call with q_len rows and kv_len keys per batch entry (for packed
+  // calls: the total query and key tokens), in the call's key indices. lo and hi never decrease
+  // as i grows.
+  EA_HOST_DEVICE KeyRange keys(int64_t i, int64_t q_len, int64_t kv_len) const {
+    if (cu_q == nullptr) return local(i, q_len, kv_len);
+    int64_t d = 0, end = documents;  // the last document with cu_q[d] <= i: the one holding row i
+    while (end - d > 1) {
+      const int64_t mid = (d + end) / 2;
+      if (cu_q[mid] <= i) {
+        d = mid;
+      } else {
+        end = mid;
+      }
+    }
+    const int64_t k0 = cu_k[d];
+    const int64_t len_k = seqused_k != nullptr ? seqused_k[d] : cu_k[d + 1] - k0;
+    const KeyRange r = local(i - cu_q[d], cu_q[d + 1] - cu_q[d], len_k);
+    return {k0 + r.lo, k0 + r.hi};
+  }
+};
+
+// Logit softcapping (Gemma 2): s <- cap * tanh(s / cap), applied to the scaled score before the
+// additive mask; cap = 0 leaves logits as they are.
+template <typename acc_t>
+struct Softcap {
+  acc_t cap = 0, inv_cap = 0;
+
+  EA_HOST_DEVICE bool on() const { return cap > acc_t(0); }
+  EA_HOST_DEVICE acc_t apply(acc_t x) const { return on() ? cap * std::tanh(x * inv_cap) : x; }
+  // d apply / dx from the capped value y = apply(x): 1 - (y / cap)^2.
+  EA_HOST_DEVICE acc_t derivative(acc_t y) const {
+    if (!on()) return acc_t(1);
+    const acc_t t = y * inv_cap;
+    return acc_t(1) - t * t;
+  }
+};
 
 }  // namespace entropy_attn

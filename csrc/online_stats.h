@@ -57,6 +57,19 @@ struct Log2 {
   }
 };
 
+// The state of a row before its first key. With an attention sink (gpt-oss) the softmax
+// denominator holds one more entry, a per-head logit with no value: the row starts as if it had
+// seen that entry, m = sink (in the kernel's Unit), l = 1 (e^0), t = 0 (its x = s - m is 0),
+// u = 1, so that lse, the weights and every statistic describe the distribution over the keys and
+// the sink (docs/math.md section 6), and the output, which the sink does not feed, is divided by
+// the whole denominator.
+template <typename acc_t>
+EA_HOST_DEVICE RowStats<acc_t> initial_state(bool has_sink, acc_t sink) {
+  RowStats<acc_t> st;
+  if (has_sink) st.m = sink, st.l = acc_t(1), st.u = acc_t(1);
+  return st;
+}
+
 // Moves the running state to a new, larger-or-equal max m_new and returns the factor e^{m - m_new}
 // by which anything accumulated with weights e^{s - m} (the output row) must be multiplied.
 // With an empty state (l = 0, m = -inf) the factor is 0 and nothing is formed from -inf * 0.

@@ -17,45 +17,47 @@ using AttentionOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-inline const c10::TypedOperatorHandle<AttentionOutputs(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-    bool, std::optional<double>, c10::string_view, double, double, bool, bool)>&
-attention_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("entropy_attn::attention", "")
-          .typed<AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                  c10::string_view, double, double, bool, bool)>();
-  return op;
-}
+// (grad_query, grad_key, grad_value, grad_row_scale, grad_sinks).
+using AttentionBackwardOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-inline const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+// The trailing options of `attention` and `attention_backward`: window_size, causal_alignment,
+// softcap, sinks, dropout_p, dropout_seed.
+#define EA_PATTERN_ARGS \
+  c10::IntArrayRef, c10::string_view, double, const OptTensor&, double, int64_t
+
+using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const OptTensor&, const OptTensor&, bool,
+                                            std::optional<double>, c10::string_view, double,
+                                            double, bool, bool, EA_PATTERN_ARGS);
+using AttentionBackwardSignature = AttentionBackwardOutputs(
     const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>&
-attention_backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("entropy_attn::attention_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, bool)>();
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS);
+using AttentionSparsitySignature =
+    at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+               c10::string_view, bool, std::optional<double>, c10::string_view, double, double,
+               bool, c10::IntArrayRef, c10::string_view, double);
+#undef EA_PATTERN_ARGS
+
+inline const c10::TypedOperatorHandle<AttentionSignature>& attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("entropy_attn::attention", "")
+                             .typed<AttentionSignature>();
   return op;
 }
 
-inline const c10::TypedOperatorHandle<at::Tensor(
-    const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, c10::string_view,
-    bool, std::optional<double>, c10::string_view, double, double, bool)>&
-attention_sparsity_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("entropy_attn::attention_sparsity", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                            const OptTensor&, c10::string_view, bool, std::optional<double>,
-                            c10::string_view, double, double, bool)>();
+inline const c10::TypedOperatorHandle<AttentionBackwardSignature>& attention_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("entropy_attn::attention_backward", "")
+                             .typed<AttentionBackwardSignature>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<AttentionSparsitySignature>& attention_sparsity_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("entropy_attn::attention_sparsity", "")
+                             .typed<AttentionSparsitySignature>();
   return op;
 }
 

@@ -12,31 +12,45 @@ TORCH_LIBRARY(entropy_attn, m) {
   // statistics derived from them in the kernels' epilogue: normalized entropy, l1/l2 sparsity,
   // effective keys (docs/math.md section 2). With return_stats=False the kernels skip the
   // statistics: entropy, sum_p2, max_weight and the derived ones are empty (0 elements).
+  // Key patterns, softcapping, sinks and dropout (docs/math.md section 6): row i sees the keys
+  // of its window (left, right) around its diagonal (key i, or i + Lk - Lq with causal_alignment
+  // "bottom_right"; -1 = unbounded; is_causal sets right = 0), and n_i counts those the mask
+  // allows; softcap > 0 caps scaled scores to softcap * tanh(x / softcap) before the mask; sinks
+  // (H,) add one logit per head, with no value, to each row's softmax (the statistics then describe
+  // the distribution over the keys and the sink); dropout_p drops weights of the output's P V
+  // (not those of the statistics) by the Philox stream keyed by dropout_seed (dropout.h).
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
-      "bool enable_gqa=False, bool return_stats=True) -> (Tensor output, Tensor lse, "
+      "bool enable_gqa=False, bool return_stats=True, int[2] window_size=[-1, -1], "
+      "str causal_alignment=\"top_left\", float softcap=0.0, Tensor? sinks=None, "
+      "float dropout_p=0.0, int dropout_seed=0) -> (Tensor output, Tensor lse, "
       "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
       "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
-  // Gradients of `attention` w.r.t. query, key, value and lambda, given the upstream gradients of
-  // output and (optionally) of lse, entropy and sum_p2 (docs/math.md section 3). entropy and
-  // sum_p2 may be empty (a forward without statistics) when their gradients are absent.
+  // Gradients of `attention` w.r.t. query, key, value, lambda and the sinks, given the upstream
+  // gradients of output and (optionally) of lse, entropy and sum_p2 (docs/math.md sections 3 and
+  // 6), with the forward's key pattern, softcap, sinks and dropout. entropy and sum_p2 may be
+  // empty (a forward without statistics) when their gradients are absent. grad_sinks is empty
+  // without sinks.
   m.def(
       "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
-      "bool is_causal) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
-      "Tensor grad_row_scale)");
+      "bool is_causal, *, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
+      "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0) -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_row_scale, "
+      "Tensor grad_sinks)");
   // Per-row l1/l2 sparsity S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of general attention
   // a_ij = f(s_ij), f = exp ("exp", softmax), relu^2 ("relu2") or identity ("identity"), with the
-  // logits s_ij, masks and scale arguments of `attention` (seed 003). (B, H, Lq); not
+  // logits s_ij, masks, key patterns, softcap and scale arguments of `attention` (seed 003). (B, H, Lq); not
   // differentiable.
   m.def(
       "attention_sparsity(Tensor query, Tensor key, Tensor? attn_mask=None, Tensor? scale=None, "
       "*, str kind=\"exp\", bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
-      "bool enable_gqa=False) -> Tensor");
+      "bool enable_gqa=False, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
+      "float softcap=0.0) -> Tensor");
   // Shannon entropy -sum p ln p of normalized weights along `dim` (0 ln 0 = 0).
   m.def("entropy(Tensor p, int dim=-1) -> Tensor");
   // l1/l2 sparsity mean|a| / sqrt(mean a^2) along `dim` (seed 003); 0 for an all-zero slice.

@@ -28,7 +28,9 @@ struct BwdArgs {
   Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
   Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
   MaskArg<acc_t> mask;
-  bool causal;
+  KeyPattern pattern;
+  Softcap<acc_t> softcap;
+  Dropout<acc_t> dropout;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
   acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
@@ -38,6 +40,8 @@ struct BwdArgs {
 template <typename acc_t>
 struct BwdBuffers {
   std::vector<acc_t> s, p, dp;    // logits, weights, dP then dS (rows x block)
+  std::vector<acc_t> dcap;        // the softcap's derivative (rows x block), when on
+  std::vector<acc_t> keep, pd;    // dropout factors and the weights dropped out, when on
   std::vector<acc_t> g;           // G = sum_j dS_ij k_j (rows x D)
   std::vector<acc_t> qs_t, do_t;  // (lambda_i q_i)^T (D x rows) and dO^T (Dv x rows)
   std::vector<acc_t> delta;       // D~_i per row
@@ -46,6 +50,9 @@ struct BwdBuffers {
       : s(rows * kKvBlock),
         p(rows * kKvBlock),
         dp(rows * kKvBlock),
+        dcap(rows * kKvBlock),
+        keep(rows * kKvBlock),
+        pd(rows * kKvBlock),
         g(rows * sh.head_dim),
         qs_t(rows * sh.head_dim),
         do_t(rows * sh.v_head_dim),
@@ -92,25 +99,45 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   }
   transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
 
-  const int64_t kv_begin = chunk * a.chunk_keys;
-  const int64_t kv_end =
-      std::min(key_limit(i0 + rows - 1, sh.kv_len, a.causal), kv_begin + a.chunk_keys);
+  // The keys of this chunk that some row of the block may see.
+  const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
+  const int64_t kv_begin = std::max(chunk * a.chunk_keys, tile.lo);
+  const int64_t kv_end = std::min(tile.hi, (chunk + 1) * a.chunk_keys);
+  const bool dropout = a.dropout.on(), softcap = a.softcap.on();
   for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
     block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
-      weights_row(buf.s.data() + r * n, buf.p.data() + r * n, n, j0,
-                  key_limit(i, sh.kv_len, a.causal), a.row_scale[row0 + r],
-                  MaskRow<acc_t>(a.mask, b, h, i), a.lse[row0 + r]);
+      const LogitRow<acc_t> row{a.pattern.keys(i, sh.q_len, sh.kv_len), a.row_scale[row0 + r],
+                                a.softcap, MaskRow<acc_t>(a.mask, b, h, i)};
+      weights_row(buf.s.data() + r * n, buf.p.data() + r * n, buf.dcap.data() + r * n, n, j0, row,
+                  a.lse[row0 + r]);
+      if (dropout) {
+        acc_t *keep = buf.keep.data() + r * n, *pd = buf.pd.data() + r * n;
+        const acc_t* p = buf.p.data() + r * n;
+        for_each_dropout_factor(a.dropout, b * sh.heads + h, i, j0, n, [&](int64_t j, acc_t f) {
+          keep[j] = f;
+          pd[j] = p[j] * f;
+        });
+      }
     }
-    // dV^T += dO^T P ; dP = dO V^T
-    block_gemm<acc_t>(Dv, n, rows, buf.do_t.data(), rows, buf.p.data(), n, dvt + j0, a.dvt.sl,
-                      true);
+    // dV^T += dO^T P (P dropped out, as the forward's P V saw it); dP = dO V^T
+    block_gemm<acc_t>(Dv, n, rows, buf.do_t.data(), rows, (dropout ? buf.pd : buf.p).data(), n,
+                      dvt + j0, a.dvt.sl, true);
     block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
-      dlogits_row(buf.dp.data() + r * n, buf.s.data() + r * n, buf.p.data() + r * n, n,
-                  buf.delta[r], buf.grads[r]);
+      acc_t* dp = buf.dp.data() + r * n;
+      const acc_t* p = buf.p.data() + r * n;
+      if (dropout) {  // dP of the weights before dropout: dO . v_j times the dropout factor
+        const acc_t* keep = buf.keep.data() + r * n;
+        for (int64_t j = 0; j < n; ++j) dp[j] *= keep[j];
+      }
+      dlogits_row(dp, buf.s.data() + r * n, p, n, buf.delta[r], buf.grads[r]);
+      if (softcap) {  // through the cap, to the scaled score lambda q.k
+        const acc_t* dc = buf.dcap.data() + r * n;
+        for (int64_t j = 0; j < n; ++j) dp[j] *= dc[j];
+      }
     }
     // G += dS K (unscaled); dK^T += (lambda Q)^T dS
     block_gemm<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl, buf.g.data(), D, true);
@@ -141,7 +168,7 @@ inline int64_t backward_chunk_keys(const AttentionShape& sh) {
 template <typename acc_t>
 void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks) {
   const AttentionShape& sh = a.shape;
-  const int64_t qb = q_block_size(sh.q_len, a.causal);
+  const int64_t qb = q_block_size(sh.q_len, a.pattern.banded());
   at::parallel_for(0, sh.batch * sh.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(qb, sh);
@@ -187,7 +214,9 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
     a.dkt = Strided4<scalar_t>::of(dkt), a.dvt = Strided4<scalar_t>::of(dvt);
     a.mask = make_mask_arg<scalar_t>(call.mask);
-    a.causal = call.causal;
+    a.pattern = call.key_pattern();
+    a.softcap = call.options.logit_softcap<scalar_t>();
+    a.dropout = call.dropout<scalar_t>();
     a.lse = call.lse.const_data_ptr<scalar_t>();
     a.entropy = call.entropy.const_data_ptr<scalar_t>();
     a.sum_p2 = call.sum_p2.const_data_ptr<scalar_t>();

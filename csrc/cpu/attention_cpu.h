@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "../attention_inputs.h"
+#include "../dropout.h"
 #include "block_gemm.h"
 
 // The hot row loops are compiled once per ISA (AVX-512, AVX2, baseline) and picked at load time
@@ -65,11 +66,12 @@ struct MaskRow {
 
 // Block sizes, tuned by measurement (2 threads, L = 2048, D = 64 and 128, a sweep of 64..512 query
 // rows x 256..1024 keys): taller query blocks amortize the key/value traffic once there are enough
-// rows, except under causality, where the diagonal block's masked half is wasted work and 64 rows
-// were 5-15% faster than 256; 512 keys keep a block of scores in L2 (256..1024 within noise).
-inline int64_t q_block_size(int64_t q_len, bool causal) {
+// rows, except under causality (or any band of keys), where the diagonal block's masked part is
+// wasted work and 64 rows were 5-15% faster than 256; 512 keys keep a block of scores in L2
+// (256..1024 within noise).
+inline int64_t q_block_size(int64_t q_len, bool banded) {
   if (q_len < 192) return 32;
-  return (q_len >= 768 && !causal) ? 256 : 64;
+  return (q_len >= 768 && !banded) ? 256 : 64;
 }
 constexpr int64_t kKvBlock = 512;
 
@@ -77,8 +79,8 @@ constexpr int64_t kKvBlock = 512;
 // parallel over these tasks. Each thread builds its buffers once, as State(q_block_size, shape),
 // and runs its products with a single-threaded BLAS.
 template <typename State, typename Body>
-void parallel_query_blocks(const AttentionShape& sh, bool causal, const Body& body) {
-  const int64_t qb = q_block_size(sh.q_len, causal);
+void parallel_query_blocks(const AttentionShape& sh, bool banded, const Body& body) {
+  const int64_t qb = q_block_size(sh.q_len, banded);
   const int64_t blocks = (sh.q_len + qb - 1) / qb;
   at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
@@ -90,44 +92,70 @@ void parallel_query_blocks(const AttentionShape& sh, bool causal, const Body& bo
   });
 }
 
-// Number of keys in [0, limit) that the mask allows: the row's n_i.
+// Number of keys in `range` that the mask allows: the row's n_i.
 template <typename acc_t>
-int64_t count_allowed(const MaskArg<acc_t>& m, int64_t b, int64_t h, int64_t i, int64_t limit) {
-  if (m.kind == MaskKind::kNone) return limit;
+int64_t count_allowed(const MaskArg<acc_t>& m, int64_t b, int64_t h, int64_t i, KeyRange range) {
+  if (m.kind == MaskKind::kNone) return range.hi - range.lo;
   const int64_t off = m.row_offset(b, h, i);
   int64_t n = 0;
-  for (int64_t j = 0; j < limit; ++j) n += m.counts(off, j);
+  for (int64_t j = range.lo; j < range.hi; ++j) n += m.counts(off, j);
   return n;
 }
 
-// What a kernel needs to know of query row i before streaming keys: the causal key limit, n_i,
+// The key range [lo, hi) of a tile of query rows i0 .. i0 + rows: the union of the rows' ranges
+// (KeyPattern's ranges never decrease with i).
+inline KeyRange tile_keys(const KeyPattern& pattern, const AttentionShape& sh, int64_t i0,
+                          int64_t rows) {
+  return {pattern.keys(i0, sh.q_len, sh.kv_len).lo,
+          pattern.keys(i0 + rows - 1, sh.q_len, sh.kv_len).hi};
+}
+
+// What a kernel needs to know of query row i before streaming keys: its key range, n_i,
 // g(n_i) / temperature and lambda_i.
 template <typename acc_t>
 struct RowSetup {
-  int64_t limit = 0, n = 0;
+  KeyRange keys;
+  int64_t n = 0;
   acc_t factor = 0, lam = 0;
 
   RowSetup() = default;
-  RowSetup(const MaskArg<acc_t>& mask, const ScalePolicy<acc_t>& scale, bool causal, int64_t kv_len,
-           int64_t b, int64_t h, int64_t i)
-      : limit(key_limit(i, kv_len, causal)),
-        n(count_allowed(mask, b, h, i, limit)),
+  RowSetup(const MaskArg<acc_t>& mask, const ScalePolicy<acc_t>& scale, const KeyPattern& pattern,
+           const AttentionShape& sh, int64_t b, int64_t h, int64_t i)
+      : keys(pattern.keys(i, sh.q_len, sh.kv_len)),
+        n(count_allowed(mask, b, h, i, keys)),
         factor(scale.factor(n)),
         lam(scale.lambda(b, h, i, factor)) {}
 };
 
-// Turns raw scores r[0, n) of keys j0 .. j0 + n into logits s = lam * r + mask in place; keys
-// at or beyond `limit` or masked out become -inf. Returns the block's max logit (-inf if none).
+// How a row's raw scores r = q.k become logits: x = lam * r, capped when softcap is on, plus the
+// mask; keys outside the row's range are -inf.
 template <typename acc_t>
-EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, int64_t limit, acc_t lam,
-                                     const MaskRow<acc_t>& m) {
+struct LogitRow {
+  KeyRange keys;
+  acc_t lam;
+  Softcap<acc_t> softcap;
+  MaskRow<acc_t> mask;
+};
+
+// Turns raw scores r[0, n) of keys j0 .. j0 + n into logits in place (LogitRow). Returns the
+// block's max logit (-inf if none).
+template <typename acc_t>
+EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, const LogitRow<acc_t>& row) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t end = std::clamp<int64_t>(limit - j0, 0, n);
+  const int64_t begin = std::clamp<int64_t>(row.keys.lo - j0, 0, n);
+  const int64_t end = std::clamp<int64_t>(row.keys.hi - j0, begin, n);
+  acc_t lam = row.lam;
+  if (row.softcap.on()) {  // capped scores first; the mask pass below then takes them as they are
+    const Softcap<acc_t> cap = row.softcap;
+    for (int64_t j = begin; j < end; ++j) r[j] = cap.apply(lam * r[j]);
+    lam = 1;
+  }
+  const MaskRow<acc_t>& m = row.mask;
   // One pass per mask kind forms the logits and their max together (the row stays in L1).
   acc_t mx = kNegInf;
   if (m.kind == MaskKind::kNone) {
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       const acc_t x = lam * r[j];
       r[j] = x;
       mx = x > mx ? x : mx;
@@ -135,7 +163,7 @@ EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, int64_t li
   } else if (m.kind == MaskKind::kBool) {
     const bool* mb = m.b + j0 * m.sj;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       const acc_t x = mb[j * m.sj] ? lam * r[j] : kNegInf;
       r[j] = x;
       mx = x > mx ? x : mx;
@@ -143,21 +171,37 @@ EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, int64_t li
   } else {
     const acc_t* ma = m.a + j0 * m.sj;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       const acc_t x = lam * r[j] + ma[j * m.sj];
       r[j] = x;
       mx = x > mx ? x : mx;
     }
   }
+  std::fill(r, r + begin, kNegInf);
   std::fill(r + end, r + n, kNegInf);
   // The max skips NaN; a NaN then reaches the outputs through e^{s - m}, except in a row of only
   // NaN and -inf, caught here so that NaN inputs give NaN outputs, as in SDPA.
   if (mx == kNegInf) {
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       if (r[j] != r[j]) return r[j];
     }
   }
   return mx;
+}
+
+// Calls fn(j, factor) with the dropout factor (0 or 1 / (1 - p)) of each key j0 + j, j < n, of
+// row (bh, i): one Philox call per four keys.
+template <typename acc_t, typename Fn>
+void for_each_dropout_factor(const Dropout<acc_t>& d, int64_t bh, int64_t i, int64_t j0, int64_t n,
+                             const Fn& fn) {
+  int64_t j = 0;
+  while (j < n) {
+    const int64_t key = j0 + j;
+    const PhiloxDraws draws = d.draws(bh, i, key);  // the draws of keys 4 * (key / 4) ..
+    for (int64_t w = key & 3; w < 4 && j < n; ++w, ++j) {
+      fn(j, draws.x[w] >= d.threshold ? d.keep_scale : acc_t(0));
+    }
+  }
 }
 
 }  // namespace entropy_attn::cpu

@@ -20,7 +20,10 @@ struct FwdArgs {
   Strided4<acc_t> q, kt, v;  // kt: K transposed, (B, Hkv, D, Lk)
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
-  bool causal;
+  KeyPattern pattern;
+  Softcap<acc_t> softcap;
+  const acc_t* sinks;  // (H,), or null
+  Dropout<acc_t> dropout;
   // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
   acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
@@ -55,23 +58,30 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 
   for (int64_t r = 0; r < rows; ++r) {
     const RowSetup<acc_t>& row = buf.setup[r] =
-        RowSetup<acc_t>(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
+        RowSetup<acc_t>(a.mask, a.scale, a.pattern, sh, b, h, i0 + r);
     a.n_keys[row0 + r] = row.n;
     a.row_scale[row0 + r] = row.lam;
     a.length_factor[row0 + r] = row.factor;
-    stats[r] = RowStats<acc_t>{};
+    stats[r] = initial_state(a.sinks != nullptr, a.sinks ? a.sinks[h] : acc_t(0));
   }
   std::fill(o_buf.begin(), o_buf.begin() + rows * Dv, acc_t(0));
 
-  // Causality: no row of this block sees keys past the last row's limit.
-  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
-    const int64_t n = std::min(kKvBlock, kv_end - j0);
+  // Only the keys some row of the block may see (causality, windows, documents).
+  const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
+  for (int64_t j0 = tile.lo; j0 < tile.hi; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, tile.hi - j0);
     block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, s_buf.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
+      const RowSetup<acc_t>& row = buf.setup[r];
+      acc_t* p = s_buf.data() + r * n;
       const acc_t alpha =
-          softmax_row(s_buf.data() + r * n, n, j0, buf.setup[r].limit, buf.setup[r].lam,
-                      MaskRow<acc_t>(a.mask, b, h, i0 + r), stats[r], a.with_stats);
+          softmax_row(p, n, j0, {row.keys, row.lam, a.softcap, MaskRow<acc_t>(a.mask, b, h, i0 + r)},
+                      stats[r], a.with_stats);
+      // The statistics saw the weights; P V sees them dropped out.
+      if (a.dropout.on()) {
+        for_each_dropout_factor(a.dropout, b * sh.heads + h, i0 + r, j0, n,
+                                [p](int64_t j, acc_t f) { p[j] *= f; });
+      }
       if (alpha != acc_t(1)) {
         acc_t* o = o_buf.data() + r * Dv;
 #pragma omp simd
@@ -90,7 +100,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * res.inv_l;
     a.lse[row0 + r] = res.lse;
     if (!a.with_stats) continue;
-    const DerivedStats<acc_t> d = derive(res.entropy, res.sum_p2, buf.setup[r].n);
+    // With a sink the distribution has one more entry than the n_i keys.
+    const DerivedStats<acc_t> d =
+        derive(res.entropy, res.sum_p2, buf.setup[r].n + (a.sinks != nullptr ? 1 : 0));
     a.entropy[row0 + r] = res.entropy;
     a.sum_p2[row0 + r] = res.sum_p2;
     a.max_weight[row0 + r] = res.max_weight;
@@ -120,7 +132,10 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.v = Strided4<scalar_t>::of(v);
     a.mask = call.mask_arg<scalar_t>();
     a.scale = call.scale_policy<scalar_t>();
-    a.causal = call.options.causal;
+    a.pattern = call.key_pattern();
+    a.softcap = call.options.logit_softcap<scalar_t>();
+    a.sinks = call.sink_data<scalar_t>();
+    a.dropout = call.dropout<scalar_t>();
     a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
@@ -131,7 +146,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.effective_keys = effective_keys.data_ptr<scalar_t>();
     a.with_stats = call.options.return_stats;
     parallel_query_blocks<FwdBuffers<scalar_t>>(
-        sh, call.options.causal,
+        sh, a.pattern.banded(),
         [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           forward_task(a, buf, b, h, i0, rows);
         });

@@ -22,7 +22,8 @@ struct SparsityArgs {
   Strided4<acc_t> q, kt;  // kt: K transposed, (B, Hkv, D, Lk)
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
-  bool causal;
+  KeyPattern pattern;
+  Softcap<acc_t> softcap;
   SparsityKind kind;
   acc_t* out;  // (B, H, Lq), contiguous
 };
@@ -48,20 +49,21 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
   std::vector<RowSetup<acc_t>>& setup = buf.setup;
   std::vector<RowStats<acc_t>>& stats = buf.stats;
   for (int64_t r = 0; r < rows; ++r) {
-    setup[r] = RowSetup<acc_t>(a.mask, a.scale, a.causal, sh.kv_len, b, h, i0 + r);
+    setup[r] = RowSetup<acc_t>(a.mask, a.scale, a.pattern, sh, b, h, i0 + r);
     stats[r] = RowStats<acc_t>{};
   }
-  const int64_t kv_end = key_limit(i0 + rows - 1, sh.kv_len, a.causal);
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
-    const int64_t n = std::min(kKvBlock, kv_end - j0);
+  const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
+  for (int64_t j0 = tile.lo; j0 < tile.hi; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, tile.hi - j0);
     block_gemm<acc_t>(rows, n, sh.head_dim, q, a.q.sl, kt + j0, a.kt.sl, s_buf.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* s = s_buf.data() + r * n;
-      const MaskRow<acc_t> mask(a.mask, b, h, i0 + r);
+      const LogitRow<acc_t> row{setup[r].keys, setup[r].lam, a.softcap,
+                                MaskRow<acc_t>(a.mask, b, h, i0 + r)};
       if (a.kind == SparsityKind::kExp) {
-        softmax_row(s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r], /*with_stats=*/true);
+        softmax_row(s, n, j0, row, stats[r], /*with_stats=*/true);
       } else {
-        power_sums_row(a.kind, s, n, j0, setup[r].limit, setup[r].lam, mask, stats[r]);
+        power_sums_row(a.kind, s, n, j0, row, stats[r]);
       }
     }
   }
@@ -84,11 +86,12 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
     a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
     a.mask = call.mask_arg<scalar_t>();
     a.scale = call.scale_policy<scalar_t>();
-    a.causal = call.options.causal;
+    a.pattern = call.key_pattern();
+    a.softcap = call.options.logit_softcap<scalar_t>();
     a.kind = kind;
     a.out = out.data_ptr<scalar_t>();
     parallel_query_blocks<SparsityBuffers<scalar_t>>(
-        sh, call.options.causal,
+        sh, a.pattern.banded(),
         [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           sparsity_task(a, buf, b, h, i0, rows);
         });

@@ -15,10 +15,9 @@ namespace {
 // Without statistics only l is accumulated (t and u stay 0): a call that does not ask for them
 // pays nothing for them.
 template <typename acc_t>
-EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t limit, acc_t lam,
-                                        const MaskRow<acc_t>& mask, RowStats<acc_t>& st,
-                                        bool with_stats) {
-  const acc_t block_max = scaled_logits(s, n, j0, limit, lam, mask);
+EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, const LogitRow<acc_t>& row,
+                                        RowStats<acc_t>& st, bool with_stats) {
+  const acc_t block_max = scaled_logits(s, n, j0, row);
   acc_t alpha = 1;
   if (!(block_max <= st.m)) alpha = rescale(st, block_max);  // a larger max, or NaN
   if (st.m == -std::numeric_limits<acc_t>::infinity()) {
@@ -52,11 +51,14 @@ EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, int64_t
 }
 
 // Recomputes one row of weights p = e^{s - lse} (0 where masked) from raw scores s, which become
-// the scaled logits.
+// the scaled logits; with softcap on, dcap gets the cap's derivative at each scaled score.
 template <typename acc_t>
-EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, int64_t n, int64_t j0, int64_t limit,
-                                       acc_t lam, const MaskRow<acc_t>& mask, acc_t lse) {
-  scaled_logits(s, n, j0, limit, lam, mask);
+EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t n, int64_t j0,
+                                       const LogitRow<acc_t>& row, acc_t lse) {
+  if (row.softcap.on()) {
+    for (int64_t j = 0; j < n; ++j) dcap[j] = row.softcap.derivative(row.softcap.apply(row.lam * s[j]));
+  }
+  scaled_logits(s, n, j0, row);
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const acc_t x = s[j] - lse;
@@ -77,9 +79,8 @@ EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p
 
 template <typename acc_t>
 EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n, int64_t j0,
-                                          int64_t limit, acc_t lam, const MaskRow<acc_t>& mask,
-                                          RowStats<acc_t>& st) {
-  const acc_t smax = scaled_logits(s, n, j0, limit, lam, mask);
+                                          const LogitRow<acc_t>& row, RowStats<acc_t>& st) {
+  const acc_t smax = scaled_logits(s, n, j0, row);
   if (smax != smax) st.l = smax;  // a row of only NaN and masked keys: NaN, as softmax gives
   const bool relu2 = kind == SparsityKind::kRelu2;
   acc_t bmax = 0;
@@ -106,23 +107,22 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
 
 }  // namespace
 
-EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                                const MaskRow<float>& mask, RowStats<float>& st, bool with_stats) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st, with_stats);
+EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, const LogitRow<float>& row,
+                                RowStats<float>& st, bool with_stats) {
+  return softmax_row_impl(s, n, j0, row, st, with_stats);
+}
+double softmax_row(double* s, int64_t n, int64_t j0, const LogitRow<double>& row,
+                   RowStats<double>& st, bool with_stats) {
+  return softmax_row_impl(s, n, j0, row, st, with_stats);
 }
 
-double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                   const MaskRow<double>& mask, RowStats<double>& st, bool with_stats) {
-  return softmax_row_impl(s, n, j0, limit, lam, mask, st, with_stats);
+EA_CPU_CLONES void weights_row(float* s, float* p, float* dcap, int64_t n, int64_t j0,
+                               const LogitRow<float>& row, float lse) {
+  weights_row_impl(s, p, dcap, n, j0, row, lse);
 }
-
-EA_CPU_CLONES void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
-                               const MaskRow<float>& mask, float lse) {
-  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
-}
-void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
-                 const MaskRow<double>& mask, double lse) {
-  weights_row_impl(s, p, n, j0, limit, lam, mask, lse);
+void weights_row(double* s, double* p, double* dcap, int64_t n, int64_t j0,
+                 const LogitRow<double>& row, double lse) {
+  weights_row_impl(s, p, dcap, n, j0, row, lse);
 }
 EA_CPU_CLONES void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
                                const RowGrads<float>& g) {
@@ -133,13 +133,13 @@ void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double
   dlogits_row_impl(ds, s, p, n, delta, g);
 }
 
-EA_CPU_CLONES void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit,
-                                  float lam, const MaskRow<float>& mask, RowStats<float>& st) {
-  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, st);
+EA_CPU_CLONES void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0,
+                                  const LogitRow<float>& row, RowStats<float>& st) {
+  power_sums_row_impl(kind, s, n, j0, row, st);
 }
-void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                    const MaskRow<double>& mask, RowStats<double>& st) {
-  power_sums_row_impl(kind, s, n, j0, limit, lam, mask, st);
+void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0,
+                    const LogitRow<double>& row, RowStats<double>& st) {
+  power_sums_row_impl(kind, s, n, j0, row, st);
 }
 
 }  // namespace entropy_attn::cpu

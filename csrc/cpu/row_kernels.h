@@ -10,19 +10,20 @@
 
 namespace entropy_attn::cpu {
 
-// Forward: raw scores s[0, n) of keys j0.. -> logits (scale, mask, causality limit), the running
-// state moved to the new max, then p = e^{s - m} in place with l (and, with_stats, t and u)
-// accumulated. Returns the factor e^{m_old - m_new} for the row's output accumulator.
-float softmax_row(float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                  const MaskRow<float>& mask, RowStats<float>& st, bool with_stats);
-double softmax_row(double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                   const MaskRow<double>& mask, RowStats<double>& st, bool with_stats);
+// Forward: raw scores s[0, n) of keys j0.. -> logits (LogitRow), the running state moved to the
+// new max, then p = e^{s - m} in place with l (and, with_stats, t and u) accumulated. Returns the
+// factor e^{m_old - m_new} for the row's output accumulator.
+float softmax_row(float* s, int64_t n, int64_t j0, const LogitRow<float>& row, RowStats<float>& st,
+                  bool with_stats);
+double softmax_row(double* s, int64_t n, int64_t j0, const LogitRow<double>& row,
+                   RowStats<double>& st, bool with_stats);
 
-// Backward: raw scores -> logits in s, and p = e^{s - lse} (0 where masked).
-void weights_row(float* s, float* p, int64_t n, int64_t j0, int64_t limit, float lam,
-                 const MaskRow<float>& mask, float lse);
-void weights_row(double* s, double* p, int64_t n, int64_t j0, int64_t limit, double lam,
-                 const MaskRow<double>& mask, double lse);
+// Backward: raw scores -> logits in s, and p = e^{s - lse} (0 where masked). With softcap on,
+// dcap[j] receives the derivative of the cap at the key's scaled score (else dcap is unused).
+void weights_row(float* s, float* p, float* dcap, int64_t n, int64_t j0, const LogitRow<float>& row,
+                 float lse);
+void weights_row(double* s, double* p, double* dcap, int64_t n, int64_t j0,
+                 const LogitRow<double>& row, double lse);
 
 // Backward: dP -> dS in place (online_stats.h: logit_grad).
 void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
@@ -33,9 +34,9 @@ void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double
 // Non-softmax attention a = f(s), f = relu^2 or identity: raw scores -> logits, then the sums
 // over the allowed keys of |a| (st.l) and a^2 (st.u), relative to the running max |relu(s)| or
 // |s| (st.m; starts at -inf), which S = l1 / sqrt(n l2) does not depend on.
-void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, int64_t limit, float lam,
-                    const MaskRow<float>& mask, RowStats<float>& st);
-void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0, int64_t limit, double lam,
-                    const MaskRow<double>& mask, RowStats<double>& st);
+void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0, const LogitRow<float>& row,
+                    RowStats<float>& st);
+void power_sums_row(SparsityKind kind, double* s, int64_t n, int64_t j0,
+                    const LogitRow<double>& row, RowStats<double>& st);
 
 }  // namespace entropy_attn::cpu

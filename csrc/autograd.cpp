@@ -66,6 +66,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   // chained in (docs/math.md section 3): normalized entropy H / ln n adds g / ln n to g_H;
   // effective keys 1 / U adds -g / U^2 and sparsity (n U)^(-1/2) adds -g S / (2 U) to g_U. Rows
   // with n < 2 (normalized entropy) or n = 0 (the others) have constant statistics: no gradient.
+  // n is the size of the distribution's support: n_keys, plus one with a sink.
   static std::pair<at::Tensor, at::Tensor> statistic_grads(const variable_list& grads,
                                                            const at::Tensor& sum_p2,
                                                            const at::Tensor& n_keys) {
@@ -100,7 +101,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     at::Tensor g_entropy, g_sum_p2;  // a forward without statistics returned them empty
     if (options.return_stats) {
-      std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], saved[11]);
+      const at::Tensor support = sinks.defined() ? saved[11] + 1 : saved[11];
+      std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], support);
     }
     auto [dq, dk, dv, dlam, dsinks] = call_attention_backward(
         grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),

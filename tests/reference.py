@@ -9,8 +9,9 @@ zero statistics and zero gradients, with no NaN anywhere (forward or backward).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,6 +35,54 @@ class RefResult(NamedTuple):
     probs: Tensor  # (B, H, Lq, Lk) attention weights
 
 
+def window_allowed(
+    Lq: int,
+    Lk: int,
+    is_causal: bool,
+    window_size: Tuple[int, int] = (-1, -1),
+    causal_alignment: str = "top_left",
+    device: Union[str, torch.device] = "cpu",
+) -> Tensor:
+    """Bool (Lq, Lk): key j is within query i's window: diag - left <= j <= diag + right, with
+    diag = i (top-left) or i + Lk - Lq (bottom-right); -1 unbounded; causal means right = 0."""
+    left, right = window_size
+    if is_causal:
+        right = 0
+    i = torch.arange(Lq, device=device).view(Lq, 1)
+    j = torch.arange(Lk, device=device).view(1, Lk)
+    diag = i + (Lk - Lq if causal_alignment == "bottom_right" else 0)
+    ok = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok = ok & (j >= diag - left)
+    if right >= 0:
+        ok = ok & (j <= diag + right)
+    return ok
+
+
+def _mulhilo(a: np.ndarray, b: int) -> Tuple[np.ndarray, np.ndarray]:
+    prod = a.astype(np.uint64) * np.uint64(b)
+    return (prod >> np.uint64(32)).astype(np.uint32), (prod & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def philox_dropout_factors(seed: int, p: float, B: int, H: int, Lq: int, Lk: int) -> Tensor:
+    """(B, H, Lq, Lk) float64 dropout factors, 0 or 1 / (1 - p): weight (b, h, i, j) is kept when
+    draw j % 4 of Philox4x32-10 at counter (j // 4, i, b * H + h, 0) under key (seed low 32 bits,
+    seed high 32 bits) is >= round(p * 2^32) (Salmon et al. 2011, written here from the paper's
+    definition with numpy, independently of the extension's C++)."""
+    bh, i, j4 = np.meshgrid(np.arange(B * H), np.arange(Lq), np.arange((Lk + 3) // 4), indexing="ij")
+    c = [j4.astype(np.uint32), i.astype(np.uint32), bh.astype(np.uint32), np.zeros_like(j4, dtype=np.uint32)]
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(c[0], 0xD2511F53)
+        hi1, lo1 = _mulhilo(c[2], 0xCD9E8D57)
+        c = [hi1 ^ c[1] ^ np.uint32(k0), lo1, hi0 ^ c[3] ^ np.uint32(k1), lo0]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    draws = np.stack(c, axis=-1).reshape(B * H, Lq, -1)[:, :, :Lk]
+    threshold = min(max(int(p * 2**32 + 0.5), 1), 2**32 - 1)
+    keep = torch.from_numpy((draws >= threshold).astype(np.float64))
+    return (keep / (1.0 - p)).view(B, H, Lq, Lk)
+
+
 def allowed_mask(
     B: int,
     H: int,
@@ -42,8 +91,10 @@ def allowed_mask(
     attn_mask: Optional[Tensor],
     is_causal: bool,
     device: Union[str, torch.device] = "cpu",
+    window_size: Tuple[int, int] = (-1, -1),
+    causal_alignment: str = "top_left",
 ) -> Tensor:
-    """Bool (B, H, Lq, Lk): True where query i may attend key j (mask AND top-left causal)."""
+    """Bool (B, H, Lq, Lk): True where query i may attend key j (mask AND window/causality)."""
     allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=device)
     if attn_mask is not None:
         m = attn_mask.to(device)
@@ -51,11 +102,7 @@ def allowed_mask(
             allowed = allowed & m
         else:
             allowed = allowed & (m.to(torch.float64) != float("-inf"))
-    if is_causal:
-        i = torch.arange(Lq, device=device).view(Lq, 1)
-        j = torch.arange(Lk, device=device).view(1, Lk)
-        allowed = allowed & (j <= i)
-    return allowed
+    return allowed & window_allowed(Lq, Lk, is_causal, window_size, causal_alignment, device)
 
 
 def reference_attention_raw(
@@ -71,12 +118,22 @@ def reference_attention_raw(
     temperature: float = 1.0,
     log_base: float = 512.0,
     enable_gqa: bool = False,
+    return_stats: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    causal_alignment: str = "top_left",
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
 ) -> RefResult:
     """Reference with the signature of ``torch.ops.entropy_attn.attention``.
 
     Inputs of any float dtype are promoted to float64 (keeping the autograd graph, so
-    gradients flow back to the caller's tensors in their own dtype).
+    gradients flow back to the caller's tensors in their own dtype). With ``sinks`` the softmax
+    runs over the keys and one extra entry per row, the head's sink logit, whose value is 0; the
+    statistics describe that whole distribution (n_i + 1 entries).
     """
+    del return_stats  # the reference always computes every statistic
     q = query.to(torch.float64)
     k = key.to(torch.float64)
     v = value.to(torch.float64)
@@ -89,7 +146,7 @@ def reference_attention_raw(
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
 
-    allowed = allowed_mask(B, H, Lq, Lk, attn_mask, is_causal, dev)
+    allowed = allowed_mask(B, H, Lq, Lk, attn_mask, is_causal, dev, window_size, causal_alignment)
     n = allowed.sum(-1)  # int64 (B, H, Lq)
     nf = n.to(torch.float64)
     has = n > 0
@@ -117,39 +174,58 @@ def reference_attention_raw(
     # ---- logits and softmax --------------------------------------------------------
     raw = q @ k.transpose(-1, -2)  # (B, H, Lq, Lk)
     s = lam.unsqueeze(-1) * raw
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         add = attn_mask.to(device=dev, dtype=torch.float64).expand(B, H, Lq, Lk)
         s = s + torch.where(allowed, add, torch.zeros_like(add))
+    if sinks is not None:
+        # One more column: the sink logit, always allowed, whose value is 0.
+        sink_col = sinks.to(torch.float64).to(dev).view(1, H, 1, 1).expand(B, H, Lq, 1)
+        s = torch.cat([s, sink_col], dim=-1)
+        allowed = torch.cat([allowed, torch.ones(B, H, Lq, 1, dtype=torch.bool, device=dev)], dim=-1)
+        v = torch.cat([v, torch.zeros(B, H, 1, Dv, dtype=torch.float64, device=dev)], dim=-2)
+    support = allowed.sum(-1)  # entries of the distribution: n_i (+ 1 with a sink)
+    has_support = support > 0
     # Empty rows: let every entry through (finite logits) so softmax never sees an
     # all -inf row; the row is zeroed afterwards. Keeps forward and backward NaN-free.
-    through = allowed | (~has).unsqueeze(-1)
+    through = allowed | (~has_support).unsqueeze(-1)
     neg_inf = torch.full_like(s, float("-inf"))
     s_in = torch.where(through, s, neg_inf)
     logp_full = torch.log_softmax(s_in, dim=-1)
-    keep = allowed  # (has rows only: allowed is all False in empty rows)
+    keep = allowed  # (non-empty rows only: allowed is all False in empty rows)
     zero = torch.zeros_like(s)
     logp = torch.where(keep, logp_full, zero)
     p = torch.where(keep, torch.exp(logp), zero)
 
-    out = p @ v  # (B, H, Lq, Dv)
-    if Lk > 0:
+    p_out = p
+    if dropout_p > 0:
+        factors = philox_dropout_factors(dropout_seed, dropout_p, B, H, Lq, Lk).to(dev)
+        if sinks is not None:
+            factors = torch.cat([factors, torch.ones(B, H, Lq, 1, dtype=torch.float64, device=dev)], dim=-1)
+        p_out = p * factors
+    out = p_out @ v  # (B, H, Lq, Dv)
+    if s.shape[-1] > 0:
         lse_all = torch.logsumexp(s_in, dim=-1)
     else:
         lse_all = torch.zeros(B, H, Lq, dtype=torch.float64, device=dev)
     zrow = torch.zeros(B, H, Lq, dtype=torch.float64, device=dev)
-    lse = torch.where(has, lse_all, zrow)
+    lse = torch.where(has_support, lse_all, zrow)
     entropy = -(p * logp).sum(-1)
     sum_p2 = (p * p).sum(-1)
     max_weight = torch.cat([p, zrow.unsqueeze(-1)], dim=-1).amax(-1)
 
-    # ---- derived statistics ----------------------------------------------------------
-    big = nf >= 2
-    safe_logn = torch.where(big, logn, torch.ones_like(logn))
-    normalized_entropy = torch.where(big, entropy / safe_logn, zrow)
-    safe_sp2 = torch.where(has, sum_p2, torch.ones_like(sum_p2))
-    safe_n = torch.where(has, nf, torch.ones_like(nf))
-    sparsity = torch.where(has, 1.0 / torch.sqrt(safe_n * safe_sp2), zrow)
-    effective_keys = torch.where(has, 1.0 / safe_sp2, zrow)
+    # ---- derived statistics (over the distribution's support) ----------------------------
+    sf = support.to(torch.float64)
+    big = support >= 2
+    safe_logs = torch.log(torch.where(big, sf, torch.full_like(sf, 2.0)))
+    normalized_entropy = torch.where(big, entropy / safe_logs, zrow)
+    safe_sp2 = torch.where(has_support, sum_p2, torch.ones_like(sum_p2))
+    safe_n = torch.where(has_support, sf, torch.ones_like(sf))
+    sparsity = torch.where(has_support, 1.0 / torch.sqrt(safe_n * safe_sp2), zrow)
+    effective_keys = torch.where(has_support, 1.0 / safe_sp2, zrow)
+    if sinks is not None:
+        p = p[..., :Lk]
 
     return RefResult(
         output=out,
@@ -178,13 +254,16 @@ def reference_attention(
     temperature: float = 1.0,
     enable_gqa: bool = False,
     train_length: float = 512,
+    **pattern: Any,
 ) -> RefResult:
-    """Reference with the semantics of ``torch_ext.attention`` (Python API)."""
+    """Reference with the semantics of ``torch_ext.attention`` (Python API); ``pattern`` takes the
+    op's window_size, causal_alignment, softcap, sinks, dropout_p and dropout_seed."""
     kwargs = dict(
         is_causal=is_causal,
         temperature=temperature,
         log_base=float(train_length),
         enable_gqa=enable_gqa,
+        **pattern,
     )
     if scale is None:
         return reference_attention_raw(query, key, value, attn_mask, None, **kwargs)

@@ -67,6 +67,26 @@ def attention_samples() -> List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]:
         )
         out.append(
             (
+                "window_softcap_sinks" + sfx,
+                (_r(1, 2, 5, 8, rg=rg), _r(1, 2, 9, 8, rg=rg), _r(1, 2, 9, 4, rg=rg)),
+                {
+                    "is_causal": True,
+                    "window_size": [3, -1],
+                    "causal_alignment": "bottom_right",
+                    "softcap": 2.0,
+                    "sinks": _r(2, rg=rg),
+                },
+            )
+        )
+        out.append(
+            (
+                "dropout" + sfx,
+                (_r(2, 2, 5, 8, rg=rg), _r(2, 2, 7, 8, rg=rg), _r(2, 2, 7, 8, rg=rg)),
+                {"dropout_p": 0.2, "dropout_seed": 42, "window_size": [2, 2]},
+            )
+        )
+        out.append(
+            (
                 "lk_zero" + sfx,
                 (_r(1, 2, 3, 8, rg=rg), _r(1, 2, 0, 8, rg=rg), _r(1, 2, 0, 8, rg=rg)),
                 {},

@@ -73,6 +73,51 @@ def _finite_float(x: object, name: str) -> float:
     raise TypeError(f"{name} must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(x).__name__}")
 
 
+def _pattern_args(
+    window_size: object,
+    causal_alignment: object,
+    softcap: object,
+    dropout_p: object,
+    generator: torch.Generator | None,
+) -> dict:
+    """Validates the key-pattern, softcap and dropout arguments and maps them to the ops' keywords.
+
+    With ``dropout_p > 0`` a fresh Philox seed is drawn from ``generator`` (else torch's default
+    CPU generator), so that ``torch.manual_seed`` makes dropout reproducible and each call drops
+    different weights; the backward regenerates the same mask from the seed.
+    """
+    try:
+        left, right = window_size  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    for name, w in (("window_size[0]", left), ("window_size[1]", right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {w!r}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    cap = 0.0
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+        cap = float(softcap)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    seed = 0
+    if dropout_p > 0:
+        seed = int(torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64))
+    return {
+        "window_size": [int(left), int(right)],
+        "causal_alignment": causal_alignment,
+        "softcap": cap,
+        "dropout_p": float(dropout_p),
+        "dropout_seed": seed,
+    }
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -86,6 +131,12 @@ def attention(
     train_length: int = 512,
     scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    causal_alignment: str = "top_left",
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """Softmax attention with a per-row logit scale and, optionally, per-row statistics.
 
@@ -111,12 +162,29 @@ def attention(
             learnable per-head s_h / sqrt(D) of shape (H, 1): the SSMax form s_h log n_i / sqrt(D)
             up to the constant ln b). Not allowed with the other policies.
         return_stats: also return an :class:`AttentionStats`.
+        window_size: ``(left, right)``: query i sees keys diag - left .. diag + right around its
+            diagonal (-1: unbounded), as FlashAttention and ``varlen_attn``; ``(W, 0)`` is causal
+            sliding-window attention over the W + 1 most recent keys. n_i counts the window's keys
+            (that the mask allows), and key blocks outside every window are skipped, so the cost
+            grows with L * W.
+        causal_alignment: where row i's diagonal is: ``"top_left"`` (key i, SDPA's is_causal) or
+            ``"bottom_right"`` (key i + Lk - Lq: the last query sees the last key, as a decoding
+            cache or chunked prefill needs). Applies to ``is_causal`` and ``window_size``.
+        softcap: logit soft-capping (Gemma 2): scaled scores x become softcap * tanh(x / softcap)
+            before the mask.
+        sinks: (H,) attention sinks (gpt-oss): one learnable logit per head added to each row's
+            softmax denominator, with no value; differentiable. The statistics then describe the
+            distribution over the n_i keys and the sink (``n_keys`` still counts keys only).
+        dropout_p: attention dropout probability (apply it in training only, as SDPA's callers
+            do). The statistics describe the weights before dropout.
+        generator: the generator dropout's seed is drawn from (default: torch's CPU generator).
 
     Returns:
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
-        to no key give output 0 and statistics 0.
+        to no key give output 0 and statistics 0 (with sinks: the whole weight on the sink).
     """
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+    pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
     # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
     res = torch.ops.entropy_attn.attention(
         query,
@@ -127,7 +195,9 @@ def attention(
         is_causal=bool(is_causal),
         enable_gqa=bool(enable_gqa),
         return_stats=bool(return_stats),
+        sinks=sinks,
         **policy,
+        **pattern,
     )
     if not return_stats:
         return res[0]
@@ -156,12 +226,16 @@ def attention_sparsity(
     enable_gqa: bool = False,
     train_length: int = 512,
     scale_factor: float | torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    causal_alignment: str = "top_left",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-row l1/l2 sparsity of general attention, fused: no L_q x L_k matrix is formed.
 
     For weights a_ij = f(s_ij) with the logits s_ij = lambda_i q_i . k_j (+ a finite additive mask)
     of :func:`attention` (same ``attn_mask``, ``is_causal``, ``scale``, ``temperature``,
-    ``enable_gqa``, ``train_length`` and ``scale_factor``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
+    ``enable_gqa``, ``train_length``, ``scale_factor``, ``window_size``, ``causal_alignment`` and
+    ``softcap``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
     shape (B, H, Lq), in (0, 1]: 1 for uniform weights, 1/sqrt(n_i) for one-hot (seed 003).
 
     Args:
@@ -171,6 +245,16 @@ def attention_sparsity(
     Rows with no allowed key, or all-zero weights, give 0. Not differentiable.
     """
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+    pattern = _pattern_args(window_size, causal_alignment, softcap, 0.0, None)
+    del pattern["dropout_p"], pattern["dropout_seed"]
     return torch.ops.entropy_attn.attention_sparsity(
-        query, key, attn_mask, scale_tensor, kind=kind, is_causal=bool(is_causal), enable_gqa=bool(enable_gqa), **policy
+        query,
+        key,
+        attn_mask,
+        scale_tensor,
+        kind=kind,
+        is_causal=bool(is_causal),
+        enable_gqa=bool(enable_gqa),
+        **policy,
+        **pattern,
     )

@@ -1,0 +1,284 @@
+"""Sliding windows and their alignment, logit softcapping, attention sinks and dropout on the dense
+op, against the plain float64 reference (tests/reference.py), on every device."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+from torch.autograd import gradcheck
+
+import torch_ext
+from conftest import DEVICES, GRAD_TOL, OUT_TOL, STAT_TOL, nondet_tol
+from reference import philox_dropout_factors, reference_attention_raw
+
+ops = torch.ops.entropy_attn
+F64 = torch.float64
+STATS = ("lse", "entropy", "sum_p2", "max_weight", "normalized_entropy", "sparsity", "effective_keys")
+#: The op's outputs by name, in schema order.
+OUT_NAMES = (
+    "output", "lse", "entropy", "sum_p2", "max_weight", "n_keys", "row_scale", "length_factor",
+    "normalized_entropy", "sparsity", "effective_keys",
+)
+
+
+def rand(*shape: int, dtype: torch.dtype = F64, device: str = "cpu", gen: Optional[torch.Generator] = None) -> Tensor:
+    return torch.randn(*shape, dtype=dtype, generator=gen).to(device)
+
+
+def check_forward(res: Tuple[Tensor, ...], ref: Any, dtype: torch.dtype, what: str) -> None:
+    """Every output of the op against the reference (n_keys exactly)."""
+    out_tol, stat_tol = OUT_TOL[dtype], STAT_TOL[dtype]
+    for name, got in zip(OUT_NAMES, res):
+        want = getattr(ref, name)
+        if name == "n_keys":
+            assert torch.equal(got.cpu(), want.cpu()), f"{what}: n_keys"
+            continue
+        atol, rtol = out_tol if name == "output" else stat_tol
+        torch.testing.assert_close(got.cpu().to(F64), want.detach().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {name}: {m}")
+
+
+WINDOW_CASES: List[Tuple[int, int, bool, Tuple[int, int], str]] = [
+    # (Lq, Lk, is_causal, window_size, causal_alignment)
+    (37, 37, False, (5, 3), "top_left"),
+    (37, 37, True, (7, -1), "top_left"),
+    (37, 37, True, (0, -1), "top_left"),  # each row sees only its diagonal key
+    (19, 53, True, (-1, -1), "bottom_right"),  # a cache: Lq < Lk
+    (53, 19, True, (-1, -1), "bottom_right"),  # Lq > Lk: the first rows see nothing
+    (19, 53, False, (6, 2), "bottom_right"),
+    (53, 19, False, (4, 4), "top_left"),  # the last rows' windows lie past the keys
+    (600, 1100, True, (130, -1), "bottom_right"),  # several CPU key blocks, most skipped
+    (700, 700, False, (-1, 40), "top_left"),  # a right window only
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[0]}x{c[1]}_c{int(c[2])}_w{c[3][0]}_{c[3][1]}_{c[4]}")
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_window_forward(device: str, case: Tuple[int, int, bool, Tuple[int, int], str], dtype: torch.dtype) -> None:
+    """Output and every statistic, n_i counting only the window's keys (with a mask on top)."""
+    Lq, Lk, causal, window, align = case
+    g = torch.Generator().manual_seed(Lq * 1000 + Lk)
+    q, k, v = (rand(2, 3, L, 16, gen=g) for L in (Lq, Lk, Lk))
+    mask = torch.rand(Lq, Lk, generator=g) < 0.8
+    kw: Dict[str, Any] = dict(is_causal=causal, window_size=list(window), causal_alignment=align, scale_mode="logn", log_base=64.0)
+    cast = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    ref = reference_attention_raw(*(x.cpu() for x in cast), mask, **kw)  # the inputs as rounded
+    res = ops.attention(*cast, mask.to(device), **kw)
+    check_forward(res, ref, dtype, f"{case}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", WINDOW_CASES[:7], ids=lambda c: f"{c[0]}x{c[1]}_c{int(c[2])}_w{c[3][0]}_{c[3][1]}_{c[4]}")
+def test_window_backward(device: str, case: Tuple[int, int, bool, Tuple[int, int], str]) -> None:
+    """Gradients of q, k, v and a scale tensor through output and the statistics."""
+    Lq, Lk, causal, window, align = case
+    g = torch.Generator().manual_seed(7 + Lq)
+    q, k, v = (rand(1, 2, L, 8, gen=g).requires_grad_() for L in (Lq, Lk, Lk))
+    scale = (0.2 + torch.rand(2, 1, dtype=F64, generator=g)).requires_grad_()
+    kw: Dict[str, Any] = dict(is_causal=causal, window_size=window, causal_alignment=align, scale_mode="logn", log_base=8.0)
+    ref = reference_attention_raw(q, k, v, None, scale, **kw)
+    qd, kd, vd, sd = (x.detach().to(device).requires_grad_() for x in (q, k, v, scale))
+    res = ops.attention(qd, kd, vd, None, sd, **kw)
+    ups = [rand(*ref.output.shape, gen=g), rand(*ref.lse.shape, gen=g), rand(*ref.lse.shape, gen=g), rand(*ref.lse.shape, gen=g)]
+    loss_ref = sum((o * u).sum() for o, u in zip((ref.output, ref.lse, ref.entropy, ref.sum_p2), ups))
+    loss = sum((o * u.to(device)).sum() for o, u in zip((res[0], res[1], res[2], res[3]), ups))
+    want = torch.autograd.grad(loss_ref, (q, k, v, scale))
+    got = torch.autograd.grad(loss, (qd, kd, vd, sd))
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-9, rtol=1e-8, msg=lambda m: f"d{name}: {m}")
+    torch.testing.assert_close(got[3].cpu(), want[3], atol=1e-9, rtol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_softcap_and_sinks_forward(device: str, dtype: torch.dtype, with_mask: bool) -> None:
+    """Softcap (with large logits, where it matters) and sinks, alone and together, with rows that
+    see no key (a sink then holds the whole weight: lse = sink, output 0)."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = rand(2, 4, 9, 16, gen=g) * 3, rand(2, 4, 13, 16, gen=g) * 3, rand(2, 4, 13, 8, gen=g)
+    mask = None
+    if with_mask:
+        mask = torch.rand(9, 13, generator=g) < 0.6
+        mask[4] = False
+    sinks = rand(4, gen=g)
+    for softcap, use_sinks in ((5.0, False), (0.0, True), (2.5, True)):
+        kw: Dict[str, Any] = dict(softcap=softcap, is_causal=True, causal_alignment="bottom_right")
+        cast = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+        ref = reference_attention_raw(*(x.cpu() for x in cast), mask, sinks=sinks if use_sinks else None, **kw)
+        res = ops.attention(
+            *cast, None if mask is None else mask.to(device), sinks=sinks.to(device) if use_sinks else None, **kw
+        )
+        check_forward(res, ref, dtype, f"softcap={softcap} sinks={use_sinks}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_and_sinks_backward(device: str) -> None:
+    """Gradients of q, k, v, the scale tensor and the sinks through output and statistics."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (rand(2, 3, L, 8, gen=g) * 2 for L in (7, 11, 11))
+    mask = torch.rand(7, 11, generator=g) < 0.7
+    mask[2] = False
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    scale = (0.3 + torch.rand(3, 1, dtype=F64, generator=g)).requires_grad_()
+    sinks = rand(3, gen=g).requires_grad_()
+    kw: Dict[str, Any] = dict(softcap=1.5, window_size=(4, 2))
+    ref = reference_attention_raw(*leaves, mask, scale, sinks=sinks, **kw)
+    dev = [x.detach().to(device).requires_grad_() for x in (*leaves, scale, sinks)]
+    res = ops.attention(dev[0], dev[1], dev[2], mask.to(device), dev[3], sinks=dev[4], **kw)
+    ups = [rand(*ref.output.shape, gen=g)] + [rand(*ref.lse.shape, gen=g) for _ in range(6)]
+    idx = (0, 1, 2, 3, 8, 9, 10)  # output, lse, entropy, sum_p2 and the derived statistics
+    loss_ref = sum((ref[i] * u).sum() for i, u in zip(idx, ups))
+    loss = sum((res[i] * u.to(device)).sum() for i, u in zip(idx, ups))
+    want = torch.autograd.grad(loss_ref, (*leaves, scale, sinks))
+    got = torch.autograd.grad(loss, dev)
+    for name, a, b in zip(("q", "k", "v", "scale", "sinks"), got, want):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-9, rtol=1e-8, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_patterns(device: str) -> None:
+    """gradcheck (float64) with a window, bottom-right alignment, softcap, sinks and a fixed
+    dropout mask (the seed makes the op deterministic)."""
+    g = torch.Generator().manual_seed(2)
+    inputs = [rand(1, 2, 5, 4, gen=g, device=device).requires_grad_(), rand(1, 2, 8, 4, gen=g, device=device).requires_grad_()]
+    inputs += [rand(1, 2, 8, 3, gen=g, device=device).requires_grad_(), rand(2, gen=g, device=device).requires_grad_()]
+
+    def f(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor) -> Tuple[Tensor, ...]:
+        r = ops.attention(
+            q, k, v, is_causal=True, window_size=[3, -1], causal_alignment="bottom_right", softcap=2.0, sinks=sinks,
+            dropout_p=0.25, dropout_seed=1234,
+        )
+        return r[0], r[1], r[2], r[3]
+
+    assert gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5, nondet_tol=nondet_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_dropout_matches_reference(device: str, dtype: torch.dtype) -> None:
+    """With a given seed the op drops exactly the weights of the independent Philox reference; the
+    statistics are those of the weights before dropout; gradients match."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (rand(2, 2, L, 8, gen=g).to(dtype).to(F64).requires_grad_() for L in (33, 70, 70))
+    kw: Dict[str, Any] = dict(dropout_p=0.3, dropout_seed=(7 << 33) + 12345, is_causal=True, causal_alignment="bottom_right")
+    ref = reference_attention_raw(q, k, v, **kw)
+    dev = [x.detach().to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+    res = ops.attention(*dev, **kw)
+    check_forward(res, ref, dtype, "dropout")
+    # The statistics do not see dropout.
+    plain = reference_attention_raw(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    torch.testing.assert_close(ref.entropy, plain.entropy)
+    up = rand(*ref.output.shape, gen=g)
+    want = torch.autograd.grad((ref.output * up).sum(), (q, k, v))
+    got = torch.autograd.grad((res[0] * up.to(device=device, dtype=dtype)).sum(), dev)
+    for name, a, b in zip("qkv", got, want):
+        err = (a.cpu().to(F64) - b).norm() / b.norm()
+        assert err < GRAD_TOL[dtype], f"d{name}: relative error {err:.3g}"
+
+
+def test_dropout_reference_statistics() -> None:
+    """The reference generator itself: the kept fraction is 1 - p within binomial noise, and the
+    mask changes with the seed and the indices (so that the comparison above can fail)."""
+    f = philox_dropout_factors(99, 0.25, 2, 3, 64, 64)
+    keep = (f > 0).double().mean().item()
+    assert abs(keep - 0.75) < 4 * (0.25 * 0.75 / f.numel()) ** 0.5
+    assert not torch.equal(f, philox_dropout_factors(100, 0.25, 2, 3, 64, 64))
+    assert not torch.equal(f[0, 0], f[0, 1]) and not torch.equal(f[0, 0, 0], f[0, 0, 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_python_api(device: str) -> None:
+    """torch_ext.attention draws the seed from torch's generator: reproducible under manual_seed,
+    different between calls, unbiased on average, and dropout_p=0 is the plain op."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (rand(1, 2, 16, 8, gen=g, device=device) for _ in range(3))
+    torch.manual_seed(0)
+    a = torch_ext.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    b = torch_ext.attention(q, k, v, dropout_p=0.5)
+    c = torch_ext.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    plain = torch_ext.attention(q, k, v)
+    torch.testing.assert_close(torch_ext.attention(q, k, v, dropout_p=0.0), plain)
+    mean = torch.stack([torch_ext.attention(q, k, v, dropout_p=0.5) for _ in range(400)]).mean(0)
+    assert (mean - plain).abs().max() < 0.2  # E[dropout(P)] V = P V; 400 draws: noise ~0.05
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparsity_with_window_and_softcap(device: str) -> None:
+    """attention_sparsity("exp") equals the attention op's sparsity under the same pattern."""
+    g = torch.Generator().manual_seed(8)
+    q, k = rand(1, 2, 40, 8, gen=g, device=device) * 2, rand(1, 2, 60, 8, gen=g, device=device) * 2
+    kw: Dict[str, Any] = dict(is_causal=True, window_size=[10, -1], causal_alignment="bottom_right", softcap=3.0)
+    s = ops.attention_sparsity(q, k, kind="exp", **kw)
+    ref = reference_attention_raw(q.cpu(), k.cpu(), k.cpu(), **kw)
+    torch.testing.assert_close(s.cpu(), ref.sparsity, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(window_size=[-2, 0]), "window_size"),
+        (dict(window_size=[3, 2], is_causal=True), "is_causal"),
+        (dict(causal_alignment="middle"), "causal_alignment"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(softcap=float("inf")), "softcap"),
+        (dict(dropout_p=1.0), "dropout_p"),
+        (dict(dropout_p=-0.1), "dropout_p"),
+        (dict(sinks=torch.zeros(3)), "sinks"),
+        (dict(sinks=torch.zeros(2, 1)), "sinks"),
+        (dict(sinks=torch.zeros(2, dtype=torch.int64)), "sinks"),
+    ],
+)
+def test_bad_pattern_arguments(kwargs: Dict[str, Any], match: str) -> None:
+    """Each bad argument raises a clear error naming it, from the op and from the Python API."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.attention(q, q, q, **kwargs)
+    api = dict(kwargs)
+    if "window_size" in api:
+        api["window_size"] = tuple(api["window_size"])
+    if api.get("softcap") is not None and api["softcap"] <= 0:
+        pass
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        torch_ext.attention(q, q, q, **api)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_cost_skips_blocks(device: str) -> None:
+    """A window's rows never touch keys outside it: NaN keys outside every window leave the
+    output finite (the kernels skip those blocks, or at least never mix them in)."""
+    L, W = 1500, 100
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (rand(1, 1, L, 8, gen=g, device=device) for _ in range(3))
+    k[:, :, 1000:1100] = float("nan")  # keys no row in [0, 900) sees with a causal window of 100
+    out = ops.attention(q, k, v, is_causal=True, window_size=[W, -1])[0]
+    assert torch.isfinite(out[:, :, :900]).all()
+    assert torch.isnan(out[:, :, 1000:1100]).any()
+
+
+def test_window_equals_mask() -> None:
+    """A window is the same as the equivalent bool mask (n_i and all outputs), for many random
+    windows, alignments and shapes (hypothesis-style sweep with a fixed seed)."""
+    g = torch.Generator().manual_seed(10)
+    for Lq, Lk, left, right, align in itertools.islice(
+        itertools.product((1, 7, 20), (1, 9, 20), (-1, 0, 3), (-1, 0, 2), ("top_left", "bottom_right")), 0, None
+    ):
+        q, k, v = rand(1, 1, Lq, 4, gen=g), rand(1, 1, Lk, 4, gen=g), rand(1, 1, Lk, 4, gen=g)
+        i = torch.arange(Lq).view(-1, 1)
+        j = torch.arange(Lk).view(1, -1)
+        diag = i + (Lk - Lq if align == "bottom_right" else 0)
+        m = torch.ones(Lq, Lk, dtype=torch.bool)
+        if left >= 0:
+            m &= j >= diag - left
+        if right >= 0:
+            m &= j <= diag + right
+        a = ops.attention(q, k, v, window_size=[left, right], causal_alignment=align)
+        b = ops.attention(q, k, v, m)
+        for name, x, y in zip(OUT_NAMES, a, b):
+            torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12, msg=lambda s: f"{(Lq, Lk, left, right, align)} {name}: {s}")

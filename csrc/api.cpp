@@ -19,7 +19,7 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
       c10::string_view(causal_alignment.data(), causal_alignment.size()), softcap, dropout_p,
       dropout_seed);
   auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
-      call_attention(query, key, value, attn_mask, scale, sinks, options);
+      call_attention(query, key, value, attn_mask, scale, sinks, {}, options);
   return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 

@@ -45,6 +45,13 @@ c10::string_view AttentionOptions::causal_alignment_name() const {
   return bottom_right ? "bottom_right" : "top_left";
 }
 
+void CallPattern::set_documents(const DocumentArgs& docs, const AttentionShape& shape,
+                                const at::Tensor& query, bool has_mask) {
+  if (!check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, shape, query, has_mask)) return;
+  cu_q = docs.cu_seq_q->contiguous(), cu_k = docs.cu_seq_k->contiguous();
+  if (docs.seqused_k.has_value()) seqused_k = docs.seqused_k->contiguous();
+}
+
 KeyPattern CallPattern::key_pattern() const {
   KeyPattern p = options.key_pattern();
   if (cu_q.defined()) {
@@ -59,11 +66,12 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
                                 const std::optional<at::Tensor>& sinks,
-                                const AttentionOptions& options) {
+                                const DocumentArgs& docs, const AttentionOptions& options) {
   AttentionCall c;
   c.shape = check_attention_inputs(query, key, value, attn_mask, scale, options);
   check_sinks(sinks, c.shape, query);
   c.options = options;
+  c.set_documents(docs, c.shape, query, attn_mask.has_value());
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
@@ -97,13 +105,15 @@ AttentionBackwardCall prepare_attention_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    const std::optional<at::Tensor>& sinks, const AttentionOptions& options) {
+    const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
+    const AttentionOptions& options) {
   AttentionBackwardCall c;
   c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
                                             key, value, attn_mask, output, lse, entropy, sum_p2,
                                             row_scale, options);
   check_sinks(sinks, c.shape, query);
   c.options = options;
+  c.set_documents(docs, c.shape, query, attn_mask.has_value());
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.row_scale_dtype = row_scale.scalar_type();

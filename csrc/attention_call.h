@@ -21,6 +21,11 @@
 
 namespace entropy_attn {
 
+// The packed documents of a call as the schema passes them: all absent for a dense call.
+struct DocumentArgs {
+  std::optional<at::Tensor> cu_seq_q, cu_seq_k, seqused_k;
+};
+
 // What the forward and the backward share of a call: the options, the packed documents (varlen)
 // and the sinks, and their kernel views.
 struct CallPattern {
@@ -31,6 +36,9 @@ struct CallPattern {
   at::Tensor sinks;  // (H,) in the accumulate type, contiguous, or undefined
 
   KeyPattern key_pattern() const;
+  // Checks the documents against the call's shape (attention_inputs.h) and keeps them.
+  void set_documents(const DocumentArgs& docs, const AttentionShape& shape,
+                     const at::Tensor& query, bool has_mask);
   template <typename acc_t>
   const acc_t* sink_data() const {
     return sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr;
@@ -68,7 +76,7 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
                                 const std::optional<at::Tensor>& sinks,
-                                const AttentionOptions& options);
+                                const DocumentArgs& docs, const AttentionOptions& options);
 
 // The checked call of `attention_backward`: the row statistics and the upstream statistic
 // gradients in the accumulate type, contiguous (undefined when absent), the mask expanded.
@@ -86,7 +94,8 @@ AttentionBackwardCall prepare_attention_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    const std::optional<at::Tensor>& sinks, const AttentionOptions& options);
+    const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
+    const AttentionOptions& options);
 
 // The gradient of the sinks (H,) from the backward's row quantities (docs/math.md section 6):
 // the sink is one more softmax entry whose value is 0, so its logit gradient follows the same
@@ -112,13 +121,14 @@ AttentionBackwardOutputs attention_backward_kernel(
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment,
     double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
-    int64_t dropout_seed) {
+    int64_t dropout_seed, const std::optional<at::Tensor>& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k) {
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
   const AttentionBackwardCall call = prepare_attention_backward(
       grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
-      entropy, sum_p2, row_scale, sinks, options);
+      entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k}, options);
   auto [dq, dk, dv, dlam] = Impl(grad_output, query, key, value, output, call);
   return {dq, dk, dv, dlam, sink_grad(grad_output, output, call)};
 }
@@ -138,12 +148,15 @@ AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key
                                   bool return_stats, c10::IntArrayRef window_size,
                                   c10::string_view causal_alignment, double softcap,
                                   const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  int64_t dropout_seed) {
+                                  int64_t dropout_seed, const std::optional<at::Tensor>& cu_seq_q,
+                                  const std::optional<at::Tensor>& cu_seq_k,
+                                  const std::optional<at::Tensor>& seqused_k) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
   return Impl(query, key, value,
-              prepare_attention(query, key, value, attn_mask, scale, sinks, options));
+              prepare_attention(query, key, value, attn_mask, scale, sinks,
+                                {cu_seq_q, cu_seq_k, seqused_k}, options));
 }
 
 // The same for `attention_sparsity` (no value: the key stands in for it), with the kind of f.
@@ -161,7 +174,7 @@ at::Tensor attention_sparsity_kernel(const at::Tensor& query, const at::Tensor& 
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa,
       /*return_stats=*/true, window_size, causal_alignment, softcap, 0.0, 0);
   const AttentionCall call =
-      prepare_attention(query, key, key, attn_mask, scale, std::nullopt, options);
+      prepare_attention(query, key, key, attn_mask, scale, std::nullopt, {}, options);
   return Impl(query, key, parse_sparsity_kind(kind), call);
 }
 
@@ -169,12 +182,13 @@ at::Tensor attention_sparsity_kernel(const at::Tensor& query, const at::Tensor& 
 inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor& key,
                                        const at::Tensor& value, const OptTensor& attn_mask,
                                        const OptTensor& scale, const OptTensor& sinks,
-                                       const AttentionOptions& o) {
+                                       const DocumentArgs& docs, const AttentionOptions& o) {
   const std::array<int64_t, 2> window = o.window_size();
   return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
                              o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa,
                              o.return_stats, window, o.causal_alignment_name(), o.softcap, sinks,
-                             o.dropout_p, o.dropout_seed);
+                             o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k,
+                             docs.seqused_k);
 }
 
 // Calls `attention_backward` through the dispatcher with the options of the forward.
@@ -183,12 +197,14 @@ inline AttentionBackwardOutputs call_attention_backward(
     const OptTensor& grad_sum_p2, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const OptTensor& attn_mask, const at::Tensor& output,
     const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& sum_p2,
-    const at::Tensor& row_scale, const OptTensor& sinks, const AttentionOptions& o) {
+    const at::Tensor& row_scale, const OptTensor& sinks, const DocumentArgs& docs,
+    const AttentionOptions& o) {
   const std::array<int64_t, 2> window = o.window_size();
   return attention_backward_op().call(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
                                       value, attn_mask, output, lse, entropy, sum_p2, row_scale,
                                       o.causal, window, o.causal_alignment_name(), o.softcap,
-                                      sinks, o.dropout_p, o.dropout_seed);
+                                      sinks, o.dropout_p, o.dropout_seed, docs.cu_seq_q,
+                                      docs.cu_seq_k, docs.seqused_k);
 }
 
 }  // namespace entropy_attn

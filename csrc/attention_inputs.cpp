@@ -145,6 +145,69 @@ void check_pattern_options(const AttentionOptions& o) {
                     o.dropout_p);
 }
 
+bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
+                     const std::optional<at::Tensor>& cu_seq_k,
+                     const std::optional<at::Tensor>& seqused_k, const AttentionShape& s,
+                     const at::Tensor& query, bool has_mask) {
+  if (!cu_seq_q.has_value() && !cu_seq_k.has_value()) {
+    TORCH_CHECK_VALUE(!seqused_k.has_value(), "seqused_k needs cu_seq_q and cu_seq_k");
+    return false;
+  }
+  TORCH_CHECK_VALUE(cu_seq_q.has_value() && cu_seq_k.has_value(),
+                    "pass both cu_seq_q and cu_seq_k, or neither");
+  auto check_offsets = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, name,
+                      " must be 1-D (number of sequences + 1), got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
+                      query.device(), "), got ", t.device());
+  };
+  check_offsets(*cu_seq_q, "cu_seq_q");
+  check_offsets(*cu_seq_k, "cu_seq_k");
+  const int64_t n = cu_seq_q->size(0) - 1;
+  TORCH_CHECK_VALUE(cu_seq_k->size(0) == n + 1, "cu_seq_q and cu_seq_k must have the same length, ",
+                    "got ", n + 1, " and ", cu_seq_k->size(0));
+  if (seqused_k.has_value()) {
+    TORCH_CHECK_TYPE(seqused_k->scalar_type() == at::kInt, "seqused_k must be int32, got ",
+                     seqused_k->scalar_type());
+    TORCH_CHECK_VALUE(seqused_k->dim() == 1 && seqused_k->size(0) == n,
+                      "seqused_k must have shape (number of sequences,) = (", n, ",), got ",
+                      seqused_k->sizes());
+    TORCH_CHECK_VALUE(seqused_k->device() == query.device(), "seqused_k must be on query's device");
+  }
+  TORCH_CHECK_VALUE(s.batch == 1, "packed documents (cu_seq_q) need a batch of 1, got ", s.batch);
+  TORCH_CHECK_VALUE(!has_mask, "attn_mask is not supported with packed documents (cu_seq_q)");
+  // No values to check on the Meta device or under fake tensors (torch.compile, opcheck).
+  if (query.is_meta() || cu_seq_q->is_meta() ||
+      cu_seq_q->key_set().has(c10::DispatchKey::Python)) {
+    return true;
+  }
+  // The values decide which memory the kernels read: checked on the host (a device sync on CUDA).
+  const at::Tensor cq = cu_seq_q->to(at::kCPU), ck = cu_seq_k->to(at::kCPU);
+  const int32_t *q = cq.const_data_ptr<int32_t>(), *k = ck.const_data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(q[0] == 0 && k[0] == 0, "cu_seq_q and cu_seq_k must start at 0, got ", q[0],
+                    " and ", k[0]);
+  for (int64_t d = 0; d < n; ++d) {
+    TORCH_CHECK_VALUE(q[d + 1] >= q[d], "cu_seq_q must be non-decreasing, but cu_seq_q[", d + 1,
+                      "] = ", q[d + 1], " < cu_seq_q[", d, "] = ", q[d]);
+    TORCH_CHECK_VALUE(k[d + 1] >= k[d], "cu_seq_k must be non-decreasing, but cu_seq_k[", d + 1,
+                      "] = ", k[d + 1], " < cu_seq_k[", d, "] = ", k[d]);
+  }
+  TORCH_CHECK_VALUE(q[n] == s.q_len, "cu_seq_q[-1] must equal the number of query tokens (", s.q_len,
+                    "), got ", q[n]);
+  TORCH_CHECK_VALUE(k[n] == s.kv_len, "cu_seq_k[-1] must equal the number of key tokens (",
+                    s.kv_len, "), got ", k[n]);
+  if (seqused_k.has_value()) {
+    const at::Tensor su = seqused_k->to(at::kCPU);
+    const int32_t* u = su.const_data_ptr<int32_t>();
+    for (int64_t d = 0; d < n; ++d) {
+      TORCH_CHECK_VALUE(u[d] >= 0 && u[d] <= k[d + 1] - k[d], "seqused_k[", d, "] = ", u[d],
+                        " must be in [0, ", k[d + 1] - k[d], "] (that sequence's keys)");
+    }
+  }
+  return true;
+}
+
 void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
                  const at::Tensor& query) {
   if (!sinks.has_value()) return;

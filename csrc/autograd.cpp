@@ -47,16 +47,19 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const OptTensor& attn_mask,
                                const OptTensor& scale, const OptTensor& sinks,
+                               const OptTensor& cu_seq_q, const OptTensor& cu_seq_k,
                                const AttentionOptions& options) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
           normalized_entropy, sparsity, effective_keys] =
-        call_attention(query, key, value, attn_mask, scale, sinks, options);
+        call_attention(query, key, value, attn_mask, scale, sinks,
+                       {cu_seq_q, cu_seq_k, std::nullopt}, options);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
                             sum_p2, row_scale, length_factor, scale.value_or(at::Tensor()),
-                            n_keys, sinks.value_or(at::Tensor())});
+                            n_keys, sinks.value_or(at::Tensor()), cu_seq_q.value_or(at::Tensor()),
+                            cu_seq_k.value_or(at::Tensor())});
     save_options(ctx, options);
     return {out,           lse,           entropy,           sum_p2,     max_weight,    n_keys,
             row_scale,     length_factor, normalized_entropy, sparsity, effective_keys};
@@ -107,7 +110,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [dq, dk, dv, dlam, dsinks] = call_attention_backward(
         grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),
         query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
-        defined_or_null(sinks), options);
+        defined_or_null(sinks), {defined_or_null(saved[13]), defined_or_null(saved[14]), std::nullopt},
+        options);
 
     at::Tensor dscale;
     // needs_input_grad counts the tensor inputs given: the scale follows q, k, v and the mask.
@@ -121,7 +125,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     if (sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))) {
       dsink = dsinks.to(sinks.scalar_type());
     }
-    return {dq, dk, dv, at::Tensor(), dscale, dsink, at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), dscale, dsink, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -133,9 +137,28 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                                     bool return_stats, c10::IntArrayRef window_size,
                                     c10::string_view causal_alignment, double softcap,
                                     const OptTensor& sinks, double dropout_p,
-                                    int64_t dropout_seed) {
+                                    int64_t dropout_seed, const OptTensor& cu_seq_q,
+                                    const OptTensor& cu_seq_k, const OptTensor& seqused_k) {
+  if (seqused_k.has_value()) {
+    // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that
+    // nothing computes.
+    const bool needs_grad =
+        at::GradMode::is_enabled() &&
+        (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
+         (scale.has_value() && scale->requires_grad()) || (sinks.has_value() && sinks->requires_grad()));
+    TORCH_CHECK_VALUE(!needs_grad,
+                      "seqused_k is inference-only (no backward, as in varlen_attn): call it under "
+                      "torch.no_grad() or with inputs that do not require grad");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_attention(query, key, value, attn_mask, scale, sinks,
+                          {cu_seq_q, cu_seq_k, seqused_k},
+                          AttentionOptions::from_schema(
+                              is_causal, scale_factor, scale_mode, temperature, log_base,
+                              enable_gqa, return_stats, window_size, causal_alignment, softcap,
+                              dropout_p, dropout_seed));
+  }
   const variable_list r = AttentionFunction::apply(
-      query, key, value, attn_mask, scale, sinks,
+      query, key, value, attn_mask, scale, sinks, cu_seq_q, cu_seq_k,
       AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,
                                     enable_gqa, return_stats, window_size, causal_alignment,
                                     softcap, dropout_p, dropout_seed));

@@ -19,13 +19,19 @@ TORCH_LIBRARY(entropy_attn, m) {
   // (H,) add one logit per head, with no value, to each row's softmax (the statistics then describe
   // the distribution over the keys and the sink); dropout_p drops weights of the output's P V
   // (not those of the statistics) by the Philox stream keyed by dropout_seed (dropout.h).
+  // Packed documents: with cu_seq_q and cu_seq_k (int32 cumulative offsets, as varlen_attn) the
+  // batch is 1 and document d owns query rows cu_seq_q[d] .. cu_seq_q[d + 1] and keys cu_seq_k[d]
+  // .. (+ seqused_k[d] when given, else to cu_seq_k[d + 1]); rows see only their document's keys,
+  // the window and causality apply within it, and n_i counts them. varlen_attention is the
+  // packed-layout front end.
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
       "bool enable_gqa=False, bool return_stats=True, int[2] window_size=[-1, -1], "
       "str causal_alignment=\"top_left\", float softcap=0.0, Tensor? sinks=None, "
-      "float dropout_p=0.0, int dropout_seed=0) -> (Tensor output, Tensor lse, "
+      "float dropout_p=0.0, int dropout_seed=0, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
+      "Tensor? seqused_k=None) -> (Tensor output, Tensor lse, "
       "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
       "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
   // Gradients of `attention` w.r.t. query, key, value, lambda and the sinks, given the upstream
@@ -38,9 +44,27 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
       "bool is_causal, *, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
-      "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0) -> "
+      "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0, "
+      "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_row_scale, "
       "Tensor grad_sinks)");
+  // Attention over packed sequences with the layout of torch.nn.attention.varlen.varlen_attn:
+  // query (T, H, D), key and value (Tk, Hkv, D / Dv), int32 cumulative offsets cu_seq_q and
+  // cu_seq_k of N + 1 entries, max_q and max_k the longest sequences; causality and windows align
+  // bottom-right within each sequence. The outputs of `attention`, as (T, H, Dv) and (T, H). The
+  // scale tensor broadcasts to (T, H). A composite of `attention` with its packed documents, so
+  // it runs, differentiates and traces wherever `attention` does (not with seqused_k, which is
+  // inference-only, as in varlen_attn).
+  m.def(
+      "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor cu_seq_k, "
+      "int max_q, int max_k, Tensor? scale=None, *, Tensor? seqused_k=None, "
+      "bool is_causal=False, float? scale_factor=None, str scale_mode=\"fixed\", "
+      "float temperature=1.0, float log_base=512.0, bool enable_gqa=False, "
+      "bool return_stats=True, int[2] window_size=[-1, -1], float softcap=0.0, "
+      "Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0) -> (Tensor output, "
+      "Tensor lse, Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, "
+      "Tensor row_scale, Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, "
+      "Tensor effective_keys)");
   // Per-row l1/l2 sparsity S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of general attention
   // a_ij = f(s_ij), f = exp ("exp", softmax), relu^2 ("relu2") or identity ("identity"), with the
   // logits s_ij, masks, key patterns, softcap and scale arguments of `attention` (seed 003). (B, H, Lq); not

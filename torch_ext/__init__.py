@@ -2,7 +2,7 @@
 
 The operators live in ``torch.ops.entropy_attn`` (registered by the compiled ``torch_ext._C``);
 this package wraps them with a ``scaled_dot_product_attention``-like interface
-(:func:`attention`), a drop-in ``torch.nn.MultiheadAttention`` (:mod:`torch_ext.nn`), an SDPA router
+(:func:`attention`; :func:`varlen_attention` for packed sequences), a drop-in ``torch.nn.MultiheadAttention`` (:mod:`torch_ext.nn`), an SDPA router
 (:class:`replace_sdpa`), a Hugging Face transformers backend (:mod:`torch_ext.hf`, imported on
 demand) and a training monitor (:class:`AttentionEntropyMonitor`).
 """
@@ -16,6 +16,7 @@ from torch_ext.monitor import AttentionEntropyMonitor
 from torch_ext.policy import AttentionPolicy
 from torch_ext.reductions import entropy, sparsity
 from torch_ext.sdpa import replace_sdpa
+from torch_ext.varlen import varlen_attention
 
 __all__ = [
     "AttentionEntropyMonitor",
@@ -27,4 +28,5 @@ __all__ = [
     "nn",
     "replace_sdpa",
     "sparsity",
+    "varlen_attention",
 ]

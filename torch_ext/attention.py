@@ -201,8 +201,13 @@ def attention(
     )
     if not return_stats:
         return res[0]
-    out, lse, ent, sum_p2, max_weight, n_keys, row_scale, _, norm_ent, sparsity, eff_keys = res
-    return out, AttentionStats(
+    return res[0], _stats(res)
+
+
+def _stats(res: tuple[torch.Tensor, ...]) -> AttentionStats:
+    """The AttentionStats of the op's outputs (schema order)."""
+    _, lse, ent, _, max_weight, n_keys, row_scale, _, norm_ent, sparsity, eff_keys = res
+    return AttentionStats(
         lse=lse,
         entropy=ent,
         normalized_entropy=norm_ent,

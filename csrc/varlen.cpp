@@ -1,0 +1,89 @@
+// varlen_attention: attention over packed sequences in the layout of
+// torch.nn.attention.varlen.varlen_attn, as a composite of `attention` with packed documents.
+//
+// The packed (T, H, D) tensors are the dense op's (1, H, T, D) views (a transpose, no copy), and
+// cu_seq_q / cu_seq_k tell the kernels where each document's rows and keys are (KeyPattern), so
+// one set of kernels, one autograd function and one Meta kernel serve both layouts. Registered as
+// CompositeImplicitAutograd: it differentiates and traces through `attention`.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "attention_call.h"
+
+namespace entropy_attn {
+namespace {
+
+void check_packed(const at::Tensor& x, const char* name, const char* layout) {
+  TORCH_CHECK_VALUE(x.dim() == 3, name, " must be a 3-D packed tensor ", layout, ", got ", x.dim(),
+                    "-D of shape ", x.sizes());
+}
+
+// max_q and max_k must cover every sequence (varlen_attn's contract; our kernels do not need
+// them, but a caller whose max is too small has wrong offsets or a wrong max, and should hear so).
+void check_max_len(const at::Tensor& cu, int64_t max_len, const char* cu_name,
+                   const char* max_name) {
+  TORCH_CHECK_VALUE(max_len >= 0, max_name, " must be >= 0, got ", max_len);
+  // No values to read under fake tensors (torch.compile, opcheck) or on the Meta device.
+  if (cu.is_meta() || cu.key_set().has(c10::DispatchKey::Python)) return;
+  if (cu.scalar_type() != at::kInt || cu.dim() != 1 || cu.numel() < 2) return;
+  const at::Tensor c = cu.to(at::kCPU);
+  const int32_t* p = c.const_data_ptr<int32_t>();
+  for (int64_t d = 0; d + 1 < c.numel(); ++d) {
+    TORCH_CHECK_VALUE(p[d + 1] - p[d] <= max_len, max_name, " = ", max_len,
+                      " is smaller than sequence ", d, " of ", cu_name, ", of length ",
+                      p[d + 1] - p[d]);
+  }
+}
+
+// (T, H, ...) -> (1, H, T, ...), a view.
+at::Tensor dense_view(const at::Tensor& x) { return x.transpose(0, 1).unsqueeze(0); }
+
+// (1, H, T, ...) -> (T, H, ...), contiguous; empty statistics (return_stats=False) stay empty.
+at::Tensor packed(const at::Tensor& x) {
+  if (x.dim() < 3) return x;
+  return x.squeeze(0).transpose(0, 1).contiguous();
+}
+
+AttentionOutputs varlen_attention(const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& value, const at::Tensor& cu_seq_q,
+                                  const at::Tensor& cu_seq_k, int64_t max_q, int64_t max_k,
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& seqused_k, bool is_causal,
+                                  std::optional<double> scale_factor, c10::string_view scale_mode,
+                                  double temperature, double log_base, bool enable_gqa,
+                                  bool return_stats, c10::IntArrayRef window_size, double softcap,
+                                  const std::optional<at::Tensor>& sinks, double dropout_p,
+                                  int64_t dropout_seed) {
+  check_packed(query, "query", "(total_q, heads, head_dim)");
+  check_packed(key, "key", "(total_k, kv_heads, head_dim)");
+  check_packed(value, "value", "(total_k, kv_heads, v_head_dim)");
+  check_max_len(cu_seq_q, max_q, "cu_seq_q", "max_q");
+  check_max_len(cu_seq_k, max_k, "cu_seq_k", "max_k");
+  std::optional<at::Tensor> dense_scale;
+  if (scale.has_value()) {
+    const at::Tensor& c = *scale;
+    const c10::SymInt &total = query.sym_size(0), &heads = query.sym_size(1);
+    TORCH_CHECK_VALUE(c.dim() <= 2 &&
+                          (c.dim() < 2 || c.sym_size(0) == 1 || c.sym_size(0) == total) &&
+                          (c.dim() < 1 || c.sym_size(-1) == 1 || c.sym_size(-1) == heads),
+                      "scale tensor of shape ", c.sym_sizes(),
+                      " does not broadcast to (total_q, heads) = (", total, ", ", heads, ")");
+    dense_scale = c.expand_symint({total, heads}).transpose(0, 1).unsqueeze(0);
+  }
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
+      window_size, "bottom_right", softcap, dropout_p, dropout_seed);
+  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
+      call_attention(dense_view(query), dense_view(key), dense_view(value), std::nullopt,
+                     dense_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k}, options);
+  return {packed(out), packed(lse),    packed(ent),      packed(p2),       packed(pmax), packed(n),
+          packed(lam), packed(factor), packed(norm_ent), packed(sparsity), packed(eff)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, CompositeImplicitAutograd, m) {
+  m.impl("varlen_attention", &varlen_attention);
+}
+
+}  // namespace entropy_attn

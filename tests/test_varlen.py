@@ -1,0 +1,208 @@
+"""varlen_attention (packed sequences): against the dense op run on each document, against the
+float64 reference, against torch's varlen_attn on CUDA, gradients, gradcheck, opcheck, errors."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+from torch.autograd import gradcheck
+
+import torch_ext
+from conftest import DEVICES, GRAD_TOL, OUT_TOL, STAT_TOL, nondet_tol, requires_cuda
+from reference import reference_attention_raw
+
+ops = torch.ops.entropy_attn
+F64 = torch.float64
+NAMES = ("output", "lse", "entropy", "sum_p2", "max_weight", "n_keys", "row_scale", "length_factor",
+         "normalized_entropy", "sparsity", "effective_keys")
+
+
+def offsets(lengths: Sequence[int], device: str = "cpu") -> Tensor:
+    """int32 cumulative offsets of `lengths`, starting at 0."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu.to(device)
+
+
+def packed_inputs(
+    q_lens: Sequence[int], k_lens: Sequence[int], H: int, Hkv: int, D: int, dtype: torch.dtype, device: str, seed: int
+) -> Tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), H, D, generator=g, dtype=F64)
+    k = torch.randn(sum(k_lens), Hkv, D, generator=g, dtype=F64)
+    v = torch.randn(sum(k_lens), Hkv, D, generator=g, dtype=F64)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
+
+
+def per_document_reference(
+    q: Tensor, k: Tensor, v: Tensor, q_lens: Sequence[int], k_lens: Sequence[int], **kw: Any
+) -> List[Tensor]:
+    """The float64 reference run on each document separately, bottom-right aligned, re-packed:
+    every output as (T, H, ...)."""
+    cq, ck = offsets(q_lens).tolist(), offsets(k_lens).tolist()
+    per_doc = []
+    for d in range(len(q_lens)):
+        qd = q[cq[d] : cq[d + 1]].transpose(0, 1)[None].to(F64)
+        kd = k[ck[d] : ck[d + 1]].transpose(0, 1)[None].to(F64)
+        vd = v[ck[d] : ck[d + 1]].transpose(0, 1)[None].to(F64)
+        r = reference_attention_raw(qd, kd, vd, causal_alignment="bottom_right", **kw)
+        per_doc.append([getattr(r, n)[0].transpose(0, 1) for n in NAMES])
+    return [torch.cat([doc[i] for doc in per_doc]) for i in range(len(NAMES))]
+
+
+CASES: List[Tuple[str, List[int], List[int], Dict[str, Any]]] = [
+    ("plain", [5, 9, 3], [5, 9, 3], {}),
+    ("causal_logn", [7, 1, 12, 4], [7, 1, 12, 4], {"is_causal": True, "scale_mode": "logn", "log_base": 8.0}),
+    ("cache_lq_lt_lk", [1, 3, 2], [9, 4, 11], {"is_causal": True}),  # decoding / chunked prefill
+    ("lq_gt_lk", [6, 8], [2, 5], {"is_causal": True}),  # early rows see nothing
+    ("empty_docs", [0, 6, 0, 5], [3, 6, 0, 0], {"is_causal": True}),
+    ("window", [30, 17], [30, 25], {"window_size": [4, 0], "scale_mode": "logn", "log_base": 4.0}),
+    ("window_both_sides", [13, 20], [13, 20], {"window_size": [3, 2]}),
+    ("softcap_sinks", [9, 4], [11, 4], {"is_causal": True, "softcap": 2.0}),
+    ("long", [700, 300, 5], [700, 300, 5], {"is_causal": True}),  # several CPU key blocks
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_varlen_forward_matches_per_document_reference(
+    device: str, case: Tuple[str, List[int], List[int], Dict[str, Any]], dtype: torch.dtype, gqa: bool
+) -> None:
+    """Every output equals the reference run on each document alone: nothing leaks between
+    documents, and n_i (hence the logn scale and the statistics) restarts with each."""
+    name, q_lens, k_lens, kw = case
+    H, Hkv = (4, 2) if gqa else (2, 2)
+    q, k, v = packed_inputs(q_lens, k_lens, H, Hkv, 8, dtype, device, seed=len(name))
+    sinks = torch.randn(H, dtype=F64) if "sinks" in name else None
+    ref_k, ref_v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))
+    want = per_document_reference(q.cpu(), ref_k.cpu(), ref_v.cpu(), q_lens, k_lens, sinks=sinks, **kw)
+    got = ops.varlen_attention(
+        q, k, v, offsets(q_lens, device), offsets(k_lens, device), max(q_lens), max(k_lens),
+        enable_gqa=gqa, sinks=None if sinks is None else sinks.to(device), **kw,
+    )
+    for n, a, b in zip(NAMES, got, want):
+        if n == "n_keys":
+            assert torch.equal(a.cpu(), b), "n_keys"
+            continue
+        atol, rtol = OUT_TOL[dtype] if n == "output" else STAT_TOL[dtype]
+        torch.testing.assert_close(a.cpu().to(F64), b.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES[:8], ids=[c[0] for c in CASES[:8]])
+def test_varlen_backward_matches_dense_per_document(device: str, case: Tuple[str, List[int], List[int], Dict[str, Any]]) -> None:
+    """Gradients of q, k, v (and sinks) through output and statistics equal those of the dense op
+    run on each document (bottom-right aligned) with the same upstream gradients."""
+    name, q_lens, k_lens, kw = case
+    q, k, v = (x.requires_grad_() for x in packed_inputs(q_lens, k_lens, 2, 2, 8, F64, device, seed=3))
+    sinks = torch.randn(2, dtype=F64, device=device).requires_grad_() if "sinks" in name else None
+    res = ops.varlen_attention(q, k, v, offsets(q_lens, device), offsets(k_lens, device), max(q_lens), max(k_lens), sinks=sinks, **kw)
+    g = torch.Generator().manual_seed(1)
+    ups = [torch.randn(res[i].shape, generator=g, dtype=F64).to(device) for i in (0, 1, 2, 3)]
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    got = torch.autograd.grad(sum((res[i] * u).sum() for i, u in zip((0, 1, 2, 3), ups)), leaves)
+
+    cq, ck = offsets(q_lens).tolist(), offsets(k_lens).tolist()
+    loss = 0
+    for d in range(len(q_lens)):
+        qd, kd, vd = (x[a:b].transpose(0, 1)[None] for x, a, b in ((q, cq[d], cq[d + 1]), (k, ck[d], ck[d + 1]), (v, ck[d], ck[d + 1])))
+        r = ops.attention(qd, kd, vd, causal_alignment="bottom_right", sinks=sinks, **kw)
+        for i, u in zip((0, 1, 2, 3), ups):
+            loss = loss + (r[i][0].transpose(0, 1) * u[cq[d] : cq[d + 1]]).sum()
+    want = torch.autograd.grad(loss, leaves)
+    for n, a, b in zip(("q", "k", "v", "sinks"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_gradcheck(device: str) -> None:
+    """gradcheck (float64) of varlen_attention with a window, a scale tensor and sinks."""
+    g = torch.Generator().manual_seed(6)
+    lens = [3, 0, 4]
+    cu = offsets(lens, device)
+    q = torch.randn(7, 2, 3, dtype=F64, generator=g).to(device).requires_grad_()
+    k = torch.randn(7, 2, 3, dtype=F64, generator=g).to(device).requires_grad_()
+    v = torch.randn(7, 2, 2, dtype=F64, generator=g).to(device).requires_grad_()
+    scale = (0.3 + torch.rand(1, 2, dtype=F64, generator=g)).to(device).requires_grad_()
+    sinks = torch.randn(2, dtype=F64, generator=g).to(device).requires_grad_()
+
+    def f(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, sinks: Tensor) -> Tuple[Tensor, ...]:
+        r = ops.varlen_attention(q, k, v, cu, cu, 4, 4, scale, window_size=[2, 0], sinks=sinks, scale_mode="logn", log_base=3.0)
+        return r[0], r[1], r[2]
+
+    assert gradcheck(f, (q, k, v, scale, sinks), eps=1e-6, atol=1e-7, rtol=1e-5, nondet_tol=nondet_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_python_api_and_seqused_k(device: str) -> None:
+    """torch_ext.varlen_attention returns (T, H) statistics; seqused_k equals truncating each
+    document's keys, and refuses to run with inputs that need gradients."""
+    q_lens, k_lens = [3, 4], [8, 6]
+    q, k, v = packed_inputs(q_lens, k_lens, 2, 2, 8, F64, device, seed=9)
+    cq, ck = offsets(q_lens, device), offsets(k_lens, device)
+    used = torch.tensor([5, 2], dtype=torch.int32, device=device)
+    out, stats = torch_ext.varlen_attention(q, k, v, cq, ck, 4, 8, is_causal=True, seqused_k=used, return_stats=True)
+    assert out.shape == (7, 2, 8) and stats.entropy.shape == (7, 2)
+    keep = torch.cat([torch.arange(0, 5), torch.arange(8, 10)]).to(device)
+    want = torch_ext.varlen_attention(q, k[keep], v[keep], cq, offsets([5, 2], device), 4, 5, is_causal=True)
+    torch.testing.assert_close(out, want)
+    with pytest.raises(ValueError, match="seqused_k"):
+        torch_ext.varlen_attention(q.requires_grad_(), k, v, cq, ck, 4, 8, seqused_k=used)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (16, 0)])
+def test_varlen_matches_torch_varlen_attn(dtype: torch.dtype, window: Tuple[int, int]) -> None:
+    """On CUDA, the output and lse equal torch.nn.attention.varlen.varlen_attn's (standard scale)."""
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    lens = [100, 37, 256, 1]
+    q, k, v = packed_inputs(lens, lens, 4, 4, 64, dtype, "cuda", seed=12)
+    cu = offsets(lens, "cuda")
+    want, lse = varlen_attn(q, k, v, cu, cu, max(lens), max(lens), window_size=window, return_aux=AuxRequest(lse=True))
+    out, stats = torch_ext.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), window_size=window, return_stats=True)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(stats.lse, lse.t().float(), atol=2e-2, rtol=2e-2)
+
+
+def test_opcheck_varlen() -> None:
+    """opcheck of the composite op (schema, autograd through `attention`, fake tensors, AOT)."""
+    lens = [3, 5]
+    q, k, v = (x.requires_grad_() for x in packed_inputs(lens, lens, 2, 2, 4, torch.float32, "cpu", seed=1))
+    cu = offsets(lens)
+    torch.library.opcheck(ops.varlen_attention.default, (q, k, v, cu, cu, 5, 5), {"is_causal": True, "window_size": [2, 0]})
+    torch.library.opcheck(ops.varlen_attention.default, (q.detach(), k.detach(), v.detach(), cu, cu, 5, 5), {"softcap": 3.0})
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(cu_seq_q=torch.tensor([0, 5, 3, 8], dtype=torch.int32)), "non-decreasing"),
+        (dict(cu_seq_q=torch.tensor([0, 3, 8], dtype=torch.int64)), "int32"),
+        (dict(cu_seq_q=torch.tensor([0, 3, 7], dtype=torch.int32)), "cu_seq_q\\[-1\\]"),
+        (dict(cu_seq_k=torch.tensor([1, 3, 8], dtype=torch.int32)), "start at 0"),
+        (dict(cu_seq_k=torch.tensor([0, 8], dtype=torch.int32)), "same length"),
+        (dict(max_q=4), "max_q"),
+        (dict(max_k=-1), "max_k"),
+        (dict(window_size=(-3, 0)), "window_size"),
+        (dict(dropout_p=1.5), "dropout_p"),
+        (dict(softcap=0.0), "softcap"),
+        (dict(sinks=torch.zeros(3)), "sinks"),
+        (dict(query=torch.randn(1, 8, 2, 4)), "query"),
+        (dict(seqused_k=torch.tensor([4, 9], dtype=torch.int32)), "seqused_k"),
+    ],
+)
+def test_varlen_bad_arguments(change: Dict[str, Any], match: str) -> None:
+    """Bad packed input raises a clear error naming the argument."""
+    lens = [3, 5]
+    q, k, v = packed_inputs(lens, lens, 2, 2, 4, torch.float32, "cpu", seed=2)
+    args: Dict[str, Any] = dict(query=q, key=k, value=v, cu_seq_q=offsets(lens), cu_seq_k=offsets(lens), max_q=5, max_k=5)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch_ext.varlen_attention(**args)

@@ -1,0 +1,86 @@
+"""``torch_ext.varlen_attention``: attention over packed sequences, in the layout of
+``torch.nn.attention.varlen.varlen_attn``, with per-document scale policies and statistics."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from torch_ext.attention import AttentionStats, _pattern_args, _policy_args, _stats
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    scale: float | str | torch.Tensor | None = None,
+    temperature: float = 1.0,
+    train_length: int = 512,
+    scale_factor: float | torch.Tensor | None = None,
+    return_stats: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
+    """Softmax attention over a batch of packed sequences (documents), each attending only to itself.
+
+    The layout and semantics of ``torch.nn.attention.varlen.varlen_attn``: the sequences are
+    concatenated along the first dimension and ``cu_seq_q`` / ``cu_seq_k`` (int32, N + 1 entries,
+    starting at 0) give their boundaries. Causality and windows are aligned bottom-right within each
+    sequence (its last query sees its last key), as in varlen_attn and FlashAttention; ``(W, 0)``
+    is causal sliding-window attention. n_i, the number of keys row i sees, counts only its own
+    sequence's keys inside its window and causal limit, so the ``"logn"`` scales and the statistics
+    are per document, whatever else is packed in the batch.
+
+    Args:
+        query: (T, H, D). key: (Tk, Hkv, D). value: (Tk, Hkv, Dv); one dtype and device.
+        cu_seq_q, cu_seq_k: int32 (N + 1,) cumulative sequence offsets.
+        max_q, max_k: the longest query / key sequence (checked against the offsets).
+        is_causal: causal masking, bottom-right aligned (the same as ``window_size[1] = 0``).
+        window_size: ``(left, right)`` keys around each row's diagonal (-1: unbounded).
+        enable_gqa: allow H to be a multiple of Hkv.
+        seqused_k: int32 (N,): only the first ``seqused_k[d]`` keys of sequence d take part
+            (a KV cache larger than its content). Inference only: no backward.
+        scale, temperature, train_length, scale_factor, return_stats, softcap, sinks, dropout_p,
+            generator: as :func:`torch_ext.attention`; a scale tensor broadcasts to (T, H).
+
+    Returns:
+        The output (T, H, Dv), or ``(output, stats)`` with statistics of shape (T, H).
+    """
+    for name, m in (("max_q", max_q), ("max_k", max_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+    pattern = _pattern_args(window_size, "bottom_right", softcap, dropout_p, generator)
+    del pattern["causal_alignment"]  # always bottom-right within each sequence
+    res = torch.ops.entropy_attn.varlen_attention(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        int(max_q),
+        int(max_k),
+        scale_tensor,
+        seqused_k=seqused_k,
+        is_causal=bool(is_causal),
+        enable_gqa=bool(enable_gqa),
+        return_stats=bool(return_stats),
+        sinks=sinks,
+        **policy,
+        **pattern,
+    )
+    if not return_stats:
+        return res[0]
+    return res[0], _stats(res)

@@ -183,11 +183,11 @@ def test_opcheck_varlen() -> None:
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(cu_seq_q=torch.tensor([0, 5, 3, 8], dtype=torch.int32)), "non-decreasing"),
+        (dict(cu_seq_q=torch.tensor([0, 9, 8], dtype=torch.int32), max_q=9), "non-decreasing"),
         (dict(cu_seq_q=torch.tensor([0, 3, 8], dtype=torch.int64)), "int32"),
         (dict(cu_seq_q=torch.tensor([0, 3, 7], dtype=torch.int32)), "cu_seq_q\\[-1\\]"),
         (dict(cu_seq_k=torch.tensor([1, 3, 8], dtype=torch.int32)), "start at 0"),
-        (dict(cu_seq_k=torch.tensor([0, 8], dtype=torch.int32)), "same length"),
+        (dict(cu_seq_k=torch.tensor([0, 8], dtype=torch.int32), max_k=8), "same length"),
         (dict(max_q=4), "max_q"),
         (dict(max_k=-1), "max_k"),
         (dict(window_size=(-3, 0)), "window_size"),

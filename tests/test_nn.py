@@ -229,10 +229,6 @@ def test_inside_transformer_encoder_layer_eval() -> None:
 def test_errors() -> None:
     m = torch_ext.nn.MultiheadAttention(E, H, dropout=0.1, batch_first=True)
     x = torch.randn(B, L, E)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        m(x, x, x)
-    m.eval()
-    m(x, x, x)
     with pytest.raises(ValueError, match="attn_mask"):
         m(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -263,3 +259,23 @@ def test_matches_torch_on_device(device: str, dtype: torch.dtype, tol: float) ->
     (gr,) = torch.autograd.grad(r, x, g)
     (go,) = torch.autograd.grad(o, xd, g.to(device, dtype))
     assert (go.double().cpu() - gr).norm() <= 4 * tol * gr.norm()
+
+
+def test_dropout_in_training_only() -> None:
+    """Attention dropout runs in training mode (reproducible under torch.manual_seed, gradients
+    flow), and eval mode is the plain op."""
+    m = torch_ext.nn.MultiheadAttention(E, H, dropout=0.3, batch_first=True)
+    x = torch.randn(B, L, E, requires_grad=True)
+    torch.manual_seed(5)
+    a, _ = m(x, x, x, need_weights=False)
+    torch.manual_seed(5)
+    b, _ = m(x, x, x, need_weights=False)
+    c, _ = m(x, x, x, need_weights=False)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    a.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    m.eval()
+    torch.testing.assert_close(m(x, x, x, need_weights=False)[0], torch_ext.nn.MultiheadAttention.forward(m, x, x, x, need_weights=False)[0])
+    ref = torch.nn.MultiheadAttention(E, H, dropout=0.3, batch_first=True).eval()
+    ref.load_state_dict(m.state_dict(), strict=False)
+    torch.testing.assert_close(m(x, x, x, need_weights=False)[0], ref(x, x, x, need_weights=False)[0], atol=2e-5, rtol=2e-5)

@@ -139,8 +139,6 @@ def test_nanogpt_model_and_monitor() -> None:
 def test_errors() -> None:
     q, k, v = qkv()
     with torch_ext.replace_sdpa():
-        with pytest.raises(NotImplementedError, match="dropout_p"):
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
         with pytest.raises(ValueError, match="4-D"):
             F.scaled_dot_product_attention(q[None], k[None], v[None])
     with pytest.raises(ValueError, match="scale"):
@@ -196,3 +194,17 @@ def test_routed_on_device(device: str, dtype: torch.dtype, tol: float) -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     expected = torch_ext.attention(q, k, v, is_causal=True, enable_gqa=True, scale="logn", train_length=8)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_dropout_p_runs_in_the_op() -> None:
+    """dropout_p is applied by the op: reproducible under torch.manual_seed, unbiased on average."""
+    q, k, v = qkv()
+    with torch_ext.replace_sdpa():
+        torch.manual_seed(1)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        torch.manual_seed(1)
+        b = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        plain = F.scaled_dot_product_attention(q, k, v)
+        mean = torch.stack([F.scaled_dot_product_attention(q, k, v, dropout_p=0.5) for _ in range(300)]).mean(0)
+    assert torch.equal(a, b) and not torch.equal(a, plain)
+    assert (mean - plain).abs().max() < 0.25

@@ -25,10 +25,17 @@ query i may attend to (causality, padding and sliding windows included; in KV-ca
 cached keys plus the new ones, as in a full recompute). Query rows with no allowed key (left
 padding) give 0, as "sdpa" gives with boolean masks.
 
-Not supported (they raise, naming the argument): attention dropout (``dropout > 0``: set the
-model's attention dropout to 0 or call ``.eval()``), logit soft-capping (``softcap``), additive
-``position_bias`` (T5-style relative biases, ALiBi), attention sinks (``s_aux`` / ``sinks``) and
-paged KV caches (continuous batching). ``output_attentions=True`` warns and gives ``None``
+What the model passes goes to the op: attention dropout (``dropout``, training only), logit
+soft-capping (``softcap``, Gemma 2), attention sinks (``s_aux`` / ``sinks``, gpt-oss), the
+layer's ``sliding_window`` (Mistral, Gemma 2/3, gpt-oss: the op skips the key blocks outside the
+window; the mask still decides, so KV caches of any layout stay right) and packed batches:
+transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
+keyword arguments (``DataCollatorWithFlattening``), or, for a batch of one row, ``position_ids``
+that restart, run as :func:`torch_ext.varlen_attention`, so that each document attends only to
+itself and n_i restarts with each document (the monitor's per-position curves too).
+
+Not supported (they raise, naming the argument): additive ``position_bias`` (T5-style relative
+biases, ALiBi) and paged KV caches (continuous batching). ``output_attentions=True`` warns and gives ``None``
 attention weights, as with "sdpa": the op never forms the L x L matrix (use
 :class:`torch_ext.AttentionEntropyMonitor` for per-row statistics, or "eager" for the weights).
 
@@ -56,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         f"works without it ({exc})"
     ) from exc
 
-from torch_ext.policy import AttentionPolicy, attend
+from torch_ext.policy import AttentionPolicy, attend, attend_varlen
 
 __all__ = ["register", "attention_forward"]
 
@@ -109,40 +116,24 @@ def attention_forward(
         attention_mask: ``None``, a bool mask (True = attend, from ``sdpa_mask``) or an additive
             float mask, broadcastable to (B, H, Lq, Lk). Float entries at or below
             ``finfo(dtype).min / 2`` are treated as masked (-inf): they do not count in n_i.
-        dropout: must be 0 (the op has no attention dropout).
+        dropout: attention dropout probability (transformers passes 0 outside training).
         scaling: the model's scale, the base of the policy (None: 1/sqrt(D)).
         is_causal: whether the layer is causal (default ``module.is_causal``, else True); applied,
             top-left aligned, only when ``attention_mask`` is None and Lq > 1, as "sdpa" does.
-        kwargs: other keyword arguments of the model's call; ``softcap``, ``position_bias``,
-            ``s_aux``/``sinks`` (when not None) and a paged ``cache`` raise; ``output_attentions``
-            warns; the rest (``position_ids``, ``sliding_window``, ...) are ignored: the mask
-            carries them.
+        kwargs: other keyword arguments of the model's call: ``softcap``, ``s_aux``/``sinks``,
+            ``sliding_window``, the packed-batch ``cu_seq_lens_q``/``cu_seq_lens_k``/
+            ``max_length_q``/``max_length_k`` and ``position_ids`` are used (see the module
+            docstring); ``position_bias`` and a paged ``cache`` raise; ``output_attentions``
+            warns; the rest are ignored.
 
     Returns:
         ``(attn_output, None)``, ``attn_output`` of shape (B, Lq, H, Dv), contiguous.
     """
-    if dropout:
-        raise NotImplementedError(
-            f"torch_ext.hf: the fused op has no attention dropout, but the model passed dropout={dropout} "
-            "(set the config's attention dropout, e.g. attention_dropout or attention_probs_dropout_prob, to 0, "
-            "or call model.eval())"
-        )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            f"torch_ext.hf does not support logit soft-capping (softcap={kwargs['softcap']}): the op has no "
-            "tanh soft-cap; use attn_implementation='eager' for this model (e.g. set attn_logit_softcapping=None)"
-        )
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
             "torch_ext.hf does not support position_bias (additive relative-position biases, e.g. T5, ALiBi): "
             "use attn_implementation='sdpa' or 'eager' for this model"
         )
-    for sink in ("s_aux", "sinks"):
-        if kwargs.get(sink) is not None:
-            raise NotImplementedError(
-                f"torch_ext.hf does not support attention sinks ({sink}): the softmax denominator of the op has no "
-                "sink term; use attn_implementation='eager' for this model"
-            )
     if _is_paged_cache(kwargs.get("cache")):
         raise NotImplementedError(
             "torch_ext.hf does not support paged KV caches (cache is a PagedAttentionCache, i.e. continuous "
@@ -161,6 +152,25 @@ def attention_forward(
     enable_gqa = query.shape[1] != key.shape[1]  # the op maps query head h to kv head h // (H // Hkv)
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    features: dict[str, Any] = {"softcap": kwargs.get("softcap"), "sinks": sinks, "dropout_p": float(dropout)}
+    window = _window(kwargs.get("sliding_window"), bool(is_causal))
+
+    documents = _documents(query, key, kwargs)
+    if documents is not None:
+        # A packed batch: each document attends to itself only (causality and the window within
+        # it), whatever mask transformers built for "sdpa".
+        cu_q, cu_k, max_q, max_k = documents
+        out = attend_varlen(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
+            policy=policy, is_causal=bool(is_causal), enable_gqa=enable_gqa, base_scale=scaling, module=module,
+            window_size=window, **features,
+        )
+        return out.unsqueeze(0), None
+    # The window also lets the op skip key blocks, where its alignment is unambiguous (as many
+    # queries as keys: training and prefill); the mask carries it in every case.
+    if q_length == kv_length:
+        features["window_size"] = window
     # As "sdpa": the causal flag only without a mask (a mask already carries causality) and never
     # for one query row (decoding attends to every cached key: bottom-right alignment).
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
@@ -172,9 +182,50 @@ def attention_forward(
     # attend() expands a batch of 1 and makes finfo.min float-mask entries -inf (out of n_i).
     out = attend(
         query, key, value, attention_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa,
-        base_scale=scaling, module=module,
+        base_scale=scaling, module=module, **features,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(sliding_window: Any, causal: bool) -> tuple[int, int]:
+    """The op's window_size of transformers' ``sliding_window`` W: a causal layer sees the W most
+    recent keys, itself included (masking_utils: kv_idx > q_idx - W), a bidirectional one keys
+    within distance W (|q_idx - kv_idx| <= W)."""
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    w = int(sliding_window)
+    return (w - 1, 0) if causal else (w, w)
+
+
+def _documents(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """``(cu_seq_q, cu_seq_k, max_q, max_k)`` of a packed batch, or None.
+
+    From transformers' packed-sequence keyword arguments (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
+    as ``DataCollatorWithFlattening`` and the flash-attention backends use them), or from
+    ``position_ids`` of a one-row batch without a cache whose positions restart (transformers'
+    own rule for "sdpa": a new document wherever a position is not the previous one plus 1).
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        if query.shape[0] != 1:
+            raise ValueError(f"torch_ext.hf: cu_seq_lens_q needs a packed batch of one row, got batch {query.shape[0]}")
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        max_q = int(max_q) if max_q is not None else int(lens_q.max())
+        max_k = int(max_k) if max_k is not None else int(lens_k.max())
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k
+    pos = kwargs.get("position_ids")
+    if pos is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or pos.dim() != 2 or pos.shape[0] != 1:
+        return None
+    if pos.shape[-1] != query.shape[2] or kwargs.get("past_key_values") is not None:
+        return None
+    starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1
+    if starts.numel() == 0:
+        return None  # one document: the dense path
+    total = pos.shape[-1]
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), total)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, cu, max_len, max_len
 
 
 def register(

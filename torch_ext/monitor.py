@@ -79,8 +79,11 @@ def _pad_to_same(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return (torch.nn.functional.pad(a, (0, n - a.shape[-1])), torch.nn.functional.pad(b, (0, n - b.shape[-1])))
 
 
-def _reduce_call(stats: AttentionStats, positions: bool) -> _LayerAccumulator:
-    """Per-head reductions of one call's (B, H, Lq) statistics over batch and rows."""
+def _reduce_call(stats: AttentionStats, positions: bool, row_positions: Optional[torch.Tensor] = None) -> _LayerAccumulator:
+    """Per-head reductions of one call's (B, H, Lq) statistics over batch and rows.
+
+    ``row_positions`` (Lq,): the position of each row for the per-position curve, when it is not
+    the row index (a packed call: the row's position inside its own document)."""
     n = stats.n_keys
     valid, valid2 = n >= 1, n >= 2
     f64 = torch.float64
@@ -115,6 +118,12 @@ def _reduce_call(stats: AttentionStats, positions: bool) -> _LayerAccumulator:
     if positions:
         acc.position_sum = torch.where(valid2, stats.normalized_entropy.to(f64), 0).sum(0).detach()
         acc.position_count = valid2.sum(0).to(f64)
+        if row_positions is not None:  # rows at the same in-document position pool together
+            length = int(row_positions.max()) + 1 if row_positions.numel() else 0
+            index = row_positions.long().expand_as(acc.position_sum)
+            heads = acc.position_sum.shape[0]
+            acc.position_sum = acc.position_sum.new_zeros(heads, length).scatter_add_(1, index, acc.position_sum)
+            acc.position_count = acc.position_count.new_zeros(heads, length).scatter_add_(1, index, acc.position_count)
     return acc
 
 
@@ -241,15 +250,18 @@ def is_recording() -> bool:
     return _active() is not None
 
 
-def record(stats: AttentionStats, module: Optional[torch.nn.Module] = None) -> None:
+def record(
+    stats: AttentionStats, module: Optional[torch.nn.Module] = None, positions: Optional[torch.Tensor] = None
+) -> None:
     """Adds one attention call's statistics to the recording monitor (no-op when none records).
 
     ``module`` names the layer (its path in the monitor's model); without it, the innermost module
-    of the model that is running, else the call's order in the step.
+    of the model that is running, else the call's order in the step. ``positions`` (Lq,): each
+    row's position for the per-position curves when it is not the row index (packed documents).
     """
     m = _active()
     if m is not None and not torch.compiler.is_compiling():
-        m._add(stats, module)
+        m._add(stats, module, positions)
 
 
 @dataclass
@@ -418,9 +430,9 @@ class AttentionEntropyMonitor:
         self._anonymous_calls += 1  # no module: by call order within the step
         return f"attention.{self._anonymous_calls - 1}"
 
-    def _add(self, stats: AttentionStats, module: Optional[torch.nn.Module]) -> None:
+    def _add(self, stats: AttentionStats, module: Optional[torch.nn.Module], positions: Optional[torch.Tensor] = None) -> None:
         name = self._layer_name(module)
-        acc = _reduce_call(stats, self.positions)
+        acc = _reduce_call(stats, self.positions, positions)
         if name in self._layers:
             self._layers[name].add(acc)
         else:

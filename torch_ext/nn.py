@@ -37,8 +37,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             s_h log_b(n_i)/sqrt(head_dim). A state_dict without ``head_scale`` (e.g. from
             ``torch.nn.MultiheadAttention``) still loads strictly, keeping the initial value.
 
-    Differences: attention dropout is not supported (``dropout > 0`` raises in training mode);
-    ``need_weights=True`` (torch's default) materializes the (L, S) weights, as torch does: pass
+    Attention dropout (``dropout``, in training mode) runs inside the fused op (a Philox mask that
+    the backward regenerates); the statistics, and the weights ``need_weights=True`` returns, are
+    those before dropout (torch returns them after). ``need_weights=True`` (torch's default) materializes the (L, S) weights, as torch does: pass
     ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` does) to keep memory linear in L.
     Rows with no allowed key give output 0 (torch: NaN). Nested-tensor inputs are not supported
     (build ``nn.TransformerEncoder`` with ``enable_nested_tensor=False``).
@@ -110,11 +111,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 "torch_ext.nn.MultiheadAttention does not take nested tensors: build "
                 "nn.TransformerEncoder with enable_nested_tensor=False"
             )
-        if self.training and self.dropout > 0:
-            raise NotImplementedError(
-                f"torch_ext.nn.MultiheadAttention has no attention dropout (dropout={self.dropout}): "
-                "construct it with dropout=0.0, or call .eval()"
-            )
+        dropout_p = float(self.dropout) if self.training else 0.0
         batched = query.dim() == 3
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
@@ -152,10 +149,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         multiplier = None if self.head_scale is None else self.head_scale.view(H, 1)
         if need_weights:
-            out, weights = self._attention_with_weights(q, k, v, mask, is_causal, multiplier)
+            out, weights = self._attention_with_weights(q, k, v, mask, is_causal, multiplier, dropout_p)
             weights = weights.mean(dim=1) if average_attn_weights else weights
         else:
-            out = attend(q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self)
+            out = attend(
+                q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self,
+                dropout_p=dropout_p,
+            )
             weights = None
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
         if not batched:
@@ -213,12 +213,20 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return F.pad(additive, (0, extra), value=0.0)
 
     def _attention_with_weights(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, multiplier: Optional[Tensor]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Optional[Tensor],
+        is_causal: bool,
+        multiplier: Optional[Tensor],
+        dropout_p: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
-        """The output, from the op, and the (B, H, L, S) weights, materialized with the op's own
-        per-row scale (``need_weights=True``)."""
+        """The output, from the op, and the (B, H, L, S) weights before dropout, materialized with
+        the op's own per-row scale (``need_weights=True``)."""
         out, stats = attend(
-            q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self, return_stats=True
+            q, k, v, mask, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self,
+            return_stats=True, dropout_p=dropout_p,
         )
         lam = stats.scale  # lambda_i, not differentiable: route the learnable multiplier's gradient
         if multiplier is not None:

@@ -12,6 +12,7 @@ import torch
 
 from torch_ext import monitor as _monitor
 from torch_ext.attention import AttentionStats, _policy_args, attention
+from torch_ext.varlen import varlen_attention
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,18 @@ def attend(
     multiplier: torch.Tensor | None = None,
     module: torch.nn.Module | None = None,
     return_stats: bool = False,
+    **features: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """:func:`torch_ext.attention` under ``policy``, with SDPA's conventions
     (:func:`sdpa_conventions`); reports the statistics to the active monitor.
 
     ``module`` names the layer for the monitor (its path in the monitored model); without it the
     monitor uses the innermost module running. ``return_stats`` also returns the statistics.
+    ``features`` go to :func:`torch_ext.attention` as they are: ``window_size``,
+    ``causal_alignment``, ``softcap``, ``sinks``, ``dropout_p``.
     """
     query, key, value, attn_mask = sdpa_conventions(query, key, value, attn_mask)
-    kwargs = policy.attention_kwargs(query.shape[-1], base_scale, multiplier)
+    kwargs = {**policy.attention_kwargs(query.shape[-1], base_scale, multiplier), **features}
     if not (return_stats or _monitor.is_recording()):
         return attention(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
     out, stats = attention(
@@ -104,3 +108,35 @@ def attend(
     )
     _monitor.record(stats, module)
     return (out, stats) if return_stats else out
+
+
+def attend_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    policy: AttentionPolicy,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    base_scale: float | None = None,
+    module: torch.nn.Module | None = None,
+    **features: Any,
+) -> torch.Tensor:
+    """:func:`torch_ext.varlen_attention` on packed (T, H, D) tensors under ``policy``; reports the
+    statistics to the active monitor with each row's position inside its own document, so that
+    per-position curves and n_i are per document. ``features``: ``window_size``, ``softcap``,
+    ``sinks``, ``dropout_p``."""
+    kwargs = {**policy.attention_kwargs(query.shape[-1], base_scale), **features}
+    args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    if not _monitor.is_recording():
+        return varlen_attention(*args, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+    out, stats = varlen_attention(*args, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs)
+    # (T, H) -> (1, H, T), the layout of a dense call, and the in-document position of each row.
+    dense = AttentionStats(*(x.t().unsqueeze(0) for x in stats))
+    starts = torch.repeat_interleave(cu_seq_q[:-1].long(), (cu_seq_q[1:] - cu_seq_q[:-1]).long())
+    _monitor.record(dense, module, positions=torch.arange(query.shape[0], device=query.device) - starts)
+    return out

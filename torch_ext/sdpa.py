@@ -27,17 +27,12 @@ def _routed_sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """SDPA's signature on the fused op: the call's ``scale`` is the base scale of the policy."""
-    if dropout_p:
-        raise NotImplementedError(
-            f"replace_sdpa: the fused op has no attention dropout, but the call passed dropout_p={dropout_p} "
-            "(set the model's attention dropout to 0, or call .eval())"
-        )
     if query.dim() == 3 and key.dim() == 3 and value.dim() == 3:  # (N, L, E): one head
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
         out = attend(
             query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attn_mask, policy=policy,
-            is_causal=is_causal, base_scale=scale,
+            is_causal=is_causal, base_scale=scale, dropout_p=dropout_p,
         )
         return out.squeeze(1)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -46,7 +41,8 @@ def _routed_sdpa(
             f"{query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
         )
     return attend(
-        query, key, value, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa, base_scale=scale
+        query, key, value, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa, base_scale=scale,
+        dropout_p=dropout_p,
     )
 
 

@@ -23,6 +23,28 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
   return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 
+AttentionResult varlen_attention(const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& cu_seq_q,
+                                 const at::Tensor& cu_seq_k, int64_t max_q, int64_t max_k,
+                                 bool is_causal, std::array<int64_t, 2> window_size,
+                                 std::string_view scale_mode, double log_base, bool enable_gqa,
+                                 bool return_stats, const std::optional<at::Tensor>& sinks,
+                                 double softcap) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("entropy_attn::varlen_attention", "")
+                             .typed<AttentionOutputs(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                 const OptTensor&, const OptTensor&, bool, std::optional<double>,
+                                 c10::string_view, double, double, bool, bool, c10::IntArrayRef,
+                                 double, const OptTensor&, double, int64_t)>();
+  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
+      op.call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, std::nullopt, std::nullopt,
+              is_causal, std::nullopt, c10::string_view(scale_mode.data(), scale_mode.size()), 1.0,
+              log_base, enable_gqa, return_stats, window_size, softcap, sinks, 0.0, 0);
+  return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
+}
+
 at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
                               const std::optional<at::Tensor>& attn_mask,
                               const std::optional<at::Tensor>& scale, std::string_view kind,

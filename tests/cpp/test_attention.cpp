@@ -57,10 +57,15 @@ AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const 
           .findSchemaOrThrow("entropy_attn::attention", "")
           .typed<AttentionTuple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                c10::string_view, double, double, bool, bool)>();
+                                c10::string_view, double, double, bool, bool, c10::IntArrayRef,
+                                c10::string_view, double, const OptTensor&, double, int64_t,
+                                const OptTensor&, const OptTensor&, const OptTensor&)>();
+  const std::array<int64_t, 2> no_window{-1, -1};
   auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] =
       op.call(q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode,
-              a.temperature, a.log_base, a.enable_gqa, /*return_stats=*/true);
+              a.temperature, a.log_base, a.enable_gqa, /*return_stats=*/true, no_window,
+              "top_left", /*softcap=*/0.0, std::nullopt, /*dropout_p=*/0.0, 0, std::nullopt,
+              std::nullopt, std::nullopt);
   return {out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff};
 }
 
@@ -727,6 +732,44 @@ TEST(AttentionEdgeCases, MatchesScaledDotProductAttention) {
   // SDPA's convention for fully masked rows differs between versions: compare the other rows.
   const at::Tensor ok = mask.expand({2, 4, 13, 17}).any(-1, /*keepdim=*/true);
   EXPECT_TRUE(all_close(r.output * ok, sdpa.nan_to_num() * ok, {1e-10, 1e-10}));
+}
+
+TEST(AttentionPatterns, WindowEqualsItsMask) {
+  // A bottom-right causal window through the C++ API equals the same pattern as a bool mask.
+  at::manual_seed(11);
+  const at::Tensor q = at::randn({1, 2, 7, 8}, at::kDouble);
+  const at::Tensor k = at::randn({1, 2, 12, 8}, at::kDouble);
+  const at::Tensor v = at::randn({1, 2, 12, 8}, at::kDouble);
+  const at::Tensor i = at::arange(7).view({7, 1}) + 5, j = at::arange(12).view({1, 12});
+  const at::Tensor mask = (j <= i) & (j >= i - 3);
+  const AttentionResult w = entropy_attn::attention(
+      q, k, v, std::nullopt, std::nullopt, /*is_causal=*/true, std::nullopt, "logn", 1.0, 4.0,
+      false, true, {3, -1}, "bottom_right");
+  const AttentionResult m =
+      entropy_attn::attention(q, k, v, mask, std::nullopt, false, std::nullopt, "logn", 1.0, 4.0);
+  EXPECT_TRUE(at::equal(w.n_keys, m.n_keys));
+  EXPECT_TRUE(all_close(w.output, m.output, {1e-12, 1e-12}));
+  EXPECT_TRUE(all_close(w.entropy, m.entropy, {1e-12, 1e-12}));
+}
+
+TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
+  // Two packed documents (T = 4 + 6) through the C++ API, against each run alone.
+  at::manual_seed(12);
+  const at::Tensor q = at::randn({10, 2, 8}, at::kDouble), k = at::randn({10, 2, 8}, at::kDouble);
+  const at::Tensor v = at::randn({10, 2, 8}, at::kDouble);
+  const at::Tensor cu = at::tensor({0, 4, 10}, at::kInt);
+  const AttentionResult r =
+      entropy_attn::varlen_attention(q, k, v, cu, cu, 6, 6, /*is_causal=*/true, {-1, -1}, "logn", 3.0);
+  const int64_t bounds[3] = {0, 4, 10};
+  for (int d = 0; d < 2; ++d) {
+    auto doc = [&](const at::Tensor& x) {
+      return x.slice(0, bounds[d], bounds[d + 1]).transpose(0, 1).unsqueeze(0);
+    };
+    const AttentionResult alone = entropy_attn::attention(
+        doc(q), doc(k), doc(v), std::nullopt, std::nullopt, true, std::nullopt, "logn", 1.0, 3.0);
+    EXPECT_TRUE(all_close(doc(r.output), alone.output, {1e-12, 1e-12})) << "document " << d;
+    EXPECT_TRUE(at::equal(r.n_keys.slice(0, bounds[d], bounds[d + 1]).t().unsqueeze(0), alone.n_keys));
+  }
 }
 
 // ---- Meta kernels ------------------------------------------------------------------------------

@@ -23,14 +23,17 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+import sys
+
 import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tb
 from tqdm import tqdm
 
-import torch_ext
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
+
+import torch_ext  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
@@ -149,9 +152,9 @@ def memory(name: str, args: argparse.Namespace, L: int) -> Optional[float]:
     this one the allocator keeps the pages that the timed calls touched)."""
     if args.device == "cuda":
         return peak_mib(build(name, args, L), "cuda")
-    argv = [a for a in os.sys.argv[1:]]
+    argv = [a for a in sys.argv[1:]]
     out = subprocess.run(
-        [os.sys.executable, __file__, *argv, "--probe", name, "--probe-len", str(L)],
+        [sys.executable, __file__, *argv, "--probe", name, "--probe-len", str(L)],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:

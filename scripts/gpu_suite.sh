@@ -153,15 +153,18 @@ begin "ptxas report + SASS check"
 if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log" &&
    "$PYTHON" scripts/sass_check.py 2>&1 | tee "$LOG_DIR/sass.log"; then finish ok; else finish "FAILED"; fi
 
-# --- 7. GPU benchmark against SDPA (writes results/gpu/benchmark.md) ------------------------------
+# --- 7. GPU benchmarks against SDPA (results/gpu/benchmark.md; windows and packed sequences:
+# results/features/cuda.md) --------------------------------------------------------------------
 begin "benchmark (benchmarks/gpu_vs_sdpa.py)"
 if [[ ${SKIP_BENCH:-0} != 0 ]]; then
   finish "skipped (SKIP_BENCH)"
 else
   # BENCH_ARGS is split on spaces on purpose (a list of options).
   # shellcheck disable=SC2086
-  if "$PYTHON" benchmarks/gpu_vs_sdpa.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/benchmark.log"; then
-    finish "ok (results/gpu/benchmark.md)"
+  if "$PYTHON" benchmarks/gpu_vs_sdpa.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/benchmark.log" &&
+     "$PYTHON" benchmarks/features.py --device cuda --dtype bfloat16 --heads 16 2>&1 |
+       tee "$LOG_DIR/features.log"; then
+    finish "ok (results/gpu/benchmark.md, results/features/cuda.md)"
   else
     finish "FAILED"
   fi

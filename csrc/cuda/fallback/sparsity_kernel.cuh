@@ -50,8 +50,10 @@ __device__ __forceinline__ void power_sums_row(bool relu2, const RowLogits<Acc>&
   if (lane == 0) state = st;
 }
 
+// At least one block per SM: without that bound ptxas held the bf16, D = 64 instance for sm_80 to
+// 40 registers and spilled the tile loads' addresses once the key loop began at a row's lo.
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     attention_sparsity_kernel(const SparsityParams<AccType<T>> p) {
   using L = SparsityLayout<T, kD>;
   using Acc = typename L::Acc;

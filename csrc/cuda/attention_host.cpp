@@ -15,15 +15,19 @@ View4 view_of(const at::Tensor& t) {
   return {t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// The pattern's pointers (documents, sinks) are those of the call's tensors, on the device.
 template <typename acc_t>
 void fill_attention_args(AttentionArgs<acc_t>& a, const AttentionShape& sh, const at::Tensor& q,
                          const at::Tensor& k, const at::Tensor& v,
-                         const std::optional<at::Tensor>& mask, bool causal) {
+                         const std::optional<at::Tensor>& mask, const CallPattern& call) {
   a.q = view_of(q), a.k = view_of(k), a.v = view_of(v);
   a.batch = sh.batch, a.heads = sh.heads, a.kv_heads = sh.kv_heads;
   a.q_len = sh.q_len, a.kv_len = sh.kv_len, a.head_dim = sh.head_dim, a.v_head_dim = sh.v_head_dim;
   a.mask = make_mask_arg<acc_t>(mask);
-  a.causal = causal;
+  a.pattern = call.key_pattern();
+  a.softcap = call.options.logit_softcap<acc_t>();
+  a.sinks = call.sink_data<acc_t>();
+  a.dropout = call.dropout<acc_t>();
 }
 
 template <typename acc_t>
@@ -62,7 +66,7 @@ LogitsInputs::LogitsInputs(const at::Tensor& query, const at::Tensor& key,
 
 template <typename acc_t>
 void LogitsInputs::fill(AttentionArgs<acc_t>& a, ScalePolicy<acc_t>& scale) const {
-  fill_attention_args(a, call.shape, q, k, v, call.mask, call.options.causal);
+  fill_attention_args(a, call.shape, q, k, v, call.mask, call);
   scale = call.scale_policy<acc_t>();
 }
 
@@ -126,7 +130,7 @@ void BackwardCall::allocate(Family f) {
 template <typename acc_t>
 BwdParams<acc_t> BackwardCall::params() const {
   BwdParams<acc_t> p;
-  fill_attention_args(p, call.shape, q, k, v, call.mask, call.causal);
+  fill_attention_args(p, call.shape, q, k, v, call.mask, call);
   p.out = view_of(out), p.dout = view_of(dout);
   p.lse = call.lse.const_data_ptr<acc_t>(), p.entropy = call.entropy.const_data_ptr<acc_t>();
   p.sum_p2 = call.sum_p2.const_data_ptr<acc_t>();

@@ -53,11 +53,30 @@ bool rows_16b_aligned(const at::Tensor& t) {
   return true;
 }
 
+// The features of a call the tensor-core family lacks (empty when it has them all): its kernels
+// know only top-left causality (a compile-time flag), no windows, documents, softcap, sinks or
+// dropout.
+std::string pattern_obstacle(const CallPattern& c) {
+  const AttentionOptions& o = c.options;
+  const KeyPattern p = o.key_pattern();
+  if (c.cu_q.defined()) return "packed documents (cu_seqlens)";
+  // A right bound other than is_causal's (window_size = (-1, 0) without is_causal included: the
+  // kernels' causal flag follows is_causal).
+  if (p.left >= 0 || (p.right >= 0 && !o.causal)) return "a sliding window";
+  if (o.bottom_right && p.banded()) return "bottom-right causal alignment";
+  if (o.softcap > 0) return "logit softcapping";
+  if (c.sinks.defined()) return "attention sinks";
+  if (o.dropout_p > 0) return "dropout";
+  return {};
+}
+
 // Why the tensor-core family cannot run a call with these inputs (empty when it can). `has` tells
 // whether an instantiation exists for the call's dtype, head dim and flags.
 std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
+                                 const CallPattern& call,
                                  std::initializer_list<const at::Tensor*> rows, bool has) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "dtype is not bfloat16 or float16";
+  if (std::string features = pattern_obstacle(call); !features.empty()) return features;
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
@@ -128,15 +147,15 @@ Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
                                 mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
-  return choose(tensor_core_obstacle(s, c.call.dtype, {&c.q, &c.k, &c.v}, has));
+  return choose(tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has));
 }
 
 Selection select_backward(const BackwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.causal, mask_kind(c.call.mask)) !=
-                   nullptr;
+  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                 mask_kind(c.call.mask)) != nullptr;
   return choose(
-      tensor_core_obstacle(s, c.call.dtype, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has));
+      tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has));
 }
 
 size_t forward_smem_bytes(const ForwardCall& c, Family f) {
@@ -181,7 +200,7 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
   const AttentionShape& s = c.call.shape;
   if (f == Family::kSm80) {
     const Sm80Backward launch =
-        sm80_backward(c.call.dtype, s.head_dim, c.call.causal, mask_kind(c.call.mask));
+        sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));
     return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
   }
   const int d = fallback_bucket(s);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../dropout.h"
 #include "../kernel_args.h"
 
 namespace entropy_attn::cuda {
@@ -29,7 +30,12 @@ struct AttentionArgs {
   View4 q, k, v;
   int64_t batch = 0, heads = 0, kv_heads = 0, q_len = 0, kv_len = 0, head_dim = 0, v_head_dim = 0;
   MaskArg<acc_t> mask;
-  bool causal = false;
+  KeyPattern pattern;  // the keys each row may see: causality, window, alignment, documents
+  Softcap<acc_t> softcap;
+  // The forward and backward only (attention_sparsity has neither): the per-head sink logits
+  // (H,), or null, and the dropout of the weights that multiply V.
+  const acc_t* sinks = nullptr;
+  Dropout<acc_t> dropout;
 };
 
 template <typename acc_t>

@@ -4,7 +4,8 @@
 // arithmetic, masking, tiling, synchronization and statistics are tested on machines without a GPU.
 // The host halves (attention_host.h: prepare_forward / prepare_backward / prepare_row_reduction)
 // allocate on the CPU here; the results are compared with an independent float64 reference written
-// with plain ATen ops over the full (B, H, Lq, Lk) matrix, its gradients by autograd.
+// with plain ATen ops over the full (B, H, Lq, Lk) matrix, its gradients by autograd. Calls with
+// dropout are also compared with the CPU op (csrc/cpu), which draws the same Philox stream.
 //
 // On the host (no __CUDA_ARCH__) block_gemm.cuh takes its CUDA-core path for every type: everything
 // but the WMMA tensor-core path of the 16-bit types is exercised.
@@ -18,6 +19,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -26,12 +28,14 @@
 #include <string>
 #include <vector>
 
+#include "attention_call.h"
 #include "cuda/attention_host.h"
 #include "cuda/fallback/bwd_kernel.cuh"
 #include "cuda/fallback/fwd_kernel.cuh"
 #include "cuda/fallback/instantiations/dispatch.h"
 #include "cuda/fallback/row_reduction_kernels.cuh"
 #include "cuda/fallback/sparsity_kernel.cuh"
+#include "entropy_attn.h"
 
 namespace {
 
@@ -174,22 +178,41 @@ struct Case {
   bool noncontig = false;  // q, k, v as transpose(1, 2) views of (B, L, H, D) tensors
   bool nan_row = false;    // NaN in one query row
   bool stat_grads = true;  // upstream gradients of lse, entropy and sum_p2
+  int64_t window_left = -1, window_right = -1;  // window_size
+  bool bottom_right = false;                    // causal_alignment
+  double softcap = 0;
+  bool sinks = false;  // a (H,) sink logit per head
+  double dropout_p = 0;
+  int64_t dropout_seed = 0x5eed0f1u;
+  // Packed documents (B = 1, Lq and Lk the totals): the cumulative query and key lengths, and the
+  // keys each document uses (empty: all of its cu_k range).
+  std::vector<int32_t> cu_q, cu_k, seqused_k;
   int64_t dv() const { return Dv < 0 ? D : Dv; }
 };
 
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
+std::array<int64_t, 2> window(const Case& c) { return {c.window_left, c.window_right}; }
+const char* alignment(const Case& c) { return c.bottom_right ? "bottom_right" : "top_left"; }
+
 entropy_attn::AttentionOptions options(const Case& c) {
-  return entropy_attn::AttentionOptions::from_schema(c.causal, c.scale_factor, c.mode,
-                                                     c.temperature, c.log_base, c.H != c.Hkv);
+  return entropy_attn::AttentionOptions::from_schema(
+      c.causal, c.scale_factor, c.mode, c.temperature, c.log_base, c.H != c.Hkv,
+      /*return_stats=*/true, window(c), alignment(c), c.softcap, c.dropout_p, c.dropout_seed);
 }
 
 struct Inputs {
   at::Tensor q, k, v;            // the kernel's inputs (dtype, possibly non-contiguous)
   std::optional<at::Tensor> mask;  // as passed to the op (unexpanded)
   std::optional<at::Tensor> scale;
+  std::optional<at::Tensor> sinks;   // (H,) in the input dtype
+  at::Tensor cu_q, cu_k, seqused_k;  // int32, defined for packed documents
   at::Tensor dout, g_lse, g_entropy, g_sum_p2;
 };
+
+at::Tensor int32_tensor(const std::vector<int32_t>& v) {
+  return at::tensor(at::ArrayRef<int32_t>(v), at::TensorOptions().dtype(at::kInt));
+}
 
 Inputs make_inputs(const Case& c) {
   at::manual_seed(1234);
@@ -239,6 +262,11 @@ Inputs make_inputs(const Case& c) {
     if (c.mask_transposed) in.mask = in.mask->transpose(-1, -2).contiguous().transpose(-1, -2);
   }
   if (c.scale_tensor) in.scale = (at::rand({c.B, c.H, 1}, f64) * 0.4 + 0.1).to(c.dtype);
+  if (c.sinks) in.sinks = (at::randn({c.H}, f64) + 1.0).to(c.dtype);
+  if (!c.cu_q.empty()) {
+    in.cu_q = int32_tensor(c.cu_q), in.cu_k = int32_tensor(c.cu_k);
+    if (!c.seqused_k.empty()) in.seqused_k = int32_tensor(c.seqused_k);
+  }
   in.dout = at::randn({c.B, c.H, c.Lq, c.dv()}, f64).to(c.dtype);
   in.g_lse = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
   in.g_entropy = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
@@ -246,9 +274,34 @@ Inputs make_inputs(const Case& c) {
   return in;
 }
 
-// The logits of the reference: s_ij = lambda_i q_i.k_j + additive mask where key j is allowed (by
-// causality, top-left aligned, and the mask), -inf elsewhere; n_i = allowed keys;
-// lambda_i = c * g(n_i) / temperature, a leaf of the graph (for d lambda).
+// Which keys (Lk) each query row (Lq) of one document sees: those within the window around the
+// row's diagonal, key i (top-left) or i + Lk - Lq (bottom-right); is_causal bounds it at the
+// diagonal.
+at::Tensor window_allowed(const Case& c, int64_t lq, int64_t lk) {
+  const at::Tensor i = at::arange(lq).unsqueeze(1), j = at::arange(lk).unsqueeze(0);
+  const at::Tensor diag = c.bottom_right ? i + (lk - lq) : i;
+  at::Tensor allowed = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool));
+  const int64_t right = c.causal ? 0 : c.window_right;
+  if (c.window_left >= 0) allowed = allowed.logical_and(j >= diag - c.window_left);
+  if (right >= 0) allowed = allowed.logical_and(j <= diag + right);
+  return allowed;
+}
+
+// The same for the whole call: block diagonal for packed documents (the window within each).
+at::Tensor pattern_allowed(const Case& c) {
+  if (c.cu_q.empty()) return window_allowed(c, c.Lq, c.Lk);
+  at::Tensor allowed = at::zeros({c.Lq, c.Lk}, at::TensorOptions().dtype(at::kBool));
+  for (size_t d = 0; d + 1 < c.cu_q.size(); ++d) {
+    const int64_t q0 = c.cu_q[d], q1 = c.cu_q[d + 1], k0 = c.cu_k[d];
+    const int64_t lk = c.seqused_k.empty() ? c.cu_k[d + 1] - k0 : c.seqused_k[d];
+    allowed.slice(0, q0, q1).slice(1, k0, k0 + lk).copy_(window_allowed(c, q1 - q0, lk));
+  }
+  return allowed;
+}
+
+// The logits of the reference: s_ij = cap(lambda_i q_i.k_j) + additive mask where key j is allowed
+// (by the key pattern and the mask), -inf elsewhere, cap(x) = softcap tanh(x / softcap) (or x);
+// n_i = allowed keys; lambda_i = c * g(n_i) / temperature, a leaf of the graph (for d lambda).
 struct RefLogits {
   at::Tensor q, k, v;  // float64 leaves
   at::Tensor allowed, n, any, factor, lam, s;
@@ -265,11 +318,7 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
 
   // Which keys each row may see, and the additive term.
-  L.allowed = at::ones({c.B, c.H, c.Lq, c.Lk}, at::TensorOptions().dtype(at::kBool));
-  if (c.causal) {
-    const at::Tensor i = at::arange(c.Lq).unsqueeze(1), j = at::arange(c.Lk).unsqueeze(0);
-    L.allowed = L.allowed.logical_and(j <= i);
-  }
+  L.allowed = pattern_allowed(c).expand({c.B, c.H, c.Lq, c.Lk});
   at::Tensor add = at::zeros({c.B, c.H, c.Lq, c.Lk}, f64);
   if (in.mask.has_value()) {
     const at::Tensor m = in.mask->expand({c.B, c.H, c.Lq, c.Lk});
@@ -304,7 +353,9 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
   }
   L.lam = (cc * L.factor).detach().requires_grad_(grads);
   const at::Tensor r = at::matmul(L.q, kx.transpose(-1, -2));
-  const at::Tensor s = L.lam.unsqueeze(-1) * r + add;
+  at::Tensor x = L.lam.unsqueeze(-1) * r;
+  if (c.softcap > 0) x = c.softcap * at::tanh(x / c.softcap);
+  const at::Tensor s = x + add;
   L.s = at::where(L.allowed, s, at::full_like(s, -inf));
   return L;
 }
@@ -312,34 +363,60 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
 struct Reference {
   at::Tensor out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor;
   at::Tensor normalized_entropy, sparsity, effective_keys;
-  at::Tensor dq, dk, dv, dlam;  // defined when gradients were asked for
+  at::Tensor dq, dk, dv, dlam, dsinks;  // defined when gradients were asked for (dsinks: sinks)
 };
+
+// The dropout factors (B, H, Lq, Lk) of the weights that multiply V: 0 or 1 / (1 - p) as
+// csrc/dropout.h defines them (head row b * H + h, query row, key), ones without dropout.
+at::Tensor reference_keep(const Case& c) {
+  at::Tensor keep = at::ones({c.B, c.H, c.Lq, c.Lk}, at::TensorOptions().dtype(at::kDouble));
+  if (!(c.dropout_p > 0)) return keep;
+  const auto d = entropy_attn::Dropout<double>::make(c.dropout_p, c.dropout_seed);
+  auto k = keep.accessor<double, 4>();
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t h = 0; h < c.H; ++h) {
+      for (int64_t i = 0; i < c.Lq; ++i) {
+        for (int64_t j = 0; j < c.Lk; ++j) k[b][h][i][j] = d.factor(b * c.H + h, i, j);
+      }
+    }
+  }
+  return keep;
+}
 
 Reference reference(const Case& c, const Inputs& in, bool grads) {
   const RefLogits L = reference_logits(c, in, grads);
   const at::Tensor vx = L.v.repeat_interleave(c.H / c.Hkv, 1);
-  const at::Tensor nd = L.n.to(at::kDouble);
-  // Rows without any allowed key: finite placeholder logits, their weights zeroed below.
-  const at::Tensor s_filled = at::where(L.any.unsqueeze(-1), L.s, at::zeros_like(L.s));
-  const at::Tensor p = at::softmax(s_filled, -1) * L.any.unsqueeze(-1).to(at::kDouble);
+  // A sink is one more softmax entry per row (the head's logit, no value): the distribution, lse
+  // and every statistic are over the keys and the sink, and n counts it in the derived ones.
+  at::Tensor sink, s_all = L.s, any = L.any, n_all = L.n;
+  if (in.sinks.has_value()) {
+    sink = in.sinks->to(at::kDouble).detach().requires_grad_(grads);
+    s_all = at::cat({L.s, sink.view({1, c.H, 1, 1}).expand({c.B, c.H, c.Lq, 1})}, -1);
+    any = at::ones_like(L.any), n_all = L.n + 1;
+  }
+  const at::Tensor nd = n_all.to(at::kDouble);
+  // Rows without any allowed entry: finite placeholder logits, their weights zeroed below.
+  const at::Tensor s_filled = at::where(any.unsqueeze(-1), s_all, at::zeros_like(s_all));
+  const at::Tensor p_all = at::softmax(s_filled, -1) * any.unsqueeze(-1).to(at::kDouble);
+  const at::Tensor p = p_all.narrow(-1, 0, c.Lk);
 
   Reference ref;
-  ref.out = at::matmul(p, vx);
-  ref.lse = at::where(L.any, at::logsumexp(s_filled, {-1}), at::zeros_like(nd));
-  ref.entropy = -(p * at::where(p > 0, p, at::ones_like(p)).log()).sum(-1);
-  ref.sum_p2 = (p * p).sum(-1);
-  ref.max_weight = c.Lk > 0 ? std::get<0>(p.max(-1)) : at::zeros_like(nd);
+  ref.out = at::matmul(p * reference_keep(c), vx);  // dropout: P V only, not the statistics
+  ref.lse = at::where(any, at::logsumexp(s_filled, {-1}), at::zeros_like(nd));
+  ref.entropy = -(p_all * at::where(p_all > 0, p_all, at::ones_like(p_all)).log()).sum(-1);
+  ref.sum_p2 = (p_all * p_all).sum(-1);
+  ref.max_weight = p_all.size(-1) > 0 ? std::get<0>(p_all.max(-1)) : at::zeros_like(nd);
   ref.n_keys = L.n;
   ref.row_scale = L.lam.detach();
   ref.length_factor = L.factor;
   // The derived statistics from their definitions (0 for empty rows; H / ln n for n >= 2).
   const at::Tensor z = at::zeros_like(nd);
-  ref.normalized_entropy =
-      at::where(L.n >= 2, ref.entropy / at::where(L.n >= 2, nd, at::full_like(nd, 2.0)).log(), z);
-  const at::Tensor p2 = at::where(L.any, ref.sum_p2, at::ones_like(nd));
+  ref.normalized_entropy = at::where(
+      n_all >= 2, ref.entropy / at::where(n_all >= 2, nd, at::full_like(nd, 2.0)).log(), z);
+  const at::Tensor p2 = at::where(any, ref.sum_p2, at::ones_like(nd));
   ref.sparsity =
-      at::where(L.any, p.sum(-1) / (at::where(L.any, nd, at::ones_like(nd)) * p2).sqrt(), z);
-  ref.effective_keys = at::where(L.any, 1.0 / p2, z);
+      at::where(any, p_all.sum(-1) / (at::where(any, nd, at::ones_like(nd)) * p2).sqrt(), z);
+  ref.effective_keys = at::where(any, 1.0 / p2, z);
 
   if (grads) {
     at::Tensor loss = (ref.out * in.dout.to(at::kDouble)).sum();
@@ -348,7 +425,9 @@ Reference reference(const Case& c, const Inputs& in, bool grads) {
              (ref.entropy * in.g_entropy.to(at::kDouble)).sum() +
              (ref.sum_p2 * in.g_sum_p2.to(at::kDouble)).sum();
     }
-    const auto gr = torch::autograd::grad({loss}, {L.q, L.k, L.v, L.lam}, /*grad_outputs=*/{},
+    std::vector<at::Tensor> leaves{L.q, L.k, L.v, L.lam};
+    if (sink.defined()) leaves.push_back(sink);
+    const auto gr = torch::autograd::grad({loss}, leaves, /*grad_outputs=*/{},
                                           /*retain_graph=*/false, /*create_graph=*/false,
                                           /*allow_unused=*/true);
     auto or_zeros = [](const at::Tensor& g, const at::Tensor& like) {
@@ -356,6 +435,7 @@ Reference reference(const Case& c, const Inputs& in, bool grads) {
     };
     ref.dq = or_zeros(gr[0], L.q), ref.dk = or_zeros(gr[1], L.k), ref.dv = or_zeros(gr[2], L.v);
     ref.dlam = or_zeros(gr[3], L.lam);
+    if (sink.defined()) ref.dsinks = or_zeros(gr[4], sink);
   }
   for (at::Tensor* t : {&ref.out, &ref.lse, &ref.entropy, &ref.sum_p2, &ref.max_weight}) {
     *t = t->detach();
@@ -388,15 +468,47 @@ at::Tensor reference_sparsity(const Case& c, const Inputs& in, const std::string
 // One case: the emulated forward and backward against the reference.
 // ---------------------------------------------------------------------------------------------
 
+// Packed documents: the checked call of a varlen caller (the kernels read them through
+// CallPattern::key_pattern()).
+void attach_documents(entropy_attn::CallPattern& call, const Inputs& in) {
+  call.cu_q = in.cu_q, call.cu_k = in.cu_k, call.seqused_k = in.seqused_k;
+}
+
+std::optional<at::Tensor> stat_grad(const Case& c, const at::Tensor& g) {
+  return c.stat_grads ? std::optional<at::Tensor>(g) : std::nullopt;
+}
+
+// The CPU op of the same call through the dispatcher (csrc/cpu, the same Philox stream for the
+// dropout): its forward, and its backward from its own forward, against the emulated kernels'.
+void expect_matches_cpu_op(const Case& c, const Inputs& in, const AttentionOutputs& fwd,
+                           const entropy_attn::AttentionGrads& grads, const Tolerances& tol) {
+  SCOPED_TRACE("the CPU op");
+  const entropy_attn::AttentionResult r = entropy_attn::attention(
+      in.q, in.k, in.v, in.mask, in.scale, c.causal, c.scale_factor, c.mode, c.temperature,
+      c.log_base, c.H != c.Hkv, /*return_stats=*/true, window(c), alignment(c), c.softcap, in.sinks,
+      c.dropout_p, c.dropout_seed);
+  expect_close(std::get<0>(fwd), r.output, tol.out, "output");
+  expect_close(std::get<1>(fwd), r.lse, tol.stats, "lse");
+  expect_close(std::get<2>(fwd), r.entropy, tol.stats, "entropy");
+  const auto [dq, dk, dv, dlam, dsinks] = entropy_attn::call_attention_backward(
+      in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
+      in.k, in.v, in.mask, r.output, r.lse, r.entropy, r.sum_p2, r.row_scale, in.sinks, options(c));
+  expect_close(std::get<0>(grads), dq, tol.grad, "grad_query");
+  expect_close(std::get<1>(grads), dk, tol.grad, "grad_key");
+  expect_close(std::get<2>(grads), dv, tol.grad, "grad_value");
+  expect_close(std::get<3>(grads), dlam, tol.grad, "grad_row_scale");
+}
+
 template <typename T>
 void run_case_typed(const Case& c, bool backward) {
   using Acc = ec::AccType<T>;
   const Inputs in = make_inputs(c);
   const Tolerances tol = tolerances(c.dtype);
 
-  const ec::ForwardCall fwd(in.q, in.k, in.v,
-                            entropy_attn::prepare_attention(in.q, in.k, in.v, in.mask, in.scale,
-                                                            options(c)));
+  entropy_attn::AttentionCall call =
+      entropy_attn::prepare_attention(in.q, in.k, in.v, in.mask, in.scale, in.sinks, options(c));
+  attach_documents(call, in);
+  const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
@@ -428,22 +540,29 @@ void run_case_typed(const Case& c, bool backward) {
   }
   if (!backward) return;
 
-  ec::BackwardCall bwd(
-      in.dout, in.q, in.k, in.v, out,
-      entropy_attn::prepare_attention_backward(
-          in.dout, c.stat_grads ? std::optional<at::Tensor>(in.g_lse) : std::nullopt,
-          c.stat_grads ? std::optional<at::Tensor>(in.g_entropy) : std::nullopt,
-          c.stat_grads ? std::optional<at::Tensor>(in.g_sum_p2) : std::nullopt, in.q, in.k, in.v,
-          in.mask, out, lse, entropy, sum_p2, row_scale, c.causal));
+  entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
+      in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, options(c));
+  attach_documents(bcall, in);
+  ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
-  const auto [dq, dk, dv, dlam] = bwd.finish();
+  const entropy_attn::AttentionGrads grads = bwd.finish();
+  const auto& [dq, dk, dv, dlam] = grads;
   EXPECT_EQ(dq.scalar_type(), c.dtype);
   expect_close(dq, ref.dq, tol.grad, "grad_query");
   expect_close(dk, ref.dk, tol.grad, "grad_key");
   expect_close(dv, ref.dv, tol.grad, "grad_value");
   expect_close(dlam, ref.dlam, tol.grad, "grad_row_scale");
+  // The sinks' gradient comes from the backward's row quantities in ATen (sink_grad), outside the
+  // kernels: checked here with the emulated forward's output.
+  if (c.sinks) {
+    expect_close(entropy_attn::sink_grad(in.dout, out, bwd.call), ref.dsinks, tol.grad,
+                 "grad_sinks");
+  }
+  // The op has no packed documents: the CPU op's check is for dense calls.
+  if (c.dropout_p > 0 && c.cu_q.empty()) expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
   if (c.nan_row && c.Lq > 2) {
     // dq of every other row stays finite (dk, dv of the keys the NaN row sees are NaN).
     EXPECT_EQ(dq.isnan().sum().item<int64_t>(), c.D) << "NaN beyond the NaN row of grad_query";
@@ -545,6 +664,67 @@ std::vector<Case> attention_cases() {
   c.noncontig = true, v.push_back(c);
   c = mk("bf16_d256_scale_tensor", kBFloat16, 17, 33, 256), c.scale_tensor = true;
   v.push_back(c);
+  // Sliding windows, both alignments, Lq != Lk; lengths over several tiles, so that the forward
+  // skips key tiles and the backward query tiles; rows whose window is empty (bottom-right, Lq >
+  // Lk).
+  c = mk("f32_window_tl_65x97", kFloat, 65, 97, 8), c.window_left = 7, c.window_right = 5;
+  c.H = 2, c.Hkv = 1, v.push_back(c);
+  c = mk("f32_window_br_97x65_logn", kFloat, 97, 65, 8), c.window_left = 9, c.window_right = 3;
+  c.bottom_right = true, c.mode = "logn", v.push_back(c);
+  c = mk("f32_window_left_br_33x130_mask", kFloat, 33, 130, 8), c.window_left = 20;
+  c.bottom_right = true, c.mask = MaskType::kBool, c.masked_rows = true, v.push_back(c);
+  c = mk("f32_window_right_tl_65x33_additive", kFloat, 65, 33, 8), c.window_right = 3;
+  c.mask = MaskType::kAdditiveQK, v.push_back(c);
+  c = mk("f32_window_130x130_d100", kFloat, 130, 130, 100), c.window_left = 16;
+  c.window_right = 16, v.push_back(c);
+  c = mk("f32_window_causal_130x130_d100", kFloat, 130, 130, 100), c.window_left = 40;
+  c.causal = true, c.mode = "logn_sharpen", v.push_back(c);
+  // Bottom-right causality: Lq < Lk (rows see the cache), Lq > Lk (the first rows see nothing).
+  c = mk("f32_causal_br_17x65", kFloat, 17, 65, 8), c.causal = true, c.bottom_right = true;
+  v.push_back(c);
+  c = mk("f32_causal_br_97x17", kFloat, 97, 17, 8), c.causal = true, c.bottom_right = true;
+  c.mode = "logn", v.push_back(c);
+  c = mk("f64_causal_br_33x50_d64", kDouble, 33, 50, 64), c.causal = true;
+  c.bottom_right = true, c.mask = MaskType::kAdditive, v.push_back(c);
+  // Softcapping (scale_factor 1.5: logits well into tanh's bend).
+  c = mk("f32_softcap_additive_logn", kFloat, 33, 65, 8), c.softcap = 2, c.scale_factor = 1.5;
+  c.mask = MaskType::kAdditive, c.mode = "logn", v.push_back(c);
+  c = mk("f64_softcap_causal_gqa", kDouble, 33, 33, 8), c.softcap = 1.5, c.scale_factor = 2;
+  c.causal = true, c.H = 2, c.Hkv = 1, v.push_back(c);
+  // Sinks: every statistic over the keys and the sink, rows without keys included.
+  c = mk("f32_sinks_masked_rows", kFloat, 33, 65, 8), c.sinks = true, c.B = 2, c.H = 2;
+  c.Hkv = 2, c.mask = MaskType::kBool, c.masked_rows = true, v.push_back(c);
+  c = mk("f32_sinks_window_br_softcap_gqa", kFloat, 65, 97, 40), c.sinks = true;
+  c.window_left = 5, c.window_right = 5, c.bottom_right = true, c.softcap = 3, c.H = 4;
+  c.Hkv = 2, c.mode = "logn", v.push_back(c);
+  c = mk("f64_sinks_causal_br_softcap_d64", kDouble, 33, 50, 64), c.sinks = true;
+  c.causal = true, c.bottom_right = true, c.softcap = 4, c.scale_tensor = true, v.push_back(c);
+  c = mk("f16_window_softcap_sinks_d64", kHalf, 65, 65, 64), c.window_left = 10;
+  c.window_right = 2, c.softcap = 2, c.sinks = true, v.push_back(c);
+  c = mk("bf16_d128_causal_br_sinks", kBFloat16, 33, 65, 128), c.causal = true;
+  c.bottom_right = true, c.sinks = true, v.push_back(c);
+  // Dropout (also against the CPU op, which draws the same Philox stream).
+  c = mk("f32_dropout", kFloat, 33, 65, 8), c.dropout_p = 0.3, v.push_back(c);
+  c = mk("f32_dropout_window_sinks_gqa", kFloat, 65, 97, 40), c.dropout_p = 0.2;
+  c.window_left = 12, c.window_right = 4, c.sinks = true, c.H = 4, c.Hkv = 2, c.B = 2;
+  c.mask = MaskType::kAdditiveKeys, v.push_back(c);
+  c = mk("f64_dropout_causal_softcap", kDouble, 33, 33, 64), c.dropout_p = 0.5, c.causal = true;
+  c.softcap = 3, v.push_back(c);
+  c = mk("f16_dropout_d64", kHalf, 33, 65, 64), c.dropout_p = 0.1, c.dropout_seed = -7;
+  v.push_back(c);
+  c = mk("bf16_dropout_causal_br_d128", kBFloat16, 33, 65, 128), c.dropout_p = 0.25;
+  c.causal = true, c.bottom_right = true, v.push_back(c);
+  // Packed documents (varlen): one batch entry of several documents, the window and alignment
+  // within each; a document without query rows, and keys past a document's seqused_k.
+  c = mk("f32_docs_causal_br", kFloat, 64, 90, 8), c.cu_q = {0, 17, 30, 64};
+  c.cu_k = {0, 33, 40, 90}, c.causal = true, c.bottom_right = true, c.H = 2, c.Hkv = 2;
+  c.mode = "logn", v.push_back(c);
+  c = mk("f32_docs_window_seqused_softcap", kFloat, 97, 130, 8), c.cu_q = {0, 40, 41, 97};
+  c.cu_k = {0, 50, 60, 130}, c.seqused_k = {45, 0, 60}, c.window_left = 8, c.window_right = 8;
+  c.softcap = 2, c.scale_factor = 1.5, c.mask = MaskType::kBoolQK, v.push_back(c);
+  c = mk("f32_docs_dropout_sinks", kFloat, 60, 85, 40), c.cu_q = {0, 20, 20, 60};
+  c.cu_k = {0, 35, 50, 85}, c.causal = true, c.dropout_p = 0.25, c.sinks = true, c.H = 2;
+  c.Hkv = 1, v.push_back(c);
   return v;
 }
 
@@ -562,9 +742,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention
 template <typename T>
 void run_sparsity_typed(const Case& c, const std::string& kind) {
   const Inputs in = make_inputs(c);
-  const ec::SparsityCall call(
-      in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
-      entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale, options(c)));
+  const ec::SparsityCall call(in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
+                              entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale,
+                                                              std::nullopt, options(c)));
   launch_sparsity<T>(call.params<ec::AccType<T>>());
   if (::testing::Test::HasFatalFailure()) return;
   const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on
@@ -598,6 +778,15 @@ std::vector<Case> sparsity_cases() {
   c.temperature = 0.5, v.push_back(c);
   c = mk("f16_d256_noncontig", at::kHalf, 17, 33, 256), c.noncontig = true, v.push_back(c);
   c = mk("bf16_d128_causal", at::kBFloat16, 33, 33, 128), c.causal = true, v.push_back(c);
+  // Windows, alignments, softcap.
+  c = mk("f32_window_br_softcap_logn", at::kFloat, 65, 97, 8), c.window_left = 6;
+  c.window_right = 2, c.bottom_right = true, c.softcap = 2, c.scale_factor = 1.5;
+  c.mode = "logn", v.push_back(c);
+  c = mk("f32_causal_br_97x33_mask", at::kFloat, 97, 33, 8), c.causal = true;
+  c.bottom_right = true, c.mask = MaskType::kBool, c.masked_rows = true, v.push_back(c);
+  c = mk("f64_window_tl_softcap", at::kDouble, 33, 65, 64), c.window_left = 10;
+  c.window_right = 0, c.softcap = 1, v.push_back(c);
+  c = mk("bf16_d128_window_tl", at::kBFloat16, 65, 33, 128), c.window_left = 10, v.push_back(c);
   return v;
 }
 

@@ -3,11 +3,14 @@
 //
 // A preprocess kernel computes D~_i = row_delta(dO_i . O_i, ...) per query row. The main kernel
 // runs one thread block per (batch, query head, tile of kBN keys): it keeps K, V and the dK, dV
-// accumulators of its tile in shared memory and streams the query tiles that can see it,
-// recomputing p = e^{s - lse} from the saved lse:
-//   dV += P^T dO,  dP = dO V^T,  dS = logit_grad(p, dP, s, D~),  dK += (lambda dS)^T Q,
-//   G += dS K (fp32/fp64 atomics into a global accumulator; the host forms dq = lambda G and
-//   d lambda = q . G).
+// accumulators of its tile in shared memory and streams the query tiles that can see it
+// (KeyPattern: causality, windows, documents), recomputing p = e^{s - lse} from the saved lse
+// (which holds the sink, if any):
+//   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s, D~) o cap',
+//   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator; the host forms
+//   dq = lambda G and d lambda = q . G),
+// with Z the dropout factors (1 without dropout) and cap' the softcap's derivative at the scaled
+// score (1 without softcap), as the CPU kernel.
 #pragma once
 
 #include "../../online_stats.h"
@@ -36,10 +39,11 @@ struct BwdLayout {
   static constexpr size_t kS = kDO + kTileT, kDP = kS + kTileS;
   static constexpr size_t kP = kDP + kTileS, kDS = kP + kTileP, kDSL = kDS + kTileP;
   static constexpr size_t kDK = kDSL + kTileP, kDV = kDK + kTileA;
-  // Per-row lse, lambda, D~, upstream entropy and sum_p2 gradients; then the key limits.
+  // Per-row lse, lambda, D~, upstream entropy and sum_p2 gradients; then the rows' key ranges.
   static constexpr size_t kRows = kDV + kTileA;
-  static constexpr size_t kLimit = kRows + 5 * kRow;
-  static constexpr size_t kScratch = kLimit + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kLo = kRows + 5 * kRow;
+  static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kScratch = kHi + align128(sizeof(int64_t) * kBM);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The grid: one block per (batch, query head, key tile).
@@ -77,6 +81,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The first query tile of kBM rows whose last row's keys end past key j0 (the number of tiles when
+// none does): a binary search over the tiles, whose rows' bounds never decrease.
+template <int kBM, typename Acc>
+__device__ __forceinline__ int64_t first_query_tile(const AttentionArgs<Acc>& a, int64_t j0) {
+  int64_t lo = 0, hi = (a.q_len + kBM - 1) / kBM;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    const int64_t last = (mid + 1) * kBM - 1 < a.q_len ? (mid + 1) * kBM - 1 : a.q_len - 1;
+    if (a.pattern.keys(last, a.q_len, a.kv_len).hi > j0) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams<AccType<T>> p) {
   using L = BwdLayout<T, kD>;
@@ -100,7 +121,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
   Acc* sDelta = reinterpret_cast<Acc*>(smem + L::kRows + 2 * L::kRow);
   Acc* sGH = reinterpret_cast<Acc*>(smem + L::kRows + 3 * L::kRow);
   Acc* sGU = reinterpret_cast<Acc*>(smem + L::kRows + 4 * L::kRow);
-  int64_t* sLimit = reinterpret_cast<int64_t*>(smem + L::kLimit);
+  int64_t* sLo = reinterpret_cast<int64_t*>(smem + L::kLo);
+  int64_t* sHi = reinterpret_cast<int64_t*>(smem + L::kHi);
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
   const BlockIndex blk = block_index((p.kv_len + kBN - 1) / kBN, p.heads, p.kv_heads);
@@ -118,9 +140,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
     sdV[(e / kD) * L::kLdA + e % kD] = Acc(0);
   }
 
-  // Causality: query rows i < j0 see none of this tile's keys.
-  const int64_t i_first = p.causal ? j0 / kBM * kBM : 0;
-  for (int64_t i0 = i_first; i0 < p.q_len; i0 += kBM) {
+  // The query tiles that see some key of [j0, j0 + cols): from the first whose last row's hi
+  // passes j0 until one whose first row's lo reaches j0 + cols (KeyPattern's bounds never
+  // decrease with the row, so the tiles in between are exactly those).
+  for (int64_t i0 = first_query_tile<kBM>(p, j0) * kBM; i0 < p.q_len; i0 += kBM) {
+    if (p.pattern.keys(i0, p.q_len, p.kv_len).lo >= j0 + cols) break;
     const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
     const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
     const T* d_o =
@@ -130,7 +154,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
     for (int r = threadIdx.x; r < kBM; r += kThreads) {
       const int64_t row = row0 + i0 + r;
       const bool valid = r < rows;  // padding rows see no key, so p = dS = 0 there
-      sLimit[r] = valid ? key_limit(i0 + r, p.kv_len, p.causal) : 0;
+      const KeyRange keys = valid ? p.pattern.keys(i0 + r, p.q_len, p.kv_len) : KeyRange{};
+      sLo[r] = keys.lo, sHi[r] = keys.hi;
       sLse[r] = valid ? p.lse[row] : Acc(0);
       sLam[r] = valid ? p.row_scale[row] : Acc(0);
       sDelta[r] = valid ? p.delta[row] : Acc(0);
@@ -141,16 +166,20 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
 
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
-    // Logits and p = e^{s - lse} (0 where masked or outside the causal limit).
+    // The scaled, capped scores y = cap(lambda q.k) (-inf outside the row's keys), kept for the
+    // softcap's derivative, and P o Z for dV, p = e^{s - lse} (0 where masked) with s the logit.
     for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
       const int r = e / kBN, c = e % kBN;
       const int64_t j = j0 + c;
-      Acc s = neg_inf<Acc>(), pw = 0;
-      if (j < sLimit[r]) {
-        s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, sLam[r], sS[r * L::kLdS + c]);
-        if (s != neg_inf<Acc>()) pw = std::exp(s - sLse[r]);
+      Acc y = neg_inf<Acc>(), pw = 0;
+      if (j >= sLo[r] && j < sHi[r]) {
+        y = p.softcap.apply(sLam[r] * sS[r * L::kLdS + c]);
+        const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+        if (s != neg_inf<Acc>()) {
+          pw = std::exp(s - sLse[r]) * dropout_factor(p.dropout, blk.bh, i0 + r, j);
+        }
       }
-      sS[r * L::kLdS + c] = s;
+      sS[r * L::kLdS + c] = y;
       sP[r * L::kLdP + c] = from_acc<OpT>(pw);
     }
     __syncthreads();
@@ -162,15 +191,21 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
     __syncthreads();
     for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
       const int r = e / kBN, c = e % kBN;
-      const Acc s = sS[r * L::kLdS + c];
+      const int64_t j = j0 + c;
+      const Acc y = sS[r * L::kLdS + c];
       Acc ds = 0;
-      if (s != neg_inf<Acc>()) {
-        const Acc pw = std::exp(s - sLse[r]);
+      if (y != neg_inf<Acc>()) {  // within the row's keys: the logit again, from y and the mask
+        const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+        const Acc pw = s != neg_inf<Acc>() ? std::exp(s - sLse[r]) : Acc(0);
         RowGrads<Acc> g;
         g.g_entropy = sGH[r];
         g.g_sum_p2 = sGU[r];
-        // p = 0 (underflow) contributes nothing, as on the CPU.
-        if (pw != Acc(0)) ds = logit_grad(pw, sdP[r * L::kLdS + c], s, sDelta[r], g);
+        // p = 0 (masked, or underflow) contributes nothing, as on the CPU. dP of the weight before
+        // dropout is dO . v_j times its factor; dS then goes through the cap to lambda q.k.
+        if (pw != Acc(0)) {
+          const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, blk.bh, i0 + r, j);
+          ds = logit_grad(pw, dp, s, sDelta[r], g) * p.softcap.derivative(y);
+        }
       }
       sdS[r * L::kLdP + c] = from_acc<OpT>(ds);
       sdSl[r * L::kLdP + c] = from_acc<OpT>(ds * sLam[r]);

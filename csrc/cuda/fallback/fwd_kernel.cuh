@@ -4,7 +4,8 @@
 // running output O (fp32/fp64) and the per-row state of online_stats.h in shared memory, and streams
 // key/value tiles of kBN keys through shared memory: S = Q K^T, the row pass (logits, running max,
 // p = e^{s - m}, l/t/u sums: the same functions the CPU kernel uses), then O = alpha O + P V. No
-// L_q x L_k buffer exists; lse is written for the backward.
+// L_q x L_k buffer exists; lse is written for the backward. Only the keys some row of the tile may
+// see are streamed (KeyPattern: causality, windows, documents).
 #pragma once
 
 #include "../../online_stats.h"
@@ -49,8 +50,9 @@ struct QueryTileLayout : FwdTiles<T, kD> {
   static constexpr size_t kLam = kStats + align128(sizeof(RowStats<Acc>) * kBM);
   static constexpr size_t kAlpha = kLam + align128(sizeof(Acc) * kBM);
   static constexpr size_t kFactor = kAlpha + align128(sizeof(Acc) * kBM);
-  static constexpr size_t kLimit = kFactor + align128(sizeof(Acc) * kBM);
-  static constexpr size_t kN = kLimit + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kLo = kFactor + align128(sizeof(Acc) * kBM);
+  static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kN = kHi + align128(sizeof(int64_t) * kBM);
   static constexpr size_t kScratch = kN + align128(sizeof(int64_t) * kBM);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
@@ -69,57 +71,88 @@ struct TileRows {
   RowStats<Acc>* stats;  // the online state of online_stats.h
   Acc* lam;              // lambda_i
   Acc* factor;           // g(n_i) / temperature
-  int64_t* limit;        // causal key limit
+  int64_t *lo, *hi;      // the keys [lo, hi) the row may see (KeyPattern)
   int64_t* n;            // n_i
 };
 
-// The TileRows of a kernel's shared-memory layout L (with kStats, kLam, kFactor, kLimit, kN).
+// The TileRows of a kernel's shared-memory layout L (with kStats, kLam, kFactor, kLo, kHi, kN).
 template <typename L>
 __device__ __forceinline__ TileRows<typename L::Acc> tile_rows(unsigned char* smem) {
   using Acc = typename L::Acc;
-  return {reinterpret_cast<RowStats<Acc>*>(smem + L::kStats), reinterpret_cast<Acc*>(smem + L::kLam),
-          reinterpret_cast<Acc*>(smem + L::kFactor), reinterpret_cast<int64_t*>(smem + L::kLimit),
-          reinterpret_cast<int64_t*>(smem + L::kN)};
+  return {
+      reinterpret_cast<RowStats<Acc>*>(smem + L::kStats), reinterpret_cast<Acc*>(smem + L::kLam),
+      reinterpret_cast<Acc*>(smem + L::kFactor),          reinterpret_cast<int64_t*>(smem + L::kLo),
+      reinterpret_cast<int64_t*>(smem + L::kHi),          reinterpret_cast<int64_t*>(smem + L::kN)};
 }
 
-// Row setup of the tile, one warp per row: the causal key limit, n_i (a warp-wide count of the
-// mask's allowed keys), g(n_i) / temperature and lambda_i (scale_policy.h via ScalePolicy).
+// Row setup of the tile, one warp per row: the row's keys [lo, hi), n_i (a warp-wide count of the
+// mask's allowed keys among them), g(n_i) / temperature, lambda_i (scale_policy.h via ScalePolicy)
+// and the state before the first key (online_stats.h: initial_state, with the head's sink).
 template <typename Acc>
 __device__ void setup_rows(const AttentionArgs<Acc>& a, const ScalePolicy<Acc>& scale, int64_t b,
                            int64_t h, int64_t i0, int rows, int tile_height, const TileRows<Acc>& t) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < tile_height; r += kWarps) {
     const int64_t i = i0 + r;
-    const int64_t lim = r < rows ? key_limit(i, a.kv_len, a.causal) : 0;  // padding rows: no key
-    int64_t n = lim;
+    // Padding rows see no key.
+    const KeyRange keys = r < rows ? a.pattern.keys(i, a.q_len, a.kv_len) : KeyRange{};
+    int64_t n = keys.hi - keys.lo;
     if (a.mask.kind != MaskKind::kNone && r < rows) {
       const int64_t off = a.mask.row_offset(b, h, i);
       n = 0;
-      for (int64_t j = lane; j < lim; j += 32) n += a.mask.counts(off, j);
+      for (int64_t j = keys.lo + lane; j < keys.hi; j += 32) n += a.mask.counts(off, j);
       n = warp_sum(n);
     }
     const Acc factor = scale.factor(n);
     const Acc lam = r < rows ? scale.lambda(b, h, i, factor) : Acc(0);
     if (lane == 0) {
-      t.stats[r] = RowStats<Acc>{};
-      t.lam[r] = lam, t.factor[r] = factor, t.limit[r] = lim, t.n[r] = n;
+      t.stats[r] = initial_state(a.sinks != nullptr, a.sinks != nullptr ? a.sinks[h] : Acc(0));
+      t.lam[r] = lam, t.factor[r] = factor, t.lo[r] = keys.lo, t.hi[r] = keys.hi, t.n[r] = n;
     }
   }
 }
 
-// The row pass over one key tile, one warp per row: raw scores in s[0, kBN) become logits (scale,
-// mask, causality), the running state moves to the new max (online_stats.h: rescale), and
-// p = e^{s - m} goes to pw with l, t, u accumulated. alpha = e^{m_old - m_new} rescales the row's
-// output in the P V epilogue.
+// How one row's raw scores r = q.k become logits (the CPU kernels' LogitRow): x = lambda r,
+// capped when softcap is on, plus the mask; keys outside [lo, hi) are -inf.
+template <typename Acc>
+struct RowLogits {
+  MaskArg<Acc> mask;
+  int64_t mask_off, lo, hi;
+  Acc lam;
+  Softcap<Acc> softcap;
+
+  __device__ __forceinline__ Acc operator()(int64_t j, Acc r) const {
+    if (j < lo || j >= hi) return neg_inf<Acc>();
+    return mask.logit(mask_off, j, softcap.apply(lam * r));
+  }
+};
+
+// The dropout factors of one query row (row i of head row bh = b * H + h): 1 when dropout is off.
+// Each key draws its own Philox block (four keys share one): the fallback recomputes rather than
+// exchanges them between lanes.
+template <typename Acc>
+struct RowDropout {
+  Dropout<Acc> dropout;
+  int64_t bh, i;
+
+  __device__ __forceinline__ Acc factor(int64_t j) const {
+    return dropout_factor(dropout, bh, i, j);
+  }
+};
+
+// The row pass over one key tile, one warp per row: raw scores in s[0, kBN) become logits
+// (RowLogits), the running state moves to the new max (online_stats.h: rescale), and
+// p = e^{s - m} goes to pw with l, t, u accumulated; then pw is dropped out (the statistics
+// describe the attention distribution, P V sees it dropped out). alpha = e^{m_old - m_new} rescales
+// the row's output in the P V epilogue. pw may alias s when OpT is Acc.
 template <int kBN, typename Acc, typename OpT>
-__device__ __forceinline__ void softmax_row(const MaskArg<Acc>& mask, int64_t mask_off, int64_t j0,
-                                            int64_t limit, Acc lam, Acc* s, OpT* pw,
-                                            RowStats<Acc>& state, Acc& alpha_out) {
+__device__ __forceinline__ void softmax_row(const RowLogits<Acc>& logits,
+                                            const RowDropout<Acc>& drop, int64_t j0, Acc* s,
+                                            OpT* pw, RowStats<Acc>& state, Acc& alpha_out) {
   const int lane = threadIdx.x % 32;
   Acc mx = neg_inf<Acc>();
   for (int c = lane; c < kBN; c += 32) {
-    const int64_t j = j0 + c;
-    const Acc x = j < limit ? mask.logit(mask_off, j, lam, s[c]) : neg_inf<Acc>();
+    const Acc x = logits(j0 + c, s[c]);
     s[c] = x;
     mx = nan_max(mx, x);
   }
@@ -139,6 +172,19 @@ __device__ __forceinline__ void softmax_row(const MaskArg<Acc>& mask, int64_t ma
       accumulate(l, t, u, x, e);
     }
     pw[c] = from_acc<OpT>(e);
+  }
+  // Dropout in a pass of its own: the Philox rounds beside the exponentials spill registers at some
+  // tile sizes. P in Acc holds e exactly; a 16-bit P forms e again from the logit, which s still
+  // holds, so that the dropped weight is rounded once.
+  if (drop.dropout.on() && any_allowed) {
+    for (int c = lane; c < kBN; c += 32) {
+      if constexpr (std::is_same_v<OpT, Acc>) {
+        pw[c] *= drop.factor(j0 + c);
+      } else {
+        const Acc x = s[c] - st.m;
+        if (x != neg_inf<Acc>()) pw[c] = from_acc<OpT>(std::exp(x) * drop.factor(j0 + c));
+      }
+    }
   }
   l = warp_sum(l), t = warp_sum(t), u = warp_sum(u);
   st.l += l, st.t += t, st.u += u;
@@ -175,10 +221,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
   setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
   __syncthreads();
 
-  // Causality: no row of the tile sees keys past the last row's limit.
-  const int64_t kv_end = key_limit(i0 + rows - 1, p.kv_len, p.causal);
+  // The keys some row of the tile may see: [lo of its first row, hi of its last) (KeyPattern's
+  // bounds never decrease with the row), so windows and documents skip whole key tiles.
+  const int64_t kv_begin = tr.lo[0], kv_end = tr.hi[rows - 1];
   const int warp = threadIdx.x / 32;
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kBN) {
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kBN) {
     const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
     load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim);
@@ -187,8 +234,10 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
     __syncthreads();
     for (int r = warp; r < kBM; r += kWarps) {
       if (r < rows) {
-        softmax_row<kBN>(p.mask, p.mask.row_offset(b, h, i0 + r), j0, tr.limit[r], tr.lam[r],
-                         sS + r * L::kLdS, sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
+        const RowLogits<Acc> logits{
+            p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
+        softmax_row<kBN>(logits, RowDropout<Acc>{p.dropout, blk.bh, i0 + r}, j0, sS + r * L::kLdS,
+                         sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
       } else {
         for (int c = threadIdx.x % 32; c < kBN; c += 32) sP[r * L::kLdP + c] = from_acc<OpT>(Acc(0));
         if (threadIdx.x % 32 == 0) sAlpha[r] = Acc(0);
@@ -218,7 +267,9 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
       p.length_factor[row] = tr.factor[r];
       p.lse[row] = res.lse;
       if (p.entropy != nullptr) {  // a call with statistics
-        const DerivedStats<Acc> d = derive(res.entropy, res.sum_p2, tr.n[r]);
+        // With a sink the distribution has one more entry than the n_i keys.
+        const DerivedStats<Acc> d =
+            derive(res.entropy, res.sum_p2, tr.n[r] + (p.sinks != nullptr ? 1 : 0));
         p.entropy[row] = res.entropy;
         p.sum_p2[row] = res.sum_p2;
         p.max_weight[row] = res.max_weight;

@@ -1,8 +1,9 @@
 // CUDA kernel of the fused l1/l2 sparsity of general attention a_ij = f(s_ij) (seed 003):
 // S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2), f = exp (softmax), relu^2 or identity, with the
-// logits, masks, causality and scale policies of the attention op. The forward's structure without
-// values: one block per (batch, head, query tile) streams key tiles through shared memory; the row
-// sums come from online_stats.h (exp) and reduction_math.h (powers), as on the CPU.
+// logits, masks, key patterns (causality, windows, alignment), softcap and scale policies of the
+// attention op (no sinks or dropout: attention_sparsity has neither). The forward's structure
+// without values: one block per (batch, head, query tile) streams key tiles through shared memory;
+// the row sums come from online_stats.h (exp) and reduction_math.h (powers), as on the CPU.
 #pragma once
 
 #include "../../reduction_math.h"
@@ -16,14 +17,12 @@ using SparsityLayout = QueryTileLayout<T, kD, false>;
 // One row of a key tile for a = relu(s)^2 or s, one warp per row: raw scores become logits, and
 // the power sums l1 (st.l) and l2 (st.u) grow, relative to the running max |b| (st.m).
 template <int kBN, typename Acc>
-__device__ __forceinline__ void power_sums_row(bool relu2, const MaskArg<Acc>& mask,
-                                               int64_t mask_off, int64_t j0, int64_t limit,
-                                               Acc lam, Acc* s, RowStats<Acc>& state) {
+__device__ __forceinline__ void power_sums_row(bool relu2, const RowLogits<Acc>& logits, int64_t j0,
+                                               Acc* s, RowStats<Acc>& state) {
   const int lane = threadIdx.x % 32;
   Acc mx = neg_inf<Acc>(), bmax = 0;
   for (int c = lane; c < kBN; c += 32) {
-    const int64_t j = j0 + c;
-    const Acc x = j < limit ? mask.logit(mask_off, j, lam, s[c]) : neg_inf<Acc>();
+    const Acc x = logits(j0 + c, s[c]);
     s[c] = x;
     mx = nan_max(mx, x);
     const Acc b = power_base(relu2, x);
@@ -51,8 +50,10 @@ __device__ __forceinline__ void power_sums_row(bool relu2, const MaskArg<Acc>& m
   if (lane == 0) state = st;
 }
 
+// At least one block per SM: without that bound ptxas held the bf16, D = 64 instance for sm_80 to
+// 40 registers and spilled the tile loads' addresses once the key loop began at a row's lo.
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     attention_sparsity_kernel(const SparsityParams<AccType<T>> p) {
   using L = SparsityLayout<T, kD>;
   using Acc = typename L::Acc;
@@ -74,9 +75,10 @@ __global__ void __launch_bounds__(kThreads)
   setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
   __syncthreads();
 
-  const int64_t kv_end = key_limit(i0 + rows - 1, p.kv_len, p.causal);
+  // The keys some row of the tile may see, as in the forward.
+  const int64_t kv_begin = tr.lo[0], kv_end = tr.hi[rows - 1];
   const int warp = threadIdx.x / 32;
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kBN) {
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kBN) {
     const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
     __syncthreads();
@@ -84,12 +86,12 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     for (int r = warp; r < rows; r += kWarps) {
       Acc* s = sS + r * L::kLdS;
-      const int64_t off = p.mask.row_offset(b, h, i0 + r);
+      const RowLogits<Acc> logits{
+          p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
       if (p.kind == SparsityKind::kExp) {  // l1 = sum p = l and l2 = sum p^2 = u, relative to m
-        softmax_row<kBN>(p.mask, off, j0, tr.limit[r], tr.lam[r], s, s, tr.stats[r], sAlpha[r]);
+        softmax_row<kBN>(logits, RowDropout<Acc>{}, j0, s, s, tr.stats[r], sAlpha[r]);
       } else {
-        power_sums_row<kBN>(p.kind == SparsityKind::kRelu2, p.mask, off, j0, tr.limit[r],
-                            tr.lam[r], s, tr.stats[r]);
+        power_sums_row<kBN>(p.kind == SparsityKind::kRelu2, logits, j0, s, tr.stats[r]);
       }
     }
     __syncthreads();

@@ -46,8 +46,8 @@ c10::string_view AttentionOptions::causal_alignment_name() const {
 }
 
 void CallPattern::set_documents(const DocumentArgs& docs, const AttentionShape& shape,
-                                const at::Tensor& query, bool has_mask) {
-  if (!check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, shape, query, has_mask)) return;
+                                const at::Tensor& query) {
+  if (!check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, shape, query)) return;
   cu_q = docs.cu_seq_q->contiguous(), cu_k = docs.cu_seq_k->contiguous();
   if (docs.seqused_k.has_value()) seqused_k = docs.seqused_k->contiguous();
 }
@@ -71,7 +71,7 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
   c.shape = check_attention_inputs(query, key, value, attn_mask, scale, options);
   check_sinks(sinks, c.shape, query);
   c.options = options;
-  c.set_documents(docs, c.shape, query, attn_mask.has_value());
+  c.set_documents(docs, c.shape, query);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
@@ -113,7 +113,7 @@ AttentionBackwardCall prepare_attention_backward(
                                             row_scale, options);
   check_sinks(sinks, c.shape, query);
   c.options = options;
-  c.set_documents(docs, c.shape, query, attn_mask.has_value());
+  c.set_documents(docs, c.shape, query);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.row_scale_dtype = row_scale.scalar_type();

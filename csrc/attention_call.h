@@ -38,7 +38,7 @@ struct CallPattern {
   KeyPattern key_pattern() const;
   // Checks the documents against the call's shape (attention_inputs.h) and keeps them.
   void set_documents(const DocumentArgs& docs, const AttentionShape& shape,
-                     const at::Tensor& query, bool has_mask);
+                     const at::Tensor& query);
   template <typename acc_t>
   const acc_t* sink_data() const {
     return sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr;

@@ -148,7 +148,7 @@ void check_pattern_options(const AttentionOptions& o) {
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
                      const std::optional<at::Tensor>& seqused_k, const AttentionShape& s,
-                     const at::Tensor& query, bool has_mask) {
+                     const at::Tensor& query) {
   if (!cu_seq_q.has_value() && !cu_seq_k.has_value()) {
     TORCH_CHECK_VALUE(!seqused_k.has_value(), "seqused_k needs cu_seq_q and cu_seq_k");
     return false;
@@ -176,7 +176,6 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
     TORCH_CHECK_VALUE(seqused_k->device() == query.device(), "seqused_k must be on query's device");
   }
   TORCH_CHECK_VALUE(s.batch == 1, "packed documents (cu_seq_q) need a batch of 1, got ", s.batch);
-  TORCH_CHECK_VALUE(!has_mask, "attn_mask is not supported with packed documents (cu_seq_q)");
   // No values to check on the Meta device or under fake tensors (torch.compile, opcheck).
   if (query.is_meta() || cu_seq_q->is_meta() ||
       cu_seq_q->key_set().has(c10::DispatchKey::Python)) {

@@ -41,13 +41,13 @@ void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s
                  const at::Tensor& query);
 
 // The packed documents of a call (attention_call.h: DocumentArgs): false when absent (a dense
-// call); else checks them (int32 1-D offsets of N + 1 entries on query's device, a batch of 1, no
-// attn_mask; and, unless on the Meta device, their values: cu[0] = 0, non-decreasing, the last
+// call); else checks them (int32 1-D offsets of N + 1 entries on query's device, a batch of 1;
+// and, unless on the Meta device, their values: cu[0] = 0, non-decreasing, the last
 // equal to the query / key tokens, 0 <= seqused_k <= each sequence's keys) and returns true.
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
                      const std::optional<at::Tensor>& seqused_k, const AttentionShape& s,
-                     const at::Tensor& query, bool has_mask);
+                     const at::Tensor& query);
 
 // The window, softcap and dropout options (ValueError naming the argument).
 void check_pattern_options(const AttentionOptions& options);

@@ -470,8 +470,12 @@ at::Tensor reference_sparsity(const Case& c, const Inputs& in, const std::string
 
 // Packed documents: the checked call of a varlen caller (the kernels read them through
 // CallPattern::key_pattern()).
-void attach_documents(entropy_attn::CallPattern& call, const Inputs& in) {
-  call.cu_q = in.cu_q, call.cu_k = in.cu_k, call.seqused_k = in.seqused_k;
+// The packed documents of a case as the op takes them (checked by prepare_attention).
+entropy_attn::DocumentArgs documents(const Inputs& in) {
+  auto opt = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return {opt(in.cu_q), opt(in.cu_k), opt(in.seqused_k)};
 }
 
 std::optional<at::Tensor> stat_grad(const Case& c, const at::Tensor& g) {
@@ -492,7 +496,8 @@ void expect_matches_cpu_op(const Case& c, const Inputs& in, const AttentionOutpu
   expect_close(std::get<2>(fwd), r.entropy, tol.stats, "entropy");
   const auto [dq, dk, dv, dlam, dsinks] = entropy_attn::call_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
-      in.k, in.v, in.mask, r.output, r.lse, r.entropy, r.sum_p2, r.row_scale, in.sinks, options(c));
+      in.k, in.v, in.mask, r.output, r.lse, r.entropy, r.sum_p2, r.row_scale, in.sinks, {},
+      options(c));
   expect_close(std::get<0>(grads), dq, tol.grad, "grad_query");
   expect_close(std::get<1>(grads), dk, tol.grad, "grad_key");
   expect_close(std::get<2>(grads), dv, tol.grad, "grad_value");
@@ -505,9 +510,8 @@ void run_case_typed(const Case& c, bool backward) {
   const Inputs in = make_inputs(c);
   const Tolerances tol = tolerances(c.dtype);
 
-  entropy_attn::AttentionCall call =
-      entropy_attn::prepare_attention(in.q, in.k, in.v, in.mask, in.scale, in.sinks, options(c));
-  attach_documents(call, in);
+  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
+      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
@@ -540,10 +544,10 @@ void run_case_typed(const Case& c, bool backward) {
   }
   if (!backward) return;
 
-  entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
-      in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, options(c));
-  attach_documents(bcall, in);
+      in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, documents(in),
+      options(c));
   ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>());
@@ -744,7 +748,8 @@ void run_sparsity_typed(const Case& c, const std::string& kind) {
   const Inputs in = make_inputs(c);
   const ec::SparsityCall call(in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
                               entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale,
-                                                              std::nullopt, options(c)));
+                                                              std::nullopt, documents(in),
+                                                              options(c)));
   launch_sparsity<T>(call.params<ec::AccType<T>>());
   if (::testing::Test::HasFatalFailure()) return;
   const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on

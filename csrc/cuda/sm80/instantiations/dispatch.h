@@ -4,7 +4,79 @@
 #pragma once
 
 #define EA_SM80_FORWARD_KERNELS(X) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
+  X(__half, 64, false, MaskKind::kNone, false) \
+  X(__half, 64, false, MaskKind::kNone, true) \
+  X(__half, 64, false, MaskKind::kBool, false) \
+  X(__half, 64, false, MaskKind::kBool, true) \
+  X(__half, 64, false, MaskKind::kAdditive, false) \
+  X(__half, 64, false, MaskKind::kAdditive, true) \
+  X(__half, 64, true, MaskKind::kNone, false) \
+  X(__half, 64, true, MaskKind::kNone, true) \
+  X(__half, 64, true, MaskKind::kBool, false) \
+  X(__half, 64, true, MaskKind::kBool, true) \
+  X(__half, 64, true, MaskKind::kAdditive, false) \
+  X(__half, 64, true, MaskKind::kAdditive, true) \
+  X(__half, 128, false, MaskKind::kNone, false) \
+  X(__half, 128, false, MaskKind::kNone, true) \
+  X(__half, 128, false, MaskKind::kBool, false) \
+  X(__half, 128, false, MaskKind::kBool, true) \
+  X(__half, 128, false, MaskKind::kAdditive, false) \
+  X(__half, 128, false, MaskKind::kAdditive, true) \
+  X(__half, 128, true, MaskKind::kNone, false) \
+  X(__half, 128, true, MaskKind::kNone, true) \
+  X(__half, 128, true, MaskKind::kBool, false) \
+  X(__half, 128, true, MaskKind::kBool, true) \
+  X(__half, 128, true, MaskKind::kAdditive, false) \
+  X(__half, 128, true, MaskKind::kAdditive, true) \
   /* end of list */
 
 #define EA_SM80_BACKWARD_KERNELS(X) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
+  X(__half, 64, false, MaskKind::kNone) \
+  X(__half, 64, false, MaskKind::kBool) \
+  X(__half, 64, false, MaskKind::kAdditive) \
+  X(__half, 64, true, MaskKind::kNone) \
+  X(__half, 64, true, MaskKind::kBool) \
+  X(__half, 64, true, MaskKind::kAdditive) \
+  X(__half, 128, false, MaskKind::kNone) \
+  X(__half, 128, false, MaskKind::kBool) \
+  X(__half, 128, false, MaskKind::kAdditive) \
+  X(__half, 128, true, MaskKind::kNone) \
+  X(__half, 128, true, MaskKind::kBool) \
+  X(__half, 128, true, MaskKind::kAdditive) \
   /* end of list */

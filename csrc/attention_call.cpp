@@ -154,7 +154,9 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
     delta = delta + 2 * c.g_sum_p2 * c.sum_p2;
     dp = dp + 2 * c.g_sum_p2 * p_sink;
   }
-  return (p_sink * (dp - delta)).sum({0, 2});
+  // A sink without weight (-inf) gets no gradient (and no 0 * inf).
+  const at::Tensor ds = at::where(p_sink > 0, p_sink * (dp - delta), at::zeros_like(p_sink));
+  return ds.sum({0, 2});
 }
 
 }  // namespace entropy_attn

@@ -63,10 +63,14 @@ struct Log2 {
 // u = 1, so that lse, the weights and every statistic describe the distribution over the keys and
 // the sink (docs/math.md section 6), and the output, which the sink does not feed, is divided by
 // the whole denominator.
+// A sink of -inf carries no weight: the row starts empty (as without a sink), which also keeps
+// the first rescale from forming -inf - -inf.
 template <typename acc_t>
 EA_HOST_DEVICE RowStats<acc_t> initial_state(bool has_sink, acc_t sink) {
   RowStats<acc_t> st;
-  if (has_sink) st.m = sink, st.l = acc_t(1), st.u = acc_t(1);
+  if (has_sink && sink > -std::numeric_limits<acc_t>::infinity()) {
+    st.m = sink, st.l = acc_t(1), st.u = acc_t(1);
+  }
   return st;
 }
 

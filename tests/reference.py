@@ -211,7 +211,7 @@ def reference_attention_raw(
         lse_all = torch.zeros(B, H, Lq, dtype=torch.float64, device=dev)
     zrow = torch.zeros(B, H, Lq, dtype=torch.float64, device=dev)
     lse = torch.where(has_support, lse_all, zrow)
-    entropy = -(p * logp).sum(-1)
+    entropy = -torch.where(p > 0, p * logp, zero).sum(-1)  # a weight of 0 (a sink of -inf) adds 0
     sum_p2 = (p * p).sum(-1)
     max_weight = torch.cat([p, zrow.unsqueeze(-1)], dim=-1).amax(-1)
 

@@ -282,3 +282,21 @@ def test_window_equals_mask() -> None:
         b = ops.attention(q, k, v, m)
         for name, x, y in zip(OUT_NAMES, a, b):
             torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12, msg=lambda s: f"{(Lq, Lk, left, right, align)} {name}: {s}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sink_of_minus_infinity_is_no_sink(device: str) -> None:
+    """A sink of -inf carries no weight: output, lse, entropy and sum_p2 equal the call without
+    sinks, with no NaN, forward and backward (a head may switch its sink off that way)."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (rand(1, 2, L, 8, gen=g, device=device).requires_grad_() for L in (6, 9, 9))
+    sinks = torch.tensor([float("-inf"), 0.5], dtype=F64, device=device)
+    with_sink = ops.attention(q, k, v, sinks=sinks, is_causal=True)
+    plain = ops.attention(q, k, v, is_causal=True)
+    for i in (0, 1, 2, 3):
+        assert torch.isfinite(with_sink[i]).all()
+        torch.testing.assert_close(with_sink[i][:, 0], plain[i][:, 0])
+    grads = torch.autograd.grad(with_sink[0].sum() + with_sink[2].sum(), (q, k, v))
+    assert all(torch.isfinite(gr).all() for gr in grads)
+    ref = reference_attention_raw(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), sinks=sinks.cpu(), is_causal=True)
+    torch.testing.assert_close(with_sink[2].detach().cpu(), ref.entropy, atol=1e-12, rtol=1e-10)

@@ -4,7 +4,8 @@ CUDA: when torch is a CUDA build and a CUDA toolkit (nvcc) is found, the extensi
 csrc/cuda/**/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the architectures of
 TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The tensor-core family (csrc/cuda/sm80) is written with
 CuTe: its headers come from the pinned nvidia-cutlass package (csrc/cuda/cutlass_version.txt),
-found where it is installed. ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
+found where it is installed. A family that csrc/cuda/kernels.toml restricts to one `gencode` (sm90:
+sm_90a) has its translation units compiled for that target alone (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
 """
 
@@ -21,6 +22,8 @@ import torch
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import kernel_list  # noqa: E402
 WERROR = os.environ.get("ENTROPY_ATTN_WERROR") == "1"
 
 
@@ -112,6 +115,30 @@ def shared_libstdcxx_flags() -> list[str]:
 
 LINK_FLAGS = ["-fopenmp"] + shared_libstdcxx_flags()
 
+
+class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
+    """BuildExtension (ninja) that compiles the translation units of the families kernels.toml
+    restricts to one target (`gencode`) apart, with that -gencode added to the nvcc flags: a user
+    -gencode makes torch leave out TORCH_CUDA_ARCH_LIST's, so those units are built for their
+    target alone (sm_90a for wgmma and setmaxnreg, which no other target has). Their objects join
+    the link of the extension; the other sources build as before."""
+
+    def build_extension(self, ext):
+        by_flag: dict[str, list[str]] = {}
+        if WITH_CUDA:
+            units = {str(path.relative_to(ROOT)): flag for path, flag in kernel_list.gencode_units().items()}
+            for source in ext.sources:
+                if (flag := units.get(os.path.relpath(os.path.join(ROOT, source), ROOT))) is not None:
+                    by_flag.setdefault(flag, []).append(source)
+        for flag, group in by_flag.items():
+            args = dict(ext.extra_compile_args, nvcc=ext.extra_compile_args["nvcc"] + [flag])
+            ext.extra_objects = list(ext.extra_objects or []) + self.compiler.compile(
+                group, output_dir=self.build_temp, macros=ext.define_macros, include_dirs=ext.include_dirs,
+                debug=self.debug, extra_postargs=args, depends=ext.depends)
+            ext.sources = [source for source in ext.sources if source not in group]
+        super().build_extension(ext)
+
+
 extension = CUDAExtension if WITH_CUDA else CppExtension
 setup(
     name="torch_ext",
@@ -128,7 +155,7 @@ setup(
             py_limited_api=True,
         )
     ],
-    cmdclass={"ext_modules": BuildExtension, "build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"ext_modules": BuildExtension, "build_ext": BuildExtensionPerUnitTarget},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
     python_requires=">=3.11",
     install_requires=["torch>=2.13"],

@@ -24,6 +24,10 @@ DTYPES = {
 }
 MASKS = {"none": "MaskKind::kNone", "bool": "MaskKind::kBool", "additive": "MaskKind::kAdditive"}
 FLAGS = ("causal", "masks", "stats")  # the compile-time flags a family may list
+# `gencode = "arch=compute_90a,code=sm_90a"`: the family's translation units are compiled for that
+# target alone (its nvcc -gencode replaces those of TORCH_CUDA_ARCH_LIST): for kernels that use
+# architecture-specific instructions (sm_90a's wgmma and setmaxnreg).
+GENCODE = "gencode"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +74,7 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
         spec = tomllib.load(f)
     families: dict[str, list[Instantiation]] = {}
     for family, entry in spec.items():
-        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", *FLAGS}
+        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, *FLAGS}
         if unknown:
             raise ValueError(f"{path}: [{family}] has unknown keys {sorted(unknown)}")
         for dtype in entry["dtypes"]:
@@ -105,12 +109,12 @@ def _fallback_declarations(inst: Instantiation) -> list[str]:
     ]
 
 
-def _sm80_declarations(inst: Instantiation) -> list[str]:
+def _flagged_declarations(inst: Instantiation) -> list[str]:
     params = "FwdParams" if inst.direction == "forward" else "BwdParams"
     return [f"template cudaError_t launch_{inst.direction}<{inst.template_args()}>(const {params}<float>&, cudaStream_t);"]
 
 
-DECLARATIONS = {"fallback": _fallback_declarations, "sm80": _sm80_declarations}
+DECLARATIONS = {"fallback": _fallback_declarations, "sm80": _flagged_declarations, "sm90": _flagged_declarations}
 
 
 def generated_files(families: dict[str, list[Instantiation]] | None = None) -> dict[Path, str]:
@@ -146,3 +150,17 @@ def generated_files(families: dict[str, list[Instantiation]] | None = None) -> d
 def translation_units() -> list[Path]:
     """The generated translation units, sorted."""
     return sorted(p for p in generated_files() if p.suffix == ".cu")
+
+
+def gencodes(path: Path = LIST) -> dict[str, str]:
+    """Family -> the one nvcc -gencode target of its translation units, for the families that name one."""
+    with open(path, "rb") as f:
+        spec = tomllib.load(f)
+    return {family: entry[GENCODE] for family, entry in spec.items() if GENCODE in entry}
+
+
+def gencode_units() -> dict[Path, str]:
+    """The generated translation units of the families restricted to one target -> its -gencode flag."""
+    targets = gencodes()
+    folders = {ROOT / "csrc" / "cuda" / family / "instantiations": gencode for family, gencode in targets.items()}
+    return {p: f"-gencode={folders[p.parent]}" for p in translation_units() if p.parent in folders}

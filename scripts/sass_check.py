@@ -1,4 +1,4 @@
-"""Static SASS gate of the tensor-core family: reads the machine code of the built extension.
+"""Static SASS gate of the tensor-core families: reads the machine code of the built extension.
 
 For every architecture in the built `torch_ext/_C*.so` (cuobjdump -sass), checks that the kernels
 of the sm80 family (namespace entropy_attn::cuda::sm80) are built the way the fastest attention
@@ -9,8 +9,13 @@ kernels are:
   * backward main and dq kernels: HMMA, LDSM, LDGSTS; the main kernel also accumulates dQ with
     reductions (RED or ATOM);
   * every kernel of the family: no local memory (LDL/STL: register spills or stack arrays).
-Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each
-architecture. Writes results/sass/report.md; exits 1 on any violation.
+When the Hopper family (entropy_attn::cuda::sm90, built for sm_90a alone) is in the build, each of
+its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) completing on
+mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
+local memory.
+Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each architecture
+but the targets of families restricted to one (`gencode`), each of [sm90] for its target. Writes
+results/sass/report.md; exits 1 on any violation.
 
     python3 scripts/sass_check.py                  # the extension built in place (torch_ext/)
     python3 scripts/sass_check.py --lib path/to/_C.so
@@ -31,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_list  # noqa: E402
 
 ROOT = kernel_list.ROOT
-FAMILY_NS = "entropy_attn::cuda::sm80::"
+FAMILIES = ("sm80", "sm90")  # the families this gate inspects, by namespace entropy_attn::cuda::<family>
+
+
+def family_of(name: str) -> str | None:
+    """The checked family a demangled function belongs to, if any."""
+    return next((f for f in FAMILIES if name.startswith(f"entropy_attn::cuda::{f}::")), None)
 MMA_TYPE = {"bfloat16": "BF16", "float16": "F16"}
 
 
@@ -91,9 +101,19 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def check_sm90(name: str, counts: collections.Counter) -> list[str]:
+    """Violations of one sm90-family function (local memory already counted)."""
+    if kernel_kind(name) != "forward":
+        return []
+    problems = [f"no {op}" for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2") if not has(counts, op)]
+    return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
+
+
 def check(name: str, counts: collections.Counter) -> list[str]:
-    """Violations of one sm80-family function."""
+    """Violations of one function of a checked family."""
     problems = [f"{op} ({has(counts, op)})" for op in ("LDL", "STL") if has(counts, op)]
+    if family_of(name) == "sm90":
+        return problems + check_sm90(name, counts)
     # The MMA of the input type: HMMA.16816.F32.BF16 for bf16; fp16 is the default input type,
     # spelled HMMA.16816.F32 with no suffix.
     bf16 = "bfloat16" in name
@@ -121,7 +141,7 @@ def main() -> int:
     lib = library(args.lib)
     functions = disassemble(lib)
     names = demangle(sorted({name for _, name in functions}))
-    family = {key: counts for key, counts in functions.items() if names[key[1]].startswith(FAMILY_NS)}
+    family = {key: counts for key, counts in functions.items() if family_of(names[key[1]])}
     archs = sorted({arch for arch, _ in functions})
     failures: list[str] = []
     rows = []
@@ -130,32 +150,40 @@ def main() -> int:
         problems = check(name, counts)
         failures += [f"{arch} {name}: {p}" for p in problems]
         rows.append((arch, name, counts, problems))
-    # Every listed instantiation is there, for every architecture.
-    expected = [i for i in kernel_list.load().get("sm80", [])]
-    for arch in archs:
-        kernels = [names[m] for a, m in family if a == arch]
-        fwd = [k for k in kernels if kernel_kind(k) == "forward"]
-        main_kernels = [k for k in kernels if kernel_kind(k) == "backward"]
-        n_fwd = sum(i.direction == "forward" for i in expected)
-        n_bwd = sum(i.direction == "backward" for i in expected)
-        if len(fwd) != n_fwd or len(main_kernels) != n_bwd:
-            failures.append(f"{arch}: {len(fwd)} forward and {len(main_kernels)} backward main kernels, "
-                            f"kernels.toml lists {n_fwd} and {n_bwd}")
+    # Every listed instantiation is there, for every architecture it is built for: a family
+    # restricted to one target (kernels.toml `gencode`) for that one, the others for the rest.
+    listed = kernel_list.load()
+    targets = {f: re.search(r"code=(sm_\w+)", g)[1] for f, g in kernel_list.gencodes().items()}
+    for fam in FAMILIES:
+        expected = listed.get(fam, [])
+        if not expected:
+            continue
+        fam_archs = [targets[fam]] if fam in targets else [a for a in archs if a not in targets.values()]
+        for arch in fam_archs:
+            kernels = [names[m] for a, m in family if a == arch and family_of(names[m]) == fam]
+            fwd = [k for k in kernels if kernel_kind(k) == "forward"]
+            main_kernels = [k for k in kernels if kernel_kind(k) == "backward"]
+            n_fwd = sum(i.direction == "forward" for i in expected)
+            n_bwd = sum(i.direction == "backward" for i in expected)
+            if len(fwd) != n_fwd or len(main_kernels) != n_bwd:
+                failures.append(f"{arch}: {len(fwd)} {fam} forward and {len(main_kernels)} backward main kernels, "
+                                f"kernels.toml lists {n_fwd} and {n_bwd}")
     args.out.mkdir(parents=True, exist_ok=True)
-    cols = ["HMMA", "LDSM", "LDGSTS", "MUFU.EX2", "RED", "ATOM", "LDL", "STL"]
-    lines = [f"SASS of the sm80 family in `{lib.relative_to(ROOT) if lib.is_relative_to(ROOT) else lib}` "
+    cols = ["HMMA", "LDSM", "LDGSTS", "HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "RED", "ATOM",
+            "LDL", "STL"]
+    lines = [f"SASS of the tensor-core families in `{lib.relative_to(ROOT) if lib.is_relative_to(ROOT) else lib}` "
              f"({', '.join(archs)}): instruction counts per kernel (`scripts/sass_check.py`).", "",
              "| arch | kernel | " + " | ".join(cols) + " | verdict |", "|---" * (len(cols) + 3) + "|"]
     for arch, name, counts, problems in rows:
-        short = re.sub(r"cute::|entropy_attn::cuda::(sm80::)?", "", name)
+        short = re.sub(r"cute::|entropy_attn::cuda::(sm[89]0::)?", "", name)
         lines.append(f"| {arch} | `{short}` | " + " | ".join(str(has(counts, c)) for c in cols)
                      + f" | {'; '.join(problems) or 'ok'} |")
     if not rows:
-        lines.append("| – | no kernel of the sm80 family in this build | " + " | ".join("–" for _ in cols) + " | – |")
+        lines.append("| – | no kernel of a tensor-core family in this build | " + " | ".join("–" for _ in cols) + " | – |")
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     for f in failures:
         print(f"sass_check: {f}", file=sys.stderr)
-    print(f"sass_check: {len(rows)} sm80-family kernels over {len(archs)} architectures, {len(failures)} "
+    print(f"sass_check: {len(rows)} tensor-core-family kernels over {len(archs)} architectures, {len(failures)} "
           f"violations; wrote {args.out}/report.md")
     return 1 if failures else 0
 

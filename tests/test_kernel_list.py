@@ -62,6 +62,18 @@ def test_tensor_core_flags_are_compile_time() -> None:
     assert all(i.dtype in ("bfloat16", "float16") for i in insts)
 
 
+def test_hopper_family_compiles_for_sm90a_alone() -> None:
+    """The sm90 family (wgmma, setmaxnreg: sm_90a only) names its one target in kernels.toml, and
+    every unit it generates gets exactly that -gencode (setup.py's BuildExtensionPerUnitTarget);
+    its forward flags are compile-time, as sm80's."""
+    assert kernel_list.gencodes() == {"sm90": "arch=compute_90a,code=sm_90a"}
+    units = kernel_list.gencode_units()
+    assert all(p.parent.parent.name == "sm90" for p in units)
+    assert set(units.values()) <= {"-gencode=arch=compute_90a,code=sm_90a"}
+    insts = kernel_list.load()["sm90"]
+    assert all(i.direction == "forward" and None not in (i.causal, i.mask, i.stats) for i in insts)
+
+
 def test_dispatch_table_lists_every_instantiation() -> None:
     """Each family's dispatch.h names each instantiation once, with its template arguments."""
     files = kernel_list.generated_files()

@@ -1,0 +1,585 @@
+// Forward kernel of the Hopper family (sm_90a, bf16/fp16): FlashAttention-3's building blocks (TMA,
+// mbarriers, wgmma, warp specialization), written with CuTe, plus the per-row statistics of
+// docs/math.md section 2 through online_stats.h.
+//
+// One thread block of three warpgroups owns a tile of kBlockM = 128 query rows of one (batch,
+// head):
+//   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec to 24) and one thread
+//     issues the TMA loads: the Q tile once, then K and V of every key block into a kStages-deep
+//     ring of swizzled shared-memory buffers, each load completing on the stage's "full"
+//     mbarrier (cutlass::PipelineTmaAsync: the bytes are counted by the barrier's transaction
+//     count), each buffer reused once the consumers have arrived on its "empty" mbarrier;
+//   warpgroups 1 and 2, the consumers, cooperative: they split the tile's rows (64 each, the M of
+//     one wgmma) and raise their register budget to 240 (setmaxnreg.inc). Per key block:
+//       S = Q K^T          wgmma with both operands in shared memory (SS), fp32 accumulators;
+//       y = lambda_i log2(e) S (+ log2(e) mask)    the logits in log2 units, one FMUL per score;
+//       online softmax     row max over the 4 lanes that share a row (2 shuffles), the row state
+//                          moved to the new max by online_stats.h (rescale<float, Log2>), then
+//                          e = 2^(y - m) (one MUFU.EX2) and l, t, u accumulated (accumulate);
+//       O = alpha O + P V  P converted to T in registers and fed to wgmma as the A operand (RS),
+//                          V^T read from shared memory.
+// The two consumer warpgroups run the same key block on the same buffers: both must release a
+// stage before the producer refills it, so the loads of block n - kStages overlap the whole of
+// block n's compute. Within a warpgroup the phases are serial (no overlap of the softmax of one
+// block with the wgmma of the next, as FlashAttention-3's intra-warpgroup pipelining does).
+//
+// Key blocks are visited from the last to the first, as in the sm80 family: the blocks that need
+// the causal / sequence-end predicate (the last partial block and the blocks crossing the
+// diagonal) come first, the loop over the others carries none. Keys past the last row's causal
+// limit are never loaded (causal block skipping).
+//
+// Edge tiles: the TMA boxes of rows >= q_len and keys >= kv_len lie outside the tensors' bounds
+// and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and
+// such rows are never written.
+//
+// Masks: n_i is counted before the key loop (lambda_i depends on it) and each score reads its mask
+// entry from global memory. ptxas hoists those loads across the row, which costs local memory in
+// the masked instantiations, so kernels.toml does not list them yet; a mask tile in shared memory
+// (as the sm80 family loads it) is the way to list them.
+//
+// The statistics: every consumer thread holds two rows (g and g + 8 of its warp's 16) and the
+// columns 2 (lane % 4) + {0, 1} + 8k of each. m is the row's max, the same in the row's 4 lanes;
+// l, t and u are the thread's partial sums over its own columns, each kept as a RowStats moved by
+// online_stats.h's rescale (the sums are linear in their terms, so partial sums rescaled with the
+// row's max are exact), and the 4 lanes of a row are added once at the end before finalize and
+// derive. Without kStats, t and u are dead and the compiler drops them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+// cute/tensor.hpp first: the sm90 atom headers rely on what it declares.
+#include <cute/tensor.hpp>
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../../kernel_args.h"
+#include "../../online_stats.h"
+#include "../params.h"
+
+namespace entropy_attn::cuda::sm90 {
+namespace fwd_impl {
+
+using namespace cute;
+
+// The CuTe element type of an input type (same bits; CuTe's MMA atoms are written for these).
+template <typename T>
+struct CuteElement;
+template <>
+struct CuteElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CuteElement<__half> {
+  using type = cutlass::half_t;
+};
+
+// The global tensors as the TMA descriptors see them: Q and K as (rows, D, heads, batch) with a
+// unit D stride, V transposed as (D, keys, heads, batch), so that its tile lands D-major
+// (MN-major) in shared memory, the layout of wgmma's B operand of O = P V.
+using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+
+// Tile traits. 128 query rows (64 per consumer warpgroup, the M of one wgmma) by 128 keys: S is
+// 64 fp32 registers per consumer thread and O D / 2 (64 at D = 128), well inside the 240 that
+// setmaxnreg gives the consumers. Two stages: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB at
+// D = 128 (80 KB at D = 64), within an H100's 227 KB per block.
+template <typename T, int kHeadDim_>
+struct FwdTraits {
+  using Element = typename CuteElement<T>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerThreads = 256;  // two warpgroups
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  // setmaxnreg budgets: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 registers, one block per
+  // SM (FlashAttention-3's split for two consumer warpgroups).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  // S = Q K^T: 64 x kBlockN x kHeadDim per warpgroup, both operands K-major in shared memory.
+  using TiledMmaS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // O += P V: 64 x kHeadDim x kBlockN per warpgroup, P (K-major) from registers, V^T MN-major.
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+
+  // 128-byte swizzled tiles (rows of 64 elements), the layouts both TMA and wgmma read.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      SmemLayoutQ{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutK{})));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      take<0, 2>(SmemLayoutVt{})));
+
+  // Bytes each TMA box delivers (out-of-bounds parts included: they count as zeros).
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  // The 128-byte swizzle repeats every 1024 bytes: each tile starts on a 1024-byte boundary.
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    alignas(8) uint64_t barrier_q;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The kernel's arguments: the call's parameters and the TMA descriptors built from them on the
+// host (make_tma_copy), passed as one __grid_constant__ struct (TMA reads descriptors in place).
+template <typename Kt>
+struct KernelArgs {
+  FwdParams<float> p;
+  typename Kt::TmaQ tma_q;
+  typename Kt::TmaK tma_k;
+  typename Kt::TmaV tma_v;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 2^x by one MUFU.EX2. x <= 0 here (a logit minus the row max), so flushing results below 2^-126
+// to zero loses nothing; 2^-inf = 0 and 2^NaN = NaN, which the masking and NaN rules rely on.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// An int64 the compiler cannot see through. The mask's key stride passes through it in every key
+// block, so that the 64 per-score mask offsets of a row (const(c) * stride) are formed where they
+// are used instead of being hoisted out of the key loop, where they would hold 128 registers and
+// spill.
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
+// The lanes 4g..4g+3 of a warp hold the same accumulator rows (g and g + 8 of its 16).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
+// rows ((2, MMA_M)) are the thread's rows, cols ((2, N / 8, MMA_N)) its columns of each row.
+template <typename Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(rank(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// An accumulator fragment of S as the register A operand of O += P V: the C fragment of a 64 x N
+// wgmma holds, for each 16 columns, exactly the 8 values per thread that the A fragment of one
+// k16 step wants (2 cols x 2 rows x 2 column octets), so P never leaves the registers.
+template <typename Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(rank(acc))::value == 3);
+  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
+}
+
+// fp32 fragment -> Element fragment of the same layout, rounding to nearest.
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int kN = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, kN> convert;
+  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(dst.data())) =
+      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(raw_pointer_cast(src.data())));
+  return dst;
+}
+
+// acc (+)= A B over the whole K extent by one warpgroup-wide batch of wgmma, waited for before
+// returning. The fences keep the compiler from moving accesses of the accumulator (and of a
+// register A operand) across the asynchronous wgmma.
+template <bool kZeroInit, typename TiledMma, typename FragA, typename FragB, typename Acc>
+__device__ __forceinline__ void wg_gemm(TiledMma& tiled_mma, FragA const& a, FragB const& b,
+                                        Acc& acc) {
+  constexpr bool kRs = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
+  if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
+}
+
+// Two fp32 values as the 32-bit pair of T (cvt.rn), for the output stores.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// The consumer warpgroups: everything but the loads.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
+__device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
+                                        typename Kt::Pipeline& pipeline_k,
+                                        typename Kt::Pipeline& pipeline_v, int m0, int n_blocks,
+                                        int n_pred) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr bool kHasMask = kMask != MaskKind::kNone;
+  const FwdParams<float>& p = args.p;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const int heads = static_cast<int>(p.heads);
+  const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutVt{});
+
+  typename Kt::TiledMmaS mma_s;
+  typename Kt::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_o = mma_o.get_thread_slice(ctid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_Keys, stages)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+
+  // (row, col) in the tile of every score accumulator, viewed as (thread rows, columns).
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cS_rc))::value;
+  constexpr int kCols = decltype(size<1>(cS_rc))::value;
+  static_assert(kRows == 2, "a thread holds rows g and g + 8 of its warp's 16");
+  const int lane = ctid % 32;
+
+  // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
+  MaskArg<float> mask = p.mask;
+  mask.kind = kMask;
+
+  // n_i: with a mask, the count of the row's allowed keys below its causal limit, needed before
+  // any score (lambda_i depends on it), as the sm80 family counts it. Each warp counts its 16 rows
+  // one at a time, the lanes striding the keys (coalesced for a key-contiguous mask), then a warp
+  // sum; the lanes that hold the row keep it. Without a mask n_i is the causal limit.
+  int n_row[kRows];
+  const int warp_row0 = get<0>(cS_rc(0, 0)) - lane / 4;  // the warp's first tile row
+  if constexpr (kHasMask) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) n_row[r] = 0;
+    for (int rr = 0; rr < 16; ++rr) {
+      const int i = m0 + warp_row0 + rr;
+      const int lim = i < q_len ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      const int64_t off = mask.row_offset(b, h, i);
+      int count = 0;
+      for (int j = lane; j < lim; j += 32) count += mask.counts(off, j);
+      CUTE_UNROLL
+      for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (get<0>(cS_rc(r, 0)) == warp_row0 + rr) n_row[r] = count;
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = m0 + get<0>(cS_rc(r, 0));
+      n_row[r] = i < q_len ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+    }
+  }
+
+  // Row setup (docs/math.md section 1): g(n_i) / temperature and lambda_i, written once per row by
+  // lane 0 of its quad. Padding rows (i >= q_len) get lambda 0 and are never written.
+  float scale2[kRows];  // lambda_i log2(e)
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int i = m0 + get<0>(cS_rc(r, 0));
+    const bool valid = i < q_len;
+    const float factor = p.scale.factor(n_row[r]);
+    const float lam = valid ? p.scale.lambda(b, h, i, factor) : 0.f;
+    scale2[r] = lam * kLog2e;
+    if (valid && lane % 4 == 0) {
+      const int64_t row = (static_cast<int64_t>(b) * heads + h) * q_len + i;
+      p.row_scale[row] = lam;
+      p.length_factor[row] = factor;
+      p.n_keys[row] = n_row[r];
+    }
+  }
+
+  // The thread's partial state of its rows: m is the row's max (log2 units, the same in the row's
+  // 4 lanes), l, t, u the sums over the thread's columns.
+  RowStats<float> st[kRows];
+  clear(acc_o);
+  cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
+  typename Kt::PipelineState read_state;
+
+  // One key block. kPredicated: apply the causal / sequence-end predicate j < limit_i.
+  auto key_block = [&](const int n, auto predicated) {
+    constexpr bool kPredicated = decltype(predicated)::value;
+    const int j0 = n * kBlockN;
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    pipeline_k.consumer_wait(read_state);
+    wg_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, read_state.index()), acc_s);
+    pipeline_k.consumer_release(read_state);
+
+    // Logits in log2 units, -inf where the key is not allowed; the row max after scaling (lambda
+    // may be 0 or negative).
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    float m_use[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = m0 + get<0>(cS_rc(r, 0));
+      const bool row_valid = i < q_len;
+      const int lim =
+          kPredicated && row_valid ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      [[maybe_unused]] const int64_t off = kHasMask ? mask.row_offset(b, h, i) : 0;
+      [[maybe_unused]] const int64_t sj = kHasMask ? opaque(mask.sj) : 0;
+      float mx = kNegInf;
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int j = j0 + get<1>(cS_rc(r, c));
+        bool allowed = !kPredicated || j < lim;
+        float y = s_rc(r, c) * scale2[r];
+        if constexpr (kHasMask) {
+          // Rows >= q_len have no mask entries: never read them.
+          allowed = allowed && row_valid;
+          if (allowed) {
+            if constexpr (kMask == MaskKind::kBool) {
+              allowed = mask.bool_data()[off + j * sj];
+            } else {
+              y = fmaf(mask.additive_data()[off + j * sj], kLog2e, y);
+            }
+          }
+        }
+        y = allowed ? y : kNegInf;
+        s_rc(r, c) = y;
+        // fmaxf drops NaN; a NaN logit still makes the row NaN through e = 2^NaN in l and in P V.
+        mx = fmaxf(mx, y);
+      }
+      const float m_new = fmaxf(st[r].m, quad_max(mx));
+      // While the row has seen no allowed key (m = -inf) every weight is 0: exponentiate against 0
+      // instead of forming -inf - (-inf).
+      m_use[r] = m_new == kNegInf ? 0.f : m_new;
+      // O's factor is the row's 2^(m_old - m_new) (0 while the row was empty), whatever this
+      // thread's partial l; rescale() moves the thread's partial sums (and returns the same
+      // factor where its l is not 0).
+      const float alpha = exp2_approx(st[r].m - m_use[r]);
+      rescale<float, Log2>(st[r], m_new);
+      CUTE_UNROLL
+      for (int d = 0; d < size<1>(o_rc); ++d) o_rc(r, d) *= alpha;
+    }
+    // P = 2^(y - m) and the sums.
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const float x = s_rc(r, c) - m_use[r];
+        const float e = exp2_approx(x);
+        s_rc(r, c) = e;
+        // A masked key has e = 0 and x = -inf: clamp x so that it adds 0, not 0 * -inf = NaN.
+        accumulate(st[r].l, st[r].t, st[r].u, fmaxf(x, -std::numeric_limits<float>::max()), e);
+      }
+    }
+
+    Tensor rP = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a(rP.layout()));
+    pipeline_v.consumer_wait(read_state);
+    wg_gemm<false>(mma_o, tOrP, tOrV(_, _, _, read_state.index()), acc_o);
+    pipeline_v.consumer_release(read_state);
+    ++read_state;
+  };
+
+  int n = n_blocks - 1;
+  for (; n >= n_pred; --n) key_block(n, std::true_type{});
+  for (; n >= 0; --n) key_block(n, std::false_type{});
+
+  // Epilogue: add the 4 lanes' partial sums, finish each row (online_stats.h), O / l, and write O
+  // as 4-byte pairs of adjacent columns straight from the registers.
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
+  uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row0 * kHeadDim);
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    RowStats<float> row = st[r];
+    row.l = quad_sum(row.l);
+    if constexpr (kStats) {
+      row.t = quad_sum(row.t);
+      row.u = quad_sum(row.u);
+    }
+    const RowResult<float> res = finalize<float, Log2>(row);
+    const int i = get<0>(cO_rc(r, 0));  // in the tile
+    if (m0 + i >= q_len) continue;
+    static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
+    CUTE_UNROLL
+    for (int d = 0; d < size<1>(o_rc); d += 2) {
+      // Columns d and d + 1 of the fragment are adjacent (the first mode of the column layout).
+      const int col = get<1>(cO_rc(r, d));
+      out[(static_cast<int64_t>(i) * kHeadDim + col) / 2] =
+          pack2<T>(o_rc(r, d) * res.inv_l, o_rc(r, d + 1) * res.inv_l);
+    }
+    if (lane % 4 == 0) {
+      const int64_t row_idx = row0 + i;
+      p.lse[row_idx] = res.lse;
+      if constexpr (kStats) {
+        p.entropy[row_idx] = res.entropy;
+        p.sum_p2[row_idx] = res.sum_p2;
+        p.max_weight[row_idx] = res.max_weight;
+        const DerivedStats<float> ds = derive(res.entropy, res.sum_p2, n_row[r]);
+        p.normalized_entropy[row_idx] = ds.normalized_entropy;
+        p.sparsity[row_idx] = ds.sparsity;
+        p.effective_keys[row_idx] = ds.effective_keys;
+      }
+    }
+  }
+}
+
+// Grid: (query tiles, heads, batch); 384 threads (three warpgroups), one block per SM.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
+__global__ void __launch_bounds__(Kt::kThreads, 1)
+    forward_kernel([[maybe_unused]] const __grid_constant__ KernelArgs<Kt> args) {
+  // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target; the build compiles
+  // this family for that target alone (scripts/kernel_list.py: gencode), and the guard keeps any
+  // other device pass from seeing them.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN;
+  extern __shared__ __align__(1024) char ea_sm90_fwd_smem[];
+  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_fwd_smem);
+  const FwdParams<float>& p = args.p;
+
+  // Causal tiles further down do more work: start them first (blocks are dispatched in order), so
+  // that the short ones fill the tail of the wave.
+  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const int m0 = m_block * kBlockM;
+  const int rows = min(kBlockM, q_len - m0);
+  // Keys past the last row's causal limit are seen by no row of the tile: never loaded.
+  const int kv_end = static_cast<int>(key_limit(m0 + rows - 1, kv_len, kCausal));
+  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;  // >= 1: kv_len >= 1
+  // Blocks [n_pred, n_blocks) hold a key j >= limit_i for some row i of the tile (limit_i >=
+  // min(m0 + 1, kv_len), top-left causal) and need the predicate; the others need none.
+  const int n_pred = (kCausal ? min(m0 + 1, kv_len) : kv_len) / kBlockN;
+
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  using Pipeline = typename Kt::Pipeline;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Kt::kTmaBytesKV;
+  pipe_params.role =
+      warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;  // the thread that issues the loads
+  pipe_params.num_consumers = Kt::kConsumerThreads;
+  // Warp 0 initializes the barriers of both pipelines and Q's; the barrier below publishes them.
+  Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_q, 1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kv_head = h / static_cast<int>(p.heads / p.kv_heads);  // GQA
+    const int head_dim = Kt::kHeadDim, heads = static_cast<int>(p.heads);
+    const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
+    // The global tensors as coordinates for TMA, the tiles of this block.
+    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, head_dim, heads, batch));
+    Tensor mK = args.tma_k.get_tma_tensor(make_shape(kv_len, head_dim, kv_heads, batch));
+    Tensor mVt = args.tma_v.get_tma_tensor(make_shape(head_dim, kv_len, kv_heads, batch));
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<Kt::kHeadDim>>{},
+                           make_coord(m_block, 0));  // (M, D)
+    Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<kBlockN>, Int<Kt::kHeadDim>>{},
+                           make_coord(_, 0));  // (N, D, blocks)
+    Tensor gVt = local_tile(mVt(_, _, kv_head, b), Shape<Int<Kt::kHeadDim>, Int<kBlockN>>{},
+                            make_coord(0, _));  // (D, N, blocks)
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutVt{});
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
+                                      group_modes<0, 2>(gVt));
+
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
+    copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+    auto write_state = cutlass::make_producer_start_state<Pipeline>();
+    // Not unrolled: each iteration is a few instructions, and the producer has 24 registers.
+#pragma unroll 1
+    for (int n = n_blocks - 1; n >= 0; --n) {
+      pipeline_k.producer_acquire(write_state);
+      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_state)), tKgK(_, n),
+           tKsK(_, write_state.index()));
+      pipeline_v.producer_acquire(write_state);
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_state)), tVgV(_, n),
+           tVsV(_, write_state.index()));
+      ++write_state;
+    }
+    // Stay until the consumers have released every stage: the block's barriers must outlive
+    // every arrival on them.
+    pipeline_k.producer_tail(write_state);
+    pipeline_v.producer_tail(write_state);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
+    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, m0, n_blocks, n_pred);
+  }
+#endif
+}
+
+}  // namespace fwd_impl
+}  // namespace entropy_attn::cuda::sm90

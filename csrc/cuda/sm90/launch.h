@@ -1,0 +1,32 @@
+// Host entry point of the Hopper family (sm_90a only, bf16/fp16, head dims 64 and 128;
+// FlashAttention-3's structure: TMA, mbarriers, wgmma, warp specialization; written with CuTe).
+// Declared here without CuTe so that host code includes it; each instantiation is defined in a
+// generated translation unit under instantiations/, compiled for -gencode
+// arch=compute_90a,code=sm_90a alone. kMask is the mask kind (MaskKind) as a compile-time flag.
+//
+// Status: written and compiled, never run on a GPU. The forward kernel compiles cleanly (warnings
+// as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS) instructions and
+// setmaxnreg in every kernel and, for the listed instantiations, no local memory. It implements
+// what the sm80 forward does: bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left
+// causality, no / bool / additive masks, with or without statistics, GQA, any sequence lengths;
+// kernels.toml lists the unmasked instantiations only (the masked ones spill: see there). Windows,
+// packed documents, softcap, sinks and dropout are not covered; there is no backward; nothing
+// selects this family (csrc/cuda/family.cpp), and kernels.toml lists it with no directions, so the
+// default build does not compile it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "../params.h"
+
+namespace entropy_attn::cuda::sm90 {
+
+// Forward: out and lse always, row_scale, length_factor and n_keys always; with kStats also
+// entropy, sum_p2, max_weight and the derived statistics. Returns cudaErrorNotSupported, having
+// launched nothing, for a call the kernel does not cover: a device other than compute capability
+// 9.0, head dims other than kHeadDim, a feature of the list above, or inputs that TMA cannot
+// describe (bases not 16-byte aligned, row / head / batch strides not multiples of 16 bytes).
+template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
+cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream);
+
+}  // namespace entropy_attn::cuda::sm90

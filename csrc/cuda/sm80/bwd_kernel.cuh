@@ -24,23 +24,13 @@
 #include <type_traits>
 
 #include "../../online_stats.h"
+#include "../cute_element.h"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm80::bwd {
 
 using namespace cute;
 
-// CUTLASS's element type of the same bits as the torch-facing type.
-template <typename T>
-struct ElementOf;
-template <>
-struct ElementOf<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct ElementOf<__half> {
-  using type = cutlass::half_t;
-};
 
 // The instructions the tiles are built from. Tests on a machine without a GPU may substitute
 // emulated operations with the same thread/value layouts; the kernels see only these names.
@@ -64,7 +54,7 @@ struct Sm80Ops {
 // allow 99 KB: D = 128 does not launch there (launch_backward returns the attribute error).
 template <typename T, int kHeadDim_, typename Ops_ = Sm80Ops>
 struct BwdTraits {
-  using Element = typename ElementOf<T>::type;
+  using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   using Ops = Ops_;
   using CpAsync4 = typename Ops::CpAsync4;
   static constexpr int kHeadDim = kHeadDim_;

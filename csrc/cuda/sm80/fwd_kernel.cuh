@@ -44,6 +44,7 @@
 
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
+#include "../cute_element.h"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm80 {
@@ -51,17 +52,6 @@ namespace fwd_impl {
 
 using namespace cute;
 
-// The CuTe element type of an input type (same bits; CuTe's MMA atoms are written for these).
-template <typename T>
-struct CuteElement;
-template <>
-struct CuteElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CuteElement<__half> {
-  using type = cutlass::half_t;
-};
 
 // Tile traits. 128 query rows over 4 warps, so that every K and V fragment read from shared
 // memory feeds two m16 mma (shared-memory bandwidth; FlashAttention-2 measured 8 warps slower).
@@ -73,7 +63,7 @@ struct CuteElement<__half> {
 // registers per thread allow 2 blocks (8 warps) per SM.
 template <typename T, int kHeadDim_, MaskKind kMask, bool kStats>
 struct FwdTraits {
-  using Element = typename CuteElement<T>::type;
+  using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the tensor-core family");
   // A masked kernel at D = 128 needs registers for the mask on top (and is bound by the mask's

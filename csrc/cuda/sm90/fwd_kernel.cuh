@@ -67,6 +67,7 @@
 
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
+#include "../cute_element.h"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm90 {
@@ -74,17 +75,6 @@ namespace fwd_impl {
 
 using namespace cute;
 
-// The CuTe element type of an input type (same bits; CuTe's MMA atoms are written for these).
-template <typename T>
-struct CuteElement;
-template <>
-struct CuteElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CuteElement<__half> {
-  using type = cutlass::half_t;
-};
 
 // The global tensors as the TMA descriptors see them: Q and K as (rows, D, heads, batch) with a
 // unit D stride, V transposed as (D, keys, heads, batch), so that its tile lands D-major
@@ -99,7 +89,7 @@ using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
 // D = 128 (80 KB at D = 64), within an H100's 227 KB per block.
 template <typename T, int kHeadDim_>
 struct FwdTraits {
-  using Element = typename CuteElement<T>::type;
+  using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
   static constexpr int kBlockM = 128;

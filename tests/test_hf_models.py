@@ -243,12 +243,17 @@ def test_bert_dropout_eval_matches_sdpa() -> None:
     """In eval mode a BERT with attention dropout equals "sdpa" (no dropout), outputs and grads."""
     model = bert(0.2).eval()
     ids, mask = ids_and_mask(2, 12, True)
+    results = {}
     for attn in ("sdpa", PLAIN):
         model.set_attn_implementation(attn)
-    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    model.set_attn_implementation(PLAIN)
-    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model.zero_grad(set_to_none=True)
+        y = model(input_ids=ids, attention_mask=mask).last_hidden_state * mask.unsqueeze(-1)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        results[attn] = (y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    ref, ref_grads = results["sdpa"]
+    out, grads = results[PLAIN]
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=RTOL * ref.abs().max().item())
+    assert_close_grads(grads, ref_grads)
 
 
 def test_bert_dropout_train_matches_sdpa_statistically() -> None:

@@ -243,8 +243,6 @@ def test_bad_pattern_arguments(kwargs: Dict[str, Any], match: str) -> None:
     api = dict(kwargs)
     if "window_size" in api:
         api["window_size"] = tuple(api["window_size"])
-    if api.get("softcap") is not None and api["softcap"] <= 0:
-        pass
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         torch_ext.attention(q, q, q, **api)
 
@@ -263,11 +261,11 @@ def test_window_cost_skips_blocks(device: str) -> None:
 
 
 def test_window_equals_mask() -> None:
-    """A window is the same as the equivalent bool mask (n_i and all outputs), for many random
-    windows, alignments and shapes (hypothesis-style sweep with a fixed seed)."""
+    """A window is the same as the equivalent bool mask (n_i and all outputs), over every
+    combination of the shapes, windows and alignments below."""
     g = torch.Generator().manual_seed(10)
-    for Lq, Lk, left, right, align in itertools.islice(
-        itertools.product((1, 7, 20), (1, 9, 20), (-1, 0, 3), (-1, 0, 2), ("top_left", "bottom_right")), 0, None
+    for Lq, Lk, left, right, align in itertools.product(
+        (1, 7, 20), (1, 9, 20), (-1, 0, 3), (-1, 0, 2), ("top_left", "bottom_right")
     ):
         q, k, v = rand(1, 1, Lq, 4, gen=g), rand(1, 1, Lk, 4, gen=g), rand(1, 1, Lk, 4, gen=g)
         i = torch.arange(Lq).view(-1, 1)

@@ -24,7 +24,7 @@
 #include <type_traits>
 
 #include "../../online_stats.h"
-#include "../cute_element.h"
+#include "../cute_utils.cuh"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm80::bwd {
@@ -139,20 +139,6 @@ struct BwdTraits {
   static constexpr int kPostRows = kNThreads / kPostThreadsPerRow;
 };
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x with one MUFU.EX2. Flushing a subnormal result to 0 is harmless: such a p contributes
-// nothing in float32 anyway, and a zero p gets dS = 0 like an underflow.
-CUTE_DEVICE float exp2_approx(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::exp2(x);
-#endif
-}
-
 // Adds a pair of adjacent floats (8-byte aligned) to global memory: one vector reduction on sm_90.
 CUTE_DEVICE void atomic_add_pair(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -170,17 +156,6 @@ CUTE_HOST_DEVICE auto rowcol(Layout l) {
   static_assert(decltype(size<0>(l))::value == 4 && decltype(rank(l))::value == 3);
   auto d = logical_divide(l, Shape<_2>{});  // ((2, 2), MMA_M, MMA_N)
   return make_layout(make_layout(get<0, 1>(d), get<1>(d)), make_layout(get<0, 0>(d), get<2>(d)));
-}
-
-template <typename To, typename Engine, typename Layout>
-CUTE_HOST_DEVICE auto convert_to(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int kN = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());  // both compact: element i is register i
-  cutlass::NumericArrayConverter<To, From, kN> op;
-  *reinterpret_cast<cutlass::Array<To, kN>*>(dst.data()) =
-      op(*reinterpret_cast<cutlass::Array<From, kN> const*>(src.data()));
-  return dst;
 }
 
 // acc += A B from shared memory, with the k-slice k+1 loaded (ldmatrix) while slice k multiplies.
@@ -638,7 +613,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       } else {
         probs_to_dlogits<false, Kt>(s_rc_p, dp_rc, coord_p, srow);
       }
-      cute::copy(convert_to<Element>(acc_dp),
+      cute::copy(convert_fragment<Element>(acc_dp),
                  thr_sdp.partition_C(local_tile(sdS, PartS{}, make_coord(_0{}, part))));
     });
     __syncthreads();  // P, dS, lambda Q visible; Q and the row statistics of t no longer read
@@ -684,8 +659,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   // and V, which the last products may still read: barrier) to 16-byte stores of rows < Lk.
   cp_async_wait<0>();
   __syncthreads();
-  cute::copy(convert_to<Element>(acc_dk), thr_dkv.partition_C(sK));
-  cute::copy(convert_to<Element>(acc_dv), thr_dkv.partition_C(sV));
+  cute::copy(convert_fragment<Element>(acc_dk), thr_dkv.partition_C(sK));
+  cute::copy(convert_fragment<Element>(acc_dv), thr_dkv.partition_C(sV));
   __syncthreads();
   typename Kt::VecTiledCopy vec_copy;
   auto vthr = vec_copy.get_thread_slice(tid);
@@ -842,7 +817,7 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
       scores_to_probs<false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot);
       probs_to_dlogits<false, Kt>(s_rc, dp_rc, coord_s, srow);
     }
-    cute::copy(convert_to<Element>(acc_dp), tdSsdS);
+    cute::copy(convert_fragment<Element>(acc_dp), tdSsdS);
     __syncthreads();  // dS visible
 
     gemm_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq,

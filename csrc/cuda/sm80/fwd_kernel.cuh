@@ -44,7 +44,7 @@
 
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
-#include "../cute_element.h"
+#include "../cute_utils.cuh"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm80 {
@@ -134,16 +134,7 @@ struct FwdTraits {
   static_assert(kSmemBytes <= 81 * 1024);
 };
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// 2^x by one MUFU.EX2. x <= 0 here (a logit minus the row max), so flushing results below 2^-126
-// to zero loses nothing; 2^-inf = 0 and 2^NaN = NaN, which the masking and NaN rules rely on.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Waits for all of this thread's cp.async groups (cp.async.wait_group 0; cute's cp_async_wait<0>
 // is wait_all, which commits an extra empty group first).
@@ -160,17 +151,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
-}
-
-// The lanes 4g..4g+3 of a warp hold the same accumulator rows (g and g + 8 of an m16n8 tile).
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-template <typename V>
-__device__ __forceinline__ V quad_sum(V x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // An accumulator fragment (MMA = (2 cols, 2 rows), MMA_M, MMA_N) viewed as (rows, cols): rows
@@ -190,19 +170,6 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
   static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
   auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N/2))
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
-}
-
-// fp32 fragment -> T fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).
-// Fragments are compact register arrays, so the element order of both is the storage order.
-template <typename To, typename Engine, typename Layout>
-__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int kN = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, kN> convert;
-  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(dst.data())) =
-      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(raw_pointer_cast(src.data())));
-  return dst;
 }
 
 // Loads the rows [row0, row0 + rows) of a row-major global tile (row stride ld elements, unit

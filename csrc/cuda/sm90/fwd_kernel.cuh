@@ -67,7 +67,7 @@
 
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
-#include "../cute_element.h"
+#include "../cute_utils.cuh"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm90 {
@@ -162,16 +162,7 @@ struct KernelArgs {
   typename Kt::TmaV tma_v;
 };
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// 2^x by one MUFU.EX2. x <= 0 here (a logit minus the row max), so flushing results below 2^-126
-// to zero loses nothing; 2^-inf = 0 and 2^NaN = NaN, which the masking and NaN rules rely on.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // An int64 the compiler cannot see through. The mask's key stride passes through it in every key
 // block, so that the 64 per-score mask offsets of a row (const(c) * stride) are formed where they
@@ -180,16 +171,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ int64_t opaque(int64_t x) {
   asm volatile("" : "+l"(x));
   return x;
-}
-
-// The lanes 4g..4g+3 of a warp hold the same accumulator rows (g and g + 8 of its 16).
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
@@ -210,18 +191,6 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
   auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
   return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
                      coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
-}
-
-// fp32 fragment -> Element fragment of the same layout, rounding to nearest.
-template <typename To, typename Engine, typename Layout>
-__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int kN = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, kN> convert;
-  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(dst.data())) =
-      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(raw_pointer_cast(src.data())));
-  return dst;
 }
 
 // acc (+)= A B over the whole K extent by one warpgroup-wide batch of wgmma, waited for before

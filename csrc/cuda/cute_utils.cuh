@@ -1,0 +1,68 @@
+// Pieces the tensor-core families (sm80, sm90) share: the CUTLASS element type of a torch-facing
+// CUDA type, exp2 by one MUFU.EX2, the reductions over the four lanes that hold an accumulator row,
+// and the fp32 -> 16-bit conversion of a register fragment.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <cute/tensor.hpp>
+
+namespace entropy_attn::cuda {
+
+// CuTe's MMA and copy atoms are written for cutlass::bfloat16_t and cutlass::half_t: the same bits.
+template <typename T>
+struct CuteElement;
+template <>
+struct CuteElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CuteElement<__half> {
+  using type = cutlass::half_t;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x by one MUFU.EX2. x <= 0 here (a logit minus the row max or the lse), so flushing results
+// below 2^-126 to zero loses nothing (such a weight contributes nothing in float32); 2^-inf = 0 and
+// 2^NaN = NaN, which the masking and NaN rules rely on.
+CUTE_DEVICE float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+
+// The lanes 4g..4g+3 of a warp hold the same accumulator rows (mma.sync m16n8 and wgmma alike).
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+template <typename V>
+CUTE_DEVICE V quad_sum(V x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// fp32 fragment -> To fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).
+// Fragments are compact register arrays, so the element order of both is the storage order.
+template <typename To, typename Engine, typename Layout>
+CUTE_HOST_DEVICE auto convert_fragment(cute::Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int kN = decltype(cute::size(src))::value;
+  cute::Tensor dst = cute::make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, kN> convert;
+  *reinterpret_cast<cutlass::Array<To, kN>*>(cute::raw_pointer_cast(dst.data())) =
+      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(cute::raw_pointer_cast(src.data())));
+  return dst;
+}
+
+}  // namespace entropy_attn::cuda

@@ -49,7 +49,7 @@ SDPA_BACKENDS: Dict[str, SDPBackend] = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
-FAMILIES = ("auto", "fallback", "sm80")
+FAMILIES = ("auto", "fallback", "sm80", "sm90")
 KINDS = ("fwd_stats", "fwd", "fwd_bwd")
 TFLOPS_KEYS = ("ours_fwd_stats", "ours_fwd", "ours_fwd_bwd", "sdpa_fwd", "sdpa_fwd_bwd")
 ERR_KEYS = ("out", "dq", "dk", "dv")

@@ -12,7 +12,7 @@ kernels are:
 When the Hopper family (entropy_attn::cuda::sm90, built for sm_90a alone) is in the build, each of
 its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) completing on
 mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
-local memory.
+local memory; its masked kernels also copy the mask tile with asynchronous copies (LDGSTS).
 Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each architecture
 but the targets of families restricted to one (`gencode`), each of [sm90] for its target. Writes
 results/sass/report.md; exits 1 on any violation.
@@ -105,7 +105,10 @@ def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     """Violations of one sm90-family function (local memory already counted)."""
     if kernel_kind(name) != "forward":
         return []
-    problems = [f"no {op}" for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2") if not has(counts, op)]
+    needs = ["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2"]
+    if re.search(r"\(entropy_attn::MaskKind\)[12]", name):  # bool or additive: the mask tile
+        needs.append("LDGSTS")
+    problems = [f"no {op}" for op in needs if not has(counts, op)]
     return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
 
 

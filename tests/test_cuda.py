@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -972,11 +972,29 @@ def test_nan_propagation(dtype: torch.dtype) -> None:
 # ----------------------------------------------------------------------------------------
 @real_cuda
 def test_family_switch_rejects_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY takes auto, fallback or sm80; anything else is a clear error."""
+    """ENTROPY_ATTN_CUDA_FAMILY takes auto, fallback, sm80 or sm90; anything else is a clear error."""
     q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fastest")
     with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_FAMILY"):
         OP(q, q, q)
+
+
+def is_hopper() -> bool:
+    """Whether the CUDA device is compute capability 9.0, the one target of the sm90 family."""
+    return HAS_CUDA and not DRY_RUN and torch.cuda.get_device_capability(DEV) == (9, 0)
+
+
+#: The sm90 family's code is sm_90a: it runs on compute capability 9.0 (H100, H200) alone.
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
+FAMILY_PARAMS = ["sm80", pytest.param("sm90", marks=needs_hopper)]
+
+
+def cuda_kernel_names(fn: Callable[[], Any]) -> List[str]:
+    """The names of the CUDA kernels `fn` launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(DEV)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @real_cuda
@@ -985,28 +1003,32 @@ def test_family_switch_rejects_unknown_value(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_families_agree(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, D: int, causal: bool, mask_kind: str, stats: bool
+    monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, D: int, causal: bool, mask_kind: str,
+    stats: bool,
 ) -> None:
-    """The tensor-core family (forced) and the fallback give the same outputs and gradients within
-    the dtype's tolerance, over the flags each sm80 instantiation fixes at compile time; GQA,
-    lengths that are no multiple of a tile, a logn scale."""
+    """A specialized family (forced) and the fallback give the same outputs and gradients within the
+    dtype's tolerance, over the flags each instantiation fixes at compile time; GQA, lengths that are
+    no multiple of a tile (two query tiles and three key blocks of the sm90 family), a logn scale.
+    Forcing sm90 runs its forward; its backward is sm80's."""
     torch.manual_seed(0)
-    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, 77, 143, D, dtype=dtype))
+    Lq, Lk = 177, 293
+    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, Lq, Lk, D, dtype=dtype))
     mask = None
     if mask_kind == "bool":
-        mask = cuda(torch.rand(77, 143) < 0.8)
+        mask = cuda(torch.rand(Lq, Lk) < 0.8)
     elif mask_kind == "additive":
-        mask = cuda(torch.randn(77, 143).masked_fill(torch.rand(77, 143) < 0.2, float("-inf")))
+        mask = cuda(torch.randn(Lq, Lk).masked_fill(torch.rand(Lq, Lk) < 0.2, float("-inf")))
     kw = dict(is_causal=causal, enable_gqa=True, scale_mode="logn", log_base=64.0, return_stats=stats)
-    go = torch.randn(2, 4, 77, D, device=DEV, dtype=dtype)
+    go = torch.randn(2, 4, Lq, D, device=DEV, dtype=dtype)
     results = {}
-    for family in ("fallback", "sm80"):
-        monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    for fam in ("fallback", family):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
         res = OP(q, k, v, mask, None, **kw)
         grads = torch.autograd.grad(res[0], (q, k, v), go)
-        results[family] = (res, grads)
-    (fb, fb_g), (tc, tc_g) = results["fallback"], results["sm80"]
+        results[fam] = (res, grads)
+    (fb, fb_g), (tc, tc_g) = results["fallback"], results[family]
     oat, ort = OUT_TOL[dtype]
     sat, srt = STAT_TOL[dtype]
     assert_close64(tc[0], fb[0], 2 * oat, 2 * ort, "output")
@@ -1015,3 +1037,57 @@ def test_families_agree(
     assert torch.equal(tc[5], fb[5]), "n_keys"
     for a, b, name in zip(tc_g, fb_g, ("dq", "dk", "dv")):
         assert rel_err(a, b) < 2 * GRAD_TOL[dtype], name
+
+
+@real_cuda
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_hopper_family_runs_where_forced(monkeypatch: pytest.MonkeyPatch, mask_kind: str) -> None:
+    """With ENTROPY_ATTN_CUDA_FAMILY=sm90 on an H100/H200, a call it covers runs the sm90 forward
+    kernel (named in the profile), and the result matches the float64 reference; at L = 1000 (eight
+    query tiles, eight key blocks, a partial last one) with a broadcast mask."""
+    torch.manual_seed(1)
+    q, k, v = (cuda(t) for t in make_qkv(1, 2, 2, 1000, 1000, 128, dtype=torch.bfloat16))
+    mask = cuda(torch.rand(1000, 1000) < 0.9) if mask_kind == "bool" else None
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    res: list = []
+    names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, is_causal=True, return_stats=True)))
+    assert any("sm90::" in n and "forward_kernel" in n for n in names), names
+    ref = reference_attention_raw(q.cpu(), k.cpu(), v.cpu(), mask.cpu() if mask is not None else None, None,
+                                  is_causal=True)
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    out = res[0]
+    assert_close64(out[0].cpu(), ref.output, oat, ort, "output")
+    assert_close64(out[1].cpu(), ref.lse, sat, srt, "lse")
+    assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
+
+
+@real_cuda
+@pytest.mark.parametrize(
+    "case", ["float32", "window", "softcap", "sinks", "unaligned_rows", "head_dim_96"],
+)
+def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper forward does not cover (on any GPU) gives
+    the fallback's result: the selection point routes them, never a wrong answer."""
+    torch.manual_seed(2)
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    D = 96 if case == "head_dim_96" else 64
+    q, k, v = (cuda(t) for t in make_qkv(1, 2, 2, 150, 150, D, dtype=dtype))
+    if case == "unaligned_rows":  # a row stride of 68 elements: not a multiple of 16 bytes
+        q = cuda(torch.randn(1, 2, 150, 68, dtype=dtype))[..., :64]
+    kw: Dict[str, Any] = dict(is_causal=True, return_stats=True)
+    if case == "window":
+        kw["window_size"] = [32, 0]
+    elif case == "softcap":
+        kw["softcap"] = 5.0
+    elif case == "sinks":
+        kw["sinks"] = cuda(torch.randn(2))
+    results = {}
+    for fam in ("fallback", "sm90"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
+        results[fam] = OP(q, k, v, None, None, **kw)
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    assert_close64(results["sm90"][0], results["fallback"][0], 2 * oat, 2 * ort, "output")
+    assert_close64(results["sm90"][2], results["fallback"][2], 2 * sat, 2 * srt, "entropy")

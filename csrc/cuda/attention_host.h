@@ -1,7 +1,7 @@
 // The device-independent host half of the CUDA attention ops: argument checks, the tensors the
-// kernels read and write, their kernel parameters, and the ATen epilogue of the backward. Plain ATen
-// (it allocates on the inputs' device), so the CUDA ops (attention_cuda.cpp) and the CPU emulation
-// test of the kernels (tests/cpp/test_cuda_emulation.cpp) share it.
+// kernels read and write, their kernel parameters, and the ATen epilogue of the backward. Plain
+// ATen (it allocates on the inputs' device), so the CUDA ops (attention_cuda.cpp) and the CPU
+// emulation test of the kernels (tests/cpp/test_cuda_emulation.cpp) share it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,8 +14,8 @@
 
 namespace entropy_attn::cuda {
 
-// The kernel families (csrc/cuda/family.h chooses one per call).
-enum class Family { kFallback, kSm80 };
+// The kernel families (csrc/cuda/family.h chooses one per call). kSm90 has a forward only.
+enum class Family { kFallback, kSm80, kSm90 };
 
 // The limits of the CUDA kernels beyond the op's own checks (head dims, grid size).
 void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype);

@@ -12,6 +12,8 @@
 #include "fallback/launch.h"
 #include "sm80/instantiations/dispatch.h"
 #include "sm80/launch.h"
+#include "sm90/instantiations/dispatch.h"
+#include "sm90/launch.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -96,9 +98,9 @@ using Sm80Backward = cudaError_t (*)(const BwdParams<float>&, cudaStream_t);
 Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
                          [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask,
                          [[maybe_unused]] bool stats) {
-#define EA_MATCH(T, D, C, M, S)                                                          \
-  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M && stats == S) {          \
-    return &sm80::launch_forward<T, D, C, M, S>;                                         \
+#define EA_MATCH(T, D, C, M, S)                                                 \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M && stats == S) { \
+    return &sm80::launch_forward<T, D, C, M, S>;                                \
   }
 #ifndef ENTROPY_ATTN_NO_SM80  // a CMake build without the family's device code
   EA_SM80_FORWARD_KERNELS(EA_MATCH)
@@ -109,9 +111,9 @@ Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
 
 Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
                            [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask) {
-#define EA_MATCH(T, D, C, M)                                                        \
-  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M) {                   \
-    return &sm80::launch_backward<T, D, C, M>;                                      \
+#define EA_MATCH(T, D, C, M)                                      \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M) { \
+    return &sm80::launch_backward<T, D, C, M>;                    \
   }
 #ifndef ENTROPY_ATTN_NO_SM80
   EA_SM80_BACKWARD_KERNELS(EA_MATCH)
@@ -120,18 +122,82 @@ Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
   return nullptr;
 }
 
-Selection choose(const std::string& obstacle) {
+using Sm90Forward = cudaError_t (*)(const FwdParams<float>&, cudaStream_t);
+
+Sm90Forward sm90_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
+                         [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask,
+                         [[maybe_unused]] bool stats) {
+#define EA_MATCH(T, D, C, M, S)                                                 \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M && stats == S) { \
+    return &sm90::launch_forward<T, D, C, M, S>;                                \
+  }
+#ifndef ENTROPY_ATTN_NO_SM90  // a CMake build without the family's device code
+  EA_SM90_FORWARD_KERNELS(EA_MATCH)
+#endif
+#undef EA_MATCH
+  return nullptr;
+}
+
+Sm90Forward sm90_forward_of(const ForwardCall& c) {
+  return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.causal,
+                      mask_kind(c.call.mask), c.call.options.return_stats);
+}
+
+// Why the Hopper forward cannot run a call (empty when it can): what the tensor-core family needs,
+// a compute capability 9.0 GPU (sm_90a code runs nowhere else), and tensors TMA can describe.
+std::string hopper_obstacle(const ForwardCall& c) {
+  const AttentionShape& s = c.call.shape;
+  std::string obstacle = tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
+                                              sm90_forward_of(c) != nullptr);
+  if (!obstacle.empty()) return obstacle;
+  if (device_sm() != 90) return "the GPU is not compute capability 9.0 (sm_90a)";
+  const FwdParams<float> p = c.params<float>();
+  if (!sm90::tma_compatible(p.q, s.q_len, s.heads, s.batch) ||
+      !sm90::tma_compatible(p.k, s.kv_len, s.kv_heads, s.batch) ||
+      !sm90::tma_compatible(p.v, s.kv_len, s.kv_heads, s.batch)) {
+    return "a tensor's strides are not positive multiples of 16 bytes (TMA)";
+  }
+  return {};
+}
+
+// The family for a call: the most specialized one that is wanted (requested, or on by default)
+// and has no obstacle. The obstacles are callables, asked only when their family is wanted;
+// `hopper` is null for the backward (the Hopper family has none).
+template <typename Hopper, typename TensorCore>
+Selection choose(const Hopper* hopper, const TensorCore& tensor_core) {
   const std::optional<Family> requested = requested_family();
-  const bool want = requested.has_value() ? *requested == Family::kSm80 : kTensorCoreFamilyByDefault;
-  if (!want) return {Family::kFallback, requested.has_value() ? "ENTROPY_ATTN_CUDA_FAMILY=fallback"
-                                                              : "off by default"};
-  if (!obstacle.empty()) return {Family::kFallback, obstacle};
-  return {Family::kSm80, {}};
+  const bool want_sm90 =
+      requested.has_value() ? *requested == Family::kSm90 : kHopperFamilyByDefault;
+  const bool want_sm80 = requested.has_value()
+                             ? *requested == Family::kSm80 || *requested == Family::kSm90
+                             : kTensorCoreFamilyByDefault;
+  std::string reason;
+  if (want_sm90 && hopper != nullptr) {
+    const std::string obstacle = (*hopper)();
+    if (obstacle.empty()) return {Family::kSm90, {}};
+    reason = "sm90: " + obstacle;
+  }
+  if (!want_sm80) {
+    return {Family::kFallback,
+            requested.has_value() ? "ENTROPY_ATTN_CUDA_FAMILY=fallback" : "off by default"};
+  }
+  const std::string obstacle = tensor_core();
+  if (obstacle.empty()) return {Family::kSm80, reason};
+  return {Family::kFallback, (reason.empty() ? "" : reason + "; ") + "sm80: " + obstacle};
 }
 
 }  // namespace
 
-const char* family_name(Family f) { return f == Family::kSm80 ? "sm80" : "fallback"; }
+const char* family_name(Family f) {
+  switch (f) {
+    case Family::kSm80:
+      return "sm80";
+    case Family::kSm90:
+      return "sm90";
+    default:
+      return "fallback";
+  }
+}
 
 std::optional<Family> requested_family() {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_FAMILY");
@@ -139,23 +205,30 @@ std::optional<Family> requested_family() {
   if (v.empty() || v == "auto") return std::nullopt;
   if (v == "fallback") return Family::kFallback;
   if (v == "sm80") return Family::kSm80;
-  TORCH_CHECK_VALUE(false, "ENTROPY_ATTN_CUDA_FAMILY must be 'auto', 'fallback' or 'sm80', got '",
+  if (v == "sm90") return Family::kSm90;
+  TORCH_CHECK_VALUE(false,
+                    "ENTROPY_ATTN_CUDA_FAMILY must be 'auto', 'fallback', 'sm80' or 'sm90', got '",
                     std::string(v), "'");
 }
 
 Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
-  return choose(tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has));
+  const auto hopper = [&] { return hopper_obstacle(c); };
+  return choose(&hopper, [&] {
+    const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                  mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
+    return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has);
+  });
 }
 
 Selection select_backward(const BackwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                 mask_kind(c.call.mask)) != nullptr;
-  return choose(
-      tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has));
+  using NoHopper = std::string (*)();
+  return choose(static_cast<const NoHopper*>(nullptr), [&] {
+    const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                   mask_kind(c.call.mask)) != nullptr;
+    return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
+  });
 }
 
 size_t forward_smem_bytes(const ForwardCall& c, Family f) {
@@ -180,16 +253,19 @@ size_t backward_smem_bytes(const BackwardCall& c, Family f) {
 
 cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) {
   const AttentionShape& s = c.call.shape;
+  if (f == Family::kSm90) {
+    const Sm90Forward launch = sm90_forward_of(c);
+    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
+  }
   if (f == Family::kSm80) {
-    const Sm80Forward launch =
-        sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask),
-                     c.call.options.return_stats);
+    const Sm80Forward launch = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                            mask_kind(c.call.mask), c.call.options.return_stats);
     return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
   }
   const int d = fallback_bucket(s);
-#define EA_MATCH(T, D)                                                                  \
-  if (is_dtype<T>(c.call.dtype) && d == D) {                                            \
-    return fallback::launch_forward<T, D>(c.params<AccType<T>>(), stream);              \
+#define EA_MATCH(T, D)                                                     \
+  if (is_dtype<T>(c.call.dtype) && d == D) {                               \
+    return fallback::launch_forward<T, D>(c.params<AccType<T>>(), stream); \
   }
   EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
@@ -204,9 +280,9 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
     return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
   }
   const int d = fallback_bucket(s);
-#define EA_MATCH(T, D)                                                                  \
-  if (is_dtype<T>(c.call.dtype) && d == D) {                                            \
-    return fallback::launch_backward<T, D>(c.params<AccType<T>>(), stream);             \
+#define EA_MATCH(T, D)                                                      \
+  if (is_dtype<T>(c.call.dtype) && d == D) {                                \
+    return fallback::launch_backward<T, D>(c.params<AccType<T>>(), stream); \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH

@@ -1,15 +1,17 @@
 // The selection point of the CUDA attention kernels: which family runs a call, and its launch.
 //
-// Families live side by side in their own folders (fallback/, sm80/), each instantiated as
-// csrc/cuda/kernels.toml lists. A call goes to the tensor-core family when the GPU, dtype, head
-// dim, layout and flags are ones it has an instantiation for, else to the fallback. The
-// environment variable ENTROPY_ATTN_CUDA_FAMILY (read at each call) forces the choice for tests and
-// benchmarks:
+// Families live side by side in their own folders (fallback/, sm80/, sm90/), each instantiated as
+// csrc/cuda/kernels.toml lists. A call goes to the most specialized family that has an
+// instantiation for its GPU, dtype, head dim, layout and flags: the Hopper family (forward only, a
+// compute capability 9.0 GPU), then the tensor-core family (sm_80 and newer), then the fallback,
+// which covers every call. The environment variable ENTROPY_ATTN_CUDA_FAMILY (read at each call)
+// forces the choice for tests and benchmarks:
 //   "auto" (or unset)  the default choice;
 //   "fallback"         the fallback for every call;
-//   "sm80"             the tensor-core family wherever it applies (the fallback elsewhere).
-// The tensor-core family has not yet passed the CUDA tests on a GPU, so "auto" keeps it off
-// (kTensorCoreFamilyByDefault) until it has.
+//   "sm80"             the tensor-core family wherever it applies (the fallback elsewhere);
+//   "sm90"             the Hopper forward wherever it applies, else as "sm80" (every backward).
+// Neither specialized family has passed the CUDA tests on a GPU yet, so "auto" keeps both off
+// (kTensorCoreFamilyByDefault, kHopperFamilyByDefault) until they have.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,19 +26,22 @@ namespace entropy_attn::cuda {
 // Whether "auto" picks the tensor-core family where it applies. Off until the family has passed
 // the CUDA tests on a GPU.
 constexpr bool kTensorCoreFamilyByDefault = false;
+// Whether "auto" picks the Hopper forward on compute capability 9.0. Off until it has passed the
+// CUDA tests on an H100.
+constexpr bool kHopperFamilyByDefault = false;
 
 // The family's name in ENTROPY_ATTN_CUDA_FAMILY.
 const char* family_name(Family f);
 
-// The family ENTROPY_ATTN_CUDA_FAMILY asks for: kFallback, kSm80, or none for "auto" / unset.
-// Raises ValueError for another value.
+// The family ENTROPY_ATTN_CUDA_FAMILY asks for: kFallback, kSm80, kSm90, or none for "auto" /
+// unset. Raises ValueError for another value.
 std::optional<Family> requested_family();
 
 // The family that runs the forward of `call` (its tensors already on the current device), and why
-// the tensor-core family does not, when it does not (empty when it does).
+// a more specialized family that was wanted does not (empty when none was passed over).
 struct Selection {
   Family family = Family::kFallback;
-  std::string reason;  // why not the tensor-core family
+  std::string reason;  // e.g. "sm90: dtype is not bfloat16 or float16"
 };
 Selection select_forward(const ForwardCall& call);
 Selection select_backward(const BackwardCall& call);

@@ -20,8 +20,11 @@
 //                          V^T read from shared memory.
 // The two consumer warpgroups run the same key block on the same buffers: both must release a
 // stage before the producer refills it, so the loads of block n - kStages overlap the whole of
-// block n's compute. Within a warpgroup the phases are serial (no overlap of the softmax of one
-// block with the wgmma of the next, as FlashAttention-3's intra-warpgroup pipelining does).
+// block n's compute. Within a warpgroup the blocks are software-pipelined as FlashAttention-3's
+// intra-warpgroup overlap: S of block n is issued, then P V of the block before (O first moved
+// by that block's alpha), and the softmax of block n runs while that P V is in the tensor cores.
+// Across the warpgroups, two named "scheduler" barriers hand the tensor cores from one to the
+// other (FlashAttention-3's ping-pong), so that one's softmax overlaps the other's products.
 //
 // Key blocks are visited from the last to the first, as in the sm80 family: the blocks that need
 // the causal / sequence-end predicate (the last partial block and the blocks crossing the
@@ -32,10 +35,11 @@
 // and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and
 // such rows are never written.
 //
-// Masks: n_i is counted before the key loop (lambda_i depends on it) and each score reads its mask
-// entry from global memory. ptxas hoists those loads across the row, which costs local memory in
-// the masked instantiations, so kernels.toml does not list them yet; a mask tile in shared memory
-// (as the sm80 family loads it) is the way to list them.
+// Masks: n_i is counted before the key loop (lambda_i depends on it). Per key block each consumer
+// warpgroup copies the mask entries of its 64 rows into a shared tile with 4-byte cp.async (as the
+// sm80 family does), issued before S = Q K^T so that they land while the wgmma runs; the scores
+// then read shared memory. Reading the mask per score from global memory instead made ptxas hoist
+// the loads across the row and spill.
 //
 // The statistics: every consumer thread holds two rows (g and g + 8 of its warp's 16) and the
 // columns 2 (lane % 4) + {0, 1} + 8k of each. m is the row's max, the same in the row's 4 lanes;
@@ -60,6 +64,7 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -75,7 +80,6 @@ namespace fwd_impl {
 
 using namespace cute;
 
-
 // The global tensors as the TMA descriptors see them: Q and K as (rows, D, heads, batch) with a
 // unit D stride, V transposed as (D, keys, heads, batch), so that its tile lands D-major
 // (MN-major) in shared memory, the layout of wgmma's B operand of O = P V.
@@ -84,16 +88,19 @@ using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
 using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
 
 // Tile traits. 128 query rows (64 per consumer warpgroup, the M of one wgmma) by 128 keys: S is
-// 64 fp32 registers per consumer thread and O D / 2 (64 at D = 128), well inside the 240 that
-// setmaxnreg gives the consumers. Two stages: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB at
-// D = 128 (80 KB at D = 64), within an H100's 227 KB per block.
-template <typename T, int kHeadDim_>
+// 64 fp32 registers per consumer thread, the P of the block before (in flight in P V) 32 and O
+// D / 2 (64 at D = 128), inside the 240 that setmaxnreg gives the consumers. Two stages: Q 32 KB +
+// 2 x (K 32 KB + V 32 KB) = 160 KB at D = 128 (80 KB at D = 64), plus a masked kernel's mask tile,
+// within an H100's 227 KB per block.
+template <typename T, int kHeadDim_, MaskKind kMask>
 struct FwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 128;
+  // Masked kernels at D = 128 take 112 keys a block: the mask words and their addresses need the
+  // registers that 16 keys of S (8 per thread) and of P (4) free; at 128 they spill.
+  static constexpr int kBlockN = kHeadDim == 128 && kMask != MaskKind::kNone ? 112 : 128;
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -140,11 +147,19 @@ struct FwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
+  // The mask tile of a key block, one 32-bit word per score (the float of an additive mask, or the
+  // aligned word that holds a bool mask's byte). Rows padded by 4 words, so that the 8 rows a
+  // warp's lanes read at once start in different banks: 66 KB at D = 64, 58 KB at D = 128.
+  static constexpr bool kHasMask = kMask != MaskKind::kNone;
+  static constexpr int kMaskLd = kBlockN + 4;
+  static constexpr int kMaskWords = kHasMask ? kBlockM * kMaskLd : 1;
+
   // The 128-byte swizzle repeats every 1024 bytes: each tile starts on a 1024-byte boundary.
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(16) uint32_t mask[kMaskWords];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
     alignas(8) uint64_t barrier_q;
   };
@@ -164,13 +179,36 @@ struct KernelArgs {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// An int64 the compiler cannot see through. The mask's key stride passes through it in every key
-// block, so that the 64 per-score mask offsets of a row (const(c) * stride) are formed where they
-// are used instead of being hoisted out of the key loop, where they would hold 128 registers and
-// spill.
-__device__ __forceinline__ int64_t opaque(int64_t x) {
-  asm volatile("" : "+l"(x));
-  return x;
+// Copies the mask entries of one consumer warpgroup's 64 tile rows (from `row0`; those below
+// `rows`) and keys [j0, j0 + cols) into the shared mask tile, one 4-byte cp.async per score:
+// asynchronous, so that the loads hold no registers while S = Q K^T runs. A thread owns one key
+// column (consecutive threads, consecutive keys: coalesced for a key-contiguous mask). A bool mask
+// is copied as the aligned 4-byte word that holds the byte (cp.async moves 4, 8 or 16 bytes); the
+// reader picks the byte out. Such a word stays within the mask's allocation as long as its start
+// is 4-byte aligned and its size a multiple of 4 bytes (cudaMalloc aligns to 256 bytes, PyTorch's
+// caching allocator rounds sizes up to 512 bytes). Entries not loaded (padding rows, keys >= cols)
+// hold stale values that no allowed score reads.
+template <typename Kt, MaskKind kMask>
+__device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<float>& mask, int b,
+                                               int h, int i0, int row0, int rows, int j0,
+                                               int cols) {
+  const int col = threadIdx.x % 128;
+  if (col >= cols) return;
+  int64_t off = mask.row_offset(b, h, i0 + row0) + (j0 + col) * mask.sj;
+  uint32_t* dst = s_mask + row0 * Kt::kMaskLd + col;
+#pragma unroll 8
+  for (int r = row0; r < row0 + 64; ++r, off += mask.si, dst += Kt::kMaskLd) {
+    if (r < rows) {
+      const void* src;
+      if constexpr (kMask == MaskKind::kBool) {
+        src = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(mask.bool_data() + off) &
+                                            ~uintptr_t{3});
+      } else {
+        src = mask.additive_data() + off;
+      }
+      SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*static_cast<const uint32_t*>(src), *dst);
+    }
+  }
 }
 
 // A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
@@ -193,12 +231,13 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
                      coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
 }
 
-// acc (+)= A B over the whole K extent by one warpgroup-wide batch of wgmma, waited for before
-// returning. The fences keep the compiler from moving accesses of the accumulator (and of a
-// register A operand) across the asynchronous wgmma.
+// acc (+)= A B over the whole K extent as one warpgroup-wide batch of wgmma, committed and not
+// waited for (warpgroup_wait<k> does, batches completing in order). The fences keep the compiler
+// from moving accesses of the accumulator (and of a register A operand) across the issue; the
+// caller fences them again after the wait.
 template <bool kZeroInit, typename TiledMma, typename FragA, typename FragB, typename Acc>
-__device__ __forceinline__ void wg_gemm(TiledMma& tiled_mma, FragA const& a, FragB const& b,
-                                        Acc& acc) {
+__device__ __forceinline__ void wg_gemm_issue(TiledMma& tiled_mma, FragA const& a, FragB const& b,
+                                              Acc& acc) {
   constexpr bool kRs = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
   if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
   warpgroup_fence_operand(acc);
@@ -210,9 +249,22 @@ __device__ __forceinline__ void wg_gemm(TiledMma& tiled_mma, FragA const& a, Fra
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
+}
+
+// Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones): each warpgroup's
+// own around its mask tile (128 threads), and the two scheduler barriers (256 threads) that hand
+// the tensor cores from one consumer warpgroup to the other, as FlashAttention-3's ping-pong:
+// warpgroup w waits on barrier kSchedulerBarrier + w before issuing its products and, once they
+// are issued, arrives on the other's. Warpgroup 1 arrives on warpgroup 0's at the start, so that
+// 0 goes first.
+constexpr int kMaskBarrier = 0;       // + warpgroup
+constexpr int kSchedulerBarrier = 2;  // + warpgroup
+__device__ __forceinline__ void scheduler_sync(int wg) {
+  cutlass::arch::NamedBarrier::sync(256, kSchedulerBarrier + wg);
+}
+__device__ __forceinline__ void scheduler_arrive(int wg) {
+  cutlass::arch::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
 }
 
 // Two fp32 values as the 32-bit pair of T (cvt.rn), for the output stores.
@@ -323,43 +375,95 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
   typename Kt::PipelineState read_state;
 
-  // One key block. kPredicated: apply the causal / sequence-end predicate j < limit_i.
-  auto key_block = [&](const int n, auto predicated) {
+  // The consumer warpgroup (0 or 1) and its first tile row: the tiled wgmma gives warpgroup w the
+  // rows [64 w, 64 w + 64). Its threads sync on their own named barrier around the mask tile.
+  [[maybe_unused]] const int wg = ctid / 128;
+  [[maybe_unused]] const int rows = min(kBlockM, q_len - m0);
+  [[maybe_unused]] uint32_t* s_mask = ss.mask;
+  if (wg == 1) scheduler_arrive(wg);  // warpgroup 0 issues first
+
+  // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
+  // (they land while the wgmma runs), then the warpgroup's turn at the tensor cores (ping-pong).
+  auto issue_s = [&](const int n, auto& acc_s) {
+    if constexpr (kHasMask) {
+      // Every thread of the warpgroup is done with the previous block's mask tile.
+      cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + wg);
+      load_mask_rows<Kt, kMask>(s_mask, mask, b, h, m0, 64 * wg, rows, n * kBlockN,
+                                min(kBlockN, kv_len - n * kBlockN));
+      cp_async_fence();
+    }
+    pipeline_k.consumer_wait(read_state);
+    scheduler_sync(wg);
+    wg_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_state.index()), acc_s);
+  };
+  // O += P V for the key block whose V is in stage v_state, issued and not waited for.
+  auto issue_pv = [&](auto& rP, const typename Kt::PipelineState& v_state) {
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a(rP.layout()));
+    pipeline_v.consumer_wait(v_state);
+    wg_gemm_issue<false>(mma_o, tOrP, tOrV(_, _, _, v_state.index()), acc_o);
+  };
+  // Once S of block n has landed: its K stage back to the producer, the mask tile visible.
+  auto s_landed = [&](auto& acc_s) {
+    warpgroup_fence_operand(acc_s);
+    pipeline_k.consumer_release(read_state);
+    if constexpr (kHasMask) {
+      cp_async_wait<0>();
+      cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
+    }
+  };
+
+  // The online softmax of key block n on its scores: logits in log2 units (-inf where the key is
+  // not allowed), the row max after scaling (lambda may be 0 or negative), the row state moved to
+  // it, P = 2^(y - m) in place and the sums. O is not touched (a P V may be in flight): the factor
+  // 2^(m_old - m_new) that O owes is left in alpha. kPredicated: apply the causal /
+  // sequence-end predicate j < limit_i.
+  float alpha[kRows];
+  auto softmax = [&](const int n, auto& acc_s, auto predicated) {
     constexpr bool kPredicated = decltype(predicated)::value;
     const int j0 = n * kBlockN;
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    pipeline_k.consumer_wait(read_state);
-    wg_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, read_state.index()), acc_s);
-    pipeline_k.consumer_release(read_state);
-
-    // Logits in log2 units, -inf where the key is not allowed; the row max after scaling (lambda
-    // may be 0 or negative).
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     float m_use[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int i = m0 + get<0>(cS_rc(r, 0));
+      const int row_in_tile = get<0>(cS_rc(r, 0));
+      const int i = m0 + row_in_tile;
       const bool row_valid = i < q_len;
       const int lim =
           kPredicated && row_valid ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
-      [[maybe_unused]] const int64_t off = kHasMask ? mask.row_offset(b, h, i) : 0;
-      [[maybe_unused]] const int64_t sj = kHasMask ? opaque(mask.sj) : 0;
+      // The byte of a bool mask entry within its aligned word (load_mask_rows) is the low 2 bits
+      // of its address, computed in 32 bits. The thread's columns are col(c % 2) + 8 (c / 2) and
+      // j0 is a multiple of 8, so two byte selectors per row serve all its columns.
+      [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
+      if constexpr (kMask == MaskKind::kBool) {
+        const uint32_t sj = static_cast<uint32_t>(mask.sj);
+        const uint32_t row_addr = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(mask.data)) +
+                                  static_cast<uint32_t>(b) * static_cast<uint32_t>(mask.sb) +
+                                  static_cast<uint32_t>(h) * static_cast<uint32_t>(mask.sh) +
+                                  static_cast<uint32_t>(i) * static_cast<uint32_t>(mask.si);
+        CUTE_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          const uint32_t j = static_cast<uint32_t>(j0 + get<1>(cS_rc(r, c)));
+          // Selector nibbles 1-3 = 4 pick zero bytes of __byte_perm's second operand.
+          selector[c] = 0x4440u | ((row_addr + j * sj) & 3u);
+        }
+      }
       float mx = kNegInf;
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const int j = j0 + get<1>(cS_rc(r, c));
-        bool allowed = !kPredicated || j < lim;
-        float y = s_rc(r, c) * scale2[r];
-        if constexpr (kHasMask) {
-          // Rows >= q_len have no mask entries: never read them.
-          allowed = allowed && row_valid;
-          if (allowed) {
-            if constexpr (kMask == MaskKind::kBool) {
-              allowed = mask.bool_data()[off + j * sj];
-            } else {
-              y = fmaf(mask.additive_data()[off + j * sj], kLog2e, y);
-            }
-          }
+        const int col = get<1>(cS_rc(r, c));
+        const int j = j0 + col;
+        // Rows >= q_len have no mask entries: their (stale) words are never used.
+        bool allowed = (!kPredicated || j < lim) && (!kHasMask || row_valid);
+        [[maybe_unused]] const uint32_t word =
+            kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
+        if constexpr (kMask == MaskKind::kBool) {
+          allowed = allowed && __byte_perm(word, 0u, selector[c % 2]) != 0u;
+        }
+        float y;
+        if constexpr (kMask == MaskKind::kAdditive) {
+          y = fmaf(s_rc(r, c), scale2[r], __uint_as_float(word) * kLog2e);
+        } else {
+          y = s_rc(r, c) * scale2[r];
         }
         y = allowed ? y : kNegInf;
         s_rc(r, c) = y;
@@ -373,12 +477,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // O's factor is the row's 2^(m_old - m_new) (0 while the row was empty), whatever this
       // thread's partial l; rescale() moves the thread's partial sums (and returns the same
       // factor where its l is not 0).
-      const float alpha = exp2_approx(st[r].m - m_use[r]);
+      alpha[r] = exp2_approx(st[r].m - m_use[r]);
       rescale<float, Log2>(st[r], m_new);
-      CUTE_UNROLL
-      for (int d = 0; d < size<1>(o_rc); ++d) o_rc(r, d) *= alpha;
     }
-    // P = 2^(y - m) and the sums.
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -390,18 +491,58 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         accumulate(st[r].l, st[r].t, st[r].u, fmaxf(x, -std::numeric_limits<float>::max()), e);
       }
     }
-
-    Tensor rP = convert_fragment<Element>(acc_s);
-    Tensor tOrP = make_tensor(rP.data(), acc_as_a(rP.layout()));
-    pipeline_v.consumer_wait(read_state);
-    wg_gemm<false>(mma_o, tOrP, tOrV(_, _, _, read_state.index()), acc_o);
-    pipeline_v.consumer_release(read_state);
-    ++read_state;
+  };
+  auto softmax_of = [&](const int n, auto& acc_s) {
+    if (n >= n_pred) {
+      softmax(n, acc_s, std::true_type{});
+    } else {
+      softmax(n, acc_s, std::false_type{});
+    }
+  };
+  auto rescale_o = [&] {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int d = 0; d < size<1>(o_rc); ++d) o_rc(r, d) *= alpha[r];
+    }
   };
 
+  // The key blocks from the last to the first, software-pipelined as FlashAttention-3's
+  // intra-warpgroup overlap: S of block n is issued, then P V of the block before it, and the
+  // softmax of block n runs while that P V is in the tensor cores. Across the two consumer
+  // warpgroups the scheduler barriers alternate the issues, so that one's softmax overlaps the
+  // other's products.
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
   int n = n_blocks - 1;
-  for (; n >= n_pred; --n) key_block(n, std::true_type{});
-  for (; n >= 0; --n) key_block(n, std::false_type{});
+  issue_s(n, acc_s);
+  scheduler_arrive(wg);
+  warpgroup_wait<0>();
+  s_landed(acc_s);
+  softmax_of(n, acc_s);  // O is still 0: its factor is moot
+  Tensor rP = convert_fragment<Element>(acc_s);
+  typename Kt::PipelineState v_state = read_state;
+  ++read_state;
+  for (--n; n >= 0; --n) {
+    issue_s(n, acc_s);
+    rescale_o();
+    issue_pv(rP, v_state);
+    scheduler_arrive(wg);
+    warpgroup_wait<1>();  // S of block n (wgmma batches complete in order)
+    s_landed(acc_s);
+    softmax_of(n, acc_s);
+    warpgroup_wait<0>();  // P V of the block before
+    warpgroup_fence_operand(acc_o);
+    warpgroup_fence_operand(rP);
+    pipeline_v.consumer_release(v_state);
+    rP = convert_fragment<Element>(acc_s);
+    v_state = read_state;
+    ++read_state;
+  }
+  rescale_o();
+  issue_pv(rP, v_state);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_o);
+  pipeline_v.consumer_release(v_state);
 
   // Epilogue: add the 4 lanes' partial sums, finish each row (online_stats.h), O / l, and write O
   // as 4-byte pairs of adjacent columns straight from the registers.

@@ -13,16 +13,6 @@
 namespace entropy_attn::cuda::sm90 {
 namespace fwd_impl {
 
-// A (B, heads, L, D) view as TMA wants it: a 16-byte aligned base and outer strides that are
-// multiples of 16 bytes (8 elements), positive where the dimension has more than one entry.
-inline bool tma_compatible(const View4& v, int64_t len, int64_t heads, int64_t batch) {
-  const auto ok = [](int64_t stride, int64_t extent) {
-    return extent == 1 || (stride > 0 && stride % 8 == 0);
-  };
-  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && ok(v.sl, len) && ok(v.sh, heads) &&
-         ok(v.sb, batch);
-}
-
 // The view's strides with those of single-entry dimensions replaced by the packed ones: they
 // never move a coordinate, but TMA checks every stride's alignment.
 inline View4 tma_strides(View4 v, int64_t len, int64_t heads, int64_t head_dim) {
@@ -37,7 +27,7 @@ inline View4 tma_strides(View4 v, int64_t len, int64_t heads, int64_t head_dim) 
 // product that could overflow 32 bits.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
-  using Kt = fwd_impl::FwdTraits<T, kHeadDim>;
+  using Kt = fwd_impl::FwdTraits<T, kHeadDim, kMask>;
   using Element = typename Kt::Element;
   using namespace cute;
 
@@ -56,9 +46,9 @@ cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
       p.softcap.on() || p.sinks != nullptr || p.dropout.on()) {
     return cudaErrorNotSupported;
   }
-  if (!fwd_impl::tma_compatible(p.q, p.q_len, p.heads, p.batch) ||
-      !fwd_impl::tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) ||
-      !fwd_impl::tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch)) {
+  if (!tma_compatible(p.q, p.q_len, p.heads, p.batch) ||
+      !tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) ||
+      !tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch)) {
     return cudaErrorNotSupported;
   }
   const View4 q = fwd_impl::tma_strides(p.q, p.q_len, p.heads, kHeadDim);

@@ -4,6 +4,54 @@
 #pragma once
 
 #define EA_SM90_FORWARD_KERNELS(X) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
+  X(__half, 64, false, MaskKind::kNone, false) \
+  X(__half, 64, false, MaskKind::kNone, true) \
+  X(__half, 64, false, MaskKind::kBool, false) \
+  X(__half, 64, false, MaskKind::kBool, true) \
+  X(__half, 64, false, MaskKind::kAdditive, false) \
+  X(__half, 64, false, MaskKind::kAdditive, true) \
+  X(__half, 64, true, MaskKind::kNone, false) \
+  X(__half, 64, true, MaskKind::kNone, true) \
+  X(__half, 64, true, MaskKind::kBool, false) \
+  X(__half, 64, true, MaskKind::kBool, true) \
+  X(__half, 64, true, MaskKind::kAdditive, false) \
+  X(__half, 64, true, MaskKind::kAdditive, true) \
+  X(__half, 128, false, MaskKind::kNone, false) \
+  X(__half, 128, false, MaskKind::kNone, true) \
+  X(__half, 128, false, MaskKind::kBool, false) \
+  X(__half, 128, false, MaskKind::kBool, true) \
+  X(__half, 128, false, MaskKind::kAdditive, false) \
+  X(__half, 128, false, MaskKind::kAdditive, true) \
+  X(__half, 128, true, MaskKind::kNone, false) \
+  X(__half, 128, true, MaskKind::kNone, true) \
+  X(__half, 128, true, MaskKind::kBool, false) \
+  X(__half, 128, true, MaskKind::kBool, true) \
+  X(__half, 128, true, MaskKind::kAdditive, false) \
+  X(__half, 128, true, MaskKind::kAdditive, true) \
   /* end of list */
 
 #define EA_SM90_BACKWARD_KERNELS(X) \

@@ -12,7 +12,9 @@ kernels are:
 When the Hopper family (entropy_attn::cuda::sm90, built for sm_90a alone) is in the build, each of
 its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) completing on
 mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
-local memory; its masked kernels also copy the mask tile with asynchronous copies (LDGSTS).
+local memory; its masked forward kernels also copy the mask tile with asynchronous copies
+(LDGSTS); its backward main kernels use HGMMA, UTMALDG, SYNCS, USETMAXREG, MUFU.EX2 and
+accumulate dQ with reductions (RED or ATOM).
 Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each architecture
 but the targets of families restricted to one (`gencode`), each of [sm90] for its target. Writes
 results/sass/report.md; exits 1 on any violation.
@@ -103,12 +105,15 @@ def kernel_kind(name: str) -> str:
 
 def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     """Violations of one sm90-family function (local memory already counted)."""
-    if kernel_kind(name) != "forward":
+    kind = kernel_kind(name)
+    if kind not in ("forward", "backward"):
         return []
     needs = ["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2"]
-    if re.search(r"\(entropy_attn::MaskKind\)[12]", name):  # bool or additive: the mask tile
+    if kind == "forward" and re.search(r"\(entropy_attn::MaskKind\)[12]", name):  # the mask tile
         needs.append("LDGSTS")
     problems = [f"no {op}" for op in needs if not has(counts, op)]
+    if kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
+        problems.append("no RED/ATOM for the dQ accumulation")
     return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
 
 

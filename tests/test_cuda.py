@@ -26,9 +26,10 @@ need real CUDA features still skip): ``ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu pytest 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -1010,8 +1011,9 @@ def test_families_agree(
 ) -> None:
     """A specialized family (forced) and the fallback give the same outputs and gradients within the
     dtype's tolerance, over the flags each instantiation fixes at compile time; GQA, lengths that are
-    no multiple of a tile (two query tiles and three key blocks of the sm90 family), a logn scale.
-    Forcing sm90 runs its forward; its backward is sm80's."""
+    no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
+    blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
+    loss."""
     torch.manual_seed(0)
     Lq, Lk = 177, 293
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, Lq, Lk, D, dtype=dtype))
@@ -1022,11 +1024,17 @@ def test_families_agree(
         mask = cuda(torch.randn(Lq, Lk).masked_fill(torch.rand(Lq, Lk) < 0.2, float("-inf")))
     kw = dict(is_causal=causal, enable_gqa=True, scale_mode="logn", log_base=64.0, return_stats=stats)
     go = torch.randn(2, 4, Lq, D, device=DEV, dtype=dtype)
+    # With statistics the loss also weighs the entropy and sum p^2 of each row (the kernels' entropy
+    # gradient terms).
+    g_ent, g_p2 = torch.randn(2, 2, 4, Lq, device=DEV).unbind(0)
     results = {}
     for fam in ("fallback", family):
         monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
         res = OP(q, k, v, mask, None, **kw)
-        grads = torch.autograd.grad(res[0], (q, k, v), go)
+        loss = (res[0].float() * go.float()).sum()
+        if stats:
+            loss = loss + (torch.nan_to_num(res[2]) * g_ent).sum() + (res[3] * g_p2).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
         results[fam] = (res, grads)
     (fb, fb_g), (tc, tc_g) = results["fallback"], results[family]
     oat, ort = OUT_TOL[dtype]
@@ -1043,39 +1051,44 @@ def test_families_agree(
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
 def test_hopper_family_runs_where_forced(monkeypatch: pytest.MonkeyPatch, mask_kind: str) -> None:
-    """With ENTROPY_ATTN_CUDA_FAMILY=sm90 on an H100/H200, a call it covers runs the sm90 forward
-    kernel (named in the profile), and the result matches the float64 reference; at L = 1000 (eight
-    query tiles, eight key blocks, a partial last one) with a broadcast mask."""
+    """With ENTROPY_ATTN_CUDA_FAMILY=sm90 on an H100/H200, a call it covers runs the sm90 forward and
+    backward kernels (named in the profile), and the forward matches the float64 reference; at
+    L = 1000 (eight query tiles, eight key blocks, a partial last one) with a broadcast mask."""
     torch.manual_seed(1)
-    q, k, v = (cuda(t) for t in make_qkv(1, 2, 2, 1000, 1000, 128, dtype=torch.bfloat16))
+    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 2, 2, 1000, 1000, 128, dtype=torch.bfloat16))
     mask = cuda(torch.rand(1000, 1000) < 0.9) if mask_kind == "bool" else None
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
     res: list = []
     names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, is_causal=True, return_stats=True)))
     assert any("sm90::" in n and "forward_kernel" in n for n in names), names
-    ref = reference_attention_raw(q.cpu(), k.cpu(), v.cpu(), mask.cpu() if mask is not None else None, None,
-                                  is_causal=True)
+    go = torch.randn_like(q)
+    names = cuda_kernel_names(lambda: torch.autograd.grad(res[0][0], (q, k, v), go))
+    assert any("sm90::" in n and "main_kernel" in n for n in names), names
+    ref = reference_attention_raw(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(),
+                                  mask.cpu() if mask is not None else None, None, is_causal=True)
     oat, ort = OUT_TOL[torch.bfloat16]
     sat, srt = STAT_TOL[torch.bfloat16]
     out = res[0]
-    assert_close64(out[0].cpu(), ref.output, oat, ort, "output")
+    assert_close64(out[0].detach().cpu(), ref.output, oat, ort, "output")
     assert_close64(out[1].cpu(), ref.lse, sat, srt, "lse")
     assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
 
 
 @real_cuda
 @pytest.mark.parametrize(
-    "case", ["float32", "window", "softcap", "sinks", "unaligned_rows", "head_dim_96"],
+    "case", ["float32", "window", "softcap", "sinks", "unaligned_rows", "head_dim_96", "deterministic"],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper forward does not cover (on any GPU) gives
-    the fallback's result: the selection point routes them, never a wrong answer."""
+    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (on any GPU) gives
+    the fallback's outputs and gradients: the selection point routes them, never a wrong answer. A
+    deterministic backward (dq without atomics) goes to sm80's deterministic kernels."""
     torch.manual_seed(2)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     D = 96 if case == "head_dim_96" else 64
     q, k, v = (cuda(t) for t in make_qkv(1, 2, 2, 150, 150, D, dtype=dtype))
     if case == "unaligned_rows":  # a row stride of 68 elements: not a multiple of 16 bytes
         q = cuda(torch.randn(1, 2, 150, 68, dtype=dtype))[..., :64]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     kw: Dict[str, Any] = dict(is_causal=True, return_stats=True)
     if case == "window":
         kw["window_size"] = [32, 0]
@@ -1083,11 +1096,29 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
         kw["softcap"] = 5.0
     elif case == "sinks":
         kw["sinks"] = cuda(torch.randn(2))
+    go = torch.randn(1, 2, 150, D, device=DEV, dtype=dtype)
     results = {}
     for fam in ("fallback", "sm90"):
         monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
-        results[fam] = OP(q, k, v, None, None, **kw)
+        with torch_deterministic(case == "deterministic"):
+            res = OP(q, k, v, None, None, **kw)
+            grads = torch.autograd.grad(res[0], (q, k, v), go)
+        results[fam] = (res, grads)
+    (fb, fb_g), (h, h_g) = results["fallback"], results["sm90"]
     oat, ort = OUT_TOL[dtype]
     sat, srt = STAT_TOL[dtype]
-    assert_close64(results["sm90"][0], results["fallback"][0], 2 * oat, 2 * ort, "output")
-    assert_close64(results["sm90"][2], results["fallback"][2], 2 * sat, 2 * srt, "entropy")
+    assert_close64(h[0], fb[0], 2 * oat, 2 * ort, "output")
+    assert_close64(h[2], fb[2], 2 * sat, 2 * srt, "entropy")
+    for a, b, name in zip(h_g, fb_g, ("dq", "dk", "dv")):
+        assert rel_err(a, b) < 2 * GRAD_TOL[dtype], name
+
+
+@contextlib.contextmanager
+def torch_deterministic(on: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(on) for the block, the previous setting restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)

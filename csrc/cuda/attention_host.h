@@ -14,7 +14,7 @@
 
 namespace entropy_attn::cuda {
 
-// The kernel families (csrc/cuda/family.h chooses one per call). kSm90 has a forward only.
+// The kernel families (csrc/cuda/family.h chooses one per call).
 enum class Family { kFallback, kSm80, kSm90 };
 
 // The limits of the CUDA kernels beyond the op's own checks (head dims, grid size).

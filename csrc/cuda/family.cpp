@@ -138,33 +138,69 @@ Sm90Forward sm90_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
   return nullptr;
 }
 
+using Sm90Backward = cudaError_t (*)(const BwdParams<float>&, cudaStream_t);
+
+Sm90Backward sm90_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
+                           [[maybe_unused]] bool causal, [[maybe_unused]] MaskKind mask) {
+#define EA_MATCH(T, D, C, M)                                      \
+  if (is_dtype<T>(dtype) && d == D && causal == C && mask == M) { \
+    return &sm90::launch_backward<T, D, C, M>;                    \
+  }
+#ifndef ENTROPY_ATTN_NO_SM90
+  EA_SM90_BACKWARD_KERNELS(EA_MATCH)
+#endif
+#undef EA_MATCH
+  return nullptr;
+}
+
+Sm90Backward sm90_backward_of(const BackwardCall& c) {
+  return sm90_backward(c.call.dtype, c.call.shape.head_dim, c.call.options.causal,
+                       mask_kind(c.call.mask));
+}
+
 Sm90Forward sm90_forward_of(const ForwardCall& c) {
   return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.causal,
                       mask_kind(c.call.mask), c.call.options.return_stats);
 }
 
-// Why the Hopper forward cannot run a call (empty when it can): what the tensor-core family needs,
-// a compute capability 9.0 GPU (sm_90a code runs nowhere else), and tensors TMA can describe.
-std::string hopper_obstacle(const ForwardCall& c) {
-  const AttentionShape& s = c.call.shape;
-  std::string obstacle = tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
-                                              sm90_forward_of(c) != nullptr);
+// Whether TMA can describe a (B, heads, L, D) tensor (sm90/launch.h).
+bool tma_ok(const at::Tensor& t) {
+  return sm90::tma_compatible(View4{t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2)},
+                              t.size(2), t.size(1), t.size(0));
+}
+
+// Why the Hopper family cannot run a call (empty when it can): what the tensor-core family needs
+// (its pattern check covers what sm90::covers asks of the pattern), a compute capability 9.0 GPU
+// (sm_90a code runs nowhere else), and tensors TMA can describe (q, k, v; dout in the backward).
+std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const CallPattern& call,
+                            std::initializer_list<const at::Tensor*> tensors, bool has) {
+  std::string obstacle = tensor_core_obstacle(s, dtype, call, tensors, has);
   if (!obstacle.empty()) return obstacle;
   if (device_sm() != 90) return "the GPU is not compute capability 9.0 (sm_90a)";
-  const FwdParams<float> p = c.params<float>();
-  if (!sm90::tma_compatible(p.q, s.q_len, s.heads, s.batch) ||
-      !sm90::tma_compatible(p.k, s.kv_len, s.kv_heads, s.batch) ||
-      !sm90::tma_compatible(p.v, s.kv_len, s.kv_heads, s.batch)) {
-    return "a tensor's strides are not positive multiples of 16 bytes (TMA)";
+  for (const at::Tensor* t : tensors) {
+    if (!tma_ok(*t)) return "a tensor's strides are not positive multiples of 16 bytes (TMA)";
   }
   return {};
 }
 
+std::string hopper_forward_obstacle(const ForwardCall& c) {
+  return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
+                         sm90_forward_of(c) != nullptr);
+}
+
+// The Hopper backward also needs dq by atomics (not deterministic algorithms).
+std::string hopper_backward_obstacle(const BackwardCall& c) {
+  if (at::globalContext().deterministicAlgorithms()) {
+    return "deterministic algorithms (its dq accumulates by atomics)";
+  }
+  return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
+                         sm90_backward_of(c) != nullptr);
+}
+
 // The family for a call: the most specialized one that is wanted (requested, or on by default)
-// and has no obstacle. The obstacles are callables, asked only when their family is wanted;
-// `hopper` is null for the backward (the Hopper family has none).
+// and has no obstacle. The obstacles are callables, asked only when their family is wanted.
 template <typename Hopper, typename TensorCore>
-Selection choose(const Hopper* hopper, const TensorCore& tensor_core) {
+Selection choose(const Hopper& hopper, const TensorCore& tensor_core) {
   const std::optional<Family> requested = requested_family();
   const bool want_sm90 =
       requested.has_value() ? *requested == Family::kSm90 : kHopperFamilyByDefault;
@@ -172,8 +208,8 @@ Selection choose(const Hopper* hopper, const TensorCore& tensor_core) {
                              ? *requested == Family::kSm80 || *requested == Family::kSm90
                              : kTensorCoreFamilyByDefault;
   std::string reason;
-  if (want_sm90 && hopper != nullptr) {
-    const std::string obstacle = (*hopper)();
+  if (want_sm90) {
+    const std::string obstacle = hopper();
     if (obstacle.empty()) return {Family::kSm90, {}};
     reason = "sm90: " + obstacle;
   }
@@ -213,22 +249,24 @@ std::optional<Family> requested_family() {
 
 Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  const auto hopper = [&] { return hopper_obstacle(c); };
-  return choose(&hopper, [&] {
-    const bool has = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                  mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
-    return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has);
-  });
+  return choose([&] { return hopper_forward_obstacle(c); },
+                [&] {
+                  const bool has =
+                      sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                   mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
+                  return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has);
+                });
 }
 
 Selection select_backward(const BackwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  using NoHopper = std::string (*)();
-  return choose(static_cast<const NoHopper*>(nullptr), [&] {
-    const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                   mask_kind(c.call.mask)) != nullptr;
-    return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
-  });
+  return choose([&] { return hopper_backward_obstacle(c); },
+                [&] {
+                  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                                 mask_kind(c.call.mask)) != nullptr;
+                  return tensor_core_obstacle(s, c.call.dtype, c.call,
+                                              {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
+                });
 }
 
 size_t forward_smem_bytes(const ForwardCall& c, Family f) {
@@ -274,6 +312,10 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
 
 cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream) {
   const AttentionShape& s = c.call.shape;
+  if (f == Family::kSm90) {
+    const Sm90Backward launch = sm90_backward_of(c);
+    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
+  }
   if (f == Family::kSm80) {
     const Sm80Backward launch =
         sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));

@@ -2,14 +2,14 @@
 //
 // Families live side by side in their own folders (fallback/, sm80/, sm90/), each instantiated as
 // csrc/cuda/kernels.toml lists. A call goes to the most specialized family that has an
-// instantiation for its GPU, dtype, head dim, layout and flags: the Hopper family (forward only, a
-// compute capability 9.0 GPU), then the tensor-core family (sm_80 and newer), then the fallback,
-// which covers every call. The environment variable ENTROPY_ATTN_CUDA_FAMILY (read at each call)
+// instantiation for its GPU, dtype, head dim, layout and flags: the Hopper family (a compute
+// capability 9.0 GPU), then the tensor-core family (sm_80 and newer), then the fallback, which
+// covers every call. The environment variable ENTROPY_ATTN_CUDA_FAMILY (read at each call)
 // forces the choice for tests and benchmarks:
 //   "auto" (or unset)  the default choice;
 //   "fallback"         the fallback for every call;
 //   "sm80"             the tensor-core family wherever it applies (the fallback elsewhere);
-//   "sm90"             the Hopper forward wherever it applies, else as "sm80" (every backward).
+//   "sm90"             the Hopper family wherever it applies, else as "sm80".
 // Neither specialized family has passed the CUDA tests on a GPU yet, so "auto" keeps both off
 // (kTensorCoreFamilyByDefault, kHopperFamilyByDefault) until they have.
 #pragma once
@@ -26,7 +26,7 @@ namespace entropy_attn::cuda {
 // Whether "auto" picks the tensor-core family where it applies. Off until the family has passed
 // the CUDA tests on a GPU.
 constexpr bool kTensorCoreFamilyByDefault = false;
-// Whether "auto" picks the Hopper forward on compute capability 9.0. Off until it has passed the
+// Whether "auto" picks the Hopper family on compute capability 9.0. Off until it has passed the
 // CUDA tests on an H100.
 constexpr bool kHopperFamilyByDefault = false;
 

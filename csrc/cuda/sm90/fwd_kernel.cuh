@@ -74,18 +74,12 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../params.h"
+#include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
 namespace fwd_impl {
 
 using namespace cute;
-
-// The global tensors as the TMA descriptors see them: Q and K as (rows, D, heads, batch) with a
-// unit D stride, V transposed as (D, keys, heads, batch), so that its tile lands D-major
-// (MN-major) in shared memory, the layout of wgmma's B operand of O = P V.
-using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
-using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
-using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
 
 // Tile traits. 128 query rows (64 per consumer warpgroup, the M of one wgmma) by 128 keys: S is
 // 64 fp32 registers per consumer thread, the P of the block before (in flight in P V) 32 and O
@@ -177,8 +171,6 @@ struct KernelArgs {
   typename Kt::TmaV tma_v;
 };
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 // Copies the mask entries of one consumer warpgroup's 64 tile rows (from `row0`; those below
 // `rows`) and keys [j0, j0 + cols) into the shared mask tile, one 4-byte cp.async per score:
 // asynchronous, so that the loads hold no registers while S = Q K^T runs. A thread owns one key
@@ -211,47 +203,6 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
   }
 }
 
-// A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
-// rows ((2, MMA_M)) are the thread's rows, cols ((2, N / 8, MMA_N)) its columns of each row.
-template <typename Layout>
-CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout const& acc) {
-  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(rank(acc))::value == 3);
-  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
-                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
-}
-
-// An accumulator fragment of S as the register A operand of O += P V: the C fragment of a 64 x N
-// wgmma holds, for each 16 columns, exactly the 8 values per thread that the A fragment of one
-// k16 step wants (2 cols x 2 rows x 2 column octets), so P never leaves the registers.
-template <typename Layout>
-CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
-  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(rank(acc))::value == 3);
-  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
-                     coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
-}
-
-// acc (+)= A B over the whole K extent as one warpgroup-wide batch of wgmma, committed and not
-// waited for (warpgroup_wait<k> does, batches completing in order). The fences keep the compiler
-// from moving accesses of the accumulator (and of a register A operand) across the issue; the
-// caller fences them again after the wait.
-template <bool kZeroInit, typename TiledMma, typename FragA, typename FragB, typename Acc>
-__device__ __forceinline__ void wg_gemm_issue(TiledMma& tiled_mma, FragA const& a, FragB const& b,
-                                              Acc& acc) {
-  constexpr bool kRs = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
-  if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(acc);
-}
-
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones): each warpgroup's
 // own around its mask tile (128 threads), and the two scheduler barriers (256 threads) that hand
 // the tensor cores from one consumer warpgroup to the other, as FlashAttention-3's ping-pong:
@@ -265,18 +216,6 @@ __device__ __forceinline__ void scheduler_sync(int wg) {
 }
 __device__ __forceinline__ void scheduler_arrive(int wg) {
   cutlass::arch::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
-}
-
-// Two fp32 values as the 32-bit pair of T (cvt.rn), for the output stores.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
 }
 
 // The consumer warpgroups: everything but the loads.

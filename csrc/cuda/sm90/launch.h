@@ -6,12 +6,14 @@
 //
 // Status: written and compiled, never run on a GPU. Every instantiation compiles cleanly (warnings
 // as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS) instructions,
-// setmaxnreg and no local memory. It implements what the sm80 forward does: bf16 and fp16,
-// head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive masks, with or
-// without statistics, GQA, any sequence lengths. Windows, packed documents, softcap, sinks and
-// dropout are not covered (the selection point, csrc/cuda/family.cpp, routes such calls to the
-// other families), nor is the backward. ENTROPY_ATTN_CUDA_FAMILY=sm90 selects it; "auto" does not
-// until it has passed the CUDA tests on an H100 (family.h: kHopperFamilyByDefault).
+// setmaxnreg and no local memory. The forward implements what the sm80 forward does: bf16 and
+// fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive masks, with
+// or without statistics, GQA, any sequence lengths; the backward the same calls with the entropy
+// and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80). Windows,
+// packed documents, softcap, sinks and dropout are not covered: the selection point
+// (csrc/cuda/family.cpp) routes such calls to the other families. ENTROPY_ATTN_CUDA_FAMILY=sm90
+// selects the family; "auto" does not until it has passed the CUDA tests on an H100 (family.h:
+// kHopperFamilyByDefault).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,7 +26,7 @@ namespace entropy_attn::cuda::sm90 {
 
 // Whether TMA can describe a (B, heads, L, D) view: a 16-byte aligned base and outer strides that
 // are positive multiples of 16 bytes (8 elements) where the dimension has more than one entry.
-// The selection point (csrc/cuda/family.cpp) and launch_forward both ask.
+// The selection point (csrc/cuda/family.cpp) and the launches both ask.
 inline bool tma_compatible(const View4& v, int64_t len, int64_t heads, int64_t batch) {
   const auto ok = [](int64_t stride, int64_t extent) {
     return extent == 1 || (stride > 0 && stride % 8 == 0);
@@ -33,12 +35,56 @@ inline bool tma_compatible(const View4& v, int64_t len, int64_t heads, int64_t b
          ok(v.sb, batch);
 }
 
+// The view's strides with those of single-entry dimensions replaced by the packed ones: they
+// never move a coordinate, but TMA checks every stride's alignment.
+inline View4 tma_strides(View4 v, int64_t len, int64_t heads, int64_t head_dim) {
+  if (len == 1) v.sl = head_dim;
+  if (heads == 1) v.sh = len * v.sl;
+  return v;
+}
+
+// cudaSuccess on a compute capability 9.0 device (the one that runs sm_90a code),
+// cudaErrorNotSupported on another, or the error of asking.
+inline cudaError_t device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  if (err != cudaSuccess) return err;
+  return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
+}
+
+// Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
+// causality: top-left causality or none, no window, documents, softcap, sinks or dropout, GQA
+// groups of equal size, and q, k, v (and, in the backward, dout) that TMA can describe.
+inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal) {
+  const KeyPattern& k = p.pattern;
+  return p.head_dim == head_dim && p.v_head_dim == head_dim && p.kv_len >= 1 &&
+         p.heads % p.kv_heads == 0 && k.left < 0 && k.right == (causal ? 0 : -1) &&
+         !(k.bottom_right && k.banded()) && k.cu_q == nullptr && !p.softcap.on() &&
+         p.sinks == nullptr && !p.dropout.on() && tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
+         tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
+         tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
+}
+inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
+  return covers(p, head_dim, causal) && !p.deterministic &&
+         tma_compatible(p.dout, p.q_len, p.heads, p.batch);
+}
+
 // Forward: out and lse always, row_scale, length_factor and n_keys always; with kStats also
 // entropy, sum_p2, max_weight and the derived statistics. Returns cudaErrorNotSupported, having
-// launched nothing, for a call the kernel does not cover: a device other than compute capability
-// 9.0, head dims other than kHeadDim, a feature of the list above, or inputs that TMA cannot
-// describe (bases not 16-byte aligned, row / head / batch strides not multiples of 16 bytes).
+// launched nothing, on a device other than compute capability 9.0 or for a call covers() rejects.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream);
+
+// Backward: delta, dq_accum (G), then dq_out, dk_out, dv_out and d_row_scale, as the sm80 family
+// writes them (params.h). Returns cudaErrorNotSupported, having launched nothing, on a device
+// other than compute capability 9.0 or for a call backward_covers() rejects.
+template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
+cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream);
 
 }  // namespace entropy_attn::cuda::sm90

@@ -55,4 +55,28 @@
   /* end of list */
 
 #define EA_SM90_BACKWARD_KERNELS(X) \
+  X(__nv_bfloat16, 64, false, MaskKind::kNone) \
+  X(__nv_bfloat16, 64, false, MaskKind::kBool) \
+  X(__nv_bfloat16, 64, false, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 64, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 64, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 64, true, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 128, false, MaskKind::kNone) \
+  X(__nv_bfloat16, 128, false, MaskKind::kBool) \
+  X(__nv_bfloat16, 128, false, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 128, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 128, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
+  X(__half, 64, false, MaskKind::kNone) \
+  X(__half, 64, false, MaskKind::kBool) \
+  X(__half, 64, false, MaskKind::kAdditive) \
+  X(__half, 64, true, MaskKind::kNone) \
+  X(__half, 64, true, MaskKind::kBool) \
+  X(__half, 64, true, MaskKind::kAdditive) \
+  X(__half, 128, false, MaskKind::kNone) \
+  X(__half, 128, false, MaskKind::kBool) \
+  X(__half, 128, false, MaskKind::kAdditive) \
+  X(__half, 128, true, MaskKind::kNone) \
+  X(__half, 128, true, MaskKind::kBool) \
+  X(__half, 128, true, MaskKind::kAdditive) \
   /* end of list */

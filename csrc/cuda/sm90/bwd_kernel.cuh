@@ -1,0 +1,547 @@
+// Backward main kernel of the Hopper family (sm_90a, bf16/fp16): FlashAttention-3's backward
+// structure (TMA, mbarriers, wgmma, warp specialization), written with CuTe, with the per-row scale
+// lambda_i and the entropy and sum p^2 gradient terms of docs/math.md section 3. The per-element
+// math is online_stats.h's (logit_grad), the functions the CPU kernel and the other CUDA families
+// call. The delta preprocess and the dq / d lambda postprocess are the sm80 family's kernels (CUDA
+// cores; bwd_launch.cuh launches them around this one).
+//
+// One thread block of three warpgroups owns a block of kBlockN = 128 keys of one (kv head, batch)
+// and walks the query blocks (kBlockM = 64 rows) of every query head of its GQA group, so that dK
+// and dV, summed over the group, stay in registers:
+//   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec to 24); one thread loads
+//     K and V once (TMA, one mbarrier) and then Q and dO of every query block into a 2-stage ring
+//     (cutlass::PipelineTmaAsync, one pipeline each);
+//   warpgroups 1 and 2, the consumers (240 registers): warpgroup w owns keys [64 w, 64 w + 64) of
+//     the block. Per query block:
+//       S = Q K^T, dP = dO V^T       wgmma SS (queries x the warpgroup's keys), both issued, then
+//                                    waited in turn; each thread holds two query rows, so the five
+//                                    per-row values (lse, lambda, delta, the statistic gradients)
+//                                    are ten registers;
+//       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element;
+//       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
+//       P, dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
+//       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major;
+//       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
+//                                    dq_accum with 8-byte fp32 atomics;
+//       dK += (lambda dS)^T Q        wgmma SS.
+//     lambda goes into dK's operand but not into the dS of G: the postprocess forms dq = lambda G
+//     and d lambda = q . G from the unscaled G (docs/math.md section 3). (FlashAttention-3 at
+//     D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK; with five per-row
+//     values instead of two, the transposed layout's 16 query columns per thread cost registers
+//     that dK and dV need, so P and dS go through shared memory.)
+// dK and dV (zero for a key block no query row sees) are written from the registers, summed over
+// the GQA group, in T, contiguous (B, Hkv, Lk, D).
+//
+// Edge tiles: TMA zero-fills the rows of Q and dO past q_len and of K and V past kv_len; such
+// elements are masked (p = 0, so dS = 0) and such rows never written. A tile that needs no
+// per-element predicate (no mask, not crossing the causal diagonal, no partial block) skips it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+// cute/tensor.hpp first: the sm90 atom headers rely on what it declares.
+#include <cute/tensor.hpp>
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../../kernel_args.h"
+#include "../../online_stats.h"
+#include "../cute_utils.cuh"
+#include "../params.h"
+#include "wgmma_utils.cuh"
+
+namespace entropy_attn::cuda::sm90 {
+namespace bwd_impl {
+
+using namespace cute;
+
+// Tile traits. 64 query rows by 128 keys (FlashAttention-3's backward tile at D = 128). Registers
+// per consumer thread: dK and dV D / 2 each (64 + 64 at D = 128), S and dP 32 each, G D / 4.
+// Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
+// one buffer each: the statistics barrier at the top of a query block comes after every product
+// of the one before), the row statistics (two buffers): 178 KB at D = 128, 114 KB at D = 64.
+template <typename T, int kHeadDim_>
+struct BwdTraits {
+  using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
+  static constexpr int kBlockM = 64;   // query rows per block
+  static constexpr int kBlockN = 128;  // keys per thread block
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  // S = Q K^T and dP = dO V^T: (queries, keys) over one half of the key block at a time (64
+  // keys, 32 per warpgroup), so that S and dP hold 16 registers each next to dK and dV (whole,
+  // they spill at D = 128).
+  static constexpr int kHalfN = kBlockN / 2;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, _32, Int<kHeadDim>>>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  // dV += P^T dO and dK += (lambda dS)^T Q: (keys, D), the warpgroups along the keys; every
+  // operand read MN-major (the transposed views of tiles stored K-major).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // G = dS K: (queries, D), the warpgroups along D; dS K-major, K^T MN-major.
+  using TiledMmaG = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  // 128-byte swizzled tiles, K-major as TMA (Q, dO two stages; K, V) or the accumulator stores
+  // (P, dS, lambda dS: (queries, keys), a thread's adjacent columns adjacent keys) write them; the
+  // transposed views Q^T, dO^T, K^T, P^T and dS^T are the same bytes read MN-major.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                      Stride<Int<kBlockN>, _1>{})));
+  using SmemLayoutPdS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt =
+      decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{},
+                                                        Stride<Int<kBlockM>, _1>{})));
+
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutQ{})));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      SmemLayoutK{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  // The per-row values of a query block: lse, lambda, delta, g_entropy, g_sum_p2.
+  static constexpr int kStatLse = 0, kStatLambda = 1, kStatDelta = 2, kStatGH = 3, kStatGU = 4;
+  static constexpr int kRowStats = 5;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> p;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds_scaled;
+    alignas(16) float rows[2][kRowStats][kBlockM];
+    typename Pipeline::SharedStorage pipeline_q, pipeline_do;
+    alignas(8) uint64_t barrier_kv;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The kernel's arguments: the call's parameters and the TMA descriptors built on the host.
+template <typename Kt>
+struct KernelArgs {
+  BwdParams<float> p;
+  typename Kt::TmaQ tma_q, tma_do;
+  typename Kt::TmaK tma_k, tma_v;
+};
+
+// Named barriers of the two consumer warpgroups (256 threads; ids after CUTLASS's reserved ones):
+// the row statistics of a query block staged (and the previous block's products done), and P and
+// dS of both warpgroups in shared memory.
+constexpr int kStatsBarrier = 0;
+constexpr int kdSBarrier = 1;
+
+// The consumer warpgroups: everything but the loads.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask>
+__device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
+                                        typename Kt::Pipeline& pipeline_q,
+                                        typename Kt::Pipeline& pipeline_do, int m_begin,
+                                        int m_count, int iters) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
+  const BwdParams<float>& p = args.p;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const int heads = static_cast<int>(p.heads);
+  const int group = heads / static_cast<int>(p.kv_heads);
+  const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
+  const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutK{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQt{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Kt::SmemLayoutQ{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Kt::SmemLayoutQt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Kt::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Kt::SmemLayoutPdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Kt::SmemLayoutPdS{});
+  Tensor sdSl = make_tensor(make_smem_ptr(ss.ds_scaled.data()), typename Kt::SmemLayoutPdS{});
+  Tensor sdSlt = make_tensor(make_smem_ptr(ss.ds_scaled.data()), typename Kt::SmemLayoutPdSt{});
+
+  typename Kt::TiledMmaSdP mma_sdp;
+  typename Kt::TiledMmadKV mma_dkv;
+  typename Kt::TiledMmaG mma_g;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  auto thr_g = mma_g.get_thread_slice(ctid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
+  // K and V by halves of the key block: (64, D, 2).
+  const auto half_tile = Shape<Int<Kt::kHalfN>, Int<kD>>{};
+  Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, half_tile, make_coord(_, _0{})));
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
+  Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, half_tile, make_coord(_, _0{})));
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);     // (MMA, MMA_keys, MMA_queries)
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);   // (MMA, MMA_D, MMA_queries, stages)
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSlt);  // (MMA, MMA_keys, MMA_queries)
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);     // (MMA, MMA_D, MMA_queries, stages)
+  Tensor tGrdS = thr_g.partition_fragment_A(sdS);        // (MMA, MMA_queries, MMA_keys)
+  Tensor tGrKt = thr_g.partition_fragment_B(sKt);        // (MMA, MMA_D, MMA_keys)
+  // This thread's elements of P, dS and lambda dS in shared memory (the S accumulator's places).
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // (query, key) in the tile of every S accumulator, as (thread rows, columns); (query, d) of
+  // every G accumulator.
+  using RowCol = decltype(acc_rowcol(
+      thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kHalfN>>{})).layout()));
+  constexpr int kRows = decltype(size<0>(RowCol{}))::value;
+  constexpr int kCols = decltype(size<1>(RowCol{}))::value;
+  static_assert(kRows == 2 && kCols % 2 == 0);
+
+  // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
+  MaskArg<float> mask = p.mask;
+  mask.kind = kMask;
+
+  if (iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_kv, 0);
+  typename Kt::PipelineState read_state;
+
+  // One query block. kGrads: the entropy / sum p^2 gradients are asked for, so S keeps the logits
+  // s (logit_grad needs them) and p is formed again for dS.
+  auto step = [&](const int t, auto grads_tag) {
+    constexpr bool kGrads = decltype(grads_tag)::value;
+    const int h = kvh * group + t / m_count;
+    const int i0 = (m_begin + t % m_count) * kBlockM;
+    const bool edge = kMask != MaskKind::kNone || (kCausal && i0 < j0 + kBlockN - 1) ||
+                      j0 + kBlockN > kv_len || i0 + kBlockM > q_len;
+    const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
+
+    // The block's row statistics into shared memory (padding rows and absent gradients read as
+    // 0), buffer t & 1: every consumer passed this barrier of t - 1 after its reads of t - 2. The
+    // barrier also orders this block's stores of P and dS after every product of the last one.
+    float(*srow)[kBlockM] = ss.rows[t & 1];
+    for (int e = ctid; e < Kt::kRowStats * kBlockM; e += Kt::kConsumerThreads) {
+      const int stat = e / kBlockM, r = e % kBlockM;
+      const float* src = stat == Kt::kStatLse      ? p.lse
+                         : stat == Kt::kStatLambda ? p.row_scale
+                         : stat == Kt::kStatDelta  ? p.delta
+                         : stat == Kt::kStatGH     ? p.g_entropy
+                                                   : p.g_sum_p2;
+      srow[stat][r] = i0 + r < q_len && src != nullptr ? src[row0 + r] : 0.f;
+    }
+    cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
+
+    // The thread's two rows: lambda, lse log2(e), keys [0, lim) allowed by causality and Lk (none
+    // for a padding row).
+    int otid = ctid;
+    asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
+    auto othr = mma_sdp.get_thread_slice(otid);
+    Tensor cS0 = othr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kHalfN>>{}));
+    Tensor cS_rc = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));  // (query, key in half)
+    Tensor cG = mma_g.get_thread_slice(otid).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+    Tensor cG_rc = make_tensor(cG.data(), acc_rowcol(cG.layout()));
+    float lam[kRows], bias2[kRows];
+    int lim[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int q = get<0>(cS_rc(r, 0));
+      lam[r] = srow[Kt::kStatLambda][q];
+      bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
+      lim[r] = i0 + q < q_len ? static_cast<int>(key_limit(i0 + q, kv_len, kCausal)) : 0;
+    }
+    pipeline_q.consumer_wait(read_state);
+    pipeline_do.consumer_wait(read_state);
+    cutlass::NumericArrayConverter<Element, float, 2> to_pair;
+
+    // One half of the key block: keys [64 half, 64 half + 64).
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const auto half_of = [&](auto& tile) {
+        return as_position_independent_swizzle_tensor(
+            local_tile(tile, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{}, make_coord(_0{}, half)));
+      };
+      Tensor tPsP = othr.partition_C(half_of(sP));
+      Tensor tdSsdS = othr.partition_C(half_of(sdS));
+      Tensor tdSsdSl = othr.partition_C(half_of(sdSl));
+      const int jh = j0 + half * Kt::kHalfN;
+
+      // S = Q K^T and dP = dO V^T of the half, both in flight.
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{});
+      wg_gemm_issue<true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, half), acc_s);
+      wg_gemm_issue<true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, half),
+                          acc_dp);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+
+      // s = lambda_i x (+ mask), -inf where not allowed; p = 2^(s log2 e - lse_i log2 e), stored
+      // to shared memory in T for dV. A fully masked row (lse = 0, every s = -inf) gets p = 0.
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      Tensor tPsP_rc = make_tensor(tPsP.data(), acc_rowcol(tPsP.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int i = i0 + get<0>(cS_rc(r, 0));
+        [[maybe_unused]] const int64_t mask_row =
+            kMask != MaskKind::kNone ? mask.row_offset(b, h, i) : 0;
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 2) {
+          float pr[2];
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int j = jh + get<1>(cS_rc(r, c + e));
+            const float x = s_rc(r, c + e);
+            float s = lam[r] * x;
+            if (edge) {
+              bool allowed = j < lim[r];
+              if constexpr (kMask != MaskKind::kNone) {
+                if (allowed) {  // the mask is read only inside [0, Lq) x [0, Lk)
+                  const int64_t off = mask_row + j * mask.sj;
+                  if constexpr (kMask == MaskKind::kBool) {
+                    allowed = mask.bool_data()[off];
+                  } else {
+                    s = fmaf(lam[r], x, mask.additive_data()[off]);
+                  }
+                }
+              }
+              s = allowed ? s : kNegInf;
+            }
+            pr[e] = exp2_approx(fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
+            s_rc(r, c + e) = kGrads ? s : pr[e];
+          }
+          // Columns c and c + 1 are adjacent keys: one 4-byte store.
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))) =
+              to_pair(cutlass::Array<float, 2>{pr[0], pr[1]});
+        }
+      }
+
+      // dS = logit_grad(p, dP, s, delta_i, g_i), 0 where p = 0 (masked or underflowed: no
+      // 0 * inf from s = -inf); dS and lambda_i dS to shared memory.
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
+      Tensor tdSsdSl_rc = make_tensor(tdSsdSl.data(), acc_rowcol(tdSsdSl.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int q = get<0>(cS_rc(r, 0));
+        const float delta = srow[Kt::kStatDelta][q];
+        RowGrads<float> g;  // g_lse enters through delta only
+        if constexpr (kGrads) {
+          g.g_entropy = srow[Kt::kStatGH][q];
+          g.g_sum_p2 = srow[Kt::kStatGU][q];
+        }
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 2) {
+          float ds[2];
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            float pr, s = 0.f;
+            if constexpr (kGrads) {
+              s = s_rc(r, c + e);
+              pr = exp2_approx(fmaf(s, kLog2e, bias2[r]));
+            } else {
+              pr = s_rc(r, c + e);
+            }
+            ds[e] = pr != 0.f ? logit_grad(pr, dp_rc(r, c + e), s, delta, g) : 0.f;
+          }
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))) =
+              to_pair(cutlass::Array<float, 2>{ds[0], ds[1]});
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))) =
+              to_pair(cutlass::Array<float, 2>{lam[r] * ds[0], lam[r] * ds[1]});
+        }
+      }
+    }
+    // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kdSBarrier);
+
+    // dV += P^T dO, G = dS K, dK += (lambda dS)^T Q.
+    wg_gemm_issue<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+    Tensor acc_g = partition_fragment_C(mma_g, Shape<Int<kBlockM>, Int<kD>>{});
+    wg_gemm_issue<true>(mma_g, tGrdS, tGrKt, acc_g);
+    wg_gemm_issue<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_state.index()), acc_dk);
+    warpgroup_wait<1>();  // dV and G (batches complete in order)
+    warpgroup_fence_operand(acc_g);
+
+    // G into dq_accum (B, H, Lq, D), fp32, pairs of adjacent columns: one 8-byte atomic each.
+    Tensor g_rc = make_tensor(acc_g.data(), acc_rowcol(acc_g.layout()));
+    float* dq_accum = p.dq_accum + row0 * kD;
+    CUTE_UNROLL
+    for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
+      const int q = get<0>(cG_rc(r, 0));
+      if (i0 + q >= q_len) continue;
+      CUTE_UNROLL
+      for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
+        // Columns c and c + 1 of the fragment are adjacent (the first mode of the column layout).
+        atomicAdd(reinterpret_cast<float2*>(dq_accum + q * kD + get<1>(cG_rc(r, c))),
+                  make_float2(g_rc(r, c), g_rc(r, c + 1)));
+      }
+    }
+
+    warpgroup_wait<0>();  // dK
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    pipeline_q.consumer_release(read_state);
+    pipeline_do.consumer_release(read_state);
+    ++read_state;
+  };
+
+  if (grads) {  // uniform branch: keep s for the entropy term
+#pragma unroll 1
+    for (int t = 0; t < iters; ++t) step(t, std::true_type{});
+  } else {
+#pragma unroll 1
+    for (int t = 0; t < iters; ++t) step(t, std::false_type{});
+  }
+
+  // Epilogue: dK and dV, rows j0 + r < Lk, as 4-byte pairs of adjacent columns from the
+  // registers, into (B, Hkv, Lk, D).
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));
+  Tensor cKV_rc = make_tensor(cKV.data(), acc_rowcol(cKV.layout()));
+  Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol(acc_dk.layout()));
+  Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol(acc_dv.layout()));
+  const int64_t kv_row0 = (static_cast<int64_t>(b) * p.kv_heads + kvh) * kv_len + j0;
+  uint32_t* dk_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk_out) + kv_row0 * kD);
+  uint32_t* dv_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv_out) + kv_row0 * kD);
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(dk_rc))::value; ++r) {
+    const int j = get<0>(cKV_rc(r, 0));
+    if (j0 + j >= kv_len) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < decltype(size<1>(dk_rc))::value; c += 2) {
+      const int64_t at = (static_cast<int64_t>(j) * kD + get<1>(cKV_rc(r, c))) / 2;
+      dk_out[at] = pack2<T>(dk_rc(r, c), dk_rc(r, c + 1));
+      dv_out[at] = pack2<T>(dv_rc(r, c), dv_rc(r, c + 1));
+    }
+  }
+}
+
+// Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask>
+__global__ void __launch_bounds__(Kt::kThreads, 1)
+    main_kernel([[maybe_unused]] const __grid_constant__ KernelArgs<Kt> args) {
+  // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target (see the forward).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
+  extern __shared__ __align__(1024) char ea_sm90_bwd_smem[];
+  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_bwd_smem);
+  const BwdParams<float>& p = args.p;
+  const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int q_len = static_cast<int>(p.q_len);
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  // Causal (top-left): query rows i < j0 see none of this block's keys.
+  const int m_begin = kCausal ? n_block * kBlockN / kBlockM : 0;
+  const int m_count = max((q_len + kBlockM - 1) / kBlockM - m_begin, 0);
+  const int iters = group * m_count;  // (query head, query block) pairs, head-major
+
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  using Pipeline = typename Kt::Pipeline;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Kt::kTmaBytesQ;
+  pipe_params.role =
+      warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Kt::kConsumerThreads;
+  Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_kv, 1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    const int kv_len = static_cast<int>(p.kv_len), heads = static_cast<int>(p.heads);
+    const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
+    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, kD, heads, batch));
+    Tensor mdO = args.tma_do.get_tma_tensor(make_shape(q_len, kD, heads, batch));
+    Tensor mK = args.tma_k.get_tma_tensor(make_shape(kv_len, kD, kv_heads, batch));
+    Tensor mV = args.tma_v.get_tma_tensor(make_shape(kv_len, kD, kv_heads, batch));
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Kt::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutK{});
+    if (iters > 0) {
+      const auto kv_tile = Shape<Int<kBlockN>, Int<kD>>{};
+      Tensor gK = local_tile(mK(_, _, kvh, b), kv_tile, make_coord(n_block, 0));
+      Tensor gV = local_tile(mV(_, _, kvh, b), kv_tile, make_coord(n_block, 0));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_kv,
+                                                                     2 * Kt::kTmaBytesK);
+      copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
+      copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
+    }
+    auto write_state = cutlass::make_producer_start_state<Pipeline>();
+#pragma unroll 1
+    for (int t = 0; t < iters; ++t) {
+      const int h = kvh * group + t / m_count, m_block = m_begin + t % m_count;
+      const auto q_tile = Shape<Int<kBlockM>, Int<kD>>{};
+      Tensor gQ = local_tile(mQ(_, _, h, b), q_tile, make_coord(m_block, 0));
+      Tensor gdO = local_tile(mdO(_, _, h, b), q_tile, make_coord(m_block, 0));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      pipeline_q.producer_acquire(write_state);
+      copy(args.tma_q.with(*pipeline_q.producer_get_barrier(write_state)), tQgQ,
+           tQsQ(_, write_state.index()));
+      pipeline_do.producer_acquire(write_state);
+      copy(args.tma_do.with(*pipeline_do.producer_get_barrier(write_state)), tdOgdO,
+           tdOsdO(_, write_state.index()));
+      ++write_state;
+    }
+    // Stay until the consumers have released every stage: the block's barriers must outlive
+    // every arrival on them.
+    pipeline_q.producer_tail(write_state);
+    pipeline_do.producer_tail(write_state);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
+    consume<T, Kt, kCausal, kMask>(args, ss, pipeline_q, pipeline_do, m_begin, m_count, iters);
+  }
+#endif
+}
+
+}  // namespace bwd_impl
+}  // namespace entropy_attn::cuda::sm90

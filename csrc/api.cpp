@@ -8,10 +8,9 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& attn_mask,
                           const std::optional<at::Tensor>& scale, bool is_causal,
                           std::optional<double> scale_factor, std::string_view scale_mode,
-                          double temperature, double log_base, bool enable_gqa,
-                          bool return_stats, std::array<int64_t, 2> window_size,
-                          std::string_view causal_alignment, double softcap,
-                          const std::optional<at::Tensor>& sinks, double dropout_p,
+                          double temperature, double log_base, bool enable_gqa, bool return_stats,
+                          std::array<int64_t, 2> window_size, std::string_view causal_alignment,
+                          double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
                           int64_t dropout_seed) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
@@ -30,14 +29,14 @@ AttentionResult varlen_attention(const at::Tensor& query, const at::Tensor& key,
                                  std::string_view scale_mode, double log_base, bool enable_gqa,
                                  bool return_stats, const std::optional<at::Tensor>& sinks,
                                  double softcap) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("entropy_attn::varlen_attention", "")
-                             .typed<AttentionOutputs(
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                 const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                 c10::string_view, double, double, bool, bool, c10::IntArrayRef,
-                                 double, const OptTensor&, double, int64_t)>();
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("entropy_attn::varlen_attention", "")
+          .typed<AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                  const OptTensor&, const OptTensor&, bool, std::optional<double>,
+                                  c10::string_view, double, double, bool, bool, c10::IntArrayRef,
+                                  double, const OptTensor&, double, int64_t)>();
   auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
       op.call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, std::nullopt, std::nullopt,
               is_causal, std::nullopt, c10::string_view(scale_mode.data(), scale_mode.size()), 1.0,
@@ -67,6 +66,16 @@ at::Tensor entropy(const at::Tensor& p, int64_t dim) {
 at::Tensor sparsity(const at::Tensor& a, int64_t dim) {
   static const auto op = row_reduction_op("entropy_attn::sparsity");
   return op.call(a, dim);
+}
+
+at::Tensor length_factor(const at::Tensor& n_keys, std::string_view scale_mode, double temperature,
+                         double log_base, at::ScalarType dtype) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("entropy_attn::length_factor", "")
+          .typed<at::Tensor(const at::Tensor&, c10::string_view, double, double, at::ScalarType)>();
+  return op.call(n_keys, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
+                 log_base, dtype);
 }
 
 }  // namespace entropy_attn

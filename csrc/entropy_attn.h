@@ -62,13 +62,19 @@ at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
                               std::string_view scale_mode = "fixed", double temperature = 1.0,
                               double log_base = 512.0, bool enable_gqa = false,
                               std::array<int64_t, 2> window_size = {-1, -1},
-                              std::string_view causal_alignment = "top_left",
-                              double softcap = 0.0);
+                              std::string_view causal_alignment = "top_left", double softcap = 0.0);
 
 // -sum p ln p along dim (0 ln 0 = 0).
 at::Tensor entropy(const at::Tensor& p, int64_t dim = -1);
 
 // mean|a| / sqrt(mean a^2) along dim; 0 for an all-zero slice.
 at::Tensor sparsity(const at::Tensor& a, int64_t dim = -1);
+
+// g(n) / temperature of a scale policy for integer key counts n, in dtype (float or double): the
+// kernels' own value, for shards of a row's keys that need the whole row's lambda_i = c g(n_i) /
+// temperature.
+at::Tensor length_factor(const at::Tensor& n_keys, std::string_view scale_mode = "logn",
+                         double temperature = 1.0, double log_base = 512.0,
+                         at::ScalarType dtype = at::kFloat);
 
 }  // namespace entropy_attn

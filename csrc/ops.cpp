@@ -67,14 +67,22 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor effective_keys)");
   // Per-row l1/l2 sparsity S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of general attention
   // a_ij = f(s_ij), f = exp ("exp", softmax), relu^2 ("relu2") or identity ("identity"), with the
-  // logits s_ij, masks, key patterns, softcap and scale arguments of `attention` (seed 003). (B, H, Lq); not
-  // differentiable.
+  // logits s_ij, masks, key patterns, softcap and scale arguments of `attention` (seed 003). (B, H,
+  // Lq); not differentiable.
   m.def(
       "attention_sparsity(Tensor query, Tensor key, Tensor? attn_mask=None, Tensor? scale=None, "
       "*, str kind=\"exp\", bool is_causal=False, float? scale_factor=None, "
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
       "bool enable_gqa=False, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
       "float softcap=0.0) -> Tensor");
+  // The length factor g(n) / temperature of a scale policy for given key counts n (any integer
+  // tensor; result on n's device in `dtype`, float32 or float64, the accumulate type of the
+  // attention it serves): the `length_factor` output of `attention` for rows with those n_i, so
+  // that lambda = c * length_factor. For a caller that splits a row's keys (context parallelism,
+  // split-KV), whose shards must use the whole row's n_i.
+  m.def(
+      "length_factor(Tensor n_keys, str scale_mode=\"fixed\", float temperature=1.0, "
+      "float log_base=512.0, ScalarType dtype=float) -> Tensor");
   // Shannon entropy -sum p ln p of normalized weights along `dim` (0 ln 0 = 0).
   m.def("entropy(Tensor p, int dim=-1) -> Tensor");
   // l1/l2 sparsity mean|a| / sqrt(mean a^2) along `dim` (seed 003); 0 for an all-zero slice.

@@ -185,18 +185,28 @@ def test_opcheck_sparsity(device: str, sample: Tuple[str, Tuple[Any, ...]]) -> N
     torch.library.opcheck(ops.sparsity.default, tuple(args))
 
 
-ALL_OPS = ("attention", "attention_backward", "entropy", "sparsity", "attention_sparsity")
+@pytest.mark.parametrize("mode", ["fixed", "logn", "logn_sharpen"])
+def test_opcheck_length_factor(device: str, mode: str) -> None:
+    """length_factor: schema, fake tensor (Meta) and dispatch checks on int64 and int32 counts."""
+    for n, dtype in ((torch.tensor([0, 1, 7, 512, 4096]), torch.float32), (torch.arange(6, dtype=torch.int32), torch.float64)):
+        torch.library.opcheck(ops.length_factor.default, (to_device(n, device), mode, 2.0, 64.0), {"dtype": dtype})
+
+
+ALL_OPS = ("attention", "attention_backward", "entropy", "sparsity", "attention_sparsity", "length_factor")
 
 
 def test_all_ops_registered(device: str) -> None:
-    """The five ops exist with a kernel for the device and a Meta kernel (needed for fake tensors).
+    """The ops exist with a kernel for the device and a Meta kernel (needed for fake tensors).
 
     (attention_sparsity's opcheck is in test_attention_sparsity.py.)"""
     key = "CUDA" if device == "cuda" else "CPU"
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in ALL_OPS:
         op = getattr(ops, name).default
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), f"{name}: no {key} kernel"
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"), name
+        # length_factor has one device-independent kernel (CompositeExplicitAutograd) for all keys.
+        composite = has(op.name(), "CompositeExplicitAutograd")
+        assert composite or has(op.name(), key), f"{name}: no {key} kernel"
+        assert composite or has(op.name(), "Meta"), name
 
 
 def test_import_standalone() -> None:

@@ -204,6 +204,31 @@ def attention(
     return res[0], _stats(res)
 
 
+def length_factor(
+    n_keys: torch.Tensor,
+    scale: str = "logn",
+    *,
+    temperature: float = 1.0,
+    train_length: int = 512,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The length factor g(n_i) / temperature of a scale policy for given key counts.
+
+    :func:`attention` uses lambda_i = c * length_factor(n_i) with c the base scale (``scale_factor``,
+    else 1/sqrt(D)), n_i counting the keys row i may see. A caller that splits a row's keys into
+    shards (context parallelism, split-KV: :func:`merge_attention_states`) passes every shard the
+    whole row's lambda_i, computed from the whole row's n_i with this function (the op's own
+    policy code, bit for bit the kernels' value in ``dtype``).
+
+    Args:
+        n_keys: integer tensor of key counts (0 gives 0 for the log-n policies).
+        scale: ``"fixed"`` (g = 1), ``"logn"`` (log_b n) or ``"logn_sharpen"`` (max(1, log_b n)).
+        temperature: tau > 0. train_length: the log base b > 1.
+        dtype: torch.float32 (the float32 / 16-bit kernels') or torch.float64.
+    """
+    return torch.ops.entropy_attn.length_factor(n_keys, scale, float(temperature), float(train_length), dtype=dtype)
+
+
 def _stats(res: tuple[torch.Tensor, ...]) -> AttentionStats:
     """The AttentionStats of the op's outputs (schema order)."""
     _, lse, ent, _, max_weight, n_keys, row_scale, _, norm_ent, sparsity, eff_keys = res

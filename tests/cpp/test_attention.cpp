@@ -61,11 +61,10 @@ AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const 
                                 c10::string_view, double, const OptTensor&, double, int64_t,
                                 const OptTensor&, const OptTensor&, const OptTensor&)>();
   const std::array<int64_t, 2> no_window{-1, -1};
-  auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] =
-      op.call(q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode,
-              a.temperature, a.log_base, a.enable_gqa, /*return_stats=*/true, no_window,
-              "top_left", /*softcap=*/0.0, std::nullopt, /*dropout_p=*/0.0, 0, std::nullopt,
-              std::nullopt, std::nullopt);
+  auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] = op.call(
+      q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode, a.temperature,
+      a.log_base, a.enable_gqa, /*return_stats=*/true, no_window, "top_left", /*softcap=*/0.0,
+      std::nullopt, /*dropout_p=*/0.0, 0, std::nullopt, std::nullopt, std::nullopt);
   return {out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff};
 }
 
@@ -152,8 +151,8 @@ AttentionResult reference(const at::Tensor& query, const at::Tensor& key, const 
   r.normalized_entropy =
       at::where(n >= 2, r.entropy / at::log(at::where(n >= 2, nf, at::full_like(nf, 2.0))), zero);
   const at::Tensor safe_p2 = at::where(has, r.sum_p2, at::ones_like(r.sum_p2));
-  r.sparsity = at::where(has, p.sum(-1) / at::sqrt(at::where(has, nf, at::ones_like(nf)) * safe_p2),
-                         zero);
+  r.sparsity =
+      at::where(has, p.sum(-1) / at::sqrt(at::where(has, nf, at::ones_like(nf)) * safe_p2), zero);
   r.effective_keys = at::where(has, 1.0 / safe_p2, zero);
   return r;
 }
@@ -742,9 +741,9 @@ TEST(AttentionPatterns, WindowEqualsItsMask) {
   const at::Tensor v = at::randn({1, 2, 12, 8}, at::kDouble);
   const at::Tensor i = at::arange(7).view({7, 1}) + 5, j = at::arange(12).view({1, 12});
   const at::Tensor mask = (j <= i) & (j >= i - 3);
-  const AttentionResult w = entropy_attn::attention(
-      q, k, v, std::nullopt, std::nullopt, /*is_causal=*/true, std::nullopt, "logn", 1.0, 4.0,
-      false, true, {3, -1}, "bottom_right");
+  const AttentionResult w =
+      entropy_attn::attention(q, k, v, std::nullopt, std::nullopt, /*is_causal=*/true, std::nullopt,
+                              "logn", 1.0, 4.0, false, true, {3, -1}, "bottom_right");
   const AttentionResult m =
       entropy_attn::attention(q, k, v, mask, std::nullopt, false, std::nullopt, "logn", 1.0, 4.0);
   EXPECT_TRUE(at::equal(w.n_keys, m.n_keys));
@@ -758,8 +757,8 @@ TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
   const at::Tensor q = at::randn({10, 2, 8}, at::kDouble), k = at::randn({10, 2, 8}, at::kDouble);
   const at::Tensor v = at::randn({10, 2, 8}, at::kDouble);
   const at::Tensor cu = at::tensor({0, 4, 10}, at::kInt);
-  const AttentionResult r =
-      entropy_attn::varlen_attention(q, k, v, cu, cu, 6, 6, /*is_causal=*/true, {-1, -1}, "logn", 3.0);
+  const AttentionResult r = entropy_attn::varlen_attention(
+      q, k, v, cu, cu, 6, 6, /*is_causal=*/true, {-1, -1}, "logn", 3.0);
   const int64_t bounds[3] = {0, 4, 10};
   for (int d = 0; d < 2; ++d) {
     auto doc = [&](const at::Tensor& x) {
@@ -768,7 +767,8 @@ TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
     const AttentionResult alone = entropy_attn::attention(
         doc(q), doc(k), doc(v), std::nullopt, std::nullopt, true, std::nullopt, "logn", 1.0, 3.0);
     EXPECT_TRUE(all_close(doc(r.output), alone.output, {1e-12, 1e-12})) << "document " << d;
-    EXPECT_TRUE(at::equal(r.n_keys.slice(0, bounds[d], bounds[d + 1]).t().unsqueeze(0), alone.n_keys));
+    EXPECT_TRUE(
+        at::equal(r.n_keys.slice(0, bounds[d], bounds[d + 1]).t().unsqueeze(0), alone.n_keys));
   }
 }
 
@@ -1027,3 +1027,15 @@ TEST(AttentionErrors, BadInputsThrow) {
 }
 
 }  // namespace
+
+// length_factor gives the attention op's own length_factor output for the same n_i, so that a
+// shard of a row's keys can be given the whole row's lambda.
+TEST(LengthFactor, EqualsTheOpsLengthFactorOutput) {
+  const at::Tensor q = at::randn({1, 2, 9, 8}, at::kDouble);
+  const auto full = entropy_attn::attention(q, q, q, std::nullopt, std::nullopt,
+                                            /*is_causal=*/true, std::nullopt, "logn", 1.5, 4.0);
+  const at::Tensor factor = entropy_attn::length_factor(full.n_keys, "logn", 1.5, 4.0, at::kDouble);
+  EXPECT_TRUE(at::equal(factor, full.length_factor));
+  EXPECT_THROW(entropy_attn::length_factor(full.n_keys, "log", 1.0, 4.0), c10::Error);
+  EXPECT_THROW(entropy_attn::length_factor(full.lse, "logn", 1.0, 4.0), c10::Error);
+}

@@ -1,0 +1,172 @@
+"""Context-parallel attention (torch_ext.distributed) over 2 and 4 gloo processes on the CPU against
+the single-process op on the full tensors: outputs, statistics and gradients (an entropy and sum p^2
+term in the loss), causal (load balanced) and not, log-n scale from the global n_i, GQA; and a call
+whose ranks disagree fails on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_ext
+from torch_ext import distributed as cp
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, fn: Any, *args: Any) -> list[Any]:
+    """Runs fn(rank, world, *args) in `world` gloo processes; returns each rank's result, or raises
+    with the ranks' tracebacks."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    for _ in procs:
+        rank, ok, value = queue.get(timeout=300)
+        results[rank] = (ok, value)
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(results.items()) if not ok]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r][1] for r in range(world)]
+
+
+def _worker(rank: int, world: int, port: int, queue: Any, fn: Any, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+        queue.put((rank, True, _by_value(fn(rank, world, *args))))
+    except BaseException:  # noqa: BLE001 (reported to the parent)
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _by_value(x: Any) -> Any:
+    """Tensors as numpy arrays, which a queue pickles by value (a tensor travels as shared memory
+    whose sender must outlive the receiver's read)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().numpy()
+    if isinstance(x, dict):
+        return {k: _by_value(v) for k, v in x.items()}
+    return x
+
+
+CASES = {
+    "causal_logn_gqa": dict(is_causal=True, scale="logn", train_length=16, heads=(4, 2)),
+    "full_fixed": dict(is_causal=False, scale=None, heads=(2, 2)),
+    "causal_contiguous": dict(is_causal=True, scale="logn_sharpen", train_length=8, heads=(2, 1), load_balance=False),
+}
+
+
+def _full_inputs(case: dict, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The full q, k, v, upstream gradients (the same on every rank: a fixed seed)."""
+    g = torch.Generator().manual_seed(7)
+    h, hkv = case["heads"]
+    length = 8 * world
+    q = torch.randn(2, h, length, 16, generator=g, dtype=dtype)
+    k = torch.randn(2, hkv, length, 16, generator=g, dtype=dtype)
+    v = torch.randn(2, hkv, length, 16, generator=g, dtype=dtype)
+    go = torch.randn(2, h, length, 16, generator=g, dtype=dtype)
+    g_ent = torch.randn(2, h, length, generator=g, dtype=dtype)
+    g_p2 = torch.randn(2, h, length, generator=g, dtype=dtype)
+    return q, k, v, go, g_ent, g_p2
+
+
+def _options(case: dict) -> dict:
+    opts = {k: v for k, v in case.items() if k not in ("heads", "load_balance")}
+    opts["enable_gqa"] = case["heads"][0] != case["heads"][1]
+    return opts
+
+
+def _loss(out: torch.Tensor, stats: Any, go: torch.Tensor, g_ent: torch.Tensor, g_p2: torch.Tensor) -> torch.Tensor:
+    return (out * go).sum() + (stats.entropy * g_ent).sum() + (stats.effective_keys * g_p2).sum()
+
+
+def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
+    """One rank: shard, run context-parallel forward and backward, gather everything back."""
+    lb = case.get("load_balance", True)
+    q, k, v, go, g_ent, g_p2 = _full_inputs(case, world, dtype)
+    shard = lambda t: cp.shard_sequence(t, load_balance=lb)  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    out, stats = cp.context_parallel_attention(ql, kl, vl, return_stats=True, load_balance=lb, **_options(case))
+    _loss(out, stats, shard(go), shard(g_ent), shard(g_p2)).backward()
+    full = lambda t: cp.unshard_sequence(t.detach(), load_balance=lb)  # noqa: E731
+    result = {"output": full(out), "dq": full(ql.grad), "dk": full(kl.grad), "dv": full(vl.grad)}
+    for name in ("lse", "entropy", "normalized_entropy", "sparsity", "effective_keys", "max_weight", "n_keys", "scale"):
+        result[name] = full(getattr(stats, name))
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_context_parallel_matches_single_process(world: int, case: str) -> None:
+    """Every rank's rows, gathered, equal the single-process op's: output, the statistics, and the
+    gradients of q, k, v under a loss with entropy and effective-keys terms (float64: to 1e-10)."""
+    c = CASES[case]
+    dtype = torch.float64
+    results = run_ranks(world, _cp_rank, c, dtype)
+    q, k, v, go, g_ent, g_p2 = _full_inputs(c, world, dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, stats = torch_ext.attention(q, k, v, return_stats=True, **_options(c))
+    _loss(out, stats, go, g_ent, g_p2).backward()
+    expected = {"output": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    expected.update({name: getattr(stats, name) for name in results[0] if name not in expected})
+    for rank, got in enumerate(results):
+        for name, want in expected.items():
+            torch.testing.assert_close(torch.from_numpy(got[name]), want.detach(), rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
+
+
+def _mismatched_rank(rank: int, world: int) -> str:
+    """Rank 1 passes a different local length: every rank must raise, none may hang."""
+    length = 8 if rank != 1 else 12
+    q = torch.randn(1, 2, length, 16)
+    try:
+        cp.context_parallel_attention(q, q, q, is_causal=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_ranks_fail_on_every_rank() -> None:
+    """Ranks whose calls differ all get a ValueError naming the difference, with no hang."""
+    messages = run_ranks(2, _mismatched_rank)
+    assert all("ranks' calls differ" in m for m in messages), messages
+
+
+def test_shard_and_unshard_are_inverse_and_balance_causal_work() -> None:
+    """shard_sequence / unshard_sequence round-trip, and with load balancing every rank's rows sum
+    the same causal key counts."""
+    results = run_ranks(2, _shard_rank)
+    assert all(r["roundtrip"] for r in results)
+    assert len({r["causal_keys"] for r in results}) == 1
+
+
+def _shard_rank(rank: int, world: int) -> dict:
+    x = torch.arange(2 * 3 * 16, dtype=torch.float64).view(1, 2, 16, 3)
+    local = cp.shard_sequence(x, dim=2)
+    positions = cp.global_positions(local.shape[2])
+    return {"roundtrip": bool(torch.equal(cp.unshard_sequence(local, dim=2), x)),
+            "causal_keys": int((positions + 1).sum())}

@@ -1,0 +1,150 @@
+"""merge_attention_states against the whole-row op: random key splits (empty shards included),
+fully masked rows, causality and windows (a shard of keys [a, b) runs with the query rows [a, Lq),
+so that both keep their top-left alignment), gradients through the merged statistics, gradcheck in
+float64, and the derived statistics against the kernels' epilogue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torch_ext
+from torch_ext.merge import derived_stats, merge_attention_states
+
+F64 = torch.float64
+NAMES = ("lse", "entropy", "normalized_entropy", "sparsity", "effective_keys", "max_weight", "n_keys")
+
+
+def split_points(length: int, shards: int, gen: torch.Generator) -> list[int]:
+    """Sorted cut points 0 = c_0 <= ... <= c_shards = length; repeats make empty shards."""
+    cuts = torch.randint(0, length + 1, (shards - 1,), generator=gen).sort().values.tolist()
+    return [0, *cuts, length]
+
+
+def shard_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, a: int, b: int,
+               lam: torch.Tensor, kw: dict) -> tuple[torch.Tensor, Any]:
+    """Keys [a, b) with the whole row's lambda. Under causality or a window the shard runs on the
+    query rows [a, Lq) (the rows before a see none of its keys: an empty state), which keeps the
+    top-left alignment of the pattern; the mask is sliced to the shard."""
+    pattern = kw.get("is_causal") or kw.get("window_size", (-1, -1)) != (-1, -1)
+    lq = q.shape[2]
+    r0 = a if pattern else 0
+    m = None if mask is None else mask[r0:, a:b]
+    out, st = torch_ext.attention(q[:, :, r0:], k[:, :, a:b], v[:, :, a:b], m, scale=lam[..., r0:],
+                                  return_stats=True, **kw)
+    if r0 == 0:
+        return out, st
+    pad = lambda t: torch.cat([torch.zeros(*t.shape[:2], r0, *t.shape[3:], dtype=t.dtype), t], 2)  # noqa: E731
+    return pad(out), torch_ext.AttentionStats(*(pad(t) for t in st[:-1]), scale=lam)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("pattern", ["full", "causal", "window", "mask"])
+def test_merge_matches_whole_op(seed: int, pattern: str) -> None:
+    """Shards merged = one call over all keys (float64, to 1e-12): output and every statistic, over
+    random splits into 1-4 shards (some empty), with a log-n scale from the whole row's n_i."""
+    gen = torch.Generator().manual_seed(seed)
+    lq, lk = 23, 23
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen, dtype=F64) for n in (lq, lk, lk))
+    kw: dict = {}
+    mask = None
+    if pattern == "causal":
+        kw["is_causal"] = True
+    elif pattern == "window":
+        kw.update(is_causal=True, window_size=(4, 0))
+    elif pattern == "mask":
+        mask = torch.rand(lq, lk, generator=gen) < 0.5
+        mask[3] = False  # a fully masked row
+    out, st = torch_ext.attention(q, k, v, mask, scale="logn", train_length=8, return_stats=True, **kw)
+    cuts = split_points(lk, 1 + seed, gen)
+    parts = [shard_call(q, k, v, mask, a, b, st.scale, kw) for a, b in zip(cuts, cuts[1:])]
+    m_out, m_st = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+    torch.testing.assert_close(m_out, out, rtol=1e-12, atol=1e-12)
+    for name in NAMES:
+        torch.testing.assert_close(getattr(m_st, name), getattr(st, name), rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_merged_gradients_match_whole_op() -> None:
+    """A loss on the merged output, entropy and effective keys gives q, k, v the whole op's gradients."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 17, 8, generator=gen, dtype=F64).requires_grad_() for _ in range(3))
+    g_out, g_ent, g_eff = (torch.randn(*s, generator=gen, dtype=F64) for s in ((1, 2, 17, 8), (1, 2, 17), (1, 2, 17)))
+
+    def loss(o: torch.Tensor, s: Any) -> torch.Tensor:
+        return (o * g_out).sum() + (s.entropy * g_ent).sum() + (s.effective_keys * g_eff).sum()
+
+    out, st = torch_ext.attention(q, k, v, is_causal=True, scale="logn", train_length=4, return_stats=True)
+    whole = torch.autograd.grad(loss(out, st), (q, k, v))
+    parts = [shard_call(q, k, v, None, a, b, st.scale.detach(), {"is_causal": True}) for a, b in ((0, 6), (6, 17))]
+    merged = torch.autograd.grad(loss(*merge_attention_states([p[0] for p in parts], [p[1] for p in parts])),
+                                 (q, k, v))
+    for a, b, name in zip(merged, whole, ("dq", "dk", "dv")):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_merge_gradcheck() -> None:
+    """gradcheck (float64) of the merge with respect to every shard's output, lse, entropy and
+    effective keys (through which sum p^2 enters), one shard empty for some rows."""
+    gen = torch.Generator().manual_seed(3)
+    n = torch.tensor([[[3, 0, 5]]]), torch.tensor([[[2, 4, 0]]])
+
+    def run(o1, l1, h1, e1, o2, l2, h2, e2):  # noqa: ANN001, ANN202
+        stats = [torch_ext.AttentionStats(lse=l, entropy=h, normalized_entropy=h * 0, sparsity=h * 0,
+                                          effective_keys=e, max_weight=h * 0 + 0.5, n_keys=nk,
+                                          scale=h.detach() * 0 + 1)
+                 for l, h, e, nk in ((l1, h1, e1, n[0]), (l2, h2, e2, n[1]))]
+        out, st = merge_attention_states([o1, o2], stats)
+        return out, st.lse, st.entropy, st.normalized_entropy, st.sparsity, st.effective_keys
+
+    args = []
+    for _ in range(2):
+        args += [torch.randn(1, 1, 3, 4, generator=gen, dtype=F64), torch.randn(1, 1, 3, generator=gen, dtype=F64),
+                 torch.rand(1, 1, 3, generator=gen, dtype=F64) + 0.5, torch.rand(1, 1, 3, generator=gen, dtype=F64) + 1.2]
+    assert torch.autograd.gradcheck(run, [a.requires_grad_() for a in args])
+
+
+def test_negative_infinite_lse_weighs_nothing() -> None:
+    """A shard whose lse is -inf (no mass) is ignored even if it claims keys; rows empty everywhere
+    give zeros, as the op gives a row without keys."""
+    z = torch.zeros(1, 1, 2, dtype=F64)
+    good = torch_ext.AttentionStats(lse=torch.tensor([[[1.0, 0.0]]], dtype=F64), entropy=z + 0.3,
+                                    normalized_entropy=z, sparsity=z, effective_keys=z + 2, max_weight=z + 0.6,
+                                    n_keys=torch.tensor([[[3, 0]]]), scale=z + 1)
+    dead = good._replace(lse=torch.full_like(z, -torch.inf), entropy=torch.full_like(z, torch.nan),
+                         n_keys=torch.tensor([[[5, 0]]]))
+    o = torch.randn(1, 1, 2, 4, dtype=F64)
+    out, st = merge_attention_states([o, torch.full_like(o, torch.nan)], [good, dead])
+    torch.testing.assert_close(out[..., 0, :], o[..., 0, :])
+    assert torch.equal(out[0, 0, 1], torch.zeros(4, dtype=F64))
+    assert st.entropy[0, 0, 0].item() == pytest.approx(0.3) and st.entropy[0, 0, 1].item() == 0
+    assert st.n_keys.tolist() == [[[8, 0]]]
+
+
+def test_derived_stats_match_kernel_epilogue() -> None:
+    """derived_stats (Python, differentiable) gives the op's own derived statistics."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(2))
+    mask = torch.rand(19, 19, generator=gen) < 0.6
+    mask[0] = False
+    res = torch.ops.entropy_attn.attention(q, k, k, mask, None, is_causal=True)
+    normalized, sparsity, effective = derived_stats(res[2], res[3], res[5])
+    torch.testing.assert_close(normalized, res[8])
+    torch.testing.assert_close(sparsity, res[9])
+    torch.testing.assert_close(effective, res[10])
+
+
+def test_merge_rejects_malformed_arguments() -> None:
+    """Clear errors naming the argument."""
+    o = torch.zeros(1, 1, 2, 4)
+    z = torch.zeros(1, 1, 2)
+    st = torch_ext.AttentionStats(z, z, z, z, z, z, z.long(), z)
+    with pytest.raises(ValueError, match="at least one"):
+        merge_attention_states([], [])
+    with pytest.raises(ValueError, match="same length"):
+        merge_attention_states([o, o], [st])
+    with pytest.raises(TypeError, match=r"stats\[0\]"):
+        merge_attention_states([o], [(z,)])
+    with pytest.raises(ValueError, match=r"outputs\[1\]"):
+        merge_attention_states([o, torch.zeros(1, 1, 3, 4)], [st, st])

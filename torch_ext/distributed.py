@@ -1,0 +1,295 @@
+"""Context-parallel attention with exact statistics over a ``torch.distributed`` process group.
+
+The sequence is split across the ranks of a group: each rank holds the query, key and value rows
+of its part, and the key/value blocks travel around the ring of ranks (``batch_isend_irecv``, the
+next block in flight while the current one is computed), so that every rank attends its queries to
+the whole sequence. Partial results merge exactly through the log-sum-exp, the statistics with
+them (:mod:`torch_ext.merge`, docs/math.md section 7), and the log-n scale uses each row's global
+n_i, so outputs, statistics and gradients equal the single-device op's to rounding. The backward
+passes the dK/dV accumulators around the ring with their blocks.
+
+Causal attention is load balanced as ring-attention implementations do it: the sequence is cut into
+2P chunks and rank r holds chunks r and 2P - 1 - r, so every rank has the same causal work.
+:func:`shard_sequence` cuts a full tensor that way; :func:`unshard_sequence` puts the parts back.
+
+    torch_ext.distributed.context_parallel_attention(q_local, k_local, v_local, is_causal=True,
+                                                     scale="logn", return_stats=True)
+
+Works with any backend that has point-to-point operations (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torch_ext.attention import AttentionStats, _finite_float
+from torch_ext.merge import RowState, derived_stats, merge_row_states
+
+_SCALE_MODES = ("logn", "logn_sharpen")
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of the calling process in ``group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch_ext.distributed needs an initialized torch.distributed process group")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _chunks(rank: int, world: int, load_balance: bool) -> list[int]:
+    """The sequence chunks a rank holds, in order: (rank, 2P - 1 - rank) of 2P, or (rank,) of P."""
+    return [rank, 2 * world - 1 - rank] if load_balance else [rank]
+
+
+def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, dim: int = 2,
+                   load_balance: bool = True) -> torch.Tensor:
+    """This rank's part of a full ``x`` along ``dim`` (the sequence): chunks r and 2P - 1 - r of 2P
+    equal chunks, concatenated (``load_balance=False``: chunk r of P)."""
+    rank, world = _world(group)
+    parts = 2 * world if load_balance else world
+    if x.shape[dim] % parts != 0:
+        raise ValueError(f"the sequence length {x.shape[dim]} must be a multiple of {parts} (the chunks of "
+                         f"{world} ranks{' with load balancing' if load_balance else ''})")
+    chunks = x.chunk(parts, dim)
+    return torch.cat([chunks[c] for c in _chunks(rank, world, load_balance)], dim).contiguous()
+
+
+def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, dim: int = 2,
+                     load_balance: bool = True) -> torch.Tensor:
+    """The full tensor from every rank's part (all_gather; the inverse of :func:`shard_sequence`)."""
+    rank, world = _world(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    per_rank = len(_chunks(0, world, load_balance))
+    ordered: list[torch.Tensor | None] = [None] * (per_rank * world)
+    for r, part in enumerate(parts):
+        for piece, c in zip(part.chunk(per_rank, dim), _chunks(r, world, load_balance)):
+            ordered[c] = piece
+    return torch.cat(ordered, dim)
+
+
+def global_positions(local_len: int, group: dist.ProcessGroup | None = None, *,
+                     load_balance: bool = True, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global sequence positions (int64) of this rank's ``local_len`` rows."""
+    rank, world = _world(group)
+    chunks = _chunks(rank, world, load_balance)
+    size = local_len // len(chunks)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
+
+
+def _check_same_call(shapes: Sequence[int], group: dist.ProcessGroup | None, world: int, device: torch.device) -> None:
+    """Raises the same ValueError on every rank when the ranks' calls differ (shapes, flags), instead
+    of letting them hang in mismatched transfers."""
+    mine = torch.tensor(list(shapes), dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(e, every[0]) for e in every):
+        table = ", ".join(f"rank {r}: {e.tolist()}" for r, e in enumerate(every))
+        raise ValueError("context_parallel_attention: the ranks' calls differ (batch, heads, kv heads, local "
+                         f"length, head dims, dtype, flags): {table}")
+
+
+def _exchange(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, rank: int,
+              world: int) -> tuple[list[torch.Tensor], list[Any]]:
+    """Starts sending ``tensors`` to the next rank and receiving the previous rank's into new
+    buffers; returns (buffers, requests)."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    g_nxt = dist.get_global_rank(group, nxt) if group is not None else nxt
+    g_prv = dist.get_global_rank(group, prv) if group is not None else prv
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), g_nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, g_prv, group) for b in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
+    """(local query chunk, block key chunk, diagonal) for the chunk pairs with allowed keys: all of
+    them without causality; with it, key chunks before the query chunk whole and the same chunk
+    causally (chunks after the query chunk are skipped)."""
+    pairs = []
+    for qi, qc in enumerate(q_chunks):
+        for ki, kc in enumerate(kv_chunks):
+            if not causal or kc < qc:
+                pairs.append((qi, ki, False))
+            elif kc == qc:
+                pairs.append((qi, ki, True))
+    return pairs
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over the group: forward merges the blocks' row states; backward recomputes
+    each block with the merged statistics (the whole row's p_ij) and passes dK/dV around."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+                causal: bool, group: dist.ProcessGroup | None, load_balance: bool) -> tuple[torch.Tensor, ...]:
+        rank, world = _world(group)
+        per = len(_chunks(0, world, load_balance))
+        q_chunks = _chunks(rank, world, load_balance)
+        q_parts, lam_parts = q.chunk(per, 2), lam.chunk(per, 2)
+        running: list[RowState | None] = [None] * per
+        k_cur, v_cur = k, v
+        for step in range(world):
+            src = (rank - step) % world
+            pending = _exchange([k_cur, v_cur], group, rank, world) if step < world - 1 else None
+            k_parts, v_parts = k_cur.chunk(per, 2), v_cur.chunk(per, 2)
+            for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), causal):
+                res = torch.ops.entropy_attn.attention(
+                    q_parts[qi], k_parts[ki], v_parts[ki], None, lam_parts[qi], is_causal=diag,
+                    enable_gqa=q.shape[1] != k.shape[1], return_stats=True)
+                state = RowState(res[0], res[1], res[2], res[3], res[4], res[5])
+                running[qi] = state if running[qi] is None else merge_row_states([running[qi], state])
+            if pending is not None:
+                (k_cur, v_cur), requests = pending
+                for req in requests:
+                    req.wait()
+        merged = [s if s is not None else _empty_state(qp, v) for s, qp in zip(running, q_parts)]
+        out, lse, ent, sum_p2, max_w, n = (torch.cat(field, 2) for field in zip(*merged))
+        ctx.save_for_backward(q, k, v, lam, out, lse, ent, sum_p2)
+        ctx.causal, ctx.group, ctx.load_balance = causal, group, load_balance
+        ctx.mark_non_differentiable(max_w, n)
+        return out, lse, ent, sum_p2, max_w, n
+
+    @staticmethod
+    def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, g_ent: torch.Tensor | None,
+                 g_sum_p2: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        q, k, v, lam, out, lse, ent, sum_p2 = ctx.saved_tensors
+        group, load_balance = ctx.group, ctx.load_balance
+        rank, world = _world(group)
+        per = len(_chunks(0, world, load_balance))
+        q_chunks = _chunks(rank, world, load_balance)
+        g_out = torch.zeros_like(out) if g_out is None else g_out.contiguous()
+        rows = [t.chunk(per, 2) for t in (q, lam, out, lse, ent, sum_p2, g_out)]
+        grads = [None if g is None else g.chunk(per, 2) for g in (g_lse, g_ent, g_sum_p2)]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = [torch.zeros(p.shape, dtype=acc, device=q.device) for p in rows[0]]
+        dlam = [torch.zeros(p.shape, dtype=lse.dtype, device=q.device) for p in rows[1]]
+        k_cur, v_cur = k, v
+        dk_cur = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_cur = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for step in range(world):
+            src = (rank - step) % world
+            pending = _exchange([k_cur, v_cur], group, rank, world) if step < world - 1 else None
+            k_parts, v_parts = k_cur.chunk(per, 2), v_cur.chunk(per, 2)
+            dk_parts, dv_parts = dk_cur.chunk(per, 2), dv_cur.chunk(per, 2)
+            for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), ctx.causal):
+                qp, lp, op, lsep, entp, p2p, gop = (r[qi] for r in rows)
+                g = [None if gr is None else gr[qi].contiguous() for gr in grads]
+                dqp, dkp, dvp, dlp, _ = torch.ops.entropy_attn.attention_backward(
+                    gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag)
+                dq[qi] += dqp
+                dlam[qi] += dlp
+                dk_parts[ki].add_(dkp)  # views of dk_cur, dv_cur
+                dv_parts[ki].add_(dvp)
+            if pending is not None:
+                (k_cur, v_cur), requests = pending
+                for req in requests:
+                    req.wait()
+            # The block's accumulators follow it to the next rank; after the last step they reach
+            # the block's owner.
+            (dk_cur, dv_cur), requests = _exchange([dk_cur, dv_cur], group, rank, world)
+            for req in requests:
+                req.wait()
+        return (torch.cat(dq, 2).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype),
+                torch.cat(dlam, 2).to(lam.dtype), None, None, None)
+
+
+def _empty_state(q: torch.Tensor, v: torch.Tensor) -> RowState:
+    """The row state of rows that saw no key (causal chunks before every key: never on a ring
+    whose ranks hold their own diagonal chunk, kept for completeness)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = torch.zeros(q.shape[:3], dtype=acc, device=q.device)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    return RowState(out, rows, rows, rows, rows, torch.zeros(q.shape[:3], dtype=torch.int64, device=q.device))
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | str | torch.Tensor | None = None,
+    temperature: float = 1.0,
+    enable_gqa: bool = False,
+    train_length: int = 512,
+    scale_factor: float | None = None,
+    return_stats: bool = False,
+    load_balance: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
+    """:func:`torch_ext.attention` over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        query, key, value: this rank's rows, (B, H, L/P, D), (B, Hkv, L/P, D), (B, Hkv, L/P, Dv),
+            as :func:`shard_sequence` cuts the full tensors (query and key sharded alike: self
+            attention over one sequence). Every rank must pass the same shapes and options; if
+            they differ, every rank raises ValueError.
+        is_causal: causal masking over the global positions (load balanced: see the module).
+        scale: as :func:`torch_ext.attention`: ``None`` (1/sqrt(D)), a float, ``"logn"`` /
+            ``"logn_sharpen"`` (from each row's global n_i), or a tensor broadcastable to
+            (B, H, L/P) giving lambda_i of this rank's rows (differentiable).
+        temperature, train_length, scale_factor (a float here), enable_gqa: as
+            :func:`torch_ext.attention`.
+        return_stats: also return the rows' :class:`AttentionStats`, merged exactly.
+        load_balance: the sharding of :func:`shard_sequence` (``False``: contiguous parts).
+
+    Returns:
+        This rank's output rows (B, H, L/P, Dv), or ``(output, stats)``; equal to the rows of the
+        single-device call on the full tensors to rounding, gradients included.
+    """
+    rank, world = _world(group)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, local length, dim)")
+    if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
+        raise ValueError("query, key and value must hold the same rows of one sequence (self attention), got "
+                         f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
+    per = 2 if load_balance else 1
+    if query.shape[2] % per != 0:
+        raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
+    dtype_code = [torch.float32, torch.float64, torch.bfloat16, torch.float16].index(query.dtype) \
+        if query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else -1
+    _check_same_call([*query.shape, key.shape[1], value.shape[3], dtype_code, int(is_causal), int(load_balance)],
+                     group, world, query.device)
+
+    lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
+                     total=query.shape[2] * world)
+    out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
+                                                           load_balance)
+    if not return_stats:
+        return out
+    normalized, sparsity, effective = derived_stats(ent, sum_p2, n)
+    return out, AttentionStats(lse=lse, entropy=ent, normalized_entropy=normalized, sparsity=sparsity,
+                               effective_keys=effective, max_weight=max_w, n_keys=n, scale=lam.detach())
+
+
+def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,
+               scale_factor: float | None, causal: bool, group: dist.ProcessGroup | None, load_balance: bool,
+               total: int) -> torch.Tensor:
+    """lambda_i of this rank's rows, (B, H, L/P) in the accumulate type: c g(n_i) / temperature
+    with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor)."""
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    shape = query.shape[:3]
+    if isinstance(scale, torch.Tensor):
+        return torch.broadcast_to(scale.to(acc), shape)
+    _finite_float(temperature, "temperature")
+    mode = "fixed"
+    c = 1 / math.sqrt(query.shape[3])
+    if isinstance(scale, str):
+        if scale not in _SCALE_MODES:
+            raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
+        mode = scale
+        if scale_factor is not None:
+            c = _finite_float(scale_factor, "scale_factor")
+    elif scale is not None:
+        c = _finite_float(scale, "scale")
+    positions = global_positions(shape[2], group, load_balance=load_balance, device=query.device)
+    n = positions + 1 if causal else torch.full_like(positions, total)
+    factor = torch.ops.entropy_attn.length_factor(n, mode, float(temperature), float(train_length), dtype=acc)
+    return (c * factor).expand(shape)

@@ -1,0 +1,145 @@
+"""Merging attention computed over disjoint key sets of the same query rows, statistics included.
+
+Context parallelism (ring attention), split-KV decoding and cascades over a shared prefix compute a
+row's attention in shards, each over part of the keys, and merge the partial outputs through the
+log-sum-exp. The statistics of :func:`torch_ext.attention` merge exactly as well (docs/math.md
+section 7): with shard lse l_s, L = logsumexp_s l_s and w_s = exp(l_s - L) (the weight mass of shard
+s), the merged row has
+
+    output   O = sum_s w_s O_s
+    entropy  H = L - sum_s w_s (l_s - H_s)
+    sum p^2  U = sum_s w_s^2 U_s
+    max      M = max_s w_s M_s
+    n_keys   n = sum_s n_s
+
+and the derived statistics follow from (H, U, n). Shards must use the same lambda_i, that of the
+whole row (for the log-n policies, from the whole row's n_i: :func:`torch_ext.length_factor`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from torch_ext.attention import AttentionStats
+
+
+class RowState(NamedTuple):
+    """A row's attention over some keys: what merging needs, each (B, H, Lq) but ``output``."""
+
+    output: torch.Tensor  # (B, H, Lq, Dv)
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    sum_p2: torch.Tensor
+    max_weight: torch.Tensor
+    n_keys: torch.Tensor  # int64
+
+
+def derived_stats(entropy: torch.Tensor, sum_p2: torch.Tensor, n_keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(normalized entropy, sparsity, effective keys) from (H, sum p^2, n), differentiable: the
+    definitions of ``derive`` in csrc/online_stats.h (the kernels' epilogue), which
+    tests/test_merge.py checks these against. Rows with n = 0 give 0; normalized entropy is 0 for
+    n < 2."""
+    nonempty = n_keys > 0
+    n = n_keys.clamp_min(1).to(sum_p2.dtype)
+    u = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))
+    zero = torch.zeros_like(sum_p2)
+    normalized = torch.where(n_keys >= 2, entropy / torch.log(n.clamp_min(2)), zero)
+    sparsity = torch.where(nonempty, torch.rsqrt(n * u), zero)
+    effective = torch.where(nonempty, 1 / u, zero)
+    return normalized, sparsity, effective
+
+
+def merge_row_states(states: Sequence[RowState]) -> RowState:
+    """The exact merge of row states over disjoint key sets (module docstring), differentiable in
+    every shard's output, lse, entropy and sum p^2. A shard with no key for a row (n = 0, or an lse of
+    -inf) has weight 0; a row with no key in any shard gets output 0 and statistics 0, as the op
+    gives such a row."""
+    if not states:
+        raise ValueError("merge needs at least one shard")
+    # Empty shards (n = 0: the op reports lse 0 for them) weigh nothing: lse -inf.
+    lses = torch.stack([torch.where(s.n_keys > 0, s.lse, torch.full_like(s.lse, -torch.inf)) for s in states])
+    total = torch.logsumexp(lses, dim=0)
+    empty = torch.isneginf(total)
+    total_safe = torch.where(empty, torch.zeros_like(total), total)
+    w = torch.exp(lses - total_safe)  # 0 for empty shards; rows empty everywhere: all 0
+    # Terms of empty shards are masked out, not multiplied by 0: their statistics may be anything.
+
+    def weighted(values: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+        stacked = torch.stack(values)
+        return torch.where(weights > 0, weights * stacked, torch.zeros_like(stacked)).sum(0)
+
+    out_dtype = states[0].output.dtype
+    outputs = [s.output.to(w.dtype) for s in states]
+    output = torch.where(
+        (w > 0)[..., None], w[..., None] * torch.stack(outputs), torch.zeros_like(torch.stack(outputs))
+    ).sum(0)
+    entropy = total_safe - weighted([s.lse - s.entropy for s in states], w)
+    sum_p2 = weighted([s.sum_p2 for s in states], w * w)
+    max_weight = torch.stack(
+        [torch.where(wi > 0, wi * s.max_weight, torch.zeros_like(wi)) for wi, s in zip(w, states)]
+    ).amax(0)
+    n_keys = torch.stack([s.n_keys for s in states]).sum(0)
+    zero = torch.zeros_like(total)
+    return RowState(
+        output=output.to(out_dtype),
+        lse=torch.where(empty, zero, total),
+        entropy=torch.where(empty, zero, entropy),
+        sum_p2=torch.where(empty, zero, sum_p2),
+        max_weight=torch.where(empty, zero, max_weight),
+        n_keys=n_keys,
+    )
+
+
+def merge_attention_states(
+    outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStats]
+) -> tuple[torch.Tensor, AttentionStats]:
+    """Merges :func:`torch_ext.attention` results over disjoint key sets of the same query rows.
+
+    Args:
+        outputs: the shards' outputs, each (B, H, Lq, Dv).
+        stats: their :class:`AttentionStats` (``return_stats=True``), computed with the same
+            lambda_i (pass the whole row's scale as a tensor, e.g. from
+            :func:`torch_ext.length_factor` for the log-n policies). Shards without sinks.
+
+    Returns:
+        ``(output, stats)`` as one call over the union of the keys would give them (to rounding):
+        the output in the shards' dtype, the statistics in float32 (float64 for float64 shards),
+        differentiable with respect to every shard's output and statistics. ``scale`` is the
+        first shard's.
+    """
+    if len(outputs) != len(stats):
+        raise ValueError(f"outputs and stats must have the same length, got {len(outputs)} and {len(stats)}")
+    if not outputs:
+        raise ValueError("merge_attention_states needs at least one shard")
+    shape = tuple(outputs[0].shape)
+    for i, (o, s) in enumerate(zip(outputs, stats)):
+        if not isinstance(s, AttentionStats):
+            raise TypeError(f"stats[{i}] must be an AttentionStats, got {type(s).__name__}")
+        if tuple(o.shape) != shape:
+            raise ValueError(f"outputs[{i}] has shape {tuple(o.shape)}, outputs[0] {shape}")
+        if tuple(s.lse.shape) != shape[:-1]:
+            raise ValueError(f"stats[{i}].lse has shape {tuple(s.lse.shape)}, expected {shape[:-1]}")
+    states = [
+        RowState(o, s.lse, s.entropy, _sum_p2(s), s.max_weight, s.n_keys) for o, s in zip(outputs, stats)
+    ]
+    m = merge_row_states(states)
+    normalized, sparsity, effective = derived_stats(m.entropy, m.sum_p2, m.n_keys)
+    return m.output, AttentionStats(
+        lse=m.lse,
+        entropy=m.entropy,
+        normalized_entropy=normalized,
+        sparsity=sparsity,
+        effective_keys=effective,
+        max_weight=m.max_weight,
+        n_keys=m.n_keys,
+        scale=stats[0].scale,
+    )
+
+
+def _sum_p2(s: AttentionStats) -> torch.Tensor:
+    """sum_j p_ij^2 of a shard: 1 / effective keys (0 for a row without keys), differentiable."""
+    nonempty = s.n_keys > 0
+    eff = torch.where(nonempty, s.effective_keys, torch.ones_like(s.effective_keys))
+    return torch.where(nonempty, 1 / eff, torch.zeros_like(eff))

@@ -1,4 +1,4 @@
-"""Context-parallel attention (torch_ext.distributed) over 2 and 4 gloo processes on the CPU against
+"""Context-parallel attention (torch_ext.distributed) over 1, 2 and 4 gloo processes on the CPU against
 the single-process op on the full tensors: outputs, statistics and gradients (an entropy and sum p^2
 term in the loss), causal (load balanced) and not, log-n scale from the global n_i, GQA; and a call
 whose ranks disagree fails on every rank instead of hanging."""
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -39,9 +41,18 @@ def run_ranks(world: int, fn: Any, *args: Any) -> list[Any]:
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    for _ in procs:
-        rank, ok, value = queue.get(timeout=300)
-        results[rank] = (ok, value)
+    deadline = time.monotonic() + 300
+    while len(results) < world:
+        try:
+            rank, ok, value = queue.get(timeout=2)
+            results[rank] = (ok, value)
+        except queue_module.Empty:
+            # A rank that died without reporting (a crash in a collective) fails the run now.
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"ranks {dead or 'all'} died or timed out without a result") from None
     for p in procs:
         p.join(timeout=60)
     errors = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(results.items()) if not ok]
@@ -74,7 +85,7 @@ def _by_value(x: Any) -> Any:
 
 
 CASES = {
-    "causal_logn_gqa": dict(is_causal=True, scale="logn", train_length=16, heads=(4, 2)),
+    "causal_logn_gqa": dict(is_causal=True, scale="logn", train_length=16, heads=(4, 2), strided=True),
     "full_fixed": dict(is_causal=False, scale=None, heads=(2, 2)),
     "causal_contiguous": dict(is_causal=True, scale="logn_sharpen", train_length=8, heads=(2, 1), load_balance=False),
 }
@@ -95,7 +106,7 @@ def _full_inputs(case: dict, world: int, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 def _options(case: dict) -> dict:
-    opts = {k: v for k, v in case.items() if k not in ("heads", "load_balance")}
+    opts = {k: v for k, v in case.items() if k not in ("heads", "load_balance", "strided")}
     opts["enable_gqa"] = case["heads"][0] != case["heads"][1]
     return opts
 
@@ -110,6 +121,8 @@ def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
     q, k, v, go, g_ent, g_p2 = _full_inputs(case, world, dtype)
     shard = lambda t: cp.shard_sequence(t, load_balance=lb)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    if case.get("strided"):  # the (B, L, H, D) layout models produce, seen as (B, H, L, D)
+        ql, kl, vl = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (ql, kl, vl))
     out, stats = cp.context_parallel_attention(ql, kl, vl, return_stats=True, load_balance=lb, **_options(case))
     _loss(out, stats, shard(go), shard(g_ent), shard(g_p2)).backward()
     full = lambda t: cp.unshard_sequence(t.detach(), load_balance=lb)  # noqa: E731
@@ -119,7 +132,7 @@ def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_context_parallel_matches_single_process(world: int, case: str) -> None:
     """Every rank's rows, gathered, equal the single-process op's: output, the statistics, and the
@@ -170,3 +183,50 @@ def _shard_rank(rank: int, world: int) -> dict:
     positions = cp.global_positions(local.shape[2])
     return {"roundtrip": bool(torch.equal(cp.unshard_sequence(local, dim=2), x)),
             "causal_keys": int((positions + 1).sum())}
+
+
+class _CPAttention(torch.nn.Module):
+    """A layer calling context-parallel attention (world > 1) or the op (one process)."""
+
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        self.parallel = parallel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kw = dict(is_causal=True, scale="logn", train_length=16)
+        if self.parallel:
+            return cp.context_parallel_attention(q, k, v, module=self, **kw)
+        return torch_ext.policy.attend(q, k, v, policy=torch_ext.AttentionPolicy("logn", train_length=16),
+                                       is_causal=True, module=self)
+
+
+def _monitor_records(parallel: bool, world: int) -> list:
+    """The monitor's records of one step of the layer on the full (or this rank's) sequence."""
+    q, k, v, *_ = _full_inputs(CASES["full_fixed"], world, torch.float64)
+    layer = _CPAttention(parallel)
+    if parallel:
+        q, k, v = (cp.shard_sequence(t) for t in (q, k, v))
+    monitor = torch_ext.AttentionEntropyMonitor(layer, every=1, positions=True)
+    with monitor.step(0):
+        layer(q, k, v)
+    return monitor.latest
+
+
+def _monitor_rank(rank: int, world: int) -> list:
+    return _monitor_records(True, world)
+
+
+def test_monitor_under_context_parallelism() -> None:
+    """The monitor, unchanged, reports the whole sequence's per-head statistics on every rank of a
+    context-parallel run: the records equal a single process's."""
+    world = 2
+    expected = _monitor_records(False, world)
+    for records in run_ranks(world, _monitor_rank):
+        assert len(records) == len(expected)
+        for got, want in zip(records, expected):
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                if isinstance(value, float):
+                    assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
+                else:
+                    assert got[key] == value, key

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from torch_ext import monitor as _monitor
 from torch_ext.attention import AttentionStats, _finite_float
 from torch_ext.merge import RowState, derived_stats, merge_row_states
 
@@ -99,7 +100,7 @@ def _exchange(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, 
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     g_nxt = dist.get_global_rank(group, nxt) if group is not None else nxt
     g_prv = dist.get_global_rank(group, prv) if group is not None else prv
-    recv = [torch.empty_like(t) for t in tensors]
+    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous
     ops = [dist.P2POp(dist.isend, t.contiguous(), g_nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, g_prv, group) for b in recv]
     return recv, dist.batch_isend_irecv(ops)
@@ -189,10 +190,11 @@ class _RingAttention(torch.autograd.Function):
                 for req in requests:
                     req.wait()
             # The block's accumulators follow it to the next rank; after the last step they reach
-            # the block's owner.
-            (dk_cur, dv_cur), requests = _exchange([dk_cur, dv_cur], group, rank, world)
-            for req in requests:
-                req.wait()
+            # the block's owner (a ring of one holds its own).
+            if world > 1:
+                (dk_cur, dv_cur), requests = _exchange([dk_cur, dv_cur], group, rank, world)
+                for req in requests:
+                    req.wait()
         return (torch.cat(dq, 2).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype),
                 torch.cat(dlam, 2).to(lam.dtype), None, None, None)
 
@@ -220,6 +222,7 @@ def context_parallel_attention(
     scale_factor: float | None = None,
     return_stats: bool = False,
     load_balance: bool = True,
+    module: torch.nn.Module | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """:func:`torch_ext.attention` over a sequence sharded across the ranks of ``group``.
 
@@ -236,6 +239,9 @@ def context_parallel_attention(
             :func:`torch_ext.attention`.
         return_stats: also return the rows' :class:`AttentionStats`, merged exactly.
         load_balance: the sharding of :func:`shard_sequence` (``False``: contiguous parts).
+        module: names the layer for an :class:`~torch_ext.AttentionEntropyMonitor` that is
+            recording (as :func:`torch_ext.policy.attend`); the rows are reported with their global
+            positions, and the monitor's end-of-step all-reduce merges the ranks.
 
     Returns:
         This rank's output rows (B, H, L/P, Dv), or ``(output, stats)``; equal to the rows of the
@@ -262,11 +268,16 @@ def context_parallel_attention(
                      total=query.shape[2] * world)
     out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
                                                            load_balance)
-    if not return_stats:
+    recording = _monitor.is_recording()
+    if not (return_stats or recording):
         return out
     normalized, sparsity, effective = derived_stats(ent, sum_p2, n)
-    return out, AttentionStats(lse=lse, entropy=ent, normalized_entropy=normalized, sparsity=sparsity,
-                               effective_keys=effective, max_weight=max_w, n_keys=n, scale=lam.detach())
+    stats = AttentionStats(lse=lse, entropy=ent, normalized_entropy=normalized, sparsity=sparsity,
+                           effective_keys=effective, max_weight=max_w, n_keys=n, scale=lam.detach())
+    if recording:  # the monitor's end-of-step all-reduce sums the ranks' rows
+        positions = global_positions(query.shape[2], group, load_balance=load_balance, device=query.device)
+        _monitor.record(stats, module, positions)
+    return (out, stats) if return_stats else out
 
 
 def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,

@@ -491,6 +491,13 @@ class AttentionEntropyMonitor:
             a.mins, a.maxs = mins[row : row + h], maxs[row : row + h]
             row += h
             if a.position_sum is not None:
+                # Ranks may have seen different positions (context parallelism shards the
+                # sequence): pad every rank's curves to the longest before summing.
+                length = torch.tensor([a.position_sum.shape[-1]], device=a.position_sum.device)
+                dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+                pad = int(length.item()) - a.position_sum.shape[-1]
+                a.position_sum = torch.nn.functional.pad(a.position_sum, (0, pad))
+                a.position_count = torch.nn.functional.pad(a.position_count, (0, pad))
                 dist.all_reduce(a.position_sum, group=group)
                 dist.all_reduce(a.position_count, group=group)
 

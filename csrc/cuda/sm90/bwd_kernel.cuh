@@ -11,9 +11,10 @@
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec to 24); one thread loads
 //     K and V once (TMA, one mbarrier) and then Q and dO of every query block into a 2-stage ring
 //     (cutlass::PipelineTmaAsync, one pipeline each);
-//   warpgroups 1 and 2, the consumers (240 registers): warpgroup w owns keys [64 w, 64 w + 64) of
-//     the block. Per query block:
-//       S = Q K^T, dP = dO V^T       wgmma SS (queries x the warpgroup's keys), both issued, then
+//   warpgroups 1 and 2, the consumers (240 registers): warpgroup w accumulates dK and dV of keys
+//     [64 w, 64 w + 64) of the block, and computes S and dP for keys [32 w, 32 w + 32) of each
+//     64-key half. Per query block:
+//       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per half both issued, then
 //                                    waited in turn; each thread holds two query rows, so the five
 //                                    per-row values (lse, lambda, delta, the statistic gradients)
 //                                    are ten registers;

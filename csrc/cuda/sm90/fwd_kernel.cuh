@@ -113,13 +113,16 @@ struct FwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
 
-  // 128-byte swizzled tiles (rows of 64 elements), the layouts both TMA and wgmma read.
+  // 128-byte swizzled tiles (rows of 64 elements), K-major (D contiguous) as TMA writes them; V^T,
+  // the B operand of O = P V, is the V tile read MN-major (the same bytes, transposed view). (A
+  // V^T tile stored D-major would take one TMA box per 8 keys at D = 128; this takes two.)
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                 Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
 
   using TmaQ = decltype(make_tma_copy(
       SM90_TMA_LOAD{},
@@ -129,10 +132,6 @@ struct FwdTraits {
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
       take<0, 2>(SmemLayoutK{})));
-  using TmaV = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideVt{}),
-      take<0, 2>(SmemLayoutVt{})));
 
   // Bytes each TMA box delivers (out-of-bounds parts included: they count as zeros).
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -152,7 +151,7 @@ struct FwdTraits {
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(16) uint32_t mask[kMaskWords];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
     alignas(8) uint64_t barrier_q;
@@ -168,7 +167,7 @@ struct KernelArgs {
   FwdParams<float> p;
   typename Kt::TmaQ tma_q;
   typename Kt::TmaK tma_k;
-  typename Kt::TmaV tma_v;
+  typename Kt::TmaK tma_v;  // V as K: (keys, D, heads, batch)
 };
 
 // Copies the mask entries of one consumer warpgroup's 64 tile rows (from `row0`; those below
@@ -578,22 +577,22 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     // The global tensors as coordinates for TMA, the tiles of this block.
     Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, head_dim, heads, batch));
     Tensor mK = args.tma_k.get_tma_tensor(make_shape(kv_len, head_dim, kv_heads, batch));
-    Tensor mVt = args.tma_v.get_tma_tensor(make_shape(head_dim, kv_len, kv_heads, batch));
+    Tensor mV = args.tma_v.get_tma_tensor(make_shape(kv_len, head_dim, kv_heads, batch));
     Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<Kt::kHeadDim>>{},
                            make_coord(m_block, 0));  // (M, D)
     Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<kBlockN>, Int<Kt::kHeadDim>>{},
                            make_coord(_, 0));  // (N, D, blocks)
-    Tensor gVt = local_tile(mVt(_, _, kv_head, b), Shape<Int<Kt::kHeadDim>, Int<kBlockN>>{},
-                            make_coord(0, _));  // (D, N, blocks)
+    Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<kBlockN>, Int<Kt::kHeadDim>>{},
+                           make_coord(_, 0));  // (N, D, blocks)
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutVt{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutK{});
     auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                       group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                       group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
-                                      group_modes<0, 2>(gVt));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
 
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
     copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);

@@ -48,13 +48,10 @@ cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
                     make_tensor(gmem(k), shape(p.kv_len, p.kv_heads),
                                 StrideQK(k.sl, _1{}, k.sh, batch_stride(k, p.kv_heads))),
                     take<0, 2>(typename Kt::SmemLayoutK{})),
-      make_tma_copy(
-          SM90_TMA_LOAD{},
-          make_tensor(gmem(v),
-                      ShapeQKV(kHeadDim, static_cast<int32_t>(p.kv_len),
-                               static_cast<int32_t>(p.kv_heads), static_cast<int32_t>(p.batch)),
-                      StrideVt(_1{}, v.sl, v.sh, batch_stride(v, p.kv_heads))),
-          take<0, 2>(typename Kt::SmemLayoutVt{}))};
+      make_tma_copy(SM90_TMA_LOAD{},
+                    make_tensor(gmem(v), shape(p.kv_len, p.kv_heads),
+                                StrideQK(v.sl, _1{}, v.sh, batch_stride(v, p.kv_heads))),
+                    take<0, 2>(typename Kt::SmemLayoutK{}))};
 
   const auto kernel = &fwd_impl::forward_kernel<T, Kt, kCausal, kMask, kStats>;
   constexpr int kSmem = Kt::kSmemBytes;

@@ -21,13 +21,10 @@ using namespace cute;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The global tensors as the TMA descriptors see them: Q, K (and, in the backward, V and dO) as
-// (rows, D, heads, batch) with a unit D stride; the forward's V transposed as (D, keys, heads,
-// batch), so that its tile lands D-major (MN-major) in shared memory, the layout of wgmma's B
-// operand of O = P V.
+// The global tensors as the TMA descriptors see them: Q, K, V (and dO) as (rows, D, heads, batch)
+// with a unit D stride.
 using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
 using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
-using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
 
 // A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
 // rows ((2, MMA_M)) are the thread's rows, cols ((2, N / 8, MMA_N)) its columns of each row.

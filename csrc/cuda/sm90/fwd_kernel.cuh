@@ -73,6 +73,7 @@
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
+#include "../mask_words.cuh"
 #include "../params.h"
 #include "wgmma_utils.cuh"
 
@@ -170,15 +171,11 @@ struct KernelArgs {
   typename Kt::TmaK tma_v;  // V as K: (keys, D, heads, batch)
 };
 
-// Copies the mask entries of one consumer warpgroup's 64 tile rows (from `row0`; those below
-// `rows`) and keys [j0, j0 + cols) into the shared mask tile, one 4-byte cp.async per score:
-// asynchronous, so that the loads hold no registers while S = Q K^T runs. A thread owns one key
-// column (consecutive threads, consecutive keys: coalesced for a key-contiguous mask). A bool mask
-// is copied as the aligned 4-byte word that holds the byte (cp.async moves 4, 8 or 16 bytes); the
-// reader picks the byte out. Such a word stays within the mask's allocation as long as its start
-// is 4-byte aligned and its size a multiple of 4 bytes (cudaMalloc aligns to 256 bytes, PyTorch's
-// caching allocator rounds sizes up to 512 bytes). Entries not loaded (padding rows, keys >= cols)
-// hold stale values that no allowed score reads.
+// Copies the mask words (mask_words.cuh) of one consumer warpgroup's 64 tile rows (from `row0`;
+// those below `rows`) and keys [j0, j0 + cols) into the shared mask tile, one 4-byte cp.async per
+// score, issued before S = Q K^T. A thread owns one key column (consecutive threads, consecutive
+// keys: coalesced for a key-contiguous mask). Entries not loaded (padding rows, keys >= cols) hold
+// stale values that no allowed score reads.
 template <typename Kt, MaskKind kMask>
 __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<float>& mask, int b,
                                                int h, int i0, int row0, int rows, int j0,
@@ -189,16 +186,7 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
   uint32_t* dst = s_mask + row0 * Kt::kMaskLd + col;
 #pragma unroll 8
   for (int r = row0; r < row0 + 64; ++r, off += mask.si, dst += Kt::kMaskLd) {
-    if (r < rows) {
-      const void* src;
-      if constexpr (kMask == MaskKind::kBool) {
-        src = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(mask.bool_data() + off) &
-                                            ~uintptr_t{3});
-      } else {
-        src = mask.additive_data() + off;
-      }
-      SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*static_cast<const uint32_t*>(src), *dst);
-    }
+    if (r < rows) SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*mask_word<kMask>(mask, off), *dst);
   }
 }
 
@@ -368,21 +356,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const bool row_valid = i < q_len;
       const int lim =
           kPredicated && row_valid ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
-      // The byte of a bool mask entry within its aligned word (load_mask_rows) is the low 2 bits
-      // of its address, computed in 32 bits. The thread's columns are col(c % 2) + 8 (c / 2) and
-      // j0 is a multiple of 8, so two byte selectors per row serve all its columns.
+      // The byte selectors of the thread's first two columns serve all its columns
+      // (mask_words.cuh).
       [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
       if constexpr (kMask == MaskKind::kBool) {
-        const uint32_t sj = static_cast<uint32_t>(mask.sj);
-        const uint32_t row_addr = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(mask.data)) +
-                                  static_cast<uint32_t>(b) * static_cast<uint32_t>(mask.sb) +
-                                  static_cast<uint32_t>(h) * static_cast<uint32_t>(mask.sh) +
-                                  static_cast<uint32_t>(i) * static_cast<uint32_t>(mask.si);
         CUTE_UNROLL
         for (int c = 0; c < 2; ++c) {
-          const uint32_t j = static_cast<uint32_t>(j0 + get<1>(cS_rc(r, c)));
-          // Selector nibbles 1-3 = 4 pick zero bytes of __byte_perm's second operand.
-          selector[c] = 0x4440u | ((row_addr + j * sj) & 3u);
+          selector[c] = bool_mask_selector(mask, b, h, i, j0 + get<1>(cS_rc(r, c)));
         }
       }
       float mx = kNegInf;
@@ -395,7 +375,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         [[maybe_unused]] const uint32_t word =
             kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
         if constexpr (kMask == MaskKind::kBool) {
-          allowed = allowed && __byte_perm(word, 0u, selector[c % 2]) != 0u;
+          allowed = allowed && bool_mask_allows(word, selector[c % 2]);
         }
         float y;
         if constexpr (kMask == MaskKind::kAdditive) {

@@ -73,6 +73,14 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   const c10::cuda::CUDAGuard guard(query.device());
   const bool empty = sh.batch * sh.heads * sh.q_len == 0 && sh.batch * sh.kv_heads * sh.kv_len == 0;
   const Family family = empty ? Family::kFallback : select_backward(call).family;
+  // The fallback accumulates G = dS K with atomics in an unspecified order: under
+  // torch.use_deterministic_algorithms(True) that is an error (a warning with warn_only), as for
+  // ATen's own nondeterministic kernels. The tensor-core families have a deterministic dq path.
+  if (family == Family::kFallback && !empty) {
+    at::globalContext().alertNotDeterministic(
+        "entropy_attn::attention_backward on CUDA with the fallback kernels (float32 or float64, or "
+        "a call the tensor-core families do not cover: see ENTROPY_ATTN_CUDA_FAMILY)");
+  }
   call.allocate(family);
   if (!empty) {
     check_shared_memory(backward_smem_bytes(call, family), "attention backward");

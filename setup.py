@@ -7,6 +7,11 @@ CuTe: its headers come from the pinned nvidia-cutlass package (csrc/cuda/cutlass
 found where it is installed. A family that csrc/cuda/kernels.toml restricts to one `gencode` (sm90:
 sm_90a) has its translation units compiled for that target alone (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
+
+Packaging (pyproject.toml holds the static metadata): the version is torch_ext/_version.py's; the
+package requires the torch major.minor it is compiled against, and records the exact torch version
+in torch_ext/_build_info.py, which `import torch_ext` checks. Build with the torch you will run
+(`pip install --no-build-isolation .`).
 """
 
 import glob
@@ -18,10 +23,37 @@ import shutil
 import subprocess
 import sys
 
-import torch
 from setuptools import find_packages, setup
 
+try:
+    import torch
+except ImportError:  # pip's build isolation, or no torch at all
+    sys.exit("setup.py: torch_ext compiles against the installed torch, and none is importable here. Install "
+             "torch first (pip install torch==2.14.1), then build without build isolation: "
+             "pip install --no-build-isolation .")
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def package_version() -> str:
+    """torch_ext/_version.py's __version__ (the one place it is written)."""
+    with open(os.path.join(ROOT, "torch_ext", "_version.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.MULTILINE).group(1)
+
+
+def torch_requirement() -> str:
+    """The torch this build is compiled against, as a requirement: the same major.minor (the C++
+    ABI of libtorch changes between minor releases)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
+
+
+def write_build_info() -> None:
+    """torch_ext/_build_info.py: the torch this build compiles against, which `import torch_ext`
+    compares with the running torch."""
+    with open(os.path.join(ROOT, "torch_ext", "_build_info.py"), "w", encoding="utf-8") as f:
+        f.write('"""Written by setup.py at build time: the torch this build of torch_ext is compiled against."""\n\n'
+                f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import kernel_list  # noqa: E402
 WERROR = os.environ.get("ENTROPY_ATTN_WERROR") == "1"
@@ -140,10 +172,9 @@ class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
 
 
 extension = CUDAExtension if WITH_CUDA else CppExtension
+write_build_info()
 setup(
-    name="torch_ext",
-    version="0.1.0",
-    description="Entropy-invariant fused attention with per-row statistics for PyTorch",
+    version=package_version(),
     packages=find_packages(include=["torch_ext", "torch_ext.*"]),
     ext_modules=[
         extension(
@@ -157,6 +188,5 @@ setup(
     ],
     cmdclass={"ext_modules": BuildExtension, "build_ext": BuildExtensionPerUnitTarget},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
-    python_requires=">=3.11",
-    install_requires=["torch>=2.13"],
+    install_requires=[torch_requirement()],
 )

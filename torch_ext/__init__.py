@@ -11,8 +11,30 @@ process group (:mod:`torch_ext.distributed`, imported on demand).
 
 import torch  # noqa: F401  (loads libtorch, which the compiled library links against)
 
-from torch_ext import _C  # noqa: F401  (loading it registers the operators)
-from torch_ext import nn
+from torch_ext._version import __version__
+
+
+def _check_torch() -> None:
+    """Raises ImportError naming both versions when the running torch is not the major.minor the
+    extension was compiled against (whose libtorch symbols it needs), instead of an undefined-symbol
+    error from loading it. A tree without build info (never built by setup.py) is not checked."""
+    try:
+        from torch_ext._build_info import TORCH_VERSION
+    except ImportError:
+        return
+    built, running = TORCH_VERSION.split(".")[:2], torch.__version__.split("+")[0].split(".")[:2]
+    if built != running:
+        raise ImportError(
+            f"torch_ext {__version__} was compiled against torch {TORCH_VERSION}, but torch {torch.__version__} is "
+            f"installed: install torch {'.'.join(built)}, or rebuild torch_ext for this torch "
+            "(pip install --no-build-isolation .)"
+        )
+
+
+_check_torch()
+
+from torch_ext import _C  # noqa: E402, F401  (loading it registers the operators)
+from torch_ext import nn  # noqa: E402
 from torch_ext.attention import AttentionStats, attention, attention_sparsity, length_factor
 from torch_ext.merge import merge_attention_states
 from torch_ext.monitor import AttentionEntropyMonitor
@@ -22,6 +44,7 @@ from torch_ext.sdpa import replace_sdpa
 from torch_ext.varlen import varlen_attention
 
 __all__ = [
+    "__version__",
     "AttentionEntropyMonitor",
     "AttentionPolicy",
     "AttentionStats",

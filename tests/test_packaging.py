@@ -1,0 +1,74 @@
+"""Packaging: the metadata of pyproject.toml, one version, the torch pin of a build, and the clear
+errors of a mismatched torch (at import) and of a missing torch (at build)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import torch
+
+import torch_ext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_pyproject_metadata() -> None:
+    """pyproject.toml declares the build system and the project metadata; the version and the
+    torch requirement come from setup.py (dynamic)."""
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert spec["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert any(r.startswith("torch") for r in spec["build-system"]["requires"])
+    project = spec["project"]
+    for key in ("name", "description", "readme", "license", "requires-python", "classifiers"):
+        assert project.get(key), key
+    assert set(project["dynamic"]) == {"version", "dependencies"}
+    assert (ROOT / project["readme"]).exists() and (ROOT / "LICENSE").exists()
+
+
+def test_version_is_written_once() -> None:
+    """torch_ext.__version__ is torch_ext/_version.py's, and setup.py reports the same."""
+    namespace: dict = {}
+    exec((ROOT / "torch_ext" / "_version.py").read_text(), namespace)
+    assert torch_ext.__version__ == namespace["__version__"]
+    out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "ENTROPY_ATTN_CPU_ONLY": "1"})
+    assert out.stdout.strip().splitlines()[-1] == torch_ext.__version__
+
+
+def test_build_records_the_torch_it_compiled_against() -> None:
+    """The build info matches the running torch (major.minor), and setup.py pins that torch."""
+    from torch_ext import _build_info
+
+    assert _build_info.TORCH_VERSION.split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
+    code = "import runpy, sys; sys.argv = ['setup.py', '--version']; " \
+           "g = runpy.run_path('setup.py', run_name='not_main'); print(g['torch_requirement']())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "ENTROPY_ATTN_CPU_ONLY": "1"})
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    assert out.stdout.strip().splitlines()[-1] == f"torch=={major}.{minor}.*"
+
+
+def test_import_with_another_torch_is_one_clear_error() -> None:
+    """Importing torch_ext under a torch of another minor version raises ImportError naming both
+    versions (instead of an undefined-symbol error from the library)."""
+    code = ("import torch; torch.__version__ = '2.99.0'\n"
+            "try:\n    import torch_ext\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    line = out.stdout.strip()
+    assert line.startswith("ERR"), out.stdout + out.stderr
+    from torch_ext import _build_info
+
+    assert "2.99.0" in line and _build_info.TORCH_VERSION in line and "--no-build-isolation" in line
+
+
+def test_setup_without_torch_says_what_to_do() -> None:
+    """setup.py in an environment without torch (pip's build isolation) exits with a sentence
+    telling the user to install torch and build without isolation."""
+    code = "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; exec(open('setup.py').read())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "--no-build-isolation" in out.stderr and "Install torch" in out.stderr, out.stderr

@@ -472,12 +472,8 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Kt::kTmaBytesQ;
-  pipe_params.role =
-      warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Kt::kConsumerThreads;
+  const auto pipe_params =
+      tma_pipeline_params<Pipeline>(warp_group, Kt::kTmaBytesQ, Kt::kConsumerThreads);
   Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_kv, 1);

@@ -531,12 +531,8 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Kt::kTmaBytesKV;
-  pipe_params.role =
-      warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;  // the thread that issues the loads
-  pipe_params.num_consumers = Kt::kConsumerThreads;
+  const auto pipe_params =
+      tma_pipeline_params<Pipeline>(warp_group, Kt::kTmaBytesKV, Kt::kConsumerThreads);
   // Warp 0 initializes the barriers of both pipelines and Q's; the barrier below publishes them.
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});

@@ -14,6 +14,7 @@
 #include <cute/tensor.hpp>
 
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 
 namespace entropy_attn::cuda::sm90 {
 
@@ -77,6 +78,21 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
+}
+
+// The parameters of a TMA pipeline (cutlass::PipelineTmaAsync) in a block of one producer
+// warpgroup (0, whose thread 0 issues the loads of `bytes` each) and `consumers` consumer threads.
+template <typename Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(int warp_group,
+                                                                         uint32_t bytes,
+                                                                         int consumers) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = bytes;
+  params.role =
+      warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;  // the thread that issues the loads
+  params.num_consumers = consumers;
+  return params;
 }
 
 }  // namespace entropy_attn::cuda::sm90

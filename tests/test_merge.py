@@ -114,8 +114,13 @@ def test_negative_infinite_lse_weighs_nothing() -> None:
                                     n_keys=torch.tensor([[[3, 0]]]), scale=z + 1)
     dead = good._replace(lse=torch.full_like(z, -torch.inf), entropy=torch.full_like(z, torch.nan),
                          n_keys=torch.tensor([[[5, 0]]]))
-    o = torch.randn(1, 1, 2, 4, dtype=F64)
-    out, st = merge_attention_states([o, torch.full_like(o, torch.nan)], [good, dead])
+    o = torch.randn(1, 1, 2, 4, dtype=F64, requires_grad=True)
+    lse = good.lse.clone().requires_grad_()
+    out, st = merge_attention_states([o, torch.full_like(o, torch.nan)], [good._replace(lse=lse), dead])
+    # The dead shard's NaNs reach no gradient either (no 0 * NaN in the product's backward).
+    grads = torch.autograd.grad(out.sum() + st.entropy.sum() + st.effective_keys.sum(), (o, lse))
+    assert all(torch.isfinite(g).all() for g in grads), grads
+    o = o.detach()
     torch.testing.assert_close(out[..., 0, :], o[..., 0, :])
     assert torch.equal(out[0, 0, 1], torch.zeros(4, dtype=F64))
     assert st.entropy[0, 0, 0].item() == pytest.approx(0.3) and st.entropy[0, 0, 1].item() == 0

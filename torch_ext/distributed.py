@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from torch_ext import monitor as _monitor
-from torch_ext.attention import AttentionStats, _finite_float
+from torch_ext.attention import _SCALE_MODES, AttentionStats, _finite_float
 from torch_ext.merge import RowState, derived_stats, merge_row_states
 
-_SCALE_MODES = ("logn", "logn_sharpen")
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as codes in the same-call check
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -141,7 +141,8 @@ class _RingAttention(torch.autograd.Function):
                 res = torch.ops.entropy_attn.attention(
                     q_parts[qi], k_parts[ki], v_parts[ki], None, lam_parts[qi], is_causal=diag,
                     enable_gqa=q.shape[1] != k.shape[1], return_stats=True)
-                state = RowState(res[0], res[1], res[2], res[3], res[4], res[5])
+                # The output in the accumulate type while blocks merge: rounded to q's dtype once.
+                state = RowState(res[0].to(res[1].dtype), res[1], res[2], res[3], res[4], res[5])
                 running[qi] = state if running[qi] is None else merge_row_states([running[qi], state])
             if pending is not None:
                 (k_cur, v_cur), requests = pending
@@ -149,6 +150,7 @@ class _RingAttention(torch.autograd.Function):
                     req.wait()
         merged = [s if s is not None else _empty_state(qp, v) for s, qp in zip(running, q_parts)]
         out, lse, ent, sum_p2, max_w, n = (torch.cat(field, 2) for field in zip(*merged))
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, lam, out, lse, ent, sum_p2)
         ctx.causal, ctx.group, ctx.load_balance = causal, group, load_balance
         ctx.mark_non_differentiable(max_w, n)
@@ -204,7 +206,7 @@ def _empty_state(q: torch.Tensor, v: torch.Tensor) -> RowState:
     whose ranks hold their own diagonal chunk, kept for completeness)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     rows = torch.zeros(q.shape[:3], dtype=acc, device=q.device)
-    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=acc, device=q.device)
     return RowState(out, rows, rows, rows, rows, torch.zeros(q.shape[:3], dtype=torch.int64, device=q.device))
 
 
@@ -259,8 +261,7 @@ def context_parallel_attention(
     per = 2 if load_balance else 1
     if query.shape[2] % per != 0:
         raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
-    dtype_code = [torch.float32, torch.float64, torch.bfloat16, torch.float16].index(query.dtype) \
-        if query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else -1
+    dtype_code = _DTYPES.index(query.dtype) if query.dtype in _DTYPES else -1
     _check_same_call([*query.shape, key.shape[1], value.shape[3], dtype_code, int(is_causal), int(load_balance)],
                      group, world, query.device)
 

@@ -64,22 +64,19 @@ def merge_row_states(states: Sequence[RowState]) -> RowState:
     empty = torch.isneginf(total)
     total_safe = torch.where(empty, torch.zeros_like(total), total)
     w = torch.exp(lses - total_safe)  # 0 for empty shards; rows empty everywhere: all 0
-    # Terms of empty shards are masked out, not multiplied by 0: their statistics may be anything.
+    # Terms of empty shards are replaced by 0 before the product, not multiplied by w = 0: their
+    # values may be anything (NaN, inf), which would reach the gradient of w through 0 * NaN.
 
     def weighted(values: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         stacked = torch.stack(values)
-        return torch.where(weights > 0, weights * stacked, torch.zeros_like(stacked)).sum(0)
+        return (weights * torch.where(weights > 0, stacked, torch.zeros_like(stacked))).sum(0)
 
     out_dtype = states[0].output.dtype
-    outputs = [s.output.to(w.dtype) for s in states]
-    output = torch.where(
-        (w > 0)[..., None], w[..., None] * torch.stack(outputs), torch.zeros_like(torch.stack(outputs))
-    ).sum(0)
+    output = weighted([s.output.to(w.dtype) for s in states], w[..., None])
     entropy = total_safe - weighted([s.lse - s.entropy for s in states], w)
     sum_p2 = weighted([s.sum_p2 for s in states], w * w)
-    max_weight = torch.stack(
-        [torch.where(wi > 0, wi * s.max_weight, torch.zeros_like(wi)) for wi, s in zip(w, states)]
-    ).amax(0)
+    maxima = torch.stack([s.max_weight for s in states])
+    max_weight = torch.where(w > 0, w * maxima, torch.zeros_like(maxima)).amax(0)  # not differentiated
     n_keys = torch.stack([s.n_keys for s in states]).sum(0)
     zero = torch.zeros_like(total)
     return RowState(

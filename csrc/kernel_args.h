@@ -40,12 +40,15 @@ struct MaskArg {
   }
 
   // The logit of a scaled (and capped) score x = cap(lam * q.k) for key j: x plus the additive
-  // mask, or -inf where a bool mask forbids the key.
+  // mask, or -inf where a bool mask forbids the key or the additive mask is -inf (whatever x is:
+  // a NaN key hidden by -inf must not give NaN + -inf = NaN).
   EA_HOST_DEVICE acc_t logit(int64_t row_off, int64_t j, acc_t x) const {
-    if (kind == MaskKind::kBool) {
-      return bool_data()[row_off + j * sj] ? x : -std::numeric_limits<acc_t>::infinity();
+    constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+    if (kind == MaskKind::kBool) return bool_data()[row_off + j * sj] ? x : kNegInf;
+    if (kind == MaskKind::kAdditive) {
+      const acc_t m = additive_data()[row_off + j * sj];
+      return m == kNegInf ? kNegInf : x + m;
     }
-    if (kind == MaskKind::kAdditive) return x + additive_data()[row_off + j * sj];
     return x;
   }
 };

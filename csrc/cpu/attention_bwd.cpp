@@ -16,6 +16,7 @@
 #include "../attention_call.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
+#include "hidden_nonfinite.h"
 #include "row_kernels.h"
 
 namespace entropy_attn::cpu {
@@ -27,6 +28,7 @@ struct BwdArgs {
   Strided4<acc_t> q, k, out, dout;
   Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
   Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
+  NonFiniteRows k_nonfinite;         // the key rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
   KeyPattern pattern;
   Softcap<acc_t> softcap;
@@ -45,6 +47,10 @@ struct BwdBuffers {
   std::vector<acc_t> g;           // G = sum_j dS_ij k_j (rows x D)
   std::vector<acc_t> qs_t, do_t;  // (lambda_i q_i)^T (D x rows) and dO^T (Dv x rows)
   std::vector<acc_t> delta;       // D~_i per row
+  // Rows of lambda Q and dO holding a NaN or an infinity, and scratch for the products that keep
+  // them (and non-finite keys) out of what cannot see them (hidden_nonfinite.h).
+  std::vector<uint8_t> qs_flags, do_flags;
+  std::vector<acc_t> scratch;
   std::vector<RowGrads<acc_t>> grads;
   BwdBuffers(int64_t rows, const AttentionShape& sh)
       : s(rows * kKvBlock),
@@ -57,6 +63,8 @@ struct BwdBuffers {
         qs_t(rows * sh.head_dim),
         do_t(rows * sh.v_head_dim),
         delta(rows),
+        qs_flags(rows),
+        do_flags(rows),
         grads(rows) {}
 };
 
@@ -79,6 +87,7 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   const acc_t* q = a.q.at(b, h, i0);
   const acc_t* dout = a.dout.at(b, h, i0);
   const acc_t* k = a.k.at(b, kvh);
+  const uint8_t* k_flags = a.k_nonfinite.at(b, kvh);
   const acc_t *kt = a.kt.at(b, kvh), *vt = a.vt.at(b, kvh);
   acc_t *dkt = a.dkt.at(b, kvh), *dvt = a.dvt.at(b, kvh);
 
@@ -95,7 +104,13 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t lam = a.row_scale[row0 + r];
     const acc_t* qr = q + r * a.q.sl;
-    for (int64_t d = 0; d < D; ++d) buf.qs_t[d * rows + r] = lam * qr[d];
+    acc_t bad = 0;  // NaN when lambda q_i has a non-finite entry (has_nonfinite)
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t x = buf.qs_t[d * rows + r] = lam * qr[d];
+      bad += x - x;
+    }
+    buf.qs_flags[r] = bad != bad;
+    buf.do_flags[r] = has_nonfinite(dout + r * a.dout.sl, Dv);
   }
   transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
 
@@ -122,9 +137,14 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
         });
       }
     }
+    // A non-finite row of dO, lambda Q or K reaches only the keys (rows) that see it.
+    const auto sees = [&](int64_t r, int64_t j) {
+      return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
+    };
     // dV^T += dO^T P (P dropped out, as the forward's P V saw it); dP = dO V^T
-    block_gemm<acc_t>(Dv, n, rows, buf.do_t.data(), rows, (dropout ? buf.pd : buf.p).data(), n,
-                      dvt + j0, a.dvt.sl, true);
+    product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows,
+                                   (dropout ? buf.pd : buf.p).data(), n, dvt + j0, a.dvt.sl,
+                                   buf.do_flags.data(), buf.scratch, sees);
     block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* dp = buf.dp.data() + r * n;
@@ -140,9 +160,11 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
       }
     }
     // G += dS K (unscaled); dK^T += (lambda Q)^T dS
-    block_gemm<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl, buf.g.data(), D, true);
-    block_gemm<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0, a.dkt.sl,
-                      true);
+    product_seen_rows_of_b<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
+                                  buf.g.data(), D, true, k_flags ? k_flags + j0 : nullptr,
+                                  buf.scratch, sees);
+    product_seen_cols_of_bt<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0,
+                                   a.dkt.sl, buf.qs_flags.data(), buf.scratch, sees);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -209,6 +231,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     BwdArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
+    a.k_nonfinite = NonFiniteRows::of(a.k, sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim);
     a.out = Strided4<scalar_t>::of(out), a.dout = Strided4<scalar_t>::of(dout);
     a.dq = Strided4<scalar_t>::of(dq);
     a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);

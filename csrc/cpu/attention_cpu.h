@@ -172,7 +172,8 @@ EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, const Logi
     const acc_t* ma = m.a + j0 * m.sj;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = begin; j < end; ++j) {
-      const acc_t x = lam * r[j] + ma[j * m.sj];
+      const acc_t mj = ma[j * m.sj];
+      const acc_t x = mj == kNegInf ? kNegInf : lam * r[j] + mj;  // NaN + -inf stays hidden
       r[j] = x;
       mx = x > mx ? x : mx;
     }

@@ -9,6 +9,7 @@
 #include "../attention_call.h"
 #include "attention_cpu.h"
 #include "block_gemm.h"
+#include "hidden_nonfinite.h"
 #include "row_kernels.h"
 
 namespace entropy_attn::cpu {
@@ -18,6 +19,7 @@ template <typename acc_t>
 struct FwdArgs {
   AttentionShape shape;
   Strided4<acc_t> q, kt, v;  // kt: K transposed, (B, Hkv, D, Lk)
+  NonFiniteRows v_nonfinite;  // the value rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   KeyPattern pattern;
@@ -33,10 +35,10 @@ struct FwdArgs {
 };
 
 // A thread's buffers: scores of one block (rows x kKvBlock), the output accumulator (rows x Dv),
-// and the per-row state.
+// the per-row state, and scratch for a value block with non-finite rows.
 template <typename acc_t>
 struct FwdBuffers {
-  std::vector<acc_t> s, o;
+  std::vector<acc_t> s, o, scratch;
   std::vector<RowSetup<acc_t>> setup;
   std::vector<RowStats<acc_t>> stats;
   FwdBuffers(int64_t rows, const AttentionShape& sh)
@@ -52,6 +54,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const acc_t* q = a.q.at(b, h, i0);
   const acc_t* kt = a.kt.at(b, kvh);
   const acc_t* v = a.v.at(b, kvh);
+  const uint8_t* v_flags = a.v_nonfinite.at(b, kvh);
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
   std::vector<acc_t>&s_buf = buf.s, &o_buf = buf.o;
   std::vector<RowStats<acc_t>>& stats = buf.stats;
@@ -88,8 +91,12 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
       }
     }
-    block_gemm<acc_t>(rows, Dv, n, s_buf.data(), n, v + j0 * a.v.sl, a.v.sl, o_buf.data(), Dv,
-                      true);
+    // O += P V, a non-finite value reaching only the rows that see its key.
+    product_seen_rows_of_b<acc_t>(
+        rows, Dv, n, s_buf.data(), n, v + j0 * a.v.sl, a.v.sl, o_buf.data(), Dv, true,
+        v_flags ? v_flags + j0 : nullptr, buf.scratch, [&](int64_t r, int64_t j) {
+          return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
+        });
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -130,6 +137,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.kt = Strided4<scalar_t>::of(kt);
     a.v = Strided4<scalar_t>::of(v);
+    a.v_nonfinite = NonFiniteRows::of(a.v, sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim);
     a.mask = call.mask_arg<scalar_t>();
     a.scale = call.scale_policy<scalar_t>();
     a.pattern = call.key_pattern();

@@ -50,7 +50,7 @@ EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, const L
   return alpha;
 }
 
-// Recomputes one row of weights p = e^{s - lse} (0 where masked) from raw scores s, which become
+// Recomputes one row of weights p = e^{s - lse} (0 where masked, whatever lse is) from raw scores s, which become
 // the scaled logits; with softcap on, dcap gets the cap's derivative at each scaled score.
 template <typename acc_t>
 EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t n, int64_t j0,
@@ -59,10 +59,13 @@ EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t 
     for (int64_t j = 0; j < n; ++j) dcap[j] = row.softcap.derivative(row.softcap.apply(row.lam * s[j]));
   }
   scaled_logits(s, n, j0, row);
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
+    // A hidden key's weight is 0 even in a row whose lse is NaN (a row that sees a NaN): the
+    // products over the block (dV, dK) then keep the row's NaN to the keys it sees.
     const acc_t x = s[j] - lse;
-    p[j] = exp_nonpositive(x, clamp_exp_arg(x));
+    p[j] = s[j] == kNegInf ? acc_t(0) : exp_nonpositive(x, clamp_exp_arg(x));
   }
 }
 

@@ -317,7 +317,9 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
         if constexpr (kMask == MaskKind::kBool) {
           if (static_cast<const bool*>(t.mask)[off]) s = lam * x;
         } else if constexpr (kMask == MaskKind::kAdditive) {
-          s = fmaf(lam, x, static_cast<const float*>(t.mask)[off]);
+          // -inf hides the key whatever its score (a NaN key must not give NaN + -inf = NaN).
+          const float m = static_cast<const float*>(t.mask)[off];
+          if (m != kNegInf) s = fmaf(lam, x, m);
         } else {
           s = lam * x;
         }

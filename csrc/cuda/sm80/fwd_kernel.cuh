@@ -506,6 +506,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
         }
         float y;
         if constexpr (kMask == MaskKind::kAdditive) {
+          // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
+          allowed = allowed && __uint_as_float(word) != kNegInf;
           y = fmaf(s_rc(r, c), scale2, __uint_as_float(word) * kLog2e);
         } else {
           y = s_rc(r, c) * scale2;

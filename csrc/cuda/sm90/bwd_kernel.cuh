@@ -335,7 +335,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                   if constexpr (kMask == MaskKind::kBool) {
                     allowed = mask.bool_data()[off];
                   } else {
-                    s = fmaf(lam[r], x, mask.additive_data()[off]);
+                    // -inf hides the key whatever its score (NaN + -inf would be NaN).
+                    const float m = mask.additive_data()[off];
+                    allowed = m != kNegInf;
+                    s = fmaf(lam[r], x, m);
                   }
                 }
               }

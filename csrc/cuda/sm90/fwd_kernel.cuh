@@ -379,6 +379,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         }
         float y;
         if constexpr (kMask == MaskKind::kAdditive) {
+          // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
+          allowed = allowed && __uint_as_float(word) != kNegInf;
           y = fmaf(s_rc(r, c), scale2[r], __uint_as_float(word) * kLog2e);
         } else {
           y = s_rc(r, c) * scale2[r];

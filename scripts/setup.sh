@@ -93,8 +93,25 @@ if command -v ccache >/dev/null; then
 fi
 # An editable install: `import torch_ext` works from any directory, and the package is this tree.
 # CUDA sources are built when torch is a CUDA build and nvcc is found (setup.py).
-build_start=$(date +%s)
-env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
-echo "extension built in $(($(date +%s) - build_start))s ($(find csrc/cuda -name '*.cu' | wc -l) CUDA" \
-     "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
-if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi
+# A re-run with nothing changed skips the build: the stamp records what the last successful build
+# compiled (the build inputs' hashes, torch, the build switches). A build with warnings as errors
+# also serves a later request without them, not the other way round.
+stamp_file=build/extension.stamp
+werror=${ENTROPY_ATTN_WERROR:-0}
+stamp=$( { find csrc setup.py pyproject.toml -type f -print0 | sort -z | xargs -0 sha256sum
+           "$PYTHON" -c 'import torch; print(torch.__version__)'
+           echo "cpu_only=${ENTROPY_ATTN_CPU_ONLY:-0} arch=${TORCH_CUDA_ARCH_LIST:-} nvcc=$(command -v nvcc || true)"
+         } | sha256sum | cut -d' ' -f1)
+built=$(cat "$stamp_file" 2>/dev/null || true)
+if [[ -n $built && ${built%% *} == "$stamp" && ${built##* } -ge $werror ]] &&
+   "$PYTHON" -c "import torch_ext" 2>/dev/null; then
+  echo "extension up to date (build/extension.stamp): not rebuilt"
+else
+  build_start=$(date +%s)
+  rm -f "$stamp_file"
+  env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+  mkdir -p build && echo "$stamp $werror" >"$stamp_file"
+  echo "extension built in $(($(date +%s) - build_start))s ($(find csrc/cuda -name '*.cu' | wc -l) CUDA" \
+       "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
+  if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi
+fi

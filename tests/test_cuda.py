@@ -994,6 +994,21 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
         assert torch.isfinite(t).all(), f"{family}: {name} is not finite"
 
 
+@real_cuda
+@pytest.mark.parametrize("family", ["sm80", "fallback"])
+def test_keys_past_2_31_rows(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """2^31 + 5 keys, expanded from one row (no memory): the tensor-core families keep lengths in
+    32 bits, so such a call goes to the fallback (64-bit) instead of running over 5 keys."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    Lk = 2**31 + 5
+    q = torch.randn(1, 1, 2, 64, device=DEV, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 1, 64, device=DEV, dtype=torch.bfloat16).expand(1, 1, Lk, 64)
+    v = torch.randn(1, 1, 1, 64, device=DEV, dtype=torch.bfloat16).expand(1, 1, Lk, 64)
+    out, st = torch_ext.attention(q, k, v, return_stats=True)
+    assert (st.n_keys == Lk).all()
+    torch.testing.assert_close(out, v[:, :, :1].expand(1, 1, 2, 64), atol=2e-2, rtol=2e-2)
+
+
 # ----------------------------------------------------------------------------------------
 # kernel families (csrc/cuda/family.h): the switch, and agreement of the families
 # ----------------------------------------------------------------------------------------

@@ -211,10 +211,10 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
                                      const at::Tensor& output, const AttentionBackwardCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const at::Tensor q = with_unit_last_stride(query, acc), k = with_unit_last_stride(key, acc);
+  const at::Tensor q = gemm_operand(query, acc), k = gemm_operand(key, acc);
   const at::Tensor kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
-  const at::Tensor out = with_unit_last_stride(output, acc);
-  const at::Tensor dout = with_unit_last_stride(grad_output, acc);
+  const at::Tensor out = gemm_operand(output, acc);
+  const at::Tensor dout = gemm_operand(grad_output, acc);
 
   const auto opts = query.options().dtype(acc);
   const int64_t chunk_keys = backward_chunk_keys(sh);

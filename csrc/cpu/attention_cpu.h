@@ -39,6 +39,16 @@ struct Strided4 {
   T* at(int64_t b, int64_t h, int64_t l = 0) const { return data + b * sb + h * sh + l * sl; }
 };
 
+// x (B, heads, L, dim) in `dtype` as the row-major operand of block_gemm: a unit last stride, and
+// compact rows when its rows span 2^31 elements or more (a sequence stride of 2^27 over a few
+// dozen rows suffices): the oneDNN micro-kernel behind ATen's brgemm computes offsets within an
+// operand in 32 bits and fails (std::bad_alloc) for such a leading dimension.
+inline at::Tensor gemm_operand(const at::Tensor& x, at::ScalarType dtype) {
+  at::Tensor y = with_unit_last_stride(x, dtype);
+  const int64_t span = (y.size(2) - 1) * y.stride(2) + y.size(3);
+  return span > std::numeric_limits<int32_t>::max() ? y.contiguous() : y;
+}
+
 // x (B, heads, L, dim) as a contiguous (B, heads, dim, L) tensor in `dtype`, in one copy: the
 // row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is.
 // (Tensor::to with a memory format would alias: a transposed view "suggests" the contiguous

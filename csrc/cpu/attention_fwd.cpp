@@ -123,9 +123,9 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const at::Tensor q = with_unit_last_stride(query, acc);
+  const at::Tensor q = gemm_operand(query, acc);
   const at::Tensor kt = transposed_copy(key, acc);
-  const at::Tensor v = with_unit_last_stride(value, acc);
+  const at::Tensor v = gemm_operand(value, acc);
   AttentionOutputs outputs = call.allocate_outputs(query);
   auto& [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
          normalized_entropy, sparsity, effective_keys] = outputs;

@@ -77,7 +77,7 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
                                   SparsityKind kind, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const at::Tensor q = with_unit_last_stride(query, acc), kt = transposed_copy(key, acc);
+  const at::Tensor q = gemm_operand(query, acc), kt = transposed_copy(key, acc);
   at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_attention_sparsity_cpu", [&] {

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string_view>
 #include <type_traits>
@@ -87,6 +88,9 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
     if (!rows_16b_aligned(*t)) return "a tensor's rows are not 16-byte aligned";
   }
   if (s.heads > 65535 || s.batch > 65535) return "more than 65535 heads or batches";
+  // The kernels keep lengths and key indices in 32 bits (their offsets are 64-bit); an expanded
+  // (stride 0) key/value of 2^31 rows or more costs no memory, so the length itself is checked.
+  if (s.q_len > INT32_MAX || s.kv_len > INT32_MAX) return "a sequence of 2^31 rows or more";
   return {};
 }
 

@@ -337,8 +337,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                   } else {
                     // -inf hides the key whatever its score (NaN + -inf would be NaN).
                     const float m = mask.additive_data()[off];
-                    allowed = m != kNegInf;
-                    s = fmaf(lam[r], x, m);
+                    s = m == kNegInf ? m : fmaf(lam[r], x, m);
                   }
                 }
               }

@@ -1,0 +1,77 @@
+"""How the CPU headline point depends on the instruction set: runs it in fresh processes with
+oneDNN (our block products, via ATen's brgemm) and ATen's own kernels (SDPA's flash kernel) capped
+at AVX2 or not, and prints a Markdown table.
+
+    python3 benchmarks/cpu_isa.py [--reps 5]
+
+The caps are oneDNN's ONEDNN_MAX_CPU_ISA and ATen's ATEN_CPU_CAPABILITY, read once at start-up,
+hence one process per setting. MKL (SDPA's matrix products) is left as it is: on AMD CPUs it runs
+its AVX2 code either way. Our per-row loops pick their ISA by GCC function multiversioning and are
+not capped, so the AVX2 rows measure the products' share of the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+POINT = dict(B=2, H=8, L=4096, D=64)
+
+CHILD = r"""
+import json, sys, time, torch, torch_ext
+import torch.nn.functional as F
+reps = int(sys.argv[1])
+torch.manual_seed(0)
+B, H, L, D = 2, 8, 4096, 64
+q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+def best(f):
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    return min(ts) * 1e3
+ours = best(lambda: torch_ext.attention(q, k, v))
+sdpa = best(lambda: F.scaled_dot_product_attention(q, k, v))
+print(json.dumps({"ours_ms": ours, "sdpa_ms": sdpa, "aten_isa": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+SETTINGS = [
+    ("native", {}),
+    ("oneDNN capped at AVX2", {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    ("oneDNN and ATen capped at AVX2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+]
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    print(f"{cpu_name()}, avx512f: {'avx512f' in flags}, {os.cpu_count()} CPUs; float32 "
+          f"B={POINT['B']} H={POINT['H']} L={POINT['L']} D={POINT['D']}, best of {args.reps}\n")
+    print("| setting | ATen ISA | ours (ms) | SDPA (ms) | ours / SDPA |")
+    print("|---|---|---:|---:|---:|")
+    for name, env in SETTINGS:
+        out = subprocess.run([sys.executable, "-c", CHILD, str(args.reps)], env={**os.environ, **env},
+                             capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"| {name} | {r['aten_isa']} | {r['ours_ms']:.0f} | {r['sdpa_ms']:.0f} | "
+              f"{r['ours_ms'] / r['sdpa_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

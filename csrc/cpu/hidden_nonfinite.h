@@ -55,7 +55,8 @@ class NonFiniteRows {
         }
       }
     });
-    if (std::find(flags.begin(), flags.end(), uint8_t{1}) != flags.end()) r.flags_ = std::move(flags);
+    if (std::find(flags.begin(), flags.end(), uint8_t{1}) != flags.end())
+      r.flags_ = std::move(flags);
     return r;
   }
 
@@ -109,8 +110,8 @@ void product_seen_rows_of_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t
 // `flags` when it is non-finite: such columns are replaced by zeros in the block product, then
 // C[:, k] += Bt[:, m] A[m, k] for each key k that row m sees (sees(m, k)).
 template <typename T, typename Sees>
-void product_seen_cols_of_bt(int64_t N, int64_t K, int64_t M, const T* Bt, int64_t ldbt,
-                             const T* A, int64_t lda, T* C, int64_t ldc, const uint8_t* flags,
+void product_seen_cols_of_bt(int64_t N, int64_t K, int64_t M, const T* Bt, int64_t ldbt, const T* A,
+                             int64_t lda, T* C, int64_t ldc, const uint8_t* flags,
                              std::vector<T>& scratch, const Sees& sees) {
   if (!any_flagged(flags, M)) {
     block_gemm<T>(N, K, M, Bt, ldbt, A, lda, C, ldc, true);

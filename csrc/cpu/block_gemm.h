@@ -2,7 +2,9 @@
 // row-major with a unit column stride (the kernels keep transposed copies of K, V and small blocks
 // rather than asking for transposed operands). float goes through ATen's exported brgemm (oneDNN's
 // JIT micro-kernel, with runtime ISA dispatch: measured 2.3x faster than MKL's sgemm on the blocks
-// of attention on an AVX-512 AMD CPU, where MKL stays on its AVX2 path); double through ATen's mm.
+// of attention on an AVX-512 AMD CPU, where MKL stays on its AVX2 path) where oneDNN can use
+// AVX-512, and through ATen's mm (MKL) elsewhere, where brgemm's AVX2 kernel was the slower one
+// (block_gemm.cpp); double through ATen's mm.
 // The kernels parallelize over their own tasks, so each task runs its products inside a
 // SerialBlasScope.
 #pragma once

@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 CLEAR_ERRORS = (ValueError, TypeError, NotImplementedError, RuntimeError, IndexError)
 
 
-def laid_out(x: torch.Tensor, layout: str, gen: torch.Generator) -> torch.Tensor:
+def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
     """The same values as x (B, H, L, D) in another memory layout."""
     if layout == "contiguous":
         return x.contiguous()
@@ -58,26 +58,18 @@ def build_valid(c: Dict[str, Any]) -> Tuple[Tuple[torch.Tensor, ...], Optional[t
     dtype = DTYPES[c["dtype"]]
     B, Hkv, H, Lq, Lk, D, Dv = (c[n] for n in ("B", "Hkv", "H", "Lq", "Lk", "D", "Dv"))
     shapes = {"q": (B, H, Lq, D), "k": (B, Hkv, Lk, D), "v": (B, Hkv, Lk, Dv)}
-    tensors = {}
-    for name, shape in shapes.items():
-        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * c["magnitude"]).to(dtype)
-        if c["layout"][name] == "expanded" and x.numel():
-            x = x[:1, :1].expand(shape).clone()  # values consistent with the broadcast view
-        tensors[name] = x
+    tensors = {
+        name: (torch.randn(shape, generator=gen, dtype=torch.float64) * c["magnitude"]).to(dtype)
+        for name, shape in shapes.items()
+    }
     if c["bad"] is not None:
         name, frac, val = c["bad"]
-        x = tensors[name]
-        if x.numel():
-            flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
-            idx = min(int(frac * x.numel()), x.numel() - 1)
-            if c["layout"][name] == "expanded":  # keep the values broadcast-consistent
-                sub = x[0, 0].reshape(-1)
-                sub[min(int(frac * sub.numel()), sub.numel() - 1)] = val
-                x.copy_(x[:1, :1].expand_as(x))
-            else:
-                flat[idx] = val
-                tensors[name] = flat.view(x.shape)
-    q, k, v = (laid_out(tensors[n], c["layout"][n], gen) for n in ("q", "k", "v"))
+        # An expanded operand shows only its first (batch, head) entry: the bad value goes there.
+        target = tensors[name][:1, :1] if c["layout"][name] == "expanded" else tensors[name]
+        flat = target.reshape(-1)  # a view: both are contiguous
+        if flat.numel():
+            flat[min(int(frac * flat.numel()), flat.numel() - 1)] = val
+    q, k, v = (laid_out(tensors[n], c["layout"][n]) for n in ("q", "k", "v"))
     mask = None
     m = c["mask"]
     if m is not None:

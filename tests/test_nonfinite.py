@@ -211,3 +211,15 @@ def test_sdpa_drop_in_hidden_nan():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.isfinite(out[0, 0, :3]).all() and torch.isnan(out[0, 0, 3]).all()
     assert math.isfinite(float(out[0, 0, :3].sum()))
+
+
+def test_nan_row_scale_reaches_only_seen_keys():
+    """A NaN in a per-row scale tensor poisons its row, and dK only of the keys that row sees:
+    lambda_i enters dK through (lambda dS)^T Q, where the row's hidden keys have dS = 0."""
+    q, k, v, w = case_inputs(torch.float64)
+    scale = torch.full((1, 2, 9), 0.3, dtype=torch.float64)
+    scale[0, 0, 0] = NAN  # row 0 sees key 0 only (causal)
+    allowed = allowed_mask(1, 2, 9, 9, None, True)
+    out, _, (dq, dk, dv) = check_against_reference(q, k, v, w, allowed, is_causal=True, scale=scale)
+    assert torch.isnan(out[0, 0, 0]).all() and torch.isfinite(out[0, 0, 1:]).all()
+    assert torch.isnan(dk[0, 0, 0]).any() and torch.isfinite(dk[0, 0, 1:]).all()

@@ -104,12 +104,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t lam = a.row_scale[row0 + r];
     const acc_t* qr = q + r * a.q.sl;
-    acc_t bad = 0;  // NaN when lambda q_i has a non-finite entry (has_nonfinite)
-    for (int64_t d = 0; d < D; ++d) {
-      const acc_t x = buf.qs_t[d * rows + r] = lam * qr[d];
-      bad += x - x;
-    }
-    buf.qs_flags[r] = bad != bad;
+    for (int64_t d = 0; d < D; ++d) buf.qs_t[d * rows + r] = lam * qr[d];
+    buf.qs_flags[r] = has_nonfinite(buf.qs_t.data() + r, D, rows);  // column r of (lambda Q)^T
     buf.do_flags[r] = has_nonfinite(dout + r * a.dout.sl, Dv);
   }
   transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);

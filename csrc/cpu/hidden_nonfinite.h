@@ -19,13 +19,13 @@
 
 namespace entropy_attn::cpu {
 
-// Whether x[0, n) holds a NaN or an infinity: x - x is 0 for finite x and NaN otherwise, and the
-// sum of those vectorizes where a branch per element would not.
+// Whether x[0], x[stride], ..., x[(n - 1) stride] holds a NaN or an infinity: x - x is 0 for
+// finite x and NaN otherwise, and the sum of those vectorizes where a branch per element would not.
 template <typename T>
-EA_ALWAYS_INLINE bool has_nonfinite(const T* x, int64_t n) {
+EA_ALWAYS_INLINE bool has_nonfinite(const T* x, int64_t n, int64_t stride = 1) {
   T acc = 0;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += x[d] - x[d];
+  for (int64_t d = 0; d < n; ++d) acc += x[d * stride] - x[d * stride];
   return acc != acc;
 }
 

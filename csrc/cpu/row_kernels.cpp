@@ -50,13 +50,15 @@ EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, const L
   return alpha;
 }
 
-// Recomputes one row of weights p = e^{s - lse} (0 where masked, whatever lse is) from raw scores s, which become
-// the scaled logits; with softcap on, dcap gets the cap's derivative at each scaled score.
+// Recomputes one row of weights p = e^{s - lse} (0 where masked, whatever lse is) from raw scores
+// s, which become the scaled logits; with softcap on, dcap gets the cap's derivative at each scaled
+// score.
 template <typename acc_t>
 EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t n, int64_t j0,
                                        const LogitRow<acc_t>& row, acc_t lse) {
   if (row.softcap.on()) {
-    for (int64_t j = 0; j < n; ++j) dcap[j] = row.softcap.derivative(row.softcap.apply(row.lam * s[j]));
+    for (int64_t j = 0; j < n; ++j)
+      dcap[j] = row.softcap.derivative(row.softcap.apply(row.lam * s[j]));
   }
   scaled_logits(s, n, j0, row);
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();

@@ -130,7 +130,9 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
       << nan_b.sum().item<int64_t>() << " in the reference's)";
   if (a.numel() == 0) return;
   const at::Tensor ok = nan_a.logical_not().logical_and(nan_b.logical_not());
-  const at::Tensor diff = at::where(ok, (a - b).abs(), at::zeros_like(a));
+  // Equal entries differ by 0, infinities included (inf - inf would be NaN); an infinity against a
+  // finite value differs by inf.
+  const at::Tensor diff = at::where(ok.logical_and(a != b), (a - b).abs(), at::zeros_like(a));
   const at::Tensor finite_b = at::where(ok, b.abs(), at::zeros_like(b));
   const double scale = std::max(1.0, finite_b.max().item<double>());
   const double err = diff.max().item<double>();
@@ -177,6 +179,9 @@ struct Case {
   double log_base = 16, temperature = 1;
   bool noncontig = false;  // q, k, v as transpose(1, 2) views of (B, L, H, D) tensors
   bool nan_row = false;    // NaN in one query row
+  // NaN in a key, a value, a query and a dO row, each hidden from some rows (causal cases): the
+  // kernels must match the CPU op, which keeps each to the rows and keys that see it.
+  bool hidden_nonfinite = false;
   bool stat_grads = true;  // upstream gradients of lse, entropy and sum_p2
   int64_t window_left = -1, window_right = -1;  // window_size
   bool bottom_right = false;                    // causal_alignment
@@ -229,6 +234,19 @@ Inputs make_inputs(const Case& c) {
   if (c.nan_row && c.Lq > 2) {
     in.q.select(0, 0).select(0, 0).select(0, 2).fill_(std::numeric_limits<double>::quiet_NaN());
   }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  if (c.hidden_nonfinite) {
+    in.k.select(0, 0).select(0, 0).select(0, c.Lk - 1).fill_(nan);
+    // An infinite key entry seen by many rows: its logit is +inf (a NaN row) or -inf (weight 0,
+    // but dQ still forms dS * k = 0 * inf there, as the CPU op does) by the sign of q.
+    in.k.select(0, 0).select(0, 0).select(0, c.Lk / 2).select(0, 0).fill_(
+        std::numeric_limits<double>::infinity());
+    in.v.select(0, 0).select(0, 0).select(0, c.Lk - 2).select(0, 1).fill_(nan);
+    in.q.select(0, 0).select(0, 0).select(0, 0).select(0, 2).fill_(nan);
+    // An infinite query entry: keys of logit -inf get dS = 0 from it, and dK still forms 0 * inf.
+    in.q.select(0, 0).select(0, 0).select(0, c.Lq / 2).select(0, 1).fill_(
+        std::numeric_limits<double>::infinity());
+  }
   std::vector<int64_t> mshape;
   switch (c.mask) {
     case MaskType::kBool:
@@ -268,6 +286,7 @@ Inputs make_inputs(const Case& c) {
     if (!c.seqused_k.empty()) in.seqused_k = int32_tensor(c.seqused_k);
   }
   in.dout = at::randn({c.B, c.H, c.Lq, c.dv()}, f64).to(c.dtype);
+  if (c.hidden_nonfinite) in.dout.select(0, 0).select(0, 0).select(0, 1).select(0, 0).fill_(nan);
   in.g_lse = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
   in.g_entropy = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
   in.g_sum_p2 = at::randn({c.B, c.H, c.Lq}, f64).to(acc);
@@ -518,10 +537,13 @@ void run_case_typed(const Case& c, bool backward) {
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
                normalized_entropy, sparsity, effective_keys] = fwd.outputs;
 
-  const Reference ref = reference(c, in, backward);
+  // With hidden non-finite inputs the plain n x n reference is NaN everywhere: the CPU op is the
+  // reference then (below).
+  const Reference ref = reference(c, in, backward && !c.hidden_nonfinite);
   const at::ScalarType acc = c.dtype == at::kDouble ? at::kDouble : at::kFloat;
   EXPECT_EQ(out.scalar_type(), c.dtype);
   EXPECT_EQ(lse.scalar_type(), acc);
+  if (!c.hidden_nonfinite) {
   expect_close(out, ref.out, tol.out, "output");
   expect_close(lse, ref.lse, tol.stats, "lse");
   expect_close(entropy, ref.entropy, tol.stats, "entropy");
@@ -535,6 +557,7 @@ void run_case_typed(const Case& c, bool backward) {
   expect_close(sparsity, ref.sparsity, tol.stats, "sparsity");
   expect_close(effective_keys / ref.effective_keys.clamp_min(1),
                ref.effective_keys / ref.effective_keys.clamp_min(1), tol.stats, "effective_keys");
+  }
   if (c.nan_row && c.Lq > 2) {
     // NaN in query row 2 of (b, h) = (0, 0): that row's output and statistics are NaN, no other.
     EXPECT_TRUE(out[0][0][2].isnan().all().item<bool>());
@@ -555,6 +578,10 @@ void run_case_typed(const Case& c, bool backward) {
   const entropy_attn::AttentionGrads grads = bwd.finish();
   const auto& [dq, dk, dv, dlam] = grads;
   EXPECT_EQ(dq.scalar_type(), c.dtype);
+  if (c.hidden_nonfinite) {
+    expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
+    return;
+  }
   expect_close(dq, ref.dq, tol.grad, "grad_query");
   expect_close(dk, ref.dk, tol.grad, "grad_key");
   expect_close(dv, ref.dv, tol.grad, "grad_value");
@@ -647,6 +674,12 @@ std::vector<Case> attention_cases() {
   c = mk("f32_noncontig_gqa", kFloat, 17, 33, 40, 8), c.noncontig = true, c.H = 2, c.Hkv = 1;
   v.push_back(c);
   c = mk("f32_nan_row", kFloat, 17, 33, 8), c.nan_row = true, c.H = 2, c.Hkv = 2, v.push_back(c);
+  // Several key and query tiles; causal, then a bool mask and a window on top.
+  c = mk("f32_hidden_nonfinite", kFloat, 70, 70, 8), c.causal = true, c.hidden_nonfinite = true;
+  c.H = 2, c.Hkv = 2, v.push_back(c);
+  c.name = "f64_hidden_nonfinite_mask", c.dtype = kDouble, c.mask = MaskType::kBool, v.push_back(c);
+  c = mk("bf16_hidden_nonfinite_window", kBFloat16, 70, 70, 64), c.causal = true;
+  c.hidden_nonfinite = true, c.window_left = 20, v.push_back(c);
   // float64 (buckets 64 and 128).
   c = mk("f64_d64_causal_mask", kDouble, 33, 17, 64), c.causal = true;
   c.mask = MaskType::kAdditiveQK, v.push_back(c);

@@ -68,7 +68,12 @@ __device__ __forceinline__ void gemm_wmma(const T* a, int lda, const T* b, int l
   using LayoutB = std::conditional_t<kBColMajor, wmma::col_major, wmma::row_major>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* tile = scratch + warp * 256;
-  for (int t = warp; t < (M / 16) * (N / 16); t += kWarps) {
+  // A trip count the same for every warp and known to ptxas: lanes it cannot prove converged would
+  // make each __syncwarp and shuffle a call, and values live across calls are spilled.
+  constexpr int kTiles = (M / 16) * (N / 16);
+  static_assert(kTiles % kWarps == 0, "every warp takes the same number of output tiles");
+  for (int tw = 0; tw < kTiles / kWarps; ++tw) {
+    const int t = warp + tw * kWarps;
     const int m0 = (t / (N / 16)) * 16, n0 = (t % (N / 16)) * 16;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
     wmma::fill_fragment(c, 0.0f);

@@ -15,6 +15,7 @@
 
 #include "../../online_stats.h"
 #include "block_gemm.cuh"
+#include "nonfinite_rows.cuh"
 #include "device_utils.cuh"
 #include "../params.h"
 
@@ -43,7 +44,9 @@ struct BwdLayout {
   static constexpr size_t kRows = kDV + kTileA;
   static constexpr size_t kLo = kRows + 5 * kRow;
   static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kScratch = kHi + align128(sizeof(int64_t) * kBM);
+  // Flags of the non-finite rows of the K, Q and dO tiles (nonfinite_rows.cuh).
+  static constexpr size_t kFlags = kHi + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kScratch = kFlags + align128(3 * kBM);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The grid: one block per (batch, query head, key tile).
@@ -99,7 +102,8 @@ __device__ __forceinline__ int64_t first_query_tile(const AttentionArgs<Acc>& a,
 }
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams<AccType<T>> p) {
+__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T, kD>::kBytes))
+    attention_bwd_kernel(const BwdParams<AccType<T>> p) {
   using L = BwdLayout<T, kD>;
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
@@ -123,6 +127,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
   Acc* sGU = reinterpret_cast<Acc*>(smem + L::kRows + 4 * L::kRow);
   int64_t* sLo = reinterpret_cast<int64_t*>(smem + L::kLo);
   int64_t* sHi = reinterpret_cast<int64_t*>(smem + L::kHi);
+  uint8_t *sKBad = smem + L::kFlags, *sQBad = sKBad + kBM, *sdOBad = sQBad + kBM;
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
   const BlockIndex blk = block_index((p.kv_len + kBN - 1) / kBN, p.heads, p.kv_heads);
@@ -135,10 +140,14 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
                                       j0 * p.k.sl, p.k.sl, cols, D);
   load_tile<kBN, kD>(sV, L::kLdT, static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh +
                                       j0 * p.v.sl, p.v.sl, cols, Dv);
-  for (int e = threadIdx.x; e < kBN * kD; e += kThreads) {
+  for (int it = 0; it < kBN * kD / kThreads; ++it) {
+    const int e = threadIdx.x + it * kThreads;
     sdK[(e / kD) * L::kLdA + e % kD] = Acc(0);
     sdV[(e / kD) * L::kLdA + e % kD] = Acc(0);
   }
+  // Non-finite key rows leave G += dS K (their scores are formed apart, below); they are added
+  // back to the rows that see them.
+  zero_nonfinite_rows<kBN, kD>(sK, L::kLdT, cols, static_cast<int>(D), sKBad);
 
   // The query tiles that see some key of [j0, j0 + cols): from the first whose last row's hi
   // passes j0 until one whose first row's lo reaches j0 + cols (KeyPattern's bounds never
@@ -166,9 +175,29 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
 
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
+    // The rare paths below run rolled loops of fixed trip counts, with their barrier after the
+    // branch: otherwise ptxas forms calls for them, and the values live across the query-tile loop
+    // are spilled around those calls.
+    if (any_flag(sKBad, cols)) {  // the scores of the zeroed key rows, from the keys as given
+      const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
+#pragma unroll 1
+      for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
+        if (sKBad[c]) {
+          Acc x = 0;
+#pragma unroll 1
+          for (int d = 0; d < kD; ++d) {
+            if (d < D) x += to_acc(sQ[r * L::kLdT + d]) * to_acc(k_given[c * p.k.sl + d]);
+          }
+          sS[r * L::kLdS + c] = x;
+        }
+      }
+    }
+    __syncthreads();
     // The scaled, capped scores y = cap(lambda q.k) (-inf outside the row's keys), kept for the
     // softcap's derivative, and P o Z for dV, p = e^{s - lse} (0 where masked) with s the logit.
-    for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
+    for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+      const int e = threadIdx.x + it * kThreads;
       const int r = e / kBN, c = e % kBN;
       const int64_t j = j0 + c;
       Acc y = neg_inf<Acc>(), pw = 0;
@@ -183,13 +212,31 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
       sP[r * L::kLdP + c] = from_acc<OpT>(pw);
     }
     __syncthreads();
-    // dV += P^T dO ; dP = dO V^T
-    block_gemm<kBN, kD, kBM, true, false, Acc>(
-        sP, L::kLdP, sdO, L::kLdT, scratch, [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
+    // dP = dO V^T (a non-finite entry stays in its row and key); then dV += P^T dO, with the
+    // non-finite rows of dO added back to the keys they see.
     block_gemm<kBM, kBN, kD, false, true, Acc>(
         sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
+    zero_nonfinite_rows<kBM, kD>(sdO, L::kLdT, rows, static_cast<int>(Dv), sdOBad);
+    block_gemm<kBN, kD, kBM, true, false, Acc>(
+        sP, L::kLdP, sdO, L::kLdT, scratch, [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
     __syncthreads();
-    for (int e = threadIdx.x; e < kBM * kBN; e += kThreads) {
+    if (any_flag(sdOBad, rows)) {
+#pragma unroll 1
+      for (int it = 0; it < kBN * kD / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
+#pragma unroll 1
+        for (int r = 0; r < kBM; ++r) {
+          if (r < rows && c < cols && d < Dv && sdOBad[r] &&
+              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+            const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
+            sdV[c * L::kLdA + d] += to_acc(sP[r * L::kLdP + c]) * to_acc(d_o_given[d]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+      const int e = threadIdx.x + it * kThreads;
       const int r = e / kBN, c = e % kBN;
       const int64_t j = j0 + c;
       const Acc y = sS[r * L::kLdS + c];
@@ -208,8 +255,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
         }
       }
       sdS[r * L::kLdP + c] = from_acc<OpT>(ds);
-      sdSl[r * L::kLdP + c] = from_acc<OpT>(ds * sLam[r]);
+      // (A hidden key's 0 stays 0 even where lambda is not finite.)
+      sdSl[r * L::kLdP + c] = from_acc<OpT>(ds == Acc(0) ? ds : ds * sLam[r]);
     }
+    // Non-finite query rows leave dK += (lambda dS)^T Q; added back below to the keys they see.
+    zero_nonfinite_rows<kBM, kD>(sQ, L::kLdT, rows, static_cast<int>(D), sQBad);
     __syncthreads();
     // dK += (lambda dS)^T Q ; G += dS K
     block_gemm<kBN, kD, kBM, true, false, Acc>(
@@ -221,10 +271,44 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(const BwdParams
           if (m < rows && n < dq_cols) atomicAdd(dq + m * dq_cols + n, x);
         });
     __syncthreads();
+    if (any_flag(sQBad, rows)) {
+#pragma unroll 1
+      for (int it = 0; it < kBN * kD / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
+#pragma unroll 1
+        for (int r = 0; r < kBM; ++r) {
+          if (r < rows && c < cols && d < D && sQBad[r] &&
+              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+            const T* q_given = rows_as_given<T>(p.q, b, h, i0 + r);
+            sdK[c * L::kLdA + d] += to_acc(sdSl[r * L::kLdP + c]) * to_acc(q_given[d]);
+          }
+        }
+      }
+    }
+    if (any_flag(sKBad, cols)) {
+      const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
+#pragma unroll 1
+      for (int it = 0; it < kBM * kD / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;
+        Acc add = 0;
+        bool seen = false;
+#pragma unroll 1
+        for (int c = 0; c < kBN; ++c) {
+          if (r < rows && c < cols && d < D && sKBad[c] &&
+              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+            add += to_acc(sdS[r * L::kLdP + c]) * to_acc(k_given[c * p.k.sl + d]);
+            seen = true;
+          }
+        }
+        if (seen) atomicAdd(dq + r * dq_cols + d, add);
+      }
+    }
+    __syncthreads();
   }
 
   // dK, dV of this query head (the host sums them over the heads of a GQA group).
-  for (int e = threadIdx.x; e < kBN * kD; e += kThreads) {
+  for (int it = 0; it < kBN * kD / kThreads; ++it) {
+    const int e = threadIdx.x + it * kThreads;
     const int c = e / kD, d = e % kD;
     if (c >= cols) continue;
     const int64_t key_row = blk.bh * p.kv_len + j0 + c;

@@ -83,13 +83,23 @@ __device__ __forceinline__ Acc dropout_factor(const Dropout<Acc>& d, int64_t bh,
 
 // Copies rows [0, rows) x columns [0, cols) of a row-major source (row stride src_ld, unit column
 // stride) into a kRows x kCols shared-memory tile with leading dimension ld, zero-filling the rest:
-// padded rows and columns then add nothing to any product.
+// padded rows and columns then add nothing to any product. Each thread keeps its columns for every
+// row it copies (a 2-D walk, not a flat index split by / and %): one row pointer per step is all it
+// carries, where the flat form made ptxas hoist a 64-bit offset per unrolled step out of the key
+// loop.
 template <int kRows, int kCols, typename T>
 __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t src_ld, int rows,
                                           int64_t cols) {
-  for (int e = threadIdx.x; e < kRows * kCols; e += kThreads) {
-    const int r = e / kCols, c = e % kCols;
-    dst[r * ld + c] = (r < rows && c < cols) ? src[r * src_ld + c] : from_acc<T>(0.0f);
+  constexpr int kRowThreads = kCols < kThreads ? kCols : kThreads;  // threads across one row
+  static_assert(kThreads % kRowThreads == 0 && kCols % kRowThreads == 0, "whole rows per step");
+  constexpr int kRowStep = kThreads / kRowThreads;
+  const int c0 = threadIdx.x % kRowThreads;
+  for (int r = threadIdx.x / kRowThreads; r < kRows; r += kRowStep) {
+    const T* row = src + r * src_ld;
+#pragma unroll
+    for (int c = c0; c < kCols; c += kRowThreads) {
+      dst[r * ld + c] = (r < rows && c < cols) ? row[c] : from_acc<T>(0.0f);
+    }
   }
 }
 
@@ -112,5 +122,15 @@ constexpr int padded_ld(int n) {
   return n + 16 / static_cast<int>(sizeof(T));
 }
 constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+// The blocks an SM holds when each takes `bytes` of dynamic shared memory, on the GPU we build for
+// with the most of it (an H100: 228 KB per SM, 1 KB of it reserved per block). The attention
+// kernels give it to __launch_bounds__ as their minimum blocks per SM: ptxas then keeps registers
+// from lowering the occupancy shared memory allows, and without a minimum it picks a register budget
+// of its own and spills.
+constexpr int blocks_by_shared_memory(size_t bytes) {
+  const size_t n = 233472 / (bytes + 1024);
+  return n < 1 ? 1 : static_cast<int>(n);
+}
 
 }  // namespace entropy_attn::cuda::fallback

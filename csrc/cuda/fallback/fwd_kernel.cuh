@@ -10,6 +10,7 @@
 
 #include "../../online_stats.h"
 #include "block_gemm.cuh"
+#include "nonfinite_rows.cuh"
 #include "device_utils.cuh"
 #include "../params.h"
 
@@ -53,7 +54,8 @@ struct QueryTileLayout : FwdTiles<T, kD> {
   static constexpr size_t kLo = kFactor + align128(sizeof(Acc) * kBM);
   static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
   static constexpr size_t kN = kHi + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kScratch = kN + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kFlags = kN + align128(sizeof(int64_t) * kBM);  // non-finite V rows
+  static constexpr size_t kScratch = kFlags + align128(kBN);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The grid: one block per (batch, head, query tile).
@@ -193,7 +195,8 @@ __device__ __forceinline__ void softmax_row(const RowLogits<Acc>& logits,
 }
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams<AccType<T>> p) {
+__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T, kD>::kBytes))
+    attention_fwd_kernel(const FwdParams<AccType<T>> p) {
   using L = FwdLayout<T, kD>;
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
@@ -207,6 +210,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
   Acc* sO = reinterpret_cast<Acc*>(smem + L::kO);
   const TileRows<Acc> tr = tile_rows<L>(smem);
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);
+  uint8_t* sVBad = smem + L::kFlags;
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
   const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
@@ -229,19 +233,19 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
     const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
     load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim);
+    // Non-finite value rows leave P V; they are added back below to the rows that see them.
+    zero_nonfinite_rows<kBN, kD>(sV, L::kLdT, cols, static_cast<int>(p.v_head_dim), sVBad);
     __syncthreads();
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
-    for (int r = warp; r < kBM; r += kWarps) {
-      if (r < rows) {
-        const RowLogits<Acc> logits{
-            p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
-        softmax_row<kBN>(logits, RowDropout<Acc>{p.dropout, blk.bh, i0 + r}, j0, sS + r * L::kLdS,
-                         sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
-      } else {
-        for (int c = threadIdx.x % 32; c < kBN; c += 32) sP[r * L::kLdP + c] = from_acc<OpT>(Acc(0));
-        if (threadIdx.x % 32 == 0) sAlpha[r] = Acc(0);
-      }
+    // Every warp takes the same number of rows, padding rows included (they see no key: P = 0),
+    // so that no branch separates a warp's lanes around the softmax's shuffles.
+    for (int k = 0; k < kBM / kWarps; ++k) {
+      const int r = warp + k * kWarps;
+      const RowLogits<Acc> logits{
+          p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
+      softmax_row<kBN>(logits, RowDropout<Acc>{p.dropout, blk.bh, i0 + r}, j0, sS + r * L::kLdS,
+                       sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
     }
     __syncthreads();
     block_gemm<kBM, kD, kBN, false, false, Acc>(
@@ -249,6 +253,23 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const FwdParams
           Acc& o = sO[m * L::kLdO + n];
           o = o * sAlpha[m] + x;
         });
+    __syncthreads();
+    // The rare path: the zeroed value rows, added to the output rows that see them (rolled loops of
+    // fixed trip counts and the barrier after the branch, as in the backward kernel).
+    if (any_flag(sVBad, cols)) {
+      const T* v_given = rows_as_given<T>(p.v, b, kv_head_of(h, p), j0);
+#pragma unroll 1
+      for (int it = 0; it < kBM * kD / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;
+#pragma unroll 1
+        for (int c = 0; c < kBN; ++c) {
+          if (r < rows && c < cols && d < p.v_head_dim && sVBad[c] &&
+              row_sees(p.mask, b, h, i0 + r, tr.lo[r], tr.hi[r], j0 + c)) {
+            sO[r * L::kLdO + d] += to_acc(sP[r * L::kLdP + c]) * to_acc(v_given[c * p.v.sl + d]);
+          }
+        }
+      }
+    }
     __syncthreads();
   }
 

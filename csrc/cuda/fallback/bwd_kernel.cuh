@@ -44,9 +44,11 @@ struct BwdLayout {
   static constexpr size_t kRows = kDV + kTileA;
   static constexpr size_t kLo = kRows + 5 * kRow;
   static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
-  // Flags of the non-finite rows of the K, Q and dO tiles (nonfinite_rows.cuh).
+  // Flags of the non-finite rows (nonfinite_rows.cuh) of the key tile, of the query tiles (two sets,
+  // for alternate tiles) and of the dO tiles.
   static constexpr size_t kFlags = kHi + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kScratch = kFlags + align128(3 * kBM);
+  static constexpr int kFlagBytes = (kBN + 1) + 3 * (kBM + 1);
+  static constexpr size_t kScratch = kFlags + align128(kFlagBytes);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The grid: one block per (batch, query head, key tile).
@@ -127,7 +129,9 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
   Acc* sGU = reinterpret_cast<Acc*>(smem + L::kRows + 4 * L::kRow);
   int64_t* sLo = reinterpret_cast<int64_t*>(smem + L::kLo);
   int64_t* sHi = reinterpret_cast<int64_t*>(smem + L::kHi);
-  uint8_t *sKBad = smem + L::kFlags, *sQBad = sKBad + kBM, *sdOBad = sQBad + kBM;
+  uint8_t* const sKBad = smem + L::kFlags;
+  uint8_t* const sQFlags = sKBad + kBN + 1;
+  uint8_t* const sdOBad = sQFlags + 2 * (kBM + 1);
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
   const BlockIndex blk = block_index((p.kv_len + kBN - 1) / kBN, p.heads, p.kv_heads);
@@ -136,8 +140,12 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
   const int64_t D = p.head_dim, Dv = p.v_head_dim;
   const int64_t row0 = blk.bh * p.q_len;  // first (B, H, Lq) row of this head
 
+  // Non-finite key rows leave S = Q K^T and G += dS K: flagged as they load and zeroed; their
+  // scores are formed apart and their dq terms added back to the rows that see them (below).
+  clear_flags<L::kFlagBytes - 1>(sKBad);
+  __syncthreads();
   load_tile<kBN, kD>(sK, L::kLdT, static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh +
-                                      j0 * p.k.sl, p.k.sl, cols, D);
+                                      j0 * p.k.sl, p.k.sl, cols, D, sKBad);
   load_tile<kBN, kD>(sV, L::kLdT, static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh +
                                       j0 * p.v.sl, p.v.sl, cols, Dv);
   for (int it = 0; it < kBN * kD / kThreads; ++it) {
@@ -145,9 +153,8 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
     sdK[(e / kD) * L::kLdA + e % kD] = Acc(0);
     sdV[(e / kD) * L::kLdA + e % kD] = Acc(0);
   }
-  // Non-finite key rows leave G += dS K (their scores are formed apart, below); they are added
-  // back to the rows that see them.
-  zero_nonfinite_rows<kBN, kD>(sK, L::kLdT, cols, static_cast<int>(D), sKBad);
+  __syncthreads();
+  if (any_flagged<kBN>(sKBad)) zero_flagged_rows<kBN, kD>(sK, L::kLdT, sKBad);
 
   // The query tiles that see some key of [j0, j0 + cols): from the first whose last row's hi
   // passes j0 until one whose first row's lo reaches j0 + cols (KeyPattern's bounds never
@@ -158,8 +165,14 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
     const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
     const T* d_o =
         static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.sl;
-    load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, D);
-    load_tile<kBM, kD>(sdO, L::kLdT, d_o, p.dout.sl, rows, Dv);
+    // Non-finite query and dO rows, flagged as they load, leave the products once their scores and
+    // dP are formed; their terms are added back below to the keys (and dP entries) they see. The
+    // query flags alternate between two sets: the add-back that reads them ends the iteration, so
+    // clearing the next tile's set needs no barrier of its own.
+    const int parity = static_cast<int>((i0 / kBM) & 1);
+    uint8_t* const sQBad = sQFlags + parity * (kBM + 1);
+    load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, D, sQBad);
+    load_tile<kBM, kD>(sdO, L::kLdT, d_o, p.dout.sl, rows, Dv, sdOBad);
     for (int r = threadIdx.x; r < kBM; r += kThreads) {
       const int64_t row = row0 + i0 + r;
       const bool valid = r < rows;  // padding rows see no key, so p = dS = 0 there
@@ -173,12 +186,12 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
     }
     __syncthreads();
 
+    clear_flags<kBM>(sQFlags + (1 - parity) * (kBM + 1));
+    // dO is zeroed before dP = dO V^T: a flagged row's dP is formed again below.
+    if (any_flagged<kBM>(sdOBad)) zero_flagged_rows<kBM, kD>(sdO, L::kLdT, sdOBad);
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
-    // The rare paths below run rolled loops of fixed trip counts, with their barrier after the
-    // branch: otherwise ptxas forms calls for them, and the values live across the query-tile loop
-    // are spilled around those calls.
-    if (any_flag(sKBad, cols)) {  // the scores of the zeroed key rows, from the keys as given
+    if (any_flagged<kBN>(sKBad)) {  // the scores of the zeroed key rows, from the keys as given
       const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kBN / kThreads; ++it) {
@@ -193,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
         }
       }
     }
-    __syncthreads();
+    // (No barrier: the loop below reads each score in the thread that formed it above.)
     // The scaled, capped scores y = cap(lambda q.k) (-inf outside the row's keys), kept for the
     // softcap's derivative, and P o Z for dV, p = e^{s - lse} (0 where masked) with s the logit.
     for (int it = 0; it < kBM * kBN / kThreads; ++it) {
@@ -212,29 +225,44 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
       sP[r * L::kLdP + c] = from_acc<OpT>(pw);
     }
     __syncthreads();
-    // dP = dO V^T (a non-finite entry stays in its row and key); then dV += P^T dO, with the
-    // non-finite rows of dO added back to the keys they see.
-    block_gemm<kBM, kBN, kD, false, true, Acc>(
-        sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
-    zero_nonfinite_rows<kBM, kD>(sdO, L::kLdT, rows, static_cast<int>(Dv), sdOBad);
+    // The scores are formed: non-finite query rows leave dK += (lambda dS)^T Q from here on.
+    if (any_flagged<kBM>(sQBad)) zero_flagged_rows<kBM, kD>(sQ, L::kLdT, sQBad);
+    // dV += P^T dO ; dP = dO V^T, both without the non-finite dO rows, which are added back: to
+    // dV for the keys they see, and as their own rows of dP (a non-finite dO entry stays in its row).
     block_gemm<kBN, kD, kBM, true, false, Acc>(
         sP, L::kLdP, sdO, L::kLdT, scratch, [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
+    block_gemm<kBM, kBN, kD, false, true, Acc>(
+        sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
     __syncthreads();
-    if (any_flag(sdOBad, rows)) {
+    if (any_flagged<kBM>(sdOBad)) {
 #pragma unroll 1
       for (int it = 0; it < kBN * kD / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
 #pragma unroll 1
         for (int r = 0; r < kBM; ++r) {
           if (r < rows && c < cols && d < Dv && sdOBad[r] &&
-              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+              row_sees(p, b, h, i0 + r, j0 + c)) {
             const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
             sdV[c * L::kLdA + d] += to_acc(sP[r * L::kLdP + c]) * to_acc(d_o_given[d]);
           }
         }
       }
+#pragma unroll 1
+      for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+        const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
+        if (sdOBad[r]) {
+          const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
+          Acc x = 0;
+#pragma unroll 1
+          for (int d = 0; d < kD; ++d) {
+            if (d < Dv) x += to_acc(d_o_given[d]) * to_acc(sV[c * L::kLdT + d]);
+          }
+          sdP[r * L::kLdS + c] = x;
+        }
+      }
     }
-    __syncthreads();
+    // (No barrier: the loop below reads each dP entry in the thread that formed it above, and sdV
+    // is next written after the barriers of the next tile.)
     for (int it = 0; it < kBM * kBN / kThreads; ++it) {
       const int e = threadIdx.x + it * kThreads;
       const int r = e / kBN, c = e % kBN;
@@ -258,9 +286,8 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
       // (A hidden key's 0 stays 0 even where lambda is not finite.)
       sdSl[r * L::kLdP + c] = from_acc<OpT>(ds == Acc(0) ? ds : ds * sLam[r]);
     }
-    // Non-finite query rows leave dK += (lambda dS)^T Q; added back below to the keys they see.
-    zero_nonfinite_rows<kBM, kD>(sQ, L::kLdT, rows, static_cast<int>(D), sQBad);
     __syncthreads();
+    clear_flags<kBM>(sdOBad);  // read last above, set again by the next tile's load
     // dK += (lambda dS)^T Q ; G += dS K
     block_gemm<kBN, kD, kBM, true, false, Acc>(
         sdSl, L::kLdP, sQ, L::kLdT, scratch, [=](int m, int n, Acc x) { sdK[m * L::kLdA + n] += x; });
@@ -271,21 +298,21 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
           if (m < rows && n < dq_cols) atomicAdd(dq + m * dq_cols + n, x);
         });
     __syncthreads();
-    if (any_flag(sQBad, rows)) {
+    if (any_flagged<kBM>(sQBad)) {
 #pragma unroll 1
       for (int it = 0; it < kBN * kD / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
 #pragma unroll 1
         for (int r = 0; r < kBM; ++r) {
           if (r < rows && c < cols && d < D && sQBad[r] &&
-              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+              row_sees(p, b, h, i0 + r, j0 + c)) {
             const T* q_given = rows_as_given<T>(p.q, b, h, i0 + r);
             sdK[c * L::kLdA + d] += to_acc(sdSl[r * L::kLdP + c]) * to_acc(q_given[d]);
           }
         }
       }
     }
-    if (any_flag(sKBad, cols)) {
+    if (any_flagged<kBN>(sKBad)) {
       const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kD / kThreads; ++it) {
@@ -295,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
 #pragma unroll 1
         for (int c = 0; c < kBN; ++c) {
           if (r < rows && c < cols && d < D && sKBad[c] &&
-              row_sees(p.mask, b, h, i0 + r, sLo[r], sHi[r], j0 + c)) {
+              row_sees(p, b, h, i0 + r, j0 + c)) {
             add += to_acc(sdS[r * L::kLdP + c]) * to_acc(k_given[c * p.k.sl + d]);
             seen = true;
           }
@@ -303,8 +330,10 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
         if (seen) atomicAdd(dq + r * dq_cols + d, add);
       }
     }
-    __syncthreads();
+    // (No barrier: what the add-backs above read, the next tile writes only after its barriers;
+    // they read the row bounds from the arguments, not from sLo / sHi.)
   }
+  __syncthreads();  // the last tile's add-backs before dK and dV are written
 
   // dK, dV of this query head (the host sums them over the heads of a GQA group).
   for (int it = 0; it < kBN * kD / kThreads; ++it) {

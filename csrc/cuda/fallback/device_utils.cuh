@@ -86,10 +86,13 @@ __device__ __forceinline__ Acc dropout_factor(const Dropout<Acc>& d, int64_t bh,
 // padded rows and columns then add nothing to any product. Each thread keeps its columns for every
 // row it copies (a 2-D walk, not a flat index split by / and %): one row pointer per step is all it
 // carries, where the flat form made ptxas hoist a 64-bit offset per unrolled step out of the key
-// loop.
+// loop. With `nonfinite` (kRows + 1 flags, cleared beforehand) it also flags the rows holding a NaN
+// or an infinity, nonfinite[kRows] when some row does (nonfinite_rows.cuh): a test in registers
+// as the tile passes, where a scan of the tile afterwards cost a pass over shared memory.
 template <int kRows, int kCols, typename T>
 __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t src_ld, int rows,
-                                          int64_t cols) {
+                                          int64_t cols, uint8_t* nonfinite = nullptr) {
+  using Acc = decltype(to_acc(T{}));
   constexpr int kRowThreads = kCols < kThreads ? kCols : kThreads;  // threads across one row
   static_assert(kThreads % kRowThreads == 0 && kCols % kRowThreads == 0, "whole rows per step");
   constexpr int kRowStep = kThreads / kRowThreads;
@@ -98,7 +101,12 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
     const T* row = src + r * src_ld;
 #pragma unroll
     for (int c = c0; c < kCols; c += kRowThreads) {
-      dst[r * ld + c] = (r < rows && c < cols) ? row[c] : from_acc<T>(0.0f);
+      const T x = (r < rows && c < cols) ? row[c] : from_acc<T>(0.0f);
+      dst[r * ld + c] = x;
+      if (nonfinite != nullptr) {
+        const Acc a = to_acc(x);
+        if (!(a - a == Acc(0))) nonfinite[r] = nonfinite[kRows] = 1;  // a - a: NaN for NaN, +-inf
+      }
     }
   }
 }

@@ -54,8 +54,9 @@ struct QueryTileLayout : FwdTiles<T, kD> {
   static constexpr size_t kLo = kFactor + align128(sizeof(Acc) * kBM);
   static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
   static constexpr size_t kN = kHi + align128(sizeof(int64_t) * kBM);
-  static constexpr size_t kFlags = kN + align128(sizeof(int64_t) * kBM);  // non-finite V rows
-  static constexpr size_t kScratch = kFlags + align128(kBN);
+  // Flags of the non-finite value rows (nonfinite_rows.cuh), two sets for alternate key tiles.
+  static constexpr size_t kFlags = kN + align128(sizeof(int64_t) * kBM);
+  static constexpr size_t kScratch = kFlags + align128(2 * (kBN + 1));
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The grid: one block per (batch, head, query tile).
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
   Acc* sO = reinterpret_cast<Acc*>(smem + L::kO);
   const TileRows<Acc> tr = tile_rows<L>(smem);
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);
-  uint8_t* sVBad = smem + L::kFlags;
+  uint8_t* const sVFlags = smem + L::kFlags;
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
   const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
@@ -223,6 +224,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
   load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, p.head_dim);
   for (int e = threadIdx.x; e < kBM * kD; e += kThreads) sO[(e / kD) * L::kLdO + e % kD] = Acc(0);
   setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
+  clear_flags<2 * kBN + 1>(sVFlags);
   __syncthreads();
 
   // The keys some row of the tile may see: [lo of its first row, hi of its last) (KeyPattern's
@@ -232,16 +234,22 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
   for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kBN) {
     const int cols = static_cast<int>(kv_end - j0 < kBN ? kv_end - j0 : kBN);
     load_tile<kBN, kD>(sK, L::kLdT, k + j0 * p.k.sl, p.k.sl, cols, p.head_dim);
-    load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim);
-    // Non-finite value rows leave P V; they are added back below to the rows that see them.
-    zero_nonfinite_rows<kBN, kD>(sV, L::kLdT, cols, static_cast<int>(p.v_head_dim), sVBad);
+    // Non-finite value rows leave P V: flagged as they load, zeroed, and added back below to the
+    // rows that see them. The flags of alternate tiles alternate, so that clearing the next tile's
+    // set needs no barrier of its own: its last reader, the previous tile's add-back, is ordered
+    // before the barrier below, and its next writer, the next tile's load, after this tile's.
+    const int parity = static_cast<int>(((j0 - kv_begin) / kBN) & 1);
+    uint8_t* const sVBad = sVFlags + parity * (kBN + 1);
+    load_tile<kBN, kD>(sV, L::kLdT, v + j0 * p.v.sl, p.v.sl, cols, p.v_head_dim, sVBad);
     __syncthreads();
+    clear_flags<kBN>(sVFlags + (1 - parity) * (kBN + 1));
+    if (any_flagged<kBN>(sVBad)) zero_flagged_rows<kBN, kD>(sV, L::kLdT, sVBad);
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
     // Every warp takes the same number of rows, padding rows included (they see no key: P = 0),
     // so that no branch separates a warp's lanes around the softmax's shuffles.
-    for (int k = 0; k < kBM / kWarps; ++k) {
-      const int r = warp + k * kWarps;
+    for (int slice = 0; slice < kBM / kWarps; ++slice) {
+      const int r = warp + slice * kWarps;
       const RowLogits<Acc> logits{
           p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
       softmax_row<kBN>(logits, RowDropout<Acc>{p.dropout, blk.bh, i0 + r}, j0, sS + r * L::kLdS,
@@ -254,9 +262,10 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
           o = o * sAlpha[m] + x;
         });
     __syncthreads();
-    // The rare path: the zeroed value rows, added to the output rows that see them (rolled loops of
-    // fixed trip counts and the barrier after the branch, as in the backward kernel).
-    if (any_flag(sVBad, cols)) {
+    // The zeroed value rows, added to the output rows that see them. No barrier follows: the next
+    // tile writes sO, sP and this tile's flags only after its own barriers, and this reads V from
+    // global memory, not the next tile's sV.
+    if (any_flagged<kBN>(sVBad)) {
       const T* v_given = rows_as_given<T>(p.v, b, kv_head_of(h, p), j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kD / kThreads; ++it) {
@@ -264,14 +273,14 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
 #pragma unroll 1
         for (int c = 0; c < kBN; ++c) {
           if (r < rows && c < cols && d < p.v_head_dim && sVBad[c] &&
-              row_sees(p.mask, b, h, i0 + r, tr.lo[r], tr.hi[r], j0 + c)) {
+              row_sees(p, b, h, i0 + r, j0 + c)) {
             sO[r * L::kLdO + d] += to_acc(sP[r * L::kLdP + c]) * to_acc(v_given[c * p.v.sl + d]);
           }
         }
       }
     }
-    __syncthreads();
   }
+  __syncthreads();  // the last tile's add-back before the rows are finished
 
   // Finish each row: O / l and the statistics (online_stats.h: finalize).
   const int lane = threadIdx.x % 32;

@@ -3,7 +3,8 @@
 // in csrc/cpu/hidden_nonfinite.h). A tile product mixes every row of one operand into every row of
 // the result, relying on zero weights for hidden keys, and 0 * NaN = NaN: the kernels zero the
 // tile rows that hold a NaN or an infinity before such a product and add those rows back, one by
-// one, only where they are seen.
+// one, only where they are seen. The rare paths run rolled loops of fixed trip counts: ptxas forms
+// calls for loops it cannot prove uniform around the kernels' barriers, and spills around them.
 #pragma once
 
 #include <cstdint>
@@ -14,38 +15,30 @@
 
 namespace entropy_attn::cuda::fallback {
 
-// Flags (flags[r] = 1) the rows r < rows of a kRows x kCols tile (leading dimension ld; columns
-// [0, cols) used) that hold a non-finite value, and replaces them by zeros. Called by the whole
-// block; the tile's loads need no barrier before it, and it ends with one. Every thread runs the
-// same fixed loops, with no early exit: a barrier that ptxas cannot prove every thread reaches
-// makes it form calls, and the values live across those calls are spilled.
-template <int kRows, int kCols, typename T>
-__device__ __forceinline__ void zero_nonfinite_rows(T* tile, int ld, int rows, int cols,
-                                                    uint8_t* flags) {
-  using Acc = AccType<T>;
-  static_assert(kRows * kCols % kThreads == 0, "the same number of entries for every thread");
-  for (int r = threadIdx.x; r < kRows; r += kThreads) flags[r] = 0;
-  __syncthreads();
-#pragma unroll 1  // (unrolled, its hoisted addresses would be spilled in the larger kernels)
-  for (int it = 0; it < kRows * kCols / kThreads; ++it) {
-    const int e = threadIdx.x + it * kThreads, r = e / kCols, c = e % kCols;
-    const Acc x = to_acc(tile[r * ld + c]);
-    if (r < rows && c < cols && !(x - x == Acc(0))) flags[r] = 1;  // x - x: NaN for NaN, +-inf
-  }
-  __syncthreads();
-#pragma unroll 1
-  for (int it = 0; it < kRows * kCols / kThreads; ++it) {
-    const int e = threadIdx.x + it * kThreads, r = e / kCols, c = e % kCols;
-    if (flags[r]) tile[r * ld + c] = from_acc<T>(Acc(0));
-  }
-  __syncthreads();
+// A tile's flags: kRows + 1 bytes in shared memory, flags[r] = 1 for a row holding a NaN or an
+// infinity and flags[kRows] = 1 when some row does; load_tile sets them as it copies the tile.
+// None of these functions synchronizes: the kernels place them between the barriers they already
+// have (a barrier under a data-dependent branch would make ptxas form calls, and the values live
+// across the calls would be spilled; a barrier per tile for a rare event would slow every call).
+template <int kRows>
+__device__ __forceinline__ void clear_flags(uint8_t* flags) {
+  for (int r = threadIdx.x; r <= kRows; r += kThreads) flags[r] = 0;
 }
 
-// Whether some of flags[0, n) is set (shared memory, read by every thread).
-__device__ __forceinline__ bool any_flag(const uint8_t* flags, int n) {
-  bool any = false;
-  for (int r = 0; r < n; ++r) any |= flags[r] != 0;
-  return any;
+template <int kRows>
+__device__ __forceinline__ bool any_flagged(const uint8_t* flags) {
+  return flags[kRows] != 0;
+}
+
+// Replaces the flagged rows of a kRows x kCols tile (leading dimension ld) by zeros.
+template <int kRows, int kCols, typename T>
+__device__ __forceinline__ void zero_flagged_rows(T* tile, int ld, const uint8_t* flags) {
+  static_assert(kRows * kCols % kThreads == 0, "the same number of entries for every thread");
+#pragma unroll 1  // (a rare path: rolled, it takes no registers from the rest)
+  for (int it = 0; it < kRows * kCols / kThreads; ++it) {
+    const int e = threadIdx.x + it * kThreads, r = e / kCols, c = e % kCols;
+    if (flags[r]) tile[r * ld + c] = from_acc<T>(AccType<T>(0));
+  }
 }
 
 // Row `row` of head h of batch b of an operand, in global memory as given. The rare paths form such
@@ -65,12 +58,14 @@ __device__ __forceinline__ int64_t kv_head_of(int64_t h, const AttentionArgs<Acc
          (static_cast<unsigned>(a.heads) / static_cast<unsigned>(a.kv_heads));
 }
 
-// Whether query row i of (b, h), whose key range is [lo, hi), sees key j (range and mask: the n_i
-// keys).
+// Whether query row i of (b, h) sees key j: in its key range (causality, window, document) and
+// allowed by the mask, one of its n_i keys. Formed from the arguments, not from a tile's bounds in
+// shared memory, so that an add-back may run while the next tile's bounds are written.
 template <typename Acc>
-__device__ __forceinline__ bool row_sees(const MaskArg<Acc>& mask, int64_t b, int64_t h, int64_t i,
-                                         int64_t lo, int64_t hi, int64_t j) {
-  return j >= lo && j < hi && mask.counts(mask.row_offset(b, h, i), j);
+__device__ __forceinline__ bool row_sees(const AttentionArgs<Acc>& a, int64_t b, int64_t h,
+                                         int64_t i, int64_t j) {
+  const KeyRange keys = a.pattern.keys(i, a.q_len, a.kv_len);
+  return j >= keys.lo && j < keys.hi && a.mask.counts(a.mask.row_offset(b, h, i), j);
 }
 
 }  // namespace entropy_attn::cuda::fallback

@@ -235,18 +235,8 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
         sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
     __syncthreads();
     if (any_flagged<kBM>(sdOBad)) {
-#pragma unroll 1
-      for (int it = 0; it < kBN * kD / kThreads; ++it) {
-        const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
-#pragma unroll 1
-        for (int r = 0; r < kBM; ++r) {
-          if (r < rows && c < cols && d < Dv && sdOBad[r] &&
-              row_sees(p, b, h, i0 + r, j0 + c)) {
-            const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
-            sdV[c * L::kLdA + d] += to_acc(sP[r * L::kLdP + c]) * to_acc(d_o_given[d]);
-          }
-        }
-      }
+      add_back_query_rows<kBM, kBN, kD, T>(sdV, L::kLdA, sP, L::kLdP, sdOBad, p.dout, p, b, h, i0,
+                                           j0, rows, cols, Dv);
 #pragma unroll 1
       for (int it = 0; it < kBM * kBN / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
@@ -299,18 +289,8 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
         });
     __syncthreads();
     if (any_flagged<kBM>(sQBad)) {
-#pragma unroll 1
-      for (int it = 0; it < kBN * kD / kThreads; ++it) {
-        const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
-#pragma unroll 1
-        for (int r = 0; r < kBM; ++r) {
-          if (r < rows && c < cols && d < D && sQBad[r] &&
-              row_sees(p, b, h, i0 + r, j0 + c)) {
-            const T* q_given = rows_as_given<T>(p.q, b, h, i0 + r);
-            sdK[c * L::kLdA + d] += to_acc(sdSl[r * L::kLdP + c]) * to_acc(q_given[d]);
-          }
-        }
-      }
+      add_back_query_rows<kBM, kBN, kD, T>(sdK, L::kLdA, sdSl, L::kLdP, sQBad, p.q, p, b, h, i0, j0,
+                                           rows, cols, D);
     }
     if (any_flagged<kBN>(sKBad)) {
       const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);

@@ -68,4 +68,27 @@ __device__ __forceinline__ bool row_sees(const AttentionArgs<Acc>& a, int64_t b,
   return j >= keys.lo && j < keys.hi && a.mask.counts(a.mask.row_offset(b, h, i), j);
 }
 
+// The key-side add-back of the backward: acc[c][d] += w[r][c] x_r[d] (dK from lambda dS and Q, dV
+// from P and dO) for each flagged row r < rows of the query tile at i0 and each key c < cols of the
+// key tile at j0 that the row sees, x_r row i0 + r of the query-side operand `given` of (b, h) as
+// given in global memory, d < dim. Every thread owns entries (c, d) of acc.
+template <int kBM, int kBN, int kD, typename T, typename Acc, typename W>
+__device__ __forceinline__ void add_back_query_rows(Acc* acc, int lda, const W* w, int ldw,
+                                                    const uint8_t* flags, const View4& given,
+                                                    const AttentionArgs<Acc>& a, int64_t b,
+                                                    int64_t h, int64_t i0, int64_t j0, int rows,
+                                                    int cols, int64_t dim) {
+#pragma unroll 1
+  for (int it = 0; it < kBN * kD / kThreads; ++it) {
+    const int e = threadIdx.x + it * kThreads, c = e / kD, d = e % kD;
+#pragma unroll 1
+    for (int r = 0; r < kBM; ++r) {
+      if (r < rows && c < cols && d < dim && flags[r] && row_sees(a, b, h, i0 + r, j0 + c)) {
+        const T* x = rows_as_given<T>(given, b, h, i0 + r);
+        acc[c * lda + d] += to_acc(w[r * ldw + c]) * to_acc(x[d]);
+      }
+    }
+  }
+}
+
 }  // namespace entropy_attn::cuda::fallback

@@ -25,8 +25,8 @@ namespace {
 
 // Whether the float products go through oneDNN's brgemm (else ATen's mm, i.e. MKL's sgemm).
 // brgemm's AVX-512 micro-kernel is what makes the CPU kernels fast (benchmarks/results/cpu_isa.md:
-// the headline point 171 ms against SDPA's 334); without AVX-512 (oneDNN capped at AVX2) it took
-// 370 ms where MKL's sgemm took 337. So: brgemm where oneDNN can use AVX-512, MKL elsewhere on x86;
+// the headline point 173 ms against SDPA's 348); without AVX-512 (oneDNN capped at AVX2) it took
+// 384 ms where MKL's sgemm took 353. So: brgemm where oneDNN can use AVX-512, MKL elsewhere on x86;
 // ENTROPY_ATTN_CPU_GEMM=brgemm or blas forces one (read once).
 bool use_brgemm() {
   static const bool brgemm = [] {

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
     scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
     __syncthreads();
     if (any_flagged<kBN>(sKBad)) {  // the scores of the zeroed key rows, from the keys as given
-      const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
+      const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kBN / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
                                            rows, cols, D);
     }
     if (any_flagged<kBN>(sKBad)) {
-      const T* k_given = rows_as_given<T>(p.k, b, kv_head_of(h, p), j0);
+      const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kD / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;

@@ -138,7 +138,8 @@ constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
 // of its own and spills.
 constexpr int blocks_by_shared_memory(size_t bytes) {
   const size_t n = 233472 / (bytes + 1024);
-  return n < 1 ? 1 : static_cast<int>(n);
+  const size_t most = 2048 / kThreads;  // an SM's threads
+  return n < 1 ? 1 : static_cast<int>(n < most ? n : most);
 }
 
 }  // namespace entropy_attn::cuda::fallback

@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
     // tile writes sO, sP and this tile's flags only after its own barriers, and this reads V from
     // global memory, not the next tile's sV.
     if (any_flagged<kBN>(sVBad)) {
-      const T* v_given = rows_as_given<T>(p.v, b, kv_head_of(h, p), j0);
+      const T* v_given = rows_as_given<T>(p.v, b, kvh, j0);
 #pragma unroll 1
       for (int it = 0; it < kBM * kD / kThreads; ++it) {
         const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;

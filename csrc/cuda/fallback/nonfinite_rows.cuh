@@ -50,14 +50,6 @@ __device__ __forceinline__ const T* rows_as_given(const View4& t, int64_t b, int
   return static_cast<const T*>(t.data) + b * t.sb + h * t.sh + row * t.sl;
 }
 
-// The key/value head of query head h (GQA); 32-bit division, as in block_index: a 64-bit one is a
-// called subroutine.
-template <typename Acc>
-__device__ __forceinline__ int64_t kv_head_of(int64_t h, const AttentionArgs<Acc>& a) {
-  return static_cast<unsigned>(h) /
-         (static_cast<unsigned>(a.heads) / static_cast<unsigned>(a.kv_heads));
-}
-
 // Whether query row i of (b, h) sees key j: in its key range (causality, window, document) and
 // allowed by the mask, one of its n_i keys. Formed from the arguments, not from a tile's bounds in
 // shared memory, so that an add-back may run while the next tile's bounds are written.

@@ -22,8 +22,12 @@ void print_kernels() {
   const char* t = type_name<T>();
   std::printf("entropy_attn::cuda::fallback::attention_fwd_kernel<%s, %d> %zu\n", t, kD,
               ea::FwdLayout<T, kD>::kBytes);
-  std::printf("entropy_attn::cuda::fallback::attention_bwd_kernel<%s, %d> %zu\n", t, kD,
+  std::printf("entropy_attn::cuda::fallback::attention_bwd_kernel<%s, %d, false> %zu\n", t, kD,
               ea::BwdLayout<T, kD>::kBytes);
+  if constexpr (ea::kIs16Bit<T>) {  // the tensor-core families' guard
+    std::printf("entropy_attn::cuda::fallback::attention_bwd_kernel<%s, %d, true> %zu\n", t, kD,
+                ea::BwdLayout<T, kD>::kBytes);
+  }
   std::printf("entropy_attn::cuda::fallback::attention_sparsity_kernel<%s, %d> %zu\n", t, kD,
               ea::SparsityLayout<T, kD>::kBytes);
 }

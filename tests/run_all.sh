@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Python suite (pytest, needs the extension built, e.g.
-# `python3 setup.py build_ext --inplace`), then the C++ suite (CMake + LibTorch + GoogleTest,
+# `python3 setup.py build_ext --inplace`; without a GPU, tests/test_cuda.py a second time with its
+# device set to the CPU, which checks the CUDA tests' own logic), then the C++ suite (CMake + LibTorch + GoogleTest,
 # configured and built in build/cmake, run with CTest; it builds the CUDA sources too when
 # CMakeLists.txt finds CUDA), then, when nvcc is there, the resource report of the CUDA kernels in
 # the built extension (scripts/ptxas_report.py: results/ptxas/, fails on forbidden local memory)
@@ -36,6 +37,14 @@ if [[ ${RUN_PY:-1} != 0 ]]; then
   "$PYTHON" -m pytest tests -q "$@"
   py_rc=$?
   step_done "pytest"
+  # Without a GPU the CUDA tests skip; their logic (shapes, references, tolerances, what each test
+  # expects of the op) still runs, on the CPU op, so that a change of the op's interface cannot
+  # leave them broken until a GPU session.
+  if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+    echo ">>> pytest: the CUDA tests' logic on the CPU (ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu)"
+    ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$PYTHON" -m pytest tests/test_cuda.py -q "$@" || py_rc=1
+    step_done "pytest CUDA dry run"
+  fi
 fi
 
 if [[ ${RUN_CPP:-1} != 0 ]]; then

@@ -365,7 +365,8 @@ def check_backward(
         cuda(go), cuda(gl), cuda(ge), cuda(gp), cuda(q), cuda(k), cuda(v), cuda(mask),
         cu[0], cu[1], cu[2], cu[3], cu[6], causal,
     )  # fmt: skip
-    assert len(g_cu) == 4
+    assert len(g_cu) == 5 and g_cu[4].numel() == 0  # grad_sinks: empty without sinks
+    g_cu, g_cpu = g_cu[:4], g_cpu[:4]
 
     # reference: lambda_i given directly (the row_scale the CPU op used), scale_mode "fixed"
     rin = [leaf64(q), leaf64(k), leaf64(v), leaf64(cpu[6])]
@@ -953,16 +954,13 @@ def test_nan_propagation(dtype: torch.dtype) -> None:
         else:
             expect = torch.zeros(B, H, Lq, dtype=torch.bool)
             expect[0, 1, j:] = True
-        # ("auto" is the fallback while csrc/cuda/family.h keeps the tensor-core families opt-in.)
-        tensor_cores = os.environ.get("ENTROPY_ATTN_CUDA_FAMILY", "auto") not in ("auto", "fallback")
-        if which == "value" and tensor_cores:
-            # the tensor-core families' P.V still spreads the NaN to rows that do not see key j
-            assert nan_rows[expect].all(), "value NaN: a row that sees it is not NaN"
-            continue
         assert torch.equal(nan_rows, expect), f"{which} NaN: NaN rows {nan_rows.nonzero().tolist()[:8]}..."
         assert torch.equal(nan_rows, nan_rows_cpu), f"{which} NaN: NaN rows differ from the CPU kernel's"
         ok = ~expect
-        ref = reference_attention_raw(qq, kk, vv, None, None, is_causal=True)
+        # Rows that do not see the NaN are what they are with it replaced by 0 (docs/math.md
+        # section 8); the plain n x n reference would form 0 * NaN there.
+        ref = reference_attention_raw(*(t.nan_to_num(0.0) for t in (qq, kk, vv)), None, None,
+                                      is_causal=True)
         oat, ort = OUT_TOL[dtype]
         sat, srt = STAT_TOL[dtype]
         assert_close64(cu[0].cpu()[ok], ref.output[ok], oat, ort, f"{which} NaN: output of clean rows")
@@ -971,16 +969,24 @@ def test_nan_propagation(dtype: torch.dtype) -> None:
         assert torch.equal(torch.isnan(cu[1].cpu()), torch.isnan(cpu[1])), f"{which} NaN: lse NaN rows differ from the CPU's"
 
 
+def is_hopper() -> bool:
+    """Whether the CUDA device is compute capability 9.0, the one target of the sm90 family."""
+    return HAS_CUDA and not DRY_RUN and torch.cuda.get_device_capability(DEV) == (9, 0)
+
+
+#: The sm90 family's code is sm_90a: it runs on compute capability 9.0 (H100, H200) alone.
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
+FAMILY_PARAMS = ["sm80", pytest.param("sm90", marks=needs_hopper)]
+
+
 @real_cuda
-@pytest.mark.parametrize("family", ["fallback", "sm80", pytest.param("sm90", marks=pytest.mark.skipif(
-    not (HAS_CUDA and not DRY_RUN and torch.cuda.get_device_capability(DEV) == (9, 0)),
-    reason="the sm90 family needs a compute capability 9.0 GPU"))])
+@pytest.mark.parametrize("family", ["fallback", *FAMILY_PARAMS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype) -> None:
     """A NaN key masked by an additive -inf is hidden from the logits in every family (-inf, not
-    NaN + -inf = NaN): outputs, statistics, dK and dV stay finite; and dQ in the fallback family,
-    whose products keep non-finite rows to what sees them (the tensor-core families' dS K still
-    forms 0 * NaN: the README states that gap)."""
+    NaN + -inf = NaN), and from dQ = dS K (the fallback keeps non-finite rows out of its products;
+    the tensor-core families' 0 * NaN there sends the call to the fallback, their guard): outputs,
+    statistics and the three gradients stay finite."""
     if family != "fallback" and dtype == torch.float32:
         pytest.skip("the tensor-core families take 16-bit inputs")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
@@ -992,10 +998,8 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
     q, k, v = (cuda(t).requires_grad_(True) for t in (q, k, v))
     out, st = torch_ext.attention(q, k, v, cuda(mask), return_stats=True)
     (out.float().sum() + st.entropy.sum()).backward()
-    checks = [("output", out), ("lse", st.lse), ("entropy", st.entropy), ("dk", k.grad),
-              ("dv", v.grad)]
-    if family == "fallback":
-        checks.append(("dq", q.grad))
+    checks = [("output", out), ("lse", st.lse), ("entropy", st.entropy), ("dq", q.grad),
+              ("dk", k.grad), ("dv", v.grad)]
     for name, t in checks:
         assert torch.isfinite(t).all(), f"{family}: {name} is not finite"
 
@@ -1016,15 +1020,20 @@ def _same_nonfinite_then_close(got: Tensor, want: Tensor, tol: Tuple[float, floa
         assert rel_err(got[fin], want[fin]) < tol, f"{what}: {rel_err(got[fin], want[fin]):.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=dtype_id)
-def test_fallback_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch,
-                                               dtype: torch.dtype) -> None:
-    """The fallback family keeps NaN and infinities in K, V, Q and dO to the rows (keys) that see
-    them, as the CPU op does (docs/math.md section 8): causal with a window, several query and key
-    tiles, a NaN and an infinite entry in the operands; outputs, lse, entropy and the three gradients match the
-    CPU op's, NaN positions and infinities included. (tests/cpp/test_cuda_emulation.cpp runs the
-    same kernels under CPU emulation: its *hidden_nonfinite* cases.)"""
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
+@pytest.mark.parametrize("family,dtype", [
+    ("fallback", torch.float32), ("fallback", torch.bfloat16), ("fallback", torch.float64),
+    ("sm80", torch.bfloat16), ("sm80", torch.float16),
+    pytest.param("sm90", torch.bfloat16, marks=needs_hopper)], ids=str)
+def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: str,
+                                      dtype: torch.dtype) -> None:
+    """Every family keeps NaN and infinities in K, V, Q and dO to the rows (keys) that see them, as
+    the CPU op does (docs/math.md section 8): causal with a bool mask (no row sees every key),
+    several query and key tiles, a NaN and an infinite entry in each operand; outputs, lse, entropy
+    and the three gradients match the CPU op's, NaN positions and infinities included. The
+    fallback keeps such rows out of its products; a tensor-core family's kernels flag the call and
+    the fallback recomputes it (their guard). (tests/cpp/test_cuda_emulation.cpp runs the fallback
+    under CPU emulation: its *hidden_nonfinite* and EmulatedGuard cases.)"""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     B, H, L, D = 1, 2, 150, 64
     q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
     k[0, 0, L - 1] = float("nan")
@@ -1035,17 +1044,40 @@ def test_fallback_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch,
     dout = randn(B, H, L, D, dtype=dtype)
     dout[0, 0, 1, 0] = float("nan")
     dout[0, 0, 5, 1] = float("inf")
+    mask = torch.rand(L, L, generator=torch.Generator().manual_seed(3)) > 0.2
     results = []
     for place in (lambda t: t, cuda):
         qq, kk, vv = (place(t).requires_grad_(True) for t in (q, k, v))
-        # (A window, so that no row sees every key: a NaN row makes dK, dV NaN for all it sees.)
-        out, st = torch_ext.attention(qq, kk, vv, is_causal=True, window_size=(40, 0),
-                                      return_stats=True)
+        out, st = torch_ext.attention(qq, kk, vv, place(mask), is_causal=True, return_stats=True)
         out.backward(place(dout))
         results.append((out, st.lse, st.entropy, qq.grad, kk.grad, vv.grad))
     tols = [OUT_TOL[dtype], STAT_TOL[dtype], STAT_TOL[dtype]] + [GRAD_TOL[dtype]] * 3
     for name, want, got, tol in zip(["output", "lse", "entropy", "dq", "dk", "dv"], *results, tols):
-        _same_nonfinite_then_close(got, want, tol, name)
+        _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
+
+
+@real_cuda
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_tensor_core_guard_idle_on_finite_inputs(monkeypatch: pytest.MonkeyPatch,
+                                                 family: str) -> None:
+    """The guard of a tensor-core family recomputes a call only when its kernels wrote a non-finite
+    value: with finite inputs the tensor-core results stand. They round differently from the
+    fallback's, so a spurious recomputation would show as lse, output and dq bitwise equal to a
+    fallback call's; they are not, and they match the float64 reference."""
+    B, H, L, D = 1, 4, 512, 128
+    q, k, v = make_qkv(B, H, H, L, L, D, dtype=torch.bfloat16)
+    results = {}
+    for fam in (family, "fallback"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
+        qq = cuda(q).requires_grad_(True)
+        out, st = torch_ext.attention(qq, cuda(k), cuda(v), is_causal=True, return_stats=True)
+        out.float().sum().backward()
+        results[fam] = (out, st.lse, qq.grad)
+    for name, got, other in zip(["output", "lse", "dq"], results[family], results["fallback"]):
+        assert not torch.equal(got, other), f"{family}: {name} is the fallback's (the guard ran)"
+    ref = reference_attention_raw(q, k, v, None, None, is_causal=True)
+    assert_close64(results[family][0].cpu(), ref.output, *OUT_TOL[torch.bfloat16], "output")
+    assert_close64(results[family][1].cpu(), ref.lse, *STAT_TOL[torch.bfloat16], "lse")
 
 
 @real_cuda
@@ -1074,15 +1106,6 @@ def test_family_switch_rejects_unknown_value(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_FAMILY"):
         OP(q, q, q)
 
-
-def is_hopper() -> bool:
-    """Whether the CUDA device is compute capability 9.0, the one target of the sm90 family."""
-    return HAS_CUDA and not DRY_RUN and torch.cuda.get_device_capability(DEV) == (9, 0)
-
-
-#: The sm90 family's code is sm_90a: it runs on compute capability 9.0 (H100, H200) alone.
-needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
-FAMILY_PARAMS = ["sm80", pytest.param("sm90", marks=needs_hopper)]
 
 
 def cuda_kernel_names(fn: Callable[[], Any]) -> List[str]:

@@ -59,7 +59,7 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
   const c10::cuda::CUDAGuard guard(query.device());
   const Family family = select_forward(call).family;
-  check_shared_memory(forward_smem_bytes(call, family), "attention forward");
+  check_shared_memory(forward_smem_bytes(call), "attention forward");
   C10_CUDA_CHECK(launch_forward(call, family, c10::cuda::getCurrentCUDAStream()));
   return call.outputs;
 }
@@ -83,7 +83,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   }
   call.allocate(family);
   if (!empty) {
-    check_shared_memory(backward_smem_bytes(call, family), "attention backward");
+    check_shared_memory(backward_smem_bytes(call), "attention backward");
     C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
   }
   return call.finish();

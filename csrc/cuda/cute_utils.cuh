@@ -52,6 +52,9 @@ CUTE_DEVICE V quad_sum(V x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Neither NaN nor infinite (a NaN fails the comparison).
+CUTE_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }
+
 // fp32 fragment -> To fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).
 // Fragments are compact register arrays, so the element order of both is the storage order.
 template <typename To, typename Engine, typename Layout>

@@ -273,8 +273,7 @@ Selection select_backward(const BackwardCall& c) {
                 });
 }
 
-size_t forward_smem_bytes(const ForwardCall& c, Family f) {
-  if (f != Family::kFallback) return 0;
+size_t forward_smem_bytes(const ForwardCall& c) {
   const int d = fallback_bucket(c.call.shape);
 #define EA_MATCH(T, D) \
   if (is_dtype<T>(c.call.dtype) && d == D) return fallback::forward_smem_bytes<T, D>();
@@ -283,8 +282,7 @@ size_t forward_smem_bytes(const ForwardCall& c, Family f) {
   return 0;
 }
 
-size_t backward_smem_bytes(const BackwardCall& c, Family f) {
-  if (f != Family::kFallback) return 0;
+size_t backward_smem_bytes(const BackwardCall& c) {
   const int d = fallback_bucket(c.call.shape);
 #define EA_MATCH(T, D) \
   if (is_dtype<T>(c.call.dtype) && d == D) return fallback::backward_smem_bytes<T, D>();
@@ -293,46 +291,80 @@ size_t backward_smem_bytes(const BackwardCall& c, Family f) {
   return 0;
 }
 
-cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) {
-  const AttentionShape& s = c.call.shape;
-  if (f == Family::kSm90) {
-    const Sm90Forward launch = sm90_forward_of(c);
-    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
-  }
-  if (f == Family::kSm80) {
-    const Sm80Forward launch = sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                            mask_kind(c.call.mask), c.call.options.return_stats);
-    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
-  }
-  const int d = fallback_bucket(s);
-#define EA_MATCH(T, D)                                                     \
-  if (is_dtype<T>(c.call.dtype) && d == D) {                               \
-    return fallback::launch_forward<T, D>(c.params<AccType<T>>(), stream); \
+namespace {
+
+// The fallback forward of a call with parameters p (a plain call, or the guard of a tensor-core
+// forward when p.nonfinite is set).
+template <typename Acc>
+cudaError_t launch_fallback_forward(const ForwardCall& c, const FwdParams<Acc>& p,
+                                    cudaStream_t stream) {
+  const int d = fallback_bucket(c.call.shape);
+#define EA_MATCH(T, D)                                                   \
+  if constexpr (std::is_same_v<AccType<T>, Acc>) {                       \
+    if (is_dtype<T>(c.call.dtype) && d == D) {                           \
+      return fallback::launch_forward<T, D>(p, stream);                  \
+    }                                                                    \
   }
   EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
   return cudaErrorInvalidValue;  // the host checks reject what no instantiation covers
 }
 
-cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream) {
-  const AttentionShape& s = c.call.shape;
-  if (f == Family::kSm90) {
-    const Sm90Backward launch = sm90_backward_of(c);
-    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
-  }
-  if (f == Family::kSm80) {
-    const Sm80Backward launch =
-        sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));
-    return launch ? launch(c.params<float>(), stream) : cudaErrorInvalidValue;
-  }
-  const int d = fallback_bucket(s);
-#define EA_MATCH(T, D)                                                      \
-  if (is_dtype<T>(c.call.dtype) && d == D) {                                \
-    return fallback::launch_backward<T, D>(c.params<AccType<T>>(), stream); \
+// The fallback backward of a call with parameters p (a plain call, or the guard of a tensor-core
+// backward when p.nonfinite is set).
+template <typename Acc>
+cudaError_t launch_fallback_backward(const BackwardCall& c, const BwdParams<Acc>& p,
+                                     cudaStream_t stream) {
+  const int d = fallback_bucket(c.call.shape);
+#define EA_MATCH(T, D)                                                   \
+  if constexpr (std::is_same_v<AccType<T>, Acc>) {                       \
+    if (is_dtype<T>(c.call.dtype) && d == D) {                           \
+      return fallback::launch_backward<T, D>(p, stream);                 \
+    }                                                                    \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
-  return cudaErrorInvalidValue;
+  return cudaErrorInvalidValue;  // the host checks reject what no instantiation covers
+}
+
+}  // namespace
+
+cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) {
+  const AttentionShape& s = c.call.shape;
+  if (c.call.dtype == at::kDouble) return launch_fallback_forward(c, c.params<double>(), stream);
+  FwdParams<float> p = c.params<float>();
+  if (f == Family::kFallback) return launch_fallback_forward(c, p, stream);
+  const auto launch = f == Family::kSm90
+                          ? sm90_forward_of(c)
+                          : sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                         mask_kind(c.call.mask), c.call.options.return_stats);
+  if (launch == nullptr) return cudaErrorInvalidValue;
+  // The tensor-core kernels flag a call in which a row came out non-finite, and the fallback
+  // recomputes such a call by the hidden-keys rule (params.h: nonfinite); otherwise its blocks
+  // return at once. The flag is freed when this returns: the caching allocator reuses it only in
+  // this stream's order, after both kernels.
+  const at::Tensor nonfinite = at::zeros({1}, c.q.options().dtype(at::kInt));
+  p.nonfinite = nonfinite.data_ptr<int>();
+  const cudaError_t err = launch(p, stream);
+  return err != cudaSuccess ? err : launch_fallback_forward(c, p, stream);
+}
+
+cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream) {
+  const AttentionShape& s = c.call.shape;
+  if (c.call.dtype == at::kDouble) return launch_fallback_backward(c, c.params<double>(), stream);
+  BwdParams<float> p = c.params<float>();
+  if (f == Family::kFallback) return launch_fallback_backward(c, p, stream);
+  const auto launch =
+      f == Family::kSm90
+          ? sm90_backward_of(c)
+          : sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));
+  if (launch == nullptr) return cudaErrorInvalidValue;
+  // As in the forward: the tensor-core kernels flag a non-finite gradient row, and only then does
+  // the fallback recompute the gradients (by blocks of a whole GQA group, in the family's outputs).
+  const at::Tensor nonfinite = at::zeros({1}, c.q.options().dtype(at::kInt));
+  p.nonfinite = nonfinite.data_ptr<int>();
+  const cudaError_t err = launch(p, stream);
+  return err != cudaSuccess ? err : launch_fallback_backward(c, p, stream);
 }
 
 }  // namespace entropy_attn::cuda

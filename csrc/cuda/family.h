@@ -46,12 +46,16 @@ struct Selection {
 Selection select_forward(const ForwardCall& call);
 Selection select_backward(const BackwardCall& call);
 
-// Dynamic shared memory per block the chosen fallback kernel needs (0 for the tensor-core family,
-// which checks its own).
-size_t forward_smem_bytes(const ForwardCall& call, Family f);
-size_t backward_smem_bytes(const BackwardCall& call, Family f);
+// Dynamic shared memory per block of the fallback kernel for a call (the tensor-core families check
+// their own). Every call needs the fallback's: after a tensor-core kernel it runs as the guard
+// against hidden non-finite inputs (launch_forward, launch_backward).
+size_t forward_smem_bytes(const ForwardCall& call);
+size_t backward_smem_bytes(const BackwardCall& call);
 
-// Launch the forward / backward of `call` with family `f` on `stream`.
+// Launch the forward / backward of `call` with family `f` on `stream`. A tensor-core forward is
+// followed by the fallback forward as its guard: it recomputes the call where a row came out
+// non-finite, which a hidden key's NaN value causes in block products (docs/math.md section 8);
+// a tensor-core backward likewise by the fallback backward.
 cudaError_t launch_forward(const ForwardCall& call, Family f, cudaStream_t stream);
 cudaError_t launch_backward(const BackwardCall& call, Family f, cudaStream_t stream);
 

@@ -36,6 +36,12 @@ struct AttentionArgs {
   // (H,), or null, and the dropout of the weights that multiply V.
   const acc_t* sinks = nullptr;
   Dropout<acc_t> dropout;
+  // The tensor-core families' guard against a hidden non-finite input (docs/math.md section 8):
+  // their block products multiply a weight of 0 by a masked key's or value's NaN, so their kernels
+  // set *nonfinite = 1 when a row they write holds a non-finite value, and the fallback kernels,
+  // launched after them with the same pointer, then recompute the call by the rule that hidden
+  // keys never enter a row, and return at once where it is 0. Null: a plain fallback call.
+  int* nonfinite = nullptr;
 };
 
 template <typename acc_t>

@@ -80,20 +80,33 @@ void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
 template <typename T, int kD>
 void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
   using L = ef::BwdLayout<T, kD>;
-  emulate_launch(ef::attention_bwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+  if constexpr (ef::kIs16Bit<T>) {
+    if (ef::grouped(p)) {
+      return emulate_launch(ef::attention_bwd_kernel<T, kD, true>, L::blocks(p), L::kBytes, p);
+    }
+  }
+  emulate_launch(ef::attention_bwd_kernel<T, kD, false>, L::blocks(p), L::kBytes, p);
 }
 
 template <typename T>
 void launch_backward(const ec::BwdParams<ec::AccType<T>>& p) {
   emulate_launch(ef::attention_bwd_preprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
   const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
-#define EA_MATCH(U, D) \
-  if constexpr (std::is_same_v<T, U>) {    \
-    if (d == D) return launch_backward_d<T, D>(p); \
+  bool launched = false;
+#define EA_MATCH(U, D)                    \
+  if constexpr (std::is_same_v<T, U>) {   \
+    if (d == D && !launched) {            \
+      launch_backward_d<T, D>(p);         \
+      launched = true;                    \
+    }                                     \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
-  FAIL() << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
+  ASSERT_TRUE(launched) << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
+  // As the guard of a tensor-core backward: dq and d lambda from G (fallback/bwd_launch.cuh).
+  if (ef::grouped(p)) {
+    emulate_launch(ef::attention_bwd_postprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
+  }
 }
 
 template <typename T, int kD>
@@ -768,6 +781,92 @@ std::vector<Case> attention_cases() {
   c.cu_k = {0, 35, 50, 85}, c.causal = true, c.dropout_p = 0.25, c.sinks = true, c.H = 2;
   c.Hkv = 1, v.push_back(c);
   return v;
+}
+
+// The fallback forward as the guard of a tensor-core forward (params.h: nonfinite): where the
+// tensor-core kernel left the flag at 0 its blocks return before writing anything; where it set
+// it, the call is recomputed, bitwise as a plain fallback call, hidden non-finite inputs kept to
+// the rows that see them (checked against the CPU op).
+TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
+  Case c = mk("bf16_guard_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
+  c.causal = true, c.hidden_nonfinite = true, c.H = 2, c.Hkv = 1, c.mask = MaskType::kAdditive;
+  const Inputs in = make_inputs(c);
+  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
+      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const ec::ForwardCall plain(in.q, in.k, in.v, call);
+  launch_forward<__nv_bfloat16>(plain.params<float>());
+
+  const ec::ForwardCall guarded(in.q, in.k, in.v, call);
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = guarded.outputs;
+  for (const at::Tensor& t : {out, lse, entropy, effective_keys}) t.fill_(7);
+  int flag = 0;
+  ec::FwdParams<float> p = guarded.params<float>();
+  p.nonfinite = &flag;
+  launch_forward<__nv_bfloat16>(p);
+  for (const at::Tensor& t : {out, lse, entropy, effective_keys}) {
+    EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
+  }
+  flag = 1;
+  launch_forward<__nv_bfloat16>(p);
+  const auto& plain_out = plain.outputs;
+  EXPECT_TRUE(at::allclose(out, std::get<0>(plain_out), 0, 0, /*equal_nan=*/true));
+  EXPECT_TRUE(at::allclose(lse, std::get<1>(plain_out), 0, 0, /*equal_nan=*/true));
+  EXPECT_TRUE(at::allclose(entropy, std::get<2>(plain_out), 0, 0, /*equal_nan=*/true));
+  const entropy_attn::AttentionResult r = entropy_attn::attention(
+      in.q, in.k, in.v, in.mask, in.scale, c.causal, c.scale_factor, c.mode, c.temperature,
+      c.log_base, /*enable_gqa=*/true, /*return_stats=*/true, window(c), alignment(c), c.softcap,
+      in.sinks, c.dropout_p, c.dropout_seed);
+  const Tolerances tol = tolerances(c.dtype);
+  expect_close(out, r.output, tol.out, "output");
+  expect_close(lse, r.lse, tol.stats, "lse");
+  expect_close(entropy, r.entropy, tol.stats, "entropy");
+}
+
+// The fallback backward as the guard of a tensor-core backward: with the flag at 0 it writes
+// nothing; with it set it writes the tensor-core family's outputs (dk, dv summed over a GQA group
+// by one block, dq and d lambda by its postprocess) from a G it zero-fills itself, equal to a plain
+// fallback call's gradients and to the CPU op's, hidden non-finite inputs kept to what sees them.
+TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
+  Case c = mk("bf16_guard_bwd_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
+  c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kBool;
+  const Inputs in = make_inputs(c);
+  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
+      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const ec::ForwardCall fwd(in.q, in.k, in.v, call);
+  launch_forward<__nv_bfloat16>(fwd.params<float>());
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = fwd.outputs;
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
+      sum_p2, row_scale, in.sinks, documents(in), options(c));
+
+  ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
+  plain.allocate(ec::Family::kFallback);
+  launch_backward<__nv_bfloat16>(plain.params<float>());
+  const auto [pdq, pdk, pdv, pdlam] = plain.finish();
+
+  ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
+  guarded.allocate(ec::Family::kSm80);
+  ASSERT_EQ(guarded.dk.size(1), c.Hkv);  // the family's outputs: per key/value head
+  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) t.fill_(7);
+  guarded.g.fill_(5);  // as a tensor-core backward leaves it
+  int flag = 0;
+  ec::BwdParams<float> p = guarded.params<float>();
+  p.nonfinite = &flag;
+  launch_backward<__nv_bfloat16>(p);
+  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) {
+    EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
+  }
+  flag = 1;
+  launch_backward<__nv_bfloat16>(p);
+  const entropy_attn::AttentionGrads grads = guarded.finish();
+  const Tolerances tol = tolerances(c.dtype);
+  expect_close(std::get<0>(grads), pdq, tol.grad, "grad_query vs plain fallback");
+  expect_close(std::get<1>(grads), pdk, tol.grad, "grad_key vs plain fallback");
+  expect_close(std::get<2>(grads), pdv, tol.grad, "grad_value vs plain fallback");
+  expect_close(std::get<3>(grads), pdlam, tol.grad, "grad_row_scale vs plain fallback");
+  expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
 }
 
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};

@@ -21,6 +21,14 @@
 
 namespace entropy_attn::cuda::fallback {
 
+// Whether the kernels run as the guard of a tensor-core backward (params.h: nonfinite): they then
+// write that family's outputs, dk and dv of each key/value head summed over its GQA group by the
+// block of a key tile (no per-query-head buffer), dq and d lambda by the postprocess.
+template <typename acc_t>
+__host__ __device__ __forceinline__ bool grouped(const BwdParams<acc_t>& p) {
+  return p.dk_out != nullptr;
+}
+
 template <typename T, int kD>
 struct BwdLayout {
   using Acc = AccType<T>;
@@ -51,11 +59,18 @@ struct BwdLayout {
   static constexpr size_t kScratch = kFlags + align128(kFlagBytes);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
-  // The grid: one block per (batch, query head, key tile).
-  static int64_t blocks(const AttentionArgs<Acc>& p) {
-    return (p.kv_len + kBN - 1) / kBN * p.batch * p.heads;
+  // The grid: one block per (batch, query head, key tile); as the guard of a tensor-core backward
+  // (grouped(p)), one per (batch, key/value head, key tile).
+  static int64_t blocks(const BwdParams<Acc>& p) {
+    return (p.kv_len + kBN - 1) / kBN * p.batch * (grouped(p) ? p.kv_heads : p.heads);
   }
 };
+
+// The guard's kernels return at once unless the tensor-core kernels wrote a non-finite value.
+template <typename acc_t>
+__device__ __forceinline__ bool guard_idle(const BwdParams<acc_t>& p) {
+  return p.nonfinite != nullptr && *p.nonfinite == 0;
+}
 
 // The preprocess grid: one warp per query row.
 template <typename acc_t>
@@ -68,9 +83,14 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_bwd_preprocess_kernel(const BwdParams<AccType<T>> p) {
   using Acc = AccType<T>;
+  if (guard_idle(p)) return;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.batch * p.heads * p.q_len) return;
+  // As a guard, G starts again from zero (the tensor-core kernels accumulated it).
+  if (grouped(p)) {
+    for (int64_t d = lane; d < p.head_dim; d += 32) p.dq_accum[row * p.head_dim + d] = Acc(0);
+  }
   const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
   const T* o = static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
   const T* d_o = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl;
@@ -103,13 +123,16 @@ __device__ __forceinline__ int64_t first_query_tile(const AttentionArgs<Acc>& a,
   return lo;
 }
 
-template <typename T, int kD>
+// kGrouped: the guard of a tensor-core backward (grouped(p)), instantiated for 16-bit inputs only;
+// a compile-time flag, so that the plain kernel keeps its registers.
+template <typename T, int kD, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T, kD>::kBytes))
     attention_bwd_kernel(const BwdParams<AccType<T>> p) {
   using L = BwdLayout<T, kD>;
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
   constexpr int kBM = L::kBM, kBN = L::kBN;
+  if (guard_idle(p)) return;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
@@ -134,11 +157,14 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
   uint8_t* const sdOBad = sQFlags + 2 * (kBM + 1);
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
-  const BlockIndex blk = block_index((p.kv_len + kBN - 1) / kBN, p.heads, p.kv_heads);
-  const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, j0 = blk.tile * kBN;
+  // A block takes the key tile of one query head, or as a guard those of a whole GQA group.
+  const BlockIndex blk =
+      block_index((p.kv_len + kBN - 1) / kBN, kGrouped ? p.kv_heads : p.heads, p.kv_heads);
+  const int64_t b = blk.b, kvh = blk.kvh, j0 = blk.tile * kBN;
+  const int64_t h_begin = kGrouped ? kvh * (p.heads / p.kv_heads) : blk.h;
+  const int64_t h_end = kGrouped ? h_begin + p.heads / p.kv_heads : h_begin + 1;
   const int cols = static_cast<int>(p.kv_len - j0 < kBN ? p.kv_len - j0 : kBN);
   const int64_t D = p.head_dim, Dv = p.v_head_dim;
-  const int64_t row0 = blk.bh * p.q_len;  // first (B, H, Lq) row of this head
 
   // Non-finite key rows leave S = Q K^T and G += dS K: flagged as they load and zeroed; their
   // scores are formed apart and their dq terms added back to the rows that see them (below).
@@ -158,172 +184,211 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
 
   // The query tiles that see some key of [j0, j0 + cols): from the first whose last row's hi
   // passes j0 until one whose first row's lo reaches j0 + cols (KeyPattern's bounds never
-  // decrease with the row, so the tiles in between are exactly those).
-  for (int64_t i0 = first_query_tile<kBM>(p, j0) * kBM; i0 < p.q_len; i0 += kBM) {
-    if (p.pattern.keys(i0, p.q_len, p.kv_len).lo >= j0 + cols) break;
-    const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
-    const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
-    const T* d_o =
-        static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.sl;
-    // Non-finite query and dO rows, flagged as they load, leave the products once their scores and
-    // dP are formed; their terms are added back below to the keys (and dP entries) they see. The
-    // query flags alternate between two sets: the add-back that reads them ends the iteration, so
-    // clearing the next tile's set needs no barrier of its own.
-    const int parity = static_cast<int>((i0 / kBM) & 1);
-    uint8_t* const sQBad = sQFlags + parity * (kBM + 1);
-    load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, D, sQBad);
-    load_tile<kBM, kD>(sdO, L::kLdT, d_o, p.dout.sl, rows, Dv, sdOBad);
-    for (int r = threadIdx.x; r < kBM; r += kThreads) {
-      const int64_t row = row0 + i0 + r;
-      const bool valid = r < rows;  // padding rows see no key, so p = dS = 0 there
-      const KeyRange keys = valid ? p.pattern.keys(i0 + r, p.q_len, p.kv_len) : KeyRange{};
-      sLo[r] = keys.lo, sHi[r] = keys.hi;
-      sLse[r] = valid ? p.lse[row] : Acc(0);
-      sLam[r] = valid ? p.row_scale[row] : Acc(0);
-      sDelta[r] = valid ? p.delta[row] : Acc(0);
-      sGH[r] = valid && p.g_entropy ? p.g_entropy[row] : Acc(0);
-      sGU[r] = valid && p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
-    }
-    __syncthreads();
+  // decrease with the row, so the tiles in between are exactly those); per query head.
+  int64_t tiles_done = 0;  // over the heads: it alternates the query flag sets
+  for (int64_t h = h_begin; h < h_end; ++h) {
+    const int64_t bh = b * p.heads + h;
+    const int64_t row0 = bh * p.q_len;  // first (B, H, Lq) row of this head
+    for (int64_t i0 = first_query_tile<kBM>(p, j0) * kBM; i0 < p.q_len; i0 += kBM, ++tiles_done) {
+      if (p.pattern.keys(i0, p.q_len, p.kv_len).lo >= j0 + cols) break;
+      const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
+      const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
+      const T* d_o =
+          static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.sl;
+      // Non-finite query and dO rows, flagged as they load, leave the products once their scores
+      // and dP are formed; their terms are added back below to the keys (and dP entries) they see.
+      // The query flags alternate between two sets: the add-back that reads them ends the
+      // iteration, so clearing the next tile's set needs no barrier of its own.
+      const int parity = static_cast<int>(tiles_done & 1);
+      uint8_t* const sQBad = sQFlags + parity * (kBM + 1);
+      load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, D, sQBad);
+      load_tile<kBM, kD>(sdO, L::kLdT, d_o, p.dout.sl, rows, Dv, sdOBad);
+      for (int r = threadIdx.x; r < kBM; r += kThreads) {
+        const int64_t row = row0 + i0 + r;
+        const bool valid = r < rows;  // padding rows see no key, so p = dS = 0 there
+        const KeyRange keys = valid ? p.pattern.keys(i0 + r, p.q_len, p.kv_len) : KeyRange{};
+        sLo[r] = keys.lo, sHi[r] = keys.hi;
+        sLse[r] = valid ? p.lse[row] : Acc(0);
+        sLam[r] = valid ? p.row_scale[row] : Acc(0);
+        sDelta[r] = valid ? p.delta[row] : Acc(0);
+        sGH[r] = valid && p.g_entropy ? p.g_entropy[row] : Acc(0);
+        sGU[r] = valid && p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
+      }
+      __syncthreads();
 
-    clear_flags<kBM>(sQFlags + (1 - parity) * (kBM + 1));
-    // dO is zeroed before dP = dO V^T: a flagged row's dP is formed again below.
-    if (any_flagged<kBM>(sdOBad)) zero_flagged_rows<kBM, kD>(sdO, L::kLdT, sdOBad);
-    scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
-    __syncthreads();
-    if (any_flagged<kBN>(sKBad)) {  // the scores of the zeroed key rows, from the keys as given
-      const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
+      clear_flags<kBM>(sQFlags + (1 - parity) * (kBM + 1));
+      // dO is zeroed before dP = dO V^T: a flagged row's dP is formed again below.
+      if (any_flagged<kBM>(sdOBad)) zero_flagged_rows<kBM, kD>(sdO, L::kLdT, sdOBad);
+      scores<kBM, kBN, kD, Acc>(sQ, sK, L::kLdT, sS, L::kLdS, scratch);
+      __syncthreads();
+      if (any_flagged<kBN>(sKBad)) {  // the scores of the zeroed key rows, from the keys as given
+        const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
 #pragma unroll 1
+        for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+          const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
+          if (sKBad[c]) {
+            Acc x = 0;
+#pragma unroll 1
+            for (int d = 0; d < kD; ++d) {
+              if (d < D) x += to_acc(sQ[r * L::kLdT + d]) * to_acc(k_given[c * p.k.sl + d]);
+            }
+            sS[r * L::kLdS + c] = x;
+          }
+        }
+      }
+      // (No barrier: the loop below reads each score in the thread that formed it above.)
+      // The scaled, capped scores y = cap(lambda q.k) (-inf outside the row's keys), kept for the
+      // softcap's derivative, and P o Z for dV, p = e^{s - lse} (0 where masked) with s the logit.
       for (int it = 0; it < kBM * kBN / kThreads; ++it) {
-        const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
-        if (sKBad[c]) {
-          Acc x = 0;
-#pragma unroll 1
-          for (int d = 0; d < kD; ++d) {
-            if (d < D) x += to_acc(sQ[r * L::kLdT + d]) * to_acc(k_given[c * p.k.sl + d]);
+        const int e = threadIdx.x + it * kThreads;
+        const int r = e / kBN, c = e % kBN;
+        const int64_t j = j0 + c;
+        Acc y = neg_inf<Acc>(), pw = 0;
+        if (j >= sLo[r] && j < sHi[r]) {
+          y = p.softcap.apply(sLam[r] * sS[r * L::kLdS + c]);
+          const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+          if (s != neg_inf<Acc>()) {
+            pw = std::exp(s - sLse[r]) * dropout_factor(p.dropout, bh, i0 + r, j);
           }
-          sS[r * L::kLdS + c] = x;
         }
+        sS[r * L::kLdS + c] = y;
+        sP[r * L::kLdP + c] = from_acc<OpT>(pw);
       }
-    }
-    // (No barrier: the loop below reads each score in the thread that formed it above.)
-    // The scaled, capped scores y = cap(lambda q.k) (-inf outside the row's keys), kept for the
-    // softcap's derivative, and P o Z for dV, p = e^{s - lse} (0 where masked) with s the logit.
-    for (int it = 0; it < kBM * kBN / kThreads; ++it) {
-      const int e = threadIdx.x + it * kThreads;
-      const int r = e / kBN, c = e % kBN;
-      const int64_t j = j0 + c;
-      Acc y = neg_inf<Acc>(), pw = 0;
-      if (j >= sLo[r] && j < sHi[r]) {
-        y = p.softcap.apply(sLam[r] * sS[r * L::kLdS + c]);
-        const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
-        if (s != neg_inf<Acc>()) {
-          pw = std::exp(s - sLse[r]) * dropout_factor(p.dropout, blk.bh, i0 + r, j);
-        }
-      }
-      sS[r * L::kLdS + c] = y;
-      sP[r * L::kLdP + c] = from_acc<OpT>(pw);
-    }
-    __syncthreads();
-    // The scores are formed: non-finite query rows leave dK += (lambda dS)^T Q from here on.
-    if (any_flagged<kBM>(sQBad)) zero_flagged_rows<kBM, kD>(sQ, L::kLdT, sQBad);
-    // dV += P^T dO ; dP = dO V^T, both without the non-finite dO rows, which are added back: to
-    // dV for the keys they see, and as their own rows of dP (a non-finite dO entry stays in its row).
-    block_gemm<kBN, kD, kBM, true, false, Acc>(
-        sP, L::kLdP, sdO, L::kLdT, scratch, [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
-    block_gemm<kBM, kBN, kD, false, true, Acc>(
-        sdO, L::kLdT, sV, L::kLdT, scratch, [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
-    __syncthreads();
-    if (any_flagged<kBM>(sdOBad)) {
-      add_back_query_rows<kBM, kBN, kD, T>(sdV, L::kLdA, sP, L::kLdP, sdOBad, p.dout, p, b, h, i0,
-                                           j0, rows, cols, Dv);
+      __syncthreads();
+      // The scores are formed: non-finite query rows leave dK += (lambda dS)^T Q from here on.
+      if (any_flagged<kBM>(sQBad)) zero_flagged_rows<kBM, kD>(sQ, L::kLdT, sQBad);
+      // dV += P^T dO ; dP = dO V^T, both without the non-finite dO rows, which are added back: to
+      // dV for the keys they see, and as their own rows of dP (a non-finite dO entry stays in its
+      // row).
+      block_gemm<kBN, kD, kBM, true, false, Acc>(
+          sP, L::kLdP, sdO, L::kLdT, scratch,
+          [=](int m, int n, Acc x) { sdV[m * L::kLdA + n] += x; });
+      block_gemm<kBM, kBN, kD, false, true, Acc>(
+          sdO, L::kLdT, sV, L::kLdT, scratch,
+          [=](int m, int n, Acc x) { sdP[m * L::kLdS + n] = x; });
+      __syncthreads();
+      if (any_flagged<kBM>(sdOBad)) {
+        add_back_query_rows<kBM, kBN, kD, T>(sdV, L::kLdA, sP, L::kLdP, sdOBad, p.dout, p, b, h, i0,
+                                             j0, rows, cols, Dv);
 #pragma unroll 1
+        for (int it = 0; it < kBM * kBN / kThreads; ++it) {
+          const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
+          if (sdOBad[r]) {
+            const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
+            Acc x = 0;
+#pragma unroll 1
+            for (int d = 0; d < kD; ++d) {
+              if (d < Dv) x += to_acc(d_o_given[d]) * to_acc(sV[c * L::kLdT + d]);
+            }
+            sdP[r * L::kLdS + c] = x;
+          }
+        }
+      }
+      // (No barrier: the loop below reads each dP entry in the thread that formed it above, and sdV
+      // is next written after the barriers of the next tile.)
       for (int it = 0; it < kBM * kBN / kThreads; ++it) {
-        const int e = threadIdx.x + it * kThreads, r = e / kBN, c = e % kBN;
-        if (sdOBad[r]) {
-          const T* d_o_given = rows_as_given<T>(p.dout, b, h, i0 + r);
-          Acc x = 0;
-#pragma unroll 1
-          for (int d = 0; d < kD; ++d) {
-            if (d < Dv) x += to_acc(d_o_given[d]) * to_acc(sV[c * L::kLdT + d]);
-          }
-          sdP[r * L::kLdS + c] = x;
-        }
-      }
-    }
-    // (No barrier: the loop below reads each dP entry in the thread that formed it above, and sdV
-    // is next written after the barriers of the next tile.)
-    for (int it = 0; it < kBM * kBN / kThreads; ++it) {
-      const int e = threadIdx.x + it * kThreads;
-      const int r = e / kBN, c = e % kBN;
-      const int64_t j = j0 + c;
-      const Acc y = sS[r * L::kLdS + c];
-      Acc ds = 0;
-      if (y != neg_inf<Acc>()) {  // within the row's keys: the logit again, from y and the mask
-        const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
-        const Acc pw = s != neg_inf<Acc>() ? std::exp(s - sLse[r]) : Acc(0);
-        RowGrads<Acc> g;
-        g.g_entropy = sGH[r];
-        g.g_sum_p2 = sGU[r];
-        // p = 0 (masked, or underflow) contributes nothing, as on the CPU. dP of the weight before
-        // dropout is dO . v_j times its factor; dS then goes through the cap to lambda q.k.
-        if (pw != Acc(0)) {
-          const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, blk.bh, i0 + r, j);
-          ds = logit_grad(pw, dp, s, sDelta[r], g) * p.softcap.derivative(y);
-        }
-      }
-      sdS[r * L::kLdP + c] = from_acc<OpT>(ds);
-      // (A hidden key's 0 stays 0 even where lambda is not finite.)
-      sdSl[r * L::kLdP + c] = from_acc<OpT>(ds == Acc(0) ? ds : ds * sLam[r]);
-    }
-    __syncthreads();
-    clear_flags<kBM>(sdOBad);  // read last above, set again by the next tile's load
-    // dK += (lambda dS)^T Q ; G += dS K
-    block_gemm<kBN, kD, kBM, true, false, Acc>(
-        sdSl, L::kLdP, sQ, L::kLdT, scratch, [=](int m, int n, Acc x) { sdK[m * L::kLdA + n] += x; });
-    Acc* const dq = p.dq_accum + (row0 + i0) * D;
-    const int dq_cols = static_cast<int>(D);
-    block_gemm<kBM, kD, kBN, false, false, Acc>(
-        sdS, L::kLdP, sK, L::kLdT, scratch, [=](int m, int n, Acc x) {
-          if (m < rows && n < dq_cols) atomicAdd(dq + m * dq_cols + n, x);
-        });
-    __syncthreads();
-    if (any_flagged<kBM>(sQBad)) {
-      add_back_query_rows<kBM, kBN, kD, T>(sdK, L::kLdA, sdSl, L::kLdP, sQBad, p.q, p, b, h, i0, j0,
-                                           rows, cols, D);
-    }
-    if (any_flagged<kBN>(sKBad)) {
-      const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
-#pragma unroll 1
-      for (int it = 0; it < kBM * kD / kThreads; ++it) {
-        const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;
-        Acc add = 0;
-        bool seen = false;
-#pragma unroll 1
-        for (int c = 0; c < kBN; ++c) {
-          if (r < rows && c < cols && d < D && sKBad[c] &&
-              row_sees(p, b, h, i0 + r, j0 + c)) {
-            add += to_acc(sdS[r * L::kLdP + c]) * to_acc(k_given[c * p.k.sl + d]);
-            seen = true;
+        const int e = threadIdx.x + it * kThreads;
+        const int r = e / kBN, c = e % kBN;
+        const int64_t j = j0 + c;
+        const Acc y = sS[r * L::kLdS + c];
+        Acc ds = 0;
+        if (y != neg_inf<Acc>()) {  // within the row's keys: the logit again, from y and the mask
+          const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+          const Acc pw = s != neg_inf<Acc>() ? std::exp(s - sLse[r]) : Acc(0);
+          RowGrads<Acc> g;
+          g.g_entropy = sGH[r];
+          g.g_sum_p2 = sGU[r];
+          // p = 0 (masked, or underflow) contributes nothing, as on the CPU. dP of the weight
+          // before dropout is dO . v_j times its factor; dS then goes through the cap to lambda
+          // q.k.
+          if (pw != Acc(0)) {
+            const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, bh, i0 + r, j);
+            ds = logit_grad(pw, dp, s, sDelta[r], g) * p.softcap.derivative(y);
           }
         }
-        if (seen) atomicAdd(dq + r * dq_cols + d, add);
+        sdS[r * L::kLdP + c] = from_acc<OpT>(ds);
+        // (A hidden key's 0 stays 0 even where lambda is not finite.)
+        sdSl[r * L::kLdP + c] = from_acc<OpT>(ds == Acc(0) ? ds : ds * sLam[r]);
       }
+      __syncthreads();
+      clear_flags<kBM>(sdOBad);  // read last above, set again by the next tile's load
+      // dK += (lambda dS)^T Q ; G += dS K
+      block_gemm<kBN, kD, kBM, true, false, Acc>(
+          sdSl, L::kLdP, sQ, L::kLdT, scratch,
+          [=](int m, int n, Acc x) { sdK[m * L::kLdA + n] += x; });
+      Acc* const dq = p.dq_accum + (row0 + i0) * D;
+      const int dq_cols = static_cast<int>(D);
+      block_gemm<kBM, kD, kBN, false, false, Acc>(sdS, L::kLdP, sK, L::kLdT, scratch,
+                                                  [=](int m, int n, Acc x) {
+                                                    if (m < rows && n < dq_cols)
+                                                      atomicAdd(dq + m * dq_cols + n, x);
+                                                  });
+      __syncthreads();
+      if (any_flagged<kBM>(sQBad)) {
+        add_back_query_rows<kBM, kBN, kD, T>(sdK, L::kLdA, sdSl, L::kLdP, sQBad, p.q, p, b, h, i0,
+                                             j0, rows, cols, D);
+      }
+      if (any_flagged<kBN>(sKBad)) {
+        const T* k_given = rows_as_given<T>(p.k, b, kvh, j0);
+#pragma unroll 1
+        for (int it = 0; it < kBM * kD / kThreads; ++it) {
+          const int e = threadIdx.x + it * kThreads, r = e / kD, d = e % kD;
+          Acc add = 0;
+          bool seen = false;
+#pragma unroll 1
+          for (int c = 0; c < kBN; ++c) {
+            if (r < rows && c < cols && d < D && sKBad[c] && row_sees(p, b, h, i0 + r, j0 + c)) {
+              add += to_acc(sdS[r * L::kLdP + c]) * to_acc(k_given[c * p.k.sl + d]);
+              seen = true;
+            }
+          }
+          if (seen) atomicAdd(dq + r * dq_cols + d, add);
+        }
+      }
+      // (No barrier: what the add-backs above read, the next tile writes only after its barriers;
+      // they read the row bounds from the arguments, not from sLo / sHi.)
     }
-    // (No barrier: what the add-backs above read, the next tile writes only after its barriers;
-    // they read the row bounds from the arguments, not from sLo / sHi.)
   }
   __syncthreads();  // the last tile's add-backs before dK and dV are written
 
-  // dK, dV of this query head (the host sums them over the heads of a GQA group).
+  // dK, dV of this query head (the host sums them over the heads of a GQA group), or as a guard
+  // of this key/value head, in the input type.
   for (int it = 0; it < kBN * kD / kThreads; ++it) {
     const int e = threadIdx.x + it * kThreads;
     const int c = e / kD, d = e % kD;
     if (c >= cols) continue;
     const int64_t key_row = blk.bh * p.kv_len + j0 + c;
-    if (d < D) p.dk[key_row * D + d] = sdK[c * L::kLdA + d];
-    if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
+    if constexpr (kGrouped) {
+      if (d < D) static_cast<T*>(p.dk_out)[key_row * D + d] = from_acc<T>(sdK[c * L::kLdA + d]);
+      if (d < Dv) static_cast<T*>(p.dv_out)[key_row * Dv + d] = from_acc<T>(sdV[c * L::kLdA + d]);
+    } else {
+      if (d < D) p.dk[key_row * D + d] = sdK[c * L::kLdA + d];
+      if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
+    }
   }
+}
+
+// The guard's last kernel: dq = lambda G in the input type and d lambda = q . G (the tensor-core
+// family's outputs, which a plain fallback call forms on the host), one warp per query row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_bwd_postprocess_kernel(const BwdParams<AccType<T>> p) {
+  using Acc = AccType<T>;
+  if (guard_idle(p)) return;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.batch * p.heads * p.q_len) return;
+  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl;
+  const Acc* g = p.dq_accum + row * p.head_dim;
+  const Acc lam = p.row_scale[row];
+  Acc dot = 0;
+  for (int64_t d = lane; d < p.head_dim; d += 32) {
+    dot += to_acc(q[d]) * g[d];
+    static_cast<T*>(p.dq_out)[row * p.head_dim + d] = from_acc<T>(lam * g[d]);
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) p.d_row_scale[row] = dot;
 }
 
 }  // namespace entropy_attn::cuda::fallback

@@ -22,7 +22,9 @@ size_t backward_smem_bytes();
 
 template <typename T, int kD>
 cudaError_t launch_forward(const FwdParams<AccType<T>>& p, cudaStream_t stream);
-// The preprocess (delta) and the main backward kernel; dq_accum must be zero-filled.
+// The preprocess (delta) and the main backward kernel; dq_accum must be zero-filled. With
+// p.nonfinite set, the guard of a tensor-core backward (params.h): it then writes that family's
+// outputs (dq_out, dk_out, dv_out, d_row_scale), zero-filling dq_accum itself, or nothing.
 template <typename T, int kD>
 cudaError_t launch_backward(const BwdParams<AccType<T>>& p, cudaStream_t stream);
 

@@ -680,13 +680,22 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   Tensor rdV = make_fragment_like(tdVsdV);
   cute::copy(vec_copy, tdKsdK, rdK);
   cute::copy(vec_copy, tdVsdV, rdV);
+  // Whether a key row came out non-finite: the block products form 0 * NaN for a hidden row's
+  // NaN, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
+  bool nonfinite = false;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(rdK); ++m) {
     if (get<0>(tdKVc(0, m, 0)) < kv_rows) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(rdK(_, m, _)); ++e) {
+        nonfinite |= !is_finite(static_cast<float>(rdK(_, m, _)(e))) ||
+                     !is_finite(static_cast<float>(rdV(_, m, _)(e)));
+      }
       cute::copy(vec_copy, rdK(_, m, _), tdKgdK(_, m, _));
       cute::copy(vec_copy, rdV(_, m, _), tdVgdV(_, m, _));
     }
   }
+  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -879,10 +888,19 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
     cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{}, rdq,
                make_tensor(make_gmem_ptr(static_cast<Element*>(p.dq_out) + row * kD + lane * 4),
                            Shape<_4>{}));
+    // A non-finite dq row (a hidden key's NaN in dS K gives one): the fallback recomputes the call
+    // (params.h: nonfinite).
+    bool nonfinite = false;
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) nonfinite |= !is_finite(static_cast<float>(rdq(e)));
+    if (nonfinite) *p.nonfinite = 1;
   }
   CUTE_UNROLL
   for (int o = kTpr / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  if (valid && lane == 0) p.d_row_scale[row] = dot;
+  if (valid && lane == 0) {
+    p.d_row_scale[row] = dot;
+    if (!is_finite(dot)) *p.nonfinite = 1;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

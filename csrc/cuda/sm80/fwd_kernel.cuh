@@ -587,6 +587,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
+  // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
+  // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
+  bool nonfinite = false;
   // Add the 4 lanes' partial sums, finish each row (online_stats.h), O / l.
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -598,9 +601,14 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       st.u = quad_sum(s_tu[(2 * r + 1) * kBlockThreads]);
     }
     const RowResult<float> res = finalize<float, Log2>(st);
-    CUTE_UNROLL
-    for (int d = 0; d < size<1>(o_rc); ++d) o_rc(r, d) *= res.inv_l;
     const int i = get<0>(tOcO_rc(r, 0));  // in the tile
+    bool row_nonfinite = !is_finite(res.lse);
+    CUTE_UNROLL
+    for (int d = 0; d < size<1>(o_rc); ++d) {
+      o_rc(r, d) *= res.inv_l;
+      row_nonfinite |= !is_finite(o_rc(r, d));
+    }
+    nonfinite |= row_nonfinite && m0 + i < q_len;
     if (m0 + i < q_len && tid_e % 4 == 0) {
       const int64_t row = row0 + i;
       p.lse[row] = res.lse;
@@ -615,6 +623,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       }
     }
   }
+  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
 
   // O through shared memory (sQ's space: every warp has passed the last Q K^T, behind the barrier
   // before the last P V) so that the global writes are whole 16-byte row segments.

@@ -441,6 +441,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const int64_t kv_row0 = (static_cast<int64_t>(b) * p.kv_heads + kvh) * kv_len + j0;
   uint32_t* dk_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk_out) + kv_row0 * kD);
   uint32_t* dv_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv_out) + kv_row0 * kD);
+  // Whether a key row came out non-finite: the block products form 0 * NaN for a hidden row's
+  // NaN, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
+  bool nonfinite = false;
   CUTE_UNROLL
   for (int r = 0; r < decltype(size<0>(dk_rc))::value; ++r) {
     const int j = get<0>(cKV_rc(r, 0));
@@ -448,10 +451,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     CUTE_UNROLL
     for (int c = 0; c < decltype(size<1>(dk_rc))::value; c += 2) {
       const int64_t at = (static_cast<int64_t>(j) * kD + get<1>(cKV_rc(r, c))) / 2;
+      nonfinite |= !is_finite(dk_rc(r, c)) || !is_finite(dk_rc(r, c + 1)) ||
+                   !is_finite(dv_rc(r, c)) || !is_finite(dv_rc(r, c + 1));
       dk_out[at] = pack2<T>(dk_rc(r, c), dk_rc(r, c + 1));
       dv_out[at] = pack2<T>(dv_rc(r, c), dv_rc(r, c + 1));
     }
   }
+  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
 }
 
 // Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM.

@@ -470,6 +470,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
   uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row0 * kHeadDim);
+  // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
+  // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
+  bool nonfinite = false;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     RowStats<float> row = st[r];
@@ -482,12 +485,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const int i = get<0>(cO_rc(r, 0));  // in the tile
     if (m0 + i >= q_len) continue;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
+    nonfinite |= !is_finite(res.lse);
     CUTE_UNROLL
     for (int d = 0; d < size<1>(o_rc); d += 2) {
       // Columns d and d + 1 of the fragment are adjacent (the first mode of the column layout).
       const int col = get<1>(cO_rc(r, d));
-      out[(static_cast<int64_t>(i) * kHeadDim + col) / 2] =
-          pack2<T>(o_rc(r, d) * res.inv_l, o_rc(r, d + 1) * res.inv_l);
+      const float o0 = o_rc(r, d) * res.inv_l, o1 = o_rc(r, d + 1) * res.inv_l;
+      nonfinite |= !is_finite(o0) || !is_finite(o1);
+      out[(static_cast<int64_t>(i) * kHeadDim + col) / 2] = pack2<T>(o0, o1);
     }
     if (lane % 4 == 0) {
       const int64_t row_idx = row0 + i;
@@ -503,6 +508,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
   }
+  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
 }
 
 // Grid: (query tiles, heads, batch); 384 threads (three warpgroups), one block per SM.

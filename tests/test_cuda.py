@@ -1027,28 +1027,35 @@ def _same_nonfinite_then_close(got: Tensor, want: Tensor, tol: Tuple[float, floa
 def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: str,
                                       dtype: torch.dtype) -> None:
     """Every family keeps NaN and infinities in K, V, Q and dO to the rows (keys) that see them, as
-    the CPU op does (docs/math.md section 8): causal with a bool mask (no row sees every key),
-    several query and key tiles, a NaN and an infinite entry in each operand; outputs, lse, entropy
-    and the three gradients match the CPU op's, NaN positions and infinities included. The
-    fallback keeps such rows out of its products; a tensor-core family's kernels flag the call and
-    the fallback recomputes it (their guard). (tests/cpp/test_cuda_emulation.cpp runs the fallback
+    the CPU op does (docs/math.md section 8): causal with a bool mask (no row sees every key, one
+    key no row sees), GQA, several query and key tiles, NaN and infinite entries in each operand
+    and in a group's second head; outputs, lse, entropy and the three gradients match the CPU
+    op's, NaN positions and infinities included. The fallback keeps such rows out of its products;
+    a tensor-core family's kernels flag the call and the fallback recomputes it (their guard). (tests/cpp/test_cuda_emulation.cpp runs the fallback
     under CPU emulation: its *hidden_nonfinite* and EmulatedGuard cases.)"""
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
-    B, H, L, D = 1, 2, 150, 64
-    q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
+    B, H, Hkv, L, D = 1, 4, 2, 150, 64
+    q, k, v = make_qkv(B, H, Hkv, L, L, D, dtype=dtype)
     k[0, 0, L - 1] = float("nan")
     k[0, 0, L // 2, 0] = float("inf")  # logit +inf (a NaN row) or -inf (dS k = 0 * inf) by q's sign
     v[0, 0, L - 2, 1] = float("nan")
     q[0, 0, 0, 2] = float("nan")
     q[0, 0, L // 2, 1] = float("inf")
+    q[0, 3, 20, 4] = float("nan")  # the second query head of a GQA group
+    v[0, 1, 90, 3] = float("nan")
     dout = randn(B, H, L, D, dtype=dtype)
     dout[0, 0, 1, 0] = float("nan")
     dout[0, 0, 5, 1] = float("inf")
+    dout[0, 1, 40, 2] = float("nan")
     mask = torch.rand(L, L, generator=torch.Generator().manual_seed(3)) > 0.2
+    # A key no row sees, with a NaN entry: only dq = dS K could form 0 * NaN from it.
+    mask[:, 37] = False
+    k[0, 1, 37, 6] = float("nan")
     results = []
     for place in (lambda t: t, cuda):
         qq, kk, vv = (place(t).requires_grad_(True) for t in (q, k, v))
-        out, st = torch_ext.attention(qq, kk, vv, place(mask), is_causal=True, return_stats=True)
+        out, st = torch_ext.attention(qq, kk, vv, place(mask), is_causal=True, enable_gqa=True,
+                                      return_stats=True)
         out.backward(place(dout))
         results.append((out, st.lse, st.entropy, qq.grad, kk.grad, vv.grad))
     tols = [OUT_TOL[dtype], STAT_TOL[dtype], STAT_TOL[dtype]] + [GRAD_TOL[dtype]] * 3

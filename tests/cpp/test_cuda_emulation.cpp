@@ -146,7 +146,8 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
   // Equal entries differ by 0, infinities included (inf - inf would be NaN); an infinity against a
   // finite value differs by inf.
   const at::Tensor diff = at::where(ok.logical_and(a != b), (a - b).abs(), at::zeros_like(a));
-  const at::Tensor finite_b = at::where(ok, b.abs(), at::zeros_like(b));
+  // The scale of the tolerance from the finite entries: an infinity would make any error pass.
+  const at::Tensor finite_b = at::where(b.isfinite(), b.abs(), at::zeros_like(b));
   const double scale = std::max(1.0, finite_b.max().item<double>());
   const double err = diff.max().item<double>();
   if (!(err <= tol * scale)) {
@@ -830,7 +831,12 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
 TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   Case c = mk("bf16_guard_bwd_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
   c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kBool;
-  const Inputs in = make_inputs(c);
+  Inputs in = make_inputs(c);
+  // An infinite dO entry in the second query head of the second group (make_inputs puts its
+  // entries in head 0, whose NaN rows cover every key of group 0): the grouped blocks must add it
+  // back from head 3's rows, making column 2 of dV infinite exactly for the keys row 30 sees.
+  in.dout.select(0, 0).select(0, 3).select(0, 30).select(0, 2).fill_(
+      std::numeric_limits<double>::infinity());
   const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
       in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
@@ -867,6 +873,8 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   expect_close(std::get<2>(grads), pdv, tol.grad, "grad_value vs plain fallback");
   expect_close(std::get<3>(grads), pdlam, tol.grad, "grad_row_scale vs plain fallback");
   expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
+  EXPECT_GT(std::get<2>(grads).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
+      << "no infinite dV entry from head 3's dO";
 }
 
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};

@@ -72,21 +72,21 @@ __device__ __forceinline__ bool guard_idle(const BwdParams<acc_t>& p) {
   return p.nonfinite != nullptr && *p.nonfinite == 0;
 }
 
-// The preprocess grid: one warp per query row.
+// The grid of the per-row kernels (preprocess, postprocess): one warp per query row; as a guard at
+// most kGuardRowBlocks blocks, whose warps stride over the rows, since an idle guard's blocks only
+// return and a full grid of them costs its launch on every call.
+constexpr int64_t kGuardRowBlocks = 2048;
 template <typename acc_t>
-int64_t preprocess_blocks(const AttentionArgs<acc_t>& p) {
-  return (p.batch * p.heads * p.q_len + kWarps - 1) / kWarps;
+int64_t preprocess_blocks(const BwdParams<acc_t>& p) {
+  const int64_t blocks = (p.batch * p.heads * p.q_len + kWarps - 1) / kWarps;
+  return grouped(p) && blocks > kGuardRowBlocks ? kGuardRowBlocks : blocks;
 }
 
-// D~_i (online_stats.h: row_delta), one warp per query row.
+// D~_i (online_stats.h: row_delta) of one row, by one warp.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    attention_bwd_preprocess_kernel(const BwdParams<AccType<T>> p) {
+__device__ __forceinline__ void preprocess_row(const BwdParams<AccType<T>>& p, int64_t row,
+                                               int lane) {
   using Acc = AccType<T>;
-  if (guard_idle(p)) return;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.batch * p.heads * p.q_len) return;
   // As a guard, G starts again from zero (the tensor-core kernels accumulated it).
   if (grouped(p)) {
     for (int64_t d = lane; d < p.head_dim; d += 32) p.dq_accum[row * p.head_dim + d] = Acc(0);
@@ -103,6 +103,18 @@ __global__ void __launch_bounds__(kThreads)
     g.g_entropy = p.g_entropy ? p.g_entropy[row] : Acc(0);
     g.g_sum_p2 = p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
     p.delta[row] = row_delta(dot, g, p.lse[row], p.entropy[row], p.sum_p2[row]);
+  }
+}
+
+// The preprocess: D~_i of every row, one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    attention_bwd_preprocess_kernel(const BwdParams<AccType<T>> p) {
+  if (guard_idle(p)) return;
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+       row < p.batch * p.heads * p.q_len; row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    preprocess_row<T>(p, row, lane);
   }
 }
 
@@ -369,26 +381,28 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
 }
 
 // The guard's last kernel: dq = lambda G in the input type and d lambda = q . G (the tensor-core
-// family's outputs, which a plain fallback call forms on the host), one warp per query row.
+// family's outputs, which a plain fallback call forms on the host), one warp per query row
+// (preprocess_blocks: the grid).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_bwd_postprocess_kernel(const BwdParams<AccType<T>> p) {
   using Acc = AccType<T>;
   if (guard_idle(p)) return;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.batch * p.heads * p.q_len) return;
-  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl;
-  const Acc* g = p.dq_accum + row * p.head_dim;
-  const Acc lam = p.row_scale[row];
-  Acc dot = 0;
-  for (int64_t d = lane; d < p.head_dim; d += 32) {
-    dot += to_acc(q[d]) * g[d];
-    static_cast<T*>(p.dq_out)[row * p.head_dim + d] = from_acc<T>(lam * g[d]);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+       row < p.batch * p.heads * p.q_len; row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
+    const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl;
+    const Acc* g = p.dq_accum + row * p.head_dim;
+    const Acc lam = p.row_scale[row];
+    Acc dot = 0;
+    for (int64_t d = lane; d < p.head_dim; d += 32) {
+      dot += to_acc(q[d]) * g[d];
+      static_cast<T*>(p.dq_out)[row * p.head_dim + d] = from_acc<T>(lam * g[d]);
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) p.d_row_scale[row] = dot;
   }
-  dot = warp_sum(dot);
-  if (lane == 0) p.d_row_scale[row] = dot;
 }
 
 }  // namespace entropy_attn::cuda::fallback

@@ -695,7 +695,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       cute::copy(vec_copy, rdV(_, m, _), tdVgdV(_, m, _));
     }
   }
-  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
+  if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -893,13 +893,13 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
     bool nonfinite = false;
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) nonfinite |= !is_finite(static_cast<float>(rdq(e)));
-    if (nonfinite) *p.nonfinite = 1;
+    if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;
   }
   CUTE_UNROLL
   for (int o = kTpr / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   if (valid && lane == 0) {
     p.d_row_scale[row] = dot;
-    if (!is_finite(dot)) *p.nonfinite = 1;
+    if (!is_finite(dot) && p.nonfinite != nullptr) *p.nonfinite = 1;
   }
 }
 

@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       }
     }
   }
-  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
+  if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 
   // O through shared memory (sQ's space: every warp has passed the last Q K^T, behind the barrier
   // before the last P V) so that the global writes are whole 16-byte row segments.

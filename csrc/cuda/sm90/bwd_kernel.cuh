@@ -457,7 +457,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       dv_out[at] = pack2<T>(dv_rc(r, c), dv_rc(r, c + 1));
     }
   }
-  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
+  if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
 // Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM.

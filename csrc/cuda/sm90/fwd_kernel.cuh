@@ -508,7 +508,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
   }
-  if (nonfinite) *p.nonfinite = 1;  // (every writer stores the same value)
+  if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
 // Grid: (query tiles, heads, batch); 384 threads (three warpgroups), one block per SM.

@@ -327,6 +327,21 @@ cudaError_t launch_fallback_backward(const BackwardCall& c, const BwdParams<Acc>
   return cudaErrorInvalidValue;  // the host checks reject what no instantiation covers
 }
 
+// A tensor-core launch followed by its guard: the tensor-core kernels flag a call in which a
+// value they wrote came out non-finite, and the fallback recomputes such a call by the hidden-keys
+// rule (params.h: nonfinite); otherwise its blocks return at once. The flag is freed when this
+// returns: the caching allocator reuses it only in this stream's order, after both launches.
+template <typename Params, typename Call>
+cudaError_t launch_guarded(cudaError_t (*launch)(const Params&, cudaStream_t), Params p,
+                           const Call& c, cudaStream_t stream,
+                           cudaError_t (*fallback)(const Call&, const Params&, cudaStream_t)) {
+  if (launch == nullptr) return cudaErrorInvalidValue;
+  const at::Tensor nonfinite = at::zeros({1}, c.q.options().dtype(at::kInt));
+  p.nonfinite = nonfinite.data_ptr<int>();
+  const cudaError_t err = launch(p, stream);
+  return err != cudaSuccess ? err : fallback(c, p, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) {
@@ -338,15 +353,7 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
                           ? sm90_forward_of(c)
                           : sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
                                          mask_kind(c.call.mask), c.call.options.return_stats);
-  if (launch == nullptr) return cudaErrorInvalidValue;
-  // The tensor-core kernels flag a call in which a row came out non-finite, and the fallback
-  // recomputes such a call by the hidden-keys rule (params.h: nonfinite); otherwise its blocks
-  // return at once. The flag is freed when this returns: the caching allocator reuses it only in
-  // this stream's order, after both kernels.
-  const at::Tensor nonfinite = at::zeros({1}, c.q.options().dtype(at::kInt));
-  p.nonfinite = nonfinite.data_ptr<int>();
-  const cudaError_t err = launch(p, stream);
-  return err != cudaSuccess ? err : launch_fallback_forward(c, p, stream);
+  return launch_guarded(launch, p, c, stream, &launch_fallback_forward<float>);
 }
 
 cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream) {
@@ -358,13 +365,8 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
       f == Family::kSm90
           ? sm90_backward_of(c)
           : sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));
-  if (launch == nullptr) return cudaErrorInvalidValue;
-  // As in the forward: the tensor-core kernels flag a non-finite gradient row, and only then does
-  // the fallback recompute the gradients (by blocks of a whole GQA group, in the family's outputs).
-  const at::Tensor nonfinite = at::zeros({1}, c.q.options().dtype(at::kInt));
-  p.nonfinite = nonfinite.data_ptr<int>();
-  const cudaError_t err = launch(p, stream);
-  return err != cudaSuccess ? err : launch_fallback_backward(c, p, stream);
+  // (The guard recomputes the gradients by blocks of a whole GQA group, in the family's outputs.)
+  return launch_guarded(launch, p, c, stream, &launch_fallback_backward<float>);
 }
 
 }  // namespace entropy_attn::cuda

@@ -877,6 +877,44 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
       << "no infinite dV entry from head 3's dO";
 }
 
+// The guard's per-row kernels (preprocess, postprocess) take a capped grid whose warps stride over
+// the rows (fallback::kGuardRowBlocks): with more rows than the grid has warps, every row's dq and
+// d lambda still equal a plain fallback call's.
+TEST(EmulatedGuard, BackwardRowsBeyondTheCappedGrid) {
+  Case c = mk("bf16_guard_bwd_many_rows", at::kBFloat16, 4100, 8, 64);
+  c.H = 2, c.Hkv = 1;
+  ASSERT_GT(c.B * c.H * c.Lq, ef::kGuardRowBlocks * ef::kWarps);
+  const Inputs in = make_inputs(c);
+  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
+      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const ec::ForwardCall fwd(in.q, in.k, in.v, call);
+  launch_forward<__nv_bfloat16>(fwd.params<float>());
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = fwd.outputs;
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
+      sum_p2, row_scale, in.sinks, documents(in), options(c));
+  ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
+  plain.allocate(ec::Family::kFallback);
+  launch_backward<__nv_bfloat16>(plain.params<float>());
+  const auto [pdq, pdk, pdv, pdlam] = plain.finish();
+  ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
+  guarded.allocate(ec::Family::kSm80);
+  for (const at::Tensor& t : {guarded.dq, guarded.dlam}) t.fill_(7);
+  guarded.g.fill_(5);
+  int flag = 1;
+  ec::BwdParams<float> p = guarded.params<float>();
+  p.nonfinite = &flag;
+  ASSERT_EQ(ef::preprocess_blocks(p), ef::kGuardRowBlocks);
+  launch_backward<__nv_bfloat16>(p);
+  const auto [dq, dk, dv, dlam] = guarded.finish();
+  const Tolerances tol = tolerances(c.dtype);
+  expect_close(dq, pdq, tol.grad, "grad_query vs plain fallback");
+  expect_close(dlam, pdlam, tol.grad, "grad_row_scale vs plain fallback");
+  expect_close(dk, pdk, tol.grad, "grad_key vs plain fallback");
+  expect_close(dv, pdv, tol.grad, "grad_value vs plain fallback");
+}
+
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(EmulatedAttention, ForwardAndBackwardMatchFloat64Reference) { run_case(GetParam()); }

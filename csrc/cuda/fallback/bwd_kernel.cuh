@@ -66,12 +66,6 @@ struct BwdLayout {
   }
 };
 
-// The guard's kernels return at once unless the tensor-core kernels wrote a non-finite value.
-template <typename acc_t>
-__device__ __forceinline__ bool guard_idle(const BwdParams<acc_t>& p) {
-  return p.nonfinite != nullptr && *p.nonfinite == 0;
-}
-
 // The grid of the per-row kernels (preprocess, postprocess): one warp per query row; as a guard at
 // most kGuardRowBlocks blocks, whose warps stride over the rows, since an idle guard's blocks only
 // return and a full grid of them costs its launch on every call.

@@ -202,8 +202,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
   constexpr int kBM = L::kBM, kBN = L::kBN;
-  // As the guard of a tensor-core forward (params.h: nonfinite): only after a non-finite row.
-  if (p.nonfinite != nullptr && *p.nonfinite == 0) return;
+  if (guard_idle(p)) return;  // the guard of a tensor-core forward with finite results
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sK = reinterpret_cast<T*>(smem + L::kK);

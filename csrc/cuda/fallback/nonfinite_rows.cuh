@@ -15,6 +15,13 @@
 
 namespace entropy_attn::cuda::fallback {
 
+// Whether a kernel launched as the guard of a tensor-core kernel (params.h: nonfinite) has nothing
+// to do: that kernel wrote no non-finite value. Its blocks then return at once.
+template <typename acc_t>
+__device__ __forceinline__ bool guard_idle(const AttentionArgs<acc_t>& a) {
+  return a.nonfinite != nullptr && *a.nonfinite == 0;
+}
+
 // A tile's flags: kRows + 1 bytes in shared memory, flags[r] = 1 for a row holding a NaN or an
 // infinity and flags[kRows] = 1 when some row does; load_tile sets them as it copies the tile.
 // None of these functions synchronizes: the kernels place them between the barriers they already

@@ -824,19 +824,16 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
   expect_close(entropy, r.entropy, tol.stats, "entropy");
 }
 
-// The fallback backward as the guard of a tensor-core backward: with the flag at 0 it writes
-// nothing; with it set it writes the tensor-core family's outputs (dk, dv summed over a GQA group
-// by one block, dq and d lambda by its postprocess) from a G it zero-fills itself, equal to a plain
-// fallback call's gradients and to the CPU op's, hidden non-finite inputs kept to what sees them.
-TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
-  Case c = mk("bf16_guard_bwd_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
-  c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kBool;
-  Inputs in = make_inputs(c);
-  // An infinite dO entry in the second query head of the second group (make_inputs puts its
-  // entries in head 0, whose NaN rows cover every key of group 0): the grouped blocks must add it
-  // back from head 3's rows, making column 2 of dV infinite exactly for the keys row 30 sees.
-  in.dout.select(0, 0).select(0, 3).select(0, 30).select(0, 2).fill_(
-      std::numeric_limits<double>::infinity());
+// A bf16 call's emulated forward, its backward by a plain fallback call, and by the fallback as the
+// guard of a tensor-core backward (the family's outputs, filled with 7 beforehand; G with 5, as a
+// tensor-core backward leaves it): first with the flag at 0, which must write nothing, then at 1.
+struct GuardRun {
+  AttentionOutputs fwd;
+  entropy_attn::AttentionGrads plain, guarded;
+  int64_t guard_row_blocks;  // the grid of the guard's preprocess and postprocess
+};
+
+GuardRun run_backward_guard(const Case& c, const Inputs& in) {
   const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
       in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
@@ -850,13 +847,12 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
   plain.allocate(ec::Family::kFallback);
   launch_backward<__nv_bfloat16>(plain.params<float>());
-  const auto [pdq, pdk, pdv, pdlam] = plain.finish();
 
   ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
   guarded.allocate(ec::Family::kSm80);
-  ASSERT_EQ(guarded.dk.size(1), c.Hkv);  // the family's outputs: per key/value head
+  EXPECT_EQ(guarded.dk.size(1), c.Hkv);  // the family's outputs: per key/value head
   for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) t.fill_(7);
-  guarded.g.fill_(5);  // as a tensor-core backward leaves it
+  guarded.g.fill_(5);
   int flag = 0;
   ec::BwdParams<float> p = guarded.params<float>();
   p.nonfinite = &flag;
@@ -866,14 +862,36 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   }
   flag = 1;
   launch_backward<__nv_bfloat16>(p);
-  const entropy_attn::AttentionGrads grads = guarded.finish();
+  return {fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p)};
+}
+
+void expect_grads_close(const entropy_attn::AttentionGrads& got,
+                        const entropy_attn::AttentionGrads& want, double tol, const char* what) {
+  const auto& [dq, dk, dv, dlam] = got;
+  const auto& [wdq, wdk, wdv, wdlam] = want;
+  expect_close(dq, wdq, tol, std::string("grad_query vs ") + what);
+  expect_close(dk, wdk, tol, std::string("grad_key vs ") + what);
+  expect_close(dv, wdv, tol, std::string("grad_value vs ") + what);
+  expect_close(dlam, wdlam, tol, std::string("grad_row_scale vs ") + what);
+}
+
+// With the flag set the guard writes dk, dv summed over a GQA group by one block and dq, d lambda
+// by its postprocess, from a G it zero-fills itself: equal to a plain fallback call's gradients
+// and to the CPU op's, hidden non-finite inputs kept to what sees them.
+TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
+  Case c = mk("bf16_guard_bwd_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
+  c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kBool;
+  Inputs in = make_inputs(c);
+  // An infinite dO entry in the second query head of the second group (make_inputs puts its
+  // entries in head 0, whose NaN rows cover every key of group 0): the grouped blocks must add it
+  // back from head 3's rows, making column 2 of dV infinite exactly for the keys row 30 sees.
+  in.dout.select(0, 0).select(0, 3).select(0, 30).select(0, 2).fill_(
+      std::numeric_limits<double>::infinity());
+  const GuardRun run = run_backward_guard(c, in);
   const Tolerances tol = tolerances(c.dtype);
-  expect_close(std::get<0>(grads), pdq, tol.grad, "grad_query vs plain fallback");
-  expect_close(std::get<1>(grads), pdk, tol.grad, "grad_key vs plain fallback");
-  expect_close(std::get<2>(grads), pdv, tol.grad, "grad_value vs plain fallback");
-  expect_close(std::get<3>(grads), pdlam, tol.grad, "grad_row_scale vs plain fallback");
-  expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
-  EXPECT_GT(std::get<2>(grads).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
+  expect_grads_close(run.guarded, run.plain, tol.grad, "plain fallback");
+  expect_matches_cpu_op(c, in, run.fwd, run.guarded, tol);
+  EXPECT_GT(std::get<2>(run.guarded).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
       << "no infinite dV entry from head 3's dO";
 }
 
@@ -884,35 +902,9 @@ TEST(EmulatedGuard, BackwardRowsBeyondTheCappedGrid) {
   Case c = mk("bf16_guard_bwd_many_rows", at::kBFloat16, 4100, 8, 64);
   c.H = 2, c.Hkv = 1;
   ASSERT_GT(c.B * c.H * c.Lq, ef::kGuardRowBlocks * ef::kWarps);
-  const Inputs in = make_inputs(c);
-  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
-      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
-  const ec::ForwardCall fwd(in.q, in.k, in.v, call);
-  launch_forward<__nv_bfloat16>(fwd.params<float>());
-  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
-               normalized_entropy, sparsity, effective_keys] = fwd.outputs;
-  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
-      in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
-      sum_p2, row_scale, in.sinks, documents(in), options(c));
-  ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
-  plain.allocate(ec::Family::kFallback);
-  launch_backward<__nv_bfloat16>(plain.params<float>());
-  const auto [pdq, pdk, pdv, pdlam] = plain.finish();
-  ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
-  guarded.allocate(ec::Family::kSm80);
-  for (const at::Tensor& t : {guarded.dq, guarded.dlam}) t.fill_(7);
-  guarded.g.fill_(5);
-  int flag = 1;
-  ec::BwdParams<float> p = guarded.params<float>();
-  p.nonfinite = &flag;
-  ASSERT_EQ(ef::preprocess_blocks(p), ef::kGuardRowBlocks);
-  launch_backward<__nv_bfloat16>(p);
-  const auto [dq, dk, dv, dlam] = guarded.finish();
-  const Tolerances tol = tolerances(c.dtype);
-  expect_close(dq, pdq, tol.grad, "grad_query vs plain fallback");
-  expect_close(dlam, pdlam, tol.grad, "grad_row_scale vs plain fallback");
-  expect_close(dk, pdk, tol.grad, "grad_key vs plain fallback");
-  expect_close(dv, pdv, tol.grad, "grad_value vs plain fallback");
+  const GuardRun run = run_backward_guard(c, make_inputs(c));
+  ASSERT_EQ(run.guard_row_blocks, ef::kGuardRowBlocks);
+  expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
 }
 
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};

@@ -23,7 +23,14 @@ import shutil
 import subprocess
 import sys
 
+import setuptools
 from setuptools import find_packages, setup
+
+# pyproject.toml writes its license as an SPDX expression (PEP 639), which setuptools reads from
+# version 77 on; an older one stops with a schema error about `project.license` that names neither.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    sys.exit(f"setup.py: building torch_ext needs setuptools>=77 (found {setuptools.__version__}): "
+             "pip install -U 'setuptools>=77'")
 
 try:
     import torch

@@ -156,7 +156,7 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
   }
   // A sink without weight (-inf) gets no gradient (and no 0 * inf).
   const at::Tensor ds = at::where(p_sink > 0, p_sink * (dp - delta), at::zeros_like(p_sink));
-  return ds.sum({0, 2});
+  return ds.sum(at::IntArrayRef{0, 2});
 }
 
 }  // namespace entropy_attn

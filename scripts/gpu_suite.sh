@@ -13,6 +13,9 @@
 #   BENCH_ARGS="--seq 1024 4096" bash scripts/gpu_suite.sh   # arguments for the benchmark
 #   RUN_CPP=1 bash scripts/gpu_suite.sh          # also the C++ suite (CMake + CTest)
 #
+# With a .device/ folder (scripts/device_bundle.sh make, run where there is network) nothing is
+# installed: the extension comes from the bundle, or is built against the machine's own torch.
+#
 # Logs go to build/gpu_suite/ (pytest.log, ptxas.log, benchmark.log).
 set -euo pipefail
 
@@ -66,9 +69,18 @@ fi
 finish ok
 
 # --- 2. setup and build (the CUDA kernels are compiled when torch is a CUDA build) ---------------
-begin "setup + build (scripts/setup.sh)"
+# A machine with its own torch and no network gets the extension from .device/ instead
+# (scripts/device_bundle.sh: made elsewhere, copied along; a build there if it does not match).
+if [[ -d .device ]]; then begin "setup + build (scripts/device_bundle.sh install)"; else
+  begin "setup + build (scripts/setup.sh)"
+fi
 if [[ ${SKIP_SETUP:-0} != 0 ]]; then
   finish "skipped (SKIP_SETUP)"
+elif [[ -d .device ]]; then
+  if bash scripts/device_bundle.sh install; then finish ok; else
+    finish "FAILED (scripts/device_bundle.sh install)"
+    exit 1
+  fi
 else
   if bash scripts/setup.sh; then finish ok; else
     finish "FAILED (scripts/setup.sh)"

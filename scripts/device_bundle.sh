@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The extension for a GPU machine that has its own torch and no network (a lent or air-gapped
+# node): there scripts/setup.sh cannot install the pinned torch, and the build must compile against
+# the torch that is installed (torch 2.11, the GPU machines' own, builds extensions as C++17; the
+# pinned 2.14 as C++20).
+#
+#   bash scripts/device_bundle.sh make      # here, with network: build against DEVICE_TORCH and
+#                                           # pack .device/ (library, build info, wheels)
+#   bash scripts/device_bundle.sh install   # there (scripts/gpu_suite.sh does it when .device/
+#                                           # exists): the packed library if it was built from
+#                                           # these sources for this torch, else a build there
+#   bash scripts/device_bundle.sh check     # CI: the sources still build against DEVICE_TORCH
+#
+# `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
+# virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
+# (default 9.0: an H100/H200; "8.0;9.0" for an A100 too). It packs the stripped library, the
+# sources' hash and the wheels a build there needs (nvidia-cutlass's headers, a setuptools that
+# reads pyproject.toml). .device/ is ignored by git: copy it along. DEVICE_VENV names an existing
+# virtual environment with DEVICE_TORCH to build in instead of build/device/venv.
+#
+# `check` is the cheap half of `make`, for every CI run: a CPU-only build of the copy against
+# DEVICE_TORCH with warnings as errors, the host sources of the CUDA kernels (which only a CUDA
+# build compiles) compiled against its headers as C++17, and the tests a GPU session runs first
+# (tests/test_cuda.py, on the CPU) under that torch. The kernels themselves include no torch
+# header; `make` compiles them.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off PIP_ROOT_USER_ACTION=ignore
+BUNDLE=.device
+DEVICE_TORCH=${DEVICE_TORCH:-2.11.0}
+DEVICE_ARCH=${DEVICE_ARCH:-9.0}
+SETUPTOOLS=setuptools==80.9.0
+CUTLASS=nvidia-cutlass==$(cat csrc/cuda/cutlass_version.txt)
+# The GPU machines' versions where they matter to the tests (transformers: the HF backend).
+TEST_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 transformers==5.17.0)
+SRC=build/device/src
+venv=${DEVICE_VENV:-build/device/venv}
+
+# What the library is built from: the files setup.py compiles or reads. A bundle built from other
+# sources is not used.
+sources_hash() {
+  find csrc setup.py pyproject.toml scripts/kernel_list.py -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
+    sha256sum | cut -d' ' -f1
+}
+
+# $venv with DEVICE_TORCH and the build and test dependencies; an absolute path afterwards.
+device_venv() {
+  if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c "import torch, sys
+sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null; then
+    if [[ -n ${DEVICE_VENV:-} ]]; then
+      echo "DEVICE_VENV=${DEVICE_VENV} has no torch ${DEVICE_TORCH}" >&2
+      exit 1
+    fi
+    echo "::: virtual environment with torch ${DEVICE_TORCH} (${venv})"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==${DEVICE_TORCH}" "$SETUPTOOLS" ninja "${TEST_DEPS[@]}"
+    "$venv/bin/pip" install -q --no-deps "$CUTLASS"
+  fi
+  venv=$(cd "$venv" && pwd)
+}
+
+# A copy of the working tree (uncommitted edits included, ignored files not) in $SRC.
+copy_tree() {
+  echo "::: copy of the working tree (${SRC})"
+  rm -rf "$SRC"
+  mkdir -p "$SRC"
+  # (--ignore-failed-read: a tracked file deleted in the working tree is left out, as it is there.)
+  git ls-files -co --exclude-standard -z | tar -c --null -T - --ignore-failed-read -f - 2>/dev/null |
+    tar -x -C "$SRC"
+}
+
+# Builds $SRC in place with the environment's python; extra VAR=value settings as arguments.
+build_copy() {
+  local build_env=(PATH="$venv/bin:$PATH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" ENTROPY_ATTN_WERROR=1 "$@")
+  if command -v ccache >/dev/null; then
+    [[ -d /usr/lib/ccache ]] && build_env[0]=PATH="$venv/bin:/usr/lib/ccache:$PATH"
+    build_env+=(PYTORCH_NVCC="ccache nvcc" CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD/$SRC")
+  fi
+  (cd "$SRC" && env "${build_env[@]}" python setup.py build_ext --inplace >../build.log 2>&1) || {
+    grep -E "error|Error" build/device/build.log | head -20
+    echo "build failed: build/device/build.log"
+    exit 1
+  }
+}
+
+make_bundle() {
+  local start
+  start=$(date +%s)
+  device_venv
+  copy_tree
+  echo "::: build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}"
+  build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH"
+  echo "::: pack ${BUNDLE}/"
+  rm -rf "$BUNDLE"
+  mkdir -p "$BUNDLE/wheels"
+  # Without its debug sections (Python's -g; -lineinfo lives in the fatbin and stays), and
+  # compressed: the machine code of ~450 kernels shrinks about tenfold, under what can be copied.
+  strip --strip-debug -o build/device/_C.abi3.so "$SRC/torch_ext/_C.abi3.so"
+  xz -T0 -c build/device/_C.abi3.so >"$BUNDLE/_C.abi3.so.xz"
+  cp "$SRC/torch_ext/_build_info.py" "$BUNDLE/"
+  (cd "$SRC" && sources_hash) >"$BUNDLE/sources.sha256"
+  echo "$DEVICE_ARCH" >"$BUNDLE/arch"
+  "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
+  ls -l "$BUNDLE" "$BUNDLE/wheels"
+  echo "::: ${BUNDLE}/ made in $(($(date +%s) - start))s (torch ${DEVICE_TORCH}, arch ${DEVICE_ARCH})"
+}
+
+check_build() {
+  local start unit include_flags
+  start=$(date +%s)
+  device_venv
+  copy_tree
+  echo "::: CPU-only build against torch ${DEVICE_TORCH}"
+  build_copy ENTROPY_ATTN_CPU_ONLY=1
+  echo "::: the CUDA host sources against torch ${DEVICE_TORCH}'s headers, C++17"
+  # The flags of setup.py's CUDA build for these files (torch's include paths as system headers,
+  # CUDA's headers, warnings as errors), without code generation. The toolkit root as setup.py
+  # finds it: nvcc may be a wrapper outside the toolkit, whose dry run names the root.
+  if [[ -z ${CUDA_HOME:-} ]]; then
+    CUDA_HOME=$(realpath "$(nvcc -dryrun -E -x cu /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p')")
+    export CUDA_HOME
+  fi
+  mapfile -t include_flags < <("$venv/bin/python" - <<'PY'
+import os
+from torch.utils import cpp_extension
+
+for path in cpp_extension.include_paths(device_type="cuda"):
+    print("-isystem"); print(path)
+if cpp_extension.CUDA_HOME is None:
+    raise SystemExit("no CUDA toolkit: the CUDA host sources cannot be checked")
+PY
+  )
+  for unit in "$SRC"/csrc/cuda/*.cpp; do
+    g++ -std=c++17 -fsyntax-only -fopenmp -Wall -Wextra -Werror -I"$SRC/csrc" "${include_flags[@]}" \
+      -DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=_C "$unit"
+    echo "  ok ${unit#"$SRC"/}"
+  done
+  echo "::: tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
+  (cd "$SRC" && ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+     tests/test_build.py tests/test_cuda.py tests/test_gpu_benchmark_script.py tests/test_hf.py)
+  echo "::: the build against torch ${DEVICE_TORCH} checked in $(($(date +%s) - start))s"
+}
+
+install_bundle() {
+  local python=${PYTHON:-python3} torch_version
+  torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
+  if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(sources_hash)" ]] &&
+     grep -q "TORCH_VERSION = '${torch_version}'" "$BUNDLE/_build_info.py"; then
+    echo "::: the packed library (built from these sources for torch ${torch_version}, arch $(cat "$BUNDLE/arch"))"
+    "$python" -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
+      "$BUNDLE/_C.abi3.so.xz" torch_ext/_C.abi3.so
+    cp "$BUNDLE/_build_info.py" torch_ext/
+  else
+    echo "::: no packed library for these sources and torch ${torch_version}: building here"
+    mkdir -p build/device
+    # The carried wheels into a private directory: nothing is fetched, the system is unchanged.
+    "$python" -m pip install -q --no-index --no-deps --no-compile --target build/device/site "$BUNDLE"/wheels/*.whl
+    local start
+    start=$(date +%s)
+    PYTHONPATH="$PWD/build/device/site${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
+      TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(cat "$BUNDLE/arch" 2>/dev/null || echo 9.0)}" \
+      "$python" setup.py build_ext --inplace >build/device/build.log 2>&1 || {
+      grep -E "error|Error" build/device/build.log | head -20
+      echo "build failed: build/device/build.log"
+      exit 1
+    }
+    echo "::: built in $(($(date +%s) - start))s"
+  fi
+  "$python" -c "import torch_ext, torch; print('torch_ext', torch_ext.__version__, 'on torch', torch.__version__)"
+}
+
+case ${1:-} in
+  make) make_bundle ;;
+  check) check_build ;;
+  install) install_bundle ;;
+  *)
+    echo "usage: $0 make|check|install" >&2
+    exit 2
+    ;;
+esac

@@ -1,7 +1,8 @@
 """Context-parallel attention (torch_ext.distributed) over 1, 2 and 4 gloo processes on the CPU against
 the single-process op on the full tensors: outputs, statistics and gradients (an entropy and sum p^2
-term in the loss), causal (load balanced) and not, log-n scale from the global n_i, GQA; and a call
-whose ranks disagree fails on every rank instead of hanging."""
+term in the loss), causal (load balanced) and not, log-n scale from the global n_i, GQA; the same
+over NCCL with CUDA tensors where two GPUs are present; and a call whose ranks disagree fails on
+every rank instead of hanging."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, fn: Any, *args: Any) -> list[Any]:
-    """Runs fn(rank, world, *args) in `world` gloo processes; returns each rank's result, or raises
-    with the ranks' tracebacks."""
+def run_ranks(world: int, fn: Any, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Runs fn(rank, world, *args) in `world` processes of a `backend` process group (nccl: rank r
+    on cuda:r); returns each rank's result, or raises with the ranks' tracebacks."""
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -61,11 +62,13 @@ def run_ranks(world: int, fn: Any, *args: Any) -> list[Any]:
     return [results[r][1] for r in range(world)]
 
 
-def _worker(rank: int, world: int, port: int, queue: Any, fn: Any, args: tuple) -> None:
+def _worker(rank: int, world: int, port: int, queue: Any, fn: Any, args: tuple, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT)
         queue.put((rank, True, _by_value(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 (reported to the parent)
         queue.put((rank, False, traceback.format_exc()))
@@ -78,7 +81,7 @@ def _by_value(x: Any) -> Any:
     """Tensors as numpy arrays, which a queue pickles by value (a tensor travels as shared memory
     whose sender must outlive the receiver's read)."""
     if isinstance(x, torch.Tensor):
-        return x.detach().numpy()
+        return x.detach().cpu().numpy()
     if isinstance(x, dict):
         return {k: _by_value(v) for k, v in x.items()}
     return x
@@ -115,10 +118,12 @@ def _loss(out: torch.Tensor, stats: Any, go: torch.Tensor, g_ent: torch.Tensor, 
     return (out * go).sum() + (stats.entropy * g_ent).sum() + (stats.effective_keys * g_p2).sum()
 
 
-def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
-    """One rank: shard, run context-parallel forward and backward, gather everything back."""
+def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """One rank: shard, run context-parallel forward and backward, gather everything back. On
+    device "cuda" rank r works on cuda:r."""
     lb = case.get("load_balance", True)
-    q, k, v, go, g_ent, g_p2 = _full_inputs(case, world, dtype)
+    on = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+    q, k, v, go, g_ent, g_p2 = (t.to(on) for t in _full_inputs(case, world, dtype))
     shard = lambda t: cp.shard_sequence(t, load_balance=lb)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     if case.get("strided"):  # the (B, L, H, D) layout models produce, seen as (B, H, L, D)
@@ -132,15 +137,10 @@ def _cp_rank(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_context_parallel_matches_single_process(world: int, case: str) -> None:
-    """Every rank's rows, gathered, equal the single-process op's: output, the statistics, and the
-    gradients of q, k, v under a loss with entropy and effective-keys terms (float64: to 1e-10)."""
-    c = CASES[case]
-    dtype = torch.float64
-    results = run_ranks(world, _cp_rank, c, dtype)
-    q, k, v, go, g_ent, g_p2 = _full_inputs(c, world, dtype)
+def _check_against_single_process(results: list[dict], c: dict, dtype: torch.dtype) -> None:
+    """Each rank's gathered outputs, statistics and gradients against the single-process op on the
+    CPU over the full tensors (float64: to 1e-10)."""
+    q, k, v, go, g_ent, g_p2 = _full_inputs(c, len(results), dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, stats = torch_ext.attention(q, k, v, return_stats=True, **_options(c))
     _loss(out, stats, go, g_ent, g_p2).backward()
@@ -150,6 +150,29 @@ def test_context_parallel_matches_single_process(world: int, case: str) -> None:
         for name, want in expected.items():
             torch.testing.assert_close(torch.from_numpy(got[name]), want.detach(), rtol=1e-9, atol=1e-10,
                                        msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_context_parallel_matches_single_process(world: int, case: str) -> None:
+    """Every rank's rows, gathered, equal the single-process op's: output, the statistics, and the
+    gradients of q, k, v under a loss with entropy and effective-keys terms (float64: to 1e-10)."""
+    c = CASES[case]
+    dtype = torch.float64
+    results = run_ranks(world, _cp_rank, c, dtype)
+    _check_against_single_process(results, c, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one CUDA device per rank: needs 2 CUDA devices")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_context_parallel_nccl_matches_single_device(case: str) -> None:
+    """The ring over NCCL with CUDA tensors (2 ranks, one GPU each) equals the single-device op on
+    the CPU, outputs, statistics and gradients (float64: to 1e-10). NCCL refuses two ranks on one
+    GPU ("Duplicate GPU detected"), so this needs a machine with two."""
+    c = CASES[case]
+    dtype = torch.float64
+    results = run_ranks(2, _cp_rank, c, dtype, "cuda", backend="nccl")
+    _check_against_single_process(results, c, dtype)
 
 
 def _mismatched_rank(rank: int, world: int) -> str:

@@ -1063,6 +1063,36 @@ def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: s
         _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
 
 
+@pytest.mark.parametrize("family,dtype", [
+    ("fallback", torch.bfloat16), ("sm80", torch.bfloat16), ("sm80", torch.float16),
+    pytest.param("sm90", torch.bfloat16, marks=needs_hopper)], ids=str)
+def test_extreme_finite_additive_mask_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: str,
+                                                  dtype: torch.dtype) -> None:
+    """A finite additive mask value hides no key, however negative (docs/math.md section 8): rows
+    whose every key carries finfo(float32).min attend to those keys uniformly, as on the CPU, and
+    other rows give such keys no weight. The tensor-core families work in log2 units, where that
+    value times log2(e) overflows to -inf: their kernels flag a row that has keys to see and no
+    weight, and the fallback recomputes the call (their guard). Output and statistics against the
+    CPU op, with a row whose keys are all -inf (no key: output 0)."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    B, H, L, D = 1, 2, 150, 64
+    q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
+    lowest = torch.finfo(torch.float32).min
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.where(torch.rand(L, L, generator=gen) < 0.3, lowest, 0.0)
+    mask[torch.rand(L, L, generator=gen) < 0.1] = float("-inf")
+    mask[:20] = lowest  # rows that see only finfo.min keys
+    mask[20] = float("-inf")  # a row that sees no key
+    names = ["lse", "entropy", "max_weight", "n_keys", "normalized_entropy", "sparsity", "effective_keys"]
+    results = []
+    for place in (lambda t: t, cuda):
+        out, st = torch_ext.attention(place(q), place(k), place(v), place(mask), return_stats=True)
+        results.append([out] + [getattr(st, n) for n in names])
+    for name, want, got in zip(["output"] + names, *results):
+        tol = OUT_TOL[dtype] if name == "output" else STAT_TOL[dtype]
+        _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
+
+
 @real_cuda
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_tensor_core_guard_idle_on_finite_inputs(monkeypatch: pytest.MonkeyPatch,

@@ -4,8 +4,10 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -44,6 +46,14 @@ int device_sm() {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   return major * 10 + minor;
+}
+
+// The dynamic shared memory one block may have on the current device (opted in).
+int device_smem_optin() {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        c10::cuda::current_device()));
+  return optin;
 }
 
 // 16-byte vector loads (cp.async) need every row of q, k, v (and of out and dout) to start on a
@@ -201,6 +211,26 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
                          sm90_backward_of(c) != nullptr);
 }
 
+// The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs of
+// sm_80 and newer offer a block (sm80/launch.h).
+std::string tensor_core_backward_obstacle(const BackwardCall& c) {
+  const AttentionShape& s = c.call.shape;
+  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
+                                 mask_kind(c.call.mask)) != nullptr;
+  std::string why =
+      tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
+  if (!why.empty()) return why;
+  const int d = static_cast<int>(s.head_dim);
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  const int need = std::max(sm80::backward_main_smem_bytes(d),
+                            deterministic ? sm80::backward_dq_smem_bytes(d) : 0);
+  if (need > device_smem_optin()) {
+    return "the GPU offers a block less shared memory than the backward needs (" +
+           std::to_string(need) + " bytes)";
+  }
+  return {};
+}
+
 // The family for a call: the most specialized one that is wanted (requested, or on by default)
 // and has no obstacle. The obstacles are callables, asked only when their family is wanted.
 template <typename Hopper, typename TensorCore>
@@ -263,14 +293,8 @@ Selection select_forward(const ForwardCall& c) {
 }
 
 Selection select_backward(const BackwardCall& c) {
-  const AttentionShape& s = c.call.shape;
   return choose([&] { return hopper_backward_obstacle(c); },
-                [&] {
-                  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
-                                                 mask_kind(c.call.mask)) != nullptr;
-                  return tensor_core_obstacle(s, c.call.dtype, c.call,
-                                              {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
-                });
+                [&] { return tensor_core_backward_obstacle(c); });
 }
 
 size_t forward_smem_bytes(const ForwardCall& c) {

@@ -31,6 +31,9 @@ cudaError_t set_smem(Kernel kernel, int bytes) {
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
 cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
   using Kt = bwd::BwdTraits<T, kHeadDim>;
+  static_assert(Kt::kMainBytes == backward_main_smem_bytes(kHeadDim) &&
+                    Kt::kDqBytes == backward_dq_smem_bytes(kHeadDim),
+                "launch.h's shared-memory sizes, which the selection point reads, are the traits'");
   if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
   const dim3 block(Kt::kNThreads);
 

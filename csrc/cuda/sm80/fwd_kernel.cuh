@@ -611,6 +611,12 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     nonfinite |= row_nonfinite && m0 + i < q_len;
     if (m0 + i < q_len && tid_e % 4 == 0) {
       const int64_t row = row0 + i;
+      if constexpr (kMask == MaskKind::kAdditive) {
+        // A row with keys to see whose every weight vanished: its finite mask values lie below
+        // -FLT_MAX / log2(e) (finfo.min) and became -inf in log2 units. Such keys are not hidden
+        // (docs/math.md section 8); the fallback's natural units keep them, so it recomputes.
+        nonfinite |= st.l == 0.f && p.n_keys[row] > 0;
+      }
       p.lse[row] = res.lse;
       if constexpr (kStats) {
         p.entropy[row] = res.entropy;

@@ -15,6 +15,18 @@ namespace entropy_attn::cuda::sm80 {
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream);
 
+// Dynamic shared memory per block of the backward's main kernel and of its deterministic dq kernel
+// (bwd_launch.cuh asserts these against the kernels' traits): 64-row query tiles (Q, lambda Q and
+// two of dO in the main kernel; Q and dO in the dq kernel), 128-key tiles of K and V, the
+// 64 x 128 tiles of P and dS (dS alone in the dq kernel) and five per-row values. At D = 128 both
+// exceed the 99 KB per block of sm_86/89/120 GPUs, where the selection point passes over the family.
+constexpr int backward_main_smem_bytes(int head_dim) {
+  return (4 * 64 + 2 * 128) * head_dim * 2 + 2 * 64 * 128 * 2 + 5 * 64 * 4;
+}
+constexpr int backward_dq_smem_bytes(int head_dim) {
+  return (2 * 64 + 2 * 128) * head_dim * 2 + 64 * 128 * 2 + 5 * 64 * 4;
+}
+
 // Backward: the delta preprocess, the main kernel over key blocks, the dq postprocess. dq_accum
 // must be zero-filled (B, H, Lq, D) float32.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>

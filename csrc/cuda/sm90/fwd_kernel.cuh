@@ -56,6 +56,14 @@
 #include <limits>
 #include <type_traits>
 
+// The masked D = 128 kernels take 112-key blocks (kBlockN below): S is then one 64x112x16 wgmma
+// per k-step, one of CuTe's "extended" shapes, which its selector offers only with this macro;
+// without it S took seven 64x16 wgmmas per k-step (each reading its Q slice again). The macro
+// only adds shapes: no other selection of the family changes.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 // cute/tensor.hpp first: the sm90 atom headers rely on what it declares.
 #include <cute/tensor.hpp>
 
@@ -486,6 +494,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     if (m0 + i >= q_len) continue;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
     nonfinite |= !is_finite(res.lse);
+    if constexpr (kMask == MaskKind::kAdditive) {
+      // A row with keys to see whose every weight vanished: its finite mask values lie below
+      // -FLT_MAX / log2(e) (finfo.min) and became -inf in log2 units. Such keys are not hidden
+      // (docs/math.md section 8); the fallback's natural units keep them, so it recomputes.
+      nonfinite |= row.l == 0.f && n_row[r] > 0;
+    }
     CUTE_UNROLL
     for (int d = 0; d < size<1>(o_rc); d += 2) {
       // Columns d and d + 1 of the fragment are adjacent (the first mode of the column layout).

@@ -10,6 +10,7 @@
 #   bash scripts/gpu_suite.sh -x --maxfail=5     # extra arguments are pytest options (it runs tests/)
 #   SKIP_SETUP=1 bash scripts/gpu_suite.sh       # reuse the current build (no scripts/setup.sh)
 #   SKIP_BENCH=1 bash scripts/gpu_suite.sh       # tests only
+#   SKIP_TESTS=1 bash scripts/gpu_suite.sh       # no pytest (e.g. the benchmark alone, with SKIP_SETUP)
 #   BENCH_ARGS="--seq 1024 4096" bash scripts/gpu_suite.sh   # arguments for the benchmark
 #   RUN_CPP=1 bash scripts/gpu_suite.sh          # also the C++ suite (CMake + CTest)
 #
@@ -122,30 +123,36 @@ fi
 # ENTROPY_ATTN_REQUIRE_CUDA makes tests/conftest.py refuse to run without a GPU; -rs lists every
 # skip with its reason, and any skip for "no CUDA device" fails this step (the CUDA tests must
 # run here). Other skips (e.g. "needs 2 CUDA devices" on a one-GPU machine) are reported only.
+families=""
 begin "pytest (CPU + CUDA)"
-pytest_log=$LOG_DIR/pytest.log
-py_rc=0
-ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider --durations=15 "$@" 2>&1 |
-  tee "$pytest_log" || py_rc=$?
-tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$pytest_log" | tail -1 | tr -d '=' | xargs || true)
-# (grep exits 1 when nothing matches: `|| true` keeps set -e/pipefail from ending the script.)
-no_cuda_skips=$( (grep -E '^SKIPPED \[[0-9]+\].*no CUDA device' "$pytest_log" || true) |
-  sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
-other_skips=$( (grep -E '^SKIPPED \[[0-9]+\]' "$pytest_log" || true) | (grep -v 'no CUDA device' || true) |
-  sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
-if ((py_rc != 0)); then
-  finish "FAILED (pytest exit ${py_rc}; ${tally:-no tally})"
-elif ((no_cuda_skips > 0)); then
-  finish "FAILED (${no_cuda_skips} tests skipped for 'no CUDA device'; ${tally})"
+if [[ ${SKIP_TESTS:-0} != 0 ]]; then
+  finish "skipped (SKIP_TESTS)"
 else
-  finish "ok (${tally}; ${other_skips} other skips)"
+  pytest_log=$LOG_DIR/pytest.log
+  py_rc=0
+  ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider --durations=15 "$@" 2>&1 |
+    tee "$pytest_log" || py_rc=$?
+  tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$pytest_log" | tail -1 | tr -d '=' | xargs || true)
+  # (grep exits 1 when nothing matches: `|| true` keeps set -e/pipefail from ending the script.)
+  no_cuda_skips=$( (grep -E '^SKIPPED \[[0-9]+\].*no CUDA device' "$pytest_log" || true) |
+    sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
+  other_skips=$( (grep -E '^SKIPPED \[[0-9]+\]' "$pytest_log" || true) | (grep -v 'no CUDA device' || true) |
+    sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
+  if ((py_rc != 0)); then
+    finish "FAILED (pytest exit ${py_rc}; ${tally:-no tally})"
+  elif ((no_cuda_skips > 0)); then
+    finish "FAILED (${no_cuda_skips} tests skipped for 'no CUDA device'; ${tally})"
+  else
+    finish "ok (${tally}; ${other_skips} other skips)"
+  fi
+  families=${CUDA_FAMILIES:-fallback sm80 sm90}
 fi
 
 # --- 4b. the CUDA tests once more with each kernel family forced (csrc/cuda/family.h) -------------
 # The run above uses the default choice; here every CUDA test runs with ENTROPY_ATTN_CUDA_FAMILY
 # set to each family (a specialized family where it applies, the others elsewhere; sm90 runs only
 # on compute capability 9.0, its tests skip visibly elsewhere).
-for family in ${CUDA_FAMILIES:-fallback sm80 sm90}; do
+for family in $families; do
   begin "pytest -k cuda, ENTROPY_ATTN_CUDA_FAMILY=${family}"
   family_log=$LOG_DIR/pytest_${family}.log
   fam_rc=0

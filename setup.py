@@ -19,8 +19,6 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import shutil
-import subprocess
 import sys
 
 import setuptools
@@ -63,23 +61,8 @@ def write_build_info() -> None:
                 f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import kernel_list  # noqa: E402
+from cuda_home import cuda_home  # noqa: E402
 WERROR = os.environ.get("ENTROPY_ATTN_WERROR") == "1"
-
-
-def cuda_home() -> str | None:
-    """The CUDA toolkit root: $CUDA_HOME or $CUDA_PATH, else asked from nvcc (PATH, then
-    /usr/local/cuda/bin). nvcc may be a wrapper script (/usr/local/bin/nvcc) outside the toolkit,
-    where torch's own guess (the directory above nvcc) is wrong; its dry run prints the root."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return os.environ[var]
-    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
-    if nvcc is None:
-        return None
-    dry_run = subprocess.run([nvcc, "-dryrun", "-E", "-x", "cu", os.devnull],
-                             capture_output=True, text=True, check=False)
-    top = re.search(r"^#\$ TOP=(.+)$", dry_run.stderr, re.MULTILINE)
-    return os.path.realpath(top.group(1)) if top else None
 
 
 CUDA_HOME = cuda_home() if os.environ.get("ENTROPY_ATTN_CPU_ONLY") != "1" and torch.version.cuda else None

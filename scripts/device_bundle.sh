@@ -37,11 +37,11 @@ TEST_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==
 SRC=build/device/src
 venv=${DEVICE_VENV:-build/device/venv}
 
-# What the library is built from: the files setup.py compiles or reads. A bundle built from other
-# sources is not used.
-sources_hash() {
-  find csrc setup.py pyproject.toml scripts/kernel_list.py -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
-    sha256sum | cut -d' ' -f1
+# A failed build's first errors, and the end of the script.
+build_failed() {
+  grep -E "error|Error" build/device/build.log | head -20
+  echo "build failed: build/device/build.log" >&2
+  exit 1
 }
 
 # $venv with DEVICE_TORCH and the build and test dependencies; an absolute path afterwards.
@@ -78,11 +78,7 @@ build_copy() {
     [[ -d /usr/lib/ccache ]] && build_env[0]=PATH="$venv/bin:/usr/lib/ccache:$PATH"
     build_env+=(PYTORCH_NVCC="ccache nvcc" CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD/$SRC")
   fi
-  (cd "$SRC" && env "${build_env[@]}" python setup.py build_ext --inplace >../build.log 2>&1) || {
-    grep -E "error|Error" build/device/build.log | head -20
-    echo "build failed: build/device/build.log"
-    exit 1
-  }
+  (cd "$SRC" && env "${build_env[@]}" python setup.py build_ext --inplace >../build.log 2>&1) || build_failed
 }
 
 make_bundle() {
@@ -100,7 +96,7 @@ make_bundle() {
   strip --strip-debug -o build/device/_C.abi3.so "$SRC/torch_ext/_C.abi3.so"
   xz -T0 -c build/device/_C.abi3.so >"$BUNDLE/_C.abi3.so.xz"
   cp "$SRC/torch_ext/_build_info.py" "$BUNDLE/"
-  (cd "$SRC" && sources_hash) >"$BUNDLE/sources.sha256"
+  bash "$SRC/scripts/sources_hash.sh" >"$BUNDLE/sources.sha256"
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
   ls -l "$BUNDLE" "$BUNDLE/wheels"
@@ -116,20 +112,18 @@ check_build() {
   build_copy ENTROPY_ATTN_CPU_ONLY=1
   echo "::: the CUDA host sources against torch ${DEVICE_TORCH}'s headers, C++17"
   # The flags of setup.py's CUDA build for these files (torch's include paths as system headers,
-  # CUDA's headers, warnings as errors), without code generation. The toolkit root as setup.py
-  # finds it: nvcc may be a wrapper outside the toolkit, whose dry run names the root.
-  if [[ -z ${CUDA_HOME:-} ]]; then
-    CUDA_HOME=$(realpath "$(nvcc -dryrun -E -x cu /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p')")
-    export CUDA_HOME
-  fi
+  # CUDA's headers, warnings as errors), without code generation; the toolkit root as setup.py
+  # finds it.
+  CUDA_HOME=$(python3 scripts/cuda_home.py) || {
+    echo "no CUDA toolkit: the CUDA host sources cannot be checked" >&2
+    exit 1
+  }
+  export CUDA_HOME
   mapfile -t include_flags < <("$venv/bin/python" - <<'PY'
-import os
 from torch.utils import cpp_extension
 
 for path in cpp_extension.include_paths(device_type="cuda"):
     print("-isystem"); print(path)
-if cpp_extension.CUDA_HOME is None:
-    raise SystemExit("no CUDA toolkit: the CUDA host sources cannot be checked")
 PY
   )
   for unit in "$SRC"/csrc/cuda/*.cpp; do
@@ -146,7 +140,7 @@ PY
 install_bundle() {
   local python=${PYTHON:-python3} torch_version
   torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
-  if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(sources_hash)" ]] &&
+  if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]] &&
      grep -q "TORCH_VERSION = '${torch_version}'" "$BUNDLE/_build_info.py"; then
     echo "::: the packed library (built from these sources for torch ${torch_version}, arch $(cat "$BUNDLE/arch"))"
     "$python" -c "import lzma, shutil, sys
@@ -162,11 +156,7 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyf
     start=$(date +%s)
     PYTHONPATH="$PWD/build/device/site${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
       TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(cat "$BUNDLE/arch" 2>/dev/null || echo 9.0)}" \
-      "$python" setup.py build_ext --inplace >build/device/build.log 2>&1 || {
-      grep -E "error|Error" build/device/build.log | head -20
-      echo "build failed: build/device/build.log"
-      exit 1
-    }
+      "$python" setup.py build_ext --inplace >build/device/build.log 2>&1 || build_failed
     echo "::: built in $(($(date +%s) - start))s"
   fi
   "$python" -c "import torch_ext, torch; print('torch_ext', torch_ext.__version__, 'on torch', torch.__version__)"

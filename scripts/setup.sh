@@ -98,7 +98,7 @@ fi
 # also serves a later request without them, not the other way round.
 stamp_file=build/extension.stamp
 werror=${ENTROPY_ATTN_WERROR:-0}
-stamp=$( { find csrc setup.py pyproject.toml scripts/kernel_list.py -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
+stamp=$( { bash scripts/sources_hash.sh
            "$PYTHON" -c 'import torch; print(torch.__version__)'
            echo "cpu_only=${ENTROPY_ATTN_CPU_ONLY:-0} arch=${TORCH_CUDA_ARCH_LIST:-} nvcc=$(command -v nvcc || true)"
          } | sha256sum | cut -d' ' -f1)

@@ -110,7 +110,7 @@ ATT_SAMPLES = attention_samples()
 def test_opcheck_attention(device: str, sample: Tuple[str, Tuple[Any, ...], Dict[str, Any]]) -> None:
     """opcheck entropy_attn.attention (schema, autograd registration, fake tensors, AOT dispatch)."""
     _, args, kwargs = sample
-    torch.library.opcheck(ops.attention.default, to_device(args, device), kwargs)
+    torch.library.opcheck(ops.attention.default, to_device(args, device), to_device(kwargs, device))
 
 
 BW_CONFIGS: List[Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]] = [

@@ -4,16 +4,15 @@
 // generated translation unit under instantiations/, compiled for -gencode
 // arch=compute_90a,code=sm_90a alone. kMask is the mask kind (MaskKind) as a compile-time flag.
 //
-// Status: written and compiled, never run on a GPU. Every instantiation compiles cleanly (warnings
-// as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS) instructions,
-// setmaxnreg and no local memory. The forward implements what the sm80 forward does: bf16 and
+// Status: passes the CUDA tests on an H100 (ENTROPY_ATTN_CUDA_FAMILY=sm90), and "auto" selects it
+// on compute capability 9.0 (family.h: kHopperFamilyByDefault). Every instantiation compiles
+// cleanly (warnings as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS)
+// instructions, setmaxnreg and no local memory. The forward implements what the sm80 forward does: bf16 and
 // fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive masks, with
 // or without statistics, GQA, any sequence lengths; the backward the same calls with the entropy
 // and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80). Windows,
 // packed documents, softcap, sinks and dropout are not covered: the selection point
-// (csrc/cuda/family.cpp) routes such calls to the other families. ENTROPY_ATTN_CUDA_FAMILY=sm90
-// selects the family; "auto" does not until it has passed the CUDA tests on an H100 (family.h:
-// kHopperFamilyByDefault).
+// (csrc/cuda/family.cpp) routes such calls to the other families.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -13,6 +13,7 @@
 #   SKIP_TESTS=1 bash scripts/gpu_suite.sh       # no pytest (e.g. the benchmark alone, with SKIP_SETUP)
 #   BENCH_ARGS="--seq 1024 4096" bash scripts/gpu_suite.sh   # arguments for the benchmark
 #   RUN_CPP=1 bash scripts/gpu_suite.sh          # also the C++ suite (CMake + CTest)
+#   SHARDS=1 bash scripts/gpu_suite.sh           # one pytest process (default 3 side by side)
 #
 # With a .device/ folder (scripts/device_bundle.sh make, run where there is network) nothing is
 # installed: the extension comes from the bundle, or is built against the machine's own torch.
@@ -123,43 +124,82 @@ fi
 # ENTROPY_ATTN_REQUIRE_CUDA makes tests/conftest.py refuse to run without a GPU; -rs lists every
 # skip with its reason, and any skip for "no CUDA device" fails this step (the CUDA tests must
 # run here). Other skips (e.g. "needs 2 CUDA devices" on a one-GPU machine) are reported only.
+#
+# SHARDS pytest processes run side by side (ENTROPY_ATTN_TEST_SHARD=k/n in tests/conftest.py:
+# each takes every n-th test), each with nproc/n threads: the tests' float64 CPU references keep
+# one process busy while the GPU waits, and a 16-core machine ran tests/test_cuda.py in 56 s as
+# three processes where one took over 170 s.
+SHARDS=${SHARDS:-3}
+threads=$(($(nproc) / SHARDS))
+((threads >= 1)) || threads=1
+
+# run_pytest LOG ARGS...: pytest ARGS in $SHARDS processes; their output concatenated in LOG (each
+# shard's also in LOG.K); the exit status is the first failing shard's (5, "nothing collected",
+# counts as success: a shard of a small selection may be empty).
+run_pytest() {
+  local log=$1 k rc=0 shard_rc
+  shift
+  local pids=()
+  for ((k = 0; k < SHARDS; k++)); do
+    ENTROPY_ATTN_TEST_SHARD=$k/$SHARDS OMP_NUM_THREADS=$threads ENTROPY_ATTN_REQUIRE_CUDA=1 \
+      "$PYTHON" -m pytest "$@" >"$log.$k" 2>&1 &
+    pids+=($!)
+  done
+  for ((k = 0; k < SHARDS; k++)); do
+    shard_rc=0
+    wait "${pids[$k]}" || shard_rc=$?
+    if ((shard_rc != 0 && shard_rc != 5 && rc == 0)); then rc=$shard_rc; fi
+  done
+  for ((k = 0; k < SHARDS; k++)); do cat "$log.$k"; done | tee "$log"
+  return "$rc"
+}
+
+# tally LOG: the shards' final counts added up ("1221 passed, 5 skipped, ..."; not "deselected",
+# which counts the other shards' tests too).
+tally() {
+  grep -hE '^[=]* ?[0-9]+ (passed|failed|error|skipped|deselected)' "$1" | tr -d '=' |
+    grep -oE '[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)' |
+    awk '{sub(/s$/, "", $2); if ($2 == "warning") next; n[$2] += $1} END {
+      first = 1; split("passed failed error skipped xfailed xpassed", order, " ")
+      for (i = 1; i <= 6; i++) if (order[i] in n) { printf "%s%d %s", first ? "" : ", ", n[order[i]], order[i]; first = 0 }
+    }' || true
+}
+
 families=""
-begin "pytest (CPU + CUDA)"
+begin "pytest (CPU + CUDA, ${SHARDS} shards)"
 if [[ ${SKIP_TESTS:-0} != 0 ]]; then
   finish "skipped (SKIP_TESTS)"
 else
   pytest_log=$LOG_DIR/pytest.log
   py_rc=0
-  ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider --durations=15 "$@" 2>&1 |
-    tee "$pytest_log" || py_rc=$?
-  tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$pytest_log" | tail -1 | tr -d '=' | xargs || true)
+  run_pytest "$pytest_log" tests -q -rs -p no:cacheprovider --durations=15 "$@" || py_rc=$?
   # (grep exits 1 when nothing matches: `|| true` keeps set -e/pipefail from ending the script.)
   no_cuda_skips=$( (grep -E '^SKIPPED \[[0-9]+\].*no CUDA device' "$pytest_log" || true) |
     sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
   other_skips=$( (grep -E '^SKIPPED \[[0-9]+\]' "$pytest_log" || true) | (grep -v 'no CUDA device' || true) |
     sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{s += $1} END {print s + 0}')
   if ((py_rc != 0)); then
-    finish "FAILED (pytest exit ${py_rc}; ${tally:-no tally})"
+    finish "FAILED (pytest exit ${py_rc}; $(tally "$pytest_log"))"
   elif ((no_cuda_skips > 0)); then
-    finish "FAILED (${no_cuda_skips} tests skipped for 'no CUDA device'; ${tally})"
+    finish "FAILED (${no_cuda_skips} tests skipped for 'no CUDA device'; $(tally "$pytest_log"))"
   else
-    finish "ok (${tally}; ${other_skips} other skips)"
+    finish "ok ($(tally "$pytest_log"); ${other_skips} other skips)"
   fi
   families=${CUDA_FAMILIES:-fallback sm80 sm90}
 fi
 
 # --- 4b. the CUDA tests once more with each kernel family forced (csrc/cuda/family.h) -------------
-# The run above uses the default choice; here every CUDA test runs with ENTROPY_ATTN_CUDA_FAMILY
-# set to each family (a specialized family where it applies, the others elsewhere; sm90 runs only
-# on compute capability 9.0, its tests skip visibly elsewhere).
+# The run above uses the default choice (on an H100 the Hopper family, then the tensor-core family,
+# then the fallback); here every CUDA test runs with ENTROPY_ATTN_CUDA_FAMILY set to each family (a
+# specialized family where it applies, the others elsewhere; sm90 runs only on compute capability
+# 9.0, its tests skip visibly elsewhere).
 for family in $families; do
   begin "pytest -k cuda, ENTROPY_ATTN_CUDA_FAMILY=${family}"
   family_log=$LOG_DIR/pytest_${family}.log
   fam_rc=0
-  ENTROPY_ATTN_CUDA_FAMILY=$family ENTROPY_ATTN_REQUIRE_CUDA=1 "$PYTHON" -m pytest tests -q -k "cuda or CUDA" \
-    -p no:cacheprovider "$@" 2>&1 | tee "$family_log" || fam_rc=$?
-  tally=$(grep -E '^[=]* ?[0-9]+ (passed|failed|error)' "$family_log" | tail -1 | tr -d '=' | xargs || true)
-  if ((fam_rc != 0)); then finish "FAILED (${tally:-no tally})"; else finish "ok (${tally})"; fi
+  ENTROPY_ATTN_CUDA_FAMILY=$family run_pytest "$family_log" tests -q -k "cuda or CUDA" -p no:cacheprovider "$@" ||
+    fam_rc=$?
+  if ((fam_rc != 0)); then finish "FAILED ($(tally "$family_log"))"; else finish "ok ($(tally "$family_log"))"; fi
 done
 
 # --- 5. optional: the C++ suite ------------------------------------------------------------------

@@ -68,6 +68,33 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"ENTROPY_ATTN_CUDA_FAMILY={os.environ.get('ENTROPY_ATTN_CUDA_FAMILY', 'auto')}"
 
 
+def shard_spec() -> Tuple[int, int]:
+    """(k, n) from ENTROPY_ATTN_TEST_SHARD="k/n" (0 <= k < n): this process runs every n-th test
+    from the k-th on, so that n processes side by side run the suite once (scripts/gpu_suite.sh
+    does, on a GPU machine whose many cores one pytest process leaves idle). (0, 1) when unset."""
+    spec = os.environ.get("ENTROPY_ATTN_TEST_SHARD", "")
+    if not spec:
+        return 0, 1
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"ENTROPY_ATTN_TEST_SHARD must be k/n with 0 <= k < n, got {spec!r}")
+    return k, n
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Keep this process's shard of the collected tests (ENTROPY_ATTN_TEST_SHARD); the others are
+    deselected, so the shards' tallies add up to the whole run."""
+    k, n = shard_spec()
+    if n == 1:
+        return
+    keep = [item for i, item in enumerate(items) if i % n == k]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = keep
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Register custom markers; refuse to run without a GPU when one is required."""
     config.addinivalue_line("markers", "cuda: test runs on a CUDA device")

@@ -127,8 +127,7 @@ fi
 #
 # SHARDS pytest processes run side by side (ENTROPY_ATTN_TEST_SHARD=k/n in tests/conftest.py:
 # each takes every n-th test), each with nproc/n threads: the tests' float64 CPU references keep
-# one process busy while the GPU waits, and a 16-core machine ran tests/test_cuda.py in 56 s as
-# three processes where one took over 170 s.
+# one process busy while the GPU waits, and the suite runs four times here (steps 4 and 4b).
 SHARDS=${SHARDS:-3}
 threads=$(($(nproc) / SHARDS))
 ((threads >= 1)) || threads=1

@@ -19,6 +19,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 
 import setuptools
@@ -53,12 +54,26 @@ def torch_requirement() -> str:
     return f"torch=={major}.{minor}.*"
 
 
+def sources_sha256() -> str:
+    """The hash of the files this build compiles or reads (scripts/sources_hash.sh, the one
+    definition), or "unknown" where it cannot run."""
+    try:
+        out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "sources_hash.sh")], capture_output=True,
+                             text=True, timeout=60, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out or "unknown"
+
+
 def write_build_info() -> None:
     """torch_ext/_build_info.py: the torch this build compiles against, which `import torch_ext`
-    compares with the running torch."""
+    compares with the running torch, and the hash of its sources, which benchmark results record
+    (the kernels measured: equal to scripts/sources_hash.sh at the commit they come from)."""
     with open(os.path.join(ROOT, "torch_ext", "_build_info.py"), "w", encoding="utf-8") as f:
-        f.write('"""Written by setup.py at build time: the torch this build of torch_ext is compiled against."""\n\n'
-                f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n")
+        f.write('"""Written by setup.py at build time: the torch this build of torch_ext is compiled against,\n'
+                'and the hash of the sources it was built from (scripts/sources_hash.sh)."""\n\n'
+                f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n"
+                f"SOURCES_SHA256 = {sources_sha256()!r}\n")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import kernel_list  # noqa: E402
 from cuda_home import cuda_home  # noqa: E402

@@ -392,7 +392,8 @@ def matmul_peak_tflops(dtype: str, min_run_time: float, n: int = MATMUL_N) -> Op
 
 
 def environment(command: str) -> Dict[str, Any]:
-    """The header of the JSON: device, driver, versions, the checkout's commit (the kernels measured), date."""
+    """The header of the JSON: device, driver, versions, the checkout's commit, the hash of the
+    sources the library was built from (the kernels measured), date."""
 
     def run_quiet(cmd: List[str]) -> str:  # a read-only command's stdout, '' if it fails
         try:
@@ -402,6 +403,12 @@ def environment(command: str) -> Dict[str, Any]:
 
     props = torch.cuda.get_device_properties(0)
     driver = run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()
+    try:  # the hash of the sources the measured library was built from (setup.py writes it)
+        from torch_ext import _build_info
+
+        sources = getattr(_build_info, "SOURCES_SHA256", "unknown")
+    except ImportError:
+        sources = "unknown"
     return {
         "device": f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
         "driver": driver[0] if driver else "unknown",
@@ -409,6 +416,8 @@ def environment(command: str) -> Dict[str, Any]:
         "cuda": str(torch.version.cuda),
         "commit": run_quiet(["git", "rev-parse", "HEAD"]) or "unknown",
         "dirty": bool(run_quiet(["git", "--no-optional-locks", "status", "--porcelain", "--", "csrc/"])),
+        # The kernels measured, exactly: scripts/sources_hash.sh gives the same at their commit.
+        "sources_sha256": sources,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
@@ -433,7 +442,8 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
     peaks = ", ".join(f"{k} {fmt(v, '.0f')}" for k, v in result["matmul_peak_tflops"].items())
     lines = [
         f"{result['device']}, driver {result['driver']}, torch {result['torch']}, CUDA {result['cuda']}, commit "
-        f"{result['commit'][:12]}{' (csrc/ modified)' if result['dirty'] else ''}, {result['date']}; "
+        f"{result['commit'][:12]}{' (csrc/ modified)' if result['dirty'] else ''}, built from sources "
+        f"{str(result.get('sources_sha256', 'unknown'))[:12]} (scripts/sources_hash.sh), {result['date']}; "
         f"command: `{result['command']}`",
         "",
         "Times: medians of CUDA-event blocks (ms); ratio = ours / fastest SDPA backend (lower is better); "

@@ -183,8 +183,10 @@ def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatc
         assert all(p[k]["ratio"] is not None for k in bench.KINDS)
         assert set(p["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(p["max_abs_err"].values()) < 0.1
     text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
-                           "date": "today", "command": "cmd", "matmul_peak_tflops": {"bfloat16": 50.0}, "points": points}, True)  # fmt: skip
+                           "sources_sha256": "0123456789abcdef", "date": "today", "command": "cmd",
+                           "matmul_peak_tflops": {"bfloat16": 50.0}, "points": points}, True)  # fmt: skip
     assert text.count("| bfloat16 |") == 3 * len(points) and "checked" in text and "Failures" not in text
+    assert "sources 0123456789ab" in text  # the kernels measured, named by the hash of their sources
 
 
 def test_failures_and_out_of_memory_do_not_stop_the_run() -> None:

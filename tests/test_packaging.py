@@ -4,6 +4,7 @@ errors of a mismatched torch (at import) and of a missing torch (at build)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -50,6 +51,14 @@ def test_build_records_the_torch_it_compiled_against() -> None:
                          env={**os.environ, "ENTROPY_ATTN_CPU_ONLY": "1"})
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     assert out.stdout.strip().splitlines()[-1] == f"torch=={major}.{minor}.*"
+
+
+def test_build_records_the_hash_of_its_sources() -> None:
+    """The build info names the sources it was built from by scripts/sources_hash.sh's hash, which
+    benchmark results record (benchmarks/gpu_vs_sdpa.py) to say which kernels they measured."""
+    from torch_ext import _build_info
+
+    assert re.fullmatch(r"[0-9a-f]{64}", _build_info.SOURCES_SHA256), _build_info.SOURCES_SHA256
 
 
 def test_import_with_another_torch_is_one_clear_error() -> None:

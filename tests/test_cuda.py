@@ -1265,9 +1265,66 @@ def test_hopper_family_runs_where_forced(monkeypatch: pytest.MonkeyPatch, mask_k
     assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
 
 
+# Banded patterns for the Hopper forward: (Lq, Lk, is_causal, window_size, causal_alignment). They
+# cover a window's two edges inside a tile and across tiles, a left bound alone, bottom-right
+# alignment as a cache (Lq < Lk) and with more queries than keys (whole tiles of rows that see no
+# key), and a top-left window whose last rows see none.
+HOPPER_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
+    "causal_window": (300, 300, True, (63, 0), "top_left"),
+    "two_sided_window": (300, 300, False, (40, 17), "top_left"),
+    "left_bound_only": (300, 300, False, (100, -1), "top_left"),
+    "bottom_right_cache": (200, 700, True, (-1, -1), "bottom_right"),
+    "bottom_right_more_queries": (400, 150, True, (-1, -1), "bottom_right"),
+    "bottom_right_window": (200, 700, True, (128, 0), "bottom_right"),
+    "top_left_window_past_keys": (500, 200, True, (30, 0), "top_left"),
+}
+
+
+@real_cuda
+@needs_hopper
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("band", list(HOPPER_BANDS))
+def test_hopper_forward_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str, D: int,
+                                              mask_kind: str, stats: bool) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=sm90 runs sliding windows and bottom-right alignment in the Hopper
+    forward (its kernel in the profile) and matches the float64 reference: output, lse and n_i, and
+    with statistics the entropy; the gradients (the backward of such calls runs elsewhere) too.
+    Rows that see no key come out as zeros, as on the CPU."""
+    Lq, Lk, causal, window, alignment = HOPPER_BANDS[band]
+    torch.manual_seed(3)
+    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 4, 2, Lq, Lk, D, dtype=torch.bfloat16))
+    mask = cuda(torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(4)) < 0.85) if mask_kind == "bool" else None
+    kw: Dict[str, Any] = dict(is_causal=causal, window_size=list(window), causal_alignment=alignment,
+                              enable_gqa=True, return_stats=stats)
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    res: list = []
+    names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, **kw)))
+    assert any("sm90::" in n and "forward_kernel" in n for n in names), names
+    out = res[0]
+    ref = reference_attention_raw(*(t.detach().cpu() for t in (q, k, v)), mask.cpu() if mask is not None else None,
+                                  None, **{**kw, "window_size": window})
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    assert_close64(out[0].detach().cpu(), ref.output, oat, ort, "output")
+    assert_close64(out[1].cpu(), ref.lse, sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), ref.n_keys), "n_keys"
+    if stats:
+        assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
+        assert_close64(out[3].cpu(), ref.sum_p2, sat, srt, "sum_p2")
+    go = torch.randn_like(out[0])
+    grads = torch.autograd.grad(out[0], (q, k, v), go)
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
+    fb = OP(q, k, v, mask, None, **kw)
+    fb_grads = torch.autograd.grad(fb[0], (q, k, v), go)
+    for a, b_, name in zip(grads, fb_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, b_) < 2 * GRAD_TOL[torch.bfloat16], name
+
+
 @real_cuda
 @pytest.mark.parametrize(
-    "case", ["float32", "window", "softcap", "sinks", "unaligned_rows", "head_dim_96", "deterministic"],
+    "case", ["float32", "softcap", "sinks", "unaligned_rows", "head_dim_96", "deterministic"],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (on any GPU) gives
@@ -1281,9 +1338,7 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
         q = cuda(torch.randn(1, 2, 150, 68, dtype=dtype))[..., :64]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     kw: Dict[str, Any] = dict(is_causal=True, return_stats=True)
-    if case == "window":
-        kw["window_size"] = [32, 0]
-    elif case == "softcap":
+    if case == "softcap":
         kw["softcap"] = 5.0
     elif case == "sinks":
         kw["sinks"] = cuda(torch.randn(2))

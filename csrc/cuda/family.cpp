@@ -68,15 +68,17 @@ bool rows_16b_aligned(const at::Tensor& t) {
 
 // The features of a call the tensor-core family lacks (empty when it has them all): its kernels
 // know only top-left causality (a compile-time flag), no windows, documents, softcap, sinks or
-// dropout.
-std::string pattern_obstacle(const CallPattern& c) {
+// dropout. `bands`: the kernels take any window and alignment (the Hopper forward's).
+std::string pattern_obstacle(const CallPattern& c, bool bands) {
   const AttentionOptions& o = c.options;
   const KeyPattern p = o.key_pattern();
   if (c.cu_q.defined()) return "packed documents (cu_seqlens)";
-  // A right bound other than is_causal's (window_size = (-1, 0) without is_causal included: the
-  // kernels' causal flag follows is_causal).
-  if (p.left >= 0 || (p.right >= 0 && !o.causal)) return "a sliding window";
-  if (o.bottom_right && p.banded()) return "bottom-right causal alignment";
+  if (!bands) {
+    // A right bound other than is_causal's (window_size = (-1, 0) without is_causal included: the
+    // kernels' causal flag follows is_causal).
+    if (p.left >= 0 || (p.right >= 0 && !o.causal)) return "a sliding window";
+    if (o.bottom_right && p.banded()) return "bottom-right causal alignment";
+  }
   if (o.softcap > 0) return "logit softcapping";
   if (c.sinks.defined()) return "attention sinks";
   if (o.dropout_p > 0) return "dropout";
@@ -87,9 +89,10 @@ std::string pattern_obstacle(const CallPattern& c) {
 // whether an instantiation exists for the call's dtype, head dim and flags.
 std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
                                  const CallPattern& call,
-                                 std::initializer_list<const at::Tensor*> rows, bool has) {
+                                 std::initializer_list<const at::Tensor*> rows, bool has,
+                                 bool bands = false) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "dtype is not bfloat16 or float16";
-  if (std::string features = pattern_obstacle(call); !features.empty()) return features;
+  if (std::string features = pattern_obstacle(call, bands); !features.empty()) return features;
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
@@ -172,8 +175,10 @@ Sm90Backward sm90_backward_of(const BackwardCall& c) {
                        mask_kind(c.call.mask));
 }
 
+// The Hopper forward's causal instantiations take every banded pattern (causality, windows, either
+// alignment: sm90/fwd_kernel.cuh), so a call's band, not is_causal alone, picks them.
 Sm90Forward sm90_forward_of(const ForwardCall& c) {
-  return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.causal,
+  return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.key_pattern().banded(),
                       mask_kind(c.call.mask), c.call.options.return_stats);
 }
 
@@ -187,8 +192,9 @@ bool tma_ok(const at::Tensor& t) {
 // (its pattern check covers what sm90::covers asks of the pattern), a compute capability 9.0 GPU
 // (sm_90a code runs nowhere else), and tensors TMA can describe (q, k, v; dout in the backward).
 std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const CallPattern& call,
-                            std::initializer_list<const at::Tensor*> tensors, bool has) {
-  std::string obstacle = tensor_core_obstacle(s, dtype, call, tensors, has);
+                            std::initializer_list<const at::Tensor*> tensors, bool has,
+                            bool bands = false) {
+  std::string obstacle = tensor_core_obstacle(s, dtype, call, tensors, has, bands);
   if (!obstacle.empty()) return obstacle;
   if (device_sm() != 90) return "the GPU is not compute capability 9.0 (sm_90a)";
   for (const at::Tensor* t : tensors) {
@@ -197,9 +203,14 @@ std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const
   return {};
 }
 
+// The Hopper forward takes windows and bottom-right alignment where they are wanted: by default
+// once they have passed the GPU tests (family.h: kHopperBandsByDefault), or when the family is
+// forced.
 std::string hopper_forward_obstacle(const ForwardCall& c) {
+  const std::optional<Family> requested = requested_family();
+  const bool bands = requested.has_value() ? *requested == Family::kSm90 : kHopperBandsByDefault;
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
-                         sm90_forward_of(c) != nullptr);
+                         sm90_forward_of(c) != nullptr, bands);
 }
 
 // The Hopper backward also needs dq by atomics (not deterministic algorithms).
@@ -323,11 +334,11 @@ template <typename Acc>
 cudaError_t launch_fallback_forward(const ForwardCall& c, const FwdParams<Acc>& p,
                                     cudaStream_t stream) {
   const int d = fallback_bucket(c.call.shape);
-#define EA_MATCH(T, D)                                                   \
-  if constexpr (std::is_same_v<AccType<T>, Acc>) {                       \
-    if (is_dtype<T>(c.call.dtype) && d == D) {                           \
-      return fallback::launch_forward<T, D>(p, stream);                  \
-    }                                                                    \
+#define EA_MATCH(T, D)                                  \
+  if constexpr (std::is_same_v<AccType<T>, Acc>) {      \
+    if (is_dtype<T>(c.call.dtype) && d == D) {          \
+      return fallback::launch_forward<T, D>(p, stream); \
+    }                                                   \
   }
   EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
@@ -340,11 +351,11 @@ template <typename Acc>
 cudaError_t launch_fallback_backward(const BackwardCall& c, const BwdParams<Acc>& p,
                                      cudaStream_t stream) {
   const int d = fallback_bucket(c.call.shape);
-#define EA_MATCH(T, D)                                                   \
-  if constexpr (std::is_same_v<AccType<T>, Acc>) {                       \
-    if (is_dtype<T>(c.call.dtype) && d == D) {                           \
-      return fallback::launch_backward<T, D>(p, stream);                 \
-    }                                                                    \
+#define EA_MATCH(T, D)                                   \
+  if constexpr (std::is_same_v<AccType<T>, Acc>) {       \
+    if (is_dtype<T>(c.call.dtype) && d == D) {           \
+      return fallback::launch_backward<T, D>(p, stream); \
+    }                                                    \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH

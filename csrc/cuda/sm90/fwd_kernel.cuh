@@ -29,7 +29,12 @@
 // Key blocks are visited from the last to the first, as in the sm80 family: the blocks that need
 // the causal / sequence-end predicate (the last partial block and the blocks crossing the
 // diagonal) come first, the loop over the others carries none. Keys past the last row's causal
-// limit are never loaded (causal block skipping).
+// limit are never loaded (causal block skipping). The instantiations compiled with causality
+// (kCausal) take any banded KeyPattern (kernel_args.h): causality, a sliding window, either
+// alignment. A row sees [lo_i, hi_i); the tile loads only the blocks of [lo of its first row, hi of
+// its last), and the blocks a window's lower edge crosses are predicated too (they come last). A
+// tile whose rows see no key (bottom-right alignment with more queries than keys) loads none and
+// writes the empty rows' zeros.
 //
 // Edge tiles: the TMA boxes of rows >= q_len and keys >= kv_len lie outside the tensors' bounds
 // and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and
@@ -198,6 +203,17 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
   }
 }
 
+// The keys [lo, hi) row i may see. kBanded (the instantiations compiled with causality on): those
+// of the call's KeyPattern (kernel_args.h), which for plain causality are [0, min(i + 1, Lk)) and
+// otherwise add a window or bottom-right alignment; else every key. Rows past q_len see none.
+template <bool kBanded>
+__device__ __forceinline__ KeyRange row_keys(const KeyPattern& pattern, int i, int q_len,
+                                             int kv_len) {
+  if (i >= q_len) return {0, 0};
+  if constexpr (kBanded) return pattern.local(i, q_len, kv_len);
+  return {0, kv_len};
+}
+
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones): each warpgroup's
 // own around its mask tile (128 threads), and the two scheduler barriers (256 threads) that hand
 // the tensor cores from one consumer warpgroup to the other, as FlashAttention-3's ping-pong:
@@ -213,12 +229,21 @@ __device__ __forceinline__ void scheduler_arrive(int wg) {
   cutlass::arch::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
 }
 
+// The key blocks of a query tile: [n_begin, n_end) hold every key some row of the tile may see
+// (rows' ranges never move back as i grows, so [lo of the first row, hi of the last)); blocks below
+// n_lo_pred or from n_hi_pred on hold a key outside some row's range and need the predicate, the
+// others need none. An empty range (n_end <= n_begin: every row of the tile sees no key, e.g.
+// bottom-right alignment with more queries than keys) loads nothing.
+struct TileBlocks {
+  int n_begin, n_end, n_lo_pred, n_hi_pred;
+};
+
 // The consumer warpgroups: everything but the loads.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_k,
-                                        typename Kt::Pipeline& pipeline_v, int m0, int n_blocks,
-                                        int n_pred) {
+                                        typename Kt::Pipeline& pipeline_v, int m0,
+                                        const TileBlocks tb) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr bool kHasMask = kMask != MaskKind::kNone;
@@ -254,10 +279,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 
-  // n_i: with a mask, the count of the row's allowed keys below its causal limit, needed before
-  // any score (lambda_i depends on it), as the sm80 family counts it. Each warp counts its 16 rows
-  // one at a time, the lanes striding the keys (coalesced for a key-contiguous mask), then a warp
-  // sum; the lanes that hold the row keep it. Without a mask n_i is the causal limit.
+  // n_i: with a mask, the count of the row's allowed keys in its range, needed before any score
+  // (lambda_i depends on it), as the sm80 family counts it. Each warp counts its 16 rows one at a
+  // time, the lanes striding the keys (coalesced for a key-contiguous mask), then a warp sum; the
+  // lanes that hold the row keep it. Without a mask n_i is the range's length.
   int n_row[kRows];
   const int warp_row0 = get<0>(cS_rc(0, 0)) - lane / 4;  // the warp's first tile row
   if constexpr (kHasMask) {
@@ -265,10 +290,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     for (int r = 0; r < kRows; ++r) n_row[r] = 0;
     for (int rr = 0; rr < 16; ++rr) {
       const int i = m0 + warp_row0 + rr;
-      const int lim = i < q_len ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      const KeyRange keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
       const int64_t off = mask.row_offset(b, h, i);
       int count = 0;
-      for (int j = lane; j < lim; j += 32) count += mask.counts(off, j);
+      for (int j = static_cast<int>(keys.lo) + lane; j < keys.hi; j += 32)
+        count += mask.counts(off, j);
       CUTE_UNROLL
       for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
       CUTE_UNROLL
@@ -279,8 +305,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   } else {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int i = m0 + get<0>(cS_rc(r, 0));
-      n_row[r] = i < q_len ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      const KeyRange keys = row_keys<kCausal>(p.pattern, m0 + get<0>(cS_rc(r, 0)), q_len, kv_len);
+      n_row[r] = static_cast<int>(keys.hi - keys.lo);
     }
   }
 
@@ -314,7 +340,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   [[maybe_unused]] const int wg = ctid / 128;
   [[maybe_unused]] const int rows = min(kBlockM, q_len - m0);
   [[maybe_unused]] uint32_t* s_mask = ss.mask;
-  if (wg == 1) scheduler_arrive(wg);  // warpgroup 0 issues first
+  const bool any_block = tb.n_end > tb.n_begin;    // the same in every thread of the block
+  if (wg == 1 && any_block) scheduler_arrive(wg);  // warpgroup 0 issues first
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
   // (they land while the wgmma runs), then the warpgroup's turn at the tensor cores (ping-pong).
@@ -349,8 +376,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // The online softmax of key block n on its scores: logits in log2 units (-inf where the key is
   // not allowed), the row max after scaling (lambda may be 0 or negative), the row state moved to
   // it, P = 2^(y - m) in place and the sums. O is not touched (a P V may be in flight): the factor
-  // 2^(m_old - m_new) that O owes is left in alpha. kPredicated: apply the causal /
-  // sequence-end predicate j < limit_i.
+  // 2^(m_old - m_new) that O owes is left in alpha. kPredicated: apply the row's range
+  // lo_i <= j < hi_i (causality, window, alignment, sequence end).
   float alpha[kRows];
   auto softmax = [&](const int n, auto& acc_s, auto predicated) {
     constexpr bool kPredicated = decltype(predicated)::value;
@@ -362,8 +389,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int row_in_tile = get<0>(cS_rc(r, 0));
       const int i = m0 + row_in_tile;
       const bool row_valid = i < q_len;
-      const int lim =
-          kPredicated && row_valid ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      KeyRange keys{0, 0};
+      if constexpr (kPredicated) keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
+      const int lo = static_cast<int>(keys.lo), hi = static_cast<int>(keys.hi);
       // The byte selectors of the thread's first two columns serve all its columns
       // (mask_words.cuh).
       [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
@@ -379,7 +407,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         const int col = get<1>(cS_rc(r, c));
         const int j = j0 + col;
         // Rows >= q_len have no mask entries: their (stale) words are never used.
-        bool allowed = (!kPredicated || j < lim) && (!kHasMask || row_valid);
+        bool allowed = (!kPredicated || (j >= lo && j < hi)) && (!kHasMask || row_valid);
         [[maybe_unused]] const uint32_t word =
             kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
         if constexpr (kMask == MaskKind::kBool) {
@@ -421,7 +449,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
   };
   auto softmax_of = [&](const int n, auto& acc_s) {
-    if (n >= n_pred) {
+    if (n >= tb.n_hi_pred || n < tb.n_lo_pred) {
       softmax(n, acc_s, std::true_type{});
     } else {
       softmax(n, acc_s, std::false_type{});
@@ -441,36 +469,38 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // warpgroups the scheduler barriers alternate the issues, so that one's softmax overlaps the
   // other's products.
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  int n = n_blocks - 1;
-  issue_s(n, acc_s);
-  scheduler_arrive(wg);
-  warpgroup_wait<0>();
-  s_landed(acc_s);
-  softmax_of(n, acc_s);  // O is still 0: its factor is moot
-  Tensor rP = convert_fragment<Element>(acc_s);
-  typename Kt::PipelineState v_state = read_state;
-  ++read_state;
-  for (--n; n >= 0; --n) {
+  if (any_block) {
+    int n = tb.n_end - 1;
     issue_s(n, acc_s);
+    scheduler_arrive(wg);
+    warpgroup_wait<0>();
+    s_landed(acc_s);
+    softmax_of(n, acc_s);  // O is still 0: its factor is moot
+    Tensor rP = convert_fragment<Element>(acc_s);
+    typename Kt::PipelineState v_state = read_state;
+    ++read_state;
+    for (--n; n >= tb.n_begin; --n) {
+      issue_s(n, acc_s);
+      rescale_o();
+      issue_pv(rP, v_state);
+      scheduler_arrive(wg);
+      warpgroup_wait<1>();  // S of block n (wgmma batches complete in order)
+      s_landed(acc_s);
+      softmax_of(n, acc_s);
+      warpgroup_wait<0>();  // P V of the block before
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(rP);
+      pipeline_v.consumer_release(v_state);
+      rP = convert_fragment<Element>(acc_s);
+      v_state = read_state;
+      ++read_state;
+    }
     rescale_o();
     issue_pv(rP, v_state);
-    scheduler_arrive(wg);
-    warpgroup_wait<1>();  // S of block n (wgmma batches complete in order)
-    s_landed(acc_s);
-    softmax_of(n, acc_s);
-    warpgroup_wait<0>();  // P V of the block before
+    warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
-    warpgroup_fence_operand(rP);
     pipeline_v.consumer_release(v_state);
-    rP = convert_fragment<Element>(acc_s);
-    v_state = read_state;
-    ++read_state;
   }
-  rescale_o();
-  issue_pv(rP, v_state);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_o);
-  pipeline_v.consumer_release(v_state);
 
   // Epilogue: add the 4 lanes' partial sums, finish each row (online_stats.h), O / l, and write O
   // as 4-byte pairs of adjacent columns straight from the registers.
@@ -539,17 +569,19 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const FwdParams<float>& p = args.p;
 
   // Causal tiles further down do more work: start them first (blocks are dispatched in order), so
-  // that the short ones fill the tail of the wave.
+  // that the short ones fill the tail of the wave. (Windows make the tiles alike: no harm.)
   const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int m0 = m_block * kBlockM;
   const int rows = min(kBlockM, q_len - m0);
-  // Keys past the last row's causal limit are seen by no row of the tile: never loaded.
-  const int kv_end = static_cast<int>(key_limit(m0 + rows - 1, kv_len, kCausal));
-  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;  // >= 1: kv_len >= 1
-  // Blocks [n_pred, n_blocks) hold a key j >= limit_i for some row i of the tile (limit_i >=
-  // min(m0 + 1, kv_len), top-left causal) and need the predicate; the others need none.
-  const int n_pred = (kCausal ? min(m0 + 1, kv_len) : kv_len) / kBlockN;
+  // Keys outside [lo of the first row, hi of the last) are seen by no row of the tile: never
+  // loaded. A block needs the predicate where it holds a key below the last row's lo (the largest)
+  // or from the first row's hi (the smallest) on, the sequence end included.
+  const KeyRange first = row_keys<kCausal>(p.pattern, m0, q_len, kv_len);
+  const KeyRange last = row_keys<kCausal>(p.pattern, m0 + rows - 1, q_len, kv_len);
+  const TileBlocks tb{
+      static_cast<int>(first.lo) / kBlockN, static_cast<int>((last.hi + kBlockN - 1) / kBlockN),
+      static_cast<int>((last.lo + kBlockN - 1) / kBlockN), static_cast<int>(first.hi) / kBlockN};
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
@@ -597,7 +629,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     auto write_state = cutlass::make_producer_start_state<Pipeline>();
     // Not unrolled: each iteration is a few instructions, and the producer has 24 registers.
 #pragma unroll 1
-    for (int n = n_blocks - 1; n >= 0; --n) {
+    for (int n = tb.n_end - 1; n >= tb.n_begin; --n) {
       pipeline_k.producer_acquire(write_state);
       copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_state)), tKgK(_, n),
            tKsK(_, write_state.index()));
@@ -612,7 +644,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_v.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, m0, n_blocks, n_pred);
+    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, m0, tb);
   }
 #endif
 }

@@ -7,12 +7,15 @@
 // Status: passes the CUDA tests on an H100 (ENTROPY_ATTN_CUDA_FAMILY=sm90), and "auto" selects it
 // on compute capability 9.0 (family.h: kHopperFamilyByDefault). Every instantiation compiles
 // cleanly (warnings as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS)
-// instructions, setmaxnreg and no local memory. The forward implements what the sm80 forward does: bf16 and
-// fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive masks, with
-// or without statistics, GQA, any sequence lengths; the backward the same calls with the entropy
-// and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80). Windows,
-// packed documents, softcap, sinks and dropout are not covered: the selection point
-// (csrc/cuda/family.cpp) routes such calls to the other families.
+// instructions, setmaxnreg and no local memory. The forward implements what the sm80 forward does:
+// bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive
+// masks, with or without statistics, GQA, any sequence lengths; the backward the same calls with
+// the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
+// The forward also takes sliding windows and bottom-right alignment (its causal instantiations read
+// the call's KeyPattern); written and compiled, not yet run on a GPU, so "auto" sends such calls
+// elsewhere (family.h: kHopperBandsByDefault) and ENTROPY_ATTN_CUDA_FAMILY=sm90 selects it.
+// Packed documents, softcap, sinks and dropout, and windows in the backward, are not covered: the
+// selection point (csrc/cuda/family.cpp) routes such calls to the other families.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -57,20 +60,29 @@ inline cudaError_t device_is_sm90() {
   return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
 }
 
+// Whether an instantiation with the given causality covers a call's key pattern: without it, every
+// key (no band); with it, top-left causality, or (`bands`: the forward's kernels) any banded
+// pattern, windows and bottom-right alignment included. Never packed documents.
+inline bool pattern_covered(const KeyPattern& k, bool causal, bool bands) {
+  if (k.cu_q != nullptr) return false;
+  if (!causal) return !k.banded();
+  if (bands) return k.banded();
+  return k.left < 0 && k.right == 0 && !k.bottom_right;
+}
+
 // Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
-// causality: top-left causality or none, no window, documents, softcap, sinks or dropout, GQA
-// groups of equal size, and q, k, v (and, in the backward, dout) that TMA can describe.
-inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal) {
-  const KeyPattern& k = p.pattern;
+// causality: the pattern as above, no softcap, sinks or dropout, GQA groups of equal size, and
+// q, k, v (and, in the backward, dout) that TMA can describe.
+inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal, bool bands) {
   return p.head_dim == head_dim && p.v_head_dim == head_dim && p.kv_len >= 1 &&
-         p.heads % p.kv_heads == 0 && k.left < 0 && k.right == (causal ? 0 : -1) &&
-         !(k.bottom_right && k.banded()) && k.cu_q == nullptr && !p.softcap.on() &&
-         p.sinks == nullptr && !p.dropout.on() && tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
+         p.heads % p.kv_heads == 0 && pattern_covered(p.pattern, causal, bands) &&
+         !p.softcap.on() && p.sinks == nullptr && !p.dropout.on() &&
+         tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
-  return covers(p, head_dim, causal) && !p.deterministic &&
+  return covers(p, head_dim, causal, /*bands=*/false) && !p.deterministic &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }
 

@@ -1286,12 +1286,12 @@ HOPPER_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", list(HOPPER_BANDS))
-def test_hopper_forward_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str, D: int,
-                                              mask_kind: str, stats: bool) -> None:
+def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str, D: int,
+                                      mask_kind: str, stats: bool) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 runs sliding windows and bottom-right alignment in the Hopper
-    forward (its kernel in the profile) and matches the float64 reference: output, lse and n_i, and
-    with statistics the entropy; the gradients (the backward of such calls runs elsewhere) too.
-    Rows that see no key come out as zeros, as on the CPU."""
+    kernels, forward and backward (both in the profile): the forward matches the float64 reference
+    (output, lse and n_i, and with statistics the entropy and sum p^2; rows that see no key come out
+    as zeros, as on the CPU), the gradients match the fallback's."""
     Lq, Lk, causal, window, alignment = HOPPER_BANDS[band]
     torch.manual_seed(3)
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 4, 2, Lq, Lk, D, dtype=torch.bfloat16))
@@ -1314,7 +1314,9 @@ def test_hopper_forward_bands_match_reference(monkeypatch: pytest.MonkeyPatch, b
         assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
         assert_close64(out[3].cpu(), ref.sum_p2, sat, srt, "sum_p2")
     go = torch.randn_like(out[0])
-    grads = torch.autograd.grad(out[0], (q, k, v), go)
+    grads: list = []
+    names = cuda_kernel_names(lambda: grads.extend(torch.autograd.grad(out[0], (q, k, v), go)))
+    assert any("sm90::" in n and "main_kernel" in n for n in names), names
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
     fb = OP(q, k, v, mask, None, **kw)
     fb_grads = torch.autograd.grad(fb[0], (q, k, v), go)

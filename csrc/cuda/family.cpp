@@ -171,12 +171,12 @@ Sm90Backward sm90_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
 }
 
 Sm90Backward sm90_backward_of(const BackwardCall& c) {
-  return sm90_backward(c.call.dtype, c.call.shape.head_dim, c.call.options.causal,
+  return sm90_backward(c.call.dtype, c.call.shape.head_dim, c.call.options.key_pattern().banded(),
                        mask_kind(c.call.mask));
 }
 
-// The Hopper forward's causal instantiations take every banded pattern (causality, windows, either
-// alignment: sm90/fwd_kernel.cuh), so a call's band, not is_causal alone, picks them.
+// The Hopper family's causal instantiations take every banded pattern (causality, windows, either
+// alignment: sm90/key_ranges.cuh), so a call's band, not is_causal alone, picks them.
 Sm90Forward sm90_forward_of(const ForwardCall& c) {
   return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.key_pattern().banded(),
                       mask_kind(c.call.mask), c.call.options.return_stats);
@@ -203,14 +203,16 @@ std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const
   return {};
 }
 
-// The Hopper forward takes windows and bottom-right alignment where they are wanted: by default
-// once they have passed the GPU tests (family.h: kHopperBandsByDefault), or when the family is
-// forced.
-std::string hopper_forward_obstacle(const ForwardCall& c) {
+// Whether the Hopper family takes windows and bottom-right alignment: by default once they have
+// passed the GPU tests (family.h: kHopperBandsByDefault), or when the family is forced.
+bool hopper_bands() {
   const std::optional<Family> requested = requested_family();
-  const bool bands = requested.has_value() ? *requested == Family::kSm90 : kHopperBandsByDefault;
+  return requested.has_value() ? *requested == Family::kSm90 : kHopperBandsByDefault;
+}
+
+std::string hopper_forward_obstacle(const ForwardCall& c) {
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
-                         sm90_forward_of(c) != nullptr, bands);
+                         sm90_forward_of(c) != nullptr, hopper_bands());
 }
 
 // The Hopper backward also needs dq by atomics (not deterministic algorithms).
@@ -219,7 +221,7 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
     return "deterministic algorithms (its dq accumulates by atomics)";
   }
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
-                         sm90_backward_of(c) != nullptr);
+                         sm90_backward_of(c) != nullptr, hopper_bands());
 }
 
 // The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs of

@@ -27,9 +27,9 @@ namespace entropy_attn::cuda {
 constexpr bool kTensorCoreFamilyByDefault = true;
 // Whether "auto" picks the Hopper family on compute capability 9.0.
 constexpr bool kHopperFamilyByDefault = true;
-// Whether "auto" gives the Hopper forward the calls with a sliding window or bottom-right
-// alignment (its causal kernels read the KeyPattern). Off until those kernels have passed the
-// CUDA tests on an H100; ENTROPY_ATTN_CUDA_FAMILY=sm90 selects them.
+// Whether "auto" gives the Hopper family the calls with a sliding window or bottom-right
+// alignment (its causal kernels read the KeyPattern, forward and backward). Off until those
+// kernels have passed the CUDA tests on an H100; ENTROPY_ATTN_CUDA_FAMILY=sm90 selects them.
 constexpr bool kHopperBandsByDefault = false;
 
 // The family's name in ENTROPY_ATTN_CUDA_FAMILY.

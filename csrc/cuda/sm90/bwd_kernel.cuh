@@ -35,7 +35,10 @@
 //
 // Edge tiles: TMA zero-fills the rows of Q and dO past q_len and of K and V past kv_len; such
 // elements are masked (p = 0, so dS = 0) and such rows never written. A tile that needs no
-// per-element predicate (no mask, not crossing the causal diagonal, no partial block) skips it.
+// per-element predicate (no mask, not crossing the causal diagonal or a window's edge, no partial
+// block) skips it. The instantiations compiled with causality take any banded KeyPattern
+// (key_ranges.cuh: a sliding window, either alignment): a key block walks only the query blocks
+// from the first row whose range ends past it to the last whose range starts before its end.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -59,6 +62,7 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../params.h"
+#include "key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -247,8 +251,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     constexpr bool kGrads = decltype(grads_tag)::value;
     const int h = kvh * group + t / m_count;
     const int i0 = (m_begin + t % m_count) * kBlockM;
-    const bool edge = kMask != MaskKind::kNone || (kCausal && i0 < j0 + kBlockN - 1) ||
-                      j0 + kBlockN > kv_len || i0 + kBlockM > q_len;
+    // Without a predicate only where every row of the block sees every key of it: the last row's
+    // lo (the largest) at most j0 and the first row's hi (the smallest) past the block.
+    bool edge = kMask != MaskKind::kNone || j0 + kBlockN > kv_len || i0 + kBlockM > q_len;
+    if constexpr (kCausal) {
+      edge = edge || row_keys<true>(p.pattern, i0 + kBlockM - 1, q_len, kv_len).lo > j0 ||
+             row_keys<true>(p.pattern, i0, q_len, kv_len).hi < j0 + kBlockN;
+    }
     const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
 
     // The block's row statistics into shared memory (padding rows and absent gradients read as
@@ -266,8 +275,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
     cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
 
-    // The thread's two rows: lambda, lse log2(e), keys [0, lim) allowed by causality and Lk (none
-    // for a padding row).
+    // The thread's two rows: lambda, lse log2(e), the keys [klo, khi) the row may see (none for a
+    // padding row).
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     auto othr = mma_sdp.get_thread_slice(otid);
@@ -277,13 +286,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
     Tensor cG_rc = make_tensor(cG.data(), acc_rowcol(cG.layout()));
     float lam[kRows], bias2[kRows];
-    int lim[kRows];
+    int klo[kRows], khi[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int q = get<0>(cS_rc(r, 0));
       lam[r] = srow[Kt::kStatLambda][q];
       bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
-      lim[r] = i0 + q < q_len ? static_cast<int>(key_limit(i0 + q, kv_len, kCausal)) : 0;
+      const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + q, q_len, kv_len);
+      klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
     }
     pipeline_q.consumer_wait(read_state);
     pipeline_do.consumer_wait(read_state);
@@ -328,7 +338,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             const float x = s_rc(r, c + e);
             float s = lam[r] * x;
             if (edge) {
-              bool allowed = j < lim[r];
+              bool allowed = j >= klo[r] && j < khi[r];
               if constexpr (kMask != MaskKind::kNone) {
                 if (allowed) {  // the mask is read only inside [0, Lq) x [0, Lk)
                   const int64_t off = mask_row + j * mask.sj;
@@ -473,9 +483,21 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int q_len = static_cast<int>(p.q_len);
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  // Causal (top-left): query rows i < j0 see none of this block's keys.
-  const int m_begin = kCausal ? n_block * kBlockN / kBlockM : 0;
-  const int m_count = max((q_len + kBlockM - 1) / kBlockM - m_begin, 0);
+  // The query blocks whose rows may see a key of this block: rows from the first whose hi passes
+  // j0 to the last whose lo is below the block's end (both bounds never decrease with the row;
+  // top-left causality: rows from j0 on, to the last).
+  int m_begin = 0, m_end = (q_len + kBlockM - 1) / kBlockM;
+  if constexpr (kCausal) {
+    const int kv_len = static_cast<int>(p.kv_len);
+    const int j0 = n_block * kBlockN, j1 = min(j0 + kBlockN, kv_len);
+    const int first = first_row(
+        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).hi > j0; });
+    const int end = first_row(
+        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).lo >= j1; });
+    m_begin = first / kBlockM;
+    m_end = end > first ? (end + kBlockM - 1) / kBlockM : m_begin;
+  }
+  const int m_count = max(m_end - m_begin, 0);
   const int iters = group * m_count;  // (query head, query block) pairs, head-major
 
   const int warp_group = cutlass::canonical_warp_group_idx();

@@ -88,6 +88,7 @@
 #include "../cute_utils.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
+#include "key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -201,17 +202,6 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
   for (int r = row0; r < row0 + 64; ++r, off += mask.si, dst += Kt::kMaskLd) {
     if (r < rows) SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*mask_word<kMask>(mask, off), *dst);
   }
-}
-
-// The keys [lo, hi) row i may see. kBanded (the instantiations compiled with causality on): those
-// of the call's KeyPattern (kernel_args.h), which for plain causality are [0, min(i + 1, Lk)) and
-// otherwise add a window or bottom-right alignment; else every key. Rows past q_len see none.
-template <bool kBanded>
-__device__ __forceinline__ KeyRange row_keys(const KeyPattern& pattern, int i, int q_len,
-                                             int kv_len) {
-  if (i >= q_len) return {0, 0};
-  if constexpr (kBanded) return pattern.local(i, q_len, kv_len);
-  return {0, kv_len};
 }
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones): each warpgroup's

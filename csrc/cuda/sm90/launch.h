@@ -11,11 +11,11 @@
 // bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive
 // masks, with or without statistics, GQA, any sequence lengths; the backward the same calls with
 // the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
-// The forward also takes sliding windows and bottom-right alignment (its causal instantiations read
-// the call's KeyPattern); written and compiled, not yet run on a GPU, so "auto" sends such calls
-// elsewhere (family.h: kHopperBandsByDefault) and ENTROPY_ATTN_CUDA_FAMILY=sm90 selects it.
-// Packed documents, softcap, sinks and dropout, and windows in the backward, are not covered: the
-// selection point (csrc/cuda/family.cpp) routes such calls to the other families.
+// Both directions also take sliding windows and bottom-right alignment (their causal
+// instantiations read the call's KeyPattern); written and compiled, not yet run on a GPU, so
+// "auto" sends such calls elsewhere (family.h: kHopperBandsByDefault) and
+// ENTROPY_ATTN_CUDA_FAMILY=sm90 selects them. Packed documents, softcap, sinks and dropout are not
+// covered: the selection point (csrc/cuda/family.cpp) routes such calls to the other families.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -61,8 +61,8 @@ inline cudaError_t device_is_sm90() {
 }
 
 // Whether an instantiation with the given causality covers a call's key pattern: without it, every
-// key (no band); with it, top-left causality, or (`bands`: the forward's kernels) any banded
-// pattern, windows and bottom-right alignment included. Never packed documents.
+// key (no band); with it, top-left causality, or (`bands`: both directions' kernels take them) any
+// banded pattern, windows and bottom-right alignment included. Never packed documents.
 inline bool pattern_covered(const KeyPattern& k, bool causal, bool bands) {
   if (k.cu_q != nullptr) return false;
   if (!causal) return !k.banded();
@@ -82,7 +82,7 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal,
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
-  return covers(p, head_dim, causal, /*bands=*/false) && !p.deterministic &&
+  return covers(p, head_dim, causal, /*bands=*/true) && !p.deterministic &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }
 

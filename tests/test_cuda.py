@@ -1289,9 +1289,9 @@ HOPPER_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
 def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str, D: int,
                                       mask_kind: str, stats: bool) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 runs sliding windows and bottom-right alignment in the Hopper
-    kernels, forward and backward (both in the profile): the forward matches the float64 reference
-    (output, lse and n_i, and with statistics the entropy and sum p^2; rows that see no key come out
-    as zeros, as on the CPU), the gradients match the fallback's."""
+    kernels, forward and backward (both in the profile), and matches the float64 reference: output,
+    lse and n_i, with statistics the entropy and sum p^2 (rows that see no key come out as zeros,
+    as on the CPU), and the gradients of q, k, v (also against the fallback's)."""
     Lq, Lk, causal, window, alignment = HOPPER_BANDS[band]
     torch.manual_seed(3)
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 4, 2, Lq, Lk, D, dtype=torch.bfloat16))
@@ -1303,8 +1303,9 @@ def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str
     names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, **kw)))
     assert any("sm90::" in n and "forward_kernel" in n for n in names), names
     out = res[0]
-    ref = reference_attention_raw(*(t.detach().cpu() for t in (q, k, v)), mask.cpu() if mask is not None else None,
-                                  None, **{**kw, "window_size": window})
+    rin = [leaf64(t) for t in (q, k, v)]
+    ref = reference_attention_raw(*rin, mask.cpu() if mask is not None else None, None,
+                                  **{**kw, "window_size": window})
     oat, ort = OUT_TOL[torch.bfloat16]
     sat, srt = STAT_TOL[torch.bfloat16]
     assert_close64(out[0].detach().cpu(), ref.output, oat, ort, "output")
@@ -1317,6 +1318,9 @@ def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str
     grads: list = []
     names = cuda_kernel_names(lambda: grads.extend(torch.autograd.grad(out[0], (q, k, v), go)))
     assert any("sm90::" in n and "main_kernel" in n for n in names), names
+    ref_grads = grads_of([ref.output], [go.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
     fb = OP(q, k, v, mask, None, **kw)
     fb_grads = torch.autograd.grad(fb[0], (q, k, v), go)

@@ -68,7 +68,7 @@ bool rows_16b_aligned(const at::Tensor& t) {
 
 // The features of a call the tensor-core family lacks (empty when it has them all): its kernels
 // know only top-left causality (a compile-time flag), no windows, documents, softcap, sinks or
-// dropout. `bands`: the kernels take any window and alignment (the Hopper forward's).
+// dropout. `bands`: the kernels take any window and alignment (the Hopper family's).
 std::string pattern_obstacle(const CallPattern& c, bool bands) {
   const AttentionOptions& o = c.options;
   const KeyPattern p = o.key_pattern();

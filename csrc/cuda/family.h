@@ -11,7 +11,7 @@
 //   "sm80"             the tensor-core family wherever it applies (the fallback elsewhere);
 //   "sm90"             the Hopper family wherever it applies, else as "sm80".
 // "auto" picks both specialized families where they apply (kTensorCoreFamilyByDefault,
-// kHopperFamilyByDefault): the CUDA tests pass with each forced on an H100 (results/gpu/README.md).
+// kHopperFamilyByDefault): the CUDA tests pass with each forced on an H100 (results/gpu/tests.md).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -22,7 +22,7 @@ cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
 
   cudaError_t err = device_is_sm90();
   if (err != cudaSuccess) return err;
-  if (!covers(p, kHeadDim, kCausal, /*bands=*/true)) return cudaErrorNotSupported;
+  if (!covers(p, kHeadDim, kCausal)) return cudaErrorNotSupported;
   const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
   const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
   const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);

@@ -61,28 +61,25 @@ inline cudaError_t device_is_sm90() {
 }
 
 // Whether an instantiation with the given causality covers a call's key pattern: without it, every
-// key (no band); with it, top-left causality, or (`bands`: both directions' kernels take them) any
-// banded pattern, windows and bottom-right alignment included. Never packed documents.
-inline bool pattern_covered(const KeyPattern& k, bool causal, bool bands) {
-  if (k.cu_q != nullptr) return false;
-  if (!causal) return !k.banded();
-  if (bands) return k.banded();
-  return k.left < 0 && k.right == 0 && !k.bottom_right;
+// key (no band); with it, any banded pattern (causality, windows, either alignment:
+// key_ranges.cuh). Never packed documents. (Which calls get here is the selection point's choice:
+// family.h, kHopperBandsByDefault.)
+inline bool pattern_covered(const KeyPattern& k, bool causal) {
+  return k.cu_q == nullptr && k.banded() == causal;
 }
 
 // Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
 // causality: the pattern as above, no softcap, sinks or dropout, GQA groups of equal size, and
 // q, k, v (and, in the backward, dout) that TMA can describe.
-inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal, bool bands) {
+inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal) {
   return p.head_dim == head_dim && p.v_head_dim == head_dim && p.kv_len >= 1 &&
-         p.heads % p.kv_heads == 0 && pattern_covered(p.pattern, causal, bands) &&
-         !p.softcap.on() && p.sinks == nullptr && !p.dropout.on() &&
-         tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
+         p.heads % p.kv_heads == 0 && pattern_covered(p.pattern, causal) && !p.softcap.on() &&
+         p.sinks == nullptr && !p.dropout.on() && tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
-  return covers(p, head_dim, causal, /*bands=*/true) && !p.deterministic &&
+  return covers(p, head_dim, causal) && !p.deterministic &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }
 

@@ -1265,11 +1265,29 @@ def test_hopper_family_runs_where_forced(monkeypatch: pytest.MonkeyPatch, mask_k
     assert_close64(out[2].cpu(), ref.entropy, sat, srt, "entropy")
 
 
-# Banded patterns for the Hopper forward: (Lq, Lk, is_causal, window_size, causal_alignment). They
+def tensor_core_family_runs(family: str) -> bool:
+    """Whether the tests of a tensor-core family's extended features run here: sm80 on a GPU of
+    compute capability 8.0 or newer, sm90 on 9.0, and the dry run (the CPU op in place of the
+    kernels, no profile) once, under sm90, to check the tests' own logic."""
+    if DRY_RUN:
+        return family == "sm90"
+    if not HAS_CUDA:
+        return False
+    return is_hopper() if family == "sm90" else torch.cuda.get_device_capability(DEV) >= (8, 0)
+
+
+TC_FAMILIES = [
+    pytest.param(f, marks=pytest.mark.skipif(not tensor_core_family_runs(f),
+                                             reason=f"the {f} family does not run on this device"))
+    for f in ("sm80", "sm90")
+]
+
+
+# Banded patterns for the tensor-core kernels: (Lq, Lk, is_causal, window_size, causal_alignment). They
 # cover a window's two edges inside a tile and across tiles, a left bound alone, bottom-right
 # alignment as a cache (Lq < Lk) and with more queries than keys (whole tiles of rows that see no
 # key), and a top-left window whose last rows see none.
-HOPPER_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
+TC_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
     "causal_window": (300, 300, True, (63, 0), "top_left"),
     "two_sided_window": (300, 300, False, (40, 17), "top_left"),
     "left_bound_only": (300, 300, False, (100, -1), "top_left"),
@@ -1280,28 +1298,28 @@ HOPPER_BANDS: Dict[str, Tuple[int, int, bool, Tuple[int, int], str]] = {
 }
 
 
-@real_cuda
-@needs_hopper
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("band", list(HOPPER_BANDS))
-def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str, D: int,
-                                      mask_kind: str, stats: bool) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=sm90 runs sliding windows and bottom-right alignment in the Hopper
-    kernels, forward and backward (both in the profile), and matches the float64 reference: output,
-    lse and n_i, with statistics the entropy and sum p^2 (rows that see no key come out as zeros,
-    as on the CPU), and the gradients of q, k, v (also against the fallback's)."""
-    Lq, Lk, causal, window, alignment = HOPPER_BANDS[band]
+@pytest.mark.parametrize("band", list(TC_BANDS))
+@pytest.mark.parametrize("family", TC_FAMILIES)
+def test_tensor_core_bands_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, band: str,
+                                           D: int, mask_kind: str, stats: bool) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=<family> runs sliding windows and bottom-right alignment in that
+    family's kernels, forward and backward (both in the profile), and matches the float64
+    reference: output, lse and n_i, with statistics the entropy and sum p^2 (rows that see no key
+    come out as zeros, as on the CPU), and the gradients of q, k, v (also against the fallback's).
+    (Dry run: the CPU op against the same reference, no profile.)"""
+    Lq, Lk, causal, window, alignment = TC_BANDS[band]
     torch.manual_seed(3)
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 4, 2, Lq, Lk, D, dtype=torch.bfloat16))
     mask = cuda(torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(4)) < 0.85) if mask_kind == "bool" else None
     kw: Dict[str, Any] = dict(is_causal=causal, window_size=list(window), causal_alignment=alignment,
                               enable_gqa=True, return_stats=stats)
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     res: list = []
-    names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, **kw)))
-    assert any("sm90::" in n and "forward_kernel" in n for n in names), names
+    ran = family_kernels(lambda: res.append(OP(q, k, v, mask, None, **kw)), family, "forward_kernel")
+    assert DRY_RUN or ran, f"the {family} forward did not run"
     out = res[0]
     rin = [leaf64(t) for t in (q, k, v)]
     ref = reference_attention_raw(*rin, mask.cpu() if mask is not None else None, None,
@@ -1316,8 +1334,9 @@ def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str
         assert_close64(out[3].cpu(), ref.sum_p2, sat, srt, "sum_p2")
     go = torch.randn_like(out[0])
     grads: list = []
-    names = cuda_kernel_names(lambda: grads.extend(torch.autograd.grad(out[0], (q, k, v), go)))
-    assert any("sm90::" in n and "main_kernel" in n for n in names), names
+    ran = family_kernels(lambda: grads.extend(torch.autograd.grad(out[0], (q, k, v), go)), family,
+                         "main_kernel")
+    assert DRY_RUN or ran, f"the {family} backward did not run"
     ref_grads = grads_of([ref.output], [go.cpu()], rin)
     for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
@@ -1328,14 +1347,136 @@ def test_hopper_bands_match_reference(monkeypatch: pytest.MonkeyPatch, band: str
         assert rel_err(a, b_) < 2 * GRAD_TOL[torch.bfloat16], name
 
 
+def family_kernels(fn: Callable[[], Any], family: str, kernel: str) -> List[str]:
+    """Runs fn; on a GPU, the names of the kernels called `kernel` of `family` that it launched
+    (none in the dry run)."""
+    if DRY_RUN:
+        fn()
+        return []
+    return [n for n in cuda_kernel_names(fn) if f"{family}::" in n and kernel in n]
+
+
+#: Calls of the features the tensor-core kernels take besides bands: packed documents (varlen, which
+#: aligns bottom-right within each document), attention sinks and logit softcapping, alone and
+#: as gpt-oss (sinks + window) and Gemma 2 (softcap + window) combine them. Each is (Lq, Lk) of a
+#: dense call or (q_lens, k_lens) of a packed one, and the op's keyword arguments ("sinks": one
+#: logit per head; "mask": a bool or additive (Lq, Lk) mask). The documents straddle query tiles
+#: (128 rows) and key blocks, include one of a single token, and, as a cache, hold fewer queries
+#: than keys; "rows_without_keys" puts all of some rows' weight on the sink.
+TC_FEATURES: Dict[str, Tuple[Any, Any, Dict[str, Any]]] = {
+    "documents": ([1, 130, 200, 57, 300], [1, 130, 200, 57, 300], {}),
+    "documents_causal_window": ([1, 130, 200, 57, 300], [1, 130, 200, 57, 300],
+                                {"is_causal": True, "window_size": (40, 0)}),
+    "documents_cache": ([10, 1, 150], [300, 40, 200], {"is_causal": True}),
+    # Empty documents, and a 130-row document with no keys: a whole tile of rows that see none.
+    "documents_empty": ([0, 6, 0, 130, 9], [3, 6, 0, 0, 200], {"is_causal": True}),
+    "documents_softcap_sinks_window": ([1, 130, 200, 57, 300], [1, 130, 200, 57, 300],
+                                       {"is_causal": True, "window_size": (63, 0), "softcap": 2.0,
+                                        "sinks": True}),
+    "sinks_causal": (300, 300, {"is_causal": True, "sinks": True}),
+    "sinks_rows_without_keys": (400, 150, {"is_causal": True, "causal_alignment": "bottom_right",
+                                           "sinks": True}),
+    "softcap_bool_mask": (300, 300, {"is_causal": True, "softcap": 2.0, "mask": "bool"}),
+    "softcap_sinks_window": (300, 300, {"is_causal": True, "window_size": (63, 0), "softcap": 2.0,
+                                        "sinks": True}),
+    # The backward of softcap with an additive mask is no tensor-core family's: routed.
+    "softcap_additive_mask": (300, 300, {"softcap": 2.0, "mask": "additive"}),
+}
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", list(TC_FEATURES))
+@pytest.mark.parametrize("family", TC_FAMILIES)
+def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str, D: int,
+                                              stats: bool) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=<family> runs packed documents, sinks and softcapping in that
+    family's kernels (forward and backward in the profile, the backward of softcap with an
+    additive mask routed elsewhere) and matches the float64 reference: output, lse and n_i, with
+    statistics the entropy, sum p^2, max weight and derived statistics, and the gradients of q, k,
+    v (and of the sinks) through the output and, with statistics, the entropy. (Dry run: the CPU op
+    against the same reference, no profile.)"""
+    from test_varlen import offsets, per_document_reference
+
+    first, second, spec = TC_FEATURES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    H, Hkv = 4, 2
+    torch.manual_seed(5)
+    packed = isinstance(first, list)
+    if packed:
+        T, Tk = sum(first), sum(second)
+        q = randn(T, H, D, dtype=torch.bfloat16)
+        k, v = randn(Tk, Hkv, D, dtype=torch.bfloat16), randn(Tk, Hkv, D, dtype=torch.bfloat16)
+    else:
+        q, k, v = make_qkv(1, H, Hkv, first, second, D, dtype=torch.bfloat16)
+    sinks = randn(H) if spec.get("sinks") else None
+    mask = None
+    if spec.get("mask") is not None:
+        keep = torch.rand(first, second, generator=torch.Generator().manual_seed(6)) < 0.85
+        mask = keep if spec["mask"] == "bool" else torch.where(keep, randn(first, second), torch.tensor(-math.inf))
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(cuda(sinks).requires_grad_())
+    sink_leaf = leaves[3] if sinks is not None else None
+
+    def run() -> Tuple[Tensor, ...]:
+        if packed:
+            return torch.ops.entropy_attn.varlen_attention(
+                *leaves[:3], offsets(first, DEV.type), offsets(second, DEV.type), max(first), max(second),
+                enable_gqa=True, sinks=sink_leaf, return_stats=stats, **kw)
+        return OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf, return_stats=stats, **kw)
+
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    res: list = []
+    ran = family_kernels(lambda: res.append(run()), family, "forward_kernel")
+    assert DRY_RUN or ran, f"the {family} forward did not run"
+    out = res[0]
+    rin = [leaf64(t) for t in leaves]
+    rkw = {**kw, "sinks": rin[3] if sinks is not None else None}
+    if packed:
+        rk, rv = (x.repeat_interleave(H // Hkv, dim=1) for x in rin[1:3])
+        want = dict(zip(OUT_NAMES, per_document_reference(rin[0], rk, rv, first, second, **rkw)))
+    else:
+        r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True, **rkw)
+        want = {name: getattr(r, name) for name in OUT_NAMES}
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    assert_close64(out[0].detach().cpu(), want["output"], oat, ort, "output")
+    assert_close64(out[1].detach().cpu(), want["lse"], sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), want["n_keys"]), "n_keys"
+    if stats:  # (with a sink the derived statistics count it: n_i + 1 outcomes)
+        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
+                        (9, "sparsity"), (10, "effective_keys")):
+            assert_close64(out[i].detach().cpu(), want[name], sat, srt, name)
+
+    # Gradients through the output and, with statistics, the entropy (the kernels' other branch).
+    go = torch.randn_like(out[0])
+    ge = torch.randn_like(out[2]) if stats else None
+    grads: list = []
+    # The backward of softcap with a mask is routed: with an additive one to the fallback, with a
+    # bool one from sm90 to sm80 (their kernels have no registers for it).
+    bwd_family = "sm80" if case == "softcap_bool_mask" else family
+    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), bwd_family,
+                         "main_kernel")
+    if case == "softcap_additive_mask":
+        assert not ran, f"the {family} backward ran softcap with an additive mask"
+    else:
+        assert DRY_RUN or ran, f"the {bwd_family} backward did not run"
+    ref_grads = grads_of([want["output"], want["entropy"]], [go.cpu(), None if ge is None else ge.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
 @real_cuda
 @pytest.mark.parametrize(
-    "case", ["float32", "softcap", "sinks", "unaligned_rows", "head_dim_96", "deterministic"],
+    "case", ["float32", "softcap", "sinks", "dropout", "unaligned_rows", "head_dim_96", "deterministic"],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (on any GPU) gives
-    the fallback's outputs and gradients: the selection point routes them, never a wrong answer. A
-    deterministic backward (dq without atomics) goes to sm80's deterministic kernels."""
+    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, dropout,
+    unaligned rows, head dim 96; on any GPU) gives the fallback's outputs and gradients: the
+    selection point routes them, never a wrong answer. A deterministic backward (dq without
+    atomics) goes to sm80's deterministic kernels. Softcap and sinks, which the forced tensor-core
+    families take (sm90, or sm80 on other GPUs), agree with the fallback too."""
     torch.manual_seed(2)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     D = 96 if case == "head_dim_96" else 64
@@ -1348,6 +1489,8 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
         kw["softcap"] = 5.0
     elif case == "sinks":
         kw["sinks"] = cuda(torch.randn(2))
+    elif case == "dropout":  # the op's seed: both families draw the same Philox stream
+        kw.update(dropout_p=0.2, dropout_seed=7)
     go = torch.randn(1, 2, 150, D, device=DEV, dtype=dtype)
     results = {}
     for fam in ("fallback", "sm90"):

@@ -41,6 +41,33 @@ CUTE_DEVICE float exp2_approx(float x) {
 #endif
 }
 
+// tanh(u ln(2) / 2) = 1 - 2 / (2^u + 1), for logit softcapping (c tanh(x) with u = 2 x log2(e)),
+// by one MUFU.EX2 and one MUFU.RCP. Its absolute error is about 1e-7 (the relative error is large
+// only where tanh is near 0), so a capped logit is off by about c 1e-7; tanh.approx's relative
+// error of 2^-11 would move a logit near the cap by c / 2^11, and tanhf's longer sequence costs
+// registers the D = 128 kernels do not have. u = +-inf gives +-1, NaN gives NaN.
+CUTE_DEVICE float tanh_of_exp2(float u) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(exp2_approx(u) + 1.f));
+  return fmaf(-2.f, r, 1.f);
+#else
+  return 1.f - 2.f / (std::exp2(u) + 1.f);
+#endif
+}
+
+// Logit softcapping on the raw scores x of a row whose logit is a x (a = lambda_i, or lambda_i
+// log2(e) in log2 units: `unit` = 1 or log2(e)): per row, `in` and `out` such that the score
+// x' = out tanh_of_exp2(in x) has the logit a x' = unit c tanh(lambda_i x / c), the capped one
+// (docs/math.md section 6), so that the kernels' logit code (a x, plus the mask) stays as it is.
+// out is 0 where a = 0, whose logit is 0 either way; |x'| <= |x|: nothing overflows.
+struct SoftcapRow {
+  float in, out;
+};
+CUTE_DEVICE SoftcapRow softcap_row(float a, float unit, float cap, float inv_cap) {
+  return {a * (2.f * kLog2e / unit) * inv_cap, a != 0.f ? unit * cap / a : 0.f};
+}
+
 // The lanes 4g..4g+3 of a warp hold the same accumulator rows (mma.sync m16n8 and wgmma alike).
 CUTE_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

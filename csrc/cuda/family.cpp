@@ -66,21 +66,23 @@ bool rows_16b_aligned(const at::Tensor& t) {
   return true;
 }
 
-// The features of a call the tensor-core family lacks (empty when it has them all): its kernels
-// know only top-left causality (a compile-time flag), no windows, documents, softcap, sinks or
-// dropout. `bands`: the kernels take any window and alignment (the Hopper family's).
-std::string pattern_obstacle(const CallPattern& c, bool bands) {
+// The features of a call a tensor-core family lacks (empty when it has them all). Without
+// `extended` its kernels know only top-left causality (the compile-time flag), no windows,
+// documents, softcap, sinks or dropout; with it (family.h: kTensorCoreFeaturesByDefault,
+// kHopperFeaturesByDefault) also any window, alignment and packed documents (the causal
+// instantiations read the KeyPattern), softcap and sinks. Dropout is no tensor-core kernel's.
+std::string pattern_obstacle(const CallPattern& c, bool extended) {
   const AttentionOptions& o = c.options;
   const KeyPattern p = o.key_pattern();
-  if (c.cu_q.defined()) return "packed documents (cu_seqlens)";
-  if (!bands) {
+  if (!extended) {
+    if (c.cu_q.defined()) return "packed documents (cu_seqlens)";
     // A right bound other than is_causal's (window_size = (-1, 0) without is_causal included: the
     // kernels' causal flag follows is_causal).
     if (p.left >= 0 || (p.right >= 0 && !o.causal)) return "a sliding window";
     if (o.bottom_right && p.banded()) return "bottom-right causal alignment";
+    if (o.softcap > 0) return "logit softcapping";
+    if (c.sinks.defined()) return "attention sinks";
   }
-  if (o.softcap > 0) return "logit softcapping";
-  if (c.sinks.defined()) return "attention sinks";
   if (o.dropout_p > 0) return "dropout";
   return {};
 }
@@ -90,9 +92,9 @@ std::string pattern_obstacle(const CallPattern& c, bool bands) {
 std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
                                  const CallPattern& call,
                                  std::initializer_list<const at::Tensor*> rows, bool has,
-                                 bool bands = false) {
+                                 bool extended = false) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "dtype is not bfloat16 or float16";
-  if (std::string features = pattern_obstacle(call, bands); !features.empty()) return features;
+  if (std::string features = pattern_obstacle(call, extended); !features.empty()) return features;
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
@@ -170,15 +172,40 @@ Sm90Backward sm90_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
   return nullptr;
 }
 
+// The tensor-core families' causal instantiations are the general ones: they take every pattern
+// (causality, windows, either alignment, packed documents: key_ranges.cuh), softcap and sinks,
+// and the others plain full attention alone (sm90/launch.h: needs_general). So the call, not
+// is_causal alone, picks them.
+bool needs_general(const CallPattern& c) {
+  return c.options.key_pattern().banded() || c.cu_q.defined() || c.options.softcap > 0 ||
+         c.sinks.defined();
+}
+
+// Whether the tensor-core family takes windows, bottom-right alignment, packed documents, softcap
+// and sinks: by default once they have passed the GPU tests (family.h:
+// kTensorCoreFeaturesByDefault), or when a tensor-core family is forced.
+bool tensor_core_features() {
+  const std::optional<Family> requested = requested_family();
+  return requested.has_value() ? *requested != Family::kFallback : kTensorCoreFeaturesByDefault;
+}
+
+// The backward of a softcapped call forms the cap's derivative from the capped logit, which an
+// additive mask would shift (sm80/bwd_kernel.cuh, sm90/bwd_kernel.cuh): such calls are not the
+// tensor-core families'.
+std::string softcap_backward_obstacle(const BackwardCall& c) {
+  if (c.call.options.softcap > 0 && mask_kind(c.call.mask) == MaskKind::kAdditive) {
+    return "logit softcapping with an additive mask in the backward";
+  }
+  return {};
+}
+
 Sm90Backward sm90_backward_of(const BackwardCall& c) {
-  return sm90_backward(c.call.dtype, c.call.shape.head_dim, c.call.options.key_pattern().banded(),
+  return sm90_backward(c.call.dtype, c.call.shape.head_dim, needs_general(c.call),
                        mask_kind(c.call.mask));
 }
 
-// The Hopper family's causal instantiations take every banded pattern (causality, windows, either
-// alignment: sm90/key_ranges.cuh), so a call's band, not is_causal alone, picks them.
 Sm90Forward sm90_forward_of(const ForwardCall& c) {
-  return sm90_forward(c.call.dtype, c.call.shape.head_dim, c.call.options.key_pattern().banded(),
+  return sm90_forward(c.call.dtype, c.call.shape.head_dim, needs_general(c.call),
                       mask_kind(c.call.mask), c.call.options.return_stats);
 }
 
@@ -193,8 +220,8 @@ bool tma_ok(const at::Tensor& t) {
 // (sm_90a code runs nowhere else), and tensors TMA can describe (q, k, v; dout in the backward).
 std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const CallPattern& call,
                             std::initializer_list<const at::Tensor*> tensors, bool has,
-                            bool bands = false) {
-  std::string obstacle = tensor_core_obstacle(s, dtype, call, tensors, has, bands);
+                            bool extended = false) {
+  std::string obstacle = tensor_core_obstacle(s, dtype, call, tensors, has, extended);
   if (!obstacle.empty()) return obstacle;
   if (device_sm() != 90) return "the GPU is not compute capability 9.0 (sm_90a)";
   for (const at::Tensor* t : tensors) {
@@ -203,35 +230,43 @@ std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const
   return {};
 }
 
-// Whether the Hopper family takes windows and bottom-right alignment: by default once they have
-// passed the GPU tests (family.h: kHopperBandsByDefault), or when the family is forced.
-bool hopper_bands() {
+// Whether the Hopper family takes windows, bottom-right alignment, packed documents, softcap and
+// sinks: by default once they have passed the GPU tests (family.h: kHopperFeaturesByDefault), or
+// when the family is forced.
+bool hopper_features() {
   const std::optional<Family> requested = requested_family();
-  return requested.has_value() ? *requested == Family::kSm90 : kHopperBandsByDefault;
+  return requested.has_value() ? *requested == Family::kSm90 : kHopperFeaturesByDefault;
 }
 
 std::string hopper_forward_obstacle(const ForwardCall& c) {
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
-                         sm90_forward_of(c) != nullptr, hopper_bands());
+                         sm90_forward_of(c) != nullptr, hopper_features());
 }
 
-// The Hopper backward also needs dq by atomics (not deterministic algorithms).
+// The Hopper backward also needs dq by atomics (not deterministic algorithms), and no softcap with
+// an additive mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms (its dq accumulates by atomics)";
   }
+  if (std::string why = softcap_backward_obstacle(c); !why.empty()) return why;
+  if (c.call.options.softcap > 0 && c.call.mask.has_value()) {
+    return "logit softcapping with a mask in the backward (sm90/launch.h)";
+  }
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
-                         sm90_backward_of(c) != nullptr, hopper_bands());
+                         sm90_backward_of(c) != nullptr, hopper_features());
 }
 
 // The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs of
 // sm_80 and newer offer a block (sm80/launch.h).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  const bool has = sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal,
+  const bool has = sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call),
                                  mask_kind(c.call.mask)) != nullptr;
-  std::string why =
-      tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has);
+  std::string why = tensor_core_obstacle(s, c.call.dtype, c.call,
+                                         {&c.q, &c.k, &c.v, &c.out, &c.dout}, has,
+                                         tensor_core_features());
+  if (why.empty()) why = softcap_backward_obstacle(c);
   if (!why.empty()) return why;
   const int d = static_cast<int>(s.head_dim);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
@@ -299,9 +334,10 @@ Selection select_forward(const ForwardCall& c) {
   return choose([&] { return hopper_forward_obstacle(c); },
                 [&] {
                   const bool has =
-                      sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                      sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call),
                                    mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
-                  return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has);
+                  return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has,
+                                              tensor_core_features());
                 });
 }
 
@@ -388,7 +424,7 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   if (f == Family::kFallback) return launch_fallback_forward(c, p, stream);
   const auto launch = f == Family::kSm90
                           ? sm90_forward_of(c)
-                          : sm80_forward(c.call.dtype, s.head_dim, c.call.options.causal,
+                          : sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call),
                                          mask_kind(c.call.mask), c.call.options.return_stats);
   return launch_guarded(launch, p, c, stream, &launch_fallback_forward<float>);
 }
@@ -401,7 +437,7 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
   const auto launch =
       f == Family::kSm90
           ? sm90_backward_of(c)
-          : sm80_backward(c.call.dtype, s.head_dim, c.call.options.causal, mask_kind(c.call.mask));
+          : sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call), mask_kind(c.call.mask));
   // (The guard recomputes the gradients by blocks of a whole GQA group, in the family's outputs.)
   return launch_guarded(launch, p, c, stream, &launch_fallback_backward<float>);
 }

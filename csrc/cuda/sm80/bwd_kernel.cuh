@@ -12,6 +12,17 @@
 //                its GQA group: S = Q K^T, P = exp(S - lse), dP = dO V^T, dS = logit_grad(...),
 //                dV += P^T dO, dK += dS^T (lambda Q), G += dS K (fp32 atomics into dq_accum).
 //   postprocess: dq_i = lambda_i G_i (to T) and d lambda_i = q_i . G_i.
+//
+// The instantiations compiled with causality (kCausal) are the general ones: they take any
+// KeyPattern (key_ranges.cuh: causality, a sliding window, either alignment, packed documents,
+// or none) and the calls with softcap or sinks; the others only plain full attention. A key
+// block walks only the query blocks whose rows see it, a query block of the dq kernel only the key
+// blocks its rows see, and a tile checks each element against its row's range unless every row
+// sees every key of it. Sinks need nothing here (lse and the statistics read include the sink;
+// its gradient is the host's). Logit softcapping replaces S by the scores whose scaled logits are
+// the capped ones before the per-element step (a uniform branch) and its derivative multiplies dS;
+// such a call keeps the logits (the kGrads path), and never comes with an additive mask (the
+// selection point routes it).
 #pragma once
 
 #include <cutlass/array.h>
@@ -25,6 +36,7 @@
 
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
+#include "../key_ranges.cuh"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm80::bwd {
@@ -219,7 +231,8 @@ CUTE_DEVICE void load_row_stats(const BwdParams<float>& p, float* srow, int64_t 
 struct TileSpot {
   int i0, j0;  // first query row and key of the tile
   int q_len, kv_len;
-  bool edge;         // some element needs a per-element check (causal, mask, or a partial block)
+  KeyPattern pattern;  // the keys each row sees (kCausal instantiations)
+  bool edge;  // some element needs a per-element check (a row's range, mask, or a partial block)
   const void* mask;  // mask element (b, h, i0, j0), or null without a mask
   int64_t msi, msj;  // mask strides of a row and a key (0 for broadcast)
 };
@@ -232,10 +245,15 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   t.j0 = j0;
   t.q_len = q_len;
   t.kv_len = kv_len;
-  // Causal: key j > row i is masked somewhere in the tile iff the tile's last key exceeds its
-  // first row. Partial blocks: keys >= Lk and padding rows >= Lq must get p = 0.
-  t.edge = kMask != MaskKind::kNone || (kCausal && i0 < j0 + Kt::kBlockN - 1) ||
-           j0 + Kt::kBlockN > kv_len || i0 + Kt::kBlockM > q_len;
+  t.pattern = p.pattern;
+  // Partial blocks: keys >= Lk and padding rows >= Lq must get p = 0. A row's range excludes a
+  // key of the tile somewhere iff the last row's lo (the largest) passes j0 or the first row's hi
+  // (the smallest) falls short of the tile's end (rows' ranges never move back as i grows).
+  t.edge = kMask != MaskKind::kNone || j0 + Kt::kBlockN > kv_len || i0 + Kt::kBlockM > q_len;
+  if constexpr (kCausal) {
+    t.edge = t.edge || row_keys<true>(p.pattern, i0 + Kt::kBlockM - 1, q_len, kv_len).lo > j0 ||
+             row_keys<true>(p.pattern, i0, q_len, kv_len).hi < j0 + Kt::kBlockN;
+  }
   t.mask = nullptr;
   t.msi = p.mask.si;
   t.msj = p.mask.sj;
@@ -303,15 +321,16 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
     const float lam = srow[Kt::kStatLambda * Kt::kBlockM + r];
     const float bias2 = -srow[Kt::kStatLse * Kt::kBlockM + r] * kLog2e;
     const int i = t.i0 + r;
-    // Keys [j0, j0 + limit) are allowed by causality and Lk; none for a padding row.
-    const int limit = i < t.q_len ? static_cast<int>(key_limit(i, t.kv_len, kCausal)) - t.j0 : 0;
+    // Keys [j0 + lo, j0 + hi) are allowed by the row's range and Lk; none for a padding row.
+    const KeyRange keys = row_keys<kCausal>(t.pattern, i, t.q_len, t.kv_len);
+    const int lo = static_cast<int>(keys.lo) - t.j0, hi = static_cast<int>(keys.hi) - t.j0;
     // The mask row from the thread's first column: the others are at compile-time distances.
     const int c0 = get<1>(coord(mi, 0));
     const int64_t mrow = r * t.msi + c0 * t.msj;
     auto logit = [&](int ni) {
       const int c = get<1>(coord(mi, ni));
       float s = kNegInf;
-      if (c < limit) {  // the mask is read only inside [0, Lq) x [0, Lk)
+      if (c >= lo && c < hi) {  // the mask is read only inside [0, Lq) x [0, Lk)
         const float x = acc(mi, ni);
         const int64_t off = mrow + (c - c0) * t.msj;
         if constexpr (kMask == MaskKind::kBool) {
@@ -338,10 +357,11 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
 // dP (accumulator layout, rowcol view) -> dS = logit_grad(p, dP, s, delta, g) (online_stats.h,
 // docs/math.md section 3), 0 where p = 0 (masked or underflowed: no 0 * inf from s = -inf).
 // kGrads: acc_s holds the logits s and p is recomputed exactly as scores_to_probs formed it;
-// otherwise acc_s holds p and the entropy / sum p^2 terms are absent (g = 0).
+// otherwise acc_s holds p and the entropy / sum p^2 terms are absent (g = 0). cap_k: 1 / c of a
+// softcapped call (kGrads), whose dS the cap's derivative 1 - (s / c)^2 multiplies, else 0.
 template <bool kGrads, typename Kt, typename AccS, typename AccDP, typename Coord>
 CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const& coord,
-                                  const float* srow) {
+                                  const float* srow, [[maybe_unused]] float cap_k) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(acc_dp); ++mi) {
     const int r = get<0>(coord(mi, 0));
@@ -355,15 +375,34 @@ CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const&
     }
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_dp); ++ni) {
-      float pr, s = 0.f;
+      float pr, s = 0.f, cap_grad = 1.f;
       if constexpr (kGrads) {
         s = acc_s(mi, ni);
         pr = exp2_approx(fmaf(s, kLog2e, bias2));
+        const float th = s * cap_k;  // (NaN where s = -inf: unused, p = 0 there)
+        cap_grad = 1.f - th * th;
       } else {
         pr = acc_s(mi, ni);
       }
-      const float ds = logit_grad(pr, acc_dp(mi, ni), s, delta, g);
+      const float ds = logit_grad(pr, acc_dp(mi, ni), s, delta, g) * cap_grad;
       acc_dp(mi, ni) = pr != 0.f ? ds : 0.f;
+    }
+  }
+}
+
+// Logit softcapping (docs/math.md section 6): raw scores x (accumulator layout, rowcol view) become
+// the scores whose scaled logits lambda_i x' are the capped ones (cute_utils.cuh: softcap_row, as
+// the forward).
+template <typename Kt, typename Acc, typename Coord>
+CUTE_DEVICE void cap_scores(Acc& acc, Coord const& coord, const float* srow,
+                            const Softcap<float>& cap) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc); ++mi) {
+    const float lam = srow[Kt::kStatLambda * Kt::kBlockM + get<0>(coord(mi, 0))];
+    const SoftcapRow cr = softcap_row(lam, 1.f, cap.cap, cap.inv_cap);
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc); ++ni) {
+      acc(mi, ni) = cr.out * tanh_of_exp2(acc(mi, ni) * cr.in);
     }
   }
 }
@@ -420,11 +459,25 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   const int heads = static_cast<int>(p.heads), group = heads / static_cast<int>(p.kv_heads);
   const int j0 = n_block * kBlockN;
   const int kv_rows = cute::min(kBlockN, kv_len - j0);
-  // Causal: query rows i < j0 see none of this block's keys, so the first block is j0's.
-  const int m_begin = kCausal ? j0 / kBlockM : 0;
-  const int m_count = cute::max((q_len + kBlockM - 1) / kBlockM - m_begin, 0);
+  // The query blocks whose rows may see a key of this block: rows from the first whose hi passes
+  // j0 to the last whose lo is below the block's end (both bounds never decrease with the row;
+  // top-left causality: rows from j0 on, to the last).
+  int m_begin = 0, m_end = (q_len + kBlockM - 1) / kBlockM;
+  if constexpr (kCausal) {
+    const int j1 = cute::min(j0 + kBlockN, kv_len);
+    const int first = first_row(
+        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).hi > j0; });
+    const int end = first_row(
+        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).lo >= j1; });
+    m_begin = first / kBlockM;
+    m_end = end > first ? (end + kBlockM - 1) / kBlockM : m_begin;
+  }
+  const int m_count = cute::max(m_end - m_begin, 0);
   const int iters = group * m_count;  // (query head, query block) pairs, head-major
-  const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
+  // Softcapping keeps the logits too (the cap's derivative is formed from them).
+  const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
+  const float cap_k = capped ? p.softcap.inv_cap : 0.f;
+  const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr || capped;
   const bool atomic_dq = !p.deterministic;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kMainQ)),
@@ -591,7 +644,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     clear(acc_s);
     gemm_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
-    if (grads) {  // uniform branch: keep s for the entropy term
+    if (capped) cap_scores<Kt>(s_rc, coord_s, srow, p.softcap);
+    if (grads) {  // uniform branch: keep s for the entropy term or the cap's derivative
       scores_to_probs<true, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
     } else {
       scores_to_probs<false, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
@@ -611,9 +665,9 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       Tensor tc = thr_sdp.partition_C(local_tile(cS, PartS{}, make_coord(_0{}, part)));
       Tensor coord_p = make_tensor(tc.data(), rowcol(tc.layout()));
       if (grads) {
-        probs_to_dlogits<true, Kt>(s_rc_p, dp_rc, coord_p, srow);
+        probs_to_dlogits<true, Kt>(s_rc_p, dp_rc, coord_p, srow, cap_k);
       } else {
-        probs_to_dlogits<false, Kt>(s_rc_p, dp_rc, coord_p, srow);
+        probs_to_dlogits<false, Kt>(s_rc_p, dp_rc, coord_p, srow, 0.f);
       }
       cute::copy(convert_fragment<Element>(acc_dp),
                  thr_sdp.partition_C(local_tile(sdS, PartS{}, make_coord(_0{}, part))));
@@ -714,10 +768,19 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   const int kvh = h / (heads / static_cast<int>(p.kv_heads));
   const int i0 = m_block * kBlockM;
   const int q_rows = cute::min(kBlockM, q_len - i0);
-  // Keys up to the block's last row (causal) or all of them.
-  const int key_end = kCausal ? cute::min(i0 + q_rows, kv_len) : kv_len;
-  const int n_count = (key_end + kBlockN - 1) / kBlockN;
-  const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
+  // The key blocks the rows see: from the first row's lo to the last row's hi (rows' ranges never
+  // move back as i grows), or all of them.
+  int n_begin = 0, n_end = (kv_len + kBlockN - 1) / kBlockN;
+  if constexpr (kCausal) {
+    const KeyRange first = row_keys<true>(p.pattern, i0, q_len, kv_len);
+    const KeyRange last = row_keys<true>(p.pattern, i0 + q_rows - 1, q_len, kv_len);
+    n_begin = static_cast<int>(first.lo) / kBlockN;
+    n_end = last.hi > first.lo ? static_cast<int>((last.hi + kBlockN - 1) / kBlockN) : n_begin;
+  }
+  // Softcapping keeps the logits too (the cap's derivative is formed from them).
+  const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
+  const float cap_k = capped ? p.softcap.inv_cap : 0.f;
+  const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr || capped;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kDqQ)),
                           typename Kt::SmemLayoutQ{});
@@ -796,13 +859,13 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   copy_rows(gmem_copy, gthr.partition_S(gQ), gthr.partition_D(sQ), tQcQ, q_rows);
   copy_rows(gmem_copy, gthr.partition_S(gdO), gthr.partition_D(sdO), tQcQ, q_rows);
   load_row_stats<Kt>(p, srow, row0, q_rows);
-  load_v(0);
+  if (n_end > n_begin) load_v(n_begin);
   cp_async_fence();
-  load_k(0);
+  if (n_end > n_begin) load_k(n_begin);
   cp_async_fence();
 
   CUTE_NO_UNROLL
-  for (int n = 0; n < n_count; ++n) {
+  for (int n = n_begin; n < n_end; ++n) {
     const int j0 = n * kBlockN;
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
     cp_async_wait<1>();  // all but the newest group (K of n): V of n, and Q, dO at n = 0
@@ -813,7 +876,7 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
               thr_b_sdp);
     cp_async_wait<0>();
     __syncthreads();  // K of n landed; every warp is done with V of n
-    if (n + 1 < n_count) load_v(n + 1);
+    if (n + 1 < n_end) load_v(n + 1);
     cp_async_fence();  // possibly empty: keeps the group count of the waits above
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -821,12 +884,13 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     gemm_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
+    if (capped) cap_scores<Kt>(s_rc, coord_s, srow, p.softcap);
     if (grads) {  // P is not needed in shared memory here
       scores_to_probs<true, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot);
-      probs_to_dlogits<true, Kt>(s_rc, dp_rc, coord_s, srow);
+      probs_to_dlogits<true, Kt>(s_rc, dp_rc, coord_s, srow, cap_k);
     } else {
       scores_to_probs<false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot);
-      probs_to_dlogits<false, Kt>(s_rc, dp_rc, coord_s, srow);
+      probs_to_dlogits<false, Kt>(s_rc, dp_rc, coord_s, srow, 0.f);
     }
     cute::copy(convert_fragment<Element>(acc_dp), tdSsdS);
     __syncthreads();  // dS visible
@@ -834,7 +898,7 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     gemm_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq,
               thr_b_dq);
     __syncthreads();  // every warp is done with K of n and with dS
-    if (n + 1 < n_count) load_k(n + 1);
+    if (n + 1 < n_end) load_k(n + 1);
     cp_async_fence();
   }
 

@@ -14,9 +14,19 @@
 //                       by transposed ldmatrix.
 // K and V tiles arrive by 16-byte cp.async in two buffers, as in FlashAttention-2: V of block n is
 // loaded while S = Q K^T of block n runs, K of the next block while the softmax and P V of block n
-// run. Key blocks are visited from the last to the first, so that the only blocks that need the
+// run. Key blocks are visited from the last to the first, so that the blocks that need the
 // causal / sequence-end predicate (the last partial block and the blocks crossing the diagonal)
 // come first and the loop over the others carries no predicate.
+//
+// The instantiations compiled with causality (kCausal) take any KeyPattern that restricts a row's
+// keys (key_ranges.cuh: causality, a sliding window, either alignment, packed documents): a row
+// sees [lo_i, hi_i), the tile loads only the key blocks of [lo of its first row, hi of its last),
+// and the blocks a window's lower edge or a document boundary crosses are predicated too (they
+// come last). They are the general instantiations: they also take the calls with softcap or sinks
+// whatever their pattern, so that the others, the plain full attention, carry none of that code.
+// Attention sinks set each row's initial state (online_stats.h: initial_state); logit
+// softcapping replaces a block's scores by those whose scaled logits are the capped ones before
+// its softmax (a uniform branch, so the kernels without it stay as they were).
 //
 // The statistics: l, t, u are sums over keys, linear in their terms, so every thread keeps partial
 // sums over its own columns and the 4 lanes of a row are added once at the end; the row's state
@@ -45,6 +55,7 @@
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
+#include "../key_ranges.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
 
@@ -293,12 +304,18 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   const int kv_head = h / (heads / static_cast<int>(p.kv_heads));  // GQA
   const int m0 = m_block * kBlockM;
   const int rows = min(kBlockM, q_len - m0);  // valid query rows of this tile
-  // Keys past the last row's causal limit are seen by no row of the tile: never loaded.
-  const int kv_end = static_cast<int>(key_limit(m0 + rows - 1, kv_len, kCausal));
-  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;  // >= 1: kv_len >= 1
-  // Blocks [n_pred, n_blocks) hold a key j >= limit_i for some row i of the tile (limit_i >=
-  // min(m0 + 1, kv_len), top-left causal) and need the predicate; the others need none.
-  const int n_pred = (kCausal ? min(m0 + 1, kv_len) : kv_len) / kBlockN;
+  // Keys outside [lo of the first row, hi of the last) are seen by no row of the tile: never
+  // loaded (rows' ranges never move back as i grows). Blocks from n_hi_pred on hold a key at or
+  // past some row's hi (the first row's is the smallest), blocks below n_lo_pred one below some
+  // row's lo (the last row's is the largest): those need the predicate, the others none. A tile
+  // whose rows see no key (n_blocks <= n_begin) loads nothing and writes empty rows.
+  const KeyRange first_keys = row_keys<kCausal>(p.pattern, m0, q_len, kv_len);
+  const KeyRange last_keys = row_keys<kCausal>(p.pattern, m0 + rows - 1, q_len, kv_len);
+  const int kv_end = static_cast<int>(last_keys.hi);
+  const int n_begin = static_cast<int>(first_keys.lo) / kBlockN;
+  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;
+  const int n_hi_pred = static_cast<int>(first_keys.hi) / kBlockN;
+  const int n_lo_pred = static_cast<int>((last_keys.lo + kBlockN - 1) / kBlockN);
 
   // Global tiles; offsets in 64 bits (b * sb can exceed 2^31 elements).
   const Element* q_ptr = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh +
@@ -336,8 +353,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // Prologue: Q and the last K block in flight while the rows are set up. Q's padding rows are
   // zero (finite scores in rows that are never written).
   load_rows(tQsQ, tQcQ, q_ptr, p.q.sl, 0, rows);
-  load_rows(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (n_blocks - 1) * kBlockN,
-            kv_end - (n_blocks - 1) * kBlockN);
+  if (n_blocks > n_begin) {
+    load_rows(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (n_blocks - 1) * kBlockN,
+              kv_end - (n_blocks - 1) * kBlockN);
+  }
   cp_async_fence();
 
   typename Kt::TiledMma tiled_mma;
@@ -373,8 +392,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 
-  // With a mask, n_i is the count of the row's allowed keys below its causal limit, needed before
-  // any score (lambda_i depends on it). Each warp counts its own rows, the 8 rows of one thread-row
+  // With a mask, n_i is the count of the row's allowed keys in its range, needed before any score
+  // (lambda_i depends on it). Each warp counts its own rows, the 8 rows of one thread-row
   // index at a time: the lanes stride the keys (coalesced for a key-contiguous mask) with 8 loads
   // in flight per step, then one warp sum per row. The counts go through the (still unused) mask
   // tile's shared memory to the lanes that own the rows.
@@ -384,21 +403,25 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int base = get<0>(tScS_rc(r, 0)) - quad;  // tile row of quad 0's row r
-      int lim[8], count[8];
+      int lo[8], hi[8], count[8];
       int64_t off[8];
-      int lim_max = 0;
+      int lo_min = kv_len, hi_max = 0;
       CUTE_UNROLL
       for (int g = 0; g < 8; ++g) {
         const int i = m0 + base + g;
-        lim[g] = i < q_len ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+        const KeyRange keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
+        lo[g] = static_cast<int>(keys.lo), hi[g] = static_cast<int>(keys.hi);
         off[g] = mask.row_offset(b, h, i);
         count[g] = 0;
-        lim_max = max(lim_max, lim[g]);
+        lo_min = min(lo_min, lo[g]);
+        hi_max = max(hi_max, hi[g]);
       }
 #pragma unroll 2
-      for (int j = lane; j < lim_max; j += 32) {
+      for (int j = lo_min + lane; j < hi_max; j += 32) {
         CUTE_UNROLL
-        for (int g = 0; g < 8; ++g) count[g] += j < lim[g] && mask.counts(off[g], j);
+        for (int g = 0; g < 8; ++g) {
+          count[g] += j >= lo[g] && j < hi[g] && mask.counts(off[g], j);
+        }
       }
       CUTE_UNROLL
       for (int g = 0; g < 8; ++g) {
@@ -417,7 +440,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     const int i = m0 + get<0>(tScS_rc(r, 0));
     const bool valid = i < q_len;
     int n = 0;
-    if (valid) n = kHasMask ? s_count[i - m0] : static_cast<int>(key_limit(i, kv_len, kCausal));
+    if (valid) {
+      const KeyRange keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
+      n = kHasMask ? s_count[i - m0] : static_cast<int>(keys.hi - keys.lo);
+    }
     const float factor = p.scale.factor(n);
     const float lam = valid ? p.scale.lambda(b, h, i, factor) : 0.f;
     if (quad_lane == 0) {
@@ -432,20 +458,33 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   }
 
   // Online state per thread row: m (the row max in log2 units, equal over the row's 4 lanes) and
-  // this thread's partial l, t, u (docs/math.md section 2); t and u in s_tu.
+  // this thread's partial l, t, u (docs/math.md section 2); t and u in s_tu. With an attention
+  // sink every row starts as if it had seen the sink's entry (online_stats.h: initial_state): m =
+  // the sink in all 4 lanes, its e^0 = 1 in l and u of one lane only, so that the quad sums count
+  // it once. (A finite sink stays finite in log2 units: |sink| log2(e) may pass FLT_MAX.)
+  RowStats<float> init;
+  if (kCausal && p.sinks != nullptr) {  // (the general instantiations: see below)
+    constexpr float kMax = std::numeric_limits<float>::max();
+    const float sink = p.sinks[h];
+    init = initial_state(true, sink == kNegInf ? sink : fminf(fmaxf(sink * kLog2e, -kMax), kMax));
+    if (quad_lane != 0) init.l = init.u = 0.f;
+  }
   float row_m[kRows], row_l[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    row_m[r] = kNegInf, row_l[r] = 0.f;
+    row_m[r] = init.m, row_l[r] = init.l;
     if constexpr (kStats) {
-      s_tu[2 * r * kBlockThreads] = 0.f;
-      s_tu[(2 * r + 1) * kBlockThreads] = 0.f;
+      s_tu[2 * r * kBlockThreads] = init.t;
+      s_tu[(2 * r + 1) * kBlockThreads] = init.u;
     }
   }
 
   Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
 
-  // One key block. kPredicated: apply the causal / sequence-end predicate j < limit_i.
+  const bool capped = kCausal && p.softcap.on();  // the same in every block of a call
+
+  // One key block. kPredicated: apply the row's range lo_i <= j < hi_i (causality, window,
+  // alignment, documents, sequence end).
   auto key_block = [&](const int n, auto predicated) {
     constexpr bool kPredicated = decltype(predicated)::value;
     const int j0 = n * kBlockN;
@@ -465,16 +504,28 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
             smem_tiled_copy_k);
     cp_async_wait_all();  // V (and the mask tile) of block n
     __syncthreads();      // ... visible to all; every warp done with Q K^T of block n (sK free)
-    if (n > 0) {
+    if (n > n_begin) {
       // Prefetch the next K block behind the softmax and P V of this one.
       load_rows(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
                 kv_end - (j0 - kBlockN));
       cp_async_fence();
     }
 
+    // Logit softcapping (docs/math.md section 6): the scores x become the x' whose scaled logit is
+    // the capped one, before the additive mask (cute_utils.cuh: softcap_row).
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    if (capped) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const SoftcapRow cr = softcap_row(s_row_scale[get<0>(tScS_rc(r, 0))], kLog2e,
+                                          p.softcap.cap, p.softcap.inv_cap);
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) s_rc(r, c) = cr.out * tanh_of_exp2(s_rc(r, c) * cr.in);
+      }
+    }
+
     // Logits in log2 units, -inf where the key is not allowed; the row max after scaling (lambda
     // may be 0 or negative); alpha = 2^(m_old - m_new).
-    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     float m_use[kRows], alpha[kRows], delta[kRows];
     [[maybe_unused]] bool had_sum[kRows];  // this thread's partial l != 0 before the block
     bool rescale_o = false;
@@ -483,7 +534,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       const int row_in_tile = get<0>(tScS_rc(r, 0));
       const int i = m0_k + row_in_tile;
       const float scale2 = s_row_scale[row_in_tile];
-      const int lim = kPredicated ? static_cast<int>(key_limit(i, kv_len, kCausal)) : 0;
+      KeyRange keys{0, 0};
+      if constexpr (kPredicated) keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
+      const int lo = static_cast<int>(keys.lo), hi = static_cast<int>(keys.hi);
       // The byte selectors of the thread's first two columns serve all its columns
       // (mask_words.cuh).
       [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
@@ -498,7 +551,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(tScS_rc(r, c));
         const int j = j0 + col;
-        bool allowed = !kPredicated || j < lim;
+        bool allowed = !kPredicated || (j >= lo && j < hi);
         [[maybe_unused]] const uint32_t word =
             kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
         if constexpr (kMask == MaskKind::kBool) {
@@ -575,9 +628,23 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   };
 
   clear(acc_o);  // here, not earlier: 128 live zeros around the row setup would spill
-  int n = n_blocks - 1;
-  for (; n >= n_pred; --n) key_block(n, std::true_type{});
-  for (; n >= 0; --n) key_block(n, std::false_type{});
+  if constexpr (kCausal) {
+    // One loop choosing the variant per block: two loops plus the predicated blocks below a
+    // window's lower edge in a third spill.
+    for (int n = n_blocks - 1; n >= n_begin; --n) {
+      if (n >= n_hi_pred || n < n_lo_pred) {
+        key_block(n, std::true_type{});
+      } else {
+        key_block(n, std::false_type{});
+      }
+    }
+  } else {
+    // Every row sees every key: only the last, partial block needs the predicate. (Two loops: the
+    // one above spills here.)
+    int n = n_blocks - 1;
+    for (; n >= n_hi_pred; --n) key_block(n, std::true_type{});
+    for (; n >= 0; --n) key_block(n, std::false_type{});
+  }
 
   // Epilogue. Its indices are recomputed from an opaque copy of the thread index (and n_i is
   // re-read from the output this thread wrote): values carried from the prologue across the loop
@@ -622,7 +689,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
         p.entropy[row] = res.entropy;
         p.sum_p2[row] = res.sum_p2;
         p.max_weight[row] = res.max_weight;
-        const DerivedStats<float> ds = derive(res.entropy, res.sum_p2, p.n_keys[row]);
+        // With a sink the distribution has one more entry than the n_i keys.
+        const DerivedStats<float> ds =
+            derive(res.entropy, res.sum_p2, p.n_keys[row] + (kCausal && p.sinks != nullptr ? 1 : 0));
         p.normalized_entropy[row] = ds.normalized_entropy;
         p.sparsity[row] = ds.sparsity;
         p.effective_keys[row] = ds.effective_keys;

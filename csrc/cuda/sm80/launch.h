@@ -1,7 +1,12 @@
 // Host entry points of the tensor-core family (sm_80 and newer, bf16/fp16, FlashAttention-2
 // structure, written with CuTe). Declared here without CuTe so that host code includes them; each
 // instantiation is defined in a generated translation unit under instantiations/. kMask is the
-// mask kind (MaskKind) as a compile-time flag.
+// mask kind (MaskKind) as a compile-time flag. kCausal instantiations take any KeyPattern that
+// restricts a row's keys (causality, windows, either alignment, packed documents); softcap and
+// sinks are runtime features of every instantiation, except softcap with an additive mask in the
+// backward (the selection point, csrc/cuda/family.cpp, decides which calls come here; windows,
+// documents, softcap and sinks only when forced until tested on a GPU: family.h). Dropout is not
+// covered.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -35,10 +35,14 @@
 //
 // Edge tiles: TMA zero-fills the rows of Q and dO past q_len and of K and V past kv_len; such
 // elements are masked (p = 0, so dS = 0) and such rows never written. A tile that needs no
-// per-element predicate (no mask, not crossing the causal diagonal or a window's edge, no partial
-// block) skips it. The instantiations compiled with causality take any banded KeyPattern
-// (key_ranges.cuh: a sliding window, either alignment): a key block walks only the query blocks
-// from the first row whose range ends past it to the last whose range starts before its end.
+// per-element predicate (no mask, not crossing the causal diagonal, a window's edge or a document
+// boundary, no partial block) skips it. The instantiations compiled with causality are the general
+// ones (launch.h): any KeyPattern (key_ranges.cuh: a sliding window, either alignment, packed
+// documents, or none), softcap and sinks; a key block walks only the query blocks from the first row whose range ends
+// past it to the last whose range starts before its end. Sinks need nothing here (lse and the
+// statistics read include the sink; its gradient is the host's). Logit softcapping replaces S by
+// the scores whose scaled logits are the capped ones before the per-element step (a uniform
+// branch), and its derivative multiplies dS.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -62,7 +66,7 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../params.h"
-#include "key_ranges.cuh"
+#include "../key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -245,8 +249,17 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_kv, 0);
   typename Kt::PipelineState read_state;
 
-  // One query block. kGrads: the entropy / sum p^2 gradients are asked for, so S keeps the logits
-  // s (logit_grad needs them) and p is formed again for dS.
+  // Logit softcapping (docs/math.md section 6): S of a half becomes the scores whose scaled logits
+  // are the capped ones (cute_utils.cuh: softcap_row, as the forward); the cap's derivative
+  // 1 - (s / c)^2 is formed from s in the dS loop, which is why a softcapped call takes the kGrads
+  // step (s kept) and never comes with an additive mask (s = c tanh + m). Nor with a bool mask:
+  // the masked kernels have no registers for it (ptxas spills); covers() routes both.
+  // (The general instantiations, without a mask: launch.h.)
+  const bool capped = kCausal && kMask == MaskKind::kNone && p.softcap.on();
+
+  // One query block. kGrads: the entropy / sum p^2 gradients are asked for, or softcapping, so S
+  // keeps the logits s (logit_grad and the cap's derivative need them) and p is formed again for
+  // dS.
   auto step = [&](const int t, auto grads_tag) {
     constexpr bool kGrads = decltype(grads_tag)::value;
     const int h = kvh * group + t / m_count;
@@ -319,6 +332,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                           acc_dp);
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
+      if (kGrads && capped) {
+        Tensor x_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const SoftcapRow cr = softcap_row(lam[r], 1.f, p.softcap.cap, p.softcap.inv_cap);
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) x_rc(r, c) = cr.out * tanh_of_exp2(x_rc(r, c) * cr.in);
+        }
+      }
 
       // s = lambda_i x (+ mask), -inf where not allowed; p = 2^(s log2 e - lse_i log2 e), stored
       // to shared memory in T for dV. A fully masked row (lse = 0, every s = -inf) gets p = 0.
@@ -383,14 +405,17 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           float ds[2];
           CUTE_UNROLL
           for (int e = 0; e < 2; ++e) {
-            float pr, s = 0.f;
+            float pr, s = 0.f, cap_grad = 1.f;
             if constexpr (kGrads) {
               s = s_rc(r, c + e);
               pr = exp2_approx(fmaf(s, kLog2e, bias2[r]));
+              // 1 / c, or 0 (a derivative of 1); NaN where s = -inf: unused, p = 0 there.
+              const float th = s * (capped ? p.softcap.inv_cap : 0.f);
+              cap_grad = 1.f - th * th;
             } else {
               pr = s_rc(r, c + e);
             }
-            ds[e] = pr != 0.f ? logit_grad(pr, dp_rc(r, c + e), s, delta, g) : 0.f;
+            ds[e] = pr != 0.f ? logit_grad(pr, dp_rc(r, c + e), s, delta, g) * cap_grad : 0.f;
           }
           *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))) =
               to_pair(cutlass::Array<float, 2>{ds[0], ds[1]});
@@ -434,7 +459,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     ++read_state;
   };
 
-  if (grads) {  // uniform branch: keep s for the entropy term
+  if (grads || capped) {  // uniform branch: keep s for the entropy term or the cap's derivative
 #pragma unroll 1
     for (int t = 0; t < iters; ++t) step(t, std::true_type{});
   } else {

@@ -31,10 +31,19 @@
 // diagonal) come first, the loop over the others carries none. Keys past the last row's causal
 // limit are never loaded (causal block skipping). The instantiations compiled with causality
 // (kCausal) take any banded KeyPattern (kernel_args.h): causality, a sliding window, either
-// alignment. A row sees [lo_i, hi_i); the tile loads only the blocks of [lo of its first row, hi of
-// its last), and the blocks a window's lower edge crosses are predicated too (they come last). A
-// tile whose rows see no key (bottom-right alignment with more queries than keys) loads none and
-// writes the empty rows' zeros.
+// alignment, packed documents. A row sees [lo_i, hi_i); the tile loads only the blocks of [lo of
+// its first row, hi of its last), and the blocks a window's lower edge crosses are predicated too
+// (they come last). A tile whose rows see no key (bottom-right alignment with more queries than
+// keys) loads none and writes the empty rows' zeros. Packed documents are the (1, H, T, D) call
+// whose rows' ranges lie inside their documents: a tile across a document boundary loads the keys
+// of both and predicates every block.
+//
+// The kCausal instantiations are the general ones: they also take the calls with softcap or sinks
+// whatever their pattern (one that restricts no key is a pattern too), so that the others, the
+// plain full attention, carry none of that code. Attention sinks set each row's initial state
+// (online_stats.h: initial_state); logit softcapping
+// replaces a block's scores by those whose scaled logits are the capped ones before its softmax (a
+// uniform branch: the softmax itself, and so the kernels without softcap, stay as they were).
 //
 // Edge tiles: the TMA boxes of rows >= q_len and keys >= kv_len lie outside the tensors' bounds
 // and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and
@@ -88,7 +97,7 @@
 #include "../cute_utils.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
-#include "key_ranges.cuh"
+#include "../key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -168,6 +177,9 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(16) uint32_t mask[kMaskWords];
+    // The keys [lo, hi) of each tile row (kCausal): read by the predicated softmax, so that the
+    // key loop carries no search over packed documents.
+    int row_lo[kBlockM], row_hi[kBlockM];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
     alignas(8) uint64_t barrier_q;
   };
@@ -300,6 +312,20 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
   }
 
+  // The rows' key ranges for the predicated softmax (kCausal; the others' are [0, kv_len)), by
+  // lane 0 of each quad for the quad.
+  if constexpr (kCausal) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int t = get<0>(cS_rc(r, 0));
+      if (lane % 4 == 0) {
+        const KeyRange keys = row_keys<true>(p.pattern, m0 + t, q_len, kv_len);
+        ss.row_lo[t] = static_cast<int>(keys.lo), ss.row_hi[t] = static_cast<int>(keys.hi);
+      }
+    }
+    __syncwarp();
+  }
+
   // Row setup (docs/math.md section 1): g(n_i) / temperature and lambda_i, written once per row by
   // lane 0 of its quad. Padding rows (i >= q_len) get lambda 0 and are never written.
   float scale2[kRows];  // lambda_i log2(e)
@@ -319,8 +345,22 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   }
 
   // The thread's partial state of its rows: m is the row's max (log2 units, the same in the row's
-  // 4 lanes), l, t, u the sums over the thread's columns.
+  // 4 lanes), l, t, u the sums over the thread's columns. With an attention sink every row starts
+  // as if it had seen the sink's entry (online_stats.h: initial_state): m = the sink in all 4
+  // lanes, its e^0 = 1 in l and u of one lane only, so that the quad sums count it once.
   RowStats<float> st[kRows];
+  if (kCausal && p.sinks != nullptr) {  // (the general instantiations: see below)
+    // (A finite sink stays finite in log2 units: |sink| log2(e) may pass FLT_MAX.)
+    const float sink = p.sinks[h];
+    constexpr float kMax = std::numeric_limits<float>::max();
+    const float sink2 = sink == kNegInf ? sink : fminf(fmaxf(sink * kLog2e, -kMax), kMax);
+    const RowStats<float> init = initial_state(true, sink2);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      st[r] = init;
+      if (lane % 4 != 0) st[r].l = st[r].u = 0.f;
+    }
+  }
   clear(acc_o);
   cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
   typename Kt::PipelineState read_state;
@@ -367,8 +407,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // not allowed), the row max after scaling (lambda may be 0 or negative), the row state moved to
   // it, P = 2^(y - m) in place and the sums. O is not touched (a P V may be in flight): the factor
   // 2^(m_old - m_new) that O owes is left in alpha. kPredicated: apply the row's range
-  // lo_i <= j < hi_i (causality, window, alignment, sequence end).
+  // lo_i <= j < hi_i (causality, window, alignment, documents, sequence end).
   float alpha[kRows];
+  const bool capped = kCausal && p.softcap.on();  // the same in every block of a call
   auto softmax = [&](const int n, auto& acc_s, auto predicated) {
     constexpr bool kPredicated = decltype(predicated)::value;
     const int j0 = n * kBlockN;
@@ -379,9 +420,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int row_in_tile = get<0>(cS_rc(r, 0));
       const int i = m0 + row_in_tile;
       const bool row_valid = i < q_len;
-      KeyRange keys{0, 0};
-      if constexpr (kPredicated) keys = row_keys<kCausal>(p.pattern, i, q_len, kv_len);
-      const int lo = static_cast<int>(keys.lo), hi = static_cast<int>(keys.hi);
+      int lo = 0, hi = 0;
+      if constexpr (kPredicated && kCausal) {
+        lo = ss.row_lo[row_in_tile], hi = ss.row_hi[row_in_tile];
+      } else if constexpr (kPredicated) {
+        hi = row_valid ? kv_len : 0;  // row_keys<false>
+      }
       // The byte selectors of the thread's first two columns serve all its columns
       // (mask_words.cuh).
       [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
@@ -438,7 +482,19 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
   };
+  // Logit softcapping (docs/math.md section 6): the scores x of a block become the x' whose scaled
+  // logits are the capped ones, before the additive mask (cute_utils.cuh: softcap_row).
+  auto cap_scores = [&](auto& acc_s) {
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const SoftcapRow cr = softcap_row(scale2[r], kLog2e, p.softcap.cap, p.softcap.inv_cap);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) s_rc(r, c) = cr.out * tanh_of_exp2(s_rc(r, c) * cr.in);
+    }
+  };
   auto softmax_of = [&](const int n, auto& acc_s) {
+    if (capped) cap_scores(acc_s);
     if (n >= tb.n_hi_pred || n < tb.n_lo_pred) {
       softmax(n, acc_s, std::true_type{});
     } else {
@@ -535,7 +591,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         p.entropy[row_idx] = res.entropy;
         p.sum_p2[row_idx] = res.sum_p2;
         p.max_weight[row_idx] = res.max_weight;
-        const DerivedStats<float> ds = derive(res.entropy, res.sum_p2, n_row[r]);
+        // With a sink the distribution has one more entry than the n_i keys.
+        const DerivedStats<float> ds =
+            derive(res.entropy, res.sum_p2, n_row[r] + (kCausal && p.sinks != nullptr ? 1 : 0));
         p.normalized_entropy[row_idx] = ds.normalized_entropy;
         p.sparsity[row_idx] = ds.sparsity;
         p.effective_keys[row_idx] = ds.effective_keys;

@@ -1,20 +1,23 @@
-// The keys each query row of a Hopper kernel may see, and the rows that see a block of keys:
-// shared by the forward (a query tile's key blocks) and the backward (a key block's query blocks).
+// The keys each query row of a tensor-core kernel (the sm80 and sm90 families) may see, and the
+// rows that see a block of keys: shared by the forwards (a query tile's key blocks) and the
+// backwards (a key block's query blocks).
 #pragma once
 
-#include "../../kernel_args.h"
+#include "../kernel_args.h"
 
-namespace entropy_attn::cuda::sm90 {
+namespace entropy_attn::cuda {
 
 // The keys [lo, hi) query row i may see. kBanded (the instantiations compiled with causality on):
 // those of the call's KeyPattern (kernel_args.h), which for plain causality are
-// [0, min(i + 1, Lk)) and otherwise add a sliding window or bottom-right alignment; else every
-// key. A row past q_len sees none. Both bounds never decrease as i grows.
+// [0, min(i + 1, Lk)) and otherwise add a sliding window, bottom-right alignment or the bounds of
+// packed documents (then q_len and kv_len are the packed totals, and a row's range lies inside its
+// document's keys); else every key. A row past q_len sees none. Both bounds never decrease as i
+// grows, across documents too (document d's keys come before document d + 1's).
 template <bool kBanded>
 __device__ __forceinline__ KeyRange row_keys(const KeyPattern& pattern, int i, int q_len,
                                              int kv_len) {
   if (i >= q_len) return {0, 0};
-  if constexpr (kBanded) return pattern.local(i, q_len, kv_len);
+  if constexpr (kBanded) return pattern.keys(i, q_len, kv_len);
   return {0, kv_len};
 }
 
@@ -34,4 +37,4 @@ __device__ __forceinline__ int first_row(int q_len, const Pred& pred) {
   return lo;
 }
 
-}  // namespace entropy_attn::cuda::sm90
+}  // namespace entropy_attn::cuda

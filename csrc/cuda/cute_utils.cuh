@@ -56,18 +56,6 @@ CUTE_DEVICE float tanh_of_exp2(float u) {
 #endif
 }
 
-// Logit softcapping on the raw scores x of a row whose logit is a x (a = lambda_i, or lambda_i
-// log2(e) in log2 units: `unit` = 1 or log2(e)): per row, `in` and `out` such that the score
-// x' = out tanh_of_exp2(in x) has the logit a x' = unit c tanh(lambda_i x / c), the capped one
-// (docs/math.md section 6), so that the kernels' logit code (a x, plus the mask) stays as it is.
-// out is 0 where a = 0, whose logit is 0 either way; |x'| <= |x|: nothing overflows.
-struct SoftcapRow {
-  float in, out;
-};
-CUTE_DEVICE SoftcapRow softcap_row(float a, float unit, float cap, float inv_cap) {
-  return {a * (2.f * kLog2e / unit) * inv_cap, a != 0.f ? unit * cap / a : 0.f};
-}
-
 // The lanes 4g..4g+3 of a warp hold the same accumulator rows (mma.sync m16n8 and wgmma alike).
 CUTE_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -81,6 +69,20 @@ CUTE_DEVICE V quad_sum(V x) {
 
 // Neither NaN nor infinite (a NaN fails the comparison).
 CUTE_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+// Logit softcapping on the raw scores x of a row whose logit is a x (a = lambda_i, or lambda_i
+// log2(e) in log2 units: `unit` = 1 or log2(e)): per row, `in` and `out` such that the score
+// x' = out tanh_of_exp2(in x) has the logit a x' = unit c tanh(lambda_i x / c), the capped one
+// (docs/math.md section 6), so that the kernels' logit code (a x, plus the mask) stays as it is.
+// |x'| <= |x|. out is 0 where a = 0, whose logit is 0 either way, and where unit c / a overflows
+// (|a| below c / FLT_MAX: the capped logit, about a x, is 0 to float precision).
+struct SoftcapRow {
+  float in, out;
+};
+CUTE_DEVICE SoftcapRow softcap_row(float a, float unit, float cap, float inv_cap) {
+  const float out = a != 0.f ? unit * cap / a : 0.f;
+  return {a * (2.f * kLog2e / unit) * inv_cap, is_finite(out) ? out : 0.f};
+}
 
 // fp32 fragment -> To fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).
 // Fragments are compact register arrays, so the element order of both is the storage order.

@@ -37,4 +37,23 @@ __device__ __forceinline__ int first_row(int q_len, const Pred& pred) {
   return lo;
 }
 
+// The query blocks [begin, end) of block_m rows whose rows may see a key of [j0, j1): from the
+// block of the first row whose hi passes j0 to that of the last row whose lo is below j1 (both
+// bounds never decrease as i grows); every block without kBanded. The backwards' key blocks walk
+// these.
+struct BlockRange {
+  int begin, end;
+};
+template <bool kBanded>
+__device__ __forceinline__ BlockRange query_blocks(const KeyPattern& pattern, int q_len, int kv_len,
+                                                   int j0, int j1, int block_m) {
+  if constexpr (!kBanded) return {0, (q_len + block_m - 1) / block_m};
+  const int first =
+      first_row(q_len, [&](int i) { return row_keys<true>(pattern, i, q_len, kv_len).hi > j0; });
+  const int end =
+      first_row(q_len, [&](int i) { return row_keys<true>(pattern, i, q_len, kv_len).lo >= j1; });
+  const int begin = first / block_m;
+  return {begin, end > first ? (end + block_m - 1) / block_m : begin};
+}
+
 }  // namespace entropy_attn::cuda

@@ -459,20 +459,10 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   const int heads = static_cast<int>(p.heads), group = heads / static_cast<int>(p.kv_heads);
   const int j0 = n_block * kBlockN;
   const int kv_rows = cute::min(kBlockN, kv_len - j0);
-  // The query blocks whose rows may see a key of this block: rows from the first whose hi passes
-  // j0 to the last whose lo is below the block's end (both bounds never decrease with the row;
-  // top-left causality: rows from j0 on, to the last).
-  int m_begin = 0, m_end = (q_len + kBlockM - 1) / kBlockM;
-  if constexpr (kCausal) {
-    const int j1 = cute::min(j0 + kBlockN, kv_len);
-    const int first = first_row(
-        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).hi > j0; });
-    const int end = first_row(
-        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).lo >= j1; });
-    m_begin = first / kBlockM;
-    m_end = end > first ? (end + kBlockM - 1) / kBlockM : m_begin;
-  }
-  const int m_count = cute::max(m_end - m_begin, 0);
+  // The query blocks whose rows may see a key of this block (top-left causality: rows from j0 on).
+  const BlockRange mb =
+      query_blocks<kCausal>(p.pattern, q_len, kv_len, j0, cute::min(j0 + kBlockN, kv_len), kBlockM);
+  const int m_begin = mb.begin, m_count = cute::max(mb.end - mb.begin, 0);
   const int iters = group * m_count;  // (query head, query block) pairs, head-major
   // Softcapping keeps the logits too (the cap's derivative is formed from them).
   const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
@@ -901,6 +891,8 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     if (n + 1 < n_end) load_k(n + 1);
     cp_async_fence();
   }
+
+  cp_async_wait<0>();  // (a block whose rows see no key ran no iteration: its copies end here)
 
   // G of the rows < Lq, plain stores (this CTA owns them).
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));

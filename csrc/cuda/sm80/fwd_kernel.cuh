@@ -466,7 +466,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   if (kCausal && p.sinks != nullptr) {  // (the general instantiations: see below)
     constexpr float kMax = std::numeric_limits<float>::max();
     const float sink = p.sinks[h];
-    init = initial_state(true, sink == kNegInf ? sink : fminf(fmaxf(sink * kLog2e, -kMax), kMax));
+    // (Infinite and NaN sinks stay so: initial_state treats them as the fallback does.)
+    init = initial_state(true, is_finite(sink) ? fminf(fmaxf(sink * kLog2e, -kMax), kMax) : sink);
     if (quad_lane != 0) init.l = init.u = 0.f;
   }
   float row_m[kRows], row_l[kRows];
@@ -701,7 +702,12 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 
   // O through shared memory (sQ's space: every warp has passed the last Q K^T, behind the barrier
-  // before the last P V) so that the global writes are whole 16-byte row segments.
+  // before the last P V) so that the global writes are whole 16-byte row segments. A tile whose
+  // rows see no key ran no block: its Q copy may still be landing in that space.
+  if (n_blocks <= n_begin) {
+    cp_async_wait_all();
+    __syncthreads();
+  }
   Tensor rO = convert_fragment<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Kt::SmemLayoutQ{});
   auto smem_tiled_copy_o = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);

@@ -508,21 +508,11 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int q_len = static_cast<int>(p.q_len);
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  // The query blocks whose rows may see a key of this block: rows from the first whose hi passes
-  // j0 to the last whose lo is below the block's end (both bounds never decrease with the row;
-  // top-left causality: rows from j0 on, to the last).
-  int m_begin = 0, m_end = (q_len + kBlockM - 1) / kBlockM;
-  if constexpr (kCausal) {
-    const int kv_len = static_cast<int>(p.kv_len);
-    const int j0 = n_block * kBlockN, j1 = min(j0 + kBlockN, kv_len);
-    const int first = first_row(
-        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).hi > j0; });
-    const int end = first_row(
-        q_len, [&](int i) { return row_keys<true>(p.pattern, i, q_len, kv_len).lo >= j1; });
-    m_begin = first / kBlockM;
-    m_end = end > first ? (end + kBlockM - 1) / kBlockM : m_begin;
-  }
-  const int m_count = max(m_end - m_begin, 0);
+  // The query blocks whose rows may see a key of this block (top-left causality: rows from j0 on).
+  const int kv_len = static_cast<int>(p.kv_len), j0 = n_block * kBlockN;
+  const BlockRange mb =
+      query_blocks<kCausal>(p.pattern, q_len, kv_len, j0, min(j0 + kBlockN, kv_len), kBlockM);
+  const int m_begin = mb.begin, m_count = max(mb.end - mb.begin, 0);
   const int iters = group * m_count;  // (query head, query block) pairs, head-major
 
   const int warp_group = cutlass::canonical_warp_group_idx();
@@ -542,7 +532,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    const int kv_len = static_cast<int>(p.kv_len), heads = static_cast<int>(p.heads);
+    const int heads = static_cast<int>(p.heads);
     const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
     Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, kD, heads, batch));
     Tensor mdO = args.tma_do.get_tma_tensor(make_shape(q_len, kD, heads, batch));

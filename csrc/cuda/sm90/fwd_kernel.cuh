@@ -353,7 +353,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // (A finite sink stays finite in log2 units: |sink| log2(e) may pass FLT_MAX.)
     const float sink = p.sinks[h];
     constexpr float kMax = std::numeric_limits<float>::max();
-    const float sink2 = sink == kNegInf ? sink : fminf(fmaxf(sink * kLog2e, -kMax), kMax);
+    // (Infinite and NaN sinks stay so: initial_state treats them as the fallback does.)
+    const float sink2 = is_finite(sink) ? fminf(fmaxf(sink * kLog2e, -kMax), kMax) : sink;
     const RowStats<float> init = initial_state(true, sink2);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {

@@ -244,12 +244,12 @@ std::string hopper_forward_obstacle(const ForwardCall& c) {
 }
 
 // The Hopper backward also needs dq by atomics (not deterministic algorithms), and no softcap with
-// an additive mask (sm90/launch.h: backward_covers).
+// a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms (its dq accumulates by atomics)";
   }
-  if (std::string why = softcap_backward_obstacle(c); !why.empty()) return why;
+  // (Any mask: this covers softcap_backward_obstacle's additive one too.)
   if (c.call.options.softcap > 0 && c.call.mask.has_value()) {
     return "logit softcapping with a mask in the backward (sm90/launch.h)";
   }

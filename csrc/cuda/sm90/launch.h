@@ -12,8 +12,8 @@
 // masks, with or without statistics, GQA, any sequence lengths; the backward the same calls with
 // the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
 // Both directions also take sliding windows, bottom-right alignment and packed documents (their
-// causal instantiations read the call's KeyPattern), logit softcapping (the backward not with an
-// additive mask) and attention sinks; written and compiled, not yet run on a GPU, so "auto" sends
+// causal instantiations read the call's KeyPattern), logit softcapping (the backward not with a
+// mask) and attention sinks; written and compiled, not yet run on a GPU, so "auto" sends
 // such calls elsewhere (family.h: kHopperFeaturesByDefault) and ENTROPY_ATTN_CUDA_FAMILY=sm90
 // selects them. Dropout is not covered: the selection point (csrc/cuda/family.cpp) routes such
 // calls to the other families.

@@ -9,7 +9,8 @@ better) are against the fastest. Times also come as TFLOP/s (forward 4·B·H·Lq
 causal; forward+backward 3.5x) and as a fraction of the matmul peak measured at startup. ``--family``
 sets ENTROPY_ATTN_CUDA_FAMILY before ours runs; a point records the family requested (the extension
 may still fall back where it has no kernel). Points over 70% of the free memory, or out of memory,
-are recorded as skipped. Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
+are recorded as skipped. ``--dropout-p`` runs both with attention dropout (training: the cost of
+drawing the mask; no ``--check``, the masks differ). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
 --check found a mismatch.
 
@@ -79,6 +80,7 @@ class Shape:
     head_dim: int
     seq_len: int
     causal: bool
+    dropout_p: float = 0.0
 
     @property
     def gqa(self) -> bool:
@@ -119,12 +121,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--family", nargs="+", choices=FAMILIES, default=["auto"], help=f"sets {FAMILY_ENV}")
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip fwd_bwd")
+    p.add_argument("--dropout-p", type=float, default=0.0, help="attention dropout of both (default 0)")
     p.add_argument("--check", action="store_true", help="compare output (and grads) with SDPA's first")
     p.add_argument("--min-run-time", type=float, help="seconds per measurement (default 0.5, --quick 0.1)")
     p.add_argument("--out-md", default=DEFAULT_MD, help="Markdown file ('' to skip)")
     p.add_argument("--out-json", default=DEFAULT_JSON, help="JSON file ('' to skip)")
     p.add_argument("--require-gpu", action="store_true", help="exit 1 (not 0) without a CUDA device")
     args = p.parse_args(argv)
+    if not 0.0 <= args.dropout_p < 1.0:
+        p.error(f"--dropout-p must be in [0, 1), got {args.dropout_p}")
+    if args.check and args.dropout_p > 0:
+        p.error("--check compares with SDPA, whose dropout mask differs: not with --dropout-p")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -136,7 +143,7 @@ def expand_grid(args: argparse.Namespace) -> List[Shape]:
     """The shapes of the grid (families apart), in table order."""
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     return [
-        Shape(dt, args.batch, h, hkv, d, seq, c)
+        Shape(dt, args.batch, h, hkv, d, seq, c, args.dropout_p)
         for dt in args.dtype for h, hkv in args.heads_kv for d in args.head_dim for c in causal for seq in args.seq
     ]  # fmt: skip
 
@@ -174,7 +181,8 @@ def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], 
     fwd_name, fwd_ms = fastest(by_backend, "fwd")
     bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
     point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
-    point.update(kv_heads=shape.kv_heads, causal=shape.causal, family=family, sdpa_backend=fwd_name)
+    point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, family=family,
+                 sdpa_backend=fwd_name)  # fmt: skip
     against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
     for kind, (name, ms) in against.items():
         point[kind] = {"ours_ms": ours.get(kind), "sdpa_ms": ms, "ratio": ratio(ours.get(kind), ms), "sdpa_backend": name}
@@ -292,13 +300,18 @@ def timed_calls(attn: Callable[..., Any], x: Inputs) -> Tuple[Callable[[], objec
 
 def ours_fn(ext: Any, shape: Shape, stats: bool = False) -> Callable[..., Any]:
     """ours(q, k, v) for a shape."""
-    return lambda q, k, v: ext.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, return_stats=stats)
+    return lambda q, k, v: ext.attention(
+        q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, return_stats=stats, dropout_p=shape.dropout_p
+    )
 
 
 def measure_sdpa(x: Inputs, shape: Shape, run: Run) -> Dict[str, Times]:
     """SDPA's times by backend name and kind; None where the backend refuses the point."""
     fwd, fwd_bwd = timed_calls(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa), x
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, dropout_p=shape.dropout_p
+        ),
+        x,
     )
     times: Dict[str, Times] = {}
     for name, backend in SDPA_BACKENDS.items():
@@ -448,7 +461,8 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
         "",
         "Times: medians of CUDA-event blocks (ms); ratio = ours / fastest SDPA backend (lower is better); "
         "TFLOP/s count 4·B·H·L²·D per forward (halved when causal), 3.5x that for forward+backward; "
-        f"matmul peak (TFLOP/s, 8192³): {peaks}.",
+        f"matmul peak (TFLOP/s, 8192³): {peaks}."
+        + (f" Both with attention dropout p = {result['dropout_p']}." if result.get("dropout_p") else ""),
     ]
     keys = ["dtype", "B", "H:Hkv", "D", "L", "causal", "family"]
 
@@ -491,6 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = Run(ext, backward=args.backward, check=args.check, min_run_time=args.min_run_time)
     command = "python3 benchmarks/gpu_vs_sdpa.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     result = environment(command.strip())
+    result["dropout_p"] = args.dropout_p
     result["matmul_peak_tflops"] = peaks = {dt: matmul_peak_tflops(dt, args.min_run_time) for dt in args.dtype}
     saved, points = os.environ.get(FAMILY_ENV), []
     try:

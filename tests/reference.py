@@ -65,22 +65,30 @@ def _mulhilo(a: np.ndarray, b: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def philox_dropout_factors(seed: int, p: float, B: int, H: int, Lq: int, Lk: int) -> Tensor:
-    """(B, H, Lq, Lk) float64 dropout factors, 0 or 1 / (1 - p): weight (b, h, i, j) is kept when
-    draw j % 4 of Philox4x32-10 at counter (j // 4, i, b * H + h, 0) under key (seed low 32 bits,
-    seed high 32 bits) is >= round(p * 2^32) (Salmon et al. 2011, written here from the paper's
-    definition with numpy, independently of the extension's C++)."""
-    bh, i, j4 = np.meshgrid(np.arange(B * H), np.arange(Lq), np.arange((Lk + 3) // 4), indexing="ij")
-    c = [j4.astype(np.uint32), i.astype(np.uint32), bh.astype(np.uint32), np.zeros_like(j4, dtype=np.uint32)]
+    """(B, H, Lq, Lk) float64 dropout factors, 0 or 1 / (1 - t / 2^16) with t = round(p * 2^16)
+    clamped to [1, 2^16 - 1]: weight (b, h, i, j) is kept when its 16-bit draw is >= t. Its draw is
+    half s % 2 (0: low, 1: high) of word s // 2 of Philox4x32-10 at counter
+    (4 (j // 16) + (j // 2) % 4, 8 (i // 16) + i % 8, b * H + h, 0) under key (seed low 32 bits,
+    seed high 32 bits), with s = 4 ((i // 8) % 2) + 2 ((j // 8) % 2) + j % 2 (Salmon et al. 2011,
+    written here from the paper's definition with numpy, one generator call per weight,
+    independently of the extension's C++)."""
+    bh, i, j = np.meshgrid(np.arange(B * H), np.arange(Lq), np.arange(Lk), indexing="ij")
+    c0 = 4 * (j // 16) + (j // 2) % 4
+    c1 = 8 * (i // 16) + i % 8
+    c = [c0.astype(np.uint32), c1.astype(np.uint32), bh.astype(np.uint32), np.zeros_like(j, dtype=np.uint32)]
     k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
     for _ in range(10):
         hi0, lo0 = _mulhilo(c[0], 0xD2511F53)
         hi1, lo1 = _mulhilo(c[2], 0xCD9E8D57)
         c = [hi1 ^ c[1] ^ np.uint32(k0), lo1, hi0 ^ c[3] ^ np.uint32(k1), lo0]
         k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    draws = np.stack(c, axis=-1).reshape(B * H, Lq, -1)[:, :, :Lk]
-    threshold = min(max(int(p * 2**32 + 0.5), 1), 2**32 - 1)
-    keep = torch.from_numpy((draws >= threshold).astype(np.float64))
-    return (keep / (1.0 - p)).view(B, H, Lq, Lk)
+    s = 4 * ((i // 8) % 2) + 2 * ((j // 8) % 2) + j % 2
+    words = np.stack(c, axis=-1)
+    word = np.take_along_axis(words, (s // 2)[..., None], axis=-1)[..., 0]
+    draw = (word >> (16 * (s % 2)).astype(np.uint32)) & np.uint32(0xFFFF)
+    threshold = min(max(int(p * 2**16 + 0.5), 1), 2**16 - 1)
+    keep = torch.from_numpy((draw >= threshold).astype(np.float64))
+    return (keep / (1.0 - threshold / 2**16)).view(B, H, Lq, Lk)
 
 
 def allowed_mask(

@@ -1357,8 +1357,8 @@ def family_kernels(fn: Callable[[], Any], family: str, kernel: str) -> List[str]
 
 
 #: Calls of the features the tensor-core kernels take besides bands: packed documents (varlen, which
-#: aligns bottom-right within each document), attention sinks and logit softcapping, alone and
-#: as gpt-oss (sinks + window) and Gemma 2 (softcap + window) combine them. Each is (Lq, Lk) of a
+#: aligns bottom-right within each document), attention sinks, logit softcapping and dropout, alone
+#: and as gpt-oss (sinks + window) and Gemma 2 (softcap + window) combine them. Each is (Lq, Lk) of a
 #: dense call or (q_lens, k_lens) of a packed one, and the op's keyword arguments ("sinks": one
 #: logit per head; "mask": a bool or additive (Lq, Lk) mask). The documents straddle query tiles
 #: (128 rows) and key blocks, include one of a single token, and, as a cache, hold fewer queries
@@ -1381,6 +1381,14 @@ TC_FEATURES: Dict[str, Tuple[Any, Any, Dict[str, Any]]] = {
                                         "sinks": True}),
     # The backward of softcap with an additive mask is no tensor-core family's: routed.
     "softcap_additive_mask": (300, 300, {"softcap": 2.0, "mask": "additive"}),
+    # Dropout, with the op's seed so that the reference draws the same Philox mask; full attention
+    # takes the general kernels too.
+    "dropout_causal": (300, 300, {"is_causal": True, "dropout_p": 0.2, "dropout_seed": 11}),
+    "dropout_bool_mask": (300, 260, {"dropout_p": 0.3, "dropout_seed": 3, "mask": "bool"}),
+    "dropout_additive_mask": (200, 300, {"dropout_p": 0.1, "dropout_seed": 2**40 + 5,
+                                         "mask": "additive"}),
+    "dropout_sinks_window": (300, 300, {"is_causal": True, "window_size": (63, 0), "sinks": True,
+                                        "dropout_p": 0.25, "dropout_seed": 17}),
 }
 
 
@@ -1390,9 +1398,10 @@ TC_FEATURES: Dict[str, Tuple[Any, Any, Dict[str, Any]]] = {
 @pytest.mark.parametrize("family", TC_FAMILIES)
 def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str, D: int,
                                               stats: bool) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=<family> runs packed documents, sinks and softcapping in that
-    family's kernels (forward and backward in the profile, the backward of softcap with an
-    additive mask routed elsewhere) and matches the float64 reference: output, lse and n_i, with
+    """ENTROPY_ATTN_CUDA_FAMILY=<family> runs packed documents, sinks, softcapping and dropout in
+    that family's kernels (forward and backward in the profile, the backward of softcap with an
+    additive mask routed elsewhere) and matches the float64 reference (dropout: the reference's
+    independent Philox mask, weight for weight): output, lse and n_i, with
     statistics the entropy, sum p^2, max weight and derived statistics, and the gradients of q, k,
     v (and of the sinks) through the output and, with statistics, the entropy. (Dry run: the CPU op
     against the same reference, no profile.)"""
@@ -1454,8 +1463,10 @@ def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, f
     ge = torch.randn_like(out[2]) if stats else None
     grads: list = []
     # The backward of softcap with a mask is routed: with an additive one to the fallback, with a
-    # bool one from sm90 to sm80 (their kernels have no registers for it).
-    bwd_family = "sm80" if case == "softcap_bool_mask" else family
+    # bool one from sm90 to sm80 (their kernels have no registers for it); so is that of dropout
+    # with a mask from sm90 to sm80.
+    routed = case == "softcap_bool_mask" or ("dropout_p" in spec and mask is not None)
+    bwd_family = "sm80" if routed else family
     ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), bwd_family,
                          "main_kernel")
     if case == "softcap_additive_mask":
@@ -1472,11 +1483,11 @@ def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, f
     "case", ["float32", "softcap", "sinks", "dropout", "unaligned_rows", "head_dim_96", "deterministic"],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, dropout,
-    unaligned rows, head dim 96; on any GPU) gives the fallback's outputs and gradients: the
-    selection point routes them, never a wrong answer. A deterministic backward (dq without
-    atomics) goes to sm80's deterministic kernels. Softcap and sinks, which the forced tensor-core
-    families take (sm90, or sm80 on other GPUs), agree with the fallback too."""
+    """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, unaligned
+    rows, head dim 96; on any GPU) gives the fallback's outputs and gradients: the selection point
+    routes them, never a wrong answer. A deterministic backward (dq without atomics) goes to sm80's
+    deterministic kernels. Softcap, sinks and dropout, which the forced tensor-core families take
+    (sm90, or sm80 on other GPUs), agree with the fallback too (dropout: the same Philox mask)."""
     torch.manual_seed(2)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     D = 96 if case == "head_dim_96" else 64

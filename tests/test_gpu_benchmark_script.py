@@ -189,6 +189,35 @@ def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatc
     assert "sources 0123456789ab" in text  # the kernels measured, named by the hash of their sources
 
 
+def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--dropout-p reaches ours and SDPA (the point and the report say so); --check with it, whose
+    masks differ, and a p outside [0, 1) are argument errors."""
+    import torch_ext
+
+    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
+    args = bench.parse_args(["--quick", "--dropout-p", "0.1"])
+    assert {s.dropout_p for s in bench.expand_grid(args)} == {0.1}
+    calls: List[float] = []
+
+    class Recording:
+        def attention(self, *a: Any, **kw: Any) -> Any:
+            calls.append(kw["dropout_p"])
+            return torch_ext.attention(*a, **kw)
+
+    s = shape(seq_len=32, causal=True, dropout_p=0.1)
+    (p,) = bench.measure_shape(s, ["auto"], cpu_run(Recording()), None, None)
+    assert calls and set(calls) == {0.1} and p["dropout_p"] == 0.1 and p["errors"] == []
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {}, "dropout_p": 0.1,
+                           "points": [p]}, True)  # fmt: skip
+    assert "dropout p = 0.1" in text
+    for bad in (["--check", "--dropout-p", "0.1"], ["--dropout-p", "1.0"], ["--dropout-p", "-0.5"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(bad)
+        assert exc.value.code == 2 and "--dropout-p" in capsys.readouterr().err
+
+
 def test_failures_and_out_of_memory_do_not_stop_the_run() -> None:
     s = shape(seq_len=32)
     failed = bench.measure_shape(s, ["auto"], cpu_run(FailingExt(RuntimeError("no kernel\nmore"))), None, None)

@@ -191,6 +191,32 @@ def test_dropout_reference_statistics() -> None:
     assert not torch.equal(f[0, 0], f[0, 1]) and not torch.equal(f[0, 0, 0], f[0, 0, 1])
 
 
+def test_dropout_group_draws_are_independent() -> None:
+    """One Philox call decides 8 weights (rows i, i + 8 x keys j, j + 1, j + 8, j + 9): each of the
+    8 slots keeps 1 - p' of its weights, and the decisions of weights sharing a call are
+    uncorrelated (|corr| within binomial noise); the kept weights' factor is 1 / (1 - p') with
+    p' = round(p 2^16) / 2^16, which makes the factor's mean exactly 1."""
+    p = 0.3
+    f = philox_dropout_factors(2024, p, 1, 4, 256, 256)
+    keep = (f > 0).double()
+    p_used = round(p * 2**16) / 2**16
+    assert torch.allclose(f[f > 0], torch.tensor(1 / (1 - p_used), dtype=F64))
+    n = keep.numel() / 8
+    tol = 5 * (p_used * (1 - p_used) / n) ** 0.5
+    slots = keep.view(1, 4, 16, 2, 8, 16, 2, 8)  # (b, h, i // 16, i // 8 % 2, i % 8, j // 16, j // 8 % 2, j % 8)
+    for a in range(2):
+        for c in range(2):
+            for e in range(2):
+                frac = slots[:, :, :, a, :, :, c, e::2].mean().item()
+                assert abs(frac - (1 - p_used)) < tol, (a, c, e, frac)
+    z = keep - keep.mean()
+    for di, dj in ((8, 0), (0, 1), (0, 8), (8, 9)):  # partners within a group
+        a = z[..., : 256 - di, : 256 - dj].reshape(-1)
+        b = z[..., di:, dj:].reshape(-1)
+        corr = (a * b).mean() / (a.std() * b.std())
+        assert abs(corr.item()) < 5 / a.numel() ** 0.5, (di, dj, corr.item())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_python_api(device: str) -> None:
     """torch_ext.attention draws the seed from torch's generator: reproducible under manual_seed,

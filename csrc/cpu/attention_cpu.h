@@ -200,17 +200,18 @@ EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, const Logi
   return mx;
 }
 
-// Calls fn(j, factor) with the dropout factor (0 or 1 / (1 - p)) of each key j0 + j, j < n, of
-// row (bh, i): one Philox call per four keys.
+// Calls fn(j, factor) with the dropout factor (0 or 1 / (1 - p')) of each key j0 + j, j < n, of
+// row (bh, i): the four Philox groups of each 16-key chunk (dropout.h) serve its 16 keys.
 template <typename acc_t, typename Fn>
 void for_each_dropout_factor(const Dropout<acc_t>& d, int64_t bh, int64_t i, int64_t j0, int64_t n,
                              const Fn& fn) {
-  int64_t j = 0;
-  while (j < n) {
-    const int64_t key = j0 + j;
-    const PhiloxDraws draws = d.draws(bh, i, key);  // the draws of keys 4 * (key / 4) ..
-    for (int64_t w = key & 3; w < 4 && j < n; ++w, ++j) {
-      fn(j, draws.x[w] >= d.threshold ? d.keep_scale : acc_t(0));
+  const int64_t end = j0 + n;
+  for (int64_t chunk = j0 & ~int64_t{15}; chunk < end; chunk += 16) {
+    PhiloxDraws draws[4];
+    for (int q = 0; q < 4; ++q) draws[q] = d.group_draws(bh, i, chunk + 2 * q);
+    for (int64_t key = std::max(chunk, j0); key < std::min(chunk + 16, end); ++key) {
+      const bool keep = d.kept(draws[(key >> 1) & 3], Dropout<acc_t>::slot(i, key));
+      fn(key - j0, keep ? d.keep_scale : acc_t(0));
     }
   }
 }

@@ -1,6 +1,7 @@
 // Pieces the tensor-core families (sm80, sm90) share: the CUTLASS element type of a torch-facing
 // CUDA type, exp2 by one MUFU.EX2, the reductions over the four lanes that hold an accumulator row,
-// and the fp32 -> 16-bit conversion of a register fragment.
+// the dropout decisions of an accumulator tile, and the fp32 -> 16-bit conversion of a register
+// fragment.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,7 +11,10 @@
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cute/tensor.hpp>
+
+#include "../dropout.h"
 
 namespace entropy_attn::cuda {
 
@@ -82,6 +86,60 @@ struct SoftcapRow {
 CUTE_DEVICE SoftcapRow softcap_row(float a, float unit, float cap, float inv_cap) {
   const float out = a != 0.f ? unit * cap / a : 0.f;
   return {a * (2.f * kLog2e / unit) * inv_cap, is_finite(out) ? out : 0.f};
+}
+
+// Calls keep(r, c, kept) with the dropout decision (dropout.h) of the elements (r, c) in columns
+// [c0, c0 + 4) (kAdjacentN) or [c0, c0 + 2) of every row of a thread's accumulator tile viewed by
+// rows and columns: rows ((2, M)) = rows g and g + 8 of each m16 slice, columns ((2, N)) = columns
+// 2q and 2q + 1 of each n8 slice (the mma.sync m16n8k16 and wgmma accumulator layouts; the
+// families' acc_rowcol / rowcol views). `coord` (the same view of the tile's identity tensor) gives
+// an element's row and column in the tile, whose first row i0 and first key j0 are multiples of 16.
+// Such a thread holds, per m16 slice and n8 slice, four weights of one Philox group: one call
+// serves them, and with kAdjacentN (slice n + 1 holds slice n's columns + 8, for even n: the
+// forward tiles and the Hopper backward's) one call serves two n8 slices, all eight weights of its
+// group. Without it, the group's words for a slice (its columns mod 16 below 8 or not) are chosen
+// at run time: they depend on the warp's place in the tile. c0 (a multiple of the width) must be
+// known at compile time (an unrolled loop's index), as the fragment indices keep() forms from it.
+// (Host-callable: tests/cpp/dropout_layouts.cu checks the decisions against Dropout::factor on
+// every tile that draws them.)
+template <bool kAdjacentN, typename Coord, typename Fn>
+CUTE_HOST_DEVICE void dropout_decisions_of_columns(const Dropout<float>& d, int64_t bh, int i0,
+                                                   int j0, Coord const& coord, int c0, Fn&& keep) {
+  constexpr int kRows = decltype(cute::size<0>(coord))::value;
+  constexpr int kStep = kAdjacentN ? 4 : 2;  // columns per Philox call
+  static_assert(kRows % 2 == 0);
+  const uint32_t threshold = d.threshold << 16;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; r += 2) {
+    const int i = i0 + cute::get<0>(coord(r, c0)), j = j0 + cute::get<1>(coord(r, c0));
+    const PhiloxDraws x = d.group_draws(bh, i, j);
+    // The columns j mod 16 >= 8 take the group's words 1 and 3; with kAdjacentN a call's first
+    // slice holds those below 8 in every tile that uses it.
+    const bool upper = !kAdjacentN && ((j >> 3) & 1);
+    CUTE_UNROLL
+    for (int n = 0; n < kStep / 2; ++n) {
+      const bool half = upper != (n == 1);
+      const uint32_t w0 = half ? x.x[1] : x.x[0], w8 = half ? x.x[3] : x.x[2];  // rows g, g + 8
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {  // the low half of a word decides the even column
+        keep(r, c0 + 2 * n + e, (e ? w0 : w0 << 16) >= threshold);
+        keep(r + 1, c0 + 2 * n + e, (e ? w8 : w8 << 16) >= threshold);
+      }
+    }
+  }
+}
+
+// dropout_decisions_of_columns over every column of the tile.
+template <bool kAdjacentN, typename Coord, typename Fn>
+CUTE_HOST_DEVICE void for_each_dropout_decision(const Dropout<float>& d, int64_t bh, int i0, int j0,
+                                                Coord const& coord, Fn&& keep) {
+  constexpr int kCols = decltype(cute::size<1>(coord))::value;
+  constexpr int kStep = kAdjacentN ? 4 : 2;
+  static_assert(kCols % kStep == 0);
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += kStep) {
+    dropout_decisions_of_columns<kAdjacentN>(d, bh, i0, j0, coord, c, keep);
+  }
 }
 
 // fp32 fragment -> To fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).

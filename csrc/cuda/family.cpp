@@ -70,7 +70,7 @@ bool rows_16b_aligned(const at::Tensor& t) {
 // `extended` its kernels know only top-left causality (the compile-time flag), no windows,
 // documents, softcap, sinks or dropout; with it (family.h: kTensorCoreFeaturesByDefault,
 // kHopperFeaturesByDefault) also any window, alignment and packed documents (the causal
-// instantiations read the KeyPattern), softcap and sinks. Dropout is no tensor-core kernel's.
+// instantiations read the KeyPattern), softcap, sinks and dropout.
 std::string pattern_obstacle(const CallPattern& c, bool extended) {
   const AttentionOptions& o = c.options;
   const KeyPattern p = o.key_pattern();
@@ -82,8 +82,8 @@ std::string pattern_obstacle(const CallPattern& c, bool extended) {
     if (o.bottom_right && p.banded()) return "bottom-right causal alignment";
     if (o.softcap > 0) return "logit softcapping";
     if (c.sinks.defined()) return "attention sinks";
+    if (o.dropout_p > 0) return "dropout";
   }
-  if (o.dropout_p > 0) return "dropout";
   return {};
 }
 
@@ -173,16 +173,16 @@ Sm90Backward sm90_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
 }
 
 // The tensor-core families' causal instantiations are the general ones: they take every pattern
-// (causality, windows, either alignment, packed documents: key_ranges.cuh), softcap and sinks,
-// and the others plain full attention alone (sm90/launch.h: needs_general). So the call, not
-// is_causal alone, picks them.
+// (causality, windows, either alignment, packed documents: key_ranges.cuh), softcap, sinks and
+// dropout, and the others plain full attention alone (sm90/launch.h: needs_general). So
+// the call, not is_causal alone, picks them.
 bool needs_general(const CallPattern& c) {
   return c.options.key_pattern().banded() || c.cu_q.defined() || c.options.softcap > 0 ||
-         c.sinks.defined();
+         c.sinks.defined() || c.options.dropout_p > 0;
 }
 
-// Whether the tensor-core family takes windows, bottom-right alignment, packed documents, softcap
-// and sinks: by default once they have passed the GPU tests (family.h:
+// Whether the tensor-core family takes windows, bottom-right alignment, packed documents, softcap,
+// sinks and dropout: by default once they have passed the GPU tests (family.h:
 // kTensorCoreFeaturesByDefault), or when a tensor-core family is forced.
 bool tensor_core_features() {
   const std::optional<Family> requested = requested_family();
@@ -230,9 +230,9 @@ std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const
   return {};
 }
 
-// Whether the Hopper family takes windows, bottom-right alignment, packed documents, softcap and
-// sinks: by default once they have passed the GPU tests (family.h: kHopperFeaturesByDefault), or
-// when the family is forced.
+// Whether the Hopper family takes windows, bottom-right alignment, packed documents, softcap,
+// sinks and dropout: by default once they have passed the GPU tests (family.h:
+// kHopperFeaturesByDefault), or when the family is forced.
 bool hopper_features() {
   const std::optional<Family> requested = requested_family();
   return requested.has_value() ? *requested == Family::kSm90 : kHopperFeaturesByDefault;
@@ -243,8 +243,8 @@ std::string hopper_forward_obstacle(const ForwardCall& c) {
                          sm90_forward_of(c) != nullptr, hopper_features());
 }
 
-// The Hopper backward also needs dq by atomics (not deterministic algorithms), and no softcap with
-// a mask (sm90/launch.h: backward_covers).
+// The Hopper backward also needs dq by atomics (not deterministic algorithms), and no softcap or
+// dropout with a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms (its dq accumulates by atomics)";
@@ -252,6 +252,9 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
   // (Any mask: this covers softcap_backward_obstacle's additive one too.)
   if (c.call.options.softcap > 0 && c.call.mask.has_value()) {
     return "logit softcapping with a mask in the backward (sm90/launch.h)";
+  }
+  if (c.call.options.dropout_p > 0 && c.call.mask.has_value()) {
+    return "dropout with a mask in the backward (sm90/launch.h)";
   }
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
                          sm90_backward_of(c) != nullptr, hopper_features());

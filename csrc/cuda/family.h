@@ -28,15 +28,15 @@ constexpr bool kTensorCoreFamilyByDefault = true;
 // Whether "auto" picks the Hopper family on compute capability 9.0.
 constexpr bool kHopperFamilyByDefault = true;
 // Whether "auto" gives the tensor-core family the calls with a sliding window, bottom-right
-// alignment, packed documents (its causal kernels read the KeyPattern), logit softcapping or
-// attention sinks, forward and backward. Off until those kernels have passed the CUDA tests on a
-// GPU (tests/test_cuda.py: test_tensor_core_bands_match_reference and
+// alignment, packed documents (its causal kernels read the KeyPattern), logit softcapping,
+// attention sinks or dropout, forward and backward. Off until those kernels have passed the CUDA
+// tests on a GPU (tests/test_cuda.py: test_tensor_core_bands_match_reference and
 // test_tensor_core_features_match_reference, family sm80); ENTROPY_ATTN_CUDA_FAMILY=sm80 (or sm90,
 // which falls back to sm80) selects them.
 constexpr bool kTensorCoreFeaturesByDefault = false;
 // Whether "auto" gives the Hopper family the calls with a sliding window, bottom-right alignment,
-// packed documents (its causal kernels read the KeyPattern), logit softcapping or attention sinks,
-// forward and backward. Off until those kernels have passed the CUDA tests on an H100
+// packed documents (its causal kernels read the KeyPattern), logit softcapping, attention sinks or
+// dropout, forward and backward. Off until those kernels have passed the CUDA tests on an H100
 // (tests/test_cuda.py: test_tensor_core_bands_match_reference and
 // test_tensor_core_features_match_reference, family sm90); ENTROPY_ATTN_CUDA_FAMILY=sm90 selects
 // them.

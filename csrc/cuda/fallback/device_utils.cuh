@@ -68,17 +68,15 @@ __device__ __forceinline__ acc_t warp_max(acc_t v) {
   return v;
 }
 
-// The dropout factor of weight (bh, i, j) (Dropout::factor), 1 without dropout. The draw of key j
-// is picked from its Philox block by selects: indexing the block by j % 4 would put it in local
-// memory.
+// The dropout factor of weight (bh, i, j) (Dropout::factor), 1 without dropout. (Dropout::kept
+// picks the draw's word by selects: indexing the draws by a runtime slot would put them in local
+// memory.)
 template <typename Acc>
 __device__ __forceinline__ Acc dropout_factor(const Dropout<Acc>& d, int64_t bh, int64_t i,
                                               int64_t j) {
   if (!d.on()) return Acc(1);
-  const PhiloxDraws r = d.draws(bh, i, j);
-  const int w = static_cast<int>(j & 3);
-  const uint32_t x = w < 2 ? (w == 0 ? r.x[0] : r.x[1]) : (w == 2 ? r.x[2] : r.x[3]);
-  return x >= d.threshold ? d.keep_scale : Acc(0);
+  const PhiloxDraws r = d.group_draws(bh, i, j);
+  return d.kept(r, Dropout<Acc>::slot(i, j)) ? d.keep_scale : Acc(0);
 }
 
 // Copies rows [0, rows) x columns [0, cols) of a row-major source (row stride src_ld, unit column

@@ -15,14 +15,16 @@
 //
 // The instantiations compiled with causality (kCausal) are the general ones: they take any
 // KeyPattern (key_ranges.cuh: causality, a sliding window, either alignment, packed documents,
-// or none) and the calls with softcap or sinks; the others only plain full attention. A key
-// block walks only the query blocks whose rows see it, a query block of the dq kernel only the key
-// blocks its rows see, and a tile checks each element against its row's range unless every row
+// or none) and the calls with softcap, sinks or dropout; the others only plain full attention. A
+// key block walks only the query blocks whose rows see it, a query block of the dq kernel only the
+// key blocks its rows see, and a tile checks each element against its row's range unless every row
 // sees every key of it. Sinks need nothing here (lse and the statistics read include the sink;
 // its gradient is the host's). Logit softcapping replaces S by the scores whose scaled logits are
 // the capped ones before the per-element step (a uniform branch) and its derivative multiplies dS;
 // such a call keeps the logits (the kGrads path), and never comes with an additive mask (the
-// selection point routes it).
+// selection point routes it). Dropout regenerates the forward's decisions per tile (one Philox
+// call per 4 weights: dropout_keep_bits): the P of dV is the dropped one, p z / (1 - p'), and dP
+// is multiplied by z / (1 - p') before dS (docs/math.md section 6).
 #pragma once
 
 #include <cutlass/array.h>
@@ -273,10 +275,13 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
 // p goes to probs (shared memory, the accumulator's partition of sP) as T for the dV product,
 // each pair of adjacent columns as one 32-bit store as soon as it is formed: no copy of P waits
 // in registers next to S, dK and dV. A fully masked row (lse = 0, every s = -inf) gets p = 0.
-template <bool kKeepLogits, bool kStoreProbs, bool kCausal, MaskKind kMask, typename Kt,
+// kDrop: the stored p are the weights after dropout, p z / (1 - p') with z bit r * kCols + c of
+// `keep` (dropout_keep_bits); acc keeps the weights before dropout.
+template <bool kKeepLogits, bool kStoreProbs, bool kDrop, bool kCausal, MaskKind kMask, typename Kt,
           typename Acc, typename Probs, typename Coord>
 CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, const float* srow,
-                                 const TileSpot& t) {
+                                 const TileSpot& t, [[maybe_unused]] uint32_t keep,
+                                 [[maybe_unused]] float keep_scale) {
   using Element = typename Kt::Element;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr int kRows = decltype(size<0>(acc))::value, kCols = decltype(size<1>(acc))::value;
@@ -285,6 +290,10 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
   auto put = [&](int mi, int ni, float s0, float s1, float p0, float p1) {
     acc(mi, ni) = kKeepLogits ? s0 : p0;
     acc(mi, ni + 1) = kKeepLogits ? s1 : p1;
+    if constexpr (kDrop) {
+      p0 = (keep >> (mi * kCols + ni)) & 1u ? p0 * keep_scale : 0.f;
+      p1 = (keep >> (mi * kCols + ni + 1)) & 1u ? p1 * keep_scale : 0.f;
+    }
     if constexpr (kStoreProbs) {  // (ni, ni + 1) are adjacent and 4-byte aligned in sP
       cutlass::NumericArrayConverter<Element, float, 2> to_pair;
       *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&probs(mi, ni))) =
@@ -359,9 +368,14 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
 // kGrads: acc_s holds the logits s and p is recomputed exactly as scores_to_probs formed it;
 // otherwise acc_s holds p and the entropy / sum p^2 terms are absent (g = 0). cap_k: 1 / c of a
 // softcapped call (kGrads), whose dS the cap's derivative 1 - (s / c)^2 multiplies, else 0.
-template <bool kGrads, typename Kt, typename AccS, typename AccDP, typename Coord>
+// kDrop: dP is that of the weights after dropout; the weights before it have dP z / (1 - p'), z
+// bit r * kCols + c of `keep` (docs/math.md section 6).
+template <bool kGrads, bool kDrop, typename Kt, typename AccS, typename AccDP, typename Coord>
 CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const& coord,
-                                  const float* srow, [[maybe_unused]] float cap_k) {
+                                  const float* srow, [[maybe_unused]] float cap_k,
+                                  [[maybe_unused]] uint32_t keep,
+                                  [[maybe_unused]] float keep_scale) {
+  constexpr int kCols = decltype(size<1>(acc_dp))::value;
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(acc_dp); ++mi) {
     const int r = get<0>(coord(mi, 0));
@@ -384,7 +398,9 @@ CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const&
       } else {
         pr = acc_s(mi, ni);
       }
-      const float ds = logit_grad(pr, acc_dp(mi, ni), s, delta, g) * cap_grad;
+      float dp = acc_dp(mi, ni);
+      if constexpr (kDrop) dp = (keep >> (mi * kCols + ni)) & 1u ? dp * keep_scale : 0.f;
+      const float ds = logit_grad(pr, dp, s, delta, g) * cap_grad;
       acc_dp(mi, ni) = pr != 0.f ? ds : 0.f;
     }
   }
@@ -405,6 +421,34 @@ CUTE_DEVICE void cap_scores(Acc& acc, Coord const& coord, const float* srow,
       acc(mi, ni) = cr.out * tanh_of_exp2(acc(mi, ni) * cr.in);
     }
   }
+}
+
+// The dropout decisions (dropout.h) of the thread's elements of an S tile (rowcol view; i0 and j0
+// multiples of 16): bit r * kCols + c is element (r, c)'s. (A thread's n8 slices of the tile lie
+// 32 keys apart, so a Philox call serves the four weights of one slice.)
+template <typename Coord>
+CUTE_HOST_DEVICE uint32_t dropout_keep_bits(const Dropout<float>& d, int64_t bh, int i0, int j0,
+                                       Coord const& coord) {
+  constexpr int kCols = decltype(size<1>(coord))::value;
+  static_assert(decltype(size(coord))::value <= 32);
+  uint32_t bits = 0;
+  for_each_dropout_decision<false>(d, bh, i0, j0, coord, [&](int r, int c, bool kept) {
+    bits |= static_cast<uint32_t>(kept) << (r * kCols + c);
+  });
+  return bits;
+}
+
+// The bits of `keep` (dropout_keep_bits over kCols columns) of column part `part` (kPartCols
+// columns), renumbered r * kPartCols + c as that part's rowcol view counts its elements.
+template <int kCols, int kPartCols, int kRows>
+CUTE_HOST_DEVICE uint32_t part_keep_bits(uint32_t keep, int part) {
+  uint32_t bits = 0;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    bits |= ((keep >> (r * kCols + part * kPartCols)) & ((1u << kPartCols) - 1u))
+            << (r * kPartCols);
+  }
+  return bits;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -468,6 +512,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
   const float cap_k = capped ? p.softcap.inv_cap : 0.f;
   const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr || capped;
+  const bool dropping = kCausal && p.dropout.on();  // (the general instantiations)
+  const float keep_scale = p.dropout.keep_scale;
   const bool atomic_dq = !p.deterministic;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kMainQ)),
@@ -629,16 +675,30 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       }
     }
 
+    // The tile's dropout decisions, drawn before S holds registers (next to it, the masked
+    // kernels spill at D = 128).
+    uint32_t keep = 0;
+    if (dropping) {
+      keep = dropout_keep_bits(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0, coord_s);
+    }
+
     // S = Q K^T, then s and p in registers; P to shared memory as T for dV += P^T dO.
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     gemm_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     if (capped) cap_scores<Kt>(s_rc, coord_s, srow, p.softcap);
-    if (grads) {  // uniform branch: keep s for the entropy term or the cap's derivative
-      scores_to_probs<true, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
+    // Uniform branches: keep s for the entropy term or the cap's derivative; dropout.
+    auto to_probs = [&](auto keep_logits, auto drop) {
+      scores_to_probs<decltype(keep_logits)::value, true, decltype(drop)::value, kCausal, kMask,
+                      Kt>(s_rc, sP_rc, coord_s, srow, spot, keep, keep_scale);
+    };
+    if (grads) {
+      dropping ? to_probs(std::true_type{}, std::true_type{})
+               : to_probs(std::true_type{}, std::false_type{});
     } else {
-      scores_to_probs<false, true, kCausal, kMask, Kt>(s_rc, sP_rc, coord_s, srow, spot);
+      dropping ? to_probs(std::false_type{}, std::true_type{})
+               : to_probs(std::false_type{}, std::false_type{});
     }
 
     // dP = dO V^T, then dS = logit_grad(...) to shared memory as T, in kDpParts column parts.
@@ -654,10 +714,22 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
       Tensor tc = thr_sdp.partition_C(local_tile(cS, PartS{}, make_coord(_0{}, part)));
       Tensor coord_p = make_tensor(tc.data(), rowcol(tc.layout()));
+      constexpr int kRowsS = decltype(size<0>(s_rc))::value;
+      constexpr int kColsS = decltype(size<1>(s_rc))::value;
+      const uint32_t keep_p =
+          part_keep_bits<kColsS, kColsS / Kt::kDpParts, kRowsS>(keep, decltype(part)::value);
+      auto to_dlogits = [&](auto with_grads, auto drop) {
+        constexpr bool kGrads = decltype(with_grads)::value;
+        probs_to_dlogits<kGrads, decltype(drop)::value, Kt>(s_rc_p, dp_rc, coord_p, srow,
+                                                            kGrads ? cap_k : 0.f, keep_p,
+                                                            keep_scale);
+      };
       if (grads) {
-        probs_to_dlogits<true, Kt>(s_rc_p, dp_rc, coord_p, srow, cap_k);
+        dropping ? to_dlogits(std::true_type{}, std::true_type{})
+                 : to_dlogits(std::true_type{}, std::false_type{});
       } else {
-        probs_to_dlogits<false, Kt>(s_rc_p, dp_rc, coord_p, srow, 0.f);
+        dropping ? to_dlogits(std::false_type{}, std::true_type{})
+                 : to_dlogits(std::false_type{}, std::false_type{});
       }
       cute::copy(convert_fragment<Element>(acc_dp),
                  thr_sdp.partition_C(local_tile(sdS, PartS{}, make_coord(_0{}, part))));
@@ -771,6 +843,8 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
   const float cap_k = capped ? p.softcap.inv_cap : 0.f;
   const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr || capped;
+  const bool dropping = kCausal && p.dropout.on();  // (the general instantiations)
+  const float keep_scale = p.dropout.keep_scale;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kDqQ)),
                           typename Kt::SmemLayoutQ{});
@@ -875,12 +949,24 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
     if (capped) cap_scores<Kt>(s_rc, coord_s, srow, p.softcap);
-    if (grads) {  // P is not needed in shared memory here
-      scores_to_probs<true, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot);
-      probs_to_dlogits<true, Kt>(s_rc, dp_rc, coord_s, srow, cap_k);
+    uint32_t keep = 0;
+    if (dropping) {
+      keep = dropout_keep_bits(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0, coord_s);
+    }
+    // P is not needed in shared memory here: dropout enters through dP alone.
+    auto to_dlogits = [&](auto with_grads, auto drop) {
+      constexpr bool kGrads = decltype(with_grads)::value;
+      scores_to_probs<kGrads, false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot,
+                                                                0u, 0.f);
+      probs_to_dlogits<kGrads, decltype(drop)::value, Kt>(s_rc, dp_rc, coord_s, srow,
+                                                          kGrads ? cap_k : 0.f, keep, keep_scale);
+    };
+    if (grads) {
+      dropping ? to_dlogits(std::true_type{}, std::true_type{})
+               : to_dlogits(std::true_type{}, std::false_type{});
     } else {
-      scores_to_probs<false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot);
-      probs_to_dlogits<false, Kt>(s_rc, dp_rc, coord_s, srow, 0.f);
+      dropping ? to_dlogits(std::false_type{}, std::true_type{})
+               : to_dlogits(std::false_type{}, std::false_type{});
     }
     cute::copy(convert_fragment<Element>(acc_dp), tdSsdS);
     __syncthreads();  // dS visible

@@ -22,11 +22,15 @@
 // keys (key_ranges.cuh: causality, a sliding window, either alignment, packed documents): a row
 // sees [lo_i, hi_i), the tile loads only the key blocks of [lo of its first row, hi of its last),
 // and the blocks a window's lower edge or a document boundary crosses are predicated too (they
-// come last). They are the general instantiations: they also take the calls with softcap or sinks
-// whatever their pattern, so that the others, the plain full attention, carry none of that code.
+// come last). They are the general instantiations: they also take the calls with softcap, sinks or
+// dropout whatever their pattern, so that the others, the plain full attention, carry none of that
+// code.
 // Attention sinks set each row's initial state (online_stats.h: initial_state); logit
 // softcapping replaces a block's scores by those whose scaled logits are the capped ones before
-// its softmax (a uniform branch, so the kernels without it stay as they were).
+// its softmax; dropout zeroes the dropped weights of P after the statistics took them, those of
+// each k-step of P V just before it (cute_utils.cuh: dropout_decisions_of_columns, one Philox call
+// per 8 weights), and scales O by 1 / (1 - p') at the end (uniform branches, so the kernels
+// without them stay as they were).
 //
 // The statistics: l, t, u are sums over keys, linear in their terms, so every thread keeps partial
 // sums over its own columns and the 4 lanes of a row are added once at the end; the row's state
@@ -258,15 +262,17 @@ __device__ __forceinline__ void gemm_ss(Acc& acc, FragA& a, FragB& b, ViewA& a_v
   }
 }
 
-// acc += A B with A in registers (P) and B in shared memory (V), B loaded as in gemm_ss.
+// acc += A B with A in registers (P) and B in shared memory (V), B loaded as in gemm_ss. Each
+// k-step first calls before_k(k), which may still change A's k-slice (dropout).
 template <typename Acc, typename FragA, typename FragB, typename ViewB, typename SmemB,
-          typename TiledMma, typename CopyB>
+          typename TiledMma, typename CopyB, typename BeforeK>
 __device__ __forceinline__ void gemm_rs(Acc& acc, FragA const& a, FragB& b, ViewB& b_view,
                                         SmemB const& s_b, TiledMma const& tiled_mma,
-                                        CopyB const& copy_b) {
+                                        CopyB const& copy_b, BeforeK const& before_k) {
   static_assert(decltype(size<1>(b))::value == 2 * decltype(size<1>(b_view))::value);
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
+    before_k(k);
     CUTE_UNROLL
     for (int g = 0; g < size<1>(b_view); ++g) {
       copy(copy_b, s_b(_, g, k), b_view(_, g, k));
@@ -485,8 +491,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   const bool capped = kCausal && p.softcap.on();  // the same in every block of a call
 
   // One key block. kPredicated: apply the row's range lo_i <= j < hi_i (causality, window,
-  // alignment, documents, sequence end).
-  auto key_block = [&](const int n, auto predicated) {
+  // alignment, documents, sequence end). Always inlined: called twice, the general kernels' block
+  // with a mask, statistics and dropout is big enough that the compiler would make it a function,
+  // whose calls hold the accumulators on the stack.
+  auto key_block = [&](const int n, auto predicated) __attribute__((always_inline)) {
     constexpr bool kPredicated = decltype(predicated)::value;
     const int j0 = n * kBlockN;
     // Row indices and mask offsets from an opaque m0 and b: recomputed here, not carried from
@@ -625,7 +633,25 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
 
     Tensor rP = convert_fragment<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a(rP.layout()));
-    gemm_rs(acc_o, tOrP, tOrVt, tOrVt_view, tOsVt, tiled_mma, smem_tiled_copy_v);
+    if (kCausal && p.dropout.on()) {  // (read in place: no register held across the loop)
+      // Dropout (docs/math.md section 6) zeroes the dropped weights of P V (their 16-bit halves:
+      // a select each), those of each k-step's 16 keys just before its products (one Philox call
+      // per row pair: drawn beside the tensor cores' work, and only one group's draws live); the
+      // kept ones' 1 / (1 - p') multiplies O once, in the epilogue. l, t and u are left as they
+      // are: the statistics describe the weights before dropout.
+      Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+      // (b H + h < 2^32: the grid's limits.)
+      const uint32_t bh = static_cast<uint32_t>(b_k) * static_cast<uint32_t>(heads) + h;
+      gemm_rs(acc_o, tOrP, tOrVt, tOrVt_view, tOsVt, tiled_mma, smem_tiled_copy_v, [&](int k) {
+        // k-step k multiplies the columns [4k, 4k + 4) of p_rc (acc_as_a).
+        dropout_decisions_of_columns<true>(p.dropout, bh, m0_k, j0, tScS_rc, 4 * k,
+                                           [&](int r, int c, bool kept) {
+                                             if (!kept) p_rc(r, c) = Element(0);
+                                           });
+      });
+    } else {
+      gemm_rs(acc_o, tOrP, tOrVt, tOrVt_view, tOsVt, tiled_mma, smem_tiled_copy_v, [](int) {});
+    }
   };
 
   clear(acc_o);  // here, not earlier: 128 live zeros around the row setup would spill
@@ -641,10 +667,12 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     }
   } else {
     // Every row sees every key: only the last, partial block needs the predicate. (Two loops: the
-    // one above spills here.)
+    // one above spills here.) The blocks go through a lambda the compiler inlines or not as it
+    // judges: forced inlining spills some of these kernels.
+    auto plain_block = [&](const int n, auto predicated) { key_block(n, predicated); };
     int n = n_blocks - 1;
-    for (; n >= n_hi_pred; --n) key_block(n, std::true_type{});
-    for (; n >= 0; --n) key_block(n, std::false_type{});
+    for (; n >= n_hi_pred; --n) plain_block(n, std::true_type{});
+    for (; n >= 0; --n) plain_block(n, std::false_type{});
   }
 
   // Epilogue. Its indices are recomputed from an opaque copy of the thread index (and n_i is
@@ -658,6 +686,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
+  // The kept weights' dropout factor, applied to O here rather than to each weight.
+  const float o_scale = kCausal && p.dropout.on() ? p.dropout.keep_scale : 1.f;
   // Add the 4 lanes' partial sums, finish each row (online_stats.h), O / l.
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -671,9 +701,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     const RowResult<float> res = finalize<float, Log2>(st);
     const int i = get<0>(tOcO_rc(r, 0));  // in the tile
     bool row_nonfinite = !is_finite(res.lse);
+    const float o_row_scale = res.inv_l * o_scale;
     CUTE_UNROLL
     for (int d = 0; d < size<1>(o_rc); ++d) {
-      o_rc(r, d) *= res.inv_l;
+      o_rc(r, d) *= o_row_scale;
       row_nonfinite |= !is_finite(o_rc(r, d));
     }
     nonfinite |= row_nonfinite && m0 + i < q_len;

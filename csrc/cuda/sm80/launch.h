@@ -2,11 +2,10 @@
 // structure, written with CuTe). Declared here without CuTe so that host code includes them; each
 // instantiation is defined in a generated translation unit under instantiations/. kMask is the
 // mask kind (MaskKind) as a compile-time flag. kCausal instantiations take any KeyPattern that
-// restricts a row's keys (causality, windows, either alignment, packed documents); softcap and
-// sinks are runtime features of every instantiation, except softcap with an additive mask in the
-// backward (the selection point, csrc/cuda/family.cpp, decides which calls come here; windows,
-// documents, softcap and sinks only when forced until tested on a GPU: family.h). Dropout is not
-// covered.
+// restricts a row's keys (causality, windows, either alignment, packed documents) and take softcap,
+// sinks and dropout (runtime features), except softcap with an additive mask in the backward (the
+// selection point, csrc/cuda/family.cpp, decides which calls come here; windows, documents,
+// softcap, sinks and dropout only when forced until tested on a GPU: family.h).
 #pragma once
 
 #include <cuda_runtime_api.h>

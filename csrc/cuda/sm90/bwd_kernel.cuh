@@ -38,11 +38,14 @@
 // per-element predicate (no mask, not crossing the causal diagonal, a window's edge or a document
 // boundary, no partial block) skips it. The instantiations compiled with causality are the general
 // ones (launch.h): any KeyPattern (key_ranges.cuh: a sliding window, either alignment, packed
-// documents, or none), softcap and sinks; a key block walks only the query blocks from the first row whose range ends
-// past it to the last whose range starts before its end. Sinks need nothing here (lse and the
-// statistics read include the sink; its gradient is the host's). Logit softcapping replaces S by
-// the scores whose scaled logits are the capped ones before the per-element step (a uniform
-// branch), and its derivative multiplies dS.
+// documents, or none), softcap, sinks and dropout; a key block walks only the query blocks from
+// the first row whose range ends past it to the last whose range starts before its end. Sinks need
+// nothing here (lse and the statistics read include the sink; its gradient is the host's). Logit
+// softcapping replaces S by the scores whose scaled logits are the capped ones before the
+// per-element step (a uniform branch), and its derivative multiplies dS. Dropout regenerates the
+// forward's decisions per half tile (cute_utils.cuh: for_each_dropout_decision, one Philox call
+// per 8 weights): the P of dV is the dropped one, p z / (1 - p'), and dP is multiplied by
+// z / (1 - p') before dS (docs/math.md section 6).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -257,9 +260,16 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // (The general instantiations, without a mask: launch.h.)
   const bool capped = kCausal && kMask == MaskKind::kNone && p.softcap.on();
 
-  // One query block. kGrads: the entropy / sum p^2 gradients are asked for, or softcapping, so S
-  // keeps the logits s (logit_grad and the cap's derivative need them) and p is formed again for
-  // dS.
+  // Dropout goes through the kGrads step, as softcapping does (a third and fourth variant of the
+  // step would not be inlined: ptxas gives it a stack frame), and, as softcapping, in the general
+  // instantiations without a mask only: the masked ones spill with it at D = 128 (covers()
+  // routes such calls).
+  constexpr bool kDropout = kCausal && kMask == MaskKind::kNone;
+  const bool dropping = kDropout && p.dropout.on();
+
+  // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
+  // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
+  // formed again for dS.
   auto step = [&](const int t, auto grads_tag) {
     constexpr bool kGrads = decltype(grads_tag)::value;
     const int h = kvh * group + t / m_count;
@@ -308,6 +318,23 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + q, q_len, kv_len);
       klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
     }
+    // Dropout (kGrads): the decisions of each half's weights (the forward's), bit r * kCols + c;
+    // all kept without dropout, whose keep_scale is 1. Drawn here, before the products of the
+    // halves hold their accumulators (drawn next to them, the masked kernels spill at D = 128).
+    [[maybe_unused]] uint32_t keep_half[2] = {~0u, ~0u};
+    if (kGrads && dropping) {
+      static_assert(kRows * kCols <= 32);
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        uint32_t bits = 0u;
+        for_each_dropout_decision<true>(p.dropout, static_cast<int64_t>(b) * heads + h, i0,
+                                        j0 + half * Kt::kHalfN, cS_rc,
+                                        [&](int r, int c, bool kept) {
+                                          bits |= static_cast<uint32_t>(kept) << (r * kCols + c);
+                                        });
+        keep_half[half] = bits;
+      }
+    }
     pipeline_q.consumer_wait(read_state);
     pipeline_do.consumer_wait(read_state);
     cutlass::NumericArrayConverter<Element, float, 2> to_pair;
@@ -342,8 +369,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         }
       }
 
+      [[maybe_unused]] const uint32_t keep = keep_half[half];
+
       // s = lambda_i x (+ mask), -inf where not allowed; p = 2^(s log2 e - lse_i log2 e), stored
-      // to shared memory in T for dV. A fully masked row (lse = 0, every s = -inf) gets p = 0.
+      // to shared memory in T for dV (after dropout: p z / (1 - p')). A fully masked row (lse = 0,
+      // every s = -inf) gets p = 0.
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor tPsP_rc = make_tensor(tPsP.data(), acc_rowcol(tPsP.layout()));
       CUTE_UNROLL
@@ -377,6 +407,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             }
             pr[e] = exp2_approx(fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
             s_rc(r, c + e) = kGrads ? s : pr[e];
+            if constexpr (kGrads && kDropout) {
+              pr[e] = (keep >> (r * kCols + c + e)) & 1u ? pr[e] * p.dropout.keep_scale : 0.f;
+            }
           }
           // Columns c and c + 1 are adjacent keys: one 4-byte store.
           *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))) =
@@ -415,7 +448,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             } else {
               pr = s_rc(r, c + e);
             }
-            ds[e] = pr != 0.f ? logit_grad(pr, dp_rc(r, c + e), s, delta, g) * cap_grad : 0.f;
+            // dP of the weight before dropout: that of the dropped weight times z / (1 - p').
+            float dp = dp_rc(r, c + e);
+            if constexpr (kGrads && kDropout) {
+              dp = (keep >> (r * kCols + c + e)) & 1u ? dp * p.dropout.keep_scale : 0.f;
+            }
+            ds[e] = pr != 0.f ? logit_grad(pr, dp, s, delta, g) * cap_grad : 0.f;
           }
           *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))) =
               to_pair(cutlass::Array<float, 2>{ds[0], ds[1]});
@@ -459,7 +497,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     ++read_state;
   };
 
-  if (grads || capped) {  // uniform branch: keep s for the entropy term or the cap's derivative
+  // Uniform branch: keep s for the entropy term or the cap's derivative; dropout.
+  if (grads || capped || dropping) {
 #pragma unroll 1
     for (int t = 0; t < iters; ++t) step(t, std::true_type{});
   } else {

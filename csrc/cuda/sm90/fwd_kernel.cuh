@@ -38,12 +38,14 @@
 // whose rows' ranges lie inside their documents: a tile across a document boundary loads the keys
 // of both and predicates every block.
 //
-// The kCausal instantiations are the general ones: they also take the calls with softcap or sinks
-// whatever their pattern (one that restricts no key is a pattern too), so that the others, the
-// plain full attention, carry none of that code. Attention sinks set each row's initial state
-// (online_stats.h: initial_state); logit softcapping
-// replaces a block's scores by those whose scaled logits are the capped ones before its softmax (a
-// uniform branch: the softmax itself, and so the kernels without softcap, stay as they were).
+// The kCausal instantiations are the general ones: they also take the calls with softcap, sinks or
+// dropout whatever their pattern (one that restricts no key is a pattern too), so that the others,
+// the plain full attention, carry none of that code. Attention sinks set each row's initial state
+// (online_stats.h: initial_state); logit softcapping replaces a block's scores by those whose
+// scaled logits are the capped ones before its softmax; dropout zeroes the dropped weights of P
+// after the statistics took them (cute_utils.cuh: for_each_dropout_decision, one Philox call per 8
+// weights) and scales O by 1 / (1 - p') at the end (uniform branches: the softmax itself, and so
+// the kernels without them, stay as they were).
 //
 // Edge tiles: the TMA boxes of rows >= q_len and keys >= kv_len lie outside the tensors' bounds
 // and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and
@@ -502,6 +504,16 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       softmax(n, acc_s, std::false_type{});
     }
   };
+  // Dropout (docs/math.md section 6): the dropped weights of block n's P (16-bit, in registers)
+  // become 0; the kept ones' 1 / (1 - p') multiplies O once, in the epilogue.
+  auto drop_weights = [&](const int n, auto& rP) {
+    if (!(kCausal && p.dropout.on())) return;
+    Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+    for_each_dropout_decision<true>(p.dropout, static_cast<int64_t>(b) * heads + h, m0,
+                                    n * kBlockN, cS_rc, [&](int r, int c, bool kept) {
+                                      if (!kept) p_rc(r, c) = Element(0);
+                                    });
+  };
   auto rescale_o = [&] {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -524,6 +536,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     s_landed(acc_s);
     softmax_of(n, acc_s);  // O is still 0: its factor is moot
     Tensor rP = convert_fragment<Element>(acc_s);
+    drop_weights(n, rP);
     typename Kt::PipelineState v_state = read_state;
     ++read_state;
     for (--n; n >= tb.n_begin; --n) {
@@ -539,6 +552,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       warpgroup_fence_operand(rP);
       pipeline_v.consumer_release(v_state);
       rP = convert_fragment<Element>(acc_s);
+      drop_weights(n, rP);
       v_state = read_state;
       ++read_state;
     }
@@ -558,6 +572,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
+  // The kept weights' dropout factor, applied to O here rather than to each weight.
+  const float o_scale = kCausal && p.dropout.on() ? p.dropout.keep_scale : 1.f;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     RowStats<float> row = st[r];
@@ -567,6 +583,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       row.u = quad_sum(row.u);
     }
     const RowResult<float> res = finalize<float, Log2>(row);
+    const float o_row_scale = res.inv_l * o_scale;
     const int i = get<0>(cO_rc(r, 0));  // in the tile
     if (m0 + i >= q_len) continue;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
@@ -581,7 +598,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     for (int d = 0; d < size<1>(o_rc); d += 2) {
       // Columns d and d + 1 of the fragment are adjacent (the first mode of the column layout).
       const int col = get<1>(cO_rc(r, d));
-      const float o0 = o_rc(r, d) * res.inv_l, o1 = o_rc(r, d + 1) * res.inv_l;
+      const float o0 = o_rc(r, d) * o_row_scale, o1 = o_rc(r, d + 1) * o_row_scale;
       nonfinite |= !is_finite(o0) || !is_finite(o1);
       out[(static_cast<int64_t>(i) * kHeadDim + col) / 2] = pack2<T>(o0, o1);
     }

@@ -12,11 +12,10 @@
 // masks, with or without statistics, GQA, any sequence lengths; the backward the same calls with
 // the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
 // Both directions also take sliding windows, bottom-right alignment and packed documents (their
-// causal instantiations read the call's KeyPattern), logit softcapping (the backward not with a
-// mask) and attention sinks; written and compiled, not yet run on a GPU, so "auto" sends
-// such calls elsewhere (family.h: kHopperFeaturesByDefault) and ENTROPY_ATTN_CUDA_FAMILY=sm90
-// selects them. Dropout is not covered: the selection point (csrc/cuda/family.cpp) routes such
-// calls to the other families.
+// causal instantiations read the call's KeyPattern), logit softcapping and dropout (the backward
+// of either not with a mask) and attention sinks; written and compiled, not yet run on a GPU, so
+// "auto" sends such calls elsewhere (family.h: kHopperFeaturesByDefault) and
+// ENTROPY_ATTN_CUDA_FAMILY=sm90 selects them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -63,30 +62,31 @@ inline cudaError_t device_is_sm90() {
 
 // Whether a call needs the general instantiations (those compiled with causality): a pattern that
 // restricts a row's keys (causality, windows, either alignment, packed documents:
-// key_ranges.cuh), softcap or sinks; the others run plain full attention only, with none of that
-// code. The selection point (csrc/cuda/family.cpp) picks by the same rule; which calls get here at
-// all is its choice too (family.h, kHopperFeaturesByDefault).
+// key_ranges.cuh), softcap, sinks or dropout; the others run plain full attention only, with none
+// of that code. The selection point (csrc/cuda/family.cpp) picks by the same rule; which calls get
+// here at all is its choice too (family.h, kHopperFeaturesByDefault).
 inline bool needs_general(const AttentionArgs<float>& p) {
-  return p.pattern.banded() || p.pattern.cu_q != nullptr || p.softcap.on() || p.sinks != nullptr;
+  return p.pattern.banded() || p.pattern.cu_q != nullptr || p.softcap.on() || p.sinks != nullptr ||
+         p.dropout.on();
 }
 
 // Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
-// causality: the call as above, no dropout, GQA groups of equal size, and q, k, v (and, in the
-// backward, dout) that TMA can describe. (The backward needs nothing for a sink: lse and the
+// causality: the call as above, GQA groups of equal size, and q, k, v (and, in the backward, dout)
+// that TMA can describe. (The backward needs nothing for a sink: lse and the
 // statistics it reads include it.)
 inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal) {
   return p.head_dim == head_dim && p.v_head_dim == head_dim && p.kv_len >= 1 &&
-         p.heads % p.kv_heads == 0 && needs_general(p) == causal && !p.dropout.on() &&
+         p.heads % p.kv_heads == 0 && needs_general(p) == causal &&
          tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// The backward also needs dq by atomics, dout that TMA can describe, and no softcap with a mask
-// (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive mask
-// shifts; the kernels with a bool mask have no registers for it).
+// The backward also needs dq by atomics, dout that TMA can describe, and no softcap or dropout with
+// a mask (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive
+// mask shifts; the masked kernels have no registers for the cap's derivative or for dropout).
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
   return covers(p, head_dim, causal) && !p.deterministic &&
-         !(p.softcap.on() && p.mask.kind != MaskKind::kNone) &&
+         !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }
 

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace entropy_attn {
 namespace {
@@ -139,8 +140,12 @@ void check_pattern_options(const AttentionOptions& o) {
                     o.window_left, ", ", o.window_right, ")");
   TORCH_CHECK_VALUE(!(o.causal && o.window_right > 0), "is_causal=True means window_size[1] = 0, ",
                     "got window_size = (", o.window_left, ", ", o.window_right, ")");
-  TORCH_CHECK_VALUE(std::isfinite(o.softcap) && o.softcap >= 0,
-                    "softcap must be a finite number > 0 (or 0 for none), got ", o.softcap);
+  // Every kernel computes in at least float32: a cap below its smallest normal number would round
+  // to 0 (no cap) there, or make 1 / cap infinite, while float64 kernels applied it.
+  constexpr double kMinSoftcap = std::numeric_limits<float>::min();
+  TORCH_CHECK_VALUE(std::isfinite(o.softcap) && (o.softcap == 0 || o.softcap >= kMinSoftcap),
+                    "softcap must be 0 (none) or a finite number >= ", kMinSoftcap,
+                    " (the smallest normal float32), got ", o.softcap);
   TORCH_CHECK_VALUE(o.dropout_p >= 0 && o.dropout_p < 1, "dropout_p must be in [0, 1), got ",
                     o.dropout_p);
 }

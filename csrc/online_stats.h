@@ -92,6 +92,17 @@ EA_HOST_DEVICE acc_t rescale(RowStats<acc_t>& st, acc_t m_new) {
   return alpha;
 }
 
+// The state of a row over the union of two disjoint sets of keys, from the states of each (both
+// in the same Unit): both moved to the larger max, then added (l, t and u are sums over keys). The
+// split-KV forward combines its splits' states so; an empty state (l = 0) adds nothing.
+template <typename acc_t, typename Unit = NaturalLog>
+EA_HOST_DEVICE RowStats<acc_t> merge(RowStats<acc_t> a, RowStats<acc_t> b) {
+  const acc_t m = a.m > b.m ? a.m : b.m;
+  rescale<acc_t, Unit>(a, m);
+  rescale<acc_t, Unit>(b, m);
+  return {m, a.l + b.l, a.t + b.t, a.u + b.u};
+}
+
 // Adds one allowed entry with x = s - m (the current max) and e = exp(x), computed by the caller
 // so that each device can use its own vectorized exponential in the hot loop.
 template <typename acc_t>

@@ -22,8 +22,15 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 torch_prefix=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 gen=()
 if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
+# Device code is not instrumented: without a GPU it is compiled for one architecture only (it
+# cannot run here; the Python build compiles it for all); with one, for CMakeLists.txt's list.
+arch=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}")
+if [[ -z ${TORCH_CUDA_ARCH_LIST:-} ]] && command -v nvidia-smi >/dev/null &&
+  nvidia-smi -L >/dev/null 2>&1; then
+  arch=(-UTORCH_CUDA_ARCH_LIST)
+fi
 echo ">>> sanitized C++ suite (${SANITIZERS}) in ${BUILD_DIR}"
-cmake -S . -B "$BUILD_DIR" "${gen[@]}" -DENTROPY_ATTN_SANITIZE="$SANITIZERS" \
+cmake -S . -B "$BUILD_DIR" "${gen[@]}" "${arch[@]}" -DENTROPY_ATTN_SANITIZE="$SANITIZERS" \
   -DENTROPY_ATTN_TENSOR_CORE_FAMILY=OFF -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" >/dev/null
 cmake --build "$BUILD_DIR" --parallel "${JOBS:-$(nproc)}"

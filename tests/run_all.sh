@@ -58,10 +58,16 @@ if [[ ${RUN_CPP:-1} != 0 ]]; then
     # Without a GPU nothing can run the tensor-core family's kernels here, and the Python build
     # (scripts/setup.sh) compiled them already, with warnings as errors, and scripts/ptxas_report.py
     # and scripts/sass_check.py check them: the C++ library leaves their device code out, so that
-    # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too.
+    # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too. For the same reason
+    # the fallback's device code is compiled here for one architecture only (sm_80: the Python
+    # build covers every architecture), unless TORCH_CUDA_ARCH_LIST says otherwise.
     tc_family=OFF
-    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tc_family=ON; fi
-    cmake -S . -B "$BUILD_DIR" "${gen[@]}" \
+    arch=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}")
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+      tc_family=ON
+      [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]] || arch=(-UTORCH_CUDA_ARCH_LIST)  # CMakeLists.txt's default
+    fi
+    cmake -S . -B "$BUILD_DIR" "${gen[@]}" "${arch[@]}" \
       -DENTROPY_ATTN_TENSOR_CORE_FAMILY="${ENTROPY_ATTN_TENSOR_CORE_FAMILY:-$tc_family}" \
       -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
       -DCMAKE_PREFIX_PATH="$torch_prefix" \

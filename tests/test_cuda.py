@@ -1064,6 +1064,36 @@ def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: s
         _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("family,dtype", [
+    ("fallback", torch.bfloat16), ("sm80", torch.bfloat16), ("sm80", torch.float16),
+    pytest.param("sm90", torch.bfloat16, marks=needs_hopper)], ids=str)
+def test_infinite_logits_without_mask_match_cpu(monkeypatch: pytest.MonkeyPatch, family: str,
+                                                dtype: torch.dtype, is_causal: bool) -> None:
+    """Without a mask the tensor-core forwards leave the statistics' t unclamped in the blocks
+    whose keys every row sees (a finite score gives a finite term there); an infinite key entry
+    gives some rows a logit of -inf (weight 0, a finite entropy) and others +inf (NaN rows): the
+    epilogue's guard sees the NaN entropy and the fallback recomputes the call, so outputs, lse and
+    the statistics match the CPU op's, the rows with a -inf logit finite."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    B, H, L, D = 1, 2, 300, 64
+    q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
+    k[0, 0, 5, 0] = float("inf")  # rows with q[..., 0] < 0 give key 5 the logit -inf
+    results = []
+    for place in (lambda t: t, cuda):
+        out, st = torch_ext.attention(place(q), place(k), place(v), is_causal=is_causal,
+                                      return_stats=True)
+        results.append((out, st.lse, st.entropy, st.effective_keys, st.max_weight))
+    # The case is there: on the CPU, rows that see key 5 with a -inf logit are finite, with +inf NaN.
+    entropy, sees = results[0][2][0, 0], torch.arange(L) >= (5 if is_causal else 0)
+    assert torch.isfinite(entropy[sees & (q[0, 0, :, 0] < 0)]).all()
+    assert entropy[sees & (q[0, 0, :, 0] > 0)].isnan().all()
+    tols = [OUT_TOL[dtype]] + [STAT_TOL[dtype]] * 4
+    names = ["output", "lse", "entropy", "effective_keys", "max_weight"]
+    for name, want, got, tol in zip(names, *results, tols):
+        _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
+
+
 @pytest.mark.parametrize("family,dtype", [
     ("fallback", torch.bfloat16), ("sm80", torch.bfloat16), ("sm80", torch.float16),
     pytest.param("sm90", torch.bfloat16, marks=needs_hopper)], ids=str)
@@ -1530,3 +1560,87 @@ def torch_deterministic(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+#: Calls for split-KV (family.h: ENTROPY_ATTN_SPLIT_KV): (Lq, Lk, the op's keyword arguments, as
+#: TC_FEATURES). Decoding shapes (a few query rows, a long cache; GQA), masks, bottom-right causality
+#: and a window with a sink (the general instantiations, the sink in the first part only), softcap
+#: with dropout, two query tiles, and a cache shorter than the parts (empty parts).
+SPLIT_KV_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
+    "decode": (1, 1000, {}),
+    "decode_bottom_right": (3, 777, {"is_causal": True, "causal_alignment": "bottom_right"}),
+    "decode_bool_mask": (2, 900, {"mask": "bool"}),
+    "decode_additive_mask": (1, 640, {"mask": "additive"}),
+    "two_tiles_causal": (200, 300, {"is_causal": True}),
+    "window_sink": (150, 600, {"is_causal": True, "causal_alignment": "bottom_right",
+                               "window_size": (200, 0), "sinks": True}),
+    "softcap_dropout": (1, 700, {"softcap": 5.0, "dropout_p": 0.2, "dropout_seed": 9}),
+    "short_cache": (1, 50, {}),
+}
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", list(SPLIT_KV_CASES))
+@pytest.mark.parametrize("family", TC_FAMILIES)
+def test_split_kv_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str, D: int,
+                                    stats: bool) -> None:
+    """ENTROPY_ATTN_SPLIT_KV=5 cuts each query tile's keys into 5 parts (sm80/split_kv.cuh; from
+    sm90 the call goes to sm80) and the combine kernel merges them: output, lse, n_i and the
+    statistics match the float64 reference (dropout: its Philox mask), and the gradients through
+    the output, from the split forward's output and lse, match the reference's. (Dry run: the CPU
+    op against the same reference.)"""
+    Lq, Lk, spec = SPLIT_KV_CASES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    torch.manual_seed(8)
+    H, Hkv = 4, 2
+    q, k, v = make_qkv(2, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
+    sinks = randn(H) if spec.get("sinks") else None
+    mask = None
+    if spec.get("mask") is not None:
+        keep = torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(6)) < 0.85
+        mask = keep if spec["mask"] == "bool" else torch.where(keep, randn(Lq, Lk), torch.tensor(-math.inf))
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(cuda(sinks).requires_grad_())
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "5")
+    sink_leaf = leaves[3] if sinks is not None else None
+    res: list = []
+    ran = family_kernels(lambda: res.append(OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf,
+                                               return_stats=stats, **kw)), "sm80", "split_combine_kernel")
+    assert DRY_RUN or ran, "the split-KV combine kernel did not run"
+    out = res[0]
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
+                                sinks=rin[3] if sinks is not None else None, **kw)
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
+    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
+    if stats:
+        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
+                        (9, "sparsity"), (10, "effective_keys")):
+            assert_close64(out[i].detach().cpu(), getattr(r, name), sat, srt, name)
+    go = torch.randn_like(out[0])
+    grads = grads_of([out[0]], [go], leaves)
+    ref_grads = grads_of([r.output], [go.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
+@real_cuda
+@pytest.mark.skipif(not tensor_core_family_runs("sm80"), reason="split-KV is the sm80 family's")
+def test_split_kv_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ENTROPY_ATTN_SPLIT_KV is a ValueError naming it; 'off' and 'auto' are accepted."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
+    q = cuda(torch.randn(1, 2, 1, 64, dtype=torch.bfloat16))
+    k = cuda(torch.randn(1, 2, 300, 64, dtype=torch.bfloat16))
+    for bad in ("0", "129", "two", "-1"):
+        monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", bad)
+        with pytest.raises(ValueError, match="ENTROPY_ATTN_SPLIT_KV"):
+            OP(q, k, k)
+    for good in ("off", "auto", "1", "128"):
+        monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", good)
+        OP(q, k, k)

@@ -74,6 +74,10 @@ CUTE_DEVICE V quad_sum(V x) {
 // Neither NaN nor infinite (a NaN fails the comparison).
 CUTE_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }
 
+// x, with -inf raised to -FLT_MAX: a hidden key's x = -inf (e = 0) then adds 0 * x = 0 to the
+// statistics' t instead of NaN.
+CUTE_DEVICE float clamp_finite(float x) { return fmaxf(x, -3.402823466e38f); }
+
 // Logit softcapping on the raw scores x of a row whose logit is a x (a = lambda_i, or lambda_i
 // log2(e) in log2 units: `unit` = 1 or log2(e)): per row, `in` and `out` such that the score
 // x' = out tanh_of_exp2(in x) has the logit a x' = unit c tanh(lambda_i x / c), the capped one
@@ -140,6 +144,21 @@ CUTE_HOST_DEVICE void for_each_dropout_decision(const Dropout<float>& d, int64_t
   for (int c = 0; c < kCols; c += kStep) {
     dropout_decisions_of_columns<kAdjacentN>(d, bh, i0, j0, coord, c, keep);
   }
+}
+
+// The decisions of for_each_dropout_decision packed into one word: bit r * kCols + c is element
+// (r, c)'s. Backward kernels draw them before S holds registers (next to it, their masked
+// instantiations spill at D = 128) and apply them to P and dP later.
+template <bool kAdjacentN, typename Coord>
+CUTE_HOST_DEVICE uint32_t dropout_keep_bits(const Dropout<float>& d, int64_t bh, int i0, int j0,
+                                            Coord const& coord) {
+  constexpr int kCols = decltype(cute::size<1>(coord))::value;
+  static_assert(decltype(cute::size(coord))::value <= 32);
+  uint32_t bits = 0;
+  for_each_dropout_decision<kAdjacentN>(d, bh, i0, j0, coord, [&](int r, int c, bool kept) {
+    bits |= static_cast<uint32_t>(kept) << (r * kCols + c);
+  });
+  return bits;
 }
 
 // fp32 fragment -> To fragment of the same layout, rounding to nearest (cvt.rn.bf16x2/f16x2.f32).

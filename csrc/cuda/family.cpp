@@ -17,6 +17,7 @@
 #include "sm80/launch.h"
 #include "sm90/instantiations/dispatch.h"
 #include "sm90/launch.h"
+#include "split_kv.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -54,6 +55,13 @@ int device_smem_optin() {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c10::cuda::current_device()));
   return optin;
+}
+
+int device_sm_count() {
+  int sms = 0;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return sms;
 }
 
 // 16-byte vector loads (cp.async) need every row of q, k, v (and of out and dout) to start on a
@@ -266,9 +274,8 @@ std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call),
                                  mask_kind(c.call.mask)) != nullptr;
-  std::string why = tensor_core_obstacle(s, c.call.dtype, c.call,
-                                         {&c.q, &c.k, &c.v, &c.out, &c.dout}, has,
-                                         tensor_core_features());
+  std::string why = tensor_core_obstacle(
+      s, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout}, has, tensor_core_features());
   if (why.empty()) why = softcap_backward_obstacle(c);
   if (!why.empty()) return why;
   const int d = static_cast<int>(s.head_dim);
@@ -332,16 +339,42 @@ std::optional<Family> requested_family() {
                     std::string(v), "'");
 }
 
+int forward_splits(const ForwardCall& c) {
+  const char* env = std::getenv("ENTROPY_ATTN_SPLIT_KV");
+  const std::string_view v = env ? env : "";
+  const AttentionShape& s = c.call.shape;
+  if (v.empty() ? !kSplitKvByDefault : v == "off") return 1;
+  if (v.empty() || v == "auto") {
+    // (The forward's query tiles hold 128 rows, 64 in masked calls at D = 128, and its key blocks
+    // 32 or 64 keys: the rule needs only their order of magnitude.)
+    const int64_t tiles = s.batch * s.heads * ((s.q_len + 127) / 128);
+    return split_kv_count(tiles, (s.kv_len + 63) / 64, device_sm_count());
+  }
+  int n = 0;
+  const bool digits =
+      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (digits && v.size() <= 3) n = std::atoi(std::string(v).c_str());
+  TORCH_CHECK_VALUE(n >= 1 && n <= kMaxSplits,
+                    "ENTROPY_ATTN_SPLIT_KV must be 'auto', 'off' or a count from 1 to ", kMaxSplits,
+                    ", got '", std::string(v), "'");
+  return n;
+}
+
 Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
-  return choose([&] { return hopper_forward_obstacle(c); },
-                [&] {
-                  const bool has =
-                      sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call),
-                                   mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
-                  return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has,
-                                              tensor_core_features());
-                });
+  auto sm80_obstacle = [&] {
+    const bool has = sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call),
+                                  mask_kind(c.call.mask), c.call.options.return_stats) != nullptr;
+    return tensor_core_obstacle(s, c.call.dtype, c.call, {&c.q, &c.k, &c.v}, has,
+                                tensor_core_features());
+  };
+  Selection chosen = choose([&] { return hopper_forward_obstacle(c); }, sm80_obstacle);
+  // Split-KV is the sm80 family's: a call it would split goes there from sm90 (decoding: a few
+  // query tiles, which the Hopper kernel would run on a few SMs).
+  if (chosen.family == Family::kSm90 && forward_splits(c) > 1 && sm80_obstacle().empty()) {
+    return {Family::kSm80, "sm90: split-KV (ENTROPY_ATTN_SPLIT_KV) runs on sm80"};
+  }
+  return chosen;
 }
 
 Selection select_backward(const BackwardCall& c) {
@@ -425,10 +458,25 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   if (c.call.dtype == at::kDouble) return launch_fallback_forward(c, c.params<double>(), stream);
   FwdParams<float> p = c.params<float>();
   if (f == Family::kFallback) return launch_fallback_forward(c, p, stream);
-  const auto launch = f == Family::kSm90
-                          ? sm90_forward_of(c)
-                          : sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call),
-                                         mask_kind(c.call.mask), c.call.options.return_stats);
+  // Split-KV (sm80) runs in the general instantiations, so that the plain full-attention kernels
+  // carry none of it.
+  if (f == Family::kSm80) p.num_splits = forward_splits(c);
+  const auto launch =
+      f == Family::kSm90
+          ? sm90_forward_of(c)
+          : sm80_forward(c.call.dtype, s.head_dim, needs_general(c.call) || p.num_splits > 1,
+                         mask_kind(c.call.mask), c.call.options.return_stats);
+  // Split-KV's float32 workspace (params.h), freed when this returns: the caching allocator reuses
+  // it only in this stream's order, after the kernels.
+  at::Tensor o_partial, state_partial;
+  if (p.num_splits > 1) {
+    const at::TensorOptions f32 = c.q.options().dtype(at::kFloat);
+    const int64_t rows = s.batch * s.heads * s.q_len;
+    o_partial = at::empty({p.num_splits, rows, s.v_head_dim}, f32);
+    state_partial = at::empty({p.num_splits, rows, 4}, f32);
+    p.o_partial = o_partial.data_ptr<float>();
+    p.state_partial = state_partial.data_ptr<float>();
+  }
   return launch_guarded(launch, p, c, stream, &launch_fallback_forward<float>);
 }
 

@@ -42,6 +42,18 @@ constexpr bool kTensorCoreFeaturesByDefault = false;
 // them.
 constexpr bool kHopperFeaturesByDefault = false;
 
+// Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU
+// (decoding: a few query rows against a long cache) into parts run by separate thread blocks and
+// combined (split-KV, the sm80 family: sm80/split_kv.cuh; such calls leave sm90 for it). Off until
+// it has passed the CUDA tests on a GPU (tests/test_cuda.py: test_split_kv_matches_reference).
+// ENTROPY_ATTN_SPLIT_KV (read at each call) overrides it: "auto" (FlashAttention-2's rule,
+// split_kv.h), "off", or a count of parts from 1 to 128 (forced, for tests and benchmarks).
+constexpr bool kSplitKvByDefault = false;
+
+// The number of parts the sm80 forward cuts each query tile's keys into for `call` (1: not split).
+// Raises ValueError for a bad ENTROPY_ATTN_SPLIT_KV.
+int forward_splits(const ForwardCall& call);
+
 // The family's name in ENTROPY_ATTN_CUDA_FAMILY.
 const char* family_name(Family f);
 

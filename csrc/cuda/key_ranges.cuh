@@ -1,6 +1,7 @@
 // The keys each query row of a tensor-core kernel (the sm80 and sm90 families) may see, and the
-// rows that see a block of keys: shared by the forwards (a query tile's key blocks) and the
-// backwards (a key block's query blocks).
+// blocks that follow from them: a query tile's key blocks and which of them need a per-element
+// check (the forwards), a key block's query blocks and whether a tile needs that check (the
+// backwards). Host-callable: tests/cpp/test_key_ranges.cpp checks them against every row's range.
 #pragma once
 
 #include "../kernel_args.h"
@@ -14,8 +15,7 @@ namespace entropy_attn::cuda {
 // document's keys); else every key. A row past q_len sees none. Both bounds never decrease as i
 // grows, across documents too (document d's keys come before document d + 1's).
 template <bool kBanded>
-__device__ __forceinline__ KeyRange row_keys(const KeyPattern& pattern, int i, int q_len,
-                                             int kv_len) {
+EA_HOST_DEVICE KeyRange row_keys(const KeyPattern& pattern, int i, int q_len, int kv_len) {
   if (i >= q_len) return {0, 0};
   if constexpr (kBanded) return pattern.keys(i, q_len, kv_len);
   return {0, kv_len};
@@ -24,7 +24,7 @@ __device__ __forceinline__ KeyRange row_keys(const KeyPattern& pattern, int i, i
 // The first row i in [0, q_len) for which pred(i) holds, or q_len; pred must be false, then true,
 // as i grows (as "hi_i > j" and "lo_i >= j" are).
 template <typename Pred>
-__device__ __forceinline__ int first_row(int q_len, const Pred& pred) {
+EA_HOST_DEVICE int first_row(int q_len, const Pred& pred) {
   int lo = 0, hi = q_len;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
@@ -45,8 +45,8 @@ struct BlockRange {
   int begin, end;
 };
 template <bool kBanded>
-__device__ __forceinline__ BlockRange query_blocks(const KeyPattern& pattern, int q_len, int kv_len,
-                                                   int j0, int j1, int block_m) {
+EA_HOST_DEVICE BlockRange query_blocks(const KeyPattern& pattern, int q_len, int kv_len, int j0,
+                                       int j1, int block_m) {
   if constexpr (!kBanded) return {0, (q_len + block_m - 1) / block_m};
   const int first =
       first_row(q_len, [&](int i) { return row_keys<true>(pattern, i, q_len, kv_len).hi > j0; });
@@ -54,6 +54,43 @@ __device__ __forceinline__ BlockRange query_blocks(const KeyPattern& pattern, in
       first_row(q_len, [&](int i) { return row_keys<true>(pattern, i, q_len, kv_len).lo >= j1; });
   const int begin = first / block_m;
   return {begin, end > first ? (end + block_m - 1) / block_m : begin};
+}
+
+// The key blocks of block_n keys a query tile of `rows` rows from m0 (rows >= 1) walks: [n_begin,
+// n_end) holds every key some row of the tile may see, [lo of its first row, hi of its last) as
+// the rows' bounds never decrease. Blocks below n_lo_pred hold a key below the last row's lo (the
+// largest), blocks from n_hi_pred on one at or past the first row's hi (the smallest; the
+// sequence's end included): those need the per-element check of the rows' ranges, the others
+// none. An empty walk (n_end <= n_begin: no row of the tile sees a key) loads nothing. key_end is
+// the last row's hi: no row sees a key from there on.
+struct TileBlocks {
+  int n_begin, n_end, n_lo_pred, n_hi_pred, key_end;
+  EA_HOST_DEVICE bool predicated(int n) const { return n >= n_hi_pred || n < n_lo_pred; }
+};
+template <bool kBanded>
+EA_HOST_DEVICE TileBlocks tile_key_blocks(const KeyPattern& pattern, int m0, int rows, int q_len,
+                                          int kv_len, int block_n) {
+  const KeyRange first = row_keys<kBanded>(pattern, m0, q_len, kv_len);
+  const KeyRange last = row_keys<kBanded>(pattern, m0 + rows - 1, q_len, kv_len);
+  const int n_begin = static_cast<int>(first.lo) / block_n;
+  // (Every range lies in [first.lo, last.hi): none holds a key when that is empty.)
+  return {n_begin,
+          last.hi > first.lo ? static_cast<int>((last.hi + block_n - 1) / block_n) : n_begin,
+          static_cast<int>((last.lo + block_n - 1) / block_n), static_cast<int>(first.hi) / block_n,
+          static_cast<int>(last.hi)};
+}
+
+// Whether the tile of query rows [i0, i0 + block_m) and keys [j0, j0 + block_n) needs the
+// per-element check (the backwards, before a mask is considered): unless every row of it exists
+// and sees every key of it, which with kBanded holds iff the last row's lo (the largest) is at
+// most j0 and the first row's hi (the smallest) reaches the tile's end.
+template <bool kBanded>
+EA_HOST_DEVICE bool tile_needs_predicate(const KeyPattern& pattern, int i0, int j0, int block_m,
+                                         int block_n, int q_len, int kv_len) {
+  if (j0 + block_n > kv_len || i0 + block_m > q_len) return true;
+  if constexpr (!kBanded) return false;
+  return row_keys<true>(pattern, i0 + block_m - 1, q_len, kv_len).lo > j0 ||
+         row_keys<true>(pattern, i0, q_len, kv_len).hi < j0 + block_n;
 }
 
 }  // namespace entropy_attn::cuda

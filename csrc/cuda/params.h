@@ -56,6 +56,14 @@ struct FwdParams : AttentionArgs<acc_t> {
   // the epilogue. A forward without statistics (lse, row_scale, length_factor and n_keys only)
   // leaves entropy, sum_p2, max_weight and these null.
   acc_t *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
+  // Split-KV (the sm80 family's general instantiations; family.cpp: forward_splits): with
+  // num_splits > 1 each query tile's key blocks are cut into num_splits contiguous parts, one
+  // thread block each, which write their rows' unnormalized output to o_partial (num_splits, B, H,
+  // Lq, Dv) and their online state (m in log2 units, l, t, u) to state_partial (num_splits, B, H,
+  // Lq, 4), both float32; a combine kernel merges them (online_stats.h: merge) into the outputs
+  // above.
+  int num_splits = 1;
+  float *o_partial = nullptr, *state_partial = nullptr;
 };
 
 template <typename acc_t>

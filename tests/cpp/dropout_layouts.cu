@@ -103,7 +103,7 @@ void sm80_backward(const char* name) {
       auto thr = typename Kt::TiledMmaSdP{}.get_thread_slice(tid);
       Tensor tc = thr.partition_C(cS);
       Tensor coord = make_tensor(tc.data(), rc(tc.layout()));
-      const uint32_t keep = ec::sm80::bwd::dropout_keep_bits(d, c.bh, c.i0, c.j0, coord);
+      const uint32_t keep = ec::dropout_keep_bits<false>(d, c.bh, c.i0, c.j0, coord);
       constexpr int kRows = decltype(size<0>(coord))::value;
       constexpr int kCols = decltype(size<1>(coord))::value;
       for_each(make_int_sequence<Kt::kDpParts>{}, [&](auto part) {

@@ -248,14 +248,10 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   t.q_len = q_len;
   t.kv_len = kv_len;
   t.pattern = p.pattern;
-  // Partial blocks: keys >= Lk and padding rows >= Lq must get p = 0. A row's range excludes a
-  // key of the tile somewhere iff the last row's lo (the largest) passes j0 or the first row's hi
-  // (the smallest) falls short of the tile's end (rows' ranges never move back as i grows).
-  t.edge = kMask != MaskKind::kNone || j0 + Kt::kBlockN > kv_len || i0 + Kt::kBlockM > q_len;
-  if constexpr (kCausal) {
-    t.edge = t.edge || row_keys<true>(p.pattern, i0 + Kt::kBlockM - 1, q_len, kv_len).lo > j0 ||
-             row_keys<true>(p.pattern, i0, q_len, kv_len).hi < j0 + Kt::kBlockN;
-  }
+  // Partial blocks (keys >= Lk and padding rows >= Lq must get p = 0), keys outside a row's range
+  // (key_ranges.cuh) and masks need the per-element check.
+  t.edge = kMask != MaskKind::kNone ||
+           tile_needs_predicate<kCausal>(p.pattern, i0, j0, Kt::kBlockM, Kt::kBlockN, q_len, kv_len);
   t.mask = nullptr;
   t.msi = p.mask.si;
   t.msj = p.mask.sj;
@@ -421,21 +417,6 @@ CUTE_DEVICE void cap_scores(Acc& acc, Coord const& coord, const float* srow,
       acc(mi, ni) = cr.out * tanh_of_exp2(acc(mi, ni) * cr.in);
     }
   }
-}
-
-// The dropout decisions (dropout.h) of the thread's elements of an S tile (rowcol view; i0 and j0
-// multiples of 16): bit r * kCols + c is element (r, c)'s. (A thread's n8 slices of the tile lie
-// 32 keys apart, so a Philox call serves the four weights of one slice.)
-template <typename Coord>
-CUTE_HOST_DEVICE uint32_t dropout_keep_bits(const Dropout<float>& d, int64_t bh, int i0, int j0,
-                                       Coord const& coord) {
-  constexpr int kCols = decltype(size<1>(coord))::value;
-  static_assert(decltype(size(coord))::value <= 32);
-  uint32_t bits = 0;
-  for_each_dropout_decision<false>(d, bh, i0, j0, coord, [&](int r, int c, bool kept) {
-    bits |= static_cast<uint32_t>(kept) << (r * kCols + c);
-  });
-  return bits;
 }
 
 // The bits of `keep` (dropout_keep_bits over kCols columns) of column part `part` (kPartCols
@@ -679,7 +660,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     // kernels spill at D = 128).
     uint32_t keep = 0;
     if (dropping) {
-      keep = dropout_keep_bits(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0, coord_s);
+      keep = dropout_keep_bits<false>(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0,
+                                      coord_s);
     }
 
     // S = Q K^T, then s and p in registers; P to shared memory as T for dV += P^T dO.
@@ -830,15 +812,9 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   const int kvh = h / (heads / static_cast<int>(p.kv_heads));
   const int i0 = m_block * kBlockM;
   const int q_rows = cute::min(kBlockM, q_len - i0);
-  // The key blocks the rows see: from the first row's lo to the last row's hi (rows' ranges never
-  // move back as i grows), or all of them.
-  int n_begin = 0, n_end = (kv_len + kBlockN - 1) / kBlockN;
-  if constexpr (kCausal) {
-    const KeyRange first = row_keys<true>(p.pattern, i0, q_len, kv_len);
-    const KeyRange last = row_keys<true>(p.pattern, i0 + q_rows - 1, q_len, kv_len);
-    n_begin = static_cast<int>(first.lo) / kBlockN;
-    n_end = last.hi > first.lo ? static_cast<int>((last.hi + kBlockN - 1) / kBlockN) : n_begin;
-  }
+  // The key blocks the rows see (key_ranges.cuh).
+  const TileBlocks tb = tile_key_blocks<kCausal>(p.pattern, i0, q_rows, q_len, kv_len, kBlockN);
+  const int n_begin = tb.n_begin, n_end = tb.n_end;
   // Softcapping keeps the logits too (the cap's derivative is formed from them).
   const bool capped = kCausal && p.softcap.on();  // (the general instantiations)
   const float cap_k = capped ? p.softcap.inv_cap : 0.f;
@@ -913,7 +889,8 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   clear(acc_dq);
 
   // Prologue: Q, dO, row statistics and V of block 0 (group 1), K of block 0 (group 2).
-  const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
+  const int64_t bh = static_cast<int64_t>(b) * heads + h;
+  const int64_t row0 = bh * q_len + i0;
   Tensor gQ = make_tensor(
       make_gmem_ptr(static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl),
       Shape<Int<kBlockM>, Int<kD>>{}, make_stride(p.q.sl, _1{}));
@@ -932,6 +909,9 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   for (int n = n_begin; n < n_end; ++n) {
     const int j0 = n * kBlockN;
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
+    // The tile's dropout decisions, drawn before dP and S hold registers (as the main kernel).
+    uint32_t keep = 0;
+    if (dropping) keep = dropout_keep_bits<false>(p.dropout, bh, i0, j0, coord_s);
     cp_async_wait<1>();  // all but the newest group (K of n): V of n, and Q, dO at n = 0
     __syncthreads();
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -949,10 +929,6 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
     if (capped) cap_scores<Kt>(s_rc, coord_s, srow, p.softcap);
-    uint32_t keep = 0;
-    if (dropping) {
-      keep = dropout_keep_bits(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0, coord_s);
-    }
     // P is not needed in shared memory here: dropout enters through dP alone.
     auto to_dlogits = [&](auto with_grads, auto drop) {
       constexpr bool kGrads = decltype(with_grads)::value;

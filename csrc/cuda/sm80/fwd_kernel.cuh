@@ -300,9 +300,14 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   extern __shared__ __align__(128) char ea_sm80_fwd_smem[];
 
   const int tid = threadIdx.x;
+  // With split-KV (p.num_splits > 1; the general instantiations only, which the host picks for a
+  // split call: family.cpp) the grid's x holds the query tiles of every split, split-major.
+  const int tiles = static_cast<int>(gridDim.x) / (kCausal ? p.num_splits : 1);
+  const int split = kCausal ? static_cast<int>(blockIdx.x) / tiles : 0;
+  const int tile = kCausal ? static_cast<int>(blockIdx.x) % tiles : static_cast<int>(blockIdx.x);
   // Causal tiles further down do more work: start them first (blocks are dispatched in order), so
   // that the short ones fill the tail of the wave.
-  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int m_block = kCausal ? tiles - 1 - tile : tile;
   const int h = blockIdx.y, b = blockIdx.z;
   // Sequence lengths fit in int (a 2^31-key head would hold 256 GB of K at D = 64).
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
@@ -310,18 +315,16 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   const int kv_head = h / (heads / static_cast<int>(p.kv_heads));  // GQA
   const int m0 = m_block * kBlockM;
   const int rows = min(kBlockM, q_len - m0);  // valid query rows of this tile
-  // Keys outside [lo of the first row, hi of the last) are seen by no row of the tile: never
-  // loaded (rows' ranges never move back as i grows). Blocks from n_hi_pred on hold a key at or
-  // past some row's hi (the first row's is the smallest), blocks below n_lo_pred one below some
-  // row's lo (the last row's is the largest): those need the predicate, the others none. A tile
-  // whose rows see no key (n_blocks <= n_begin) loads nothing and writes empty rows.
-  const KeyRange first_keys = row_keys<kCausal>(p.pattern, m0, q_len, kv_len);
-  const KeyRange last_keys = row_keys<kCausal>(p.pattern, m0 + rows - 1, q_len, kv_len);
-  const int kv_end = static_cast<int>(last_keys.hi);
-  const int n_begin = static_cast<int>(first_keys.lo) / kBlockN;
-  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;
-  const int n_hi_pred = static_cast<int>(first_keys.hi) / kBlockN;
-  const int n_lo_pred = static_cast<int>((last_keys.lo + kBlockN - 1) / kBlockN);
+  // The key blocks the tile walks and those that need the predicate (key_ranges.cuh); with
+  // split-KV, this split's contiguous part of them. A tile whose rows see no key here
+  // (tb.n_end <= tb.n_begin) loads nothing and writes empty rows (an empty state).
+  TileBlocks tb = tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, kBlockN);
+  if (kCausal && p.num_splits > 1) {
+    const int per = (max(tb.n_end - tb.n_begin, 0) + p.num_splits - 1) / p.num_splits;
+    tb.n_begin += split * per;
+    tb.n_end = min(tb.n_end, tb.n_begin + per);
+  }
+  const int kv_end = tb.key_end;
 
   // Global tiles; offsets in 64 bits (b * sb can exceed 2^31 elements).
   const Element* q_ptr = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh +
@@ -359,9 +362,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // Prologue: Q and the last K block in flight while the rows are set up. Q's padding rows are
   // zero (finite scores in rows that are never written).
   load_rows(tQsQ, tQcQ, q_ptr, p.q.sl, 0, rows);
-  if (n_blocks > n_begin) {
-    load_rows(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (n_blocks - 1) * kBlockN,
-              kv_end - (n_blocks - 1) * kBlockN);
+  if (tb.n_end > tb.n_begin) {
+    load_rows(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (tb.n_end - 1) * kBlockN,
+              kv_end - (tb.n_end - 1) * kBlockN);
   }
   cp_async_fence();
 
@@ -454,7 +457,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     const float lam = valid ? p.scale.lambda(b, h, i, factor) : 0.f;
     if (quad_lane == 0) {
       s_row_scale[i - m0] = lam * kLog2e;
-      if (valid) {
+      if (valid && split == 0) {
         const int64_t row = (static_cast<int64_t>(b) * heads + h) * q_len + i;
         p.row_scale[row] = lam;
         p.length_factor[row] = factor;
@@ -469,7 +472,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // the sink in all 4 lanes, its e^0 = 1 in l and u of one lane only, so that the quad sums count
   // it once. (A finite sink stays finite in log2 units: |sink| log2(e) may pass FLT_MAX.)
   RowStats<float> init;
-  if (kCausal && p.sinks != nullptr) {  // (the general instantiations: see below)
+  // (With split-KV the first split alone holds the sink.)
+  if (kCausal && p.sinks != nullptr && split == 0) {  // (the general instantiations: see below)
     constexpr float kMax = std::numeric_limits<float>::max();
     const float sink = p.sinks[h];
     // (Infinite and NaN sinks stay so: initial_state treats them as the fallback does.)
@@ -513,7 +517,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
             smem_tiled_copy_k);
     cp_async_wait_all();  // V (and the mask tile) of block n
     __syncthreads();      // ... visible to all; every warp done with Q K^T of block n (sK free)
-    if (n > n_begin) {
+    if (n > tb.n_begin) {
       // Prefetch the next K block behind the softmax and P V of this one.
       load_rows(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
                 kv_end - (j0 - kBlockN));
@@ -620,7 +624,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
         s_rc(r, c) = e;
         if constexpr (kStats) {
           // A masked key has e = 0 and x = -inf: clamp x so that it adds 0, not 0 * -inf = NaN.
-          accumulate(row_l[r], t, u, fmaxf(x, -std::numeric_limits<float>::max()), e);
+          // Where no key is hidden (no predicate, no mask) x is finite for finite scores, and the
+          // epilogue's guard recomputes a row whose entropy a non-finite score made NaN: no clamp
+          // (one instruction of the three the statistics add per score).
+          accumulate(row_l[r], t, u, kPredicated || kHasMask ? clamp_finite(x) : x, e);
         } else {
           row_l[r] += e;
         }
@@ -658,8 +665,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   if constexpr (kCausal) {
     // One loop choosing the variant per block: two loops plus the predicated blocks below a
     // window's lower edge in a third spill.
-    for (int n = n_blocks - 1; n >= n_begin; --n) {
-      if (n >= n_hi_pred || n < n_lo_pred) {
+    for (int n = tb.n_end - 1; n >= tb.n_begin; --n) {
+      if (tb.predicated(n)) {
         key_block(n, std::true_type{});
       } else {
         key_block(n, std::false_type{});
@@ -670,8 +677,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     // one above spills here.) The blocks go through a lambda the compiler inlines or not as it
     // judges: forced inlining spills some of these kernels.
     auto plain_block = [&](const int n, auto predicated) { key_block(n, predicated); };
-    int n = n_blocks - 1;
-    for (; n >= n_hi_pred; --n) plain_block(n, std::true_type{});
+    int n = tb.n_end - 1;
+    for (; n >= tb.n_hi_pred; --n) plain_block(n, std::true_type{});
     for (; n >= 0; --n) plain_block(n, std::false_type{});
   }
 
@@ -688,6 +695,37 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   bool nonfinite = false;
   // The kept weights' dropout factor, applied to O here rather than to each weight.
   const float o_scale = kCausal && p.dropout.on() ? p.dropout.keep_scale : 1.f;
+  if (kCausal && p.num_splits > 1) {
+    // Split-KV: the rows' state over this split's keys and their unnormalized output, in float32,
+    // for split_kv.cuh's combine kernel (which also raises the guard's flag).
+    static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
+    const int split_e = static_cast<int>(blockIdx.x / (gridDim.x / p.num_splits));
+    const int64_t base = split_e * p.batch * p.heads * p.q_len + row0;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float l = quad_sum(row_l[r]);
+      float t = 0.f, u = 0.f;
+      if constexpr (kStats) {
+        t = quad_sum(s_tu[2 * r * kBlockThreads]);
+        u = quad_sum(s_tu[(2 * r + 1) * kBlockThreads]);
+      }
+      const int i = get<0>(tOcO_rc(r, 0));  // in the tile
+      if (m0 + i >= q_len) continue;
+      float* o_row = p.o_partial + (base + i) * kHeadDim;
+      CUTE_UNROLL
+      for (int d = 0; d < size<1>(o_rc); d += 2) {
+        // Columns d and d + 1 of the fragment are adjacent (the first mode of the column layout).
+        *reinterpret_cast<float2*>(o_row + get<1>(tOcO_rc(r, d))) =
+            make_float2(o_rc(r, d) * o_scale, o_rc(r, d + 1) * o_scale);
+      }
+      if (tid_e % 4 == 0) {
+        *reinterpret_cast<float4*>(p.state_partial + (base + i) * 4) =
+            make_float4(row_m[r], l, t, u);
+      }
+    }
+    cp_async_wait_all();  // a part whose rows see no key ran no block: Q's copy may be in flight
+    return;
+  }
   // Add the 4 lanes' partial sums, finish each row (online_stats.h), O / l.
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -700,7 +738,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     }
     const RowResult<float> res = finalize<float, Log2>(st);
     const int i = get<0>(tOcO_rc(r, 0));  // in the tile
-    bool row_nonfinite = !is_finite(res.lse);
+    // (Finite inputs give a finite entropy: see the unclamped accumulate in key_block.)
+    bool row_nonfinite = !is_finite(res.lse) || (kStats && !is_finite(res.entropy));
     const float o_row_scale = res.inv_l * o_scale;
     CUTE_UNROLL
     for (int d = 0; d < size<1>(o_rc); ++d) {
@@ -735,7 +774,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // O through shared memory (sQ's space: every warp has passed the last Q K^T, behind the barrier
   // before the last P V) so that the global writes are whole 16-byte row segments. A tile whose
   // rows see no key ran no block: its Q copy may still be landing in that space.
-  if (n_blocks <= n_begin) {
+  if (tb.n_end <= tb.n_begin) {
     cp_async_wait_all();
     __syncthreads();
   }

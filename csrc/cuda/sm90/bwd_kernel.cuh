@@ -274,13 +274,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     constexpr bool kGrads = decltype(grads_tag)::value;
     const int h = kvh * group + t / m_count;
     const int i0 = (m_begin + t % m_count) * kBlockM;
-    // Without a predicate only where every row of the block sees every key of it: the last row's
-    // lo (the largest) at most j0 and the first row's hi (the smallest) past the block.
-    bool edge = kMask != MaskKind::kNone || j0 + kBlockN > kv_len || i0 + kBlockM > q_len;
-    if constexpr (kCausal) {
-      edge = edge || row_keys<true>(p.pattern, i0 + kBlockM - 1, q_len, kv_len).lo > j0 ||
-             row_keys<true>(p.pattern, i0, q_len, kv_len).hi < j0 + kBlockN;
-    }
+    // Without a predicate only where every row of the block sees every key of it (key_ranges.cuh)
+    // and no mask applies.
+    const bool edge = kMask != MaskKind::kNone ||
+                      tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len,
+                                                    kv_len);
     const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
 
     // The block's row statistics into shared memory (padding rows and absent gradients read as
@@ -323,16 +321,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // halves hold their accumulators (drawn next to them, the masked kernels spill at D = 128).
     [[maybe_unused]] uint32_t keep_half[2] = {~0u, ~0u};
     if (kGrads && dropping) {
-      static_assert(kRows * kCols <= 32);
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
-        uint32_t bits = 0u;
-        for_each_dropout_decision<true>(p.dropout, static_cast<int64_t>(b) * heads + h, i0,
-                                        j0 + half * Kt::kHalfN, cS_rc,
-                                        [&](int r, int c, bool kept) {
-                                          bits |= static_cast<uint32_t>(kept) << (r * kCols + c);
-                                        });
-        keep_half[half] = bits;
+        keep_half[half] = dropout_keep_bits<true>(p.dropout, static_cast<int64_t>(b) * heads + h,
+                                                  i0, j0 + half * Kt::kHalfN, cS_rc);
       }
     }
     pipeline_q.consumer_wait(read_state);

@@ -233,15 +233,6 @@ __device__ __forceinline__ void scheduler_arrive(int wg) {
   cutlass::arch::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
 }
 
-// The key blocks of a query tile: [n_begin, n_end) hold every key some row of the tile may see
-// (rows' ranges never move back as i grows, so [lo of the first row, hi of the last)); blocks below
-// n_lo_pred or from n_hi_pred on hold a key outside some row's range and need the predicate, the
-// others need none. An empty range (n_end <= n_begin: every row of the tile sees no key, e.g.
-// bottom-right alignment with more queries than keys) loads nothing.
-struct TileBlocks {
-  int n_begin, n_end, n_lo_pred, n_hi_pred;
-};
-
 // The consumer warpgroups: everything but the loads.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
@@ -481,7 +472,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         const float e = exp2_approx(x);
         s_rc(r, c) = e;
         // A masked key has e = 0 and x = -inf: clamp x so that it adds 0, not 0 * -inf = NaN.
-        accumulate(st[r].l, st[r].t, st[r].u, fmaxf(x, -std::numeric_limits<float>::max()), e);
+        // Where no key is hidden (no predicate, no mask) x is finite for finite scores, and the
+        // guard below recomputes a row whose entropy a non-finite score made NaN: no clamp (one
+        // instruction of the three the statistics add per score). Not in the general (kCausal)
+        // kernels: without it their register allocation spills at D = 128.
+        const bool clamp = kPredicated || kHasMask || kCausal;
+        accumulate(st[r].l, st[r].t, st[r].u, clamp ? clamp_finite(x) : x, e);
       }
     }
   };
@@ -498,7 +494,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   };
   auto softmax_of = [&](const int n, auto& acc_s) {
     if (capped) cap_scores(acc_s);
-    if (n >= tb.n_hi_pred || n < tb.n_lo_pred) {
+    if (tb.predicated(n)) {
       softmax(n, acc_s, std::true_type{});
     } else {
       softmax(n, acc_s, std::false_type{});
@@ -588,6 +584,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     if (m0 + i >= q_len) continue;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
     nonfinite |= !is_finite(res.lse);
+    // (Finite inputs give a finite entropy: see the unclamped accumulate above.)
+    if constexpr (kStats) nonfinite |= !is_finite(res.entropy);
     if constexpr (kMask == MaskKind::kAdditive) {
       // A row with keys to see whose every weight vanished: its finite mask values lie below
       // -FLT_MAX / log2(e) (finfo.min) and became -inf in log2 units. Such keys are not hidden
@@ -640,14 +638,8 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int m0 = m_block * kBlockM;
   const int rows = min(kBlockM, q_len - m0);
-  // Keys outside [lo of the first row, hi of the last) are seen by no row of the tile: never
-  // loaded. A block needs the predicate where it holds a key below the last row's lo (the largest)
-  // or from the first row's hi (the smallest) on, the sequence end included.
-  const KeyRange first = row_keys<kCausal>(p.pattern, m0, q_len, kv_len);
-  const KeyRange last = row_keys<kCausal>(p.pattern, m0 + rows - 1, q_len, kv_len);
-  const TileBlocks tb{
-      static_cast<int>(first.lo) / kBlockN, static_cast<int>((last.hi + kBlockN - 1) / kBlockN),
-      static_cast<int>((last.lo + kBlockN - 1) / kBlockN), static_cast<int>(first.hi) / kBlockN};
+  // The key blocks the tile walks and those that need the predicate (key_ranges.cuh).
+  const TileBlocks tb = tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, kBlockN);
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   using Pipeline = typename Kt::Pipeline;

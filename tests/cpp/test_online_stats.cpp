@@ -1,0 +1,124 @@
+// The online statistics of csrc/online_stats.h, which every kernel shares: one pass over a row's
+// logits (rescale + accumulate, in natural and log2 units) against the plain formulas, and the
+// state of a row split into key sets and merged (merge: the split-KV forward's combine) against
+// one pass over all its keys, with empty splits, an attention sink in one split, and -inf logits.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "online_stats.h"
+
+namespace {
+
+using entropy_attn::Log2;
+using entropy_attn::NaturalLog;
+using entropy_attn::RowResult;
+using entropy_attn::RowStats;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kLog2e = 1.4426950408889634;
+
+// One pass over logits s (natural units), as a kernel walks a row: the state in Unit, whose
+// logits are s * kUnitScale (log2 units: s log2(e)). -inf logits are hidden keys.
+template <typename Unit>
+RowStats<double> one_pass(const std::vector<double>& s, RowStats<double> st) {
+  const double unit = std::is_same_v<Unit, Log2> ? kLog2e : 1.0;
+  for (double x : s) {
+    const double y = x * unit;
+    if (y == -kInf) continue;
+    entropy_attn::rescale<double, Unit>(st, std::max(st.m, y));
+    const double d = y - st.m;
+    entropy_attn::accumulate(st.l, st.t, st.u, d, Unit::exp(d));
+  }
+  return st;
+}
+
+// The plain formulas over the weights p_j = e^{s_j} / sum e^{s} (with the sink's e^{sink}).
+RowResult<double> plain(const std::vector<double>& s, bool has_sink, double sink) {
+  std::vector<double> all;
+  for (double x : s) {
+    if (x != -kInf) all.push_back(x);
+  }
+  if (has_sink) all.push_back(sink);
+  if (all.empty()) return {0, 0, 0, 0, 0};
+  const double m = *std::max_element(all.begin(), all.end());
+  double l = 0;
+  for (double x : all) l += std::exp(x - m);
+  const double lse = m + std::log(l);
+  double h = 0, p2 = 0, pmax = 0;
+  for (double x : all) {
+    const double p = std::exp(x - lse);
+    h -= p * (x - lse);
+    p2 += p * p;
+    pmax = std::max(pmax, p);
+  }
+  return {1 / l, lse, h, p2, pmax};
+}
+
+void expect_result(const RowResult<double>& got, const RowResult<double>& want, const char* what) {
+  EXPECT_NEAR(got.lse, want.lse, 1e-12 * (1 + std::abs(want.lse))) << what;
+  EXPECT_NEAR(got.entropy, want.entropy, 1e-11) << what;
+  EXPECT_NEAR(got.sum_p2, want.sum_p2, 1e-12) << what;
+  EXPECT_NEAR(got.max_weight, want.max_weight, 1e-12) << what;
+}
+
+template <typename Unit>
+void check_merged_splits(std::mt19937& g) {
+  std::normal_distribution<double> normal(0.0, 3.0);
+  for (int it = 0; it < 500; ++it) {
+    const int n = static_cast<int>(g() % 200);
+    std::vector<double> s(n);
+    for (double& x : s) x = (g() % 7 == 0) ? -kInf : normal(g);
+    const bool has_sink = g() % 3 == 0;
+    const double sink = normal(g);
+    const double unit = std::is_same_v<Unit, Log2> ? kLog2e : 1.0;
+    const RowStats<double> init = entropy_attn::initial_state<double>(has_sink, sink * unit);
+    const RowResult<double> want = plain(s, has_sink, sink);
+    expect_result(entropy_attn::finalize<double, Unit>(one_pass<Unit>(s, init)), want, "one pass");
+    // Contiguous splits (some empty), the sink in the first one only, merged in order.
+    const int splits = 1 + static_cast<int>(g() % 8);
+    const int per = (n + splits - 1) / std::max(splits, 1);
+    RowStats<double> merged;
+    for (int k = 0; k < splits; ++k) {
+      const int lo = std::min(n, k * per), hi = std::min(n, (k + 1) * per);
+      const std::vector<double> part(s.begin() + lo, s.begin() + hi);
+      const RowStats<double> start = k == 0 ? init : RowStats<double>{};
+      merged = entropy_attn::merge<double, Unit>(merged, one_pass<Unit>(part, start));
+    }
+    expect_result(entropy_attn::finalize<double, Unit>(merged), want, "merged splits");
+  }
+}
+
+TEST(OnlineStats, MergedSplitsEqualOnePassNaturalUnits) {
+  std::mt19937 g(11);
+  check_merged_splits<NaturalLog>(g);
+}
+
+TEST(OnlineStats, MergedSplitsEqualOnePassLog2Units) {
+  std::mt19937 g(12);
+  check_merged_splits<Log2>(g);
+}
+
+TEST(OnlineStats, MergeOfEmptyStatesIsEmpty) {
+  const RowStats<double> empty;
+  const RowStats<double> m = entropy_attn::merge<double, Log2>(empty, empty);
+  EXPECT_EQ(m.l, 0.0);
+  const RowResult<double> r = entropy_attn::finalize<double, Log2>(m);
+  EXPECT_EQ(r.lse, 0.0);
+  EXPECT_EQ(r.entropy, 0.0);
+  EXPECT_EQ(r.inv_l, 0.0);
+}
+
+TEST(OnlineStats, MergePropagatesNaN) {
+  RowStats<double> a, b;
+  a.m = std::nan(""), a.l = 1;
+  b.m = 0, b.l = 1;
+  EXPECT_TRUE(std::isnan(entropy_attn::merge<double, Log2>(a, b).l));
+  EXPECT_TRUE(std::isnan(entropy_attn::merge<double, Log2>(b, a).l));
+}
+
+}  // namespace

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
@@ -167,3 +170,14 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     return float((a - e).norm() / max(float(e.norm()), 1e-12))
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of the repository (benchmarks/, examples/: not packages) imported as module `name`,
+    registered in sys.modules (its dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1422,6 +1422,21 @@ TC_FEATURES: Dict[str, Tuple[Any, Any, Dict[str, Any]]] = {
 }
 
 
+def feature_leaves(spec: Dict[str, Any], q: Tensor, k: Tensor, v: Tensor, Lq: Any,
+                   Lk: Any) -> Tuple[Optional[Tensor], Optional[Tensor], List[Tensor]]:
+    """A feature spec's (TC_FEATURES) sinks (one logit per query head) and (Lq, Lk) bool or
+    additive mask on the CPU, and the differentiable CUDA leaves q, k, v (and the sinks)."""
+    sinks = randn(q.shape[-2] if q.dim() == 3 else q.shape[1]) if spec.get("sinks") else None
+    mask = None
+    if spec.get("mask") is not None:
+        keep = torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(6)) < 0.85
+        mask = keep if spec["mask"] == "bool" else torch.where(keep, randn(Lq, Lk), torch.tensor(-math.inf))
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(cuda(sinks).requires_grad_())
+    return sinks, mask, leaves
+
+
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", list(TC_FEATURES))
@@ -1448,14 +1463,7 @@ def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, f
         k, v = randn(Tk, Hkv, D, dtype=torch.bfloat16), randn(Tk, Hkv, D, dtype=torch.bfloat16)
     else:
         q, k, v = make_qkv(1, H, Hkv, first, second, D, dtype=torch.bfloat16)
-    sinks = randn(H) if spec.get("sinks") else None
-    mask = None
-    if spec.get("mask") is not None:
-        keep = torch.rand(first, second, generator=torch.Generator().manual_seed(6)) < 0.85
-        mask = keep if spec["mask"] == "bool" else torch.where(keep, randn(first, second), torch.tensor(-math.inf))
-    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        leaves.append(cuda(sinks).requires_grad_())
+    sinks, mask, leaves = feature_leaves(spec, q, k, v, first, second)
     sink_leaf = leaves[3] if sinks is not None else None
 
     def run() -> Tuple[Tensor, ...]:
@@ -1595,14 +1603,7 @@ def test_split_kv_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str
     torch.manual_seed(8)
     H, Hkv = 4, 2
     q, k, v = make_qkv(2, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
-    sinks = randn(H) if spec.get("sinks") else None
-    mask = None
-    if spec.get("mask") is not None:
-        keep = torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(6)) < 0.85
-        mask = keep if spec["mask"] == "bool" else torch.where(keep, randn(Lq, Lk), torch.tensor(-math.inf))
-    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        leaves.append(cuda(sinks).requires_grad_())
+    sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "5")
     sink_leaf = leaves[3] if sinks is not None else None

@@ -3,7 +3,6 @@ configuration, writes every output, and is reproducible from its seed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,6 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "length_generalization.py"
@@ -29,12 +29,7 @@ TINY: List[str] = [
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("length_generalization", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "length_generalization")
 
 
 @pytest.fixture(scope="module")

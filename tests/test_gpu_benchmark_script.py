@@ -5,32 +5,24 @@ wall-clock timer, and that it exits 0 writing nothing when no CUDA device is vis
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, List
 
 import pytest
 import torch
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_vs_sdpa.py"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_vs_sdpa", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
-bench = load_script()
+bench = load_script(SCRIPT, "gpu_vs_sdpa")
 POINT_KEYS = {
     "dtype", "head_dim", "seq_len", "batch", "heads", "kv_heads", "causal", "family", "sdpa_backend",
     "fwd_stats", "fwd", "fwd_bwd", "sdpa_ms_by_backend", "tflops", "peak_fraction",

@@ -4,31 +4,23 @@ exits 0 writing nothing when no CUDA device is visible."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import pytest
 import torch
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_decode.py"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
-bench = load_script()
+bench = load_script(SCRIPT, "gpu_decode")
 
 
 def wall_ms(fn: Callable[[], object], min_run_time: float) -> float:

@@ -33,13 +33,15 @@ cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles * splits), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p);
-  if (splits > 1) {
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    const int64_t rows = p.batch * p.heads * p.q_len;
-    constexpr int kWarps = fwd_impl::kCombineWarps;
-    fwd_impl::split_combine_kernel<T, kHeadDim, kStats>
-        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+  if constexpr (kCausal) {  // (so that the full-attention units do not instantiate the combine)
+    if (splits > 1) {
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      const int64_t rows = p.batch * p.heads * p.q_len;
+      constexpr int kWarps = fwd_impl::kCombineWarps;
+      fwd_impl::split_combine_kernel<T, kHeadDim, kStats>
+          <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+    }
   }
   return cudaGetLastError();
 }

@@ -158,7 +158,18 @@ class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
     restricts to one target (`gencode`) apart, with that -gencode added to the nvcc flags: a user
     -gencode makes torch leave out TORCH_CUDA_ARCH_LIST's, so those units are built for their
     target alone (sm_90a for wgmma and setmaxnreg, which no other target has). Their objects join
-    the link of the extension; the other sources build as before."""
+    the link of the extension; the other sources build as before.
+
+    Every build compiles in one directory of the tree, build/temp.<platform>-<python>: an
+    editable install (pip install -e, which setuptools points at a fresh temporary directory),
+    `setup.py build_ext --inplace` and a wheel build (python -m build) share their objects, so
+    that ninja recompiles only what changed between them (CI builds the wheel after the editable
+    install without compiling anything again)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        tag = f"{self.plat_name}-{sys.implementation.cache_tag}{sys.abiflags}"  # setuptools' default name
+        self.build_temp = os.path.join(ROOT, "build", f"temp.{tag}")
 
     def build_extension(self, ext):
         by_flag: dict[str, list[str]] = {}

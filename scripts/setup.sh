@@ -86,8 +86,8 @@ if command -v ccache >/dev/null; then
   fi
   # nvcc (the CUDA sources) through ccache as well: torch.utils.cpp_extension runs $PYTORCH_NVCC.
   if command -v nvcc >/dev/null; then build_env+=(PYTORCH_NVCC="ccache nvcc"); fi
-  # pip builds an editable install in a fresh temporary directory each time: keep that directory
-  # out of ccache's hash so that unchanged sources hit the cache.
+  # Paths under the tree enter ccache's hash relative to it, so that another clone of the project
+  # hits the same entries (setup.py compiles every build in build/temp.*, which ninja reuses too).
   build_env+=(CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD")
   ccache --zero-stats >/dev/null 2>&1 || true
 fi

@@ -2,8 +2,9 @@
 # Builds the wheel as a user would (python -m build --wheel --no-isolation: it compiles against the
 # installed torch), checks its torch pin, installs it into a new virtual environment and runs a
 # smoke test from outside the source tree: the op forward and backward, the HF backend import, the
-# monitor. Run by .ci/run after setup (ccache makes the second compilation of unchanged sources a
-# cache hit).
+# monitor. Run by .ci/run after setup: setup.py compiles every build in build/temp.*, so the wheel
+# build links the editable install's objects (ninja finds nothing to recompile) and only a source
+# changed since then is compiled again.
 #
 # The environment sees the system's site-packages, for torch (its CUDA wheels are gigabytes; a
 # fresh download per run is not affordable) and transformers; torch_ext itself comes from the wheel

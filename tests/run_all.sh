@@ -11,10 +11,17 @@
 #   bash tests/run_all.sh               # everything
 #   RUN_CPP=0 bash tests/run_all.sh     # no C++ suite      RUN_PY=0: no pytest, RUN_PTXAS=0: no report
 #   bash tests/run_all.sh -k causal     # extra arguments go to pytest
+#   ENTROPY_ATTN_SANITIZE=address,undefined bash tests/run_all.sh
+#                                       # the C++ suite built with ASan and UBSan (in build/asan; any
+#                                       # report fails its test): what CI runs, so that it compiles
+#                                       # the C++ suite once
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
+SANITIZE=${ENTROPY_ATTN_SANITIZE:-}
+# (tests/cpp/CMakeLists.txt sets the sanitizers' options for CTest.)
+[[ -n $SANITIZE ]] && BUILD_DIR=${BUILD_DIR:-build/asan}
 BUILD_DIR=${BUILD_DIR:-build/cmake}
 JOBS=${JOBS:-$(nproc)}
 
@@ -49,7 +56,7 @@ fi
 
 if [[ ${RUN_CPP:-1} != 0 ]]; then
   cpp_rc=0
-  echo ">>> cmake configure (${BUILD_DIR})"
+  echo ">>> cmake configure (${BUILD_DIR}${SANITIZE:+, sanitizers ${SANITIZE}})"
   torch_prefix=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)') || cpp_rc=$?
   if ((cpp_rc == 0)); then
     gen=()
@@ -69,7 +76,7 @@ if [[ ${RUN_CPP:-1} != 0 ]]; then
     fi
     cmake -S . -B "$BUILD_DIR" "${gen[@]}" "${arch[@]}" \
       -DENTROPY_ATTN_TENSOR_CORE_FAMILY="${ENTROPY_ATTN_TENSOR_CORE_FAMILY:-$tc_family}" \
-      -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
+      -DENTROPY_ATTN_SANITIZE="$SANITIZE" -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
       -DCMAKE_PREFIX_PATH="$torch_prefix" \
       -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || cpp_rc=$?
   fi

@@ -24,6 +24,10 @@
 # (tests/test_cuda.py, on the CPU) under that torch. The kernels themselves include no torch
 # header; `make` compiles them.
 set -euo pipefail
+T0=$(date +%s)
+note() {  # note TEXT: a step, with the seconds since the script started
+  echo "::: $* [$(($(date +%s) - T0))s]"
+}
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off PIP_ROOT_USER_ACTION=ignore
@@ -52,7 +56,7 @@ sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null; then
       echo "DEVICE_VENV=${DEVICE_VENV} has no torch ${DEVICE_TORCH}" >&2
       exit 1
     fi
-    echo "::: virtual environment with torch ${DEVICE_TORCH} (${venv})"
+    note "virtual environment with torch ${DEVICE_TORCH} (${venv})"
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "torch==${DEVICE_TORCH}" "$SETUPTOOLS" ninja "${TEST_DEPS[@]}"
@@ -63,7 +67,7 @@ sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null; then
 
 # A copy of the working tree (uncommitted edits included, ignored files not) in $SRC.
 copy_tree() {
-  echo "::: copy of the working tree (${SRC})"
+  note "copy of the working tree (${SRC})"
   rm -rf "$SRC"
   mkdir -p "$SRC"
   # (--ignore-failed-read: a tracked file deleted in the working tree is left out, as it is there.)
@@ -86,9 +90,9 @@ make_bundle() {
   start=$(date +%s)
   device_venv
   copy_tree
-  echo "::: build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}"
+  note "build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}"
   build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH"
-  echo "::: pack ${BUNDLE}/"
+  note "pack ${BUNDLE}/"
   rm -rf "$BUNDLE"
   mkdir -p "$BUNDLE/wheels"
   # Without its debug sections (Python's -g; -lineinfo lives in the fatbin and stays), and
@@ -100,7 +104,7 @@ make_bundle() {
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
   ls -l "$BUNDLE" "$BUNDLE/wheels"
-  echo "::: ${BUNDLE}/ made in $(($(date +%s) - start))s (torch ${DEVICE_TORCH}, arch ${DEVICE_ARCH})"
+  note "${BUNDLE}/ made in $(($(date +%s) - start))s (torch ${DEVICE_TORCH}, arch ${DEVICE_ARCH})"
 }
 
 check_build() {
@@ -108,9 +112,9 @@ check_build() {
   start=$(date +%s)
   device_venv
   copy_tree
-  echo "::: CPU-only build against torch ${DEVICE_TORCH}"
+  note "CPU-only build against torch ${DEVICE_TORCH}"
   build_copy ENTROPY_ATTN_CPU_ONLY=1
-  echo "::: the CUDA host sources against torch ${DEVICE_TORCH}'s headers, C++17"
+  note "the CUDA host sources against torch ${DEVICE_TORCH}'s headers, C++17"
   # The flags of setup.py's CUDA build for these files (torch's include paths as system headers,
   # CUDA's headers, warnings as errors), without code generation; the toolkit root as setup.py
   # finds it.
@@ -131,10 +135,10 @@ PY
       -DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=_C "$unit"
     echo "  ok ${unit#"$SRC"/}"
   done
-  echo "::: tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
+  note "tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
   (cd "$SRC" && ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$venv/bin/python" -m pytest -q -p no:cacheprovider \
      tests/test_build.py tests/test_cuda.py tests/test_gpu_benchmark_script.py tests/test_hf.py)
-  echo "::: the build against torch ${DEVICE_TORCH} checked in $(($(date +%s) - start))s"
+  note "the build against torch ${DEVICE_TORCH} checked in $(($(date +%s) - start))s"
 }
 
 install_bundle() {
@@ -142,13 +146,13 @@ install_bundle() {
   torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
   if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]] &&
      grep -q "TORCH_VERSION = '${torch_version}'" "$BUNDLE/_build_info.py"; then
-    echo "::: the packed library (built from these sources for torch ${torch_version}, arch $(cat "$BUNDLE/arch"))"
+    note "the packed library (built from these sources for torch ${torch_version}, arch $(cat "$BUNDLE/arch"))"
     "$python" -c "import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
       "$BUNDLE/_C.abi3.so.xz" torch_ext/_C.abi3.so
     cp "$BUNDLE/_build_info.py" torch_ext/
   else
-    echo "::: no packed library for these sources and torch ${torch_version}: building here"
+    note "no packed library for these sources and torch ${torch_version}: building here"
     mkdir -p build/device
     # The carried wheels into a private directory: nothing is fetched, the system is unchanged.
     "$python" -m pip install -q --no-index --no-deps --no-compile --target build/device/site "$BUNDLE"/wheels/*.whl
@@ -157,7 +161,7 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyf
     PYTHONPATH="$PWD/build/device/site${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
       TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(cat "$BUNDLE/arch" 2>/dev/null || echo 9.0)}" \
       "$python" setup.py build_ext --inplace >build/device/build.log 2>&1 || build_failed
-    echo "::: built in $(($(date +%s) - start))s"
+    note "built in $(($(date +%s) - start))s"
   fi
   "$python" -c "import torch_ext, torch; print('torch_ext', torch_ext.__version__, 'on torch', torch.__version__)"
 }

@@ -25,7 +25,10 @@ rm -rf "$OUT"
 env "${build_env[@]}" "$PYTHON" -m build --wheel --no-isolation --outdir "$OUT" >"$OUT.log" 2>&1 ||
   { tail -40 "$OUT.log"; echo "wheel_check: the wheel build failed (log: $OUT.log)"; exit 1; }
 wheel=$(ls "$OUT"/torch_ext-*.whl)
-echo "wheel_check: built $(basename "$wheel") ($(du -h "$wheel" | cut -f1)) in $(($(date +%s) - start))s"
+# ninja prints "[k/n] <command>" per compiled unit: 0 when setup's objects were all reused.
+compiled=$(grep -cE '^\[[0-9]+/[0-9]+\] ' "$OUT.log" || true)
+echo "wheel_check: built $(basename "$wheel") ($(du -h "$wheel" | cut -f1)) in $(($(date +%s) - start))s," \
+     "${compiled} translation units compiled (the rest reused from build/temp.*)"
 
 # The wheel pins the torch it was compiled against (major.minor).
 "$PYTHON" - "$wheel" <<'PY'

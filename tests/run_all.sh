@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Python suite (pytest, needs the extension built, e.g.
 # `python3 setup.py build_ext --inplace`; without a GPU, tests/test_cuda.py a second time with its
-# device set to the CPU, which checks the CUDA tests' own logic), then the C++ suite (CMake + LibTorch + GoogleTest,
-# configured and built in build/cmake, run with CTest; it builds the CUDA sources too when
-# CMakeLists.txt finds CUDA), then, when nvcc is there, the resource report of the CUDA kernels in
+# device set to the CPU, which checks the CUDA tests' own logic), then the C++ suite (CMake +
+# LibTorch + GoogleTest, configured and built in build/cmake while pytest runs, then run with
+# CTest; it builds the CUDA sources too when CMakeLists.txt finds CUDA), then, when nvcc is there, the resource report of the CUDA kernels in
 # the built extension (scripts/ptxas_report.py: results/ptxas/, fails on forbidden local memory)
 # and the SASS check of the tensor-core family (scripts/sass_check.py).
 # All three decide the exit code.
@@ -39,6 +39,46 @@ step_done() {  # step_done NAME
   step_start=$now
 }
 
+# The C++ suite: configure and build (CMake + LibTorch + GoogleTest) in $BUILD_DIR.
+cpp_build() {
+  local rc=0 torch_prefix gen=() tc_family=OFF arch=()
+  echo ">>> cmake configure (${BUILD_DIR}${SANITIZE:+, sanitizers ${SANITIZE}})"
+  torch_prefix=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)') || return 1
+  # Choose the generator only for a new build directory (CMake refuses to switch).
+  if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
+  # Without a GPU nothing can run the tensor-core family's kernels here, and the Python build
+  # (scripts/setup.sh) compiled them already, with warnings as errors, and scripts/ptxas_report.py
+  # and scripts/sass_check.py check them: the C++ library leaves their device code out, so that
+  # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too. For the same reason
+  # the fallback's device code is compiled here for one architecture only (sm_80: the Python
+  # build covers every architecture), unless TORCH_CUDA_ARCH_LIST says otherwise.
+  arch=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}")
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    tc_family=ON
+    [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]] || arch=(-UTORCH_CUDA_ARCH_LIST)  # CMakeLists.txt's default
+  fi
+  cmake -S . -B "$BUILD_DIR" "${gen[@]}" "${arch[@]}" \
+    -DENTROPY_ATTN_TENSOR_CORE_FAMILY="${ENTROPY_ATTN_TENSOR_CORE_FAMILY:-$tc_family}" \
+    -DENTROPY_ATTN_SANITIZE="$SANITIZE" -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || return 1
+  echo ">>> cmake build"
+  cmake --build "$BUILD_DIR" --parallel "$JOBS" || rc=$?
+  return "$rc"
+}
+
+# With pytest to run too, the C++ build runs beside it: pytest's Python keeps about one core busy,
+# the compiler takes the rest. Its output is printed when pytest is done.
+cpp_pid=""
+if [[ ${RUN_CPP:-1} != 0 && ${RUN_PY:-1} != 0 ]]; then
+  cpp_log=${BUILD_DIR%/}.log
+  mkdir -p "$(dirname "$cpp_log")"
+  echo ">>> C++ suite: configure and build ${BUILD_DIR} beside pytest (output: ${cpp_log})"
+  cpp_start=$(date +%s)
+  cpp_build >"$cpp_log" 2>&1 &
+  cpp_pid=$!
+fi
+
 if [[ ${RUN_PY:-1} != 0 ]]; then
   echo ">>> pytest"
   "$PYTHON" -m pytest tests -q "$@"
@@ -56,35 +96,14 @@ fi
 
 if [[ ${RUN_CPP:-1} != 0 ]]; then
   cpp_rc=0
-  echo ">>> cmake configure (${BUILD_DIR}${SANITIZE:+, sanitizers ${SANITIZE}})"
-  torch_prefix=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)') || cpp_rc=$?
-  if ((cpp_rc == 0)); then
-    gen=()
-    # Choose the generator only for a new build directory (CMake refuses to switch).
-    if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
-    # Without a GPU nothing can run the tensor-core family's kernels here, and the Python build
-    # (scripts/setup.sh) compiled them already, with warnings as errors, and scripts/ptxas_report.py
-    # and scripts/sass_check.py check them: the C++ library leaves their device code out, so that
-    # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too. For the same reason
-    # the fallback's device code is compiled here for one architecture only (sm_80: the Python
-    # build covers every architecture), unless TORCH_CUDA_ARCH_LIST says otherwise.
-    tc_family=OFF
-    arch=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}")
-    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-      tc_family=ON
-      [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]] || arch=(-UTORCH_CUDA_ARCH_LIST)  # CMakeLists.txt's default
-    fi
-    cmake -S . -B "$BUILD_DIR" "${gen[@]}" "${arch[@]}" \
-      -DENTROPY_ATTN_TENSOR_CORE_FAMILY="${ENTROPY_ATTN_TENSOR_CORE_FAMILY:-$tc_family}" \
-      -DENTROPY_ATTN_SANITIZE="$SANITIZE" -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
-      -DCMAKE_PREFIX_PATH="$torch_prefix" \
-      -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || cpp_rc=$?
-  fi
-  step_done "cmake configure"
-  if ((cpp_rc == 0)); then
-    echo ">>> cmake build"
-    cmake --build "$BUILD_DIR" --parallel "$JOBS" || cpp_rc=$?
-    step_done "cmake build"
+  if [[ -n $cpp_pid ]]; then
+    wait "$cpp_pid" || cpp_rc=$?
+    cat "$cpp_log"
+    step_done "C++ build, after pytest"
+    echo ">>> C++ configure and build took $(($(date +%s) - cpp_start))s in all, beside pytest"
+  else
+    cpp_build || cpp_rc=$?
+    step_done "C++ configure and build"
   fi
   if ((cpp_rc == 0)); then
     echo ">>> ctest"

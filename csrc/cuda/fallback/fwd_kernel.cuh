@@ -13,6 +13,7 @@
 #include "nonfinite_rows.cuh"
 #include "device_utils.cuh"
 #include "../params.h"
+#include "../row_statistics.cuh"
 
 namespace entropy_attn::cuda::fallback {
 
@@ -298,15 +299,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
       p.length_factor[row] = tr.factor[r];
       p.lse[row] = res.lse;
       if (p.entropy != nullptr) {  // a call with statistics
-        // With a sink the distribution has one more entry than the n_i keys.
-        const DerivedStats<Acc> d =
-            derive(res.entropy, res.sum_p2, tr.n[r] + (p.sinks != nullptr ? 1 : 0));
-        p.entropy[row] = res.entropy;
-        p.sum_p2[row] = res.sum_p2;
-        p.max_weight[row] = res.max_weight;
-        p.normalized_entropy[row] = d.normalized_entropy;
-        p.sparsity[row] = d.sparsity;
-        p.effective_keys[row] = d.effective_keys;
+        store_row_statistics(p, row, res, tr.n[r], p.sinks != nullptr);
       }
     }
   }

@@ -62,6 +62,7 @@
 #include "../key_ranges.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
+#include "../row_statistics.cuh"
 
 namespace entropy_attn::cuda::sm80 {
 namespace fwd_impl {
@@ -757,15 +758,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       }
       p.lse[row] = res.lse;
       if constexpr (kStats) {
-        p.entropy[row] = res.entropy;
-        p.sum_p2[row] = res.sum_p2;
-        p.max_weight[row] = res.max_weight;
-        // With a sink the distribution has one more entry than the n_i keys.
-        const DerivedStats<float> ds =
-            derive(res.entropy, res.sum_p2, p.n_keys[row] + (kCausal && p.sinks != nullptr ? 1 : 0));
-        p.normalized_entropy[row] = ds.normalized_entropy;
-        p.sparsity[row] = ds.sparsity;
-        p.effective_keys[row] = ds.effective_keys;
+        store_row_statistics(p, row, res, p.n_keys[row], kCausal && p.sinks != nullptr);
       }
     }
   }

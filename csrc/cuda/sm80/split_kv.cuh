@@ -18,6 +18,7 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../params.h"
+#include "../row_statistics.cuh"
 
 namespace entropy_attn::cuda::sm80 {
 namespace fwd_impl {
@@ -88,17 +89,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (__any_sync(0xffffffffu, nonfinite) && lane == 0 && p.nonfinite != nullptr) *p.nonfinite = 1;
   if (lane != 0) return;
   p.lse[row] = res.lse;
-  if constexpr (kStats) {
-    p.entropy[row] = res.entropy;
-    p.sum_p2[row] = res.sum_p2;
-    p.max_weight[row] = res.max_weight;
-    // With a sink the distribution has one more entry than the n_i keys.
-    const DerivedStats<float> ds =
-        derive(res.entropy, res.sum_p2, p.n_keys[row] + (p.sinks != nullptr ? 1 : 0));
-    p.normalized_entropy[row] = ds.normalized_entropy;
-    p.sparsity[row] = ds.sparsity;
-    p.effective_keys[row] = ds.effective_keys;
-  }
+  if constexpr (kStats) store_row_statistics(p, row, res, p.n_keys[row], p.sinks != nullptr);
 }
 
 }  // namespace fwd_impl

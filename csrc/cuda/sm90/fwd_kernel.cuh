@@ -99,6 +99,7 @@
 #include "../cute_utils.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
+#include "../row_statistics.cuh"
 #include "../key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
@@ -604,15 +605,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int64_t row_idx = row0 + i;
       p.lse[row_idx] = res.lse;
       if constexpr (kStats) {
-        p.entropy[row_idx] = res.entropy;
-        p.sum_p2[row_idx] = res.sum_p2;
-        p.max_weight[row_idx] = res.max_weight;
-        // With a sink the distribution has one more entry than the n_i keys.
-        const DerivedStats<float> ds =
-            derive(res.entropy, res.sum_p2, n_row[r] + (kCausal && p.sinks != nullptr ? 1 : 0));
-        p.normalized_entropy[row_idx] = ds.normalized_entropy;
-        p.sparsity[row_idx] = ds.sparsity;
-        p.effective_keys[row_idx] = ds.effective_keys;
+        store_row_statistics(p, row_idx, res, n_row[r], kCausal && p.sinks != nullptr);
       }
     }
   }

@@ -1,0 +1,19 @@
+// Emulated launches of the fallback family's kernels (emulated_launches_impl.h), declared apart
+// from their definitions: cuda_emulation.cmake compiles the definitions once per input type, in
+// translation units of their own, so that the four sets of kernels (the heaviest code of the C++
+// suite, and slower still under the sanitizers) compile in parallel rather than in one unit.
+#pragma once
+
+#include "cuda/params.h"
+
+namespace emulated {
+
+template <typename T>
+void launch_forward(const entropy_attn::cuda::FwdParams<entropy_attn::cuda::AccType<T>>& p);
+// With the preprocess and, as after a tensor-core backward, the postprocess kernel.
+template <typename T>
+void launch_backward(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p);
+template <typename T>
+void launch_sparsity(const entropy_attn::cuda::SparsityParams<entropy_attn::cuda::AccType<T>>& p);
+
+}  // namespace emulated

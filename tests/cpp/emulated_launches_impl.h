@@ -1,0 +1,112 @@
+// The definitions of emulated_launches.h, for one input type: cuda_emulation.cmake writes one
+// translation unit per type that defines EA_EMULATED_T and includes this file.
+// clang-format off
+#include "cuda_emulation.h"  // first: the CUDA built-ins the kernel headers use
+// clang-format on
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/fallback/bwd_kernel.cuh"
+#include "cuda/fallback/fwd_kernel.cuh"
+#include "cuda/fallback/instantiations/dispatch.h"
+#include "cuda/fallback/sparsity_kernel.cuh"
+#include "emulated_launches.h"
+
+#ifndef EA_EMULATED_T
+#error "define EA_EMULATED_T, the input type whose launches this unit instantiates"
+#endif
+
+namespace emulated {
+
+namespace ec = entropy_attn::cuda;
+namespace ef = entropy_attn::cuda::fallback;
+
+// ---------------------------------------------------------------------------------------------
+// Emulated launches of the fallback family's kernels, with the grids and shared memory of its
+// launchers (fallback/fwd_launch.cuh, bwd_launch.cuh, sparsity.cu, row_reductions.cu), for the
+// instantiations csrc/cuda/kernels.toml lists (the same dispatch table as the selection point).
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+int head_dim_bucket_of(int64_t d, int64_t dv) { return ec::head_dim_bucket(std::max(d, dv)); }
+}  // namespace
+
+template <typename T, int kD>
+void launch_forward_d(const ec::FwdParams<ec::AccType<T>>& p) {
+  using L = ef::FwdLayout<T, kD>;
+  emulate_launch(ef::attention_fwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
+  const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
+#define EA_MATCH(U, D)                            \
+  if constexpr (std::is_same_v<T, U>) {           \
+    if (d == D) return launch_forward_d<T, D>(p); \
+  }
+  EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  FAIL() << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
+}
+
+template <typename T, int kD>
+void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
+  using L = ef::BwdLayout<T, kD>;
+  if constexpr (ef::kIs16Bit<T>) {
+    if (ef::grouped(p)) {
+      return emulate_launch(ef::attention_bwd_kernel<T, kD, true>, L::blocks(p), L::kBytes, p);
+    }
+  }
+  emulate_launch(ef::attention_bwd_kernel<T, kD, false>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_backward(const ec::BwdParams<ec::AccType<T>>& p) {
+  emulate_launch(ef::attention_bwd_preprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
+  const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
+  bool launched = false;
+#define EA_MATCH(U, D)                  \
+  if constexpr (std::is_same_v<T, U>) { \
+    if (d == D && !launched) {          \
+      launch_backward_d<T, D>(p);       \
+      launched = true;                  \
+    }                                   \
+  }
+  EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  ASSERT_TRUE(launched) << "no instantiation for head dims " << p.head_dim << ", " << p.v_head_dim;
+  // As the guard of a tensor-core backward: dq and d lambda from G (fallback/bwd_launch.cuh).
+  if (ef::grouped(p)) {
+    emulate_launch(ef::attention_bwd_postprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
+  }
+}
+
+template <typename T, int kD>
+void launch_sparsity_d(const ec::SparsityParams<ec::AccType<T>>& p) {
+  using L = ef::SparsityLayout<T, kD>;
+  emulate_launch(ef::attention_sparsity_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+}
+
+template <typename T>
+void launch_sparsity(const ec::SparsityParams<ec::AccType<T>>& p) {
+  switch (ec::head_dim_bucket(p.head_dim)) {  // as attention_sparsity.cu: values play no part
+    case 64:
+      return launch_sparsity_d<T, 64>(p);
+    case 128:
+      return launch_sparsity_d<T, 128>(p);
+    case 256:
+      if constexpr (!std::is_same_v<T, double>) return launch_sparsity_d<T, 256>(p);
+      [[fallthrough]];
+    default:
+      FAIL() << "no head-dim bucket for " << p.head_dim;
+  }
+}
+
+template void launch_forward<EA_EMULATED_T>(const ec::FwdParams<ec::AccType<EA_EMULATED_T>>&);
+template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&);
+template void launch_sparsity<EA_EMULATED_T>(const ec::SparsityParams<ec::AccType<EA_EMULATED_T>>&);
+
+}  // namespace emulated

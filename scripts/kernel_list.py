@@ -117,12 +117,13 @@ def _flagged_declarations(inst: Instantiation) -> list[str]:
 DECLARATIONS = {"fallback": _fallback_declarations, "sm80": _flagged_declarations, "sm90": _flagged_declarations}
 
 
-def generated_files(families: dict[str, list[Instantiation]] | None = None) -> dict[Path, str]:
-    """Path -> contents of every generated file: the translation units and one dispatch.h a family."""
+def generated_files(families: dict[str, list[Instantiation]] | None = None, root: Path = ROOT) -> dict[Path, str]:
+    """Path -> contents of every generated file: the translation units and one dispatch.h a family,
+    at their places under `root` (this tree by default)."""
     families = load() if families is None else families
     files: dict[Path, str] = {}
     for family, insts in families.items():
-        folder = ROOT / "csrc" / "cuda" / family / "instantiations"
+        folder = root / "csrc" / "cuda" / family / "instantiations"
         units: dict[str, list[Instantiation]] = {}
         for inst in insts:
             units.setdefault(inst.unit_name(), []).append(inst)

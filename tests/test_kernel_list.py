@@ -6,6 +6,7 @@ tables are what scripts/generate_kernels.py makes of it, and that the build comp
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +26,21 @@ def test_generated_files_are_up_to_date() -> None:
 
 
 def test_check_detects_an_edited_file(tmp_path: Path) -> None:
-    """The check fails when a generated file differs (so the test above can fail)."""
-    files = kernel_list.generated_files()
-    path, text = next(iter(files.items()))
-    assert path.read_text() == text
+    """The check fails when a generated file differs (so the test above can fail). It edits a copy
+    of the generated folders (--root), never this tree, whose builds (the C++ suite compiles
+    beside pytest) would otherwise see the edit or recompile the file after it."""
+    for folder in {path.parent for path in kernel_list.generated_files()}:
+        shutil.copytree(folder, tmp_path / folder.relative_to(ROOT))
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "scripts/generate_kernels.py", "--check", "--root", str(tmp_path)],
+                              cwd=ROOT, capture_output=True, text=True, check=False)
+
+    assert check().returncode == 0, "the copy is up to date"
+    path, text = next(iter(kernel_list.generated_files(root=tmp_path).items()))
     path.write_text(text + "// edited\n")
-    try:
-        proc = subprocess.run([sys.executable, "scripts/generate_kernels.py", "--check"], cwd=ROOT,
-                              capture_output=True, text=True, check=False)
-    finally:
-        path.write_text(text)
-    assert proc.returncode == 1 and path.name in proc.stdout
+    proc = check()
+    assert proc.returncode == 1 and path.name in proc.stdout, proc.stdout
 
 
 def test_fallback_covers_every_dtype_and_head_dim_bucket() -> None:

@@ -23,13 +23,14 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=kernel_list.ROOT,
                         help="the tree whose csrc/cuda/<family>/instantiations/ to write or check (default: this one)")
     args = parser.parse_args()
-    files = kernel_list.generated_files(root=args.root.resolve())
+    root = args.root.resolve()
+    files = kernel_list.generated_files(root=root)
     folders = {path.parent for path in files}
     stale = [p for folder in folders if folder.exists() for p in folder.iterdir() if p not in files]
     wrong = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for p in wrong + stale:
-            print(f"out of date: {p.relative_to(args.root.resolve())}")
+            print(f"out of date: {p.relative_to(root)}")
         if wrong or stale:
             print("run: python3 scripts/generate_kernels.py")
         return 1 if wrong or stale else 0

@@ -29,6 +29,12 @@ wheel=$(ls "$OUT"/torch_ext-*.whl)
 compiled=$(grep -cE '^\[[0-9]+/[0-9]+\] ' "$OUT.log" || true)
 echo "wheel_check: built $(basename "$wheel") ($(du -h "$wheel" | cut -f1)) in $(($(date +%s) - start))s," \
      "${compiled} translation units compiled (the rest reused from build/temp.*)"
+# .ci/run sets WHEEL_CHECK_REUSE=1: right after setup's build nothing may compile again.
+if [[ ${WHEEL_CHECK_REUSE:-0} == 1 && $compiled != 0 ]]; then
+  echo "wheel_check: the wheel build compiled ${compiled} units that setup had built (log: $OUT.log):" \
+       "its build commands or build directory differ from setup.sh's" >&2
+  exit 1
+fi
 
 # The wheel pins the torch it was compiled against (major.minor).
 "$PYTHON" - "$wheel" <<'PY'

@@ -16,10 +16,6 @@ from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_decode.py"
-
-
-
-
 bench = load_script(SCRIPT, "gpu_decode")
 
 

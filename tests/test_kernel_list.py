@@ -27,8 +27,8 @@ def test_generated_files_are_up_to_date() -> None:
 
 def test_check_detects_an_edited_file(tmp_path: Path) -> None:
     """The check fails when a generated file differs (so the test above can fail). It edits a copy
-    of the generated folders (--root), never this tree, whose builds (the C++ suite compiles
-    beside pytest) would otherwise see the edit or recompile the file after it."""
+    of the generated folders (--root), never this tree: a build running meanwhile would see the
+    edit, and every later build recompiles the file (its time stamp moved)."""
     for folder in {path.parent for path in kernel_list.generated_files()}:
         shutil.copytree(folder, tmp_path / folder.relative_to(ROOT))
 

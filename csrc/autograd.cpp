@@ -3,6 +3,7 @@
 // under torch.compile.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "attention_call.h"
@@ -222,6 +223,11 @@ TORCH_LIBRARY_IMPL(entropy_attn, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("entropy", &entropy_autograd);
   m.impl("sparsity", &sparsity_autograd);
+  // Not differentiable (attention_backward: no double backward; attention_sparsity: documented as
+  // such): a backward that reaches them raises "the derivative ... is not implemented" instead of
+  // torch's default for unregistered ops, a warning and silently zero or missing gradients.
+  m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_sparsity", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace entropy_attn

@@ -366,6 +366,21 @@ def test_differentiable_outputs(device: str) -> None:
     assert all(t.requires_grad for t in res[8:]), [t.requires_grad for t in res[8:]]
 
 
+def test_double_backward_raises(device: str) -> None:
+    """Double backward is not supported: differentiating the gradient raises (it returned zeros
+    with only a warning), and so does a backward through the non-differentiable sparsity op. The
+    first-order gradient taken with create_graph=True still works."""
+    q, k, v = rand(1, 2, 4, 8, device=device), rand(1, 2, 5, 8, device=device), rand(1, 2, 5, 8, device=device)
+    (gq,) = torch.autograd.grad(torch_ext.attention(q, k, v, is_causal=True).sum(), q, create_graph=True)
+    (gq_plain,) = torch.autograd.grad(torch_ext.attention(q, k, v, is_causal=True).sum(), q)
+    torch.testing.assert_close(gq.detach(), gq_plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="derivative for entropy_attn::attention_backward is not implemented"):
+        torch.autograd.grad(gq.pow(2).sum(), (q, k))
+    sparsity = torch_ext.attention_sparsity(q, k)
+    with pytest.raises(RuntimeError, match="derivative for entropy_attn::attention_sparsity is not implemented"):
+        sparsity.sum().backward()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("threads", [1, 3, 4])
 def test_grads_key_chunks(causal: bool, threads: int) -> None:

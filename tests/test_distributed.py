@@ -91,6 +91,12 @@ CASES = {
     "causal_logn_gqa": dict(is_causal=True, scale="logn", train_length=16, heads=(4, 2), strided=True),
     "full_fixed": dict(is_causal=False, scale=None, heads=(2, 2)),
     "causal_contiguous": dict(is_causal=True, scale="logn_sharpen", train_length=8, heads=(2, 1), load_balance=False),
+    # A tensor scale c is divided by the temperature as in the single-device op (it was not).
+    "causal_tensor_scale_temperature": dict(is_causal=True, scale=torch.tensor([[0.5], [0.25]], dtype=torch.float64),
+                                            temperature=0.5, heads=(2, 2)),
+    "full_logn_tensor_factor_temperature": dict(is_causal=False, scale="logn", train_length=16, temperature=2.0,
+                                                scale_factor=torch.tensor([[0.3], [0.6]], dtype=torch.float64),
+                                                heads=(2, 1)),
 }
 
 

@@ -151,9 +151,9 @@ def attention(
             with ``attn_mask``.
         scale: ``None`` (1/sqrt(D)); a float; ``"logn"``: log_b(n_i)/sqrt(D) with b =
             ``train_length`` (equals the standard scale at n_i = b); ``"logn_sharpen"``:
-            max(1, log_b n_i)/sqrt(D); or a tensor broadcastable to (B, H, Lq) giving lambda_i per
-            row (differentiable, e.g. a learnable per-head scale). n_i counts the keys row i may
-            attend to under the mask and causality.
+            max(1, log_b n_i)/sqrt(D); or a tensor broadcastable to (B, H, Lq) giving the scale c_i
+            per row, lambda_i = c_i / temperature (differentiable, e.g. a learnable per-head
+            scale). n_i counts the keys row i may attend to under the mask and causality.
         temperature: tau > 0; the scale is divided by it.
         enable_gqa: allow H to be a multiple of Hkv (query head h uses kv head h // (H // Hkv)).
         train_length: the log base b of the "logn" policies (> 1).

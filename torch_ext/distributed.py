@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torch_ext import monitor as _monitor
-from torch_ext.attention import _SCALE_MODES, AttentionStats, _finite_float
+from torch_ext.attention import AttentionStats, _policy_args
 from torch_ext.merge import RowState, derived_stats, merge_row_states
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as codes in the same-call check
@@ -221,7 +221,7 @@ def context_parallel_attention(
     temperature: float = 1.0,
     enable_gqa: bool = False,
     train_length: int = 512,
-    scale_factor: float | None = None,
+    scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
     load_balance: bool = True,
     module: torch.nn.Module | None = None,
@@ -236,9 +236,10 @@ def context_parallel_attention(
         is_causal: causal masking over the global positions (load balanced: see the module).
         scale: as :func:`torch_ext.attention`: ``None`` (1/sqrt(D)), a float, ``"logn"`` /
             ``"logn_sharpen"`` (from each row's global n_i), or a tensor broadcastable to
-            (B, H, L/P) giving lambda_i of this rank's rows (differentiable).
-        temperature, train_length, scale_factor (a float here), enable_gqa: as
-            :func:`torch_ext.attention`.
+            (B, H, L/P) giving the base scale c_i of this rank's rows (lambda_i = c_i /
+            temperature; differentiable).
+        temperature, train_length, scale_factor, enable_gqa: as :func:`torch_ext.attention`
+            (checked by the same code).
         return_stats: also return the rows' :class:`AttentionStats`, merged exactly.
         load_balance: the sharding of :func:`shard_sequence` (``False``: contiguous parts).
         module: names the layer for an :class:`~torch_ext.AttentionEntropyMonitor` that is
@@ -282,26 +283,22 @@ def context_parallel_attention(
 
 
 def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,
-               scale_factor: float | None, causal: bool, group: dist.ProcessGroup | None, load_balance: bool,
-               total: int) -> torch.Tensor:
+               scale_factor: float | torch.Tensor | None, causal: bool, group: dist.ProcessGroup | None,
+               load_balance: bool, total: int) -> torch.Tensor:
     """lambda_i of this rank's rows, (B, H, L/P) in the accumulate type: c g(n_i) / temperature
-    with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor)."""
+    with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor). The
+    arguments are checked and mapped by the single-device call's own ``_policy_args``."""
+    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if scale_tensor is not None:
+        c = scale_tensor.to(acc)
+    elif policy["scale_factor"] is not None:
+        c = policy["scale_factor"]
+    else:
+        c = 1 / math.sqrt(query.shape[3])
     shape = query.shape[:3]
-    if isinstance(scale, torch.Tensor):
-        return torch.broadcast_to(scale.to(acc), shape)
-    _finite_float(temperature, "temperature")
-    mode = "fixed"
-    c = 1 / math.sqrt(query.shape[3])
-    if isinstance(scale, str):
-        if scale not in _SCALE_MODES:
-            raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
-        mode = scale
-        if scale_factor is not None:
-            c = _finite_float(scale_factor, "scale_factor")
-    elif scale is not None:
-        c = _finite_float(scale, "scale")
     positions = global_positions(shape[2], group, load_balance=load_balance, device=query.device)
     n = positions + 1 if causal else torch.full_like(positions, total)
-    factor = torch.ops.entropy_attn.length_factor(n, mode, float(temperature), float(train_length), dtype=acc)
-    return (c * factor).expand(shape)
+    factor = torch.ops.entropy_attn.length_factor(n, policy["scale_mode"], policy["temperature"],
+                                                  policy["log_base"], dtype=acc)
+    return torch.broadcast_to(c * factor, shape)

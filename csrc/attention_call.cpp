@@ -13,7 +13,11 @@ AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<dou
   AttentionOptions o;
   TORCH_CHECK_VALUE(window_size.size() == 2, "window_size must be (left, right), got ",
                     window_size);
-  o.window_left = window_size[0], o.window_right = window_size[1];
+  // A bound of 2^62 or more covers every key of any tensor and would overflow the range
+  // arithmetic (kernel_args.h: KeyPattern::local, diag + right + 1): it is the unbounded -1.
+  constexpr int64_t kUnbounded = int64_t{1} << 62;
+  o.window_left = window_size[0] >= kUnbounded ? -1 : window_size[0];
+  o.window_right = window_size[1] >= kUnbounded ? -1 : window_size[1];
   const std::string_view align(causal_alignment.data(), causal_alignment.size());
   TORCH_CHECK_VALUE(align == "top_left" || align == "bottom_right",
                     "causal_alignment must be 'top_left' or 'bottom_right', got '",
@@ -154,8 +158,9 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
     delta = delta + 2 * c.g_sum_p2 * c.sum_p2;
     dp = dp + 2 * c.g_sum_p2 * p_sink;
   }
-  // A sink without weight (-inf) gets no gradient (and no 0 * inf).
-  const at::Tensor ds = at::where(p_sink > 0, p_sink * (dp - delta), at::zeros_like(p_sink));
+  // A sink without weight (-inf) gets no gradient (and no 0 * inf); a NaN sink gets NaN.
+  const at::Tensor ds = at::where(at::isneginf(sink) | (p_sink == 0), at::zeros_like(p_sink),
+                                  p_sink * (dp - delta));
   return ds.sum(at::IntArrayRef{0, 2});
 }
 

@@ -123,8 +123,11 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
     TORCH_CHECK_VALUE(std::isfinite(*options.scale_factor), "scale must be finite, got ",
                       *options.scale_factor);
   }
-  TORCH_CHECK_VALUE(std::isfinite(options.temperature) && options.temperature > 0,
-                    "temperature must be a finite number > 0, got ", options.temperature);
+  // (1 / temperature finite too: a subnormal temperature would make every scale infinite)
+  TORCH_CHECK_VALUE(std::isfinite(options.temperature) && options.temperature > 0 &&
+                        std::isfinite(1 / options.temperature),
+                    "temperature must be a finite number > 0 with a finite inverse, got ",
+                    options.temperature);
   if (options.scale_mode != ScaleMode::kFixed) {
     TORCH_CHECK_VALUE(std::isfinite(options.log_base) && options.log_base > 1,
                       "log_base (train_length) must be a finite number > 1, got ",
@@ -161,6 +164,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   TORCH_CHECK_VALUE(cu_seq_q.has_value() && cu_seq_k.has_value(),
                     "pass both cu_seq_q and cu_seq_k, or neither");
   auto check_offsets = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_TYPE(t.defined(), name, " must be an int32 tensor, got None");
     TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, name,
                       " must be 1-D (number of sequences + 1), got shape ", t.sizes());
@@ -173,6 +177,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   TORCH_CHECK_VALUE(cu_seq_k->size(0) == n + 1, "cu_seq_q and cu_seq_k must have the same length, ",
                     "got ", n + 1, " and ", cu_seq_k->size(0));
   if (seqused_k.has_value()) {
+    TORCH_CHECK_TYPE(seqused_k->defined(), "seqused_k must be an int32 tensor or None");
     TORCH_CHECK_TYPE(seqused_k->scalar_type() == at::kInt, "seqused_k must be int32, got ",
                      seqused_k->scalar_type());
     TORCH_CHECK_VALUE(seqused_k->dim() == 1 && seqused_k->size(0) == n,
@@ -187,7 +192,10 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
     return true;
   }
   // The values decide which memory the kernels read: checked on the host (a device sync on CUDA).
-  const at::Tensor cq = cu_seq_q->to(at::kCPU), ck = cu_seq_k->to(at::kCPU);
+  // (contiguous: a strided view's values are not at data + d, and the kernels read contiguous
+  // copies of these very values, attention_call.cpp: set_documents)
+  const at::Tensor cq = cu_seq_q->to(at::kCPU).contiguous(),
+                   ck = cu_seq_k->to(at::kCPU).contiguous();
   const int32_t *q = cq.const_data_ptr<int32_t>(), *k = ck.const_data_ptr<int32_t>();
   TORCH_CHECK_VALUE(q[0] == 0 && k[0] == 0, "cu_seq_q and cu_seq_k must start at 0, got ", q[0],
                     " and ", k[0]);
@@ -202,7 +210,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   TORCH_CHECK_VALUE(k[n] == s.kv_len, "cu_seq_k[-1] must equal the number of key tokens (",
                     s.kv_len, "), got ", k[n]);
   if (seqused_k.has_value()) {
-    const at::Tensor su = seqused_k->to(at::kCPU);
+    const at::Tensor su = seqused_k->to(at::kCPU).contiguous();
     const int32_t* u = su.const_data_ptr<int32_t>();
     for (int64_t d = 0; d < n; ++d) {
       TORCH_CHECK_VALUE(u[d] >= 0 && u[d] <= k[d + 1] - k[d], "seqused_k[", d, "] = ", u[d],

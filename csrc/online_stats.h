@@ -64,11 +64,12 @@ struct Log2 {
 // the sink (docs/math.md section 6), and the output, which the sink does not feed, is divided by
 // the whole denominator.
 // A sink of -inf carries no weight: the row starts empty (as without a sink), which also keeps
-// the first rescale from forming -inf - -inf.
+// the first rescale from forming -inf - -inf. A NaN sink enters (m = NaN), so that the row's
+// denominator, hence its output and statistics, are NaN, as the math has them.
 template <typename acc_t>
 EA_HOST_DEVICE RowStats<acc_t> initial_state(bool has_sink, acc_t sink) {
   RowStats<acc_t> st;
-  if (has_sink && sink > -std::numeric_limits<acc_t>::infinity()) {
+  if (has_sink && !(sink == -std::numeric_limits<acc_t>::infinity())) {
     st.m = sink, st.l = acc_t(1), st.u = acc_t(1);
   }
   return st;

@@ -26,7 +26,7 @@ void check_max_len(const at::Tensor& cu, int64_t max_len, const char* cu_name,
   // No values to read under fake tensors (torch.compile, opcheck) or on the Meta device.
   if (cu.is_meta() || cu.key_set().has(c10::DispatchKey::Python)) return;
   if (cu.scalar_type() != at::kInt || cu.dim() != 1 || cu.numel() < 2) return;
-  const at::Tensor c = cu.to(at::kCPU);
+  const at::Tensor c = cu.to(at::kCPU).contiguous();  // a strided view's values are not at p + d
   const int32_t* p = c.const_data_ptr<int32_t>();
   for (int64_t d = 0; d + 1 < c.numel(); ++d) {
     TORCH_CHECK_VALUE(p[d + 1] - p[d] <= max_len, max_name, " = ", max_len,

@@ -677,3 +677,17 @@ def test_uniform_rows_statistics(device: str) -> None:
     ne = stats.normalized_entropy.double()
     torch.testing.assert_close(ne[..., 1:], torch.ones_like(ne[..., 1:]), atol=1e-5, rtol=1e-5)
     assert (ne[..., 0] == 0).all()  # n = 1 -> 0 by convention
+
+
+def test_compile_dynamic_fullgraph() -> None:
+    """torch.compile(dynamic=True, fullgraph=True) traces the Python wrapper (its argument checks
+    used math.isfinite, which dynamo cannot trace on the symbolic floats of dynamic=True)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=g) for _ in range(3))
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch_ext.attention(q, k, v, is_causal=True, scale="logn", temperature=0.8, train_length=4)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)

@@ -94,6 +94,18 @@ CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
     ("train_length_negative_logn", dict(scale="logn", train_length=-5), "train_length"),
     ("train_length_half_logn", dict(scale="logn", train_length=0.5), "train_length"),
     ("train_length_one_default_scale", dict(train_length=1), "train_length"),
+    ("temperature_subnormal", dict(temperature=1e-310), "temperature"),  # 1 / tau overflows
+    # flags and argument types: a TypeError, as SDPA's parser (truthiness read "False" as True)
+    ("is_causal_str", dict(is_causal="False"), "is_causal"),
+    ("enable_gqa_str", dict(enable_gqa="no"), "enable_gqa"),
+    ("return_stats_str", dict(return_stats="no"), "return_stats"),
+    ("is_causal_int", dict(is_causal=1), "is_causal"),
+    ("query_none", dict(query=None), "query"),
+    ("key_none", dict(key=None), "key"),
+    ("value_list", dict(value=[[1.0]]), "value"),
+    ("mask_list", dict(attn_mask=[[True]]), "attn_mask"),
+    ("sinks_list", dict(sinks=[0.0] * H), "sinks"),
+    ("generator_str", dict(dropout_p=0.1, generator="x"), "generator"),
 )
 
 

@@ -279,3 +279,31 @@ def test_dropout_in_training_only() -> None:
     ref = torch.nn.MultiheadAttention(E, H, dropout=0.3, batch_first=True).eval()
     ref.load_state_dict(m.state_dict(), strict=False)
     torch.testing.assert_close(m(x, x, x, need_weights=False)[0], ref(x, x, x, need_weights=False)[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("policy", [None, "logn"])
+def test_weights_gradient_reaches_a_zero_head_scale(policy: Optional[str]) -> None:
+    """The returned weights' gradient w.r.t. a learnable head scale equals the plain formula's,
+    also where the scale is exactly 0 (the weights rebuilt lambda as lambda / m * m, which loses
+    the gradient at m = 0)."""
+    torch.manual_seed(0)
+    E, H, L = 8, 2, 5
+    mha = torch_ext.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, scale=policy, train_length=3,
+                                          learnable_scale=True)
+    with torch.no_grad():
+        mha.head_scale.copy_(torch.tensor([0.0, 1.5], dtype=torch.float64))
+    x = torch.randn(1, L, E, dtype=torch.float64)
+    _, w = mha(x, x, x, average_attn_weights=False)
+    upstream = torch.linspace(0, 1, w.numel(), dtype=torch.float64).view(w.shape)
+    (got,) = torch.autograd.grad((w * upstream).sum(), mha.head_scale)
+
+    s = mha.head_scale.detach().clone().requires_grad_()
+    q, k = (F.linear(x, mha.in_proj_weight[i * E : (i + 1) * E], mha.in_proj_bias[i * E : (i + 1) * E]) for i in (0, 1))
+    q, k = (t.view(1, L, H, E // H).transpose(1, 2) for t in (q, k))
+    factor = math.log(L) / math.log(3) if policy == "logn" else 1.0  # n_i = L: no mask
+    lam = s.view(H, 1, 1) * factor / math.sqrt(E // H)
+    want_w = (lam * (q @ k.transpose(-1, -2))).softmax(-1)
+    (want,) = torch.autograd.grad((want_w * upstream).sum(), s)
+    torch.testing.assert_close(w, want_w.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert want[0] != 0

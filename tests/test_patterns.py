@@ -325,3 +325,39 @@ def test_sink_of_minus_infinity_is_no_sink(device: str) -> None:
     assert all(torch.isfinite(gr).all() for gr in grads)
     ref = reference_attention_raw(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), sinks=sinks.cpu(), is_causal=True)
     torch.testing.assert_close(with_sink[2].detach().cpu(), ref.entropy, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_sink_reaches_its_head(device: str) -> None:
+    """A NaN sink is a NaN entry of its head's softmax denominator: that head's output, lse,
+    entropy and the sink's gradient are NaN (it was taken for "no sink", hiding a diverged
+    parameter), while the other head is untouched."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (rand(1, 2, L, 8, gen=g, device=device).requires_grad_() for L in (5, 7, 7))
+    sinks = torch.tensor([float("nan"), 0.5], dtype=F64, device=device, requires_grad=True)
+    res = ops.attention(q, k, v, sinks=sinks, is_causal=True)
+    plain = ops.attention(q, k, v, sinks=torch.tensor([0.0, 0.5], dtype=F64, device=device), is_causal=True)
+    for i in (0, 1, 2, 3):
+        assert torch.isnan(res[i][:, 0]).all(), OUT_NAMES[i]
+        torch.testing.assert_close(res[i][:, 1], plain[i][:, 1])
+    (g_sinks,) = torch.autograd.grad(res[0][:, 1].sum() + res[1][:, 0].sum(), (sinks,))
+    assert torch.isnan(g_sinks[0]) and torch.isfinite(g_sinks[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_window_bounds_are_unbounded(device: str) -> None:
+    """Window bounds of 2^62 or more (sys.maxsize) mean unbounded: they overflowed the range
+    arithmetic and left rows with no key (output 0) where they see every key."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = rand(1, 1, 9, 8, gen=g, device=device), rand(1, 1, 6, 8, gen=g, device=device), rand(1, 1, 6, 8, gen=g, device=device)
+    full = torch_ext.attention(q, k, v, return_stats=True)
+    for window, align in (((-1, 2**63 - 1), "top_left"), ((2**63 - 1, -1), "bottom_right"), ((2**62, 2**62), "top_left")):
+        for attend in (torch_ext.attention, None):
+            if attend is None:  # the raw op, as LibTorch callers reach it
+                res = ops.attention(q, k, v, window_size=list(window), causal_alignment=align)
+                out, n = res[0], res[5]
+            else:
+                out, stats = attend(q, k, v, window_size=window, causal_alignment=align, return_stats=True)
+                n = stats.n_keys
+            assert (n == 6).all(), (window, align)
+            torch.testing.assert_close(out, full[0], msg=lambda s: f"{window} {align}: {s}")

@@ -139,10 +139,38 @@ def test_nanogpt_model_and_monitor() -> None:
 def test_errors() -> None:
     q, k, v = qkv()
     with torch_ext.replace_sdpa():
-        with pytest.raises(ValueError, match="4-D"):
-            F.scaled_dot_product_attention(q[None], k[None], v[None])
+        with pytest.raises(ValueError, match="at least 2 dims"):
+            F.scaled_dot_product_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
     with pytest.raises(ValueError, match="scale"):
         torch_ext.replace_sdpa(scale="bad")
+
+
+@pytest.mark.parametrize(
+    "q_shape,kv_shape,mask_shape,kwargs",
+    [
+        ((5, 8), (6, 8), None, {}),  # one sequence
+        ((5, 8), (6, 8), (5, 6), {}),
+        ((5, 8), (3, 6, 8), None, {}),  # the query broadcast over key's leading dim
+        ((3, 5, 8), (3, 6, 8), (3, 5, 6), {}),
+        ((3, 5, 8), (3, 6, 8), None, {"is_causal": True}),
+        ((2, 1, 5, 8), (2, 2, 6, 8), None, {}),  # one query head broadcast to two key heads
+        ((2, 3, 4, 5, 8), (2, 3, 4, 6, 8), (3, 1, 5, 6), {}),  # 5-D: two leading dims
+        ((2, 3, 4, 5, 8), (1, 3, 2, 6, 8), (2, 1, 1, 5, 6), {"enable_gqa": True}),
+        ((2, 3, 4, 5, 8), (2, 3, 4, 6, 8), None, {"is_causal": True}),
+    ],
+)
+def test_sdpa_layouts(q_shape: tuple, kv_shape: tuple, mask_shape: tuple | None, kwargs: Dict[str, Any]) -> None:
+    """Every layout SDPA takes, (..., L, E) with broadcasting leading dims, gives SDPA's output
+    (shape and values, float64): 2-D, 3-D and 5-D inputs and a broadcast head were refused."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(q_shape, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(kv_shape, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = None if mask_shape is None else torch.randn(mask_shape, dtype=torch.float64, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, mask, **kwargs)
+    with torch_ext.replace_sdpa():
+        got = F.scaled_dot_product_attention(q, k, v, mask, **kwargs)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_torch_compile_fullgraph() -> None:

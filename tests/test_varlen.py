@@ -196,6 +196,13 @@ def test_opcheck_varlen() -> None:
         (dict(sinks=torch.zeros(3)), "sinks"),
         (dict(query=torch.randn(1, 8, 2, 4)), "query"),
         (dict(seqused_k=torch.tensor([4, 9], dtype=torch.int32)), "seqused_k"),
+        (dict(cu_seq_q=None), "cu_seq_q"),
+        (dict(cu_seq_k=[0, 3, 8]), "cu_seq_k"),
+        (dict(is_causal="yes"), "is_causal"),
+        # strided views: their own values are checked (the checks read memory past a view's
+        # elements, accepted these, and the kernels read out of bounds: a segfault)
+        (dict(cu_seq_k=torch.tensor([0, 3, 8, 1000, 1008, 0], dtype=torch.int32)[::2], max_k=1000), "cu_seq_k"),
+        (dict(seqused_k=torch.tensor([2, 4, 500, 0], dtype=torch.int32)[::2]), "seqused_k"),
     ],
 )
 def test_varlen_bad_arguments(change: Dict[str, Any], match: str) -> None:
@@ -206,3 +213,19 @@ def test_varlen_bad_arguments(change: Dict[str, Any], match: str) -> None:
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         torch_ext.varlen_attention(**args)
+
+
+def test_varlen_strided_offsets_are_read_as_values() -> None:
+    """Offsets and seqused_k given as strided views mean the values the view shows (they were read
+    as if contiguous: valid views were refused and invalid ones accepted)."""
+    lens = [3, 5]
+    q, k, v = packed_inputs(lens, lens, 2, 2, 4, torch.float64, "cpu", seed=3)
+    cu = offsets(lens)
+    strided = torch.stack([cu, torch.full_like(cu, -1)], 1).flatten()[::2]  # [0, -1, 3, -1, 8, -1][::2]
+    used = torch.tensor([2, 4], dtype=torch.int32)
+    used_strided = torch.stack([used, torch.full_like(used, 99)], 1).flatten()[::2]
+    assert not strided.is_contiguous() and not used_strided.is_contiguous()
+    for kw in ({}, {"is_causal": True, "window_size": (1, 0)}):
+        want = torch_ext.varlen_attention(q, k, v, cu, cu, 5, 5, seqused_k=used, **kw)
+        got = torch_ext.varlen_attention(q, k, v, strided, strided, 5, 5, seqused_k=used_strided, **kw)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -40,11 +40,13 @@ def _policy_args(
     """Validates the public scale arguments and maps them to the ops' (scale tensor, keyword args)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    # (comparisons, not math.isfinite: these are SymFloats under torch.compile(dynamic=True); NaN
+    # fails them all)
+    if not (0 < temperature < math.inf and 1 / temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number > 0 with a finite inverse, got {temperature}")
     if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
         raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
-    if not (math.isfinite(train_length) and train_length > 1):
+    if not 1 < train_length < math.inf:
         raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
     kwargs = {"scale_factor": None, "scale_mode": "fixed", "temperature": float(temperature), "log_base": 512.0}
     if scale_factor is not None and not (isinstance(scale, str) and scale in _SCALE_MODES):
@@ -62,6 +64,28 @@ def _policy_args(
             return scale_factor, kwargs
         return None, {**kwargs, "scale_factor": _finite_float(scale_factor, "scale_factor")}
     return None, {**kwargs, "scale_factor": _finite_float(scale, "scale")}
+
+
+def _flag(x: object, name: str) -> bool:
+    """``x`` if it is a bool (or numpy's), else a TypeError naming ``name``, as SDPA's argument
+    parser gives (truthiness would read ``is_causal="False"`` as True)."""
+    if isinstance(x, bool):
+        return x
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def _check_tensors(**named: object) -> None:
+    """A TypeError naming the first argument that is not a tensor (``None`` where optional:
+    pass those as ``name=(value, True)``)."""
+    for name, x in named.items():
+        optional = isinstance(x, tuple)
+        if optional:
+            x = x[0]
+        if not (isinstance(x, torch.Tensor) or (optional and x is None)):
+            kind = "a torch.Tensor or None" if optional else "a torch.Tensor"
+            raise TypeError(f"{name} must be {kind}, got {type(x).__name__}")
 
 
 def _finite_float(x: object, name: str) -> float:
@@ -93,6 +117,8 @@ def _pattern_args(
     for name, w in (("window_size[0]", left), ("window_size[1]", right)):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
             raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {w!r}")
+    # A bound of 2^62 or more covers every key of any tensor: unbounded (as the op maps it).
+    left, right = (-1 if w >= 2**62 else int(w) for w in (left, right))
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
     cap = 0.0
@@ -106,6 +132,8 @@ def _pattern_args(
         raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     seed = 0
     if dropout_p > 0:
         seed = int(torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64))
@@ -183,8 +211,10 @@ def attention(
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0 (with sinks: the whole weight on the sink).
     """
+    _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
+    return_stats = _flag(return_stats, "return_stats")
     # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
     res = torch.ops.entropy_attn.attention(
         query,
@@ -192,9 +222,9 @@ def attention(
         value,
         attn_mask,
         scale_tensor,
-        is_causal=bool(is_causal),
-        enable_gqa=bool(enable_gqa),
-        return_stats=bool(return_stats),
+        is_causal=_flag(is_causal, "is_causal"),
+        enable_gqa=_flag(enable_gqa, "enable_gqa"),
+        return_stats=return_stats,
         sinks=sinks,
         **policy,
         **pattern,
@@ -274,6 +304,7 @@ def attention_sparsity(
 
     Rows with no allowed key, or all-zero weights, give 0. Not differentiable.
     """
+    _check_tensors(query=query, key=key, attn_mask=(attn_mask, True))
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, causal_alignment, softcap, 0.0, None)
     del pattern["dropout_p"], pattern["dropout_seed"]
@@ -283,8 +314,8 @@ def attention_sparsity(
         attn_mask,
         scale_tensor,
         kind=kind,
-        is_causal=bool(is_causal),
-        enable_gqa=bool(enable_gqa),
+        is_causal=_flag(is_causal, "is_causal"),
+        enable_gqa=_flag(enable_gqa, "enable_gqa"),
         **policy,
         **pattern,
     )

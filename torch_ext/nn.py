@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torch_ext.attention import length_factor
 from torch_ext.policy import AttentionPolicy, attend
 
 
@@ -230,8 +231,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         )
         lam = stats.scale  # lambda_i, not differentiable: route the learnable multiplier's gradient
         if multiplier is not None:
-            m = multiplier.to(lam.dtype)
-            lam = torch.where(m != 0, lam / m.detach().where(m != 0, 1.0), 0.0) * m
+            # lambda_i = m * (base * g(n_i) / tau): rebuilt from the row's n_i, so that the weights'
+            # gradient reaches m also where m = 0 (lambda / m loses it there)
+            policy = self.policy
+            base = policy.attention_kwargs(q.shape[-1])["scale_factor" if policy.uses_length else "scale"]
+            unit = base * length_factor(
+                stats.n_keys, policy.scale if policy.uses_length else "fixed", temperature=policy.temperature,
+                train_length=policy.train_length, dtype=lam.dtype,
+            )
+            lam = unit * multiplier.to(lam.dtype)
         logits = lam.unsqueeze(-1).to(q.dtype) * (q @ k.transpose(-1, -2))
         L, S = logits.shape[-2:]
         if is_causal:

@@ -26,24 +26,59 @@ def _routed_sdpa(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """SDPA's signature on the fused op: the call's ``scale`` is the base scale of the policy."""
-    if query.dim() == 3 and key.dim() == 3 and value.dim() == 3:  # (N, L, E): one head
-        if attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)
-        out = attend(
-            query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attn_mask, policy=policy,
-            is_causal=is_causal, base_scale=scale, dropout_p=dropout_p,
-        )
-        return out.squeeze(1)
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    """SDPA's signature on the fused op: the call's ``scale`` is the base scale of the policy.
+
+    Any layout SDPA takes: (..., L, E) with leading dims that broadcast among query, key, value
+    (and the mask), the third from last being the heads (3-D inputs (N, L, E): one head each;
+    2-D: one sequence). They are flattened to the op's (B, H, L, E), expanded where they
+    broadcast (as SDPA's math does), and the output is given the broadcast shape back.
+    """
+    if min(query.dim(), key.dim(), value.dim()) < 2:
         raise ValueError(
-            "replace_sdpa: query, key and value must be 4-D (B, H, L, E) or 3-D (N, L, E), got "
+            "replace_sdpa: query, key and value must have at least 2 dims (..., L, E), got "
             f"{query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
         )
-    return attend(
-        query, key, value, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa, base_scale=scale,
+    nd = max(query.dim(), key.dim(), value.dim())
+    if attn_mask is not None and attn_mask.dim() > nd:
+        raise ValueError(
+            f"replace_sdpa: attn_mask has {attn_mask.dim()} dims, more than query, key and value ({nd}): "
+            "pass a mask broadcastable to the output (..., L, S)"
+        )
+    if nd < 4:  # one head: a heads dim of 1 in front of (L, E), and in front of a mask's (L, S)
+        query, key, value = (t.unsqueeze(-3) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dim() >= 3:
+            attn_mask = attn_mask.unsqueeze(-3)
+    full = max(query.dim(), key.dim(), value.dim())
+    tensors = [t.reshape((1,) * (full - t.dim()) + t.shape) for t in (query, key, value)]
+    try:
+        outer = torch.broadcast_shapes(*(t.shape[:-3] for t in tensors))
+        kv_heads = torch.broadcast_shapes(key.shape[-3:-2], value.shape[-3:-2])[0]
+        q_heads = query.shape[-3]
+        if not (enable_gqa and kv_heads != q_heads):  # without GQA the heads broadcast too
+            q_heads = kv_heads = torch.broadcast_shapes((q_heads,), (kv_heads,))[0]
+    except RuntimeError:
+        raise ValueError(
+            "replace_sdpa: the batch sizes and heads (leading dims) of query, key and value, "
+            f"{tuple(query.shape[:-2])}, {tuple(key.shape[:-2])} and {tuple(value.shape[:-2])}, do not broadcast"
+        ) from None
+    batch = 1
+    for n in outer:
+        batch *= n
+    q, k, v = (
+        t.expand(*outer, h, *t.shape[-2:]).reshape(batch, h, *t.shape[-2:])
+        for t, h in zip(tensors, (q_heads, kv_heads, kv_heads))
+    )
+    if attn_mask is not None and attn_mask.dim() > 3:
+        m = attn_mask.reshape((1,) * (len(outer) + 3 - attn_mask.dim()) + attn_mask.shape)
+        if any(n != 1 for n in m.shape[:-3]):
+            m = m.expand(*outer, *m.shape[-3:])
+        attn_mask = m.reshape(-1 if m.shape[:-3] else 1, *m.shape[-3:])
+    out = attend(
+        q, k, v, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=q_heads != kv_heads, base_scale=scale,
         dropout_p=dropout_p,
     )
+    out = out.reshape(*outer, *out.shape[1:])
+    return out.squeeze(-3) if nd < 4 else out
 
 
 class replace_sdpa(TorchFunctionMode):
@@ -56,8 +91,9 @@ class replace_sdpa(TorchFunctionMode):
 
     A :class:`~torch_ext.AttentionEntropyMonitor` that records sees these calls, named by the
     innermost module running. It is a ``TorchFunctionMode``: thread-local, nestable (the innermost
-    applies), and traced by ``torch.compile`` when active around the compiled call. Calls with
-    ``dropout_p > 0`` raise (the op has no attention dropout). Float-mask entries at or below
+    applies), and traced by ``torch.compile`` when active around the compiled call. Inputs of any
+    layout SDPA takes ((..., L, E), broadcasting leading dims); ``dropout_p`` applies the op's
+    attention dropout (pass it in training only, as SDPA's callers do). Float-mask entries at or below
     ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0 (SDPA:
     the mean of the values for a ``finfo.min`` mask, NaN for ``-inf``).
 

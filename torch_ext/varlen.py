@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from torch_ext.attention import AttentionStats, _pattern_args, _policy_args, _stats
+from torch_ext.attention import AttentionStats, _check_tensors, _flag, _pattern_args, _policy_args, _stats
 
 
 def varlen_attention(
@@ -61,8 +61,11 @@ def varlen_attention(
     for name, m in (("max_q", max_q), ("max_k", max_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+    _check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
+                   seqused_k=(seqused_k, True), sinks=(sinks, True))
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, "bottom_right", softcap, dropout_p, generator)
+    return_stats = _flag(return_stats, "return_stats")
     del pattern["causal_alignment"]  # always bottom-right within each sequence
     res = torch.ops.entropy_attn.varlen_attention(
         query,
@@ -74,9 +77,9 @@ def varlen_attention(
         int(max_k),
         scale_tensor,
         seqused_k=seqused_k,
-        is_causal=bool(is_causal),
-        enable_gqa=bool(enable_gqa),
-        return_stats=bool(return_stats),
+        is_causal=_flag(is_causal, "is_causal"),
+        enable_gqa=_flag(enable_gqa, "enable_gqa"),
+        return_stats=return_stats,
         sinks=sinks,
         **policy,
         **pattern,

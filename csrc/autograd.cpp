@@ -57,8 +57,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                        {cu_seq_q, cu_seq_k, std::nullopt}, options);
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
-    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse, entropy,
-                            sum_p2, row_scale, length_factor, scale.value_or(at::Tensor()),
+    // Without statistics, entropy and sum_p2 are saved as zeros of their full shape (a broadcast
+    // scalar, no memory), not as the empty outputs: the saved tensors' shapes then do not depend on
+    // return_stats, so that activation checkpointing may re-run a forward that returned them
+    // (a step the monitor recorded) without them, or the other way round.
+    const at::Tensor no_stat = at::zeros({}, lse.options()).expand_symint(lse.sym_sizes());
+    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse,
+                            options.return_stats ? entropy : no_stat,
+                            options.return_stats ? sum_p2 : no_stat, row_scale, length_factor,
+                            scale.value_or(at::Tensor()),
                             n_keys, sinks.value_or(at::Tensor()), cu_seq_q.value_or(at::Tensor()),
                             cu_seq_k.value_or(at::Tensor())});
     save_options(ctx, options);

@@ -178,7 +178,8 @@ def test_llama_packed_batch_matches_unpacked_rows(attn: str, how: str) -> None:
     scale and under "logn" (n_i restarts with each document, so the scale is per document)."""
     model = build(LlamaConfig(intermediate_size=128, **COMMON))
     ids, pos, docs = packed_inputs()
-    kwargs: Dict[str, Any] = {"position_ids": pos}
+    # (no cache: with one transformers attends across the documents, as "sdpa" then does)
+    kwargs: Dict[str, Any] = {"position_ids": pos, "use_cache": False}
     if how == "cu_seq_lens":
         cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
         kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(LENGTHS), "max_length_k": max(LENGTHS)}
@@ -214,7 +215,7 @@ def test_monitor_per_document_positions() -> None:
     model = build(LlamaConfig(intermediate_size=128, **COMMON), PLAIN)
     ids, pos, docs = packed_inputs()
     with torch_ext.AttentionEntropyMonitor(model, positions=True) as packed_monitor:
-        model(input_ids=ids, position_ids=pos)
+        model(input_ids=ids, position_ids=pos, use_cache=False)
     with torch_ext.AttentionEntropyMonitor(model, positions=True) as alone_monitor:
         for d in docs:
             model(input_ids=d)

@@ -277,3 +277,44 @@ def test_ddp_two_processes_gloo(tmp_path: Any) -> None:
     check_records(got["records"], materialized_stats(model, x, pad))
     for n, p in model.named_parameters():
         torch.testing.assert_close(torch.tensor(got["grads"][n], dtype=torch.float64), p.grad, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("order", ["recorded_first", "recorded_last", "backward_inside"])
+def test_checkpointed_forwards_with_and_without_recording(order: str) -> None:
+    """Non-reentrant activation checkpointing re-runs forwards in backward, where the monitor does
+    not record. Forwards recorded and not recorded before one backward, in either order or with
+    the backward inside the recording step, must all re-run (the op saves the same tensors with
+    and without statistics: a shape mismatch was a CheckpointError), give the gradients of the
+    plain call, and count each recorded row once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torch_ext.policy import AttentionPolicy, attend
+
+    policy = AttentionPolicy("logn", 1.0, 4)
+
+    def f(q: torch.Tensor) -> torch.Tensor:
+        return attend(q, q, q, None, policy=policy, is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q1, q2 = (torch.randn(1, 2, 8, 16, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    monitor = torch_ext.AttentionEntropyMonitor(every=1)
+    if order == "recorded_first":
+        with monitor.step(0):
+            y1 = checkpoint(f, q1, use_reentrant=False)
+        y2 = checkpoint(f, q2, use_reentrant=False)
+        (y1.sum() + y2.sum()).backward()
+    elif order == "recorded_last":
+        y2 = checkpoint(f, q2, use_reentrant=False)
+        with monitor.step(0):
+            y1 = checkpoint(f, q1, use_reentrant=False)
+        (y1.sum() + y2.sum()).backward()
+    else:
+        y2 = checkpoint(f, q2, use_reentrant=False)
+        with monitor.step(0):
+            y1 = checkpoint(f, q1, use_reentrant=False)
+            (y1.sum() + y2.sum()).backward()
+    for q in (q1, q2):
+        p = q.detach().clone().requires_grad_()
+        f(p).sum().backward()
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    assert [r["rows"] for r in monitor.latest] == [8, 8]  # one call of 8 rows, per head

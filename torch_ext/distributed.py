@@ -273,7 +273,10 @@ def context_parallel_attention(
     recording = _monitor.is_recording()
     if not (return_stats or recording):
         return out
-    normalized, sparsity, effective = derived_stats(ent, sum_p2, n)
+    # (for the monitor alone, outside autograd: a checkpointed re-run, which does not record,
+    # must save what this forward saved)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and return_stats):
+        normalized, sparsity, effective = derived_stats(ent, sum_p2, n)
     stats = AttentionStats(lse=lse, entropy=ent, normalized_entropy=normalized, sparsity=sparsity,
                            effective_keys=effective, max_weight=max_w, n_keys=n, scale=lam.detach())
     if recording:  # the monitor's end-of-step all-reduce sums the ranks' rows

@@ -27,12 +27,14 @@ padding) give 0, as "sdpa" gives with boolean masks.
 
 What the model passes goes to the op: attention dropout (``dropout``, training only), logit
 soft-capping (``softcap``, Gemma 2), attention sinks (``s_aux`` / ``sinks``, gpt-oss), the
-layer's ``sliding_window`` (Mistral, Gemma 2/3, gpt-oss: the op skips the key blocks outside the
-window; the mask still decides, so KV caches of any layout stay right) and packed batches:
-transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
-keyword arguments (``DataCollatorWithFlattening``), or, for a batch of one row, ``position_ids``
-that restart, run as :func:`torch_ext.varlen_attention`, so that each document attends only to
-itself and n_i restarts with each document (the monitor's per-position curves too).
+layer's ``sliding_window`` (Mistral, Gemma 2/3, gpt-oss: the op skips the key blocks left of the
+window; where a mask is given it still decides, so KV caches of any layout and masks that open
+later keys, as Gemma 3's image blocks, stay right) and packed batches: transformers'
+``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` keyword arguments
+(``DataCollatorWithFlattening``), or, for a batch of one row, ``position_ids`` that restart with
+transformers' own packed-batch mask (each row sees its document's keys under causality and the
+window; not while torch.compile traces), run as :func:`torch_ext.varlen_attention`, so that each document attends
+only to itself and n_i restarts with each document (the monitor's per-position curves too).
 
 Not supported (they raise, naming the argument): additive ``position_bias`` (T5-style relative
 biases, ALiBi) and paged KV caches (continuous batching). ``output_attentions=True`` warns and gives ``None``
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -63,7 +66,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         f"works without it ({exc})"
     ) from exc
 
-from torch_ext.policy import AttentionPolicy, attend, attend_varlen
+from torch_ext import monitor as _monitor
+from torch_ext.policy import AttentionPolicy, attend, attend_varlen, masked_entries
 
 __all__ = ["register", "attention_forward"]
 
@@ -156,7 +160,7 @@ def attention_forward(
     features: dict[str, Any] = {"softcap": kwargs.get("softcap"), "sinks": sinks, "dropout_p": float(dropout)}
     window = _window(kwargs.get("sliding_window"), bool(is_causal))
 
-    documents = _documents(query, key, kwargs)
+    documents = _documents(query, key, attention_mask, kwargs, bool(is_causal), window)
     if documents is not None:
         # A packed batch: each document attends to itself only (causality and the window within
         # it), whatever mask transformers built for "sdpa".
@@ -168,9 +172,10 @@ def attention_forward(
         )
         return out.unsqueeze(0), None
     # The window also lets the op skip key blocks, where its alignment is unambiguous (as many
-    # queries as keys: training and prefill); the mask carries it in every case.
+    # queries as keys: training and prefill); the mask carries it in every case and decides: a
+    # bound the mask crosses is dropped (Gemma 3's bidirectional image blocks in its sliding layers).
     if q_length == kv_length:
-        features["window_size"] = window
+        features["window_size"] = _window_inside_mask(window, attention_mask)
     # As "sdpa": the causal flag only without a mask (a mask already carries causality) and never
     # for one query row (decoding attends to every cached key: bottom-right alignment).
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
@@ -182,28 +187,111 @@ def attention_forward(
     # attend() expands a batch of 1 and makes finfo.min float-mask entries -inf (out of n_i).
     out = attend(
         query, key, value, attention_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa,
-        base_scale=scaling, module=module, **features,
+        base_scale=scaling, module=module, **features, **_monitor_rows(query, key, attention_mask, kwargs),
     )
     return out.transpose(1, 2).contiguous(), None
 
 
+def _monitor_rows(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor], kwargs: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """What the monitor needs to know of a dense call's rows, when it records: their token
+    positions (``position_ids``: right under a KV cache, where row i is not position i) and, for
+    self-attention with a mask, which rows are real tokens (a padding token's own key is masked;
+    right padding's rows still see the real keys, so n_i >= 1 does not exclude them)."""
+    if not _monitor.is_recording():
+        return {}
+    found: dict[str, torch.Tensor] = {}
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] == query.shape[2]:
+        found["positions"] = pos
+    square = query.shape[2] == key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4 and square and attention_mask.shape[-2:] == key.shape[2:3] * 2:
+        own = _allowed(torch.diagonal(attention_mask, dim1=-2, dim2=-1))  # (B or 1, H or 1, L): row i, key i
+        found["rows"] = own.any(dim=1).expand(query.shape[0], -1)
+    return found
+
+
+class _ValueChecks:
+    """Answers of checks that read tensor values (a device sync each), kept while the tensors they
+    read live unchanged (same object, same ``_version``): the layers of one forward share their
+    mask and position_ids, so each check runs once per forward and layer type, not per layer."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._entries: list[tuple[tuple[weakref.ref, ...], tuple[Any, ...], Any]] = []
+
+    def get(self, tensors: tuple[torch.Tensor, ...], params: Any, compute: Any) -> Any:
+        """``compute()``, or its answer for the same ``tensors`` and ``params`` when kept."""
+        key = (tuple(t._version for t in tensors), params)
+        for refs, k, answer in self._entries:
+            if k == key and all(r() is t for r, t in zip(refs, tensors)):
+                return answer
+        answer = compute()
+        entry = (tuple(weakref.ref(t) for t in tensors), key, answer)
+        self._entries = [entry] + self._entries[: self._size - 1]
+        return answer
+
+
+_checks = _ValueChecks()
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Where a bool or additive mask lets the row see the key (the op's reading of it)."""
+    return ~masked_entries(mask)
+
+
+def _window_inside_mask(window: tuple[int, int], attention_mask: Optional[torch.Tensor]) -> tuple[int, int]:
+    """``window`` without the bounds that a square ``attention_mask`` crosses (it allows some row
+    a key beyond them), so that the window only skips key blocks the mask hides. While
+    torch.compile traces (no values to read): without the right bound, which only masks that open
+    later keys cross (transformers applies the left bound after opening image blocks)."""
+    left, right = window
+    if attention_mask is None or (left < 0 and right < 0):
+        return window
+    if torch.compiler.is_compiling():
+        return (left, -1)
+
+    def inside() -> tuple[int, int]:
+        allowed = _allowed(attention_mask)
+        keep_left = left < 0 or not bool(torch.tril(allowed, -left - 1).any())
+        keep_right = right < 0 or not bool(torch.triu(allowed, right + 1).any())
+        return (left if keep_left else -1, right if keep_right else -1)
+
+    return _checks.get((attention_mask,), ("window", window), inside)
+
+
 def _window(sliding_window: Any, causal: bool) -> tuple[int, int]:
-    """The op's window_size of transformers' ``sliding_window`` W: a causal layer sees the W most
-    recent keys, itself included (masking_utils: kv_idx > q_idx - W), a bidirectional one keys
-    within distance W (|q_idx - kv_idx| <= W)."""
+    """The op's window_size of the ``sliding_window`` W that transformers passes to attention
+    functions: a causal layer sees the W most recent keys, itself included (masking_utils:
+    kv_idx > q_idx - W), a bidirectional one keys at distance below W (W - 1 on each side, as
+    transformers' flash-attention path maps it and the masks of ModernBERT and bidirectional
+    Gemma 3 are built)."""
     if sliding_window is None or sliding_window <= 0:
         return (-1, -1)
     w = int(sliding_window)
-    return (w - 1, 0) if causal else (w, w)
+    return (w - 1, 0) if causal else (w - 1, w - 1)
 
 
-def _documents(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
+def _documents(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    kwargs: dict[str, Any],
+    causal: bool,
+    window: tuple[int, int],
+) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """``(cu_seq_q, cu_seq_k, max_q, max_k)`` of a packed batch, or None.
 
     From transformers' packed-sequence keyword arguments (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
     as ``DataCollatorWithFlattening`` and the flash-attention backends use them), or from
     ``position_ids`` of a one-row batch without a cache whose positions restart (transformers'
-    own rule for "sdpa": a new document wherever a position is not the previous one plus 1).
+    own rule: a new document wherever a position is not the previous one plus 1) when there is
+    a mask and it is exactly the packed pattern (each row sees its own document's keys under
+    ``causal`` and ``window``): transformers builds such a mask when it detects packing itself,
+    while without a mask, or with a mask with a hole (``generate`` repeats a position there),
+    padding, a user's all-ones mask or a cache, it attends otherwise, as "sdpa" then does.
+    Not while torch.compile traces (the check reads values): the dense path with the mask.
     """
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
@@ -217,15 +305,54 @@ def _documents(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -
     pos = kwargs.get("position_ids")
     if pos is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or pos.dim() != 2 or pos.shape[0] != 1:
         return None
-    if pos.shape[-1] != query.shape[2] or kwargs.get("past_key_values") is not None:
+    if pos.shape[-1] != query.shape[2] or torch.compiler.is_compiling():
         return None
-    starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1
-    if starts.numel() == 0:
-        return None  # one document: the dense path
-    total = pos.shape[-1]
-    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), total)]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return cu, cu, max_len, max_len
+    if attention_mask is None:
+        return None  # (no mask: transformers saw no packing, and "sdpa" runs causal across them)
+
+    def packed() -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1
+        if starts.numel() == 0:
+            return None  # one document: the dense path
+        total = pos.shape[-1]
+        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), total)])
+        if not _is_packed_mask(attention_mask, cu, causal, window):
+            return None
+        cu = cu.to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        return cu, cu, max_len, max_len
+
+    return _checks.get((pos, attention_mask), ("documents", causal, window), packed)
+
+
+def _is_packed_mask(attention_mask: torch.Tensor, cu: torch.Tensor, causal: bool, window: tuple[int, int]) -> bool:
+    """Whether a (1, 1 or H, L, L) bool or additive mask is exactly what the packed path computes
+    for the documents of offsets ``cu``: each row sees the keys of its own document that causality
+    and ``window`` allow (so a padding row, which sees nothing, or a document's bidirectional
+    image block keep the dense path). Each row's expected keys are an interval, compared with the
+    mask in slices of rows: no L x L temporary beyond a slice."""
+    total = int(cu[-1])
+    if attention_mask.dim() != 4 or attention_mask.shape[0] != 1 or attention_mask.shape[-2:] != (total, total):
+        return False
+    device = attention_mask.device
+    cu = cu.to(device)
+    i = torch.arange(total, device=device)
+    document = torch.bucketize(i, cu[1:-1], right=True)  # row i's document d: cu[d] <= i < cu[d + 1]
+    lo, hi = cu[document], cu[document + 1] - 1  # its keys, inclusive
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0:
+        lo = torch.maximum(lo, i - left)
+    if right >= 0:
+        hi = torch.minimum(hi, i + right)
+    rows = max(1, (1 << 24) // max(total, 1))
+    for r in range(0, total, rows):
+        allowed = _allowed(attention_mask[0, :, r : r + rows])
+        expected = (i >= lo[r : r + rows, None]) & (i <= hi[r : r + rows, None])
+        if not bool((allowed == expected).all()):
+            return False
+    return True
 
 
 def register(

@@ -79,13 +79,23 @@ def _pad_to_same(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return (torch.nn.functional.pad(a, (0, n - a.shape[-1])), torch.nn.functional.pad(b, (0, n - b.shape[-1])))
 
 
-def _reduce_call(stats: AttentionStats, positions: bool, row_positions: Optional[torch.Tensor] = None) -> _LayerAccumulator:
+def _reduce_call(
+    stats: AttentionStats,
+    positions: bool,
+    row_positions: Optional[torch.Tensor] = None,
+    rows: Optional[torch.Tensor] = None,
+) -> _LayerAccumulator:
     """Per-head reductions of one call's (B, H, Lq) statistics over batch and rows.
 
-    ``row_positions`` (Lq,): the position of each row for the per-position curve, when it is not
-    the row index (a packed call: the row's position inside its own document)."""
+    ``row_positions`` (Lq,) or (B, Lq): the position of each row for the per-position curve, when
+    it is not the row index (a packed call: the row's position inside its own document; a call
+    with a KV cache: the token's position). ``rows`` (B, Lq) bool: the rows to count (False:
+    padding tokens), beside the rule that a row must see a key."""
     n = stats.n_keys
-    valid, valid2 = n >= 1, n >= 2
+    valid = n >= 1
+    if rows is not None:
+        valid = valid & rows.to(valid.device).unsqueeze(1)
+    valid2 = valid & (n >= 2)
     f64 = torch.float64
 
     def masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -118,12 +128,16 @@ def _reduce_call(stats: AttentionStats, positions: bool, row_positions: Optional
     if positions:
         acc.position_sum = torch.where(valid2, stats.normalized_entropy.to(f64), 0).sum(0).detach()
         acc.position_count = valid2.sum(0).to(f64)
-        if row_positions is not None:  # rows at the same in-document position pool together
-            length = int(row_positions.max()) + 1 if row_positions.numel() else 0
-            index = row_positions.long().expand_as(acc.position_sum)
-            heads = acc.position_sum.shape[0]
-            acc.position_sum = acc.position_sum.new_zeros(heads, length).scatter_add_(1, index, acc.position_sum)
-            acc.position_count = acc.position_count.new_zeros(heads, length).scatter_add_(1, index, acc.position_count)
+        if row_positions is not None:  # rows at the same position pool together
+            # (B, H, Lq) -> (H, B * Lq), each row with its position
+            values = torch.where(valid2, stats.normalized_entropy.to(f64), 0).transpose(0, 1).flatten(1)
+            counts = valid2.transpose(0, 1).flatten(1).to(f64)
+            index = row_positions.long().to(values.device).expand(n.shape[0], n.shape[2]).flatten()
+            index = index.clamp(min=0).expand_as(values)  # (padding rows may carry -1: not counted)
+            length = int(index.max()) + 1 if index.numel() else 0
+            heads = values.shape[0]
+            acc.position_sum = values.new_zeros(heads, length).scatter_add_(1, index, values).detach()
+            acc.position_count = counts.new_zeros(heads, length).scatter_add_(1, index, counts)
     return acc
 
 
@@ -244,24 +258,36 @@ def _active() -> Optional["AttentionEntropyMonitor"]:
 
 def is_recording() -> bool:
     """Whether an :class:`AttentionEntropyMonitor` is recording on this thread (always False
-    while torch.compile traces: a compiled graph does not report to the monitor)."""
-    if torch.compiler.is_compiling():
+    while torch.compile traces: a compiled graph does not report to the monitor, and during
+    backward: a checkpointed forward's re-run does not report twice). The op saves the same
+    tensors with and without statistics, so such a re-run may differ from its forward here."""
+    if torch.compiler.is_compiling() or _in_backward():
         return False
     return _active() is not None
 
 
+def _in_backward() -> bool:
+    """Whether this call runs inside the autograd engine: activation checkpointing re-running a
+    forward in backward, whose rows the forward recorded (or chose not to) already."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def record(
-    stats: AttentionStats, module: Optional[torch.nn.Module] = None, positions: Optional[torch.Tensor] = None
+    stats: AttentionStats,
+    module: Optional[torch.nn.Module] = None,
+    positions: Optional[torch.Tensor] = None,
+    rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Adds one attention call's statistics to the recording monitor (no-op when none records).
 
     ``module`` names the layer (its path in the monitor's model); without it, the innermost module
-    of the model that is running, else the call's order in the step. ``positions`` (Lq,): each
-    row's position for the per-position curves when it is not the row index (packed documents).
+    of the model that is running, else the call's order in the step. ``positions`` (Lq,) or
+    (B, Lq): each row's position for the per-position curves when it is not the row index (packed
+    documents, KV caches). ``rows`` (B, Lq) bool: which rows count (False: padding tokens).
     """
     m = _active()
-    if m is not None and not torch.compiler.is_compiling():
-        m._add(stats, module, positions)
+    if m is not None and is_recording():
+        m._add(stats, module, positions, rows)
 
 
 @dataclass
@@ -430,9 +456,16 @@ class AttentionEntropyMonitor:
         self._anonymous_calls += 1  # no module: by call order within the step
         return f"attention.{self._anonymous_calls - 1}"
 
-    def _add(self, stats: AttentionStats, module: Optional[torch.nn.Module], positions: Optional[torch.Tensor] = None) -> None:
+    def _add(
+        self,
+        stats: AttentionStats,
+        module: Optional[torch.nn.Module],
+        positions: Optional[torch.Tensor] = None,
+        rows: Optional[torch.Tensor] = None,
+    ) -> None:
         name = self._layer_name(module)
-        acc = _reduce_call(stats, self.positions, positions)
+        with torch.no_grad():  # the reductions must not join the model's autograd graph
+            acc = _reduce_call(stats, self.positions, positions, rows)
         if name in self._layers:
             self._layers[name].add(acc)
         else:

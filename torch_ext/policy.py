@@ -55,6 +55,15 @@ class AttentionPolicy:
         return {**kwargs, "scale": c}
 
 
+def masked_entries(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Where a bool or additive mask hides the key: ``False`` entries of a bool mask, float entries
+    at or below ``finfo(dtype).min / 2`` (``-inf`` included; transformers and many models fill
+    padding with ``finfo.min``)."""
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask
+    return attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+
+
 def sdpa_conventions(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -72,7 +81,7 @@ def sdpa_conventions(
     if len(sizes) > 1:
         query, key, value = (t.expand(b, *t.shape[1:]) if t.shape[0] != b else t for t in (query, key, value))
     if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.masked_fill(attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
+        attn_mask = attn_mask.masked_fill(masked_entries(attn_mask), float("-inf"))
     return query, key, value, attn_mask
 
 
@@ -89,13 +98,17 @@ def attend(
     multiplier: torch.Tensor | None = None,
     module: torch.nn.Module | None = None,
     return_stats: bool = False,
+    positions: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
     **features: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """:func:`torch_ext.attention` under ``policy``, with SDPA's conventions
     (:func:`sdpa_conventions`); reports the statistics to the active monitor.
 
     ``module`` names the layer for the monitor (its path in the monitored model); without it the
-    monitor uses the innermost module running. ``return_stats`` also returns the statistics.
+    monitor uses the innermost module running. ``positions`` (Lq,) or (B, Lq) and ``rows`` (B, Lq)
+    bool tell the monitor each row's token position (default: the row index) and which rows are
+    real tokens (default: those that see a key). ``return_stats`` also returns the statistics.
     ``features`` go to :func:`torch_ext.attention` as they are: ``window_size``,
     ``causal_alignment``, ``softcap``, ``sinks``, ``dropout_p``.
     """
@@ -106,7 +119,7 @@ def attend(
     out, stats = attention(
         query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs
     )
-    _monitor.record(stats, module)
+    _monitor.record(stats, module, positions, rows)
     return (out, stats) if return_stats else out
 
 

@@ -1,0 +1,412 @@
+"""Regression tests of the transformers backend (torch_ext.hf) and of the monitor on it, one per
+bug found in review: each fails on the code before its fix.
+
+1. A causal sliding layer's window intersected with a mask that opens later keys (Gemma 3 image
+   blocks).
+2. A bidirectional sliding window W mapped to (W, W) instead of transformers' (W - 1, W - 1).
+3. A one-row batch whose position_ids restart read as packed documents although the mask
+   attends across them (a 2-D mask with a hole in generate(), an all-ones mask, a KV cache).
+4. torch.compile(fullgraph=True) of a batch of one (data-dependent ops on position_ids).
+5. The monitor with gradient checkpointing (CheckpointError; rows counted twice).
+6. The monitor's per-position curves under a KV cache (rows pooled at their row index).
+7. The monitor counting right-padding rows.
+
+Tiny random-weight models built from configs (no downloads), CPU, float64 where the comparison
+is tight, float32 elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch_ext  # noqa: E402
+import torch_ext.hf as hf  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoModelForCausalLM,
+    BertConfig,
+    DynamicCache,
+    Gemma3TextConfig,
+    LlamaConfig,
+    ModernBertConfig,
+    Qwen3Config,
+)
+
+PLAIN = "torch_ext_regressions_plain"
+VOCAB = 100
+RTOL = 2e-5
+TIGHT = 1e-9  # float64 comparisons
+
+COMMON: Dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+    max_position_embeddings=64, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+LENGTHS = [5, 7, 3, 6]  # packed documents (longer than the windows below, so that the window matters)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _backends() -> None:
+    hf.register(PLAIN)
+
+
+def build(config: Any, attn: str = "sdpa", dtype: torch.dtype = torch.float64, cls: Any = AutoModelForCausalLM) -> Any:
+    """A model from ``config`` with fixed weights (seed 0), in eval mode."""
+    torch.manual_seed(0)
+    return cls.from_config(config, attn_implementation=attn, dtype=dtype).eval()
+
+
+def llama(attn: str = "sdpa", dtype: torch.dtype = torch.float64) -> Any:
+    return build(LlamaConfig(intermediate_size=128, **COMMON), attn, dtype)
+
+
+def token_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    """Random token ids avoiding the special ids 0-2."""
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def packed_documents() -> Tuple[List[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The documents alone, their packed row, its restarting position_ids and cu_seq_lens."""
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(3, VOCAB, (1, n), generator=g) for n in LENGTHS]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int32)
+    return docs, torch.cat(docs, dim=1), pos, cu
+
+
+def output_of(out: Any) -> torch.Tensor:
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def grads_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_grads(grads: Dict[str, torch.Tensor], ref_grads: Dict[str, torch.Tensor], rtol: float) -> None:
+    """Relative norm error per parameter, against 1% of the whole gradient's norm for gradients
+    that are 0 in exact arithmetic (rounding noise in both)."""
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    total = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm().item()
+        assert err <= rtol * max(g.norm().item(), 1e-2 * total), f"{name}: |error| {err:.3g}, |grad| {g.norm():.3g}"
+
+
+# --- 1. a causal window and a mask that opens later keys ---------------------------------------
+def test_causal_window_keeps_later_keys_the_mask_allows() -> None:
+    """Gemma 3's sliding layers are causal, but their mask opens the keys of an image block to each
+    of its tokens, later ones included. The layer's sliding_window must not clip those (the op's
+    window had a right bound of 0 on top of the mask): the function equals transformers'
+    sdpa_attention_forward, which follows the mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fn = transformers.AttentionInterface()[PLAIN]
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    length, window = 8, 4
+    q, k, v = (torch.randn(1, 2, length, 16, dtype=torch.float64) for _ in range(3))
+    i = torch.arange(length)
+    mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)
+    mask[2:5, 2:5] = True  # image tokens 2..4 see each other, inside the window
+    mask = mask[None, None]
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
+    out, _ = fn(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
+    torch.testing.assert_close(out, ref, rtol=TIGHT, atol=TIGHT)
+
+
+@pytest.mark.parametrize("block", ["later_keys", "earlier_keys", "none"])
+def test_window_bounds_follow_the_mask(block: str) -> None:
+    """Whichever side of the window the mask opens (an image block longer than the window opens
+    keys left of it), the function follows the mask as sdpa_attention_forward does, and a mask
+    inside the band keeps the window (the op then skips the blocks outside it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fn = transformers.AttentionInterface()[PLAIN]
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    length, window = 10, 3
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, length, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    i = torch.arange(length)
+    mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)
+    if block == "later_keys":
+        mask[3:5, 3:5] = True
+    elif block == "earlier_keys":
+        mask[2:8, 2:8] = True  # 6 image tokens, longer than the window
+    mask = mask[None, None]
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
+    out, _ = fn(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
+    torch.testing.assert_close(out, ref, rtol=TIGHT, atol=TIGHT)
+    kept = torch_ext.hf._window_inside_mask((window - 1, 0), mask)
+    assert kept == {"later_keys": (2, -1), "earlier_keys": (-1, -1), "none": (2, 0)}[block]
+
+
+# --- 2. a bidirectional sliding window ---------------------------------------------------------
+def modernbert() -> Any:
+    """ModernBERT with local_attention 4: its local layers get sliding_window 3 (local // 2 + 1)
+    and transformers' mask lets them see keys at distance <= 2."""
+    cfg = ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, initializer_range=0.2,
+        pad_token_id=0, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0,
+    )
+    return build(cfg, cls=AutoModel)
+
+
+def gemma3_bidirectional() -> Any:
+    """Gemma 3 with use_bidirectional_attention (embedding models), sliding window 3 on layer 0."""
+    cfg = Gemma3TextConfig(
+        intermediate_size=128, head_dim=16, sliding_window=3, query_pre_attn_scalar=20,
+        use_bidirectional_attention=True, layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )
+    return build(cfg)
+
+
+@pytest.mark.parametrize("family", ["modernbert", "gemma3_bidirectional"])
+def test_bidirectional_window_packed_matches_documents_alone(family: str) -> None:
+    """A packed row (transformers' cu_seq_lens kwargs, the varlen path, where the window alone
+    bounds the keys) gives each document the output it gets alone (through transformers' mask):
+    a bidirectional sliding_window W is W - 1 keys on each side, not W."""
+    model = modernbert() if family == "modernbert" else gemma3_bidirectional()
+    model.set_attn_implementation(PLAIN)
+    docs, ids, pos, cu = packed_documents()
+    packed_kwargs = dict(
+        position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS),
+    )
+    with torch.no_grad():
+        packed = output_of(model(input_ids=ids, use_cache=False, **packed_kwargs))
+        alone = torch.cat([output_of(model(input_ids=d, use_cache=False)) for d in docs], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=TIGHT, atol=TIGHT * alone.abs().max().item())
+
+
+# --- 3. restarting position_ids without a packed mask ------------------------------------------
+def test_generate_with_a_masked_prompt_token_matches_sdpa() -> None:
+    """generate() on one prompt whose 2-D attention_mask masks a token inside it: generate derives
+    position_ids = cumsum(mask) - 1, which repeat a position there. That is not a packed row (the
+    mask attends across the "documents"): tokens and first-step scores equal "sdpa"'s."""
+    cfg = Qwen3Config(intermediate_size=128, head_dim=16, **COMMON)
+    model = build(cfg)
+    ids = token_ids(1, 10)
+    mask = torch.ones_like(ids)
+    mask[0, 3] = 0
+    kw: Dict[str, Any] = dict(
+        attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+        output_scores=True, return_dict_in_generate=True,
+    )
+    ref = model.generate(ids, **kw)
+    model.set_attn_implementation(PLAIN)
+    out = model.generate(ids, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(out.scores[0], ref.scores[0], rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("route", ["all_ones_mask", "default_cache"])
+def test_restarting_positions_without_packed_mask_match_sdpa(route: str) -> None:
+    """A row with restarting position_ids but a user's all-ones 2-D mask, or a KV cache (the model's
+    default use_cache=True): transformers builds no block-diagonal mask then and "sdpa" attends
+    causally across the "documents"; the backend must too, not run them as packed documents."""
+    model = llama()
+    _, ids, pos, _ = packed_documents()
+    kw: Dict[str, Any] = dict(position_ids=pos)
+    if route == "all_ones_mask":
+        kw.update(attention_mask=torch.ones_like(ids), use_cache=False)
+    results = {}
+    for attn in ("sdpa", PLAIN):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            results[attn] = model(input_ids=ids, **kw).logits
+    ref = results["sdpa"]
+    torch.testing.assert_close(results[PLAIN], ref, rtol=TIGHT, atol=TIGHT * ref.abs().max().item())
+
+
+# --- 4. torch.compile of a batch of one --------------------------------------------------------
+def test_compile_fullgraph_batch_of_one() -> None:
+    """torch.compile(fullgraph=True) of a one-row forward and backward: the packed-row check reads
+    position_ids values (data-dependent) and must not run while dynamo traces. Compiled logits and
+    gradients equal the eager ones."""
+    model = llama(PLAIN, torch.float32)
+    ids = token_ids(1, 12)
+    w = torch.randn(1, 12, VOCAB, generator=torch.Generator().manual_seed(2))
+
+    model.zero_grad(set_to_none=True)
+    ref = model(input_ids=ids, use_cache=False).logits
+    (ref * w).sum().backward()
+    ref_grads = grads_of(model)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        model.zero_grad(set_to_none=True)
+        out = compiled(input_ids=ids, use_cache=False).logits
+        (out * w).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out.detach(), ref.detach(), rtol=RTOL, atol=RTOL * ref.abs().max().item())
+    assert_close_grads(grads_of(model), ref_grads, RTOL)
+
+
+# --- 5. the monitor with gradient checkpointing ------------------------------------------------
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("backward", ["outside_step", "inside_step"])
+def test_monitor_with_gradient_checkpointing(backward: str) -> None:
+    """Activation checkpointing (transformers' default, non-reentrant) re-runs each layer's forward
+    in backward. With the monitor, the re-run must call the op as the recorded forward did (else
+    torch.utils.checkpoint raises CheckpointError: backward after the step, as the README shows),
+    and must not record its rows a second time (backward inside the step). Gradients equal those
+    of the model without checkpointing; each head counts the real (unpadded) tokens once."""
+    ids = token_ids(3, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    ids[0, :3] = 0
+
+    reference = llama(PLAIN).train()
+    reference(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+    model = llama(PLAIN).train()
+    model.gradient_checkpointing_enable()
+    monitor = torch_ext.AttentionEntropyMonitor(model, every=1)
+    with monitor.step(0):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        if backward == "inside_step":
+            loss.backward()
+    if backward == "outside_step":
+        loss.backward()
+
+    assert_close_grads(grads_of(model), grads_of(reference), 1e-10)
+    assert len(monitor.latest) == 2 * 4  # layers x heads
+    assert [r["rows"] for r in monitor.latest] == [int(mask.sum())] * len(monitor.latest)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_checkpointing_after_a_monitored_pass() -> None:
+    """A monitored pass leaves nothing behind: a later checkpointed training step without the
+    monitor re-runs its forward without statistics, as that forward ran (a flag kept from the
+    monitored pass made the re-run compute them: CheckpointError, metadata differs)."""
+    ids = token_ids(2, 12)
+    reference = llama(PLAIN).train()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    model = llama(PLAIN)
+    model.eval()
+    with torch_ext.AttentionEntropyMonitor(model), torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+    model.gradient_checkpointing_enable()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert_close_grads(grads_of(model), grads_of(reference), 1e-10)
+
+
+# --- 6. the monitor's per-position curves under a KV cache -------------------------------------
+@pytest.mark.parametrize("how", ["generate", "prefill_and_decode"])
+def test_monitor_positions_with_kv_cache(how: str) -> None:
+    """With positions=True, rows computed against a KV cache (generate's decoding steps, a chunked
+    prefill) pool at their token position (from position_ids), not at their row index: the curve
+    and row counts equal those of one forward over the same tokens."""
+    model = llama(PLAIN)
+    ids = token_ids(1, 8)
+    with torch.no_grad():
+        seq = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    tokens = seq[:, :-1]  # what generate() fed the model: 8 prompt tokens, then 3 generated ones
+    with torch_ext.AttentionEntropyMonitor(model, positions=True) as full, torch.no_grad():
+        model(tokens)
+    with torch_ext.AttentionEntropyMonitor(model, positions=True) as cached, torch.no_grad():
+        if how == "generate":
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+        else:
+            cache = DynamicCache(config=model.config)
+            for a, b in [(0, 4), (4, 8), (8, 9), (9, 11)]:  # two prefill chunks, then single tokens
+                model(tokens[:, a:b], past_key_values=cache, use_cache=True)
+    assert sorted(cached.latest_positions) == sorted(full.latest_positions) and len(full.latest_positions) == 2
+    for layer, curve in full.latest_positions.items():
+        assert curve.shape == (4, tokens.shape[1])
+        torch.testing.assert_close(cached.latest_positions[layer], curve, rtol=1e-9, atol=1e-9)
+    full_records = {(r["layer"], r["head"]): r for r in full.latest}
+    for r in cached.latest:
+        f = full_records[(r["layer"], r["head"])]
+        assert r["rows"] == f["rows"] == tokens.shape[1]
+        assert r["entropy_mean"] == pytest.approx(f["entropy_mean"], rel=1e-9)
+
+
+# --- 7. the monitor and right padding ----------------------------------------------------------
+def test_monitor_excludes_right_padding_rows() -> None:
+    """A right-padded encoder batch (BERT): a padding token's row still sees the real keys
+    (n_i >= 1), but it is no token of the data; the monitor counts only rows whose own key is
+    unmasked. rows and entropy means equal those over the real tokens of the eager attention
+    weights."""
+    cfg = BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.2,
+    )
+    model = build(cfg, "eager", cls=AutoModel)
+    ids = token_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0  # row 0: 6 real tokens, 6 padding
+    ids[0, 6:] = 0
+    with torch.no_grad():
+        weights = model(ids, attention_mask=mask, output_attentions=True).attentions  # per layer (B, H, L, L)
+    model.set_attn_implementation(PLAIN)
+    with torch_ext.AttentionEntropyMonitor(model) as monitor, torch.no_grad():
+        model(ids, attention_mask=mask)
+    layers = sorted({r["layer"] for r in monitor.latest})
+    assert len(layers) == 2 and len(monitor.latest) == 2 * 4
+    real = mask.bool()
+    for r in monitor.latest:
+        p = weights[layers.index(r["layer"])][:, r["head"]]  # (B, L, L)
+        entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)  # (B, L)
+        assert r["rows"] == int(real.sum())
+        assert r["entropy_mean"] == pytest.approx(entropy[real].mean().item(), rel=1e-9)
+
+
+# --- 8. the packed-mask check: exact, without an L x L temporary, once per forward -------------
+def brute_force_packed_mask(lengths: List[int], causal: bool, window: Tuple[int, int]) -> torch.Tensor:
+    """The (L, L) pattern of documents of ``lengths``, written plainly: key j is visible to row i
+    iff both lie in one document, j <= i when causal, and i - left <= j <= i + right (-1: no bound)."""
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    total = len(doc)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    left, right = window
+    for i in range(total):
+        for j in range(total):
+            ok = bool(doc[i] == doc[j]) and (not causal or j <= i)
+            ok = ok and (left < 0 or j >= i - left) and (right < 0 or j <= i + right)
+            allowed[i, j] = ok
+    return allowed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_mask_check_against_brute_force(seed: int) -> None:
+    """_is_packed_mask (row intervals compared in slices) accepts exactly the packed pattern, as bool
+    and as transformers' additive finfo.min mask, and refuses it with any one entry flipped."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 7, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    total = int(cu[-1])
+    for causal in (True, False):
+        for window in ((-1, -1), (2, 0), (1, 1), (0, 3)):
+            want = brute_force_packed_mask(lengths, causal, window)
+            additive = torch.zeros(total, total, dtype=torch.float32).masked_fill(~want, torch.finfo(torch.float32).min)
+            for mask in (want, additive):
+                assert hf._is_packed_mask(mask[None, None], cu, causal, window), (lengths, causal, window)
+            i, j = (int(x) for x in torch.randint(0, total, (2,), generator=g))
+            flipped = want.clone()
+            flipped[i, j] = ~flipped[i, j]
+            assert not hf._is_packed_mask(flipped[None, None], cu, causal, window), (lengths, causal, window, i, j)
+
+
+def test_packed_row_checked_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers of one forward share the mask and position_ids: the packed-row check (which
+    reads their values, a device sync) runs once per forward, not once per layer, and a new
+    forward (new tensors) checks again."""
+    model = llama(PLAIN)
+    _, ids, pos, _ = packed_documents()
+    calls: List[int] = []
+    check = hf._is_packed_mask
+    monkeypatch.setattr(hf, "_is_packed_mask", lambda *a: calls.append(1) or check(*a))
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+        assert len(calls) == 1  # two layers
+        model(input_ids=ids, position_ids=pos.clone(), use_cache=False)
+    assert len(calls) == 2

@@ -128,6 +128,20 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                         std::isfinite(1 / options.temperature),
                     "temperature must be a finite number > 0 with a finite inverse, got ",
                     options.temperature);
+  if (query.scalar_type() != at::kDouble) {
+    // The kernels of float32 and 16-bit inputs form lambda_i = c g(n_i) / tau in float32 from c
+    // and 1 / tau: a finite double there may overflow it (every logit infinite, the output NaN).
+    constexpr double kMax = std::numeric_limits<float>::max();
+    const double c =
+        options.scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    TORCH_CHECK_VALUE(1 / options.temperature <= kMax,
+                      "temperature must be at least 1 / FLT_MAX for ", query.scalar_type(),
+                      " inputs (their kernels compute in float32), got ", options.temperature);
+    TORCH_CHECK_VALUE(std::abs(c) <= kMax && std::abs(c / options.temperature) <= kMax,
+                      "scale / temperature = ", c, " / ", options.temperature,
+                      " overflows float32, in which the kernels of ", query.scalar_type(),
+                      " inputs compute lambda_i");
+  }
   if (options.scale_mode != ScaleMode::kFixed) {
     TORCH_CHECK_VALUE(std::isfinite(options.log_base) && options.log_base > 1,
                       "log_base (train_length) must be a finite number > 1, got ",
@@ -268,7 +282,14 @@ AttentionShape check_attention_backward_inputs(
 }
 
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc) {
-  at::Tensor m = attn_mask.scalar_type() == at::kBool ? attn_mask : attn_mask.to(acc);
+  at::Tensor m = attn_mask;
+  if (m.scalar_type() == at::kDouble && acc == at::kFloat) {
+    // A finite float64 value beyond float32's range is an offset, not a mask (docs/math.md
+    // section 8): it becomes +-FLT_MAX, not the +-inf a plain cast would make of it.
+    constexpr double kMax = std::numeric_limits<float>::max();
+    m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
+  }
+  if (m.scalar_type() != at::kBool) m = m.to(acc);
   return m.expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 

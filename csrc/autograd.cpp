@@ -112,7 +112,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     at::Tensor g_entropy, g_sum_p2;  // a forward without statistics returned them empty
     if (options.return_stats) {
-      const at::Tensor support = sinks.defined() ? saved[11] + 1 : saved[11];
+      // (a sink of -inf is no entry: online_stats.h, is_sink_entry)
+      const at::Tensor support =
+          sinks.defined() ? saved[11] + at::isneginf(sinks).logical_not().view({1, -1, 1})
+                          : saved[11];
       std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], support);
     }
     auto [dq, dk, dv, dlam, dsinks] = call_attention_backward(
@@ -204,16 +207,20 @@ struct EntropyFunction : RowReductionFunction<EntropyFunction> {
 };
 
 // S = A / sqrt(n Q) with A = sum |a|, Q = sum a^2: dS/da_j = sign(a_j) r - A r a_j / Q,
-// r = 1 / sqrt(n Q); 0 for an all-zero slice.
+// r = 1 / sqrt(n Q); 0 for an all-zero slice. S is scale-free, so this is evaluated at a / d, d the
+// slice's largest |a| (no underflow or overflow in A and Q: reduction_math.h, sparsity_divisor),
+// and divided by d.
 struct SparsityFunction : RowReductionFunction<SparsityFunction> {
   static constexpr const char* kOpName = "entropy_attn::sparsity";
-  static at::Tensor local_grad(const at::Tensor& a, int64_t dim) {
+  static at::Tensor local_grad(const at::Tensor& x, int64_t dim) {
+    const at::Tensor abs_max = x.abs().amax(dim, /*keepdim=*/true);
+    const at::Tensor nonzero = abs_max > 0;
+    const at::Tensor d = at::where(nonzero, abs_max, at::ones_like(abs_max));
+    const at::Tensor a = x / d;
     const at::Tensor l1 = a.abs().sum(dim, /*keepdim=*/true);
-    const at::Tensor q = (a * a).sum(dim, /*keepdim=*/true);
-    const at::Tensor nonzero = q > 0;
-    const at::Tensor safe_q = at::where(nonzero, q, at::ones_like(q));
-    const at::Tensor r = at::where(nonzero, at::rsqrt(safe_q * a.size(dim)), at::zeros_like(q));
-    return at::sign(a) * r - (l1 * r / safe_q) * a;
+    const at::Tensor q = at::where(nonzero, (a * a).sum(dim, /*keepdim=*/true), at::ones_like(d));
+    const at::Tensor r = at::where(nonzero, at::rsqrt(q * a.size(dim)), at::zeros_like(q));
+    return (at::sign(a) * r - (l1 * r / q) * a) / d;
   }
 };
 

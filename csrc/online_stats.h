@@ -57,19 +57,33 @@ struct Log2 {
   }
 };
 
+// Whether a sink logit is an entry of its rows' softmax (docs/math.md section 6). A sink of -inf
+// carries no weight and is no sink: the row starts empty and the derived statistics count the n_i
+// keys alone, as without one (this also keeps the first rescale from forming -inf - -inf). A NaN
+// sink is an entry (m = NaN), so that the row's denominator, hence its output and statistics,
+// are NaN, as the math has them.
+template <typename acc_t>
+EA_HOST_DEVICE bool is_sink_entry(acc_t sink) {
+  return !(sink == -std::numeric_limits<acc_t>::infinity());
+}
+
+// Whether head h's rows have a sink entry (sinks: (H,) or null); the derived statistics then count
+// n_i + 1 outcomes.
+template <typename acc_t>
+EA_HOST_DEVICE bool has_sink_entry(const acc_t* sinks, int64_t h) {
+  return sinks != nullptr && is_sink_entry(sinks[h]);
+}
+
 // The state of a row before its first key. With an attention sink (gpt-oss) the softmax
 // denominator holds one more entry, a per-head logit with no value: the row starts as if it had
 // seen that entry, m = sink (in the kernel's Unit), l = 1 (e^0), t = 0 (its x = s - m is 0),
 // u = 1, so that lse, the weights and every statistic describe the distribution over the keys and
 // the sink (docs/math.md section 6), and the output, which the sink does not feed, is divided by
 // the whole denominator.
-// A sink of -inf carries no weight: the row starts empty (as without a sink), which also keeps
-// the first rescale from forming -inf - -inf. A NaN sink enters (m = NaN), so that the row's
-// denominator, hence its output and statistics, are NaN, as the math has them.
 template <typename acc_t>
 EA_HOST_DEVICE RowStats<acc_t> initial_state(bool has_sink, acc_t sink) {
   RowStats<acc_t> st;
-  if (has_sink && !(sink == -std::numeric_limits<acc_t>::infinity())) {
+  if (has_sink && is_sink_entry(sink)) {
     st.m = sink, st.l = acc_t(1), st.u = acc_t(1);
   }
   return st;

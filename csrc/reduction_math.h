@@ -23,6 +23,14 @@ EA_HOST_DEVICE acc_t sparsity_value(acc_t l1, acc_t l2, int64_t n) {
   return l2 == acc_t(0) ? acc_t(0) : l1 / std::sqrt(static_cast<acc_t>(n) * l2);
 }
 
+// The sparsity's sums are taken over |a_j| / d with d the slice's largest |a| (S is scale-free),
+// so that they neither underflow (a slice of 1e-25 in float32) nor overflow (1e20): this is d,
+// or 1 for an all-zero slice (S = 0) and one whose maximum is NaN (the sums carry the NaN).
+template <typename acc_t>
+EA_HOST_DEVICE acc_t sparsity_divisor(acc_t abs_max) {
+  return abs_max > acc_t(0) ? abs_max : acc_t(1);
+}
+
 // attention_sparsity of non-softmax attention a = b^p: the base b = relu(s) with p = 2 ("relu2") or
 // b = s with p = 1 ("identity"); masked (-inf) logits give 0, NaN stays NaN.
 template <typename acc_t>

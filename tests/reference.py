@@ -188,12 +188,12 @@ def reference_attention_raw(
         add = attn_mask.to(device=dev, dtype=torch.float64).expand(B, H, Lq, Lk)
         s = s + torch.where(allowed, add, torch.zeros_like(add))
     if sinks is not None:
-        # One more column: the sink logit, always allowed, whose value is 0.
+        # One more column: the sink logit, whose value is 0, allowed unless it is -inf (no sink).
         sink_col = sinks.to(torch.float64).to(dev).view(1, H, 1, 1).expand(B, H, Lq, 1)
         s = torch.cat([s, sink_col], dim=-1)
-        allowed = torch.cat([allowed, torch.ones(B, H, Lq, 1, dtype=torch.bool, device=dev)], dim=-1)
+        allowed = torch.cat([allowed, ~torch.isneginf(sink_col)], dim=-1)
         v = torch.cat([v, torch.zeros(B, H, 1, Dv, dtype=torch.float64, device=dev)], dim=-2)
-    support = allowed.sum(-1)  # entries of the distribution: n_i (+ 1 with a sink)
+    support = allowed.sum(-1)  # entries of the distribution: n_i (+ 1 with a sink entry)
     has_support = support > 0
     # Empty rows: let every entry through (finite logits) so softmax never sees an
     # all -inf row; the row is zeroed afterwards. Keeps forward and backward NaN-free.

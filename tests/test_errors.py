@@ -106,6 +106,15 @@ CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
     ("mask_list", dict(attn_mask=[[True]]), "attn_mask"),
     ("sinks_list", dict(sinks=[0.0] * H), "sinks"),
     ("generator_str", dict(dropout_p=0.1, generator="x"), "generator"),
+    # ints beyond float's range (OverflowError without a name)
+    ("scale_huge_int", dict(scale=10**400), "scale"),
+    ("temperature_huge_int", dict(temperature=10**400), "temperature"),
+    ("train_length_huge_int", dict(scale="logn", train_length=10**400), "train_length"),
+    ("softcap_huge_int", dict(softcap=10**400), "softcap"),
+    # finite in float64, infinite in float32, in which the kernels of float32 inputs form lambda_i
+    ("scale_beyond_float32", dict(scale=1e39), "scale"),
+    ("temperature_below_float32", dict(temperature=1e-39), "temperature"),
+    ("scale_over_temperature_beyond_float32", dict(scale=1e30, temperature=1e-10), "scale"),
 )
 
 
@@ -152,6 +161,44 @@ def test_mixed_devices(which: str) -> None:
     over[which] = over[which].cpu()
     with pytest.raises(ERR, match=which):
         call(**over)
+
+
+def test_other_entry_points_name_bad_arguments() -> None:
+    """attention_sparsity's kind, length_factor's policy arguments, varlen_attention's max_q and
+    replace_sdpa's mask batch raise naming the argument (they were dispatcher RuntimeErrors, a
+    ValueError naming nothing, or expand's RuntimeError)."""
+    q, k = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D)
+    with pytest.raises(TypeError, match="kind"):
+        torch_ext.attention_sparsity(q, k, kind=None)
+    n = torch.arange(1, 5)
+    for kw, name in ((dict(temperature="a"), "temperature"), (dict(train_length=None), "train_length"), (dict(scale=3), "scale")):
+        with pytest.raises(ERR, match=name):
+            torch_ext.length_factor(n, **kw)
+    t = torch.randn(5, H, D)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    for m in (2**70, -1):
+        with pytest.raises(ValueError, match="max_q"):
+            torch_ext.varlen_attention(t, t, t, cu, cu, m, 5)
+    with torch_ext.replace_sdpa(), pytest.raises(ValueError, match="attn_mask"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, torch.zeros(B + 1, H, Lq, Lk))
+
+
+def test_float64_mask_values_beyond_float32_are_offsets() -> None:
+    """A float64 additive mask with float32 inputs: finite values beyond float32's range are
+    offsets, not masks (a plain cast made them -inf: out of n_i, and a row whose every key
+    carried -1e300 gave 0 instead of attending uniformly), as with float64 inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, L, 4, dtype=torch.float64, generator=g) for L in (3, 6, 6))
+    mask = torch.zeros(3, 6, dtype=torch.float64)
+    mask[0, :2] = -1e300  # some keys of row 0 carry it
+    mask[1] = -1e300  # every key of row 1: uniform over the 6 keys
+    mask[2, 5] = float("-inf")  # masked
+    for scale in (None, "logn"):
+        want, want_stats = torch_ext.attention(q, k, v, mask, scale=scale, train_length=4, return_stats=True)
+        got, stats = torch_ext.attention(q.float(), k.float(), v.float(), mask, scale=scale, train_length=4, return_stats=True)
+        assert stats.n_keys.flatten().tolist() == want_stats.n_keys.flatten().tolist() == [6, 6, 5]
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(want[0, 0, 1], v[0, 0].mean(0))
 
 
 STATS_OPS: Tuple[Tuple[str, Callable[..., Tensor]], ...] = (

@@ -233,6 +233,12 @@ def test_errors() -> None:
         m(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask"):
         m(x, x, x, key_padding_mask=torch.zeros(B, L + 1, dtype=torch.bool))
+    # integer masks (the legacy "1 = padding" uint8 convention was added as a +1 logit offset)
+    for dtype in (torch.uint8, torch.int64):
+        with pytest.raises(TypeError, match="attn_mask"):
+            m(x, x, x, attn_mask=torch.zeros(L, L, dtype=dtype))
+        with pytest.raises(TypeError, match="key_padding_mask"):
+            m(x, x, x, key_padding_mask=torch.zeros(B, L, dtype=dtype))
     with pytest.raises(ValueError, match="scale"):
         torch_ext.nn.MultiheadAttention(E, H, scale="log")
     with pytest.raises(ValueError, match="temperature"):

@@ -311,20 +311,29 @@ def test_window_equals_mask() -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sink_of_minus_infinity_is_no_sink(device: str) -> None:
-    """A sink of -inf carries no weight: output, lse, entropy and sum_p2 equal the call without
-    sinks, with no NaN, forward and backward (a head may switch its sink off that way)."""
+    """A sink of -inf carries no weight and is no sink: every output of its head, the derived
+    statistics included (which counted it as an outcome: n_i + 1, and inf sparsity and effective
+    keys in a row that sees no key), equals the call without sinks, with no NaN, forward and
+    backward (a head may switch its sink off that way)."""
     g = torch.Generator().manual_seed(13)
     q, k, v = (rand(1, 2, L, 8, gen=g, device=device).requires_grad_() for L in (6, 9, 9))
+    mask = torch.ones(6, 9, dtype=torch.bool, device=device)
+    mask[2] = False  # row 2 sees no key
     sinks = torch.tensor([float("-inf"), 0.5], dtype=F64, device=device)
-    with_sink = ops.attention(q, k, v, sinks=sinks, is_causal=True)
-    plain = ops.attention(q, k, v, is_causal=True)
-    for i in (0, 1, 2, 3):
-        assert torch.isfinite(with_sink[i]).all()
-        torch.testing.assert_close(with_sink[i][:, 0], plain[i][:, 0])
-    grads = torch.autograd.grad(with_sink[0].sum() + with_sink[2].sum(), (q, k, v))
+    with_sink = ops.attention(q, k, v, mask, sinks=sinks, is_causal=True, return_stats=True)
+    plain = ops.attention(q, k, v, mask, is_causal=True, return_stats=True)
+    for i, name in enumerate(OUT_NAMES):
+        assert torch.isfinite(with_sink[i]).all(), name
+        torch.testing.assert_close(with_sink[i][:, 0], plain[i][:, 0], msg=lambda s: f"{name}: {s}")
+    derived = sum(with_sink[i].sum() for i in (0, 2, 8, 9, 10))
+    grads = torch.autograd.grad(derived, (q, k, v))
+    plain_grads = torch.autograd.grad(sum(plain[i].sum() for i in (0, 2, 8, 9, 10)), (q, k, v))
     assert all(torch.isfinite(gr).all() for gr in grads)
-    ref = reference_attention_raw(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), sinks=sinks.cpu(), is_causal=True)
-    torch.testing.assert_close(with_sink[2].detach().cpu(), ref.entropy, atol=1e-12, rtol=1e-10)
+    ref = reference_attention_raw(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), mask.cpu(), sinks=sinks.cpu(), is_causal=True)
+    for i, name in ((2, "entropy"), (8, "normalized_entropy"), (9, "sparsity"), (10, "effective_keys")):
+        torch.testing.assert_close(with_sink[i].detach().cpu(), getattr(ref, name), atol=1e-12, rtol=1e-10)
+    for gr, plain_gr in zip(grads, plain_grads):  # head 0's (head 1's sink changes head 1's)
+        torch.testing.assert_close(gr[:, 0], plain_gr[:, 0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -141,6 +141,24 @@ def test_sparsity_scale_invariant(device: str) -> None:
     assert (s > 0).all() and (s <= 1 + 1e-12).all()
 
 
+@pytest.mark.parametrize("dtype,magnitudes", [(torch.float32, (1e-30, 1e-21, 1e20, 1e30)), (torch.float64, (1e-300, 1e-170, 1e160, 1e300))], ids=str)
+def test_sparsity_extreme_magnitudes(device: str, dtype: torch.dtype, magnitudes: Tuple[float, ...]) -> None:
+    """S is scale-free: rows of tiny or huge entries (whose sum of squares under- or overflows the
+    dtype) give S of the same row at unit scale, and the gradient scales as 1/c (it was 0, 1e-21
+    gave 0.9997 in float32, and huge rows 0)."""
+    base = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.5, -2.0, 1.0, 0.25]], dtype=torch.float64)
+    want = reference_sparsity(base, -1)
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    leaf = base.clone().requires_grad_()
+    (want_grad,) = torch.autograd.grad((reference_sparsity(leaf, -1) * g).sum(), [leaf])
+    for c in magnitudes:
+        a = (c * base).to(dtype).to(device).requires_grad_()
+        s = torch_ext.sparsity(a)
+        torch.testing.assert_close(s.double().cpu(), want, atol=1e-6, rtol=1e-6, msg=lambda m: f"c = {c}: {m}")
+        (grad,) = torch.autograd.grad((s * g.to(dtype).to(device)).sum(), [a])
+        torch.testing.assert_close((grad.double().cpu() * c), want_grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad, c = {c}: {m}")
+
+
 def test_sparsity_noncontiguous(device: str) -> None:
     """Transposed input along both dims."""
     a = torch.randn(9, 13, dtype=torch.float64, device=device).t()

@@ -48,7 +48,12 @@ def _policy_args(
         raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
     if not 1 < train_length < math.inf:
         raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
-    kwargs = {"scale_factor": None, "scale_mode": "fixed", "temperature": float(temperature), "log_base": 512.0}
+    kwargs = {
+        "scale_factor": None,
+        "scale_mode": "fixed",
+        "temperature": _as_float(temperature, "temperature", "a finite number > 0"),
+        "log_base": 512.0,
+    }
     if scale_factor is not None and not (isinstance(scale, str) and scale in _SCALE_MODES):
         raise ValueError(
             f"scale_factor is the base scale of the {_SCALE_MODES} policies; with scale={scale!r} pass the "
@@ -59,7 +64,7 @@ def _policy_args(
     if isinstance(scale, str):
         if scale not in _SCALE_MODES:
             raise ValueError(f"scale must be None, a float, a Tensor or one of {_SCALE_MODES}, got {scale!r}")
-        kwargs = {**kwargs, "scale_mode": scale, "log_base": float(train_length)}
+        kwargs = {**kwargs, "scale_mode": scale, "log_base": _as_float(train_length, "train_length", "a finite number > 1")}
         if scale_factor is None or isinstance(scale_factor, torch.Tensor):
             return scale_factor, kwargs
         return None, {**kwargs, "scale_factor": _finite_float(scale_factor, "scale_factor")}
@@ -88,12 +93,22 @@ def _check_tensors(**named: object) -> None:
             raise TypeError(f"{name} must be {kind}, got {type(x).__name__}")
 
 
+def _as_float(x: object, name: str, requirement: str) -> float:
+    """``float(x)`` of a real number, or a ValueError naming ``name`` where it overflows (an int
+    beyond float's range: OverflowError otherwise)."""
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except OverflowError:
+        raise ValueError(f"{name} must be {requirement}, got an int beyond float's range") from None
+
+
 def _finite_float(x: object, name: str) -> float:
     """``x`` as a float, or a TypeError/ValueError naming ``name``."""
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
-        if not math.isfinite(x):
+        value = _as_float(x, name, "finite")
+        if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {x}")
-        return float(x)
+        return value
     raise TypeError(f"{name} must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(x).__name__}")
 
 
@@ -125,9 +140,9 @@ def _pattern_args(
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
-        if not (math.isfinite(softcap) and softcap > 0):
+        cap = _as_float(softcap, "softcap", "a finite number > 0")
+        if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-        cap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
     if not 0 <= dropout_p < 1:
@@ -256,7 +271,12 @@ def length_factor(
         temperature: tau > 0. train_length: the log base b > 1.
         dtype: torch.float32 (the float32 / 16-bit kernels') or torch.float64.
     """
-    return torch.ops.entropy_attn.length_factor(n_keys, scale, float(temperature), float(train_length), dtype=dtype)
+    _check_tensors(n_keys=n_keys)
+    policy = _policy_args(None, temperature, train_length)[1]  # (checks both, naming them)
+    if not isinstance(scale, str):
+        raise TypeError(f"scale must be 'fixed', 'logn' or 'logn_sharpen', got {type(scale).__name__}")
+    log_base = _as_float(train_length, "train_length", "a finite number > 1")
+    return torch.ops.entropy_attn.length_factor(n_keys, scale, policy["temperature"], log_base, dtype=dtype)
 
 
 def _stats(res: tuple[torch.Tensor, ...]) -> AttentionStats:
@@ -305,6 +325,8 @@ def attention_sparsity(
     Rows with no allowed key, or all-zero weights, give 0. Not differentiable.
     """
     _check_tensors(query=query, key=key, attn_mask=(attn_mask, True))
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be one of 'exp', 'relu2', 'identity', got {type(kind).__name__}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, causal_alignment, softcap, 0.0, None)
     del pattern["dropout_p"], pattern["dropout_seed"]

@@ -183,6 +183,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """attn_mask and key_padding_mask in the op's convention (bool True = attend, or additive),
         broadcastable to (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
         masks = []
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
+                # (as torch.nn.MultiheadAttention: an integer mask is neither convention)
+                raise TypeError(f"{name} must be a bool or floating-point tensor, got {m.dtype}")
         if attn_mask is not None:
             if attn_mask.dim() == 2:
                 if attn_mask.shape != (L, S):

@@ -70,6 +70,11 @@ def _routed_sdpa(
     )
     if attn_mask is not None and attn_mask.dim() > 3:
         m = attn_mask.reshape((1,) * (len(outer) + 3 - attn_mask.dim()) + attn_mask.shape)
+        if not all(n in (1, o) for n, o in zip(m.shape[:-3], outer)):
+            raise ValueError(
+                f"replace_sdpa: attn_mask's leading dims {tuple(attn_mask.shape[:-3])} do not broadcast to those "
+                f"of query, key and value, {tuple(outer)}"
+            )
         if any(n != 1 for n in m.shape[:-3]):
             m = m.expand(*outer, *m.shape[-3:])
         attn_mask = m.reshape(-1 if m.shape[:-3] else 1, *m.shape[-3:])

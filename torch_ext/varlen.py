@@ -61,6 +61,8 @@ def varlen_attention(
     for name, m in (("max_q", max_q), ("max_k", max_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+        if not 0 <= m < 2**63:
+            raise ValueError(f"{name} must be an int in [0, 2^63), got {m}")
     _check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
                    seqused_k=(seqused_k, True), sinks=(sinks, True))
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)

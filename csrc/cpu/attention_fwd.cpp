@@ -109,7 +109,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     if (!a.with_stats) continue;
     // With a sink the distribution has one more entry than the n_i keys.
     const DerivedStats<acc_t> d =
-        derive(res.entropy, res.sum_p2, buf.setup[r].n + (a.sinks != nullptr ? 1 : 0));
+        derive(res.entropy, res.sum_p2, buf.setup[r].n + (has_sink_entry(a.sinks, h) ? 1 : 0));
     a.entropy[row0 + r] = res.entropy;
     a.sum_p2[row0 + r] = res.sum_p2;
     a.max_weight[row0 + r] = res.max_weight;

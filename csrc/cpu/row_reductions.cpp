@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "../reduction_dim.h"
@@ -48,10 +49,13 @@ at::Tensor entropy_cpu(const at::Tensor& p, int64_t dim) {
 at::Tensor sparsity_cpu(const at::Tensor& a, int64_t dim) {
   return reduce_rows(a, dim, "a", [](const auto* x, int64_t n) {
     using acc_t = at::opmath_type<std::remove_cv_t<std::remove_pointer_t<decltype(x)>>>;
+    acc_t abs_max = 0;
+    for (int64_t j = 0; j < n; ++j) abs_max = std::max(abs_max, std::abs(static_cast<acc_t>(x[j])));
+    const acc_t d = sparsity_divisor(abs_max);
     acc_t l1 = 0, l2 = 0;
     for (int64_t j = 0; j < n; ++j) {
-      const acc_t v = static_cast<acc_t>(x[j]);
-      l1 += std::abs(v);
+      const acc_t v = std::abs(static_cast<acc_t>(x[j])) / d;
+      l1 += v;
       l2 += v * v;
     }
     return sparsity_value(l1, l2, n);

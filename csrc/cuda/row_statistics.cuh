@@ -11,8 +11,8 @@
 namespace entropy_attn::cuda {
 
 // Writes row `row`'s statistics from its finished state. n_keys is the number of keys the row
-// sees (n_i); with a sink the distribution has one more entry, which the derived statistics count
-// (the sink is not a key: n_i itself is unchanged).
+// sees (n_i); with a sink entry (online_stats.h: has_sink_entry) the distribution has one more
+// entry, which the derived statistics count (the sink is not a key: n_i itself is unchanged).
 template <typename acc_t>
 __device__ __forceinline__ void store_row_statistics(const FwdParams<acc_t>& p, int64_t row,
                                                      const RowResult<acc_t>& res, int64_t n_keys,

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
       p.length_factor[row] = tr.factor[r];
       p.lse[row] = res.lse;
       if (p.entropy != nullptr) {  // a call with statistics
-        store_row_statistics(p, row, res, tr.n[r], p.sinks != nullptr);
+        store_row_statistics(p, row, res, tr.n[r], has_sink_entry(p.sinks, h));
       }
     }
   }

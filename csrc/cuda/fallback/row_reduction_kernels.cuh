@@ -30,10 +30,18 @@ __global__ void __launch_bounds__(kThreads) row_sparsity_kernel(const RowReducti
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= p.rows) return;
   const T* x = static_cast<const T*>(p.in) + row * p.n;
-  AccType<T> l1 = 0, l2 = 0;
+  using Acc = AccType<T>;
+  auto abs_at = [&](int64_t j) {
+    const Acc v = to_acc(x[j]);
+    return v < 0 ? -v : v;
+  };
+  Acc abs_max = 0;
+  for (int64_t j = threadIdx.x % 32; j < p.n; j += 32) abs_max = nan_max(abs_max, abs_at(j));
+  const Acc d = sparsity_divisor(warp_max(abs_max));
+  Acc l1 = 0, l2 = 0;
   for (int64_t j = threadIdx.x % 32; j < p.n; j += 32) {
-    const AccType<T> v = to_acc(x[j]);
-    l1 += v < 0 ? -v : v;
+    const Acc v = abs_at(j) / d;
+    l1 += v;
     l2 += v * v;
   }
   l1 = warp_sum(l1), l2 = warp_sum(l2);

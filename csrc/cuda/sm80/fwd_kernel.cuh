@@ -758,7 +758,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       }
       p.lse[row] = res.lse;
       if constexpr (kStats) {
-        store_row_statistics(p, row, res, p.n_keys[row], kCausal && p.sinks != nullptr);
+        store_row_statistics(p, row, res, p.n_keys[row], kCausal && has_sink_entry(p.sinks, h));
       }
     }
   }

@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (__any_sync(0xffffffffu, nonfinite) && lane == 0 && p.nonfinite != nullptr) *p.nonfinite = 1;
   if (lane != 0) return;
   p.lse[row] = res.lse;
-  if constexpr (kStats) store_row_statistics(p, row, res, p.n_keys[row], p.sinks != nullptr);
+  if constexpr (kStats) {
+    const int64_t h = row / p.q_len % p.heads;
+    store_row_statistics(p, row, res, p.n_keys[row], has_sink_entry(p.sinks, h));
+  }
 }
 
 }  // namespace fwd_impl

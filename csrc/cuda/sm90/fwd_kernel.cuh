@@ -605,7 +605,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int64_t row_idx = row0 + i;
       p.lse[row_idx] = res.lse;
       if constexpr (kStats) {
-        store_row_statistics(p, row_idx, res, n_row[r], kCausal && p.sinks != nullptr);
+        store_row_statistics(p, row_idx, res, n_row[r], kCausal && has_sink_entry(p.sinks, h));
       }
     }
   }

@@ -10,6 +10,11 @@ bug found in review: each fails on the code before its fix.
 5. The monitor with gradient checkpointing (CheckpointError; rows counted twice).
 6. The monitor's per-position curves under a KV cache (rows pooled at their row index).
 7. The monitor counting right-padding rows.
+8. The packed-mask check (exact, in slices, once per forward).
+9. DeepSeek-V3.2's indexer selection (``indices``) ignored: every row attended to all its keys.
+10. Gemma 4's sliced query rows (KV-shared layers, ``logits_to_keep``) aligned top-left.
+11. A bidirectional window under torch.compile taken as W - 1 where the model's mask has W.
+12. ``block_indices`` (block-sparse indexer) silently ignored.
 
 Tiny random-weight models built from configs (no downloads), CPU, float64 where the comparison
 is tight, float32 elsewhere.
@@ -141,7 +146,7 @@ def test_window_bounds_follow_the_mask(block: str) -> None:
     ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
     out, _ = fn(layer, q, k, v, mask, scaling=0.25, sliding_window=window)
     torch.testing.assert_close(out, ref, rtol=TIGHT, atol=TIGHT)
-    kept = torch_ext.hf._window_inside_mask((window - 1, 0), mask)
+    kept = torch_ext.hf._window_inside_mask((window - 1, 0), mask, True)
     assert kept == {"later_keys": (2, -1), "earlier_keys": (-1, -1), "none": (2, 0)}[block]
 
 
@@ -410,3 +415,106 @@ def test_packed_row_checked_once_per_forward(monkeypatch: pytest.MonkeyPatch) ->
         assert len(calls) == 1  # two layers
         model(input_ids=ids, position_ids=pos.clone(), use_cache=False)
     assert len(calls) == 2
+
+
+# --- 9. DeepSeek-V3.2's sparse attention: the indexer's keys -----------------------------------
+def test_deepseek_v32_indexer_selection_matches_sdpa() -> None:
+    """DeepSeek-V3.2 passes the indexer's top-k keys as ``indices`` to every backend but "eager"
+    and "sdpa" (for which it folds them into the mask): with index_topk smaller than the sequence
+    the logits equal "sdpa"'s (they differed by up to 5.8 when the selection was ignored)."""
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v32", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, head_dim=4, first_k_dense_replace=1, index_topk=4, index_head_dim=8,
+        index_n_heads=2, initializer_range=0.25, max_position_embeddings=64, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float64,
+                                             experts_implementation="eager").eval()
+    ids = token_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    results = {}
+    for attn in ("sdpa", PLAIN):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            results[attn] = model(input_ids=ids, attention_mask=mask).logits
+    ref = results["sdpa"]
+    real = mask.bool()
+    torch.testing.assert_close(results[PLAIN][real], ref[real], rtol=TIGHT, atol=TIGHT * ref.abs().max().item())
+
+
+# --- 10. Gemma 4: query rows sliced from a forward without a causal mask ------------------------
+def gemma4() -> Any:
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=8, vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8, sliding_window=5, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.25, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=None, bos_token_id=2,
+    )
+    return build(cfg)
+
+
+def test_gemma4_kv_shared_layers_with_logits_to_keep_match_sdpa() -> None:
+    """Gemma 4 keeps only the last logits_to_keep query rows in its KV-shared layers, for any
+    backend but "sdpa", also where transformers skipped the causal mask: those rows are the last of
+    the forward (bottom-right), not the first (they were aligned top-left: logits off by ~2), also
+    before an empty static cache (generate's first step: its empty slots were attended)."""
+    model = gemma4()
+    ids = token_ids(1, 12)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits  # "sdpa", every row
+        model.set_attn_implementation(PLAIN)
+        for keep in (1, 3):
+            got = model(input_ids=ids, logits_to_keep=keep).logits
+            torch.testing.assert_close(got, full[:, -keep:], rtol=TIGHT, atol=TIGHT * full.abs().max().item())
+        kw: Dict[str, Any] = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+        out = model.generate(input_ids=ids, **kw)
+        model.set_attn_implementation("sdpa")
+        ref = model.generate(input_ids=ids, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9 * b.abs().max().item())
+
+
+# --- 11. a bidirectional window under torch.compile ---------------------------------------------
+def test_bidirectional_window_under_compile_follows_the_mask() -> None:
+    """T5Gemma's encoder passes sliding_window W with a mask allowing |i - j| <= W (ModernBERT's
+    W means < W): under torch.compile, where the mask's values cannot be read, a bidirectional
+    window is left to the mask (its left bound W - 1 dropped each row's key at distance W)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask, sliding_window_bidirectional_mask_function
+
+    fn = transformers.AttentionInterface()[PLAIN]
+    window, length = 4, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, length, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    mask = sdpa_mask(batch_size=1, q_length=length, kv_length=length, allow_is_causal_skip=False,
+                     mask_function=sliding_window_bidirectional_mask_function(window))
+    layer = torch.nn.Module()
+    layer.is_causal = False
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return fn(layer, q, k, v, mask, scaling=0.3, sliding_window=window)[0]
+
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3, sliding_window=window)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(ours, backend="eager", fullgraph=True)(q, k, v, mask)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(ours(q, k, v, mask), ref, rtol=TIGHT, atol=TIGHT)
+    torch.testing.assert_close(compiled, ref, rtol=TIGHT, atol=TIGHT)
+
+
+# --- 12. block-sparse indexers raise -----------------------------------------------------------
+def test_block_indices_raise() -> None:
+    """block_indices (MiniMax-M3's block-sparse indexer) is not applied by the backend: it raises,
+    naming it, instead of attending densely."""
+    fn = transformers.AttentionInterface()[PLAIN]
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="block_indices"):
+        fn(torch.nn.Module(), q, q, q, None, block_indices=torch.zeros(1, 4, 1, dtype=torch.long))

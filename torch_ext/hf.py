@@ -34,10 +34,14 @@ later keys, as Gemma 3's image blocks, stay right) and packed batches: transform
 (``DataCollatorWithFlattening``), or, for a batch of one row, ``position_ids`` that restart with
 transformers' own packed-batch mask (each row sees its document's keys under causality and the
 window; not while torch.compile traces), run as :func:`torch_ext.varlen_attention`, so that each document attends
-only to itself and n_i restarts with each document (the monitor's per-position curves too).
+only to itself and n_i restarts with each document (the monitor's per-position curves too). The
+keys an indexer selects (``indices``, DeepSeek-V3.2's sparse attention) restrict the mask, as
+transformers does for "sdpa"; query rows sliced from a forward whose causal mask was skipped
+(Gemma 4's KV-shared layers with ``logits_to_keep``) attend with bottom-right causality.
 
 Not supported (they raise, naming the argument): additive ``position_bias`` (T5-style relative
-biases, ALiBi) and paged KV caches (continuous batching). ``output_attentions=True`` warns and gives ``None``
+biases, ALiBi), block-sparse ``block_indices`` (MiniMax-M3), paged KV caches (continuous
+batching) and masks that require grad (Doge's learned mask: the op takes no mask gradient). ``output_attentions=True`` warns and gives ``None``
 attention weights, as with "sdpa": the op never forms the L x L matrix (use
 :class:`torch_ext.AttentionEntropyMonitor` for per-row statistics, or "eager" for the weights).
 
@@ -126,9 +130,9 @@ def attention_forward(
             top-left aligned, only when ``attention_mask`` is None and Lq > 1, as "sdpa" does.
         kwargs: other keyword arguments of the model's call: ``softcap``, ``s_aux``/``sinks``,
             ``sliding_window``, the packed-batch ``cu_seq_lens_q``/``cu_seq_lens_k``/
-            ``max_length_q``/``max_length_k`` and ``position_ids`` are used (see the module
-            docstring); ``position_bias`` and a paged ``cache`` raise; ``output_attentions``
-            warns; the rest are ignored.
+            ``max_length_q``/``max_length_k``, ``position_ids`` and ``indices`` are used (see the
+            module docstring); ``position_bias``, ``block_indices`` and a paged ``cache`` raise;
+            ``output_attentions`` warns; the rest are ignored.
 
     Returns:
         ``(attn_output, None)``, ``attn_output`` of shape (B, Lq, H, Dv), contiguous.
@@ -137,6 +141,11 @@ def attention_forward(
         raise NotImplementedError(
             "torch_ext.hf does not support position_bias (additive relative-position biases, e.g. T5, ALiBi): "
             "use attn_implementation='sdpa' or 'eager' for this model"
+        )
+    if kwargs.get("block_indices") is not None:
+        raise NotImplementedError(
+            "torch_ext.hf does not support block_indices (block-sparse attention selected by an indexer, e.g. "
+            "MiniMax-M3): use attn_implementation='sdpa' or 'eager' for this model"
         )
     if _is_paged_cache(kwargs.get("cache")):
         raise NotImplementedError(
@@ -171,18 +180,32 @@ def attention_forward(
             window_size=window, **features,
         )
         return out.unsqueeze(0), None
-    # The window also lets the op skip key blocks, where its alignment is unambiguous (as many
-    # queries as keys: training and prefill); the mask carries it in every case and decides: a
-    # bound the mask crosses is dropped (Gemma 3's bidirectional image blocks in its sliding layers).
-    if q_length == kv_length:
-        features["window_size"] = _window_inside_mask(window, attention_mask)
-    # As "sdpa": the causal flag only without a mask (a mask already carries causality) and never
-    # for one query row (decoding attends to every cached key: bottom-right alignment).
-    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
-    if is_causal and kv_length > q_length:
-        # Prefill into an empty static cache: the keys past q_length are empty slots, which
-        # top-left causality already hides; cropping them makes the call square.
-        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    tokens = _forward_tokens(kwargs)
+    if attention_mask is None and is_causal and q_length < tokens <= kv_length:
+        # Query slicing: the rows are the last q_length of the forward's `tokens` (Gemma 4's
+        # KV-shared layers keep only the rows whose logits are kept, after transformers skipped
+        # the causal mask of the whole forward, which it does only when no cached key precedes
+        # them). Those tokens are keys 0 .. tokens - 1 (later slots: an empty static cache), and
+        # the rows are their last ones: bottom-right causality and window over them.
+        key, value = key[:, :, :tokens], value[:, :, :tokens]
+        features.update(window_size=window, causal_alignment="bottom_right")
+        is_causal = True
+    else:
+        # The window also lets the op skip key blocks, where its alignment is unambiguous (as
+        # many queries as keys: training and prefill); the mask carries it in every case and
+        # decides: a bound the mask crosses is dropped (Gemma 3's bidirectional image blocks in
+        # its sliding layers).
+        if q_length == kv_length:
+            features["window_size"] = _window_inside_mask(window, attention_mask, bool(is_causal))
+        # As "sdpa": the causal flag only without a mask (a mask already carries causality) and
+        # never for one query row (decoding attends to every cached key: bottom-right alignment).
+        is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+        if is_causal and kv_length > q_length:
+            # Prefill into an empty static cache: the keys past q_length are empty slots, which
+            # top-left causality already hides; cropping them makes the call square.
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
+    if isinstance(kwargs.get("indices"), torch.Tensor):
+        attention_mask = _with_selected_keys(attention_mask, kwargs["indices"], key.shape[2])
 
     # attend() expands a batch of 1 and makes finfo.min float-mask entries -inf (out of n_i).
     out = attend(
@@ -190,6 +213,26 @@ def attention_forward(
         base_scale=scaling, module=module, **features, **_monitor_rows(query, key, attention_mask, kwargs),
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _forward_tokens(kwargs: dict[str, Any]) -> int:
+    """The number of tokens of the model's forward (the columns of ``position_ids``), 0 unknown."""
+    pos = kwargs.get("position_ids")
+    return pos.shape[-1] if isinstance(pos, torch.Tensor) and pos.dim() in (1, 2) else 0
+
+
+def _with_selected_keys(attention_mask: Optional[torch.Tensor], indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """``attention_mask`` restricted to the keys an indexer selected for each row: ``indices``
+    (B, Lq, k) of key positions, as DeepSeek-V3.2's sparse attention (DSA) passes them to backends
+    other than "eager" and "sdpa" (for which it builds this very mask itself)."""
+    batch, q_length = indices.shape[:2]
+    selected = torch.zeros(batch, q_length, kv_length, dtype=torch.bool, device=indices.device)
+    selected = selected.scatter(-1, indices.long(), True).unsqueeze(1)  # (B, 1, Lq, Lk)
+    if attention_mask is None:
+        return selected
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & selected
+    return attention_mask.masked_fill(~selected, float("-inf"))
 
 
 def _monitor_rows(
@@ -241,16 +284,19 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return ~masked_entries(mask)
 
 
-def _window_inside_mask(window: tuple[int, int], attention_mask: Optional[torch.Tensor]) -> tuple[int, int]:
+def _window_inside_mask(window: tuple[int, int], attention_mask: Optional[torch.Tensor], causal: bool) -> tuple[int, int]:
     """``window`` without the bounds that a square ``attention_mask`` crosses (it allows some row
     a key beyond them), so that the window only skips key blocks the mask hides. While
-    torch.compile traces (no values to read): without the right bound, which only masks that open
-    later keys cross (transformers applies the left bound after opening image blocks)."""
+    torch.compile traces (no values to read): a causal layer's window without its right bound,
+    which only masks that open later keys cross (transformers applies the left bound after opening
+    image blocks, and every causal sliding mask sees the W most recent keys); a bidirectional
+    layer's, none (models disagree on what its W means: ModernBERT and Gemma 3 pass W for keys at
+    distance < W, T5Gemma for <= W)."""
     left, right = window
     if attention_mask is None or (left < 0 and right < 0):
         return window
     if torch.compiler.is_compiling():
-        return (left, -1)
+        return (left, -1) if causal else (-1, -1)
 
     def inside() -> tuple[int, int]:
         allowed = _allowed(attention_mask)

@@ -110,7 +110,7 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
-    const AttentionOptions& options) {
+    const AttentionOptions& options, bool grad_mask) {
   AttentionBackwardCall c;
   c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
                                             key, value, attn_mask, output, lse, entropy, sum_p2,
@@ -138,7 +138,22 @@ AttentionBackwardCall prepare_attention_backward(
   c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
   if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
+  if (grad_mask) {
+    TORCH_CHECK_VALUE(attn_mask.has_value() && attn_mask->scalar_type() != at::kBool,
+                      "grad_mask=True needs an additive (floating-point) attn_mask, got ",
+                      attn_mask.has_value() ? "a bool mask" : "none");
+    const AttentionShape& s = c.shape;
+    c.grad_logits = at::zeros({s.batch, s.heads, s.q_len, s.kv_len}, query.options().dtype(c.acc));
+  }
   return c;
+}
+
+at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& c,
+                     const at::Tensor& query) {
+  if (!c.grad_logits.defined()) return at::empty({0}, query.options().dtype(c.acc));
+  // The mask adds to the logits, s_ij = cap(lambda_i q_i . k_j) + m_ij: dm_ij = dS_ij, summed
+  // over the (batch, head, row, key) entries that share a mask entry.
+  return c.grad_logits.sum_to_size(attn_mask->sizes()).to(attn_mask->scalar_type());
 }
 
 at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,

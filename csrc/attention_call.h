@@ -86,6 +86,11 @@ struct AttentionBackwardCall : CallPattern {
   at::ScalarType row_scale_dtype;  // of the row_scale argument, for its gradient
   std::optional<at::Tensor> mask;
   at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;
+  // With grad_mask: the gradient of every logit, dS_ij before the softcap (the additive mask's
+  // gradient before it is summed over the dims the mask broadcasts along), (B, H, Lq, Lk)
+  // contiguous in `acc`, zero-filled; the kernels write the entries of the keys each row sees.
+  // Undefined otherwise.
+  at::Tensor grad_logits;
 };
 
 AttentionBackwardCall prepare_attention_backward(
@@ -95,7 +100,12 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
-    const AttentionOptions& options);
+    const AttentionOptions& options, bool grad_mask);
+
+// The gradient of the additive mask `attn_mask` from the call's grad_logits: summed over the dims
+// it broadcasts along, in its dtype; empty without grad_mask.
+at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& call,
+                     const at::Tensor& query);
 
 // The gradient of the sinks (H,) from the backward's row quantities (docs/math.md section 6):
 // the sink is one more softmax entry whose value is 0, so its logit gradient follows the same
@@ -108,7 +118,8 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
 //   std::tuple<...> impl(const at::Tensor& grad_output, const at::Tensor& query,
 //                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
 //                        const AttentionBackwardCall& call);
-// returning (grad_query, grad_key, grad_value, grad_row_scale); the adaptor adds grad_sinks.
+// returning (grad_query, grad_key, grad_value, grad_row_scale) and writing call.grad_logits when
+// it is defined; the adaptor adds grad_sinks and grad_attn_mask.
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <AttentionGrads (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&,
@@ -122,15 +133,17 @@ AttentionBackwardOutputs attention_backward_kernel(
     bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment,
     double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
     int64_t dropout_seed, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
+    bool grad_mask) {
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
   const AttentionBackwardCall call = prepare_attention_backward(
       grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
-      entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k}, options);
+      entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k}, options, grad_mask);
   auto [dq, dk, dv, dlam] = Impl(grad_output, query, key, value, output, call);
-  return {dq, dk, dv, dlam, sink_grad(grad_output, output, call)};
+  return {
+      dq, dk, dv, dlam, sink_grad(grad_output, output, call), mask_grad(attn_mask, call, query)};
 }
 
 // The dispatcher-facing kernel of `attention` for a device implementation
@@ -191,20 +204,21 @@ inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor
                              docs.seqused_k);
 }
 
-// Calls `attention_backward` through the dispatcher with the options of the forward.
+// Calls `attention_backward` through the dispatcher with the options of the forward (and the
+// mask's gradient with grad_mask).
 inline AttentionBackwardOutputs call_attention_backward(
     const at::Tensor& grad_output, const OptTensor& grad_lse, const OptTensor& grad_entropy,
     const OptTensor& grad_sum_p2, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const OptTensor& attn_mask, const at::Tensor& output,
     const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& sum_p2,
     const at::Tensor& row_scale, const OptTensor& sinks, const DocumentArgs& docs,
-    const AttentionOptions& o) {
+    const AttentionOptions& o, bool grad_mask = false) {
   const std::array<int64_t, 2> window = o.window_size();
   return attention_backward_op().call(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
                                       value, attn_mask, output, lse, entropy, sum_p2, row_scale,
                                       o.causal, window, o.causal_alignment_name(), o.softcap,
                                       sinks, o.dropout_p, o.dropout_seed, docs.cu_seq_q,
-                                      docs.cu_seq_k, docs.seqused_k);
+                                      docs.cu_seq_k, docs.seqused_k, grad_mask);
 }
 
 }  // namespace entropy_attn

@@ -97,9 +97,6 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                      m.scalar_type());
     TORCH_CHECK_VALUE(m.device() == query.device(), "attn_mask must be on query's device (",
                       query.device(), "), got ", m.device());
-    TORCH_CHECK_VALUE(!m.requires_grad(),
-                      "attn_mask must not require grad: gradients w.r.t. the mask are not "
-                      "supported");
     TORCH_CHECK_VALUE(broadcasts_to(m.sizes(), {s.batch, s.heads, s.q_len, s.kv_len}),
                       "attn_mask of shape ", m.sizes(), " does not broadcast to (batch, heads, ",
                       "q_len, kv_len) = (", s.batch, ", ", s.heads, ", ", s.q_len, ", ", s.kv_len,

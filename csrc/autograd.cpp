@@ -118,14 +118,17 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                           : saved[11];
       std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], support);
     }
-    auto [dq, dk, dv, dlam, dsinks] = call_attention_backward(
+    // needs_input_grad counts the tensor inputs given: the mask follows q, k and v, the scale
+    // follows the mask. A bool mask has no gradient.
+    const bool grad_mask =
+        saved[3].defined() && saved[3].is_floating_point() && ctx->needs_input_grad(3);
+    auto [dq, dk, dv, dlam, dsinks, dmask] = call_attention_backward(
         grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),
         query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
-        defined_or_null(sinks), {defined_or_null(saved[13]), defined_or_null(saved[14]), std::nullopt},
-        options);
+        defined_or_null(sinks),
+        {defined_or_null(saved[13]), defined_or_null(saved[14]), std::nullopt}, options, grad_mask);
 
     at::Tensor dscale;
-    // needs_input_grad counts the tensor inputs given: the scale follows q, k, v and the mask.
     const int64_t scale_input = saved[3].defined() ? 4 : 3;
     if (scale.defined() && ctx->needs_input_grad(scale_input)) {
       // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
@@ -136,7 +139,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     if (sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))) {
       dsink = dsinks.to(sinks.scalar_type());
     }
-    return {dq, dk, dv, at::Tensor(), dscale, dsink, at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor none;  // cu_seq_q, cu_seq_k and the options have no gradient
+    return {dq, dk, dv, grad_mask ? dmask : none, dscale, dsink, none, none, none};
   }
 };
 
@@ -156,6 +160,7 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
     const bool needs_grad =
         at::GradMode::is_enabled() &&
         (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
+         (attn_mask.has_value() && attn_mask->requires_grad()) ||
          (scale.has_value() && scale->requires_grad()) || (sinks.has_value() && sinks->requires_grad()));
     TORCH_CHECK_VALUE(!needs_grad,
                       "seqused_k is inference-only (no backward, as in varlen_attn): call it under "

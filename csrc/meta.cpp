@@ -20,27 +20,32 @@ at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& /*
   return at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.acc));
 }
 
-// The gradients have the shapes of the inputs they belong to. No checks here, unlike the forward's
-// Meta kernel: the backward runs under dynamic shapes (symbolic sizes) when torch.compile traces
-// it, and its inputs come from a forward that was checked.
+// The gradients have the shapes of the inputs they belong to. No shape checks here, unlike the
+// forward's Meta kernel: the backward runs under dynamic shapes (symbolic sizes) when torch.compile
+// traces it, and its inputs come from a forward that was checked.
 AttentionBackwardOutputs attention_backward_meta(
     const at::Tensor& /*grad_output*/, const std::optional<at::Tensor>& /*grad_lse*/,
     const std::optional<at::Tensor>& /*grad_entropy*/,
     const std::optional<at::Tensor>& /*grad_sum_p2*/, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& /*attn_mask*/,
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     const at::Tensor& /*output*/, const at::Tensor& /*lse*/, const at::Tensor& /*entropy*/,
     const at::Tensor& /*sum_p2*/, const at::Tensor& row_scale, bool /*is_causal*/,
     c10::IntArrayRef /*window_size*/, c10::string_view /*causal_alignment*/, double /*softcap*/,
     const std::optional<at::Tensor>& sinks, double /*dropout_p*/, int64_t /*dropout_seed*/,
     const std::optional<at::Tensor>& /*cu_seq_q*/, const std::optional<at::Tensor>& /*cu_seq_k*/,
-    const std::optional<at::Tensor>& /*seqused_k*/) {
+    const std::optional<at::Tensor>& /*seqused_k*/, bool grad_mask) {
   const at::ScalarType acc = accumulate_type(query.scalar_type());
+  TORCH_CHECK_VALUE(!grad_mask || (attn_mask.has_value() && attn_mask->is_floating_point()),
+                    "grad_mask=True needs an additive (floating-point) attn_mask, got ",
+                    attn_mask.has_value() ? "a bool mask" : "none");
   return {at::empty_like(query, at::MemoryFormat::Contiguous),
           at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous),
           at::empty_like(row_scale, at::MemoryFormat::Contiguous),
           sinks.has_value() ? at::empty(sinks->sizes(), sinks->options().dtype(acc))
-                            : at::empty({0}, query.options().dtype(acc))};
+                            : at::empty({0}, query.options().dtype(acc)),
+          grad_mask ? at::empty_like(*attn_mask, at::MemoryFormat::Contiguous)
+                    : at::empty({0}, query.options().dtype(acc))};
 }
 
 at::Tensor row_reduction_meta(const at::Tensor& x, int64_t dim, const char* name) {

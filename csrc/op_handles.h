@@ -17,9 +17,9 @@ using AttentionOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// (grad_query, grad_key, grad_value, grad_row_scale, grad_sinks).
+// (grad_query, grad_key, grad_value, grad_row_scale, grad_sinks, grad_attn_mask).
 using AttentionBackwardOutputs =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The trailing options of `attention` and `attention_backward`: window_size, causal_alignment,
 // softcap, sinks, dropout_p, dropout_seed, cu_seq_q, cu_seq_k, seqused_k.
@@ -34,7 +34,7 @@ using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&
 using AttentionBackwardSignature = AttentionBackwardOutputs(
     const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS, bool);
 using AttentionSparsitySignature =
     at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                c10::string_view, bool, std::optional<double>, c10::string_view, double, double,

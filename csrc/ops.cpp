@@ -34,20 +34,21 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor? seqused_k=None) -> (Tensor output, Tensor lse, "
       "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
       "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
-  // Gradients of `attention` w.r.t. query, key, value, lambda and the sinks, given the upstream
-  // gradients of output and (optionally) of lse, entropy and sum_p2 (docs/math.md sections 3 and
-  // 6), with the forward's key pattern, softcap, sinks and dropout. entropy and sum_p2 may be
-  // empty (a forward without statistics) when their gradients are absent. grad_sinks is empty
-  // without sinks.
+  // Gradients of `attention` w.r.t. query, key, value, lambda, the sinks and (with grad_mask) the
+  // additive attn_mask, given the upstream gradients of output and (optionally) of lse, entropy and
+  // sum_p2 (docs/math.md sections 3 and 6), with the forward's key pattern, softcap, sinks and
+  // dropout. entropy and sum_p2 may be empty (a forward without statistics) when their gradients
+  // are absent. grad_sinks is empty without sinks; grad_attn_mask is empty without grad_mask, else
+  // the gradient of each logit (dS before the softcap) summed to attn_mask's shape, in its dtype.
   m.def(
       "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
       "bool is_causal, *, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
       "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0, "
-      "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None) -> "
-      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_row_scale, "
-      "Tensor grad_sinks)");
+      "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None, "
+      "bool grad_mask=False) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
+      "Tensor grad_row_scale, Tensor grad_sinks, Tensor grad_attn_mask)");
   // Attention over packed sequences with the layout of torch.nn.attention.varlen.varlen_attn:
   // query (T, H, D), key and value (Tk, Hkv, D / Dv), int32 cumulative offsets cu_seq_q and
   // cu_seq_k of N + 1 entries, max_q and max_k the longest sequences; causality and windows align

@@ -251,7 +251,7 @@ def test_attention_backward_op(device: str, with_stats_grads: bool, gqa: bool) -
     gl = torch.randn_like(lse) if with_stats_grads else None
     ge = torch.randn_like(ent) if with_stats_grads else None
     gp = torch.randn_like(sp2) if with_stats_grads else None
-    gq, gk, gv, gs, _ = torch.ops.entropy_attn.attention_backward(
+    gq, gk, gv, gs, _, _ = torch.ops.entropy_attn.attention_backward(
         go, gl, ge, gp, q, k, v, mask, out, lse, ent, sp2, rs, True
     )
     assert gq.shape == q.shape and gk.shape == k.shape and gv.shape == v.shape and gs.shape == (B, H, Lq)

@@ -365,7 +365,8 @@ def check_backward(
         cuda(go), cuda(gl), cuda(ge), cuda(gp), cuda(q), cuda(k), cuda(v), cuda(mask),
         cu[0], cu[1], cu[2], cu[3], cu[6], causal,
     )  # fmt: skip
-    assert len(g_cu) == 5 and g_cu[4].numel() == 0  # grad_sinks: empty without sinks
+    # grad_sinks and grad_attn_mask: empty without sinks and grad_mask
+    assert len(g_cu) == 6 and g_cu[4].numel() == 0 and g_cu[5].numel() == 0
     g_cu, g_cpu = g_cu[:4], g_cpu[:4]
 
     # reference: lambda_i given directly (the row_scale the CPU op used), scale_mode "fixed"
@@ -1645,3 +1646,48 @@ def test_split_kv_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for good in ("off", "auto", "1", "128"):
         monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", good)
         OP(q, k, k)
+
+
+@pytest.mark.parametrize("family", ["auto", "fallback", *TC_FAMILIES])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
+def test_learned_mask_grad_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str,
+                                             dtype: torch.dtype) -> None:
+    """The gradient of an additive mask that requires grad (a T5-style per-head bias, (1, H, Lq,
+    Lk), with -inf entries), under every family setting: only the fallback backward writes the
+    logits' gradient, so the tensor-core families hand it the call (their forward still runs). D =
+    64, L = 80 (two key tiles, a partial one), causal, with the statistics' gradients; against the
+    CPU op and the float64 reference. On a GPU the backward's kernels are the fallback's."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    B, H, L, D = 2, 2, 80, 64
+    q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
+    bias = randn(1, H, L, L, scale=0.5)
+    bias[torch.rand(1, H, L, L) < 0.2] = float("-inf")
+    bias = bias.to(dtype)
+    upstream: List[Tensor] = []
+
+    def mask_grad(device: torch.device) -> Tensor:
+        m = bias.to(device).requires_grad_()
+        outs = OP(q.to(device), k.to(device), v.to(device), m, None, is_causal=True)[:4]
+        if not upstream:
+            upstream.extend(randn(*o.shape, dtype=F64) for o in outs)
+        loss = sum((o.to(F64) * u.to(o.device)).sum() for o, u in zip(outs, upstream))
+        return torch.autograd.grad(loss, [m])[0]
+
+    g_cpu = mask_grad(torch.device("cpu"))
+    names: List[str] = []
+    if DRY_RUN:
+        g_dev = mask_grad(DEV)
+    else:
+        box: List[Tensor] = []
+        names = cuda_kernel_names(lambda: box.append(mask_grad(DEV)))
+        g_dev = box[0]
+        assert any("fallback::attention_bwd_kernel" in n for n in names), names
+        assert not any("sm80::bwd" in n or ("sm90::" in n and "main_kernel" in n) for n in names), names
+    ref_mask = bias.to(F64).requires_grad_()
+    r = reference_attention_raw(q.to(F64), k.to(F64), v.to(F64), ref_mask, None, is_causal=True)
+    g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], upstream, [ref_mask])[0]
+    tol = GRAD_TOL[dtype]
+    assert g_dev.shape == bias.shape and g_dev.dtype == dtype and g_dev.device.type == DEV.type
+    assert rel_err(g_dev, g_ref) < tol, f"{family}: {rel_err(g_dev, g_ref):.3g} vs reference (tol {tol:.3g})"
+    assert rel_err(g_dev, g_cpu) < 2 * tol, f"{family}: {rel_err(g_dev, g_cpu):.3g} vs CPU"
+    assert (g_dev.cpu()[torch.isneginf(bias)] == 0).all()

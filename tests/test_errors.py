@@ -71,7 +71,6 @@ CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
     ("mask_rank5", dict(attn_mask=torch.ones(1, B, H, Lq, Lk, dtype=torch.bool)), "attn_mask"),
     ("mask_int", dict(attn_mask=torch.ones(Lq, Lk, dtype=torch.int64)), "attn_mask"),
     ("mask_uint8", dict(attn_mask=torch.ones(Lq, Lk, dtype=torch.uint8)), "attn_mask"),
-    ("mask_requires_grad", dict(attn_mask=torch.zeros(Lq, Lk, requires_grad=True)), "attn_mask"),
     # scale
     ("scale_tensor_bad_shape", dict(scale=torch.ones(H + 1, 1)), "scale"),
     ("scale_tensor_bad_len", dict(scale=torch.ones(Lq + 1)), "scale"),

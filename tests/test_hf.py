@@ -312,10 +312,17 @@ def test_dropout_runs_in_training_only() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"position_bias": torch.zeros(1, 4, 5, 5)}, "position_bias"),
+        (
+            {
+                "position_bias": torch.zeros(1, 4, 5, 5),
+                "cu_seq_lens_q": torch.tensor([0, 2, 5], dtype=torch.int32),
+                "cu_seq_lens_k": torch.tensor([0, 2, 5], dtype=torch.int32),
+            },
+            "position_bias with a packed batch",
+        ),
         ({"cache": "paged"}, "PagedAttentionCache"),
     ],
-    ids=["position_bias", "paged_cache"],
+    ids=["position_bias_packed", "paged_cache"],
 )
 def test_unsupported_arguments_raise(kwargs: Dict[str, Any], match: str) -> None:
     if kwargs.get("cache") == "paged":

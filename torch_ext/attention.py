@@ -190,6 +190,7 @@ def attention(
         query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv). float32, float64,
             bfloat16 or float16, one dtype and device; any strides.
         attn_mask: bool (True = attend) or additive float mask, broadcastable to (B, H, Lq, Lk).
+            An additive mask that requires grad (a learned bias) gets its gradient.
         is_causal: causal masking aligned top-left, as ``scaled_dot_product_attention``; combines
             with ``attn_mask``.
         scale: ``None`` (1/sqrt(D)); a float; ``"logn"``: log_b(n_i)/sqrt(D) with b =

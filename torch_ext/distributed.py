@@ -181,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
             for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), ctx.causal):
                 qp, lp, op, lsep, entp, p2p, gop = (r[qi] for r in rows)
                 g = [None if gr is None else gr[qi].contiguous() for gr in grads]
-                dqp, dkp, dvp, dlp, _ = torch.ops.entropy_attn.attention_backward(
+                dqp, dkp, dvp, dlp, _, _ = torch.ops.entropy_attn.attention_backward(
                     gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag)
                 dq[qi] += dqp
                 dlam[qi] += dlp

@@ -39,11 +39,16 @@ keys an indexer selects (``indices``, DeepSeek-V3.2's sparse attention) restrict
 transformers does for "sdpa"; query rows sliced from a forward whose causal mask was skipped
 (Gemma 4's KV-shared layers with ``logits_to_keep``) attend with bottom-right causality.
 
-Not supported (they raise, naming the argument): additive ``position_bias`` (T5-style relative
-biases, ALiBi), block-sparse ``block_indices`` (MiniMax-M3), paged KV caches (continuous
-batching) and masks that require grad (Doge's learned mask: the op takes no mask gradient). ``output_attentions=True`` warns and gives ``None``
-attention weights, as with "sdpa": the op never forms the L x L matrix (use
-:class:`torch_ext.AttentionEntropyMonitor` for per-row statistics, or "eager" for the weights).
+An additive ``position_bias`` (T5's learned relative-position biases and the models built on them,
+wav2vec2-conformer's and wav2vec2-BERT's relative positions) joins the mask as "sdpa" joins them (added to a float mask,
+kept where a bool mask attends, hidden elsewhere), and the op differentiates it: the bias and
+learned masks (Doge's) get their gradients, as with "sdpa".
+
+Not supported (they raise, naming the argument): block-sparse ``block_indices`` (MiniMax-M3),
+paged KV caches (continuous batching), and ``position_bias`` with a packed batch.
+``output_attentions=True`` warns and gives ``None`` attention weights, as with "sdpa": the op
+never forms the L x L matrix (use :class:`torch_ext.AttentionEntropyMonitor` for per-row
+statistics, or "eager" for the weights).
 
 Only models that call transformers' ``AttentionInterface`` use the backend (their classes set
 ``_supports_attention_backend = True``: most decoder and encoder models of transformers 5); a model
@@ -130,18 +135,14 @@ def attention_forward(
             top-left aligned, only when ``attention_mask`` is None and Lq > 1, as "sdpa" does.
         kwargs: other keyword arguments of the model's call: ``softcap``, ``s_aux``/``sinks``,
             ``sliding_window``, the packed-batch ``cu_seq_lens_q``/``cu_seq_lens_k``/
-            ``max_length_q``/``max_length_k``, ``position_ids`` and ``indices`` are used (see the
-            module docstring); ``position_bias``, ``block_indices`` and a paged ``cache`` raise;
-            ``output_attentions`` warns; the rest are ignored.
+            ``max_length_q``/``max_length_k``, ``position_ids``, ``indices`` and an additive
+            ``position_bias`` (B or 1, H, Lq, Lk) are used (see the module docstring);
+            ``block_indices`` and a paged ``cache`` raise; ``output_attentions`` warns; the rest
+            are ignored.
 
     Returns:
         ``(attn_output, None)``, ``attn_output`` of shape (B, Lq, H, Dv), contiguous.
     """
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(
-            "torch_ext.hf does not support position_bias (additive relative-position biases, e.g. T5, ALiBi): "
-            "use attn_implementation='sdpa' or 'eager' for this model"
-        )
     if kwargs.get("block_indices") is not None:
         raise NotImplementedError(
             "torch_ext.hf does not support block_indices (block-sparse attention selected by an indexer, e.g. "
@@ -169,7 +170,13 @@ def attention_forward(
     features: dict[str, Any] = {"softcap": kwargs.get("softcap"), "sinks": sinks, "dropout_p": float(dropout)}
     window = _window(kwargs.get("sliding_window"), bool(is_causal))
 
+    position_bias = kwargs.get("position_bias")
     documents = _documents(query, key, attention_mask, kwargs, bool(is_causal), window)
+    if documents is not None and position_bias is not None:
+        raise NotImplementedError(
+            "torch_ext.hf does not support position_bias with a packed batch (the packed path takes no additive "
+            "bias): pass the documents as separate rows of a padded batch, or use attn_implementation='sdpa'"
+        )
     if documents is not None:
         # A packed batch: each document attends to itself only (causality and the window within
         # it), whatever mask transformers built for "sdpa".
@@ -204,6 +211,8 @@ def attention_forward(
             # Prefill into an empty static cache: the keys past q_length are empty slots, which
             # top-left causality already hides; cropping them makes the call square.
             key, value = key[:, :, :q_length], value[:, :, :q_length]
+    if position_bias is not None:
+        attention_mask = _with_position_bias(attention_mask, position_bias, key.shape[2])
     if isinstance(kwargs.get("indices"), torch.Tensor):
         attention_mask = _with_selected_keys(attention_mask, kwargs["indices"], key.shape[2])
 
@@ -219,6 +228,24 @@ def _forward_tokens(kwargs: dict[str, Any]) -> int:
     """The number of tokens of the model's forward (the columns of ``position_ids``), 0 unknown."""
     pos = kwargs.get("position_ids")
     return pos.shape[-1] if isinstance(pos, torch.Tensor) and pos.dim() in (1, 2) else 0
+
+
+def _with_position_bias(
+    attention_mask: Optional[torch.Tensor], position_bias: torch.Tensor, kv_length: int
+) -> torch.Tensor:
+    """The additive mask of a call with a ``position_bias`` (B or 1, H, Lq, Lk'), as transformers
+    builds it for "sdpa" (``create_position_bias_mask``): the bias alone without a mask (the op's
+    causal flag still applies), added to a float mask, and where a bool mask hides a key ``-inf``
+    (not "sdpa"'s ``finfo.min``: that key then stays out of n_i). Its columns past ``kv_length``
+    (the empty static-cache slots the call dropped) go too. Differentiable in the bias."""
+    if not isinstance(position_bias, torch.Tensor) or not position_bias.is_floating_point():
+        raise TypeError(f"position_bias must be a float tensor, got {type(position_bias).__name__}")
+    bias = position_bias[..., :kv_length]
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, bias, float("-inf"))
+    return bias + attention_mask
 
 
 def _with_selected_keys(attention_mask: Optional[torch.Tensor], indices: torch.Tensor, kv_length: int) -> torch.Tensor:

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../attention_call.h"
@@ -36,6 +37,7 @@ struct BwdArgs {
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
   acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
+  acc_t* d_logits;  // (B, H, Lq, Lk) contiguous, dS before the cap (the mask's gradient), or null
   int64_t chunk_keys;  // keys per chunk, a multiple of kKvBlock
 };
 
@@ -150,6 +152,9 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
         for (int64_t j = 0; j < n; ++j) dp[j] *= keep[j];
       }
       dlogits_row(dp, buf.s.data() + r * n, p, n, buf.delta[r], buf.grads[r]);
+      if (a.d_logits) {  // each (row, key) lies in one key chunk: written by one task
+        std::copy(dp, dp + n, a.d_logits + (row0 + r) * sh.kv_len + j0);
+      }
       if (softcap) {  // through the cap, to the scaled score lambda q.k
         const acc_t* dc = buf.dcap.data() + r * n;
         for (int64_t j = 0; j < n; ++j) dp[j] *= dc[j];
@@ -243,6 +248,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.g_lse = opt_ptr(call.g_lse), a.g_entropy = opt_ptr(call.g_entropy);
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
+    a.d_logits = call.grad_logits.defined() ? call.grad_logits.data_ptr<scalar_t>() : nullptr;
     a.chunk_keys = chunk_keys;
     backward_kernel(a, chunks);
   });

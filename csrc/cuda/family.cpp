@@ -207,6 +207,11 @@ std::string softcap_backward_obstacle(const BackwardCall& c) {
   return {};
 }
 
+// Only the fallback backward writes the logits' gradient (the additive mask's, params.h: d_logits).
+std::string mask_grad_backward_obstacle(const BackwardCall& c) {
+  return c.call.grad_logits.defined() ? "the additive mask's gradient (grad_mask)" : "";
+}
+
 Sm90Backward sm90_backward_of(const BackwardCall& c) {
   return sm90_backward(c.call.dtype, c.call.shape.head_dim, needs_general(c.call),
                        mask_kind(c.call.mask));
@@ -251,9 +256,10 @@ std::string hopper_forward_obstacle(const ForwardCall& c) {
                          sm90_forward_of(c) != nullptr, hopper_features());
 }
 
-// The Hopper backward also needs dq by atomics (not deterministic algorithms), and no softcap or
-// dropout with a mask (sm90/launch.h: backward_covers).
+// The Hopper backward also needs dq by atomics (not deterministic algorithms), no mask gradient,
+// and no softcap or dropout with a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
+  if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms (its dq accumulates by atomics)";
   }
@@ -268,9 +274,10 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
                          sm90_backward_of(c) != nullptr, hopper_features());
 }
 
-// The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs of
-// sm_80 and newer offer a block (sm80/launch.h).
+// The tensor-core backward also needs no mask gradient, and its shared memory, which at D = 128 is
+// more than some GPUs of sm_80 and newer offer a block (sm80/launch.h).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
+  if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call),
                                  mask_kind(c.call.mask)) != nullptr;

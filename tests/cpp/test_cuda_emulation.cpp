@@ -262,8 +262,13 @@ at::Tensor pattern_allowed(const Case& c) {
 // n_i = allowed keys; lambda_i = c * g(n_i) / temperature, a leaf of the graph (for d lambda).
 struct RefLogits {
   at::Tensor q, k, v;  // float64 leaves
+  at::Tensor mask;     // the additive mask as passed, a float64 leaf (undefined: none, or bool)
   at::Tensor allowed, n, any, factor, lam, s;
 };
+
+bool additive_mask(const Inputs& in) {
+  return in.mask.has_value() && in.mask->scalar_type() != at::kBool;
+}
 
 RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
   const double inf = std::numeric_limits<double>::infinity();
@@ -283,7 +288,8 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
     if (m.scalar_type() == at::kBool) {
       L.allowed = L.allowed.logical_and(m);
     } else {
-      const at::Tensor md = m.to(at::kDouble);
+      L.mask = in.mask->to(at::kDouble).detach().requires_grad_(grads);
+      const at::Tensor md = L.mask.expand({c.B, c.H, c.Lq, c.Lk});
       L.allowed = L.allowed.logical_and(md != -inf);
       add = at::where(L.allowed, md, at::zeros_like(md));
     }
@@ -321,7 +327,8 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
 struct Reference {
   at::Tensor out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor;
   at::Tensor normalized_entropy, sparsity, effective_keys;
-  at::Tensor dq, dk, dv, dlam, dsinks;  // defined when gradients were asked for (dsinks: sinks)
+  // Defined when gradients were asked for (dsinks: sinks; dmask: an additive mask, its shape).
+  at::Tensor dq, dk, dv, dlam, dsinks, dmask;
 };
 
 // The dropout factors (B, H, Lq, Lk) of the weights that multiply V: 0 or 1 / (1 - p) as
@@ -385,6 +392,7 @@ Reference reference(const Case& c, const Inputs& in, bool grads) {
     }
     std::vector<at::Tensor> leaves{L.q, L.k, L.v, L.lam};
     if (sink.defined()) leaves.push_back(sink);
+    if (L.mask.defined()) leaves.push_back(L.mask);
     const auto gr = torch::autograd::grad({loss}, leaves, /*grad_outputs=*/{},
                                           /*retain_graph=*/false, /*create_graph=*/false,
                                           /*allow_unused=*/true);
@@ -394,6 +402,7 @@ Reference reference(const Case& c, const Inputs& in, bool grads) {
     ref.dq = or_zeros(gr[0], L.q), ref.dk = or_zeros(gr[1], L.k), ref.dv = or_zeros(gr[2], L.v);
     ref.dlam = or_zeros(gr[3], L.lam);
     if (sink.defined()) ref.dsinks = or_zeros(gr[4], sink);
+    if (L.mask.defined()) ref.dmask = or_zeros(gr.back(), L.mask);
   }
   for (at::Tensor* t : {&ref.out, &ref.lse, &ref.entropy, &ref.sum_p2, &ref.max_weight}) {
     *t = t->detach();
@@ -441,9 +450,11 @@ std::optional<at::Tensor> stat_grad(const Case& c, const at::Tensor& g) {
 }
 
 // The CPU op of the same call through the dispatcher (csrc/cpu, the same Philox stream for the
-// dropout): its forward, and its backward from its own forward, against the emulated kernels'.
+// dropout): its forward, and its backward from its own forward (with the additive mask's gradient
+// when the kernels' is given), against the emulated kernels'.
 void expect_matches_cpu_op(const Case& c, const Inputs& in, const AttentionOutputs& fwd,
-                           const entropy_attn::AttentionGrads& grads, const Tolerances& tol) {
+                           const entropy_attn::AttentionGrads& grads,
+                           const at::Tensor& dmask_kernel, const Tolerances& tol) {
   SCOPED_TRACE("the CPU op");
   const entropy_attn::AttentionResult r = entropy_attn::attention(
       in.q, in.k, in.v, in.mask, in.scale, c.causal, c.scale_factor, c.mode, c.temperature,
@@ -452,14 +463,15 @@ void expect_matches_cpu_op(const Case& c, const Inputs& in, const AttentionOutpu
   expect_close(std::get<0>(fwd), r.output, tol.out, "output");
   expect_close(std::get<1>(fwd), r.lse, tol.stats, "lse");
   expect_close(std::get<2>(fwd), r.entropy, tol.stats, "entropy");
-  const auto [dq, dk, dv, dlam, dsinks] = entropy_attn::call_attention_backward(
+  const auto [dq, dk, dv, dlam, dsinks, dmask] = entropy_attn::call_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
       in.k, in.v, in.mask, r.output, r.lse, r.entropy, r.sum_p2, r.row_scale, in.sinks, {},
-      options(c));
+      options(c), /*grad_mask=*/dmask_kernel.defined());
   expect_close(std::get<0>(grads), dq, tol.grad, "grad_query");
   expect_close(std::get<1>(grads), dk, tol.grad, "grad_key");
   expect_close(std::get<2>(grads), dv, tol.grad, "grad_value");
   expect_close(std::get<3>(grads), dlam, tol.grad, "grad_row_scale");
+  if (dmask_kernel.defined()) expect_close(dmask_kernel, dmask, tol.grad, "grad_attn_mask");
 }
 
 template <typename T>
@@ -509,22 +521,29 @@ void run_case_typed(const Case& c, bool backward) {
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
       in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, documents(in),
-      options(c));
+      options(c), /*grad_mask=*/additive_mask(in));
   ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
   const entropy_attn::AttentionGrads grads = bwd.finish();
   const auto& [dq, dk, dv, dlam] = grads;
+  // The additive mask's gradient: the logits' gradient the kernel wrote, summed to its shape.
+  const at::Tensor dmask = additive_mask(in) ? entropy_attn::mask_grad(in.mask, bwd.call, in.q)
+                                             : at::Tensor();
   EXPECT_EQ(dq.scalar_type(), c.dtype);
   if (c.hidden_nonfinite) {
-    expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
+    expect_matches_cpu_op(c, in, fwd.outputs, grads, dmask, tol);
     return;
   }
   expect_close(dq, ref.dq, tol.grad, "grad_query");
   expect_close(dk, ref.dk, tol.grad, "grad_key");
   expect_close(dv, ref.dv, tol.grad, "grad_value");
   expect_close(dlam, ref.dlam, tol.grad, "grad_row_scale");
+  if (dmask.defined()) {
+    EXPECT_EQ(dmask.scalar_type(), in.mask->scalar_type());
+    expect_close(dmask, ref.dmask, tol.grad, "grad_attn_mask");
+  }
   // The sinks' gradient comes from the backward's row quantities in ATen (sink_grad), outside the
   // kernels: checked here with the emulated forward's output.
   if (c.sinks) {
@@ -532,7 +551,9 @@ void run_case_typed(const Case& c, bool backward) {
                  "grad_sinks");
   }
   // The op has no packed documents: the CPU op's check is for dense calls.
-  if (c.dropout_p > 0 && c.cu_q.empty()) expect_matches_cpu_op(c, in, fwd.outputs, grads, tol);
+  if (c.dropout_p > 0 && c.cu_q.empty()) {
+    expect_matches_cpu_op(c, in, fwd.outputs, grads, dmask, tol);
+  }
   if (c.nan_row && c.Lq > 2) {
     // dq of every other row stays finite (dk, dv of the keys the NaN row sees are NaN).
     EXPECT_EQ(dq.isnan().sum().item<int64_t>(), c.D) << "NaN beyond the NaN row of grad_query";
@@ -762,7 +783,7 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in) {
                normalized_entropy, sparsity, effective_keys] = fwd.outputs;
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
-      sum_p2, row_scale, in.sinks, documents(in), options(c));
+      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false);
 
   ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
   plain.allocate(ec::Family::kFallback);
@@ -810,7 +831,7 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   const GuardRun run = run_backward_guard(c, in);
   const Tolerances tol = tolerances(c.dtype);
   expect_grads_close(run.guarded, run.plain, tol.grad, "plain fallback");
-  expect_matches_cpu_op(c, in, run.fwd, run.guarded, tol);
+  expect_matches_cpu_op(c, in, run.fwd, run.guarded, at::Tensor(), tol);
   EXPECT_GT(std::get<2>(run.guarded).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
       << "no infinite dV entry from head 3's dO";
 }

@@ -309,7 +309,9 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
           // q.k.
           if (pw != Acc(0)) {
             const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, bh, i0 + r, j);
-            ds = logit_grad(pw, dp, s, sDelta[r], g) * p.softcap.derivative(y);
+            ds = logit_grad(pw, dp, s, sDelta[r], g);
+            if (p.d_logits) p.d_logits[(row0 + i0 + r) * p.kv_len + j] = ds;
+            ds *= p.softcap.derivative(y);
           }
         }
         sdS[r * L::kLdP + c] = from_acc<OpT>(ds);

@@ -1,0 +1,302 @@
+"""Gradients w.r.t. an additive ``attn_mask``: learned biases (T5's relative positions, learned
+ALiBi slopes, Doge's learned mask) train through the op as through SDPA. The mask adds to the
+logits after the scale and the softcap, so its gradient is dS, the logits' gradient, summed over
+the dims the mask broadcasts along (docs/math.md section 3).
+
+Checked against autograd through the plain float64 reference over mask shapes, key patterns,
+softcap, sinks, dropout, GQA and the statistics' gradients; gradcheck in float64; opcheck of the
+backward with ``grad_mask``; the errors; torch.compile; a tiny T5 and Doge under the Hugging Face
+backend against "sdpa".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+from torch.autograd import gradcheck
+
+import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
+from conftest import GRAD_TOL, rel_err
+from reference import reference_attention_raw
+
+F64 = torch.float64
+B, H, LQ, LK, D = 2, 3, 7, 9, 8
+
+
+def OP(*args: Any, **kwargs: Any) -> Tuple[Tensor, ...]:
+    """torch.ops.entropy_attn.attention."""
+    return torch.ops.entropy_attn.attention(*args, **kwargs)
+
+
+def additive_mask(shape: Tuple[int, ...], masked: float = 0.25, seed: int = 3) -> Tensor:
+    """N(0, 0.5^2) values with a fraction of -inf entries (float64, CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(*shape, generator=g, dtype=F64) * 0.5
+    hidden = torch.rand(*shape, generator=g, dtype=F64) < masked
+    return values.masked_fill(hidden, float("-inf"))
+
+
+#: name -> (mask shape, query heads, kv heads, Lq, Lk, op keyword arguments); the mask shapes are
+#: those of real models: per head (T5, (1, H, Lq, Lk)), shared ((Lq, Lk)), per key (padding with a
+#: learned offset), full.
+CASES: Dict[str, Tuple[Tuple[int, ...], int, int, int, int, Dict[str, Any]]] = {
+    "full": ((B, H, LQ, LK), H, H, LQ, LK, {}),
+    "shared_qk": ((LQ, LK), H, H, LQ, LK, {}),
+    "per_key": ((B, 1, 1, LK), H, H, LQ, LK, {}),
+    "per_head_t5": ((1, H, LQ, LK), H, H, LQ, LK, {}),
+    "causal_logn": ((1, H, LQ, LQ), H, H, LQ, LQ, dict(is_causal=True, scale_mode="logn", log_base=4.0)),
+    "window_softcap": ((H, LQ, LK), H, H, LQ, LK, dict(window_size=[2, 1], softcap=2.0)),
+    "bottom_right": ((LQ - 3, LK), H, H, LQ - 3, LK, dict(is_causal=True, causal_alignment="bottom_right")),
+    "gqa_sinks": ((1, 4, LQ, LK), 4, 2, LQ, LK, dict(enable_gqa=True)),
+    "dropout": ((B, H, LQ, LK), H, H, LQ, LK, dict(dropout_p=0.3, dropout_seed=11)),
+}
+
+
+def inputs(h: int, hkv: int, lq: int, lk: int, dtype: torch.dtype, device: str) -> Tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, length, D, generator=g, dtype=F64) for n, length in ((h, lq), (hkv, lk), (hkv, lk)))
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
+
+
+def loss_of(outs: Tuple[Tensor, ...], upstream: Tuple[Tensor, ...]) -> Tensor:
+    """<output, g0> + <lse, g1> + <entropy, g2> + <sum_p2, g3>: every differentiable output."""
+    return sum((o.to(F64) * u).sum() for o, u in zip(outs[:4], upstream))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_mask_grad_matches_reference(device: str, case: str, dtype: torch.dtype) -> None:
+    """d loss / d attn_mask of the op against autograd through the float64 reference, with the
+    statistics' gradients in the loss; -inf entries (and keys outside the pattern) get 0."""
+    shape, h, hkv, lq, lk, kw = CASES[case]
+    kw = dict(kw)
+    sinks = None
+    if case == "gqa_sinks":
+        sinks = torch.tensor([0.5, -1.0, 2.0, float("-inf")], dtype=F64)
+    q, k, v = inputs(h, hkv, lq, lk, dtype, device)
+    mask64 = additive_mask(shape)
+    mask = mask64.to(device=device, dtype=dtype).requires_grad_()
+    outs = OP(q, k, v, mask, None, sinks=None if sinks is None else sinks.to(device, dtype), **kw)
+    g = torch.Generator().manual_seed(5)
+    upstream = tuple(torch.randn(o.shape, generator=g, dtype=F64).to(device) for o in outs[:4])
+    (dmask,) = torch.autograd.grad(loss_of(outs, upstream), [mask])
+
+    ref_mask = mask.detach().to(F64).cpu().requires_grad_()
+    rkw = {key: val for key, val in kw.items()}
+    ref = reference_attention_raw(
+        q.detach().cpu().to(F64), k.detach().cpu().to(F64), v.detach().cpu().to(F64), ref_mask, None,
+        sinks=None if sinks is None else sinks.to(dtype).to(F64), **rkw,
+    )
+    ref_outs = (ref.output, ref.lse, ref.entropy, ref.sum_p2)
+    (expected,) = torch.autograd.grad(loss_of(ref_outs, tuple(u.cpu() for u in upstream)), [ref_mask])
+
+    assert dmask.shape == mask.shape and dmask.dtype == mask.dtype and dmask.device == mask.device
+    assert expected.abs().max() > 1e-3, "the case must give the mask a gradient"
+    assert rel_err(dmask.cpu(), expected) < GRAD_TOL[dtype], f"{rel_err(dmask.cpu(), expected):.3g}"
+    assert (dmask.cpu()[torch.isneginf(mask64)] == 0).all(), "a hidden key's mask entry has no gradient"
+
+
+def test_mask_grad_alone_and_with_qkv(device: str) -> None:
+    """A mask that is the only input requiring grad gets its gradient; with q, k, v as well the
+    mask's gradient is the same and theirs are unchanged by asking for it."""
+    q, k, v = inputs(H, H, LQ, LK, F64, device)
+    mask = additive_mask((1, H, LQ, LK), masked=0.0).to(device)
+    alone = mask.clone().requires_grad_()
+    OP(q, k, v, alone, None)[0].sum().backward()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    both = mask.clone().requires_grad_()
+    OP(*leaves, both, None)[0].sum().backward()
+    torch.testing.assert_close(both.grad, alone.grad, rtol=1e-12, atol=1e-12)
+    plain = [x.clone().requires_grad_() for x in (q, k, v)]
+    OP(*plain, mask, None)[0].sum().backward()
+    for a, b in zip(leaves, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_entropy_regularizer_reaches_the_mask(device: str) -> None:
+    """An entropy penalty alone (no output loss) trains a learned bias: d(sum H)/d mask against the
+    reference (the statistic is the op's, not recomputed from weights)."""
+    q, k, v = inputs(H, H, LQ, LK, F64, device)
+    mask = additive_mask((1, H, LQ, LK), masked=0.0).to(device).requires_grad_()
+    OP(q, k, v, mask, None, return_stats=True)[2].sum().backward()
+    ref_mask = mask.detach().cpu().requires_grad_()
+    reference_attention_raw(q.cpu(), k.cpu(), v.cpu(), ref_mask, None).entropy.sum().backward()
+    assert rel_err(mask.grad.cpu(), ref_mask.grad) < 1e-10
+
+
+GC_CASES: Dict[str, Tuple[Tuple[int, ...], Dict[str, Any]]] = {
+    "per_head": ((1, 2, 4, 5), {}),
+    "shared_causal_logn": ((4, 5), dict(is_causal=True, scale_mode="logn", log_base=3.0)),
+    "per_key_softcap_window": ((2, 1, 1, 5), dict(softcap=1.5, window_size=[1, 2])),
+}
+
+
+@pytest.mark.parametrize("case", list(GC_CASES))
+def test_gradcheck_with_mask(device: str, case: str) -> None:
+    """gradcheck (float64) of output, lse, entropy and sum_p2 w.r.t. q, k, v and a finite mask."""
+    shape, kw = GC_CASES[case]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, n, 3, generator=g, dtype=F64).to(device).requires_grad_() for n in (4, 5, 5))
+    mask = (torch.randn(*shape, generator=g, dtype=F64) * 0.5).to(device).requires_grad_()
+
+    def f(q: Tensor, k: Tensor, v: Tensor, m: Tensor) -> Tuple[Tensor, ...]:
+        return OP(q, k, v, m, None, **kw)[:4]
+
+    assert gradcheck(f, (q, k, v, mask), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def backward_args(device: str, grad_mask: bool, mask_dtype: torch.dtype = F64) -> Tuple[Any, ...]:
+    """attention_backward's arguments from a real forward with an additive (1, H, Lq, Lk) mask."""
+    q, k, v = inputs(H, H, LQ, LK, F64, device)
+    mask = additive_mask((1, H, LQ, LK)).to(device=device, dtype=mask_dtype)
+    out, lse, ent, sp2, _, _, rs = OP(q, k, v, mask, None, is_causal=True)[:7]
+    go = torch.randn_like(out)
+    return (go, torch.randn_like(lse), None, None, q, k, v, mask, out, lse, ent, sp2, rs, True)
+
+
+def test_backward_op_grad_mask(device: str) -> None:
+    """attention_backward: grad_attn_mask has the mask's shape and dtype with grad_mask=True, is
+    empty without it, and the other gradients do not depend on it."""
+    args = backward_args(device, True, torch.float32)
+    with_mask = torch.ops.entropy_attn.attention_backward(*args, grad_mask=True)
+    without = torch.ops.entropy_attn.attention_backward(*args)
+    assert with_mask[5].shape == args[7].shape and with_mask[5].dtype == torch.float32
+    assert without[5].numel() == 0
+    for a, b in zip(with_mask[:4], without[:4]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_opcheck_backward_grad_mask(device: str) -> None:
+    torch.library.opcheck(
+        torch.ops.entropy_attn.attention_backward.default, backward_args(device, True), {"grad_mask": True}
+    )
+
+
+def test_opcheck_forward_mask_requires_grad(device: str) -> None:
+    """opcheck of the forward with a mask that requires grad (its autograd registration)."""
+    q, k, v = (x.requires_grad_() for x in inputs(H, H, LQ, LK, F64, device))
+    mask = additive_mask((1, H, LQ, LK), masked=0.0).to(device).requires_grad_()
+    torch.library.opcheck(torch.ops.entropy_attn.attention.default, (q, k, v, mask, None))
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [(torch.ones(LQ, LK, dtype=torch.bool), "bool mask"), (None, "none")],
+    ids=["bool_mask", "no_mask"],
+)
+def test_grad_mask_needs_an_additive_mask(mask: Optional[Tensor], match: str) -> None:
+    args = list(backward_args("cpu", True))
+    args[7] = mask
+    with pytest.raises(ValueError, match=f"grad_mask=True needs an additive.*{match}"):
+        torch.ops.entropy_attn.attention_backward(*args, grad_mask=True)
+
+
+def test_bool_mask_has_no_gradient() -> None:
+    """A bool mask is not differentiable: q, k, v still get gradients (the mask's slot is None)."""
+    q, k, v = (x.requires_grad_() for x in inputs(H, H, LQ, LK, F64, "cpu"))
+    OP(q, k, v, torch.rand(LQ, LK) < 0.7, None)[0].sum().backward()
+    assert all(x.grad is not None for x in (q, k, v))
+
+
+def test_compiled_learned_bias_matches_eager() -> None:
+    """torch.compile traces a learned bias's forward and backward (the Meta kernel's grad_attn_mask)."""
+    q, k, v = inputs(H, H, LQ, LK, torch.float32, "cpu")
+    bias = torch.nn.Parameter(torch.randn(1, H, LQ, LK) * 0.3)
+
+    def step(bias: Tensor) -> Tensor:
+        return torch_ext.attention(q, k, v, bias, is_causal=True).square().sum()
+
+    step(bias).backward()
+    eager = bias.grad.clone()
+    bias.grad = None
+    torch.compile(step, backend="aot_eager", fullgraph=True)(bias).backward()
+    torch.testing.assert_close(bias.grad, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_replace_sdpa_learned_bias_matches_torch() -> None:
+    """SDPA calls routed to the op (torch_ext.replace_sdpa) with a learned float bias: output and
+    every gradient, the bias's included, as torch's SDPA."""
+    q, k, v = (x.float().requires_grad_() for x in inputs(H, H, LQ, LK, F64, "cpu"))
+    bias = (torch.randn(1, H, LQ, LK) * 0.5).requires_grad_()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    results = []
+    for routed in (True, False):
+        with torch_ext.replace_sdpa() if routed else torch.autograd.set_grad_enabled(True):
+            out = sdpa(q, k, v, attn_mask=bias)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [q, k, v, bias])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- Hugging Face models with learned biases --------------------------------------------------------
+BACKEND = "torch_ext_test_mask_grad"
+
+
+def model_grads(model: torch.nn.Module, attn: str, **inputs: Any) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Output of ``model`` under ``attn`` and every parameter gradient of a fixed projection of it."""
+    model.set_attn_implementation(attn)
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    y = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    (y * w).sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_matches_sdpa(model: torch.nn.Module, names: Tuple[str, ...], **inputs: Any) -> None:
+    """Output and every parameter gradient under the backend equal "sdpa"'s; ``names`` (the learned
+    bias's parameters) are among those with a gradient."""
+    import torch_ext.hf as hf
+
+    hf.register(BACKEND)
+    ref, ref_grads = model_grads(model, "sdpa", **inputs)
+    out, grads = model_grads(model, BACKEND, **inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert grads.keys() == ref_grads.keys()
+    for name in names:  # the learned bias's parameters are among them, with a gradient
+        assert any(name in n for n in grads), name
+    total = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm().item()
+        assert err <= 1e-5 * max(g.norm().item(), 1e-2 * total), f"{name}: |error| {err:.3g}, |grad| {g.norm():.3g}"
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_t5_relative_bias_trains_as_with_sdpa(padded: bool) -> None:
+    """A tiny T5 (encoder with padding, causal decoder, cross-attention): the relative-position
+    bias joins the mask and its embedding (relative_attention_bias) gets the gradient "sdpa" gives."""
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (2, 10), generator=g)
+    labels = torch.randint(3, 64, (2, 6), generator=g)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    if padded:
+        mask[1, -4:] = 0
+    assert_matches_sdpa(model, ("relative_attention_bias",), input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_doge_learned_mask_trains_as_with_sdpa() -> None:
+    """Doge's dynamic mask (computed from the values by learned parameters, so it requires grad)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, DogeConfig
+
+    cfg = DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, keep_window_size=4, is_moe=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert_matches_sdpa(model, ("dt_proj", "A"), input_ids=ids)

@@ -1,0 +1,140 @@
+"""A learned additive bias (T5-style, one (L, L) bias per head, broadcast over the batch): forward and
+backward time against torch's attention, in one process.
+
+The op differentiates an additive mask that requires grad (docs/math.md section 3): its backward
+then writes the logits' gradient dS, (B, H, L, L), and sums it over the batch. Three timings per
+length, each a forward and a backward with upstream gradient on the output: ours with the bias
+requiring grad, ours with the same bias fixed (what asking for its gradient costs), and SDPA with
+the bias requiring grad (the backend torch picks for it). Every timed method's output and
+gradients are first checked against SDPA's.
+
+    python3 benchmarks/learned_bias.py                                   # CPU, float32
+    python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --lengths 1024 2048 4096
+
+Writes a Markdown table and JSON to results/learned_bias/<device>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+import torch.utils.benchmark as tb
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
+
+import torch_ext  # noqa: E402
+
+METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
+
+
+def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    """Median wall time of fn() in ms with torch's threads (torch.utils.benchmark's default is one;
+    it synchronizes CUDA)."""
+    timer = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model and the threads torch uses."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+         go: torch.Tensor) -> List[torch.Tensor]:
+    """One forward and backward of `method`: the output and the gradients of q, k, v (and the bias)."""
+    b = bias.detach() if method == "ours_fixed_bias" else bias
+    if method == "sdpa_bias_grad":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+    else:
+        out = torch_ext.attention(q, k, v, b)
+    leaves = [q, k, v] + ([b] if b.requires_grad else [])
+    return [out.detach(), *torch.autograd.grad(out, leaves, go)]
+
+
+def check(results: Dict[str, List[torch.Tensor]], dtype: torch.dtype) -> None:
+    """Every method's output and gradients agree with SDPA's (relative norm error)."""
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    ref = results["sdpa_bias_grad"]
+    for method, got in results.items():
+        for name, a, b in zip(("output", "dq", "dk", "dv", "dbias"), got, ref):
+            err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+            if err > tol:
+                raise SystemExit(f"{method}: {name} differs from SDPA's by {err:.3g} (relative)")
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    dtype = getattr(torch, args.dtype)
+    B, H, D, dev = args.batch, args.heads, args.head_dim, args.device
+    rows: List[Dict[str, object]] = []
+    for L in tqdm(args.lengths, desc="learned bias"):
+        g = torch.Generator().manual_seed(L)
+        q, k, v = (torch.randn(B, H, L, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
+        bias = (0.5 * torch.randn(1, H, L, L, generator=g)).to(dev, dtype).requires_grad_()
+        go = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
+        check({m: step(m, q, k, v, bias, go) for m in METHODS}, dtype)
+        row: Dict[str, object] = {"seq_len": L}
+        for m in METHODS:
+            row[f"{m}_ms"] = median_ms(lambda m=m: step(m, q, k, v, bias, go), args.min_run_time)
+        rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    return {"device": device_name(dev), "torch": torch.__version__, "commit": commit, "dtype": args.dtype,
+            "batch": B, "heads": H, "head_dim": D, "rows": rows}
+
+
+def markdown(result: Dict[str, object]) -> str:
+    lines = [f"# Learned additive bias, forward + backward ({result['device']})", "",
+             f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, B={result['batch']}, "
+             f"H={result['heads']}, D={result['head_dim']}, bias (1, H, L, L); medians of torch.utils.benchmark "
+             "in one process; outputs and gradients checked against SDPA's first.", "",
+             "| L | ours, bias requires grad (ms) | ours, fixed bias (ms) | SDPA, bias requires grad (ms) "
+             "| ours / SDPA (bias requires grad) |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:  # type: ignore[union-attr]
+        ratio = r["ours_bias_grad_ms"] / r["sdpa_bias_grad_ms"]
+        lines.append(f"| {r['seq_len']} | {r['ours_bias_grad_ms']:.1f} | {r['ours_fixed_bias_ms']:.1f} | "
+                     f"{r['sdpa_bias_grad_ms']:.1f} | {ratio:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--min-run-time", type=float, default=1.0)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "learned_bias")
+    args = p.parse_args(argv)
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device == "cuda" else "cpu"
+    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (args.out / f"{tag}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""benchmarks/learned_bias.py runs end to end on a tiny grid: it writes its table and JSON, times
+every method, and stops when a method's gradients disagree with SDPA's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learned_bias  # noqa: E402  (benchmarks/ is not a package)
+
+TINY = ["--lengths", "16", "24", "--batch", "2", "--heads", "2", "--head-dim", "8", "--min-run-time", "0.01"]
+
+
+def test_writes_table_and_json(tmp_path: Path) -> None:
+    learned_bias.main([*TINY, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu.json").read_text())
+    assert [r["seq_len"] for r in result["rows"]] == [16, 24]
+    for row in result["rows"]:
+        assert all(row[f"{m}_ms"] > 0 for m in learned_bias.METHODS)
+    text = (tmp_path / "cpu.md").read_text()
+    assert "| L | ours, bias requires grad (ms)" in text and text.count("\n| 16 |") + text.count("\n| 24 |") == 2
+
+
+def test_a_wrong_gradient_stops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The check can fail: a method whose bias gradient is off is reported, not timed."""
+    real = learned_bias.step
+
+    def wrong(method: str, *args: torch.Tensor) -> list:
+        out = real(method, *args)
+        if method == "ours_bias_grad":
+            out[-1] = out[-1] * 1.01
+        return out
+
+    monkeypatch.setattr(learned_bias, "step", wrong)
+    with pytest.raises(SystemExit, match="ours_bias_grad: dbias differs"):
+        learned_bias.main([*TINY, "--out", str(tmp_path)])

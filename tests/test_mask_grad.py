@@ -235,33 +235,17 @@ def test_replace_sdpa_learned_bias_matches_torch() -> None:
 BACKEND = "torch_ext_test_mask_grad"
 
 
-def model_grads(model: torch.nn.Module, attn: str, **inputs: Any) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Output of ``model`` under ``attn`` and every parameter gradient of a fixed projection of it."""
-    model.set_attn_implementation(attn)
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    y = out.logits if hasattr(out, "logits") else out.last_hidden_state
-    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
-    (y * w).sum().backward()
-    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def assert_matches_sdpa(model: torch.nn.Module, names: Tuple[str, ...], **inputs: Any) -> None:
-    """Output and every parameter gradient under the backend equal "sdpa"'s; ``names`` (the learned
-    bias's parameters) are among those with a gradient."""
+    """Output and every parameter gradient under the backend equal "sdpa"'s (test_hf.assert_same),
+    and ``names`` (the learned bias's parameters) are among those with a gradient."""
     import torch_ext.hf as hf
+    from test_hf import assert_same, logits_and_grads
 
     hf.register(BACKEND)
-    ref, ref_grads = model_grads(model, "sdpa", **inputs)
-    out, grads = model_grads(model, BACKEND, **inputs)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert grads.keys() == ref_grads.keys()
-    for name in names:  # the learned bias's parameters are among them, with a gradient
+    assert_same(model, BACKEND, **inputs)
+    grads = logits_and_grads(model, BACKEND, **inputs)[1]
+    for name in names:
         assert any(name in n for n in grads), name
-    total = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
-    for name, g in ref_grads.items():
-        err = (grads[name] - g).norm().item()
-        assert err <= 1e-5 * max(g.norm().item(), 1e-2 * total), f"{name}: |error| {err:.3g}, |grad| {g.norm():.3g}"
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])

@@ -27,19 +27,13 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import torch.utils.benchmark as tb
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
 
 import torch_ext  # noqa: E402
-
-
-def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    """Median wall time of fn() in ms (torch.utils.benchmark synchronizes CUDA)."""
-    fn()
-    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
+from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
 
 
 def _rss() -> int:
@@ -85,19 +79,6 @@ def block_diagonal_mask(n: int, s: int, device: str) -> torch.Tensor:
     doc = torch.arange(n * s, device=device) // s
     i = torch.arange(n * s, device=device)
     return (doc.view(-1, 1) == doc.view(1, -1)) & (i.view(1, -1) <= i.view(-1, 1))
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return "cpu"
 
 
 def build(name: str, args: argparse.Namespace, L: int) -> Callable[[], object]:

@@ -21,41 +21,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn.functional as F
-import torch.utils.benchmark as tb
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
 
 import torch_ext  # noqa: E402
+from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
-
-
-def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    """Median wall time of fn() in ms with torch's threads (torch.utils.benchmark's default is one;
-    it synchronizes CUDA)."""
-    timer = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
-def device_name(device: str) -> str:
-    """The GPU's name, or the CPU's model and the threads torch uses."""
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    model = "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {torch.get_num_threads()} threads"
 
 
 def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,

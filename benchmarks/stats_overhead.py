@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 from pathlib import Path
 
 import torch
-import torch.utils.benchmark as tb
 from tqdm import tqdm
 
 import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
+from timing import cpu_name, median_ms  # benchmarks/timing.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,23 +35,6 @@ def derive_with_aten(lse: torch.Tensor, entropy: torch.Tensor, sum_p2: torch.Ten
         torch.where(nonempty, torch.rsqrt(n.clamp_min(1) * safe_p2), torch.zeros_like(sum_p2)),
         torch.where(nonempty, 1.0 / safe_p2, torch.zeros_like(sum_p2)),
     )
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the machine type."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def median_ms(fn, min_run_time: float) -> float:
-    """Median wall time of fn() in ms (torch.utils.benchmark synchronizes CUDA)."""
-    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def main() -> None:

@@ -116,6 +116,7 @@ AttentionBackwardCall prepare_attention_backward(
                                             key, value, attn_mask, output, lse, entropy, sum_p2,
                                             row_scale, options);
   check_sinks(sinks, c.shape, query);
+  check_grad_mask(attn_mask, grad_mask);
   c.options = options;
   c.set_documents(docs, c.shape, query);
   c.dtype = query.scalar_type();
@@ -139,9 +140,6 @@ AttentionBackwardCall prepare_attention_backward(
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
   if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
   if (grad_mask) {
-    TORCH_CHECK_VALUE(attn_mask.has_value() && attn_mask->scalar_type() != at::kBool,
-                      "grad_mask=True needs an additive (floating-point) attn_mask, got ",
-                      attn_mask.has_value() ? "a bool mask" : "none");
     const AttentionShape& s = c.shape;
     c.grad_logits = at::zeros({s.batch, s.heads, s.q_len, s.kv_len}, query.options().dtype(c.acc));
   }

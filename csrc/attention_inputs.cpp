@@ -278,6 +278,12 @@ AttentionShape check_attention_backward_inputs(
   return sh;
 }
 
+void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask) {
+  TORCH_CHECK_VALUE(!grad_mask || (attn_mask.has_value() && attn_mask->is_floating_point()),
+                    "grad_mask=True needs an additive (floating-point) attn_mask, got ",
+                    attn_mask.has_value() ? "a bool mask" : "none");
+}
+
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc) {
   at::Tensor m = attn_mask;
   if (m.scalar_type() == at::kDouble && acc == at::kFloat) {

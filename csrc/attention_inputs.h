@@ -36,6 +36,10 @@ AttentionShape check_attention_backward_inputs(
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     const AttentionOptions& options);
 
+// attention_backward's grad_mask asks for the gradient of an additive (floating-point) attn_mask:
+// without one (none, or a bool mask) it is a ValueError.
+void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask);
+
 // sinks: (H,) float on query's device, or absent.
 void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
                  const at::Tensor& query);

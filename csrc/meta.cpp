@@ -35,9 +35,7 @@ AttentionBackwardOutputs attention_backward_meta(
     const std::optional<at::Tensor>& /*cu_seq_q*/, const std::optional<at::Tensor>& /*cu_seq_k*/,
     const std::optional<at::Tensor>& /*seqused_k*/, bool grad_mask) {
   const at::ScalarType acc = accumulate_type(query.scalar_type());
-  TORCH_CHECK_VALUE(!grad_mask || (attn_mask.has_value() && attn_mask->is_floating_point()),
-                    "grad_mask=True needs an additive (floating-point) attn_mask, got ",
-                    attn_mask.has_value() ? "a bool mask" : "none");
+  check_grad_mask(attn_mask, grad_mask);
   return {at::empty_like(query, at::MemoryFormat::Contiguous),
           at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous),

@@ -284,3 +284,16 @@ def test_doge_learned_mask_trains_as_with_sdpa() -> None:
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     assert_matches_sdpa(model, ("dt_proj", "A"), input_ids=ids)
+
+
+@pytest.mark.parametrize("bias", ["relative", torch.zeros(1, H, LQ, LK, dtype=torch.long)], ids=["str", "int"])
+def test_position_bias_must_be_a_float_tensor(bias: Any) -> None:
+    """A position_bias that is not a float tensor is a TypeError naming it (not a failure inside the op)."""
+    transformers = pytest.importorskip("transformers")
+    import torch_ext.hf as hf
+
+    hf.register(BACKEND)
+    fn = transformers.AttentionInterface()[BACKEND]
+    q, k, v = inputs(H, H, LQ, LK, torch.float32, "cpu")
+    with pytest.raises(TypeError, match="position_bias must be a float tensor"):
+        fn(torch.nn.Module(), q, k, v, None, position_bias=bias)

@@ -40,9 +40,9 @@ transformers does for "sdpa"; query rows sliced from a forward whose causal mask
 (Gemma 4's KV-shared layers with ``logits_to_keep``) attend with bottom-right causality.
 
 An additive ``position_bias`` (T5's learned relative-position biases and the models built on them,
-wav2vec2-conformer's and wav2vec2-BERT's relative positions) joins the mask as "sdpa" joins them (added to a float mask,
-kept where a bool mask attends, hidden elsewhere), and the op differentiates it: the bias and
-learned masks (Doge's) get their gradients, as with "sdpa".
+wav2vec2-conformer's and wav2vec2-BERT's relative positions) joins the mask as "sdpa" joins them
+(added to a float mask, kept where a bool mask attends, hidden elsewhere), and the op
+differentiates it: the bias and learned masks (Doge's) get their gradients, as with "sdpa".
 
 Not supported (they raise, naming the argument): block-sparse ``block_indices`` (MiniMax-M3),
 paged KV caches (continuous batching), and ``position_bias`` with a packed batch.

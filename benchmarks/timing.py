@@ -1,0 +1,37 @@
+"""What the benchmark scripts share: the median time of a call with torch's threads, and the name
+of the device it ran on."""
+
+from __future__ import annotations
+
+import platform
+from typing import Callable
+
+import torch
+import torch.utils.benchmark as tb
+
+
+def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    """Median wall time of fn() in ms, after one warm-up call, with the threads torch uses
+    (torch.utils.benchmark's Timer would otherwise run on one thread; it synchronizes CUDA)."""
+    fn()
+    timer = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's with the threads torch uses."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"

@@ -1280,6 +1280,7 @@ def test_hopper_family_runs_where_forced(monkeypatch: pytest.MonkeyPatch, mask_k
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(1, 2, 2, 1000, 1000, 128, dtype=torch.bfloat16))
     mask = cuda(torch.rand(1000, 1000) < 0.9) if mask_kind == "bool" else None
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")  # (split-KV would take the forward to sm80)
     res: list = []
     names = cuda_kernel_names(lambda: res.append(OP(q, k, v, mask, None, is_causal=True, return_stats=True)))
     assert any("sm90::" in n and "forward_kernel" in n for n in names), names
@@ -1348,6 +1349,7 @@ def test_tensor_core_bands_match_reference(monkeypatch: pytest.MonkeyPatch, fami
     kw: Dict[str, Any] = dict(is_causal=causal, window_size=list(window), causal_alignment=alignment,
                               enable_gqa=True, return_stats=stats)
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")  # (split-KV's own test covers its kernels)
     res: list = []
     ran = family_kernels(lambda: res.append(OP(q, k, v, mask, None, **kw)), family, "forward_kernel")
     assert DRY_RUN or ran, f"the {family} forward did not run"
@@ -1475,6 +1477,7 @@ def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, f
         return OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf, return_stats=stats, **kw)
 
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")  # (split-KV's own test covers its kernels)
     res: list = []
     ran = family_kernels(lambda: res.append(run()), family, "forward_kernel")
     assert DRY_RUN or ran, f"the {family} forward did not run"
@@ -1691,3 +1694,18 @@ def test_learned_mask_grad_matches_reference(monkeypatch: pytest.MonkeyPatch, fa
     assert rel_err(g_dev, g_ref) < tol, f"{family}: {rel_err(g_dev, g_ref):.3g} vs reference (tol {tol:.3g})"
     assert rel_err(g_dev, g_cpu) < 2 * tol, f"{family}: {rel_err(g_dev, g_cpu):.3g} vs CPU"
     assert (g_dev.cpu()[torch.isneginf(bias)] == 0).all()
+
+
+def test_dropout_generator_on_the_device() -> None:
+    """A generator on the inputs' device (``torch.Generator("cuda")``, what SDPA users pass) seeds
+    dropout: the same seed gives the same output, another seed another. (It raised "Expected a
+    'cpu' device type for generator" before the seed was drawn on the generator's device.)"""
+    q, k, v = (cuda(t) for t in make_qkv(1, 2, 2, 96, 96, 64, dtype=torch.bfloat16))
+
+    def run(seed: int) -> Tensor:
+        return torch_ext.attention(q, k, v, is_causal=True, dropout_p=0.3,
+                                   generator=torch.Generator(DEV.type).manual_seed(seed))
+
+    first, again, other = run(1), run(1), run(2)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)

@@ -121,9 +121,10 @@ def _pattern_args(
 ) -> dict:
     """Validates the key-pattern, softcap and dropout arguments and maps them to the ops' keywords.
 
-    With ``dropout_p > 0`` a fresh Philox seed is drawn from ``generator`` (else torch's default
-    CPU generator), so that ``torch.manual_seed`` makes dropout reproducible and each call drops
-    different weights; the backward regenerates the same mask from the seed.
+    With ``dropout_p > 0`` a fresh Philox seed is drawn from ``generator`` (on its device: a CUDA
+    generator draws on its GPU; without one, from torch's default CPU generator), so that
+    ``torch.manual_seed`` makes dropout reproducible and each call drops different weights; the
+    backward regenerates the same mask from the seed.
     """
     try:
         left, right = window_size  # type: ignore[misc]
@@ -151,7 +152,8 @@ def _pattern_args(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     seed = 0
     if dropout_p > 0:
-        seed = int(torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64))
+        device = generator.device if generator is not None else "cpu"
+        seed = int(torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device))
     return {
         "window_size": [int(left), int(right)],
         "causal_alignment": causal_alignment,
@@ -221,7 +223,8 @@ def attention(
             distribution over the n_i keys and the sink (``n_keys`` still counts keys only).
         dropout_p: attention dropout probability (apply it in training only, as SDPA's callers
             do). The statistics describe the weights before dropout.
-        generator: the generator dropout's seed is drawn from (default: torch's CPU generator).
+        generator: the generator dropout's seed is drawn from, on any device (default: torch's CPU
+            generator).
 
     Returns:
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend

@@ -29,26 +29,20 @@ constexpr bool kTensorCoreFamilyByDefault = true;
 constexpr bool kHopperFamilyByDefault = true;
 // Whether "auto" gives the tensor-core family the calls with a sliding window, bottom-right
 // alignment, packed documents (its causal kernels read the KeyPattern), logit softcapping,
-// attention sinks or dropout, forward and backward. Off until those kernels have passed the CUDA
-// tests on a GPU (tests/test_cuda.py: test_tensor_core_bands_match_reference and
-// test_tensor_core_features_match_reference, family sm80); ENTROPY_ATTN_CUDA_FAMILY=sm80 (or sm90,
-// which falls back to sm80) selects them.
-constexpr bool kTensorCoreFeaturesByDefault = false;
-// Whether "auto" gives the Hopper family the calls with a sliding window, bottom-right alignment,
-// packed documents (its causal kernels read the KeyPattern), logit softcapping, attention sinks or
-// dropout, forward and backward. Off until those kernels have passed the CUDA tests on an H100
-// (tests/test_cuda.py: test_tensor_core_bands_match_reference and
-// test_tensor_core_features_match_reference, family sm90); ENTROPY_ATTN_CUDA_FAMILY=sm90 selects
-// them.
-constexpr bool kHopperFeaturesByDefault = false;
+// attention sinks or dropout, forward and backward. On since those kernels passed the CUDA tests on
+// an H200 (tests/test_cuda.py: test_tensor_core_bands_match_reference and
+// test_tensor_core_features_match_reference, family sm80; results/gpu/tests.md).
+constexpr bool kTensorCoreFeaturesByDefault = true;
+// The same for the Hopper family on compute capability 9.0 (the same tests, family sm90).
+constexpr bool kHopperFeaturesByDefault = true;
 
 // Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU
 // (decoding: a few query rows against a long cache) into parts run by separate thread blocks and
-// combined (split-KV, the sm80 family: sm80/split_kv.cuh; such calls leave sm90 for it). Off until
-// it has passed the CUDA tests on a GPU (tests/test_cuda.py: test_split_kv_matches_reference).
+// combined (split-KV, the sm80 family: sm80/split_kv.cuh; such calls leave sm90 for it). On since
+// it passed the CUDA tests on an H200 (tests/test_cuda.py: test_split_kv_matches_reference).
 // ENTROPY_ATTN_SPLIT_KV (read at each call) overrides it: "auto" (FlashAttention-2's rule,
 // split_kv.h), "off", or a count of parts from 1 to 128 (forced, for tests and benchmarks).
-constexpr bool kSplitKvByDefault = false;
+constexpr bool kSplitKvByDefault = true;
 
 // The number of parts the sm80 forward cuts each query tile's keys into for `call` (1: not split).
 // Raises ValueError for a bad ENTROPY_ATTN_SPLIT_KV.

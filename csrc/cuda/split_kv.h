@@ -13,8 +13,9 @@ namespace entropy_attn::cuda {
 constexpr int kMaxSplits = 128;
 
 // FlashAttention-2's rule (num_splits_heuristic): a call whose tiles (query tiles x heads x batch)
-// fill 80% of the SMs is not split; otherwise the smallest split count whose wave efficiency
-// (tiles x splits / SMs over its ceiling) is within 85% of the best, among the counts that change
+// fill 80% of a wave (`sms`: the blocks the GPU runs at once, two per SM for the sm80 forward) is
+// not split; otherwise the smallest split count whose wave efficiency (tiles x splits / sms over
+// its ceiling) is within 85% of the best, among the counts that change
 // the blocks per part (cutting 10 blocks in 4 or in 5 gives parts of 3 and 2: 5 is eligible; 6
 // gives 2 again: not).
 inline int split_kv_count(int64_t tiles, int64_t key_blocks, int sms) {

@@ -21,7 +21,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import sys
 
@@ -144,6 +144,41 @@ def memory(name: str, args: argparse.Namespace, L: int) -> Optional[float]:
         return None
 
 
+def markdown(result: Dict[str, Any]) -> str:
+    """The Markdown tables of a result (what main writes to <tag>.json)."""
+    windows, packed = result["windows"], result["packed"]
+
+    def f(x: Any, fmt: str = "") -> str:  # milliseconds by default: 3 significant digits, no exponent
+        if x is None:
+            return "—"
+        return fmt.format(x) if fmt else f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+    mib = "{:.1f}"
+    lines = [f"# Windows and packed sequences ({result['device']})", "",
+             f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, batch 1, H={result['heads']}, "
+             f"D={result['head_dim']}; medians of torch.utils.benchmark in one process; memory: what one forward call "
+             "needed beyond its inputs (CUDA allocator peak; on the CPU the peak resident set of the call alone, in a "
+             "fresh process).", "",
+             f"## Causal sliding window of W = {windows[0]['window']} keys", "",
+             "| L | ours, window (ms) | ours, full causal (ms) | SDPA, full causal (ms) | SDPA, dense window mask (ms) "
+             "| ours window / SDPA causal | ours, window (MiB) | SDPA, mask (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in windows:
+        lines.append(
+            f"| {r['seq_len']} | {f(r['ours_window_ms'])} | {f(r['ours_causal_ms'])} | {f(r['sdpa_causal_ms'])} | "
+            f"{f(r.get('sdpa_window_mask_ms'))} | {f(r['ours_window_ms'] / r['sdpa_causal_ms'], '{:.2f}')} | "
+            f"{f(r.get('ours_window_mib'), mib)} | {f(r.get('sdpa_window_mask_mib'), mib)} |"
+        )
+    labels = {"ours_varlen": "ours, varlen_attention", "sdpa_loop": "SDPA, loop over documents",
+              "sdpa_block_mask": "SDPA, block-diagonal (T, T) mask", "torch_varlen_attn": "torch varlen_attn"}
+    N, S = packed["docs"], packed["doc_len"]
+    lines += ["", f"## {N} documents of {S} tokens packed in one row (T = {N * S}), causal", "",
+              "| method | time (ms) | memory (MiB) |", "|---|---|---|"]
+    lines += [f"| {label} | {f(packed[n + '_ms'])} | {f(packed[n + '_mib'], mib)} |"
+              for n, label in labels.items() if n + "_ms" in packed]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -189,31 +224,9 @@ def main() -> None:
     tag = "cuda" if dev == "cuda" else "cpu"
     (args.out / f"{tag}.json").write_text(json.dumps({**meta, "windows": windows, "packed": packed}, indent=2) + "\n")
 
-    def f(x: object, fmt: str = "{:.1f}") -> str:
-        return "—" if x is None else fmt.format(x)
-
-    lines = [f"# Windows and packed sequences ({meta['device']})", "",
-             f"torch {meta['torch']}, commit {commit}, {args.dtype}, batch 1, H={H}, D={D}; medians of "
-             "torch.utils.benchmark in one process; memory: what one forward call needed beyond its "
-             "inputs (CUDA allocator peak; on the CPU the peak resident set of the call alone, in a "
-             "fresh process).", "",
-             f"## Causal sliding window of W = {W} keys", "",
-             "| L | ours, window (ms) | ours, full causal (ms) | SDPA, full causal (ms) | SDPA, dense window mask (ms) "
-             "| ours window / SDPA causal | ours, window (MiB) | SDPA, mask (MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in windows:
-        lines.append(
-            f"| {r['seq_len']} | {f(r['ours_window_ms'])} | {f(r['ours_causal_ms'])} | {f(r['sdpa_causal_ms'])} | "
-            f"{f(r.get('sdpa_window_mask_ms'))} | {f(r['ours_window_ms'] / r['sdpa_causal_ms'], '{:.2f}')} | "
-            f"{f(r.get('ours_window_mib'))} | {f(r.get('sdpa_window_mask_mib'))} |"
-        )
-    labels = {"ours_varlen": "ours, varlen_attention", "sdpa_loop": "SDPA, loop over documents",
-              "sdpa_block_mask": "SDPA, block-diagonal (T, T) mask", "torch_varlen_attn": "torch varlen_attn"}
-    lines += ["", f"## {N} documents of {S} tokens packed in one row (T = {N * S}), causal", "",
-              "| method | time (ms) | memory (MiB) |", "|---|---|---|"]
-    lines += [f"| {labels[n]} | {f(packed[n + '_ms'])} | {f(packed[n + '_mib'])} |" for n in methods]
-    (args.out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = markdown({**meta, "windows": windows, "packed": packed})
+    (args.out / f"{tag}.md").write_text(text)
+    print(text, end="")
 
 
 if __name__ == "__main__":

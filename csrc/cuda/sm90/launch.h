@@ -13,9 +13,8 @@
 // the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
 // Both directions also take sliding windows, bottom-right alignment and packed documents (their
 // causal instantiations read the call's KeyPattern), logit softcapping and dropout (the backward
-// of either not with a mask) and attention sinks; written and compiled, not yet run on a GPU, so
-// "auto" sends such calls elsewhere (family.h: kHopperFeaturesByDefault) and
-// ENTROPY_ATTN_CUDA_FAMILY=sm90 selects them.
+// of either not with a mask) and attention sinks, which "auto" gives them since they passed the
+// CUDA tests on an H200 (family.h: kHopperFeaturesByDefault).
 #pragma once
 
 #include <cuda_runtime_api.h>

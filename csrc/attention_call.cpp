@@ -84,6 +84,37 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
   return c;
 }
 
+bool pack_query_heads(AttentionCall& c, at::Tensor& query) {
+  const AttentionShape s = c.shape;
+  AttentionOptions& o = c.options;
+  const bool unbounded = !o.causal && o.window_left < 0 && o.window_right < 0;
+  const bool sees_all = unbounded || (o.bottom_right && o.window_left < 0);
+  if (s.q_len != 1 || s.heads == s.kv_heads || !sees_all || c.cu_q.defined() || c.sinks.defined() ||
+      o.dropout_p > 0) {
+    return false;
+  }
+  const int64_t g = s.group();
+  // Splitting the head dim and dropping the one-row dim are views whatever the strides.
+  query = query.reshape({s.batch, s.kv_heads, g, s.head_dim});
+  if (c.mask.has_value()) c.mask = c.mask->reshape({s.batch, s.kv_heads, g, s.kv_len});
+  if (c.scale.defined()) c.scale = c.scale.reshape({s.batch, s.kv_heads, g});
+  c.shape.heads = s.kv_heads, c.shape.q_len = g;
+  o.causal = false, o.window_left = o.window_right = -1, o.bottom_right = false;
+  return true;
+}
+
+AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionShape& s) {
+  auto unpack = [&](at::Tensor& t) {
+    if (t.dim() == 4) {
+      t = t.view({s.batch, s.heads, 1, s.v_head_dim});
+    } else if (t.dim() == 3) {  // (a statistic not asked for is empty, (0,), and stays)
+      t = t.view({s.batch, s.heads, 1});
+    }
+  };
+  std::apply([&](auto&... t) { (unpack(t), ...); }, outputs);
+  return outputs;
+}
+
 AttentionOutputs AttentionCall::allocate_outputs(const at::Tensor& query) const {
   const AttentionShape& s = shape;
   const auto stat = query.options().dtype(acc);

@@ -78,6 +78,21 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const std::optional<at::Tensor>& sinks,
                                 const DocumentArgs& docs, const AttentionOptions& options);
 
+// Decoding with grouped-query attention packs the query heads of a group as the rows of one head
+// (FlashAttention-2's seqlenq_ngroups_swapped). A call with one query row, H query heads on
+// Hkv < H key/value heads, whose row sees every key (no causality or window, or bottom-right
+// alignment with no left bound: the one row is the last), no packed documents, sinks or dropout,
+// is the same call with Hkv heads of G = H / Hkv rows each, since the row's keys, n_i and so its
+// scale do not depend on the row's position; its query is a (B, Hkv, G, D) view of the same
+// memory and its mask and scale views split the head dim likewise. The kernels then read each
+// key/value head once per group instead of once per query head, and fill G rows of a query tile
+// instead of one (docs/math.md section 7). Rewrites `call` and `query` and returns true when that
+// applies; the outputs, allocated for the packed shape, are the unpacked ones' memory
+// (unpack_query_heads).
+bool pack_query_heads(AttentionCall& call, at::Tensor& query);
+// The outputs of a packed call viewed in the call's own shape (B, H, 1, ...).
+AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionShape& shape);
+
 // The checked call of `attention_backward`: the row statistics and the upstream statistic
 // gradients in the accumulate type, contiguous (undefined when absent), the mask expanded.
 struct AttentionBackwardCall : CallPattern {
@@ -167,9 +182,12 @@ AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
-  return Impl(query, key, value,
-              prepare_attention(query, key, value, attn_mask, scale, sinks,
-                                {cu_seq_q, cu_seq_k, seqused_k}, options));
+  AttentionCall call = prepare_attention(query, key, value, attn_mask, scale, sinks,
+                                         {cu_seq_q, cu_seq_k, seqused_k}, options);
+  const AttentionShape shape = call.shape;
+  at::Tensor q = query;
+  if (!pack_query_heads(call, q)) return Impl(query, key, value, call);
+  return unpack_query_heads(Impl(q, key, value, call), shape);
 }
 
 // The same for `attention_sparsity` (no value: the key stands in for it), with the kind of f.

@@ -1709,3 +1709,40 @@ def test_dropout_generator_on_the_device() -> None:
     first, again, other = run(1), run(1), run(2)
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("split", ["off", "auto"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "bottom_right_causal"])
+@pytest.mark.parametrize("family", ["fallback", "sm80", "sm90"])
+def test_decode_packs_query_heads(monkeypatch: pytest.MonkeyPatch, family: str, causal: bool, D: int,
+                                  split: str) -> None:
+    """One decoding step with GQA (one query row, 32 query heads on 8 key/value heads) runs with each
+    group's query heads packed as the rows of one head (attention_call.cpp: pack_query_heads), on each
+    family, split or not: every output against the float64 reference and the gradients too, with a
+    per-batch bool mask (a cache with padding). The family and split settings are forced
+    (sm90 on other GPUs runs as sm80)."""
+    torch.manual_seed(12)
+    q, k, v = make_qkv(2, 32, 8, 1, 3000, D, dtype=torch.bfloat16)
+    mask = torch.rand(2, 1, 1, 3000, generator=torch.Generator().manual_seed(2)) < 0.9
+    kw: Dict[str, Any] = dict(is_causal=causal, causal_alignment="bottom_right", enable_gqa=True)
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", split)
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    out = OP(*leaves, cuda(mask), None, **kw)
+    rin = [leaf64(t) for t in (q, k, v)]
+    r = reference_attention_raw(*rin, mask, None, **kw)
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    assert out[0].shape == (2, 32, 1, D) and out[0].is_contiguous()
+    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
+    for i, name in enumerate(OUT_NAMES[1:], start=1):
+        if name == "n_keys":
+            assert torch.equal(out[i].cpu(), r.n_keys), "n_keys"
+        else:
+            assert_close64(out[i].detach().cpu(), getattr(r, name), sat, srt, name)
+    go = torch.randn_like(out[0])
+    grads = grads_of([out[0]], [go], leaves)
+    ref_grads = grads_of([r.output], [go.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"

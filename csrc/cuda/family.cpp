@@ -355,8 +355,8 @@ int forward_splits(const ForwardCall& c) {
     // (The forward's query tiles hold 128 rows, 64 in masked calls at D = 128, and its key blocks
     // 32 or 64 keys: the rule needs only their order of magnitude.) Two of its blocks fit on an SM
     // (128 threads, at most 255 registers each), so a wave is twice the SMs, as FlashAttention-2
-    // counts too; with one per SM a decoding step on an H200 was split 4 ways where 16 parts ran
-    // 1.6x faster (B = 1, 32 heads, 65536 keys).
+    // counts too. On an H200 (B = 1, 32 heads, 65536 keys; results/gpu/decode.md) one block per
+    // SM chose 4 parts (0.75 ms), two choose 7 (0.536 ms); 8 or 16 parts took 0.473 ms.
     const int64_t tiles = s.batch * s.heads * ((s.q_len + 127) / 128);
     return split_kv_count(tiles, (s.kv_len + 63) / 64, 2 * device_sm_count());
   }

@@ -1222,7 +1222,7 @@ def cuda_kernel_names(fn: Callable[[], Any]) -> List[str]:
 
 @real_cuda
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
@@ -1232,7 +1232,8 @@ def test_families_agree(
     stats: bool,
 ) -> None:
     """A specialized family (forced) and the fallback give the same outputs and gradients within the
-    dtype's tolerance, over the flags each instantiation fixes at compile time; GQA, lengths that are
+    dtype's tolerance, over the flags each instantiation fixes at compile time (at D = 256 the sm80
+    family's kernels, which the forced sm90 family passes such calls to); GQA, lengths that are
     no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
     blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
     loss."""
@@ -1518,6 +1519,84 @@ def test_tensor_core_features_match_reference(monkeypatch: pytest.MonkeyPatch, f
     ref_grads = grads_of([want["output"], want["entropy"]], [go.cpu(), None if ge is None else ge.cpu()], rin)
     for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
+def sm80_backward_fits_head_dim_256() -> bool:
+    """Whether the GPU offers a block the 209 KB of shared memory of the sm80 backward at D = 256
+    (csrc/cuda/sm80/launch.h: an H100 or H200 does, an A100 does not)."""
+    props = torch.cuda.get_device_properties(DEV)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return optin >= 214272 if optin is not None else torch.cuda.get_device_capability(DEV) >= (9, 0)
+
+
+#: Head dim 256 on the tensor-core family (Gemma's head dim): (Lq, Lk, the op's keyword arguments,
+#: as TC_FEATURES). Lengths that are no multiple of its tiles (64 x 32 forward, 64 x 64 backward),
+#: GQA, and the features Gemma 2 and 3 use (softcap with a sliding window), a cache (bottom-right),
+#: sinks and dropout in the general kernels, and a decoding step that split-KV cuts into parts.
+HEAD_DIM_256_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
+    "full": (177, 293, {}),
+    "causal": (293, 293, {"is_causal": True}),
+    "bool_mask": (177, 293, {"mask": "bool"}),
+    "additive_mask_causal": (177, 293, {"is_causal": True, "mask": "additive"}),
+    "gemma2_softcap_window": (300, 300, {"is_causal": True, "window_size": (63, 0), "softcap": 2.0}),
+    "cache_bottom_right": (70, 333, {"is_causal": True, "causal_alignment": "bottom_right"}),
+    "sinks_dropout": (150, 150, {"is_causal": True, "sinks": True, "dropout_p": 0.2, "dropout_seed": 5}),
+    "decode_split": (1, 1500, {"split": "5"}),
+}
+
+
+@pytest.mark.skipif(not DRY_RUN and not (HAS_CUDA and torch.cuda.get_device_capability(DEV) >= (8, 0)),
+                    reason="the sm80 family needs a GPU of compute capability 8.0 or newer")
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
+def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
+                                        stats: bool) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=sm80 runs head dim 256 in the tensor-core kernels (the forward in the
+    profile; the backward too where the GPU has its shared memory, the fallback's elsewhere) and
+    matches the float64 reference: output, lse and n_i, with statistics the entropy, sum p^2, max
+    weight and derived statistics, and the gradients of q, k, v (and the sinks) through the output
+    and, with statistics, the entropy. (Dry run: the CPU op against the same reference.)"""
+    Lq, Lk, spec = HEAD_DIM_256_CASES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask", "split")}
+    H, Hkv, D = 4, 2, 256
+    torch.manual_seed(7)
+    q, k, v = make_qkv(2, H, Hkv, Lq, Lk, D, dtype=dtype)
+    sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
+    sink_leaf = leaves[3] if sinks is not None else None
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", spec.get("split", "off"))
+    res: list = []
+    run = lambda: res.append(OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf,  # noqa: E731
+                                return_stats=stats, **kw))
+    ran = family_kernels(run, "sm80", "forward_kernel")
+    assert DRY_RUN or ran, "the sm80 forward did not run at D = 256"
+    out = res[0]
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
+                                sinks=rin[3] if sinks is not None else None, **kw)
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
+    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
+    if stats:
+        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
+                        (9, "sparsity"), (10, "effective_keys")):
+            assert_close64(out[i].detach().cpu(), getattr(r, name), sat, srt, name)
+
+    go = torch.randn_like(out[0])
+    ge = torch.randn_like(out[2]) if stats else None
+    grads: list = []
+    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), "sm80",
+                         "main_kernel")
+    if not DRY_RUN and sm80_backward_fits_head_dim_256():
+        assert ran, "the sm80 backward did not run at D = 256"
+    elif not DRY_RUN:
+        assert not ran, "the sm80 backward ran without the shared memory it needs"
+    ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference"
 
 
 @real_cuda

@@ -102,3 +102,31 @@ def test_builds_compile_the_generated_units(builder: str) -> None:
     assert "csrc/cuda/**/*.cu" in text or "GLOB_RECURSE ENTROPY_ATTN_CUDA_SOURCES" in text
     on_disk = {p for p in (ROOT / "csrc" / "cuda").rglob("*.cu") if p.parent.name == "instantiations"}
     assert on_disk == set(kernel_list.translation_units())
+
+
+def test_tensor_core_families_compile_head_dim_256() -> None:
+    """The sm80 family lists head dim 256 (Gemma's), forward and backward, with the same flags as
+    its other head dims; the Hopper family does not (such calls go to sm80)."""
+    insts = kernel_list.load()
+    sm80 = insts["sm80"]
+    for direction in ("forward", "backward"):
+        at = {(i.dtype, i.causal, i.mask, i.stats) for i in sm80 if i.direction == direction}
+        at_256 = {(i.dtype, i.causal, i.mask, i.stats) for i in sm80 if i.direction == direction and i.head_dim == 256}
+        assert at_256 == at, direction
+    assert all(i.head_dim != 256 for i in insts["sm90"])
+
+
+def test_ptxas_report_holds_tensor_core_kernels_to_no_spills() -> None:
+    """A tensor-core family's kernel must not spill at any head dim; the fallback's may at 256."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import ptxas_report
+
+    def kernel(name: str) -> "ptxas_report.Kernel":
+        k = ptxas_report.Kernel(file="x.cu", arch="sm_80", mangled=name, name=name)
+        k.bucket = ptxas_report.first_int_template_arg(name)
+        return k
+
+    assert kernel("entropy_attn::cuda::sm80::fwd_impl::split_combine_kernel<__half, 256, true>").must_not_spill
+    assert kernel("entropy_attn::cuda::sm90::bwd_impl::postprocess_kernel<__half, 256>").must_not_spill
+    assert kernel("entropy_attn::cuda::fallback::attention_fwd_kernel<__half, 128>").must_not_spill
+    assert not kernel("entropy_attn::cuda::fallback::attention_fwd_kernel<__half, 256>").must_not_spill

@@ -95,6 +95,13 @@ std::string pattern_obstacle(const CallPattern& c, bool extended) {
   return {};
 }
 
+// Whether the tensor-core family takes head dim 256: by default once tested on a GPU (family.h:
+// kTensorCoreHeadDim256ByDefault), or when a tensor-core family is forced.
+bool tensor_core_head_dim_256() {
+  const std::optional<Family> requested = requested_family();
+  return requested.has_value() ? *requested != Family::kFallback : kTensorCoreHeadDim256ByDefault;
+}
+
 // Why the tensor-core family cannot run a call with these inputs (empty when it can). `has` tells
 // whether an instantiation exists for the call's dtype, head dim and flags.
 std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
@@ -106,6 +113,9 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
+  if (s.head_dim == 256 && !tensor_core_head_dim_256()) {
+    return "head_dim 256, off by default until tested on a GPU (kTensorCoreHeadDim256ByDefault)";
+  }
   if (device_sm() < 80) return "the GPU is older than sm_80";
   for (const at::Tensor* t : rows) {
     if (!rows_16b_aligned(*t)) return "a tensor's rows are not 16-byte aligned";

@@ -35,6 +35,12 @@ constexpr bool kHopperFamilyByDefault = true;
 constexpr bool kTensorCoreFeaturesByDefault = true;
 // The same for the Hopper family on compute capability 9.0 (the same tests, family sm90).
 constexpr bool kHopperFeaturesByDefault = true;
+// Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
+// at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
+// memory per block: an H100, not an A100). Off until they have passed the CUDA tests on a GPU
+// (tests/test_cuda.py: test_head_dim_256_matches_reference); a forced tensor-core family takes
+// them.
+constexpr bool kTensorCoreHeadDim256ByDefault = false;
 
 // Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU
 // (decoding: a few query rows against a long cache) into parts run by separate thread blocks and

@@ -160,6 +160,8 @@ int main() {
   sm80_forward<__half, 128, MaskKind::kBool>("sm80 forward D=128 masked (64 x 64)");
   sm80_backward<__nv_bfloat16, 64>("sm80 backward D=64 (64 x 128)");
   sm80_backward<__half, 128>("sm80 backward D=128 (64 x 128)");
+  sm80_forward<__nv_bfloat16, 256, MaskKind::kAdditive>("sm80 forward D=256 (64 x 32)");
+  sm80_backward<__nv_bfloat16, 256>("sm80 backward D=256 (64 x 64)");
   sm90_forward<__nv_bfloat16, 64, MaskKind::kNone>("sm90 forward D=64 (128 x 128)");
   sm90_forward<__nv_bfloat16, 128, MaskKind::kAdditive>("sm90 forward D=128 masked (128 x 112)");
   sm90_backward<__half, 128>("sm90 backward D=128 (64 x 64 halves)");

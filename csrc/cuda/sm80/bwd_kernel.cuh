@@ -40,6 +40,7 @@
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
 #include "../params.h"
+#include "launch.h"
 
 namespace entropy_attn::cuda::sm80::bwd {
 
@@ -58,7 +59,7 @@ struct Sm80Ops {
   using CpAsync4 = SM80_CP_ASYNC_CACHEALWAYS<uint32_t>;    // 4-byte cp.async (row statistics)
 };
 
-// Tiles: 64 query rows x 128 keys, 8 warps, at both head dims. This is FlashAttention-2's sm80
+// Tiles: 64 query rows x 128 keys, 8 warps, at D = 64 and 128. This is FlashAttention-2's sm80
 // tile at D = 128; at D = 64 FlashAttention-2 prefers 128 x 128, which here needs more than 255
 // registers per thread once lambda, the mask and the entropy terms are added (ptxas spills).
 // Registers per thread: dK and dV (128 keys x D, fp32) D / 2 together, S and dP 32 each. A key
@@ -66,15 +67,18 @@ struct Sm80Ops {
 // lambda Q, dO double-buffered (64 x D each), K, V (128 x D), P, dS (64 x 128) and the row
 // statistics: 161 KB at D = 128 (an A100 allows 163 KB), 97 KB at D = 64. sm_86/sm_89/sm_120
 // allow 99 KB: D = 128 does not launch there (launch_backward returns the attribute error).
+// D = 256 takes 64 x 64 tiles (FlashAttention-2's there too): dK and dV 128 registers, S and dP
+// 16 each, G 64; 209 KB of shared memory, which an H100 has and an A100 has not (launch.h).
 template <typename T, int kHeadDim_, typename Ops_ = Sm80Ops>
 struct BwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   using Ops = Ops_;
   using CpAsync4 = typename Ops::CpAsync4;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the tensor-core family compiles D = 64, 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "the tensor-core family compiles D = 64, 128, 256");
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = backward_block_n(kHeadDim);
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = 32 * kNWarps;
 
@@ -95,7 +99,10 @@ struct BwdTraits {
   // halves of 64 keys so that only half of dP is live, which keeps every variant within 255
   // registers without spills (ptxas; the whole product spilled), for 11% more ldmatrix (dO is
   // read twice). D = 64 has registers to spare.
-  static constexpr int kDpParts = kHeadDim == 128 ? 2 : 1;
+  static constexpr int kDpParts = kHeadDim == 128 ? 2 : 1;  // (64 keys at D = 256: 16 registers)
+  // G = dS K of the main kernel, the peak at D = 256 (dK, dV and G: 192 registers; the whole
+  // product spilled), runs in two halves of 128 columns there.
+  static constexpr int kDqParts = kHeadDim == 256 ? 2 : 1;
 
   // Shared memory in 8 x 64 atoms (128-byte rows) with the 3-bit XOR swizzle of the 16-byte
   // chunks: ldmatrix of 8 rows, plain or transposed, and the 16-byte cp.async stores then touch
@@ -143,14 +150,19 @@ struct BwdTraits {
   static constexpr int kDqV = kDqK + kBytesKV, kDqdS = kDqV + kBytesKV;
   static constexpr int kDqRows = kDqdS + kBytesPdS;
   static constexpr int kDqBytes = kDqRows + kBytesRows;
-  static_assert(kMainBytes <= 166912, "over an A100's 163 KB of shared memory per block");
+  static_assert(kMainBytes <= (kHeadDim <= 128 ? 166912 : 232448),
+                "over the shared memory per block of an A100 (163 KB; D <= 128) or H100 (227 KB)");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 32 == 0 && kBlockN % 64 == 0);
 
-  // Preprocess: 16-byte loads, kHeadDim / 8 threads per row. Postprocess: 4 floats per thread.
+  // Preprocess: 16-byte loads, kHeadDim / 8 threads per row. Postprocess: 4 floats per thread and
+  // step, kHeadDim / 4 threads per row up to a warp (the row's dot product is a warp shuffle sum),
+  // which then takes kPostSteps steps.
   static constexpr int kPreThreadsPerRow = kHeadDim / 8;
   static constexpr int kPreRows = kNThreads / kPreThreadsPerRow;
-  static constexpr int kPostThreadsPerRow = kHeadDim / 4;
+  static constexpr int kPostThreadsPerRow = kHeadDim / 4 < 32 ? kHeadDim / 4 : 32;
+  static constexpr int kPostSteps = kHeadDim / (4 * kPostThreadsPerRow);
   static constexpr int kPostRows = kNThreads / kPostThreadsPerRow;
+  static_assert(kPreThreadsPerRow <= 32, "a row's preprocess threads are lanes of one warp");
 };
 
 // Adds a pair of adjacent floats (8-byte aligned) to global memory: one vector reduction on sm_90.
@@ -604,18 +616,21 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
 
+  // G = dS K by column parts of kD / kDqParts (the D columns of G: K^T's rows).
+  using PartDq = Shape<Int<kBlockM>, Int<kD / Kt::kDqParts>>;
+  using PartKt = Shape<Int<kD / Kt::kDqParts>, Int<kBlockN>>;
   typename Kt::TiledMmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(
-      make_tensor(sKt.data(), get_nonswizzle_portion(typename Kt::SmemLayoutKt{})));
+      local_tile(make_tensor(sKt.data(), get_nonswizzle_portion(typename Kt::SmemLayoutKt{})),
+                 PartKt{}, make_coord(_0{}, _0{})));
   auto copy_a_dq = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, mma_dq);
   auto thr_a_dq = copy_a_dq.get_thread_slice(tid);
   auto copy_b_dq = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, mma_dq);
   auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
   Tensor tdQsdS = thr_a_dq.partition_S(sdS);
-  Tensor tdQsKt = thr_b_dq.partition_S(sKt);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
+  Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{});
 
   clear(acc_dk);
   clear(acc_dv);
@@ -730,24 +745,28 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
 
     // G += dS K, accumulated over the key blocks by fp32 atomics (deterministic: the dq kernel).
     if (atomic_dq) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
-      clear(acc_dq);
-      gemm_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq,
-                thr_b_dq);
       float* dq_accum = p.dq_accum + ((static_cast<int64_t>(b) * heads + h) * q_len + i0) * kD;
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<1>(acc_dq); ++mi) {
+      for_each(make_int_sequence<Kt::kDqParts>{}, [&](auto part) {
+        Tensor tdQsKt = thr_b_dq.partition_S(local_tile(sKt, PartKt{}, make_coord(part, _0{})));
+        Tensor tdQcdQ = thr_dq.partition_C(local_tile(cdQ, PartDq{}, make_coord(_0{}, part)));
+        Tensor acc_dq = partition_fragment_C(mma_dq, PartDq{});
+        clear(acc_dq);
+        gemm_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq,
+                  thr_b_dq);
         CUTE_UNROLL
-        for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
+        for (int mi = 0; mi < size<1>(acc_dq); ++mi) {
           CUTE_UNROLL
-          for (int v = 0; v < 4; v += 2) {  // (v, v + 1): adjacent columns of one row
-            const int r = get<0>(tdQcdQ(v, mi, ni)), c = get<1>(tdQcdQ(v, mi, ni));
-            if (i0 + r < q_len) {
-              atomic_add_pair(dq_accum + r * kD + c, acc_dq(v, mi, ni), acc_dq(v + 1, mi, ni));
+          for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
+            CUTE_UNROLL
+            for (int v = 0; v < 4; v += 2) {  // (v, v + 1): adjacent columns of one row
+              const int r = get<0>(tdQcdQ(v, mi, ni)), c = get<1>(tdQcdQ(v, mi, ni));
+              if (i0 + r < q_len) {
+                atomic_add_pair(dq_accum + r * kD + c, acc_dq(v, mi, ni), acc_dq(v + 1, mi, ni));
+              }
             }
           }
         }
-      }
+      });
     }
 
     // dK += dS^T (lambda Q)
@@ -989,28 +1008,32 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * p.q_len + i;
   float dot = 0.f;
   if (valid) {
-    const float4 g = *reinterpret_cast<const float4*>(p.dq_accum + row * kD + lane * 4);
-    const Element* q =
-        static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl + lane * 4;
-    Tensor rq = make_tensor<Element>(Shape<_4>{});
-    cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{},
-               make_tensor(make_gmem_ptr(q), Shape<_4>{}), rq);
-    dot = static_cast<float>(rq(0)) * g.x + static_cast<float>(rq(1)) * g.y +
-          static_cast<float>(rq(2)) * g.z + static_cast<float>(rq(3)) * g.w;
     const float lam = p.row_scale[row];
-    Tensor rdq = make_tensor<Element>(Shape<_4>{});
-    rdq(0) = static_cast<Element>(lam * g.x);
-    rdq(1) = static_cast<Element>(lam * g.y);
-    rdq(2) = static_cast<Element>(lam * g.z);
-    rdq(3) = static_cast<Element>(lam * g.w);
-    cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{}, rdq,
-               make_tensor(make_gmem_ptr(static_cast<Element*>(p.dq_out) + row * kD + lane * 4),
-                           Shape<_4>{}));
     // A non-finite dq row (a hidden key's NaN in dS K gives one): the fallback recomputes the call
     // (params.h: nonfinite).
     bool nonfinite = false;
     CUTE_UNROLL
-    for (int e = 0; e < 4; ++e) nonfinite |= !is_finite(static_cast<float>(rdq(e)));
+    for (int step = 0; step < Kt::kPostSteps; ++step) {
+      const int col = (step * kTpr + lane) * 4;
+      const float4 g = *reinterpret_cast<const float4*>(p.dq_accum + row * kD + col);
+      const Element* q =
+          static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl + col;
+      Tensor rq = make_tensor<Element>(Shape<_4>{});
+      cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{},
+                 make_tensor(make_gmem_ptr(q), Shape<_4>{}), rq);
+      dot += static_cast<float>(rq(0)) * g.x + static_cast<float>(rq(1)) * g.y +
+             static_cast<float>(rq(2)) * g.z + static_cast<float>(rq(3)) * g.w;
+      Tensor rdq = make_tensor<Element>(Shape<_4>{});
+      rdq(0) = static_cast<Element>(lam * g.x);
+      rdq(1) = static_cast<Element>(lam * g.y);
+      rdq(2) = static_cast<Element>(lam * g.z);
+      rdq(3) = static_cast<Element>(lam * g.w);
+      cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{}, rdq,
+                 make_tensor(make_gmem_ptr(static_cast<Element*>(p.dq_out) + row * kD + col),
+                             Shape<_4>{}));
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) nonfinite |= !is_finite(static_cast<float>(rdq(e)));
+    }
     if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;
   }
   CUTE_UNROLL

@@ -77,15 +77,21 @@ using namespace cute;
 // kernels do; the statistics need registers on top. Shared memory: Q 32 KB + K 8 KB + V 8 KB at
 // D = 128, 16 + 8 + 8 KB at D = 64, plus the row scales and, with a mask, its tile; the 255
 // registers per thread allow 2 blocks (8 warps) per SM.
+//
+// D = 256 (Gemma's head dim) takes 64 x 32 tiles, one 16-row slice per warp: the output
+// accumulator is then 128 registers per thread again (64 x 256 over 128 threads), S 16, and shared
+// memory Q 32 KB + K 16 KB + V 16 KB, within two blocks per SM on an A100. (FlashAttention-2's
+// 128 x 64 tile over 8 warps holds the same per thread but one block per SM, 128 KB.)
 template <typename T, int kHeadDim_, MaskKind kMask, bool kStats>
 struct FwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the tensor-core family");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "head dims of the tensor-core family");
   // A masked kernel at D = 128 needs registers for the mask on top (and is bound by the mask's
   // memory traffic anyway): 64 x 64 tiles there, one 16-row slice per warp.
   static constexpr bool kSmallTile = kHeadDim == 128 && kMask != MaskKind::kNone;
-  static constexpr int kBlockM = kSmallTile ? 64 : 128;
+  static constexpr int kBlockM = kSmallTile || kHeadDim == 256 ? 64 : 128;
   static constexpr int kBlockN = kHeadDim == 64 || kSmallTile ? 64 : 32;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;

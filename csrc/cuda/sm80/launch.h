@@ -19,16 +19,23 @@ namespace entropy_attn::cuda::sm80 {
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream);
 
+// The keys per block of the backward (its traits, bwd_kernel.cuh, read this): 128, and 64 at
+// D = 256, where dK and dV of 128 keys would need 256 registers per thread.
+constexpr int backward_block_n(int head_dim) { return head_dim == 256 ? 64 : 128; }
+
 // Dynamic shared memory per block of the backward's main kernel and of its deterministic dq kernel
 // (bwd_launch.cuh asserts these against the kernels' traits): 64-row query tiles (Q, lambda Q and
-// two of dO in the main kernel; Q and dO in the dq kernel), 128-key tiles of K and V, the
-// 64 x 128 tiles of P and dS (dS alone in the dq kernel) and five per-row values. At D = 128 both
-// exceed the 99 KB per block of sm_86/89/120 GPUs, where the selection point passes over the family.
+// two of dO in the main kernel; Q and dO in the dq kernel), key tiles of K and V, the tiles of P
+// and dS (dS alone in the dq kernel) and five per-row values. At D = 128 both exceed the 99 KB per
+// block of sm_86/89/120 GPUs, and at D = 256 the main kernel's 209 KB an A100's 163 KB (an H100
+// offers 227 KB): the selection point passes over the family there.
 constexpr int backward_main_smem_bytes(int head_dim) {
-  return (4 * 64 + 2 * 128) * head_dim * 2 + 2 * 64 * 128 * 2 + 5 * 64 * 4;
+  const int n = backward_block_n(head_dim);
+  return (4 * 64 + 2 * n) * head_dim * 2 + 2 * 64 * n * 2 + 5 * 64 * 4;
 }
 constexpr int backward_dq_smem_bytes(int head_dim) {
-  return (2 * 64 + 2 * 128) * head_dim * 2 + 64 * 128 * 2 + 5 * 64 * 4;
+  const int n = backward_block_n(head_dim);
+  return (2 * 64 + 2 * n) * head_dim * 2 + 64 * n * 2 + 5 * 64 * 4;
 }
 
 // Backward: the delta preprocess, the main kernel over key blocks, the dq postprocess. dq_accum

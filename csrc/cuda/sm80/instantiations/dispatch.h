@@ -28,6 +28,18 @@
   X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 256, false, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 256, false, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 256, false, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 256, false, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 256, false, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 256, false, MaskKind::kAdditive, true) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive, true) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
   X(__half, 64, false, MaskKind::kBool, false) \
@@ -52,6 +64,18 @@
   X(__half, 128, true, MaskKind::kBool, true) \
   X(__half, 128, true, MaskKind::kAdditive, false) \
   X(__half, 128, true, MaskKind::kAdditive, true) \
+  X(__half, 256, false, MaskKind::kNone, false) \
+  X(__half, 256, false, MaskKind::kNone, true) \
+  X(__half, 256, false, MaskKind::kBool, false) \
+  X(__half, 256, false, MaskKind::kBool, true) \
+  X(__half, 256, false, MaskKind::kAdditive, false) \
+  X(__half, 256, false, MaskKind::kAdditive, true) \
+  X(__half, 256, true, MaskKind::kNone, false) \
+  X(__half, 256, true, MaskKind::kNone, true) \
+  X(__half, 256, true, MaskKind::kBool, false) \
+  X(__half, 256, true, MaskKind::kBool, true) \
+  X(__half, 256, true, MaskKind::kAdditive, false) \
+  X(__half, 256, true, MaskKind::kAdditive, true) \
   /* end of list */
 
 #define EA_SM80_BACKWARD_KERNELS(X) \
@@ -67,6 +91,12 @@
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 256, false, MaskKind::kNone) \
+  X(__nv_bfloat16, 256, false, MaskKind::kBool) \
+  X(__nv_bfloat16, 256, false, MaskKind::kAdditive) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive) \
   X(__half, 64, false, MaskKind::kNone) \
   X(__half, 64, false, MaskKind::kBool) \
   X(__half, 64, false, MaskKind::kAdditive) \
@@ -79,4 +109,10 @@
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \
+  X(__half, 256, false, MaskKind::kNone) \
+  X(__half, 256, false, MaskKind::kBool) \
+  X(__half, 256, false, MaskKind::kAdditive) \
+  X(__half, 256, true, MaskKind::kNone) \
+  X(__half, 256, true, MaskKind::kBool) \
+  X(__half, 256, true, MaskKind::kAdditive) \
   /* end of list */

@@ -80,16 +80,22 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
         for dtype in entry["dtypes"]:
             if dtype not in DTYPES:
                 raise ValueError(f"{path}: [{family}] unknown dtype {dtype!r}")
+        # An `exclude` entry drops the instantiations that match all of its keys (any of direction,
+        # dtype, head_dim and the flags: `mask` for the masks list).
         excluded = entry.get("exclude", [])
+        keys = {"direction", "dtype", "head_dim", "causal", "mask", "stats"}
+        for ex in excluded:
+            if not ex or set(ex) - keys:
+                raise ValueError(f"{path}: [{family}] exclude entry {ex!r}: keys must be among {sorted(keys)}")
         insts = []
         for direction, dtype, head_dim in itertools.product(entry["directions"], entry["dtypes"], entry["head_dims"]):
-            if any(all({"dtype": dtype, "head_dim": head_dim}.get(k) == v for k, v in ex.items()) for ex in excluded):
-                continue
             causal = entry.get("causal", [None])
             masks = entry.get("masks", [None])
             stats = entry.get("stats", [None]) if direction == "forward" else [None]
             for c, m, s in itertools.product(causal, masks, stats):
-                insts.append(Instantiation(family, direction, dtype, head_dim, c, m, s))
+                inst = Instantiation(family, direction, dtype, head_dim, c, m, s)
+                if not any(all(getattr(inst, k) == v for k, v in ex.items()) for ex in excluded):
+                    insts.append(inst)
         families[family] = insts
     return families
 

@@ -1599,14 +1599,77 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
         assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference"
 
 
+#: Head dims the tensor-core families do not compile, which they run on zero-padded inputs
+#: (csrc/head_dim_padding.h): (head_dim, v_head_dim, Lq, Lk, the op's keyword arguments, as
+#: TC_FEATURES). Phi-2's 80 and Phi-3's 96 (padded to 128), 32 (to 64), head_dim != v_head_dim (to
+#: the larger one's), DeepSeek's 192 / 128 (to 256, the sm80 family's), with masks, causality, a
+#: window, the log-n scale and GQA.
+PADDED_HEAD_DIM_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any]]] = {
+    "d80_causal": (80, 80, 177, 177, {"is_causal": True}),
+    "d96_bool_mask_logn": (96, 96, 150, 293, {"mask": "bool", "scale_mode": "logn", "log_base": 64.0}),
+    "d32_window": (32, 32, 200, 200, {"is_causal": True, "window_size": (40, 0)}),
+    "d64_dv128_additive_mask": (64, 128, 130, 170, {"mask": "additive"}),
+    "d192_dv128_causal": (192, 128, 140, 140, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("case", list(PADDED_HEAD_DIM_CASES))
+@pytest.mark.parametrize("family", TC_FAMILIES)
+def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str,
+                                          stats: bool) -> None:
+    """ENTROPY_ATTN_CUDA_FAMILY=<family> runs head dims it does not compile in its kernels on
+    zero-padded inputs (the forward and backward kernels in the profile; a head dim padded to 256
+    in the sm80 family's, its backward where the GPU has the shared memory) and matches the
+    float64 reference: output, lse, n_i and, with statistics, the entropy and sum p^2, and the
+    gradients of q, k, v through the output and the entropy. (Dry run: the CPU op against the same
+    reference.)"""
+    D, Dv, Lq, Lk, spec = PADDED_HEAD_DIM_CASES[case]
+    kw = {key: val for key, val in spec.items() if key != "mask"}
+    torch.manual_seed(9)
+    q, k, v = make_qkv(2, 4, 2, Lq, Lk, D, Dv, dtype=torch.bfloat16)
+    _, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
+    padded_to_256 = max(D, Dv) > 128
+    fwd_family = "sm80" if padded_to_256 else family
+    res: list = []
+    ran = family_kernels(lambda: res.append(OP(*leaves, cuda(mask), None, enable_gqa=True,
+                                               return_stats=stats, **kw)), fwd_family, "forward_kernel")
+    assert DRY_RUN or ran, f"the {fwd_family} forward did not run on the padded call"
+    out = res[0]
+    assert out[0].shape == (2, 4, Lq, Dv) and out[0].is_contiguous()
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin, mask, None, enable_gqa=True, **kw)
+    oat, ort = OUT_TOL[torch.bfloat16]
+    sat, srt = STAT_TOL[torch.bfloat16]
+    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
+    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
+    if stats:
+        assert_close64(out[2].detach().cpu(), r.entropy, sat, srt, "entropy")
+        assert_close64(out[3].detach().cpu(), r.sum_p2, sat, srt, "sum_p2")
+    go = torch.randn_like(out[0])
+    ge = torch.randn_like(out[2]) if stats else None
+    grads: list = []
+    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), fwd_family,
+                         "main_kernel")
+    if not DRY_RUN and (not padded_to_256 or sm80_backward_fits_head_dim_256()):
+        assert ran, f"the {fwd_family} backward did not run on the padded call"
+    assert all(g.shape == x.shape and g.is_contiguous() for g, x in zip(grads, leaves))
+    ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
 @real_cuda
 @pytest.mark.parametrize(
     "case", ["float32", "softcap", "sinks", "dropout", "unaligned_rows", "head_dim_96", "deterministic"],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, unaligned
-    rows, head dim 96; on any GPU) gives the fallback's outputs and gradients: the selection point
-    routes them, never a wrong answer. A deterministic backward (dq without atomics) goes to sm80's
+    rows; on any GPU) gives the fallback's outputs and gradients: the selection point routes them,
+    never a wrong answer; head dim 96, which it runs on inputs padded to 128, gives them too. A deterministic backward (dq without atomics) goes to sm80's
     deterministic kernels. Softcap, sinks and dropout, which the forced tensor-core families take
     (sm90, or sm80 on other GPUs), agree with the fallback too (dropout: the same Philox mask)."""
     torch.manual_seed(2)

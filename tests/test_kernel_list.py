@@ -105,15 +105,34 @@ def test_builds_compile_the_generated_units(builder: str) -> None:
 
 
 def test_tensor_core_families_compile_head_dim_256() -> None:
-    """The sm80 family lists head dim 256 (Gemma's), forward and backward, with the same flags as
-    its other head dims; the Hopper family does not (such calls go to sm80)."""
+    """The sm80 family lists head dim 256 (Gemma's), forward and backward, with the flags of its
+    general (causal) instantiations at the other head dims, which take full attention too
+    (family.cpp); the Hopper family does not list it (such calls go to sm80)."""
     insts = kernel_list.load()
     sm80 = insts["sm80"]
     for direction in ("forward", "backward"):
-        at = {(i.dtype, i.causal, i.mask, i.stats) for i in sm80 if i.direction == direction}
-        at_256 = {(i.dtype, i.causal, i.mask, i.stats) for i in sm80 if i.direction == direction and i.head_dim == 256}
-        assert at_256 == at, direction
+        general = {(i.dtype, i.mask, i.stats) for i in sm80 if i.direction == direction and i.causal}
+        at_256 = [i for i in sm80 if i.direction == direction and i.head_dim == 256]
+        assert all(i.causal for i in at_256), direction
+        assert {(i.dtype, i.mask, i.stats) for i in at_256} == general, direction
     assert all(i.head_dim != 256 for i in insts["sm90"])
+
+
+def test_exclude_matches_instantiations(tmp_path: Path) -> None:
+    """An `exclude` entry drops exactly the instantiations that match all its keys (flags
+    included); an unknown key is an error naming the entry."""
+    spec = tmp_path / "kernels.toml"
+    spec.write_text('[f]\ndirections = ["forward", "backward"]\ndtypes = ["float16"]\nhead_dims = [64, 256]\n'
+                    'causal = [false, true]\nmasks = ["none", "bool"]\n'
+                    'exclude = [{ head_dim = 256, causal = false }, { direction = "backward", mask = "bool" }]\n')
+    insts = kernel_list.load(spec)["f"]
+    assert len(insts) == 2 * 2 * 2 * 2 - 4 - 3  # 16, less 4 at D = 256 not causal, less 3 more backward bool
+    assert not any(i.head_dim == 256 and not i.causal for i in insts)
+    assert not any(i.direction == "backward" and i.mask == "bool" for i in insts)
+    spec.write_text('[f]\ndirections = ["forward"]\ndtypes = ["float16"]\nhead_dims = [64]\n'
+                    'exclude = [{ headdim = 64 }]\n')
+    with pytest.raises(ValueError, match="headdim"):
+        kernel_list.load(spec)
 
 
 def test_ptxas_report_holds_tensor_core_kernels_to_no_spills() -> None:

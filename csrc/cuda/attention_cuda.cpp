@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "../head_dim_padding.h"
 #include "attention_host.h"
 #include "fallback/launch.h"
 #include "family.h"
@@ -58,9 +59,23 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   const AttentionShape& sh = call.call.shape;
   if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
   const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Family family = select_forward(call).family;
+  // Head dims the tensor-core families do not compile: the same call on zero-padded inputs
+  // (head_dim_padding.h) when that one goes to a tensor-core family.
+  if (const int64_t dim = tensor_core_padded_head_dim(sh, call.call.dtype);
+      family == Family::kFallback && dim > 0) {
+    const ForwardCall padded(pad_head_dim(call.q, dim), pad_head_dim(call.k, dim),
+                             pad_head_dim(call.v, dim), with_head_dim(checked, dim));
+    const Family padded_family = select_forward(padded).family;
+    if (padded_family != Family::kFallback) {
+      check_shared_memory(forward_smem_bytes(padded), "attention forward");
+      C10_CUDA_CHECK(launch_forward(padded, padded_family, stream));
+      return unpad_outputs(padded.outputs, std::get<0>(call.outputs));
+    }
+  }
   check_shared_memory(forward_smem_bytes(call), "attention forward");
-  C10_CUDA_CHECK(launch_forward(call, family, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_forward(call, family, stream));
   return call.outputs;
 }
 
@@ -73,6 +88,20 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   const c10::cuda::CUDAGuard guard(query.device());
   const bool empty = sh.batch * sh.heads * sh.q_len == 0 && sh.batch * sh.kv_heads * sh.kv_len == 0;
   const Family family = empty ? Family::kFallback : select_backward(call).family;
+  // Head dims the tensor-core families do not compile, as in the forward (attention_cuda).
+  if (const int64_t dim = tensor_core_padded_head_dim(sh, call.call.dtype);
+      family == Family::kFallback && !empty && dim > 0) {
+    BackwardCall padded(pad_head_dim(call.dout, dim), pad_head_dim(call.q, dim),
+                        pad_head_dim(call.k, dim), pad_head_dim(call.v, dim),
+                        pad_head_dim(call.out, dim), with_head_dim(checked, dim));
+    const Family padded_family = select_backward(padded).family;
+    if (padded_family != Family::kFallback) {
+      padded.allocate(padded_family);
+      check_shared_memory(backward_smem_bytes(padded), "attention backward");
+      C10_CUDA_CHECK(launch_backward(padded, padded_family, c10::cuda::getCurrentCUDAStream()));
+      return unpad_grads(padded.finish(), sh);
+    }
+  }
   // The fallback accumulates G = dS K with atomics in an unspecified order: under
   // torch.use_deterministic_algorithms(True) that is an error (a warning with warn_only), as for
   // ATen's own nondeterministic kernels. The tensor-core families have a deterministic dq path.

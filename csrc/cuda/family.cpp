@@ -11,6 +11,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "../head_dim_padding.h"
 #include "fallback/instantiations/dispatch.h"
 #include "fallback/launch.h"
 #include "sm80/instantiations/dispatch.h"
@@ -143,7 +144,9 @@ Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
   EA_SM80_FORWARD_KERNELS(EA_MATCH)
 #endif
 #undef EA_MATCH
-  return nullptr;
+  // A head dim listed without plain full-attention instantiations (kernels.toml: exclude) runs
+  // such calls in its general ones, which take every pattern.
+  return causal ? nullptr : sm80_forward(dtype, d, true, mask, stats);
 }
 
 Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]] int64_t d,
@@ -156,7 +159,7 @@ Sm80Backward sm80_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
   EA_SM80_BACKWARD_KERNELS(EA_MATCH)
 #endif
 #undef EA_MATCH
-  return nullptr;
+  return causal ? nullptr : sm80_backward(dtype, d, true, mask);  // (as sm80_forward)
 }
 
 using Sm90Forward = cudaError_t (*)(const FwdParams<float>&, cudaStream_t);
@@ -354,6 +357,14 @@ std::optional<Family> requested_family() {
   TORCH_CHECK_VALUE(false,
                     "ENTROPY_ATTN_CUDA_FAMILY must be 'auto', 'fallback', 'sm80' or 'sm90', got '",
                     std::string(v), "'");
+}
+
+int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype) {
+  const std::optional<Family> requested = requested_family();
+  const bool on =
+      requested.has_value() ? *requested != Family::kFallback : kTensorCorePaddedHeadDimsByDefault;
+  if (!on || (dtype != at::kBFloat16 && dtype != at::kHalf)) return 0;
+  return padded_head_dim(shape, {64, 128, 256});
 }
 
 int forward_splits(const ForwardCall& c) {

@@ -42,6 +42,17 @@ constexpr bool kHopperFeaturesByDefault = true;
 // them.
 constexpr bool kTensorCoreHeadDim256ByDefault = false;
 
+// Whether "auto" runs the calls whose head dims the tensor-core families do not compile (80, 96,
+// head_dim != v_head_dim, ...) in them with the inputs zero-padded to the next compiled head dim
+// (csrc/head_dim_padding.h), forward and backward. Off until tested on a GPU (tests/test_cuda.py:
+// test_padded_head_dims_match_reference); a forced tensor-core family pads.
+constexpr bool kTensorCorePaddedHeadDimsByDefault = false;
+
+// The head dim (64, 128 or 256) at which the tensor-core families would run a call of this shape
+// and dtype with zero-padded inputs, or 0: padding is off, the dtype is not bfloat16 or float16, or
+// the head dims need none or exceed 256. The selection point then decides on the padded call.
+int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype);
+
 // Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU
 // (decoding: a few query rows against a long cache) into parts run by separate thread blocks and
 // combined (split-KV, the sm80 family: sm80/split_kv.cuh; such calls leave sm90 for it). On since

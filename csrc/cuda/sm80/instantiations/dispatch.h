@@ -28,12 +28,6 @@
   X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
-  X(__nv_bfloat16, 256, false, MaskKind::kNone, false) \
-  X(__nv_bfloat16, 256, false, MaskKind::kNone, true) \
-  X(__nv_bfloat16, 256, false, MaskKind::kBool, false) \
-  X(__nv_bfloat16, 256, false, MaskKind::kBool, true) \
-  X(__nv_bfloat16, 256, false, MaskKind::kAdditive, false) \
-  X(__nv_bfloat16, 256, false, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 256, true, MaskKind::kNone, false) \
   X(__nv_bfloat16, 256, true, MaskKind::kNone, true) \
   X(__nv_bfloat16, 256, true, MaskKind::kBool, false) \
@@ -64,12 +58,6 @@
   X(__half, 128, true, MaskKind::kBool, true) \
   X(__half, 128, true, MaskKind::kAdditive, false) \
   X(__half, 128, true, MaskKind::kAdditive, true) \
-  X(__half, 256, false, MaskKind::kNone, false) \
-  X(__half, 256, false, MaskKind::kNone, true) \
-  X(__half, 256, false, MaskKind::kBool, false) \
-  X(__half, 256, false, MaskKind::kBool, true) \
-  X(__half, 256, false, MaskKind::kAdditive, false) \
-  X(__half, 256, false, MaskKind::kAdditive, true) \
   X(__half, 256, true, MaskKind::kNone, false) \
   X(__half, 256, true, MaskKind::kNone, true) \
   X(__half, 256, true, MaskKind::kBool, false) \
@@ -91,9 +79,6 @@
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
-  X(__nv_bfloat16, 256, false, MaskKind::kNone) \
-  X(__nv_bfloat16, 256, false, MaskKind::kBool) \
-  X(__nv_bfloat16, 256, false, MaskKind::kAdditive) \
   X(__nv_bfloat16, 256, true, MaskKind::kNone) \
   X(__nv_bfloat16, 256, true, MaskKind::kBool) \
   X(__nv_bfloat16, 256, true, MaskKind::kAdditive) \
@@ -109,9 +94,6 @@
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \
-  X(__half, 256, false, MaskKind::kNone) \
-  X(__half, 256, false, MaskKind::kBool) \
-  X(__half, 256, false, MaskKind::kAdditive) \
   X(__half, 256, true, MaskKind::kNone) \
   X(__half, 256, true, MaskKind::kBool) \
   X(__half, 256, true, MaskKind::kAdditive) \

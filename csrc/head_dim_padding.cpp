@@ -1,0 +1,51 @@
+#include "head_dim_padding.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace entropy_attn {
+
+int64_t padded_head_dim(const AttentionShape& shape, std::initializer_list<int64_t> dims) {
+  const int64_t need = std::max(shape.head_dim, shape.v_head_dim);
+  for (const int64_t dim : dims) {
+    if (dim >= need) {
+      return dim == shape.head_dim && dim == shape.v_head_dim ? 0 : dim;
+    }
+  }
+  return 0;
+}
+
+at::Tensor pad_head_dim(const at::Tensor& t, int64_t dim) {
+  return at::constant_pad_nd(t, {0, dim - t.size(-1)}, 0).contiguous();
+}
+
+AttentionCall with_head_dim(AttentionCall call, int64_t dim) {
+  AttentionOptions& o = call.options;
+  o.scale_factor =
+      o.scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(call.shape.head_dim)));
+  call.shape.head_dim = call.shape.v_head_dim = dim;
+  return call;
+}
+
+AttentionBackwardCall with_head_dim(AttentionBackwardCall call, int64_t dim) {
+  call.shape.head_dim = call.shape.v_head_dim = dim;
+  return call;
+}
+
+AttentionOutputs unpad_outputs(AttentionOutputs padded, const at::Tensor& output) {
+  at::Tensor& out = std::get<0>(padded);
+  output.copy_(out.narrow(-1, 0, output.size(-1)));
+  out = output;
+  return padded;
+}
+
+AttentionGrads unpad_grads(const AttentionGrads& padded, const AttentionShape& shape) {
+  const auto& [dq, dk, dv, dlam] = padded;
+  return {dq.narrow(-1, 0, shape.head_dim).contiguous(),
+          dk.narrow(-1, 0, shape.head_dim).contiguous(),
+          dv.narrow(-1, 0, shape.v_head_dim).contiguous(), dlam};
+}
+
+}  // namespace entropy_attn

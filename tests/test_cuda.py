@@ -1381,6 +1381,21 @@ def test_tensor_core_bands_match_reference(monkeypatch: pytest.MonkeyPatch, fami
         assert rel_err(a, b_) < 2 * GRAD_TOL[torch.bfloat16], name
 
 
+def assert_matches_reference(out: Sequence[Tensor], ref: Any, dtype: torch.dtype, stats: bool) -> None:
+    """An op result against the float64 reference (reference_attention_raw) at the dtype's
+    tolerances: output, lse and n_i, and with statistics the entropy, sum p^2, max weight and the
+    derived statistics."""
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    assert_close64(out[0].detach().cpu(), ref.output, oat, ort, "output")
+    assert_close64(out[1].detach().cpu(), ref.lse, sat, srt, "lse")
+    assert torch.equal(out[5].cpu(), ref.n_keys), "n_keys"
+    if stats:
+        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
+                        (9, "sparsity"), (10, "effective_keys")):
+            assert_close64(out[i].detach().cpu(), getattr(ref, name), sat, srt, name)
+
+
 def family_kernels(fn: Callable[[], Any], family: str, kernel: str) -> List[str]:
     """Runs fn; on a GPU, the names of the kernels called `kernel` of `family` that it launched
     (none in the dry run)."""
@@ -1575,15 +1590,7 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
                                 sinks=rin[3] if sinks is not None else None, **kw)
-    oat, ort = OUT_TOL[dtype]
-    sat, srt = STAT_TOL[dtype]
-    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
-    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
-    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
-    if stats:
-        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
-                        (9, "sparsity"), (10, "effective_keys")):
-            assert_close64(out[i].detach().cpu(), getattr(r, name), sat, srt, name)
+    assert_matches_reference(out, r, dtype, stats)
 
     go = torch.randn_like(out[0])
     ge = torch.randn_like(out[2]) if stats else None
@@ -1621,8 +1628,8 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     """ENTROPY_ATTN_CUDA_FAMILY=<family> runs head dims it does not compile in its kernels on
     zero-padded inputs (the forward and backward kernels in the profile; a head dim padded to 256
     in the sm80 family's, its backward where the GPU has the shared memory) and matches the
-    float64 reference: output, lse, n_i and, with statistics, the entropy and sum p^2, and the
-    gradients of q, k, v through the output and the entropy. (Dry run: the CPU op against the same
+    float64 reference: output, lse, n_i and, with statistics, every statistic, and the gradients of
+    q, k, v through the output and the entropy. (Dry run: the CPU op against the same
     reference.)"""
     D, Dv, Lq, Lk, spec = PADDED_HEAD_DIM_CASES[case]
     kw = {key: val for key, val in spec.items() if key != "mask"}
@@ -1641,14 +1648,7 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     assert out[0].shape == (2, 4, Lq, Dv) and out[0].is_contiguous()
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin, mask, None, enable_gqa=True, **kw)
-    oat, ort = OUT_TOL[torch.bfloat16]
-    sat, srt = STAT_TOL[torch.bfloat16]
-    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
-    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
-    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
-    if stats:
-        assert_close64(out[2].detach().cpu(), r.entropy, sat, srt, "entropy")
-        assert_close64(out[3].detach().cpu(), r.sum_p2, sat, srt, "sum_p2")
+    assert_matches_reference(out, r, torch.bfloat16, stats)
     go = torch.randn_like(out[0])
     ge = torch.randn_like(out[2]) if stats else None
     grads: list = []
@@ -1761,15 +1761,7 @@ def test_split_kv_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
                                 sinks=rin[3] if sinks is not None else None, **kw)
-    oat, ort = OUT_TOL[torch.bfloat16]
-    sat, srt = STAT_TOL[torch.bfloat16]
-    assert_close64(out[0].detach().cpu(), r.output, oat, ort, "output")
-    assert_close64(out[1].detach().cpu(), r.lse, sat, srt, "lse")
-    assert torch.equal(out[5].cpu(), r.n_keys), "n_keys"
-    if stats:
-        for i, name in ((2, "entropy"), (3, "sum_p2"), (4, "max_weight"), (8, "normalized_entropy"),
-                        (9, "sparsity"), (10, "effective_keys")):
-            assert_close64(out[i].detach().cpu(), getattr(r, name), sat, srt, name)
+    assert_matches_reference(out, r, torch.bfloat16, stats)
     go = torch.randn_like(out[0])
     grads = grads_of([out[0]], [go], leaves)
     ref_grads = grads_of([r.output], [go.cpu()], rin)

@@ -46,14 +46,22 @@ def nvcc() -> str | None:
     return shutil.which("nvcc") or shutil.which("nvcc", path=os.path.join(home, "bin"))
 
 
-def test_tensor_core_dropout_decisions_match_the_generator(tmp_path: Path) -> None:
+def run_host_program(source: Path, tmp_path: Path) -> str:
+    """Builds a host-only check of the kernel headers (tests/cpp/*.cu) with nvcc and the pinned
+    CUTLASS headers, runs it and returns what it printed; fails the test if either step fails, and
+    skips it, saying why, without the toolchain."""
     compiler, include = nvcc(), cutlass_include()
     if compiler is None or include is None:
         pytest.skip("needs nvcc and the pinned nvidia-cutlass headers (the CUDA build's toolchain)")
-    exe = tmp_path / "dropout_layouts"
-    cmd = [compiler, *NVCC_FLAGS, f"-I{ROOT / 'csrc'}", "-isystem", str(include), str(SOURCE), "-o", str(exe)]
+    exe = tmp_path / source.stem
+    cmd = [compiler, *NVCC_FLAGS, f"-I{ROOT / 'csrc'}", "-isystem", str(include), str(source), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert build.returncode == 0, f"{' '.join(cmd)} failed:\n{build.stdout}{build.stderr}"
     run = subprocess.run([str(exe)], capture_output=True, text=True, check=False, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 13 and "MISMATCH" not in run.stdout, run.stdout
+    return run.stdout
+
+
+def test_tensor_core_dropout_decisions_match_the_generator(tmp_path: Path) -> None:
+    out = run_host_program(SOURCE, tmp_path)
+    assert out.count(" ok") == 13 and "MISMATCH" not in out, out

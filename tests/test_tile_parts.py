@@ -8,12 +8,9 @@ without nvcc or the pinned CUTLASS headers."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-import pytest
-
-from test_dropout_layouts import NVCC_FLAGS, cutlass_include, nvcc
+from test_dropout_layouts import run_host_program
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests" / "cpp" / "tile_parts.cu"
@@ -21,13 +18,5 @@ SOURCE = ROOT / "tests" / "cpp" / "tile_parts.cu"
 
 def test_backward_parts_read_their_places_of_the_tiles(tmp_path: Path) -> None:
     """Every part of every head dim checks out: 12 lines, no mismatch."""
-    compiler, include = nvcc(), cutlass_include()
-    if compiler is None or include is None:
-        pytest.skip("needs nvcc and the pinned nvidia-cutlass headers (the CUDA build's toolchain)")
-    exe = tmp_path / "tile_parts"
-    cmd = [compiler, *NVCC_FLAGS, f"-I{ROOT / 'csrc'}", "-isystem", str(include), str(SOURCE), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert build.returncode == 0, f"{' '.join(cmd)} failed:\n{build.stdout}{build.stderr}"
-    run = subprocess.run([str(exe)], capture_output=True, text=True, check=False, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" ok") == 12 and "MISMATCH" not in run.stdout, run.stdout
+    out = run_host_program(SOURCE, tmp_path)
+    assert out.count(" ok") == 12 and "MISMATCH" not in out, out

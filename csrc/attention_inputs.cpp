@@ -129,8 +129,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
     // The kernels of float32 and 16-bit inputs form lambda_i = c g(n_i) / tau in float32 from c
     // and 1 / tau: a finite double there may overflow it (every logit infinite, the output NaN).
     constexpr double kMax = std::numeric_limits<float>::max();
-    const double c =
-        options.scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    const double c = base_scale(options.scale_factor, s.head_dim);
     TORCH_CHECK_VALUE(1 / options.temperature <= kMax,
                       "temperature must be at least 1 / FLT_MAX for ", query.scalar_type(),
                       " inputs (their kernels compute in float32), got ", options.temperature);

@@ -84,8 +84,14 @@ MaskArg<acc_t> make_mask_arg(const std::optional<at::Tensor>& expanded) {
   return m;
 }
 
+// The base scale c of lambda_i = c g(n_i) / tau without a scale tensor: scale_factor, else
+// 1/sqrt(head_dim) (docs/math.md section 1).
+inline double base_scale(std::optional<double> scale_factor, int64_t head_dim) {
+  return scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
 // The kernel view of the scale arguments: `c` is the expand_scale tensor in acc_t, or undefined:
-// then scale_factor, else 1/sqrt(head_dim).
+// then base_scale(scale_factor, head_dim).
 template <typename acc_t>
 ScalePolicy<acc_t> make_scale_policy(const at::Tensor& c, std::optional<double> scale_factor,
                                      int64_t head_dim, ScaleMode mode, double log_base,
@@ -95,8 +101,7 @@ ScalePolicy<acc_t> make_scale_policy(const at::Tensor& c, std::optional<double> 
     p.data = c.const_data_ptr<acc_t>();
     p.sb = c.stride(0), p.sh = c.stride(1), p.si = c.stride(2);
   } else {
-    p.constant =
-        static_cast<acc_t>(scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
+    p.constant = static_cast<acc_t>(base_scale(scale_factor, head_dim));
   }
   p.mode = mode;
   p.inv_log_base = mode == ScaleMode::kFixed ? 0 : static_cast<acc_t>(1.0 / std::log(log_base));

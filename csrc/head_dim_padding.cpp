@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cmath>
 
 namespace entropy_attn {
 
@@ -18,13 +17,13 @@ int64_t padded_head_dim(const AttentionShape& shape, std::initializer_list<int64
 }
 
 at::Tensor pad_head_dim(const at::Tensor& t, int64_t dim) {
-  return at::constant_pad_nd(t, {0, dim - t.size(-1)}, 0).contiguous();
+  if (t.size(-1) == dim) return t;  // (the other of q·k and v needed the padding)
+  return at::constant_pad_nd(t, {0, dim - t.size(-1)}, 0);
 }
 
 AttentionCall with_head_dim(AttentionCall call, int64_t dim) {
   AttentionOptions& o = call.options;
-  o.scale_factor =
-      o.scale_factor.value_or(1.0 / std::sqrt(static_cast<double>(call.shape.head_dim)));
+  o.scale_factor = base_scale(o.scale_factor, call.shape.head_dim);
   call.shape.head_dim = call.shape.v_head_dim = dim;
   return call;
 }

@@ -23,7 +23,8 @@ namespace entropy_attn {
 // or the call's head dims are already that one (nothing to pad).
 int64_t padded_head_dim(const AttentionShape& shape, std::initializer_list<int64_t> dims);
 
-// `t` (..., d) with zero columns appended up to (..., dim), contiguous.
+// `t` (..., d) with zero columns appended up to (..., dim) (a new contiguous tensor), or `t`
+// itself when d = dim.
 at::Tensor pad_head_dim(const at::Tensor& t, int64_t dim);
 
 // The call at head_dim = v_head_dim = dim, its base scale fixed to the one of its own head dim

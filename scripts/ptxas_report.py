@@ -35,7 +35,9 @@ import kernel_list  # noqa: E402
 
 ROOT = kernel_list.ROOT
 SPILL_FREE_MAX_BUCKET = 128  # the fallback's kernels for head dims up to this one must not spill
-TENSOR_CORE_FAMILIES = ("sm80", "sm90")  # whose kernels must not spill at any head dim
+# The tensor-core families (every family kernels.toml lists but the fallback): their kernels must not
+# spill at any head dim.
+TENSOR_CORE_FAMILIES = tuple(family for family in kernel_list.load() if family != "fallback")
 # The nvcc flags of the real build (setup.py's NVCC_FLAGS and what torch.utils.cpp_extension
 # adds; CMakeLists.txt's CUDA options), for the host-only scripts/kernel_smem.cu.
 NVCC_FLAGS = [

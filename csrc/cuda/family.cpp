@@ -96,11 +96,12 @@ std::string pattern_obstacle(const CallPattern& c, bool extended) {
   return {};
 }
 
-// Whether the tensor-core family takes head dim 256: by default once tested on a GPU (family.h:
-// kTensorCoreHeadDim256ByDefault), or when a tensor-core family is forced.
-bool tensor_core_head_dim_256() {
+// Whether a capability of the tensor-core families that is `by_default` on or off (family.h) is
+// on: always when a tensor-core family is forced (ENTROPY_ATTN_CUDA_FAMILY=sm80 or sm90), never
+// when the fallback is.
+bool tensor_core_capability(bool by_default) {
   const std::optional<Family> requested = requested_family();
-  return requested.has_value() ? *requested != Family::kFallback : kTensorCoreHeadDim256ByDefault;
+  return requested.has_value() ? *requested != Family::kFallback : by_default;
 }
 
 // Why the tensor-core family cannot run a call with these inputs (empty when it can). `has` tells
@@ -114,7 +115,7 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
-  if (s.head_dim == 256 && !tensor_core_head_dim_256()) {
+  if (s.head_dim == 256 && !tensor_core_capability(kTensorCoreHeadDim256ByDefault)) {
     return "head_dim 256, off by default until tested on a GPU (kTensorCoreHeadDim256ByDefault)";
   }
   if (device_sm() < 80) return "the GPU is older than sm_80";
@@ -205,10 +206,7 @@ bool needs_general(const CallPattern& c) {
 // Whether the tensor-core family takes windows, bottom-right alignment, packed documents, softcap,
 // sinks and dropout: by default once they have passed the GPU tests (family.h:
 // kTensorCoreFeaturesByDefault), or when a tensor-core family is forced.
-bool tensor_core_features() {
-  const std::optional<Family> requested = requested_family();
-  return requested.has_value() ? *requested != Family::kFallback : kTensorCoreFeaturesByDefault;
-}
+bool tensor_core_features() { return tensor_core_capability(kTensorCoreFeaturesByDefault); }
 
 // The backward of a softcapped call forms the cap's derivative from the capped logit, which an
 // additive mask would shift (sm80/bwd_kernel.cuh, sm90/bwd_kernel.cuh): such calls are not the
@@ -360,9 +358,7 @@ std::optional<Family> requested_family() {
 }
 
 int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype) {
-  const std::optional<Family> requested = requested_family();
-  const bool on =
-      requested.has_value() ? *requested != Family::kFallback : kTensorCorePaddedHeadDimsByDefault;
+  const bool on = tensor_core_capability(kTensorCorePaddedHeadDimsByDefault);
   if (!on || (dtype != at::kBFloat16 && dtype != at::kHalf)) return 0;
   return padded_head_dim(shape, {64, 128, 256});
 }

@@ -5,7 +5,9 @@ csrc/cuda/**/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the a
 TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The tensor-core family (csrc/cuda/sm80) is written with
 CuTe: its headers come from the pinned nvidia-cutlass package (csrc/cuda/cutlass_version.txt),
 found where it is installed. A family that csrc/cuda/kernels.toml restricts to one `gencode` (sm90:
-sm_90a) has its translation units compiled for that target alone (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
+sm_90a) has its translation units compiled for that target alone, and one that declares where its
+device code changes with the architecture (`ptx_changes_at`) compiles one PTX for the architectures
+between two changes (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
 
 Packaging (pyproject.toml holds the static metadata): the version is torch_ext/_version.py's; the
@@ -21,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import setuptools
 from setuptools import find_packages, setup
@@ -153,12 +156,29 @@ def shared_libstdcxx_flags() -> list[str]:
 LINK_FLAGS = ["-fopenmp"] + shared_libstdcxx_flags()
 
 
+def shared_ptx_flags() -> dict[Path, tuple[str, ...]]:
+    """The translation units of the families that declare where their device code changes with the
+    architecture (kernels.toml: ptx_changes_at) -> their -gencode flags: TORCH_CUDA_ARCH_LIST's, with
+    the architectures that no change separates compiled from one PTX (kernel_list.share_ptx; for
+    "8.0;9.0", sm_90's machine code assembled from the sm_80 PTX: the same instructions, half the
+    front-end time). Units that would gain nothing stay in the main pass."""
+    try:
+        from torch.utils.cpp_extension import _get_cuda_arch_flags  # torch's reading of the list
+    except ImportError:  # (private: a torch without it builds every architecture from its own PTX)
+        return {}
+    arch_flags = _get_cuda_arch_flags()
+    shared = {path: tuple(kernel_list.share_ptx(arch_flags, changes))
+              for path, changes in kernel_list.shared_ptx_units().items()}
+    return {path: flags for path, flags in shared.items() if list(flags) != arch_flags}
+
+
 class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
     """BuildExtension (ninja) that compiles the translation units of the families kernels.toml
     restricts to one target (`gencode`) apart, with that -gencode added to the nvcc flags: a user
     -gencode makes torch leave out TORCH_CUDA_ARCH_LIST's, so those units are built for their
-    target alone (sm_90a for wgmma and setmaxnreg, which no other target has). Their objects join
-    the link of the extension; the other sources build as before.
+    target alone (sm_90a for wgmma and setmaxnreg, which no other target has); likewise the units
+    whose architectures share one PTX (shared_ptx_flags), with their own -gencode flags. Their
+    objects join the link of the extension; the other sources build as before.
 
     Every build compiles in one directory of the tree, build/temp.<platform>-<python>: an
     editable install (pip install -e, which setuptools points at a fresh temporary directory),
@@ -172,14 +192,15 @@ class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
         self.build_temp = os.path.join(ROOT, "build", f"temp.{tag}")
 
     def build_extension(self, ext):
-        by_flag: dict[str, list[str]] = {}
+        by_flags: dict[tuple[str, ...], list[str]] = {}
         if WITH_CUDA:
-            units = {str(path.relative_to(ROOT)): flag for path, flag in kernel_list.gencode_units().items()}
+            units = {str(path.relative_to(ROOT)): (flag,) for path, flag in kernel_list.gencode_units().items()}
+            units.update((str(path.relative_to(ROOT)), flags) for path, flags in shared_ptx_flags().items())
             for source in ext.sources:
-                if (flag := units.get(os.path.relpath(os.path.join(ROOT, source), ROOT))) is not None:
-                    by_flag.setdefault(flag, []).append(source)
-        for flag, group in by_flag.items():
-            args = dict(ext.extra_compile_args, nvcc=ext.extra_compile_args["nvcc"] + [flag])
+                if (flags := units.get(os.path.relpath(os.path.join(ROOT, source), ROOT))) is not None:
+                    by_flags.setdefault(flags, []).append(source)
+        for flags, group in by_flags.items():
+            args = dict(ext.extra_compile_args, nvcc=ext.extra_compile_args["nvcc"] + list(flags))
             ext.extra_objects = list(ext.extra_objects or []) + self.compiler.compile(
                 group, output_dir=self.build_temp, macros=ext.define_macros, include_dirs=ext.include_dirs,
                 debug=self.debug, extra_postargs=args, depends=ext.depends)

@@ -6,8 +6,10 @@ scripts/ptxas_report.py (compiles those translation units), scripts/sass_check.p
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
+import re
 import tomllib
 from pathlib import Path
 
@@ -28,6 +30,13 @@ FLAGS = ("causal", "masks", "stats")  # the compile-time flags a family may list
 # target alone (its nvcc -gencode replaces those of TORCH_CUDA_ARCH_LIST): for kernels that use
 # architecture-specific instructions (sm_90a's wgmma and setmaxnreg).
 GENCODE = "gencode"
+# `ptx_changes_at = { forward = [], backward = [90] }`: for each direction, the compute capabilities
+# at which the family's device code changes (the `__CUDA_ARCH__ >= N` tests of the sources its launch
+# header includes; tests/test_kernel_list.py checks the two agree). The architectures of
+# TORCH_CUDA_ARCH_LIST that no such capability separates get the same PTX from nvcc, so their units
+# compile it once, from the lowest of them, and assemble it for each (share_ptx): one cicc pass
+# instead of one per architecture, and the same machine code.
+PTX_CHANGES_AT = "ptx_changes_at"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +83,7 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
         spec = tomllib.load(f)
     families: dict[str, list[Instantiation]] = {}
     for family, entry in spec.items():
-        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, *FLAGS}
+        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, PTX_CHANGES_AT, *FLAGS}
         if unknown:
             raise ValueError(f"{path}: [{family}] has unknown keys {sorted(unknown)}")
         for dtype in entry["dtypes"]:
@@ -171,3 +180,50 @@ def gencode_units() -> dict[Path, str]:
     targets = gencodes()
     folders = {ROOT / "csrc" / "cuda" / family / "instantiations": gencode for family, gencode in targets.items()}
     return {p: f"-gencode={folders[p.parent]}" for p in translation_units() if p.parent in folders}
+
+
+def ptx_changes(path: Path = LIST) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(family, direction) -> the sorted compute capabilities at which its device code changes, for
+    the families that declare them (`ptx_changes_at`)."""
+    with open(path, "rb") as f:
+        spec = tomllib.load(f)
+    changes: dict[tuple[str, str], tuple[int, ...]] = {}
+    for family, entry in spec.items():
+        declared = entry.get(PTX_CHANGES_AT)
+        if declared is None:
+            continue
+        if GENCODE in entry or set(declared) != set(entry["directions"]):
+            raise ValueError(f"{path}: [{family}] {PTX_CHANGES_AT} needs one list per direction, and no {GENCODE}")
+        for direction, capabilities in declared.items():
+            changes[(family, direction)] = tuple(sorted(int(c) for c in capabilities))
+    return changes
+
+
+def shared_ptx_units() -> dict[Path, tuple[int, ...]]:
+    """The generated translation units whose family declares `ptx_changes_at` -> their direction's
+    list."""
+    changes = ptx_changes()
+    units: dict[Path, tuple[int, ...]] = {}
+    for family, insts in load().items():
+        for inst in insts:
+            if (key := (family, inst.direction)) in changes:
+                units[ROOT / "csrc" / "cuda" / family / "instantiations" / f"{inst.unit_name()}.cu"] = changes[key]
+    return units
+
+
+_REAL_TARGET = re.compile(r"-gencode=arch=compute_(\d+),code=sm_(\d+)")
+
+
+def share_ptx(flags: list[str], changes_at: tuple[int, ...]) -> list[str]:
+    """torch's -gencode flags (one PTX per architecture) with the architectures that no capability
+    of `changes_at` separates compiled from the PTX of the lowest of them: nvcc runs cicc once per
+    distinct `arch=compute_N` and ptxas once per `code=sm_M`. PTX targets (`code=compute_N`, from
+    "+PTX") and architecture-specific ones (sm_90a) stay as they are."""
+    real = [(int(m[1]), f) for f in flags if (m := _REAL_TARGET.fullmatch(f)) and m[1] == m[2]]
+    lowest: dict[int, int] = {}  # interval between two changes -> its lowest listed capability
+    for capability, _ in real:
+        interval = bisect.bisect_right(changes_at, capability)
+        lowest[interval] = min(lowest.get(interval, capability), capability)
+    shared = {flag: f"-gencode=arch=compute_{lowest[bisect.bisect_right(changes_at, capability)]},code=sm_{capability}"
+              for capability, flag in real}
+    return [shared.get(flag, flag) for flag in flags]

@@ -63,7 +63,9 @@ cpp_build() {
     -DCMAKE_PREFIX_PATH="$torch_prefix" \
     -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || return 1
   echo ">>> cmake build"
-  cmake --build "$BUILD_DIR" --parallel "$JOBS" || rc=$?
+  # (CMake runs ccache as the compiler launcher: paths under the tree enter its hash relative to
+  # it, so that another clone of the project, CI's, hits the same entries.)
+  CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true cmake --build "$BUILD_DIR" --parallel "$JOBS" || rc=$?
   return "$rc"
 }
 

@@ -6,6 +6,7 @@ tables are what scripts/generate_kernels.py makes of it, and that the build comp
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -149,3 +150,84 @@ def test_ptxas_report_holds_tensor_core_kernels_to_no_spills() -> None:
     assert kernel("entropy_attn::cuda::sm90::bwd_impl::postprocess_kernel<__half, 256>").must_not_spill
     assert kernel("entropy_attn::cuda::fallback::attention_fwd_kernel<__half, 128>").must_not_spill
     assert not kernel("entropy_attn::cuda::fallback::attention_fwd_kernel<__half, 256>").must_not_spill
+
+
+def test_share_ptx_groups_architectures_between_changes() -> None:
+    """share_ptx compiles the architectures that no change of the code separates from one PTX, the
+    lowest of them, and leaves PTX and architecture-specific targets as torch listed them."""
+    def gencode(virtual: int, real: int | str) -> str:
+        return f"-gencode=arch=compute_{virtual},code=sm_{real}"
+
+    torch_flags = [gencode(80, 80), gencode(90, 90)]
+    assert kernel_list.share_ptx(torch_flags, ()) == [gencode(80, 80), gencode(80, 90)]
+    assert kernel_list.share_ptx(torch_flags, (90,)) == torch_flags
+    assert kernel_list.share_ptx(torch_flags, (80,)) == [gencode(80, 80), gencode(80, 90)]
+    wide = [gencode(75, 75), gencode(80, 80), gencode(86, 86), gencode(90, 90),
+            "-gencode=arch=compute_90,code=compute_90", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert kernel_list.share_ptx(wide, (80, 90)) == [
+        gencode(75, 75), gencode(80, 80), gencode(80, 86), gencode(90, 90),
+        "-gencode=arch=compute_90,code=compute_90", "-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def _included_sources(header: Path) -> set[Path]:
+    """header and the files of this project it includes, transitively (quoted includes)."""
+    seen: set[Path] = set()
+    todo = [header]
+    while todo:
+        path = todo.pop().resolve()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.MULTILINE):
+            todo.append(path.parent / name)
+    return seen
+
+
+def test_ptx_changes_match_the_sources() -> None:
+    """A family's declared `ptx_changes_at` (per direction) is exactly the set of N in the
+    `__CUDA_ARCH__ >= N` tests of the sources its launch header includes, and those sources test
+    the architecture no other way: otherwise architectures that share a PTX (setup.py) would run
+    code written for another one."""
+    declared = kernel_list.ptx_changes()
+    assert ("sm80", "forward") in declared and ("sm80", "backward") in declared
+    for (family, direction), capabilities in declared.items():
+        header = ROOT / "csrc" / "cuda" / family / kernel_list.launch_header(direction).removeprefix("../")
+        found: set[int] = set()
+        for source in _included_sources(header):
+            text = source.read_text()
+            found |= {int(n) // 10 for n in re.findall(r"__CUDA_ARCH__\s*>=\s*(\d+)", text)}
+            other = re.findall(r"__CUDA_ARCH__\s*(?:[<>!=]=?)\s*\d+|__CUDA_ARCH_(?:FEAT|SPECIFIC|FAMILY)\w*", text)
+            assert all(">=" in test for test in other), (source, other)
+        assert found == set(capabilities), (family, direction, found, capabilities)
+
+
+def test_shared_ptx_units_for_sm80_and_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For TORCH_CUDA_ARCH_LIST=8.0;9.0 (the default build) the sm80 forward's units compile one PTX
+    (compute_80) for both architectures, as setup.py passes them to nvcc; the sm80 backward (float2
+    atomics on sm_90) keeps one each, and the fallback declares nothing (one each)."""
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    arch_flags = cpp_extension._get_cuda_arch_flags()
+    assert arch_flags == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    units = kernel_list.shared_ptx_units()
+    shared = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=sm_90"]
+    fwd = [p for p in units if p.parent.parent.name == "sm80" and p.name.startswith("forward")]
+    assert fwd and all(kernel_list.share_ptx(arch_flags, units[p]) == shared for p in fwd)
+    assert not any(p.parent.parent.name == "fallback" for p in units)
+    bwd = [p for p in units if p.parent.parent.name == "sm80" and p.name.startswith("backward")]
+    assert bwd and all(kernel_list.share_ptx(arch_flags, units[p]) == arch_flags for p in bwd)
+
+
+def test_masked_full_attention_runs_in_the_general_instantiations() -> None:
+    """The tensor-core families list no plain (non-causal) masked instantiation: for each of their
+    masked instantiations there is a general one with the same dtype, head dim, mask and
+    statistics, which family.cpp gives masked full attention."""
+    for family in ("sm80", "sm90"):
+        insts = kernel_list.load()[family]
+        assert not any(i.mask != "none" and not i.causal for i in insts), family
+        general = {(i.direction, i.dtype, i.head_dim, i.mask, i.stats) for i in insts if i.causal}
+        assert all((i.direction, i.dtype, i.head_dim, i.mask, i.stats) in general for i in insts), family
+    source = (ROOT / "csrc" / "cuda" / "family.cpp").read_text()
+    for name in ("sm80_forward", "sm80_backward", "sm90_forward", "sm90_backward"):
+        body = " ".join(source.split(f" {name}(", 1)[1].split("\n}\n")[0].split())
+        assert f"return causal ? nullptr : {name}(dtype, d, true," in body, name

@@ -145,8 +145,8 @@ Sm80Forward sm80_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
   EA_SM80_FORWARD_KERNELS(EA_MATCH)
 #endif
 #undef EA_MATCH
-  // A head dim listed without plain full-attention instantiations (kernels.toml: exclude) runs
-  // such calls in its general ones, which take every pattern.
+  // A call whose plain full-attention instantiation kernels.toml does not list (exclude: masked
+  // calls, head dim 256) runs in the general one, which takes every pattern.
   return causal ? nullptr : sm80_forward(dtype, d, true, mask, stats);
 }
 
@@ -176,7 +176,7 @@ Sm90Forward sm90_forward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused]]
   EA_SM90_FORWARD_KERNELS(EA_MATCH)
 #endif
 #undef EA_MATCH
-  return nullptr;
+  return causal ? nullptr : sm90_forward(dtype, d, true, mask, stats);  // (as sm80_forward)
 }
 
 using Sm90Backward = cudaError_t (*)(const BwdParams<float>&, cudaStream_t);
@@ -191,7 +191,7 @@ Sm90Backward sm90_backward([[maybe_unused]] at::ScalarType dtype, [[maybe_unused
   EA_SM90_BACKWARD_KERNELS(EA_MATCH)
 #endif
 #undef EA_MATCH
-  return nullptr;
+  return causal ? nullptr : sm90_backward(dtype, d, true, mask);  // (as sm80_forward)
 }
 
 // The tensor-core families' causal instantiations are the general ones: they take every pattern

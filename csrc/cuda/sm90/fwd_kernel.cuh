@@ -39,13 +39,14 @@
 // of both and predicates every block.
 //
 // The kCausal instantiations are the general ones: they also take the calls with softcap, sinks or
-// dropout whatever their pattern (one that restricts no key is a pattern too), so that the others,
-// the plain full attention, carry none of that code. Attention sinks set each row's initial state
-// (online_stats.h: initial_state); logit softcapping replaces a block's scores by those whose
-// scaled logits are the capped ones before its softmax; dropout zeroes the dropped weights of P
-// after the statistics took them (cute_utils.cuh: for_each_dropout_decision, one Philox call per 8
-// weights) and scales O by 1 / (1 - p') at the end (uniform branches: the softmax itself, and so
-// the kernels without them, stay as they were).
+// dropout whatever their pattern (one that restricts no key is a pattern too), and masked full
+// attention (kernels.toml lists no plain masked instantiation: their compile time), so that the
+// others, the plain full attention, carry none of that code. Attention sinks set each row's
+// initial state (online_stats.h: initial_state); logit softcapping replaces a block's scores by
+// those whose scaled logits are the capped ones before its softmax; dropout zeroes the dropped
+// weights of P after the statistics took them (cute_utils.cuh: for_each_dropout_decision, one
+// Philox call per 8 weights) and scales O by 1 / (1 - p') at the end (uniform branches: the
+// softmax itself, and so the kernels without them, stay as they were).
 //
 // Edge tiles: the TMA boxes of rows >= q_len and keys >= kv_len lie outside the tensors' bounds
 // and arrive as zeros (finite scores, zero V rows); such keys are masked by the predicate and

@@ -70,12 +70,13 @@ inline bool needs_general(const AttentionArgs<float>& p) {
 }
 
 // Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
-// causality: the call as above, GQA groups of equal size, and q, k, v (and, in the backward, dout)
-// that TMA can describe. (The backward needs nothing for a sink: lse and the
-// statistics it reads include it.)
+// causality: the call as above (a general one also plain full attention, which the selection
+// point gives it where kernels.toml lists no plain instantiation), GQA groups of equal size, and
+// q, k, v (and, in the backward, dout) that TMA can describe. (The backward needs nothing for a
+// sink: lse and the statistics it reads include it.)
 inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal) {
   return p.head_dim == head_dim && p.v_head_dim == head_dim && p.kv_len >= 1 &&
-         p.heads % p.kv_heads == 0 && needs_general(p) == causal &&
+         p.heads % p.kv_heads == 0 && (causal || !needs_general(p)) &&
          tma_compatible(p.q, p.q_len, p.heads, p.batch) &&
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);

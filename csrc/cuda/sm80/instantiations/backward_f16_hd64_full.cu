@@ -3,6 +3,4 @@
 
 namespace entropy_attn::cuda::sm80 {
 template cudaError_t launch_backward<__half, 64, false, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
-template cudaError_t launch_backward<__half, 64, false, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
-template cudaError_t launch_backward<__half, 64, false, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm80

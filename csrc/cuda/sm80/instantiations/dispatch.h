@@ -6,10 +6,6 @@
 #define EA_SM80_FORWARD_KERNELS(X) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone, false) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone, true) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool, false) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool, true) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, false) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone, false) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone, true) \
   X(__nv_bfloat16, 64, true, MaskKind::kBool, false) \
@@ -18,10 +14,6 @@
   X(__nv_bfloat16, 64, true, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone, false) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone, true) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool, false) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool, true) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, false) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool, false) \
@@ -36,10 +28,6 @@
   X(__nv_bfloat16, 256, true, MaskKind::kAdditive, true) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
-  X(__half, 64, false, MaskKind::kBool, false) \
-  X(__half, 64, false, MaskKind::kBool, true) \
-  X(__half, 64, false, MaskKind::kAdditive, false) \
-  X(__half, 64, false, MaskKind::kAdditive, true) \
   X(__half, 64, true, MaskKind::kNone, false) \
   X(__half, 64, true, MaskKind::kNone, true) \
   X(__half, 64, true, MaskKind::kBool, false) \
@@ -48,10 +36,6 @@
   X(__half, 64, true, MaskKind::kAdditive, true) \
   X(__half, 128, false, MaskKind::kNone, false) \
   X(__half, 128, false, MaskKind::kNone, true) \
-  X(__half, 128, false, MaskKind::kBool, false) \
-  X(__half, 128, false, MaskKind::kBool, true) \
-  X(__half, 128, false, MaskKind::kAdditive, false) \
-  X(__half, 128, false, MaskKind::kAdditive, true) \
   X(__half, 128, true, MaskKind::kNone, false) \
   X(__half, 128, true, MaskKind::kNone, true) \
   X(__half, 128, true, MaskKind::kBool, false) \
@@ -68,14 +52,10 @@
 
 #define EA_SM80_BACKWARD_KERNELS(X) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone) \
   X(__nv_bfloat16, 64, true, MaskKind::kBool) \
   X(__nv_bfloat16, 64, true, MaskKind::kAdditive) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
@@ -83,14 +63,10 @@
   X(__nv_bfloat16, 256, true, MaskKind::kBool) \
   X(__nv_bfloat16, 256, true, MaskKind::kAdditive) \
   X(__half, 64, false, MaskKind::kNone) \
-  X(__half, 64, false, MaskKind::kBool) \
-  X(__half, 64, false, MaskKind::kAdditive) \
   X(__half, 64, true, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kBool) \
   X(__half, 64, true, MaskKind::kAdditive) \
   X(__half, 128, false, MaskKind::kNone) \
-  X(__half, 128, false, MaskKind::kBool) \
-  X(__half, 128, false, MaskKind::kAdditive) \
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \

@@ -3,6 +3,4 @@
 
 namespace entropy_attn::cuda::sm90 {
 template cudaError_t launch_backward<__half, 128, false, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
-template cudaError_t launch_backward<__half, 128, false, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
-template cudaError_t launch_backward<__half, 128, false, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm90

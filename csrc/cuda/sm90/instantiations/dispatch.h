@@ -6,10 +6,6 @@
 #define EA_SM90_FORWARD_KERNELS(X) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone, false) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone, true) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool, false) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool, true) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, false) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone, false) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone, true) \
   X(__nv_bfloat16, 64, true, MaskKind::kBool, false) \
@@ -18,10 +14,6 @@
   X(__nv_bfloat16, 64, true, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone, false) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone, true) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool, false) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool, true) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, false) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool, false) \
@@ -30,10 +22,6 @@
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
-  X(__half, 64, false, MaskKind::kBool, false) \
-  X(__half, 64, false, MaskKind::kBool, true) \
-  X(__half, 64, false, MaskKind::kAdditive, false) \
-  X(__half, 64, false, MaskKind::kAdditive, true) \
   X(__half, 64, true, MaskKind::kNone, false) \
   X(__half, 64, true, MaskKind::kNone, true) \
   X(__half, 64, true, MaskKind::kBool, false) \
@@ -42,10 +30,6 @@
   X(__half, 64, true, MaskKind::kAdditive, true) \
   X(__half, 128, false, MaskKind::kNone, false) \
   X(__half, 128, false, MaskKind::kNone, true) \
-  X(__half, 128, false, MaskKind::kBool, false) \
-  X(__half, 128, false, MaskKind::kBool, true) \
-  X(__half, 128, false, MaskKind::kAdditive, false) \
-  X(__half, 128, false, MaskKind::kAdditive, true) \
   X(__half, 128, true, MaskKind::kNone, false) \
   X(__half, 128, true, MaskKind::kNone, true) \
   X(__half, 128, true, MaskKind::kBool, false) \
@@ -56,26 +40,18 @@
 
 #define EA_SM90_BACKWARD_KERNELS(X) \
   X(__nv_bfloat16, 64, false, MaskKind::kNone) \
-  X(__nv_bfloat16, 64, false, MaskKind::kBool) \
-  X(__nv_bfloat16, 64, false, MaskKind::kAdditive) \
   X(__nv_bfloat16, 64, true, MaskKind::kNone) \
   X(__nv_bfloat16, 64, true, MaskKind::kBool) \
   X(__nv_bfloat16, 64, true, MaskKind::kAdditive) \
   X(__nv_bfloat16, 128, false, MaskKind::kNone) \
-  X(__nv_bfloat16, 128, false, MaskKind::kBool) \
-  X(__nv_bfloat16, 128, false, MaskKind::kAdditive) \
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
   X(__half, 64, false, MaskKind::kNone) \
-  X(__half, 64, false, MaskKind::kBool) \
-  X(__half, 64, false, MaskKind::kAdditive) \
   X(__half, 64, true, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kBool) \
   X(__half, 64, true, MaskKind::kAdditive) \
   X(__half, 128, false, MaskKind::kNone) \
-  X(__half, 128, false, MaskKind::kBool) \
-  X(__half, 128, false, MaskKind::kAdditive) \
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \

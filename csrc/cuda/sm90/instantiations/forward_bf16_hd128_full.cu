@@ -4,8 +4,4 @@
 namespace entropy_attn::cuda::sm90 {
 template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
-template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
-template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
-template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
-template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm90

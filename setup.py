@@ -2,7 +2,7 @@
 
 CUDA: when torch is a CUDA build and a CUDA toolkit (nvcc) is found, the extension also builds
 csrc/cuda/**/*.cu (device code, nvcc) and csrc/cuda/*.cpp (host code), for the architectures of
-TORCH_CUDA_ARCH_LIST (default "8.0;9.0"). The tensor-core family (csrc/cuda/sm80) is written with
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX"). The tensor-core family (csrc/cuda/sm80) is written with
 CuTe: its headers come from the pinned nvidia-cutlass package (csrc/cuda/cutlass_version.txt),
 found where it is installed. A family that csrc/cuda/kernels.toml restricts to one `gencode` (sm90:
 sm_90a) has its translation units compiled for that target alone, and one that declares where its
@@ -89,7 +89,9 @@ if WITH_CUDA:
     # Read by torch.utils.cpp_extension when it is imported (below). Without a GPU and without
     # TORCH_CUDA_ARCH_LIST, CUDAExtension would compile for every architecture torch knows.
     os.environ["CUDA_HOME"] = CUDA_HOME
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # (+PTX: the PTX is embedded as well, so that a GPU newer than sm_90, a Blackwell, compiles the
+    # kernels when it loads them, instead of finding no code for itself.)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, include_paths  # noqa: E402
 

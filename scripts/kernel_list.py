@@ -211,19 +211,23 @@ def shared_ptx_units() -> dict[Path, tuple[int, ...]]:
     return units
 
 
-_REAL_TARGET = re.compile(r"-gencode=arch=compute_(\d+),code=sm_(\d+)")
+_TARGET = re.compile(r"-gencode=arch=compute_(\d+),code=(sm|compute)_(\d+)")
 
 
 def share_ptx(flags: list[str], changes_at: tuple[int, ...]) -> list[str]:
     """torch's -gencode flags (one PTX per architecture) with the architectures that no capability
     of `changes_at` separates compiled from the PTX of the lowest of them: nvcc runs cicc once per
-    distinct `arch=compute_N` and ptxas once per `code=sm_M`. PTX targets (`code=compute_N`, from
-    "+PTX") and architecture-specific ones (sm_90a) stay as they are."""
-    real = [(int(m[1]), f) for f in flags if (m := _REAL_TARGET.fullmatch(f)) and m[1] == m[2]]
+    distinct `arch=compute_N` and ptxas once per `code=sm_M`. An embedded PTX ("+PTX": `code=
+    compute_N`, for GPUs newer than the list to compile at load time) becomes that lowest PTX too,
+    the same code; architecture-specific targets (sm_90a) stay as they are."""
+    parsed = [(f, m) for f in flags if (m := _TARGET.fullmatch(f)) and m[1] == m[3]]
     lowest: dict[int, int] = {}  # interval between two changes -> its lowest listed capability
-    for capability, _ in real:
-        interval = bisect.bisect_right(changes_at, capability)
-        lowest[interval] = min(lowest.get(interval, capability), capability)
-    shared = {flag: f"-gencode=arch=compute_{lowest[bisect.bisect_right(changes_at, capability)]},code=sm_{capability}"
-              for capability, flag in real}
-    return [shared.get(flag, flag) for flag in flags]
+    for _, m in parsed:
+        interval = bisect.bisect_right(changes_at, int(m[1]))
+        lowest[interval] = min(lowest.get(interval, int(m[1])), int(m[1]))
+    shared = {}
+    for flag, m in parsed:
+        virtual = lowest[bisect.bisect_right(changes_at, int(m[1]))]
+        real = m[3] if m[2] == "sm" else str(virtual)
+        shared[flag] = f"-gencode=arch=compute_{virtual},code={m[2]}_{real}"
+    return list(dict.fromkeys(shared.get(flag, flag) for flag in flags))

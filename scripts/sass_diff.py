@@ -34,6 +34,8 @@ def functions(lib: Path, arch: str) -> dict[str, list[str]]:
     for line in out.splitlines():
         if m := re.match(r"\s*Function : (\S+)", line):
             current = found.setdefault(m[1], [])
+        elif line.startswith("Fatbin "):  # the next fatbin entry's header (an embedded PTX's too)
+            current = None
         elif current is not None and not re.match(r"\s*\.?(headerflags|identifier)", line):
             current.append(" ".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split()))
     return found

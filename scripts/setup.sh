@@ -112,6 +112,6 @@ else
   env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
   mkdir -p build && echo "$stamp $werror" >"$stamp_file"
   echo "extension built in $(($(date +%s) - build_start))s ($(find csrc/cuda -name '*.cu' | wc -l) CUDA" \
-       "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
+       "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
   if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi
 fi

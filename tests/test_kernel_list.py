@@ -164,6 +164,11 @@ def test_share_ptx_groups_architectures_between_changes() -> None:
     assert kernel_list.share_ptx(torch_flags, (80,)) == [gencode(80, 80), gencode(80, 90)]
     wide = [gencode(75, 75), gencode(80, 80), gencode(86, 86), gencode(90, 90),
             "-gencode=arch=compute_90,code=compute_90", "-gencode=arch=compute_90a,code=sm_90a"]
+    # "+PTX": the embedded PTX is the shared one (compiled anyway), listed once.
+    with_ptx = torch_flags + ["-gencode=arch=compute_90,code=compute_90"]
+    assert kernel_list.share_ptx(with_ptx, ()) == [gencode(80, 80), gencode(80, 90),
+                                                   "-gencode=arch=compute_80,code=compute_80"]
+    assert kernel_list.share_ptx(with_ptx, (90,)) == with_ptx
     assert kernel_list.share_ptx(wide, (80, 90)) == [
         gencode(75, 75), gencode(80, 80), gencode(80, 86), gencode(90, 90),
         "-gencode=arch=compute_90,code=compute_90", "-gencode=arch=compute_90a,code=sm_90a"]
@@ -202,17 +207,21 @@ def test_ptx_changes_match_the_sources() -> None:
 
 
 def test_shared_ptx_units_for_sm80_and_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For TORCH_CUDA_ARCH_LIST=8.0;9.0 (the default build) the sm80 forward's units compile one PTX
-    (compute_80) for both architectures, as setup.py passes them to nvcc; the sm80 backward (float2
-    atomics on sm_90) keeps one each, and the fallback declares nothing (one each)."""
+    """For setup.py's default TORCH_CUDA_ARCH_LIST (8.0;9.0+PTX) the sm80 forward's units compile
+    one PTX (compute_80) for both architectures and embed it, as setup.py passes them to nvcc; the
+    sm80 backward (float2 atomics on sm_90) keeps one each, and the fallback declares nothing (one
+    each)."""
     cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert re.search(r'"TORCH_CUDA_ARCH_LIST", "8\.0;9\.0\+PTX"', (ROOT / "setup.py").read_text())
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     arch_flags = cpp_extension._get_cuda_arch_flags()
-    assert arch_flags == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    assert sorted(arch_flags) == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=compute_90",
+                                  "-gencode=arch=compute_90,code=sm_90"]
     units = kernel_list.shared_ptx_units()
-    shared = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=sm_90"]
+    shared = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=sm_90",
+              "-gencode=arch=compute_80,code=compute_80"]
     fwd = [p for p in units if p.parent.parent.name == "sm80" and p.name.startswith("forward")]
-    assert fwd and all(kernel_list.share_ptx(arch_flags, units[p]) == shared for p in fwd)
+    assert fwd and all(sorted(kernel_list.share_ptx(arch_flags, units[p])) == sorted(shared) for p in fwd)
     assert not any(p.parent.parent.name == "fallback" for p in units)
     bwd = [p for p in units if p.parent.parent.name == "sm80" and p.name.startswith("backward")]
     assert bwd and all(kernel_list.share_ptx(arch_flags, units[p]) == arch_flags for p in bwd)

@@ -77,10 +77,15 @@ class Instantiation:
         return name
 
 
+def _spec(path: Path) -> dict:
+    """kernels.toml as parsed."""
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
 def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
     """Every instantiation of every family, in list order."""
-    with open(path, "rb") as f:
-        spec = tomllib.load(f)
+    spec = _spec(path)
     families: dict[str, list[Instantiation]] = {}
     for family, entry in spec.items():
         unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, PTX_CHANGES_AT, *FLAGS}
@@ -107,6 +112,11 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
                     insts.append(inst)
         families[family] = insts
     return families
+
+
+def unit_path(inst: Instantiation, root: Path = ROOT) -> Path:
+    """The generated translation unit that holds an instantiation."""
+    return root / "csrc" / "cuda" / inst.family / "instantiations" / f"{inst.unit_name()}.cu"
 
 
 def launch_header(direction: str) -> str:
@@ -170,8 +180,7 @@ def translation_units() -> list[Path]:
 
 def gencodes(path: Path = LIST) -> dict[str, str]:
     """Family -> the one nvcc -gencode target of its translation units, for the families that name one."""
-    with open(path, "rb") as f:
-        spec = tomllib.load(f)
+    spec = _spec(path)
     return {family: entry[GENCODE] for family, entry in spec.items() if GENCODE in entry}
 
 
@@ -185,8 +194,7 @@ def gencode_units() -> dict[Path, str]:
 def ptx_changes(path: Path = LIST) -> dict[tuple[str, str], tuple[int, ...]]:
     """(family, direction) -> the sorted compute capabilities at which its device code changes, for
     the families that declare them (`ptx_changes_at`)."""
-    with open(path, "rb") as f:
-        spec = tomllib.load(f)
+    spec = _spec(path)
     changes: dict[tuple[str, str], tuple[int, ...]] = {}
     for family, entry in spec.items():
         declared = entry.get(PTX_CHANGES_AT)
@@ -207,7 +215,7 @@ def shared_ptx_units() -> dict[Path, tuple[int, ...]]:
     for family, insts in load().items():
         for inst in insts:
             if (key := (family, inst.direction)) in changes:
-                units[ROOT / "csrc" / "cuda" / family / "instantiations" / f"{inst.unit_name()}.cu"] = changes[key]
+                units[unit_path(inst)] = changes[key]
     return units
 
 

@@ -69,14 +69,19 @@ def library(path: str | None) -> Path:
     return libs[0]
 
 
+def architectures(lib: Path) -> set[str]:
+    """The base architectures (sm_XY) a library has machine code for (sm_90a's counts as sm_90)."""
+    elves = subprocess.run([tool("cuobjdump"), "-lelf", str(lib)], capture_output=True, text=True, check=True).stdout
+    return {m[1] for m in re.finditer(r"\.(sm_\d+)a?\.cubin", elves)}
+
+
 def disassemble(lib: Path) -> dict[tuple[str, str], collections.Counter]:
     """(arch, mangled function) -> counts of instruction mnemonics (with their modifiers).
 
     One cuobjdump per base architecture, run concurrently (`-arch sm_90` also dumps the sm_90a
     code): disassembling the whole library is most of this script's time."""
     env = {"PATH": f"{Path(tool('nvdisasm')).parent}:{Path(tool('cuobjdump')).parent}:/usr/bin:/bin"}
-    elves = subprocess.run([tool("cuobjdump"), "-lelf", str(lib)], capture_output=True, text=True, check=True).stdout
-    bases = sorted({m[1] for m in re.finditer(r"\.(sm_\d+)a?\.cubin", elves)})
+    bases = sorted(architectures(lib))
 
     def sass(arch: str) -> str:
         return subprocess.run([tool("cuobjdump"), "-sass", "-arch", arch, str(lib)], capture_output=True, text=True,

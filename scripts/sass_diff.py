@@ -1,12 +1,10 @@
 """Compares the machine code of two builds of the extension, function by function.
 
 For each architecture both libraries hold, disassembles them (cuobjdump -sass) and reports how many
-functions the two have in common, how many of those have the same instructions (addresses, the ELF
-header flags, which name the virtual architecture the code was assembled from, and the identifier
-of the unit whose copy of a function shared by several the linker kept, aside),
-which differ, and which exist in one build only (whitespace aside: cuobjdump's column widths vary). A build change that should not change the code
-(the compiler flags that share one PTX between architectures, a host-side refactoring) is checked
-this way; the table goes to stdout, Markdown.
+functions the two have in common, how many of those have the same instructions (parse says what
+is left out of the comparison), which differ, and which exist in one build only. A build change
+that should not change the code (the compiler flags that share one PTX between architectures, a
+host-side refactoring) is checked this way; the table goes to stdout, Markdown.
 
     cp torch_ext/_C.abi3.so /tmp/before.so      # then change and rebuild
     python3 scripts/sass_diff.py /tmp/before.so torch_ext/_C.abi3.so
@@ -22,16 +20,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_check import tool  # noqa: E402
+from sass_check import architectures, tool  # noqa: E402
 
 
-def functions(lib: Path, arch: str) -> dict[str, list[str]]:
-    """Mangled function -> its instructions for one architecture (sm_90 includes sm_90a code)."""
-    out = subprocess.run([tool("cuobjdump"), "-sass", "-arch", arch, str(lib)], capture_output=True, text=True,
-                         check=True).stdout
+def parse(sass: str) -> dict[str, list[str]]:
+    """Mangled function -> its instructions, from cuobjdump -sass output: addresses, the ELF header
+    flags (which name the virtual architecture the code was assembled from), the unit identifier
+    (which copy of a function several units define the linker kept) and whitespace (cuobjdump's
+    column widths vary) left out."""
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
-    for line in out.splitlines():
+    for line in sass.splitlines():
         if m := re.match(r"\s*Function : (\S+)", line):
             current = found.setdefault(m[1], [])
         elif line.startswith("Fatbin "):  # the next fatbin entry's header (an embedded PTX's too)
@@ -41,10 +40,10 @@ def functions(lib: Path, arch: str) -> dict[str, list[str]]:
     return found
 
 
-def architectures(lib: Path) -> set[str]:
-    """The base architectures (sm_XY) a library has machine code for."""
-    elves = subprocess.run([tool("cuobjdump"), "-lelf", str(lib)], capture_output=True, text=True, check=True).stdout
-    return {m[1] for m in re.finditer(r"\.(sm_\d+)a?\.cubin", elves)}
+def functions(lib: Path, arch: str) -> dict[str, list[str]]:
+    """Mangled function -> its instructions for one architecture (sm_90 includes sm_90a code)."""
+    return parse(subprocess.run([tool("cuobjdump"), "-sass", "-arch", arch, str(lib)], capture_output=True,
+                                text=True, check=True).stdout)
 
 
 def main() -> int:

@@ -240,3 +240,36 @@ def test_masked_full_attention_runs_in_the_general_instantiations() -> None:
     for name in ("sm80_forward", "sm80_backward", "sm90_forward", "sm90_backward"):
         body = " ".join(source.split(f" {name}(", 1)[1].split("\n}\n")[0].split())
         assert f"return causal ? nullptr : {name}(dtype, d, true," in body, name
+
+
+def test_ptx_changes_needs_one_list_per_direction(tmp_path: Path) -> None:
+    """A `ptx_changes_at` that misses a direction (or sits beside a `gencode`) is an error naming
+    the key, not a silent shared PTX."""
+    spec = tmp_path / "kernels.toml"
+    spec.write_text('[f]\ndirections = ["forward", "backward"]\ndtypes = ["float16"]\nhead_dims = [64]\n'
+                    'ptx_changes_at = { forward = [] }\n')
+    with pytest.raises(ValueError, match="ptx_changes_at"):
+        kernel_list.ptx_changes(spec)
+    spec.write_text('[f]\ndirections = ["forward"]\ndtypes = ["float16"]\nhead_dims = [64]\n'
+                    'ptx_changes_at = { forward = [90, 80] }\n')
+    assert kernel_list.ptx_changes(spec) == {("f", "forward"): (80, 90)}
+
+
+def test_sass_diff_compares_instructions_only() -> None:
+    """scripts/sass_diff.py's parse keeps each function's instructions and leaves out what differs
+    between builds of the same code: addresses, the header flags naming the virtual architecture,
+    the unit identifier, column widths, and the header of an embedded PTX that follows."""
+    import sass_diff
+
+    def dump(virtual: str, unit: str, pad: str) -> str:
+        return (f"\tcode for sm_90\n\t.headerflags @\"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_{virtual})\"\n"
+                f"\t\tFunction : _Z1kv\n\tidentifier = {unit}\n"
+                f"        /*0000*/{pad}IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ; /* 0x00000a00ff017624 */\n"
+                f"        /*0010*/{pad}EXIT ;\n\nFatbin ptx code:\n================\narch = sm_90\n")
+
+    a = sass_diff.parse(dump("SM80", "a.cu", "  "))
+    b = sass_diff.parse(dump("SM90", "b.cu", "      "))
+    assert a == b and [line for line in a["_Z1kv"] if line] == [
+        "IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ; /* 0x00000a00ff017624 */", "EXIT ;"]
+    c = sass_diff.parse(dump("SM90", "b.cu", " ").replace("EXIT", "BRA 0x10"))
+    assert c != a

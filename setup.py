@@ -123,8 +123,15 @@ def cutlass_include() -> str:
 # against is, at run time, the one torch has already loaded (same soname), so torch.set_num_threads
 # governs our kernels too. Torch's headers warn under -Wextra: as system headers (-isystem outranks
 # the -I that cpp_extension adds for the same directories) they stay quiet, and the warnings left
-# are ours.
-CXX_FLAGS = (["-O3", "-fopenmp", "-Wall", "-Wextra"]
+# are ours. -g1: line tables only (as -lineinfo for the kernels), enough for a backtrace to name
+# file and line; the full debug information that Python's -g asks for made the C++ compile 37%
+# slower (autograd.cpp: 28 s -> 18 s) and its objects up to 30x larger.
+# AT_PER_OPERATOR_HEADERS and TORCH_ASSERT_ONLY_METHOD_OPERATORS, as PyTorch builds its own
+# sources: each file includes the ATen operators it calls (ATen/ops/*.h), not all of them
+# (ATen/ATen.h, whose parsing took a quarter of a typical file's compile time), and including all
+# of them is an error. (CMakeLists.txt and scripts/device_bundle.sh's check define them as well.)
+ATEN_DEFINES = ["-DAT_PER_OPERATOR_HEADERS", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"]
+CXX_FLAGS = (["-O3", "-g1", "-fopenmp", "-Wall", "-Wextra", *ATEN_DEFINES]
              + [flag for path in include_paths() for flag in ("-isystem", path)]
              + (["-Werror"] if WERROR else []))
 # The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,

@@ -1,6 +1,8 @@
 #include "attention_inputs.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>

@@ -1,7 +1,17 @@
 // Autograd for every op, registered in C++ (Autograd key) so that LibTorch callers get gradients
 // as Python callers do. Backward passes call registered ops or ATen ops only, so they also trace
 // under torch.compile.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/isneginf.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/promote_types.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/sign.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>

@@ -1,6 +1,7 @@
 #include "head_dim_padding.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 
 #include <algorithm>
 

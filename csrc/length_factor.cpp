@@ -3,7 +3,8 @@
 // splitting a row's keys gets the whole row's factor from the one definition. CPU loop over the
 // counts (a row count's worth of work), moved to the counts' device; a Meta tensor gets a Meta
 // result of the same shape.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>

@@ -1,6 +1,8 @@
 // Meta kernels: output shapes and dtypes only, with the same argument checks as the real kernels,
 // for FakeTensor, torch.compile and torch.library.opcheck.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "attention_call.h"

@@ -5,7 +5,7 @@
 // cu_seq_q / cu_seq_k tell the kernels where each document's rows and keys are (KeyPattern), so
 // one set of kernels, one autograd function and one Meta kernel serve both layouts. Registered as
 // CompositeImplicitAutograd: it differentiates and traces through `attention`.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "attention_call.h"

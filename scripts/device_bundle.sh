@@ -10,6 +10,8 @@
 #                                           # exists): the packed library if it was built from
 #                                           # these sources for this torch, else a build there
 #   bash scripts/device_bundle.sh check     # CI: the sources still build against DEVICE_TORCH
+#   bash scripts/device_bundle.sh venv      # only the virtual environment of make and check (CI
+#                                           # makes it while setup compiles)
 #
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
@@ -132,7 +134,8 @@ PY
   )
   for unit in "$SRC"/csrc/cuda/*.cpp; do
     g++ -std=c++17 -fsyntax-only -fopenmp -Wall -Wextra -Werror -I"$SRC/csrc" "${include_flags[@]}" \
-      -DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=_C "$unit"
+      -DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=_C \
+      -DAT_PER_OPERATOR_HEADERS -DTORCH_ASSERT_ONLY_METHOD_OPERATORS "$unit"
     echo "  ok ${unit#"$SRC"/}"
   done
   note "tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
@@ -170,8 +173,9 @@ case ${1:-} in
   make) make_bundle ;;
   check) check_build ;;
   install) install_bundle ;;
+  venv) device_venv ;;
   *)
-    echo "usage: $0 make|check|install" >&2
+    echo "usage: $0 make|check|install|venv" >&2
     exit 2
     ;;
 esac

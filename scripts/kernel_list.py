@@ -70,11 +70,11 @@ class Instantiation:
         return ", ".join(args)
 
     def unit_name(self) -> str:
-        """The stem of the translation unit that holds this instantiation."""
-        name = f"{self.direction}_{DTYPES[self.dtype][1]}_hd{self.head_dim}"
-        if self.causal is not None:
-            name += "_causal" if self.causal else "_full"
-        return name
+        """The stem of the translation unit that holds this instantiation: one unit per direction,
+        dtype and head dim, whatever the flags. The flags' instantiations share their tile types,
+        which cicc instantiates once a unit: a unit of the sm80 backward's four (full, causal x 3
+        masks) spends 52 s in cicc where the full one alone took 31 and the causal three 47."""
+        return f"{self.direction}_{DTYPES[self.dtype][1]}_hd{self.head_dim}"
 
 
 def _spec(path: Path) -> dict:

@@ -7,8 +7,11 @@
 // lse.
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
 // and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

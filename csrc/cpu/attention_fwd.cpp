@@ -1,7 +1,9 @@
 // CPU forward of the fused attention with per-row statistics (FlashAttention-2 structure):
 // tasks are (batch, head, query block); each streams key/value blocks of kKvBlock keys, keeping the
 // online statistics of online_stats.h per row. No L_q x L_k buffer is ever formed.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <vector>

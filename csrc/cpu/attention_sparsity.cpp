@@ -2,7 +2,9 @@
 // S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) for f = exp (softmax), relu^2 or identity, with the
 // logits, masks, causality and scale policies of the attention op. Same blocking as the attention
 // forward: (batch, head, query block) tasks stream key blocks; no L_q x L_k buffer.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <vector>

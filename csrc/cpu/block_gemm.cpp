@@ -1,7 +1,10 @@
 #include "block_gemm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include <cstdlib>
 #include <string>

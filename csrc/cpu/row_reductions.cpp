@@ -1,9 +1,11 @@
 // CPU kernels of the row-reduction ops on a given attention matrix: entropy (of normalized
 // weights) and the l1/l2 sparsity of seed 003. Rows are reduced in the accumulate type (float for
 // 16-bit inputs), in parallel over rows.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // The CUDA ops: attention_host.h prepares the tensors and kernel parameters; this file checks the
 // device's shared memory, guards the device and launches on its current stream. Registered for the
 // CUDA dispatch key.
-#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

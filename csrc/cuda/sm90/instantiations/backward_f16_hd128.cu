@@ -2,6 +2,7 @@
 #include "../bwd_launch.cuh"
 
 namespace entropy_attn::cuda::sm90 {
+template cudaError_t launch_backward<__half, 128, false, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__half, 128, true, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__half, 128, true, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__half, 128, true, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);

@@ -23,25 +23,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass_check import architectures, tool  # noqa: E402
 
 
-def parse(sass: str) -> dict[str, list[str]]:
-    """Mangled function -> its instructions, from cuobjdump -sass output: addresses, the ELF header
-    flags (which name the virtual architecture the code was assembled from), the unit identifier
-    (which copy of a function several units define the linker kept) and whitespace (cuobjdump's
-    column widths vary) left out."""
-    found: dict[str, list[str]] = {}
-    current: list[str] | None = None
+def parse(sass: str) -> dict[str, set[tuple[str, ...]]]:
+    """Mangled function -> its distinct copies, each as its instructions, from cuobjdump -sass
+    output. A template that several translation units instantiate (a kernel that launches from
+    more than one unit) has a copy in each unit's cubin, all kept in the library: its copies are
+    compared as a set, so that regrouping the units does not read as a change. Left out of the
+    comparison: addresses, the ELF header flags (which name the virtual architecture the code was
+    assembled from), the unit identifier and whitespace (cuobjdump's column widths vary, and the
+    last function of a cubin is followed by a blank line the others lack)."""
+    found: dict[str, set[tuple[str, ...]]] = {}
+    name: str | None = None
+    current: list[str] = []
+
+    def close() -> None:
+        if name is not None:
+            found.setdefault(name, set()).add(tuple(current))
+
     for line in sass.splitlines():
         if m := re.match(r"\s*Function : (\S+)", line):
-            current = found.setdefault(m[1], [])
+            close()
+            name, current = m[1], []
         elif line.startswith("Fatbin "):  # the next fatbin entry's header (an embedded PTX's too)
-            current = None
-        elif current is not None and not re.match(r"\s*\.?(headerflags|identifier)", line):
+            close()
+            name, current = None, []
+        elif name is not None and line.strip() and not re.match(r"\s*\.?(headerflags|identifier)", line):
             current.append(" ".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split()))
+    close()
     return found
 
 
-def functions(lib: Path, arch: str) -> dict[str, list[str]]:
-    """Mangled function -> its instructions for one architecture (sm_90 includes sm_90a code)."""
+def functions(lib: Path, arch: str) -> dict[str, set[tuple[str, ...]]]:
+    """Mangled function -> its distinct copies for one architecture (sm_90 includes sm_90a code)."""
     return parse(subprocess.run([tool("cuobjdump"), "-sass", "-arch", arch, str(lib)], capture_output=True,
                                 text=True, check=True).stdout)
 

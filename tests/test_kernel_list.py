@@ -227,6 +227,20 @@ def test_shared_ptx_units_for_sm80_and_sm90(monkeypatch: pytest.MonkeyPatch) -> 
     assert bwd and all(kernel_list.share_ptx(arch_flags, units[p]) == arch_flags for p in bwd)
 
 
+def test_one_unit_per_direction_dtype_and_head_dim() -> None:
+    """Each translation unit holds every instantiation of one family, direction, dtype and head dim,
+    whatever their flags (the flags' instantiations share their tile types, which cicc then
+    instantiates once: scripts/kernel_list.py, Instantiation.unit_name)."""
+    for family, insts in kernel_list.load().items():
+        units: dict[Path, set[tuple[str, str, int]]] = {}
+        for inst in insts:
+            units.setdefault(kernel_list.unit_path(inst), set()).add((inst.direction, inst.dtype, inst.head_dim))
+        assert all(len(keys) == 1 for keys in units.values()), family
+        assert len(units) == len({(i.direction, i.dtype, i.head_dim) for i in insts}), family
+    sm80 = [p.name for p in kernel_list.translation_units() if p.parent.parent.name == "sm80"]
+    assert len(sm80) == 12 and "backward_bf16_hd64.cu" in sm80
+
+
 def test_masked_full_attention_runs_in_the_general_instantiations() -> None:
     """The tensor-core families list no plain (non-causal) masked instantiation: for each of their
     masked instantiations there is a general one with the same dtype, head dim, mask and
@@ -258,7 +272,8 @@ def test_ptx_changes_needs_one_list_per_direction(tmp_path: Path) -> None:
 def test_sass_diff_compares_instructions_only() -> None:
     """scripts/sass_diff.py's parse keeps each function's instructions and leaves out what differs
     between builds of the same code: addresses, the header flags naming the virtual architecture,
-    the unit identifier, column widths, and the header of an embedded PTX that follows."""
+    the unit identifier, column widths, and the header of an embedded PTX that follows; a function
+    with a copy in several units' cubins is compared by its distinct copies."""
     import sass_diff
 
     def dump(virtual: str, unit: str, pad: str) -> str:
@@ -269,7 +284,10 @@ def test_sass_diff_compares_instructions_only() -> None:
 
     a = sass_diff.parse(dump("SM80", "a.cu", "  "))
     b = sass_diff.parse(dump("SM90", "b.cu", "      "))
-    assert a == b and [line for line in a["_Z1kv"] if line] == [
-        "IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ; /* 0x00000a00ff017624 */", "EXIT ;"]
+    assert a == b and [list(copy) for copy in a["_Z1kv"]] == [
+        ["IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ; /* 0x00000a00ff017624 */", "EXIT ;"]]
     c = sass_diff.parse(dump("SM90", "b.cu", " ").replace("EXIT", "BRA 0x10"))
     assert c != a
+    # The same function in two units' cubins: two identical copies are one; a differing copy counts.
+    assert sass_diff.parse(dump("SM80", "a.cu", " ") + dump("SM80", "b.cu", "  ")) == a
+    assert len(sass_diff.parse(dump("SM80", "a.cu", " ") + dump("SM80", "b.cu", " ").replace("EXIT", "BRA 0x10"))["_Z1kv"]) == 2

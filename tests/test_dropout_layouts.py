@@ -8,11 +8,14 @@ accumulator layouts. Skipped, saying why, without nvcc or the pinned CUTLASS hea
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,22 +49,37 @@ def nvcc() -> str | None:
     return shutil.which("nvcc") or shutil.which("nvcc", path=os.path.join(home, "bin"))
 
 
-def run_host_program(source: Path, tmp_path: Path) -> str:
+@functools.cache
+def _built(compiler: str, include: str) -> dict[Path, tuple[Path, int, str]]:
+    """Every host check (tests/cpp/*.cu) built at once, one nvcc process each, into a directory
+    removed at exit: source -> (executable, nvcc's exit code, its command and output). Each build
+    takes about 20 s on one core, mostly nvcc's front ends; side by side they take the time of one."""
+    out_dir = Path(tempfile.mkdtemp(prefix="entropy_attn_host_checks_"))
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    builds = []
+    for source in sorted((ROOT / "tests" / "cpp").glob("*.cu")):
+        exe, log = out_dir / source.stem, out_dir / f"{source.stem}.log"
+        cmd = [compiler, *NVCC_FLAGS, f"-I{ROOT / 'csrc'}", "-isystem", include, str(source), "-o", str(exe)]
+        with open(log, "w") as f:  # a file, not a pipe: a long error output cannot block nvcc
+            builds.append((source, exe, log, cmd, subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)))
+    return {source: (exe, proc.wait(), " ".join(cmd) + "\n" + log.read_text())
+            for source, exe, log, cmd, proc in builds}
+
+
+def run_host_program(source: Path) -> str:
     """Builds a host-only check of the kernel headers (tests/cpp/*.cu) with nvcc and the pinned
-    CUTLASS headers, runs it and returns what it printed; fails the test if either step fails, and
-    skips it, saying why, without the toolchain."""
+    CUTLASS headers (with the others, the first time: _built), runs it and returns what it printed;
+    fails the test if either step fails, and skips it, saying why, without the toolchain."""
     compiler, include = nvcc(), cutlass_include()
     if compiler is None or include is None:
         pytest.skip("needs nvcc and the pinned nvidia-cutlass headers (the CUDA build's toolchain)")
-    exe = tmp_path / source.stem
-    cmd = [compiler, *NVCC_FLAGS, f"-I{ROOT / 'csrc'}", "-isystem", str(include), str(source), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert build.returncode == 0, f"{' '.join(cmd)} failed:\n{build.stdout}{build.stderr}"
+    exe, returncode, output = _built(compiler, str(include))[source]
+    assert returncode == 0, f"failed:\n{output}"
     run = subprocess.run([str(exe)], capture_output=True, text=True, check=False, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 
 
-def test_tensor_core_dropout_decisions_match_the_generator(tmp_path: Path) -> None:
-    out = run_host_program(SOURCE, tmp_path)
+def test_tensor_core_dropout_decisions_match_the_generator() -> None:
+    out = run_host_program(SOURCE)
     assert out.count(" ok") == 13 and "MISMATCH" not in out, out

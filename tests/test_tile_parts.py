@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests" / "cpp" / "tile_parts.cu"
 
 
-def test_backward_parts_read_their_places_of_the_tiles(tmp_path: Path) -> None:
+def test_backward_parts_read_their_places_of_the_tiles() -> None:
     """Every part of every head dim checks out: 12 lines, no mismatch."""
-    out = run_host_program(SOURCE, tmp_path)
+    out = run_host_program(SOURCE)
     assert out.count(" ok") == 12 and "MISMATCH" not in out, out

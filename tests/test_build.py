@@ -39,3 +39,19 @@ def test_cpp_runtime_linked_dynamically() -> None:
     # The error path it broke, with numbers in the message, raises.
     with pytest.raises(ValueError, match="head_dim, got 4 and 6"):
         torch.ops.entropy_attn.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 6), torch.randn(1, 2, 5, 6))
+
+
+def test_every_build_includes_only_the_aten_operators_it_calls() -> None:
+    """The library's C++ includes per-operator ATen headers, never ATen/ATen.h, and every build of
+    it (setup.py, CMake, the device torch check's syntax pass) defines the two macros that make
+    ATen/ATen.h an error there: a build missing them would compile an ATen/ATen.h that crept back."""
+    root = Path(__file__).resolve().parent.parent
+    sources = [p for p in (root / "csrc").rglob("*") if p.suffix in (".cpp", ".h")]
+    assert sources and not [p for p in sources if "<ATen/ATen.h>" in p.read_text()]
+    macros = ("AT_PER_OPERATOR_HEADERS", "TORCH_ASSERT_ONLY_METHOD_OPERATORS")
+    for build in ("setup.py", "scripts/device_bundle.sh"):
+        text = (root / build).read_text()
+        assert all(f'-D{macro}' in text for macro in macros), build
+    cmake = [line for line in (root / "CMakeLists.txt").read_text().splitlines()
+             if line.startswith("target_compile_definitions(entropy_attn PRIVATE")]
+    assert any(all(macro in line for macro in macros) for line in cmake)

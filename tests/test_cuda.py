@@ -1270,6 +1270,36 @@ def test_families_agree(
         assert rel_err(a, b) < 2 * GRAD_TOL[dtype], name
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("family", ["fallback", *FAMILY_PARAMS])
+def test_signed_row_scales(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, D: int,
+                           causal: bool) -> None:
+    """Per-row scales of either sign and zero (a learned scale tensor may hold them) give the float64
+    reference's outputs and statistics in every family, with and without statistics. The sm90
+    softmax folds a non-negative lambda_i into the exponent where no key is hidden and sends a warp
+    holding a negative (or NaN) lambda through its general path instead: here warps of only
+    positive rows, a warp with one negative row among positive ones, a warp of zeros and a batch of
+    negative rows, over interior key blocks (Lk spans four blocks) and the edge ones."""
+    torch.manual_seed(0)
+    B, H, Lq, Lk = 2, 2, 200, 450
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype)
+    scale = (0.2 + 0.6 * torch.rand(B, H, Lq, dtype=F64)) / math.sqrt(D)
+    scale[0, :, 70] = -0.5 / math.sqrt(D)  # one row of the warp of rows 64..79
+    scale[0, :, 144:160] = 0.0  # a whole warp's rows
+    scale[1] = -scale[1]  # every row of batch 1
+    scale = scale.float()
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
+    _, _, ref = check_forward(q, k, v, None, scale, is_causal=causal, return_stats=True)
+    lean = OP(cuda(q), cuda(k), cuda(v), None, cuda(scale), is_causal=causal, return_stats=False)
+    oat, ort = OUT_TOL[dtype]
+    sat, srt = STAT_TOL[dtype]
+    assert_close64(lean[0], ref.output, oat, ort, "output without statistics vs reference")
+    assert_close64(lean[1], ref.lse, sat, srt, "lse without statistics vs reference")
+
+
 @real_cuda
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", ["none", "bool"])

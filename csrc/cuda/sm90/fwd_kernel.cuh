@@ -12,12 +12,15 @@
 //   warpgroups 1 and 2, the consumers, cooperative: they split the tile's rows (64 each, the M of
 //     one wgmma) and raise their register budget to 240 (setmaxnreg.inc). Per key block:
 //       S = Q K^T          wgmma with both operands in shared memory (SS), fp32 accumulators;
-//       y = lambda_i log2(e) S (+ log2(e) mask)    the logits in log2 units, one FMUL per score;
-//       online softmax     row max over the 4 lanes that share a row (2 shuffles), the row state
-//                          moved to the new max by online_stats.h (rescale<float, Log2>), then
-//                          e = 2^(y - m) (one MUFU.EX2) and l, t, u accumulated (accumulate);
+//       online softmax     the logits y = lambda_i log2(e) S (+ log2(e) mask) in log2 units,
+//                          their row max over the 4 lanes that share a row (2 shuffles), the row
+//                          state moved to the new max by online_stats.h (rescale<float, Log2>),
+//                          then e = 2^(y - m) (one MUFU.EX2) and l, t, u accumulated
+//                          (accumulate). Where no key is hidden, lambda_i folds into the
+//                          exponent: the max of the raw scores, and y - m as one FFMA per score;
 //       O = alpha O + P V  P converted to T in registers and fed to wgmma as the A operand (RS),
-//                          V^T read from shared memory.
+//                          V^T read from shared memory; O's rescale skipped by a warp whose rows
+//                          kept their max.
 // The two consumer warpgroups run the same key block on the same buffers: both must release a
 // stage before the producer refills it, so the loads of block n - kStages overlap the whole of
 // block n's compute. Within a warpgroup the blocks are software-pipelined as FlashAttention-3's
@@ -184,6 +187,9 @@ struct FwdTraits {
     // The keys [lo, hi) of each tile row (kCausal): read by the predicated softmax, so that the
     // key loop carries no search over packed documents.
     int row_lo[kBlockM], row_hi[kBlockM];
+    // n_i of each tile row, read by the epilogue: kept here rather than in two registers of every
+    // consumer thread across the key loop.
+    int row_n[kBlockM];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
     alignas(8) uint64_t barrier_q;
   };
@@ -281,6 +287,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // time, the lanes striding the keys (coalesced for a key-contiguous mask), then a warp sum; the
   // lanes that hold the row keep it. Without a mask n_i is the range's length.
   int n_row[kRows];
+  constexpr bool kBandedOrMasked = kCausal || kHasMask;  // else n_i = kv_len for every row
   const int warp_row0 = get<0>(cS_rc(0, 0)) - lane / 4;  // the warp's first tile row
   if constexpr (kHasMask) {
     CUTE_UNROLL
@@ -324,6 +331,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // Row setup (docs/math.md section 1): g(n_i) / temperature and lambda_i, written once per row by
   // lane 0 of its quad. Padding rows (i >= q_len) get lambda 0 and are never written.
   float scale2[kRows];  // lambda_i log2(e)
+  bool negative_scale = false;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int i = m0 + get<0>(cS_rc(r, 0));
@@ -331,13 +339,18 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const float factor = p.scale.factor(n_row[r]);
     const float lam = valid ? p.scale.lambda(b, h, i, factor) : 0.f;
     scale2[r] = lam * kLog2e;
+    negative_scale |= !(scale2[r] >= 0.f);
     if (valid && lane % 4 == 0) {
       const int64_t row = (static_cast<int64_t>(b) * heads + h) * q_len + i;
       p.row_scale[row] = lam;
       p.length_factor[row] = factor;
       p.n_keys[row] = n_row[r];
     }
+    if (kBandedOrMasked && lane % 4 == 0) ss.row_n[get<0>(cS_rc(r, 0))] = n_row[r];
   }
+
+  // Whether the warp's softmax cannot fold the scale (see softmax below): the same in its lanes.
+  negative_scale = __any_sync(0xffffffffu, negative_scale);
 
   // The thread's partial state of its rows: m is the row's max (log2 units, the same in the row's
   // 4 lanes), l, t, u the sums over the thread's columns. With an attention sink every row starts
@@ -399,64 +412,82 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
   };
 
-  // The online softmax of key block n on its scores: logits in log2 units (-inf where the key is
-  // not allowed), the row max after scaling (lambda may be 0 or negative), the row state moved to
-  // it, P = 2^(y - m) in place and the sums. O is not touched (a P V may be in flight): the factor
+  // The online softmax of key block n on its scores: the row max of the logits y = lambda_i
+  // log2(e) s (log2 units, -inf where the key is not allowed), the row state moved to it, P =
+  // 2^(y - m) in place and the sums. O is not touched (a P V may be in flight): the factor
   // 2^(m_old - m_new) that O owes is left in alpha. kPredicated: apply the row's range
   // lo_i <= j < hi_i (causality, window, alignment, documents, sequence end).
+  //
+  // Where no key is hidden (no predicate, no mask) and lambda_i >= 0, the scale is folded into the
+  // exponent as FlashAttention-3 does: the max is taken over the raw scores and scaled once, and
+  // x = y - m is one FFMA, fma(s, lambda_i log2(e), -m), instead of an FMUL forming y and an FADD.
+  // The max is the same number: rounding is monotonic, so fl(lambda max_j s_j) = max_j fl(lambda
+  // s_j) for lambda >= 0 (NaN and infinite scores go the same way: fmaxf drops a NaN product, and
+  // the row comes out NaN through e). A warp with a row of negative (or NaN) lambda, whose max is
+  // lambda times the smallest score, takes the predicated path in every block (its range check
+  // holds for every key of an interior block): such scales (a learned per-row scale tensor) are
+  // rare, and the branch stays warp-uniform for the quad shuffles.
   float alpha[kRows];
   const bool capped = kCausal && p.softcap.on();  // the same in every block of a call
   auto softmax = [&](const int n, auto& acc_s, auto predicated) {
     constexpr bool kPredicated = decltype(predicated)::value;
+    constexpr bool kFolded = !kPredicated && !kHasMask;  // the scale folded into the exponent
     const int j0 = n * kBlockN;
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     float m_use[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int row_in_tile = get<0>(cS_rc(r, 0));
-      const int i = m0 + row_in_tile;
-      const bool row_valid = i < q_len;
-      int lo = 0, hi = 0;
-      if constexpr (kPredicated && kCausal) {
-        lo = ss.row_lo[row_in_tile], hi = ss.row_hi[row_in_tile];
-      } else if constexpr (kPredicated) {
-        hi = row_valid ? kv_len : 0;  // row_keys<false>
-      }
-      // The byte selectors of the thread's first two columns serve all its columns
-      // (mask_words.cuh).
-      [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
-      if constexpr (kMask == MaskKind::kBool) {
-        CUTE_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          selector[c] = bool_mask_selector(mask, b, h, i, j0 + get<1>(cS_rc(r, c)));
-        }
-      }
       float mx = kNegInf;
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        const int col = get<1>(cS_rc(r, c));
-        const int j = j0 + col;
-        // Rows >= q_len have no mask entries: their (stale) words are never used.
-        bool allowed = (!kPredicated || (j >= lo && j < hi)) && (!kHasMask || row_valid);
-        [[maybe_unused]] const uint32_t word =
-            kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
+      if constexpr (kFolded) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) mx = fmaxf(mx, s_rc(r, c));
+        mx = quad_max(mx) * scale2[r];
+      } else {
+        const int row_in_tile = get<0>(cS_rc(r, 0));
+        const int i = m0 + row_in_tile;
+        const bool row_valid = i < q_len;
+        int lo = 0, hi = 0;
+        if constexpr (kPredicated && kCausal) {
+          lo = ss.row_lo[row_in_tile], hi = ss.row_hi[row_in_tile];
+        } else if constexpr (kPredicated) {
+          hi = row_valid ? kv_len : 0;  // row_keys<false>
+        }
+        // The byte selectors of the thread's first two columns serve all its columns
+        // (mask_words.cuh).
+        [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
         if constexpr (kMask == MaskKind::kBool) {
-          allowed = allowed && bool_mask_allows(word, selector[c % 2]);
+          CUTE_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            selector[c] = bool_mask_selector(mask, b, h, i, j0 + get<1>(cS_rc(r, c)));
+          }
         }
-        float y;
-        if constexpr (kMask == MaskKind::kAdditive) {
-          // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
-          allowed = allowed && __uint_as_float(word) != kNegInf;
-          y = fmaf(s_rc(r, c), scale2[r], __uint_as_float(word) * kLog2e);
-        } else {
-          y = s_rc(r, c) * scale2[r];
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int col = get<1>(cS_rc(r, c));
+          const int j = j0 + col;
+          // Rows >= q_len have no mask entries: their (stale) words are never used.
+          bool allowed = (!kPredicated || (j >= lo && j < hi)) && (!kHasMask || row_valid);
+          [[maybe_unused]] const uint32_t word =
+              kHasMask ? s_mask[row_in_tile * Kt::kMaskLd + col] : 0u;
+          if constexpr (kMask == MaskKind::kBool) {
+            allowed = allowed && bool_mask_allows(word, selector[c % 2]);
+          }
+          float y;
+          if constexpr (kMask == MaskKind::kAdditive) {
+            // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
+            allowed = allowed && __uint_as_float(word) != kNegInf;
+            y = fmaf(s_rc(r, c), scale2[r], __uint_as_float(word) * kLog2e);
+          } else {
+            y = s_rc(r, c) * scale2[r];
+          }
+          y = allowed ? y : kNegInf;
+          s_rc(r, c) = y;
+          // fmaxf drops NaN; a NaN logit still makes the row NaN through e = 2^NaN in l and P V.
+          mx = fmaxf(mx, y);
         }
-        y = allowed ? y : kNegInf;
-        s_rc(r, c) = y;
-        // fmaxf drops NaN; a NaN logit still makes the row NaN through e = 2^NaN in l and in P V.
-        mx = fmaxf(mx, y);
+        mx = quad_max(mx);
       }
-      const float m_new = fmaxf(st[r].m, quad_max(mx));
+      const float m_new = fmaxf(st[r].m, mx);
       // While the row has seen no allowed key (m = -inf) every weight is 0: exponentiate against 0
       // instead of forming -inf - (-inf).
       m_use[r] = m_new == kNegInf ? 0.f : m_new;
@@ -470,16 +501,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const float x = s_rc(r, c) - m_use[r];
+        const float x = kFolded ? fmaf(s_rc(r, c), scale2[r], -m_use[r]) : s_rc(r, c) - m_use[r];
         const float e = exp2_approx(x);
         s_rc(r, c) = e;
-        // A masked key has e = 0 and x = -inf: clamp x so that it adds 0, not 0 * -inf = NaN.
-        // Where no key is hidden (no predicate, no mask) x is finite for finite scores, and the
-        // guard below recomputes a row whose entropy a non-finite score made NaN: no clamp (one
-        // instruction of the three the statistics add per score). Not in the general (kCausal)
-        // kernels: without it their register allocation spills at D = 128.
-        const bool clamp = kPredicated || kHasMask || kCausal;
-        accumulate(st[r].l, st[r].t, st[r].u, clamp ? clamp_finite(x) : x, e);
+        // A hidden key has e = 0 and x = -inf: clamp x so that it adds 0, not 0 * -inf = NaN.
+        // Where no key is hidden (kFolded) x is finite for finite scores, and the guard below
+        // recomputes a row whose entropy a non-finite score made NaN: no clamp (one instruction
+        // of the three the statistics add per score).
+        accumulate(st[r].l, st[r].t, st[r].u, kFolded ? x : clamp_finite(x), e);
       }
     }
   };
@@ -496,7 +525,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   };
   auto softmax_of = [&](const int n, auto& acc_s) {
     if (capped) cap_scores(acc_s);
-    if (tb.predicated(n)) {
+    if (tb.predicated(n) || negative_scale) {
       softmax(n, acc_s, std::true_type{});
     } else {
       softmax(n, acc_s, std::false_type{});
@@ -512,7 +541,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                                       if (!kept) p_rc(r, c) = Element(0);
                                     });
   };
+  // O *= alpha, skipped (warp-uniformly) where no row of the warp has a new max (alpha = 1 in
+  // every lane: the product is O itself), as in the sm80 family: D / 2 FMUL per thread. (The P V
+  // that last read O has completed: O is in registers.)
   auto rescale_o = [&] {
+    if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -570,6 +603,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
+  __syncwarp();  // ss.row_n of the warp's rows, written by the lanes that hold them
   // The kept weights' dropout factor, applied to O here rather than to each weight.
   const float o_scale = kCausal && p.dropout.on() ? p.dropout.keep_scale : 1.f;
   CUTE_UNROLL
@@ -584,6 +618,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const float o_row_scale = res.inv_l * o_scale;
     const int i = get<0>(cO_rc(r, 0));  // in the tile
     if (m0 + i >= q_len) continue;
+    const int n_i = kBandedOrMasked ? ss.row_n[i] : kv_len;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
     nonfinite |= !is_finite(res.lse);
     // (Finite inputs give a finite entropy: see the unclamped accumulate above.)
@@ -592,7 +627,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // A row with keys to see whose every weight vanished: its finite mask values lie below
       // -FLT_MAX / log2(e) (finfo.min) and became -inf in log2 units. Such keys are not hidden
       // (docs/math.md section 8); the fallback's natural units keep them, so it recomputes.
-      nonfinite |= row.l == 0.f && n_row[r] > 0;
+      nonfinite |= row.l == 0.f && n_i > 0;
     }
     CUTE_UNROLL
     for (int d = 0; d < size<1>(o_rc); d += 2) {
@@ -606,7 +641,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int64_t row_idx = row0 + i;
       p.lse[row_idx] = res.lse;
       if constexpr (kStats) {
-        store_row_statistics(p, row_idx, res, n_row[r], kCausal && has_sink_entry(p.sinks, h));
+        store_row_statistics(p, row_idx, res, n_i, kCausal && has_sink_entry(p.sinks, h));
       }
     }
   }

@@ -14,10 +14,11 @@
 //   warpgroups 1 and 2, the consumers (240 registers): warpgroup w accumulates dK and dV of keys
 //     [64 w, 64 w + 64) of the block, and computes S and dP for keys [32 w, 32 w + 32) of each
 //     64-key half. Per query block:
+//       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
+//                                    memory by cp.async, waited for once S and dP of the first
+//                                    half are issued (their latency beside those products);
 //       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per half both issued, then
-//                                    waited in turn; each thread holds two query rows, so the five
-//                                    per-row values (lse, lambda, delta, the statistic gradients)
-//                                    are ten registers;
+//                                    waited in turn; each thread holds two query rows;
 //       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element;
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
 //       P, dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
@@ -60,6 +61,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -284,6 +286,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // The block's row statistics into shared memory (padding rows and absent gradients read as
     // 0), buffer t & 1: every consumer passed this barrier of t - 1 after its reads of t - 2. The
     // barrier also orders this block's stores of P and dS after every product of the last one.
+    // Copied by 4-byte cp.async (zero-filled where no value is read), waited for and published
+    // only once S and dP of the first half are in the tensor cores, which need none of it: the
+    // loads' latency (L2, once per query block) runs beside those products instead of before
+    // them, and no register holds the values in between.
     float(*srow)[kBlockM] = ss.rows[t & 1];
     for (int e = ctid; e < Kt::kRowStats * kBlockM; e += Kt::kConsumerThreads) {
       const int stat = e / kBlockM, r = e % kBlockM;
@@ -292,12 +298,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                          : stat == Kt::kStatDelta  ? p.delta
                          : stat == Kt::kStatGH     ? p.g_entropy
                                                    : p.g_sum_p2;
-      srow[stat][r] = i0 + r < q_len && src != nullptr ? src[row0 + r] : 0.f;
+      const bool read = i0 + r < q_len && src != nullptr;
+      // (p.lse, never null, stands in for the address of an entry not read.)
+      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(*(read ? src + row0 + r : p.lse), srow[stat][r],
+                                                   read);
     }
-    cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
+    cp_async_fence();
 
-    // The thread's two rows: lambda, lse log2(e), the keys [klo, khi) the row may see (none for a
-    // padding row).
+    // The thread's two rows: the keys [klo, khi) each may see (none for a padding row); lambda and
+    // lse log2(e) once the row statistics are staged (below).
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     auto othr = mma_sdp.get_thread_slice(otid);
@@ -310,10 +319,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     int klo[kRows], khi[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int q = get<0>(cS_rc(r, 0));
-      lam[r] = srow[Kt::kStatLambda][q];
-      bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
-      const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + q, q_len, kv_len);
+      const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + get<0>(cS_rc(r, 0)), q_len, kv_len);
       klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
     }
     // Dropout (kGrads): the decisions of each half's weights (the forward's), bit r * kCols + c;
@@ -349,6 +355,16 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, half), acc_s);
       wg_gemm_issue<true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, half),
                           acc_dp);
+      if (half == 0) {
+        cp_async_wait<0>();
+        cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int q = get<0>(cS_rc(r, 0));
+          lam[r] = srow[Kt::kStatLambda][q];
+          bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
+        }
+      }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
       if (kGrads && capped) {

@@ -1272,28 +1272,34 @@ def test_families_agree(
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pattern", ["full", "causal", "causal_bottom_right"])
 @pytest.mark.parametrize("family", ["fallback", *FAMILY_PARAMS])
 def test_signed_row_scales(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, D: int,
-                           causal: bool) -> None:
+                           pattern: str) -> None:
     """Per-row scales of either sign and zero (a learned scale tensor may hold them) give the float64
     reference's outputs and statistics in every family, with and without statistics. The sm90
-    softmax folds a non-negative lambda_i into the exponent where no key is hidden and sends a warp
-    holding a negative (or NaN) lambda through its general path instead: here warps of only
-    positive rows, a warp with one negative row among positive ones, a warp of zeros and a batch of
-    negative rows, over interior key blocks (Lk spans four blocks) and the edge ones."""
+    softmax folds a non-negative lambda_i into the exponent where no key is hidden (the row max
+    taken over the raw scores) and sends a warp holding a negative lambda through its general path
+    instead. Here warps of positive rows only, a warp of zeros (rows 144..159), a batch of negative
+    rows, and row 70 with lambda = -10 / sqrt(D) among positive rows: its logits span 65-90 log2
+    units in a key block, so a max taken as for a positive lambda (the smallest logit) would make
+    sum e^2, hence sum_p2, overflow. Lk = 512 (four whole key blocks) leaves no predicated block
+    in full attention; bottom-right causality gives rows 0..127 two unpredicated blocks."""
     torch.manual_seed(0)
-    B, H, Lq, Lk = 2, 2, 200, 450
+    B, H, Lq, Lk = 2, 2, 200, 512
     q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype)
     scale = (0.2 + 0.6 * torch.rand(B, H, Lq, dtype=F64)) / math.sqrt(D)
-    scale[0, :, 70] = -0.5 / math.sqrt(D)  # one row of the warp of rows 64..79
-    scale[0, :, 144:160] = 0.0  # a whole warp's rows
-    scale[1] = -scale[1]  # every row of batch 1
+    scale[0, :, 70] = -10.0 / math.sqrt(D)
+    scale[0, :, 144:160] = 0.0
+    scale[1] = -scale[1]
     scale = scale.float()
+    kw: Dict[str, Any] = dict(is_causal=pattern != "full")
+    if pattern == "causal_bottom_right":
+        kw["causal_alignment"] = "bottom_right"
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
-    _, _, ref = check_forward(q, k, v, None, scale, is_causal=causal, return_stats=True)
-    lean = OP(cuda(q), cuda(k), cuda(v), None, cuda(scale), is_causal=causal, return_stats=False)
+    _, _, ref = check_forward(q, k, v, None, scale, return_stats=True, **kw)
+    lean = OP(cuda(q), cuda(k), cuda(v), None, cuda(scale), return_stats=False, **kw)
     oat, ort = OUT_TOL[dtype]
     sat, srt = STAT_TOL[dtype]
     assert_close64(lean[0], ref.output, oat, ort, "output without statistics vs reference")

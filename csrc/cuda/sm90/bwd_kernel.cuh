@@ -82,8 +82,9 @@ using namespace cute;
 // Tile traits. 64 query rows by 128 keys (FlashAttention-3's backward tile at D = 128). Registers
 // per consumer thread: dK and dV D / 2 each (64 + 64 at D = 128), S and dP 32 each, G D / 4.
 // Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
-// one buffer each: the statistics barrier at the top of a query block comes after every product
-// of the one before), the row statistics (two buffers): 178 KB at D = 128, 114 KB at D = 64.
+// one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
+// after every product of the one before), the row statistics (two buffers: a block's copies
+// start before that barrier): 178 KB at D = 128, 114 KB at D = 64.
 template <typename T, int kHeadDim_>
 struct BwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;

@@ -426,7 +426,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // the row comes out NaN through e). A warp with a row of negative (or NaN) lambda, whose max is
   // lambda times the smallest score, takes the predicated path in every block (its range check
   // holds for every key of an interior block): such scales (a learned per-row scale tensor) are
-  // rare, and the branch stays warp-uniform for the quad shuffles.
+  // rare, and the branch stays warp-uniform for the quad shuffles. (A wrong max would cost no
+  // accuracy until 2^(y - m) overflows, but the statistic u = sum e^2 does that first, past 64
+  // log2 units, and the guard below does not watch it.) The masked kernels fold nothing.
   float alpha[kRows];
   const bool capped = kCausal && p.softcap.on();  // the same in every block of a call
   auto softmax = [&](const int n, auto& acc_s, auto predicated) {
@@ -493,7 +495,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       m_use[r] = m_new == kNegInf ? 0.f : m_new;
       // O's factor is the row's 2^(m_old - m_new) (0 while the row was empty), whatever this
       // thread's partial l; rescale() moves the thread's partial sums (and returns the same
-      // factor where its l is not 0).
+      // factor where its l is not 0). (So a warp with an empty row, padding rows of the last tile
+      // in a predicated block, never skips O's rescale: a select here to make that factor 1 costs
+      // the other warps more, 8-13 instructions per block.)
       alpha[r] = exp2_approx(st[r].m - m_use[r]);
       rescale<float, Log2>(st[r], m_new);
     }
@@ -525,7 +529,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   };
   auto softmax_of = [&](const int n, auto& acc_s) {
     if (capped) cap_scores(acc_s);
-    if (tb.predicated(n) || negative_scale) {
+    if (tb.predicated(n) || (!kHasMask && negative_scale)) {
       softmax(n, acc_s, std::true_type{});
     } else {
       softmax(n, acc_s, std::false_type{});

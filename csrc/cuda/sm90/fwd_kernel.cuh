@@ -350,7 +350,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   }
 
   // Whether the warp's softmax cannot fold the scale (see softmax below): the same in its lanes.
-  negative_scale = __any_sync(0xffffffffu, negative_scale);
+  // (The masked kernels fold nothing: no vote.)
+  negative_scale = !kHasMask && __any_sync(0xffffffffu, negative_scale);
 
   // The thread's partial state of its rows: m is the row's max (log2 units, the same in the row's
   // 4 lanes), l, t, u the sums over the thread's columns. With an attention sink every row starts
@@ -529,7 +530,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   };
   auto softmax_of = [&](const int n, auto& acc_s) {
     if (capped) cap_scores(acc_s);
-    if (tb.predicated(n) || (!kHasMask && negative_scale)) {
+    if (tb.predicated(n) || negative_scale) {
       softmax(n, acc_s, std::true_type{});
     } else {
       softmax(n, acc_s, std::false_type{});

@@ -36,7 +36,7 @@ AttentionResult varlen_attention(const at::Tensor& query, const at::Tensor& key,
                                   const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                   const OptTensor&, const OptTensor&, bool, std::optional<double>,
                                   c10::string_view, double, double, bool, bool, c10::IntArrayRef,
-                                  double, const OptTensor&, double, int64_t)>();
+                                  double, const OptTensor&, double, c10::SymInt)>();
   auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
       op.call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, std::nullopt, std::nullopt,
               is_causal, std::nullopt, c10::string_view(scale_mode.data(), scale_mode.size()), 1.0,

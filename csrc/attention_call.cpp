@@ -16,7 +16,7 @@ AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<dou
                                                double log_base, bool enable_gqa, bool return_stats,
                                                c10::IntArrayRef window_size,
                                                c10::string_view causal_alignment, double softcap,
-                                               double dropout_p, int64_t dropout_seed) {
+                                               double dropout_p, c10::SymInt dropout_seed) {
   AttentionOptions o;
   TORCH_CHECK_VALUE(window_size.size() == 2, "window_size must be (left, right), got ",
                     window_size);
@@ -32,7 +32,7 @@ AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<dou
   o.bottom_right = align == "bottom_right";
   o.softcap = softcap;
   o.dropout_p = dropout_p;
-  o.dropout_seed = dropout_seed;
+  o.dropout_seed = std::move(dropout_seed);
   o.causal = is_causal;
   o.scale_factor = scale_factor;
   o.scale_mode = parse_scale_mode(std::string_view(scale_mode.data(), scale_mode.size()));

@@ -45,7 +45,7 @@ struct CallPattern {
   }
   template <typename acc_t>
   Dropout<acc_t> dropout() const {
-    return Dropout<acc_t>::make(options.dropout_p, options.dropout_seed);
+    return Dropout<acc_t>::make(options.dropout_p, options.dropout_seed.expect_int());
   }
 };
 
@@ -145,11 +145,10 @@ AttentionBackwardOutputs attention_backward_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
-    bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment,
-    double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
-    int64_t dropout_seed, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    bool grad_mask) {
+    bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
+    const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+    const std::optional<at::Tensor>& seqused_k, bool grad_mask) {
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
@@ -167,18 +166,15 @@ AttentionBackwardOutputs attention_backward_kernel(
 // registered as m.impl("attention", &attention_kernel<impl>).
 template <AttentionOutputs (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const AttentionCall&)>
-AttentionOutputs attention_kernel(const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& value,
-                                  const std::optional<at::Tensor>& attn_mask,
-                                  const std::optional<at::Tensor>& scale, bool is_causal,
-                                  std::optional<double> scale_factor, c10::string_view scale_mode,
-                                  double temperature, double log_base, bool enable_gqa,
-                                  bool return_stats, c10::IntArrayRef window_size,
-                                  c10::string_view causal_alignment, double softcap,
-                                  const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  int64_t dropout_seed, const std::optional<at::Tensor>& cu_seq_q,
-                                  const std::optional<at::Tensor>& cu_seq_k,
-                                  const std::optional<at::Tensor>& seqused_k) {
+AttentionOutputs attention_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& scale,
+    bool is_causal, std::optional<double> scale_factor, c10::string_view scale_mode,
+    double temperature, double log_base, bool enable_gqa, bool return_stats,
+    c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
+    const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+    const std::optional<at::Tensor>& seqused_k) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);

@@ -2,6 +2,7 @@
 // it once (attention_call.h), and everything after that passes the struct.
 #pragma once
 
+#include <c10/core/SymInt.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
@@ -28,7 +29,8 @@ struct AttentionOptions {
   bool bottom_right = false;                    // causal_alignment == "bottom_right"
   double softcap = 0.0;                         // 0: no logit softcapping
   double dropout_p = 0.0;                       // probability of dropping a weight
-  int64_t dropout_seed = 0;                     // the Philox key of the dropout mask
+  c10::SymInt dropout_seed = 0;                 // the Philox key of the dropout mask (symbolic
+                                                // while torch.compile traces a seed it draws)
 
   // From the schema's arguments (raises ValueError for a bad scale_mode or causal_alignment).
   static AttentionOptions from_schema(bool is_causal, std::optional<double> scale_factor,
@@ -36,7 +38,7 @@ struct AttentionOptions {
                                       double log_base, bool enable_gqa, bool return_stats,
                                       c10::IntArrayRef window_size,
                                       c10::string_view causal_alignment, double softcap,
-                                      double dropout_p, int64_t dropout_seed);
+                                      double dropout_p, c10::SymInt dropout_seed);
   // The schema's names of scale_mode and causal_alignment.
   c10::string_view scale_mode_name() const;
   c10::string_view causal_alignment_name() const;

@@ -49,7 +49,7 @@ AttentionOptions saved_options(AutogradContext* ctx) {
   o.bottom_right = ctx->saved_data["bottom_right"].toBool();
   o.softcap = ctx->saved_data["softcap"].toDouble();
   o.dropout_p = ctx->saved_data["dropout_p"].toDouble();
-  o.dropout_seed = ctx->saved_data["dropout_seed"].toInt();
+  o.dropout_seed = ctx->saved_data["dropout_seed"].toSymInt();
   return o;
 }
 
@@ -162,7 +162,7 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                                     bool return_stats, c10::IntArrayRef window_size,
                                     c10::string_view causal_alignment, double softcap,
                                     const OptTensor& sinks, double dropout_p,
-                                    int64_t dropout_seed, const OptTensor& cu_seq_q,
+                                    c10::SymInt dropout_seed, const OptTensor& cu_seq_q,
                                     const OptTensor& cu_seq_k, const OptTensor& seqused_k) {
   if (seqused_k.has_value()) {
     // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that

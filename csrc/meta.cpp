@@ -33,7 +33,7 @@ AttentionBackwardOutputs attention_backward_meta(
     const at::Tensor& /*output*/, const at::Tensor& /*lse*/, const at::Tensor& /*entropy*/,
     const at::Tensor& /*sum_p2*/, const at::Tensor& row_scale, bool /*is_causal*/,
     c10::IntArrayRef /*window_size*/, c10::string_view /*causal_alignment*/, double /*softcap*/,
-    const std::optional<at::Tensor>& sinks, double /*dropout_p*/, int64_t /*dropout_seed*/,
+    const std::optional<at::Tensor>& sinks, double /*dropout_p*/, c10::SymInt /*dropout_seed*/,
     const std::optional<at::Tensor>& /*cu_seq_q*/, const std::optional<at::Tensor>& /*cu_seq_k*/,
     const std::optional<at::Tensor>& /*seqused_k*/, bool grad_mask) {
   const at::ScalarType acc = accumulate_type(query.scalar_type());

@@ -23,8 +23,8 @@ using AttentionBackwardOutputs =
 
 // The trailing options of `attention` and `attention_backward`: window_size, causal_alignment,
 // softcap, sinks, dropout_p, dropout_seed, cu_seq_q, cu_seq_k, seqused_k.
-#define EA_PATTERN_ARGS                                                                  \
-  c10::IntArrayRef, c10::string_view, double, const OptTensor&, double, int64_t, \
+#define EA_PATTERN_ARGS                                                              \
+  c10::IntArrayRef, c10::string_view, double, const OptTensor&, double, c10::SymInt, \
       const OptTensor&, const OptTensor&, const OptTensor&
 
 using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,

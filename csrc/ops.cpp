@@ -30,7 +30,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "str scale_mode=\"fixed\", float temperature=1.0, float log_base=512.0, "
       "bool enable_gqa=False, bool return_stats=True, int[2] window_size=[-1, -1], "
       "str causal_alignment=\"top_left\", float softcap=0.0, Tensor? sinks=None, "
-      "float dropout_p=0.0, int dropout_seed=0, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
+      "float dropout_p=0.0, SymInt dropout_seed=0, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
       "Tensor? seqused_k=None) -> (Tensor output, Tensor lse, "
       "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
       "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
@@ -45,7 +45,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, Tensor row_scale, "
       "bool is_causal, *, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
-      "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0, "
+      "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0, "
       "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None, "
       "bool grad_mask=False) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
       "Tensor grad_row_scale, Tensor grad_sinks, Tensor grad_attn_mask)");
@@ -62,7 +62,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "bool is_causal=False, float? scale_factor=None, str scale_mode=\"fixed\", "
       "float temperature=1.0, float log_base=512.0, bool enable_gqa=False, "
       "bool return_stats=True, int[2] window_size=[-1, -1], float softcap=0.0, "
-      "Tensor? sinks=None, float dropout_p=0.0, int dropout_seed=0) -> (Tensor output, "
+      "Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0) -> (Tensor output, "
       "Tensor lse, Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, "
       "Tensor row_scale, Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, "
       "Tensor effective_keys)");

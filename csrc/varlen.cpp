@@ -53,7 +53,7 @@ AttentionOutputs varlen_attention(const at::Tensor& query, const at::Tensor& key
                                   double temperature, double log_base, bool enable_gqa,
                                   bool return_stats, c10::IntArrayRef window_size, double softcap,
                                   const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  int64_t dropout_seed) {
+                                  c10::SymInt dropout_seed) {
   check_packed(query, "query", "(total_q, heads, head_dim)");
   check_packed(key, "key", "(total_k, kv_heads, head_dim)");
   check_packed(value, "value", "(total_k, kv_heads, v_head_dim)");

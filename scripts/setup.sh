@@ -103,8 +103,15 @@ stamp=$( { bash scripts/sources_hash.sh
            echo "cpu_only=${ENTROPY_ATTN_CPU_ONLY:-0} arch=${TORCH_CUDA_ARCH_LIST:-} nvcc=$(command -v nvcc || true)"
          } | sha256sum | cut -d' ' -f1)
 built=$(cat "$stamp_file" 2>/dev/null || true)
-if [[ -n $built && ${built%% *} == "$stamp" && ${built##* } -ge $werror ]] &&
-   "$PYTHON" -c "import torch_ext" 2>/dev/null; then
+# The installed package must be this tree's: an editable install made from another clone also
+# imports here (the current directory comes first on sys.path), so the check runs from /.
+installed_here() {
+  local tree=$PWD
+  (cd / && "$PYTHON" -c 'import os, sys, torch_ext
+sys.exit(os.path.dirname(os.path.realpath(torch_ext.__file__)) != os.path.realpath(sys.argv[1]))' \
+     "$tree/torch_ext") 2>/dev/null
+}
+if [[ -n $built && ${built%% *} == "$stamp" && ${built##* } -ge $werror ]] && installed_here; then
   echo "extension up to date (build/extension.stamp): not rebuilt"
 else
   build_start=$(date +%s)

@@ -124,7 +124,9 @@ def _pattern_args(
     With ``dropout_p > 0`` a fresh Philox seed is drawn from ``generator`` (on its device: a CUDA
     generator draws on its GPU; without one, from torch's default CPU generator), so that
     ``torch.manual_seed`` makes dropout reproducible and each call drops different weights; the
-    backward regenerates the same mask from the seed.
+    backward regenerates the same mask from the seed. Under ``torch.compile`` the draw is part of
+    the graph (the seed is an unbacked SymInt while traced; the schema takes a SymInt), so a
+    compiled step draws a fresh mask each call too.
     """
     try:
         left, right = window_size  # type: ignore[misc]

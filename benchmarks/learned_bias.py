@@ -2,7 +2,8 @@
 backward time against torch's attention, in one process.
 
 The op differentiates an additive mask that requires grad (docs/math.md section 3): its backward
-then writes the logits' gradient dS, (B, H, L, L), and sums it over the batch. Three timings per
+then adds the logits' gradient dS into the bias's own (1, H, L, L) entries, summing over the batch
+as it goes. Three timings per
 length, each a forward and a backward with upstream gradient on the output: ours with the bias
 requiring grad, ours with the same bias fixed (what asking for its gradient costs), and SDPA with
 the bias requiring grad (the backend torch picks for it). Every timed method's output and

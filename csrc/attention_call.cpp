@@ -9,6 +9,8 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <vector>
+
 namespace entropy_attn {
 
 AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<double> scale_factor,
@@ -178,8 +180,10 @@ AttentionBackwardCall prepare_attention_backward(
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
   if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
   if (grad_mask) {
-    const AttentionShape& s = c.shape;
-    c.grad_logits = at::zeros({s.batch, s.heads, s.q_len, s.kv_len}, query.options().dtype(c.acc));
+    // The mask's sizes, left-padded with ones to (B, H, Lq, Lk)'s rank.
+    std::vector<int64_t> sizes(4 - attn_mask->dim(), 1);
+    for (int64_t d : attn_mask->sizes()) sizes.push_back(d);
+    c.grad_logits = at::zeros(sizes, query.options().dtype(c.acc));
   }
   return c;
 }
@@ -187,9 +191,9 @@ AttentionBackwardCall prepare_attention_backward(
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& c,
                      const at::Tensor& query) {
   if (!c.grad_logits.defined()) return at::empty({0}, query.options().dtype(c.acc));
-  // The mask adds to the logits, s_ij = cap(lambda_i q_i . k_j) + m_ij: dm_ij = dS_ij, summed
-  // over the (batch, head, row, key) entries that share a mask entry.
-  return c.grad_logits.sum_to_size(attn_mask->sizes()).to(attn_mask->scalar_type());
+  // The mask adds to the logits, s_ij = cap(lambda_i q_i . k_j) + m_ij: dm_ij = dS_ij, summed by
+  // the kernels over the (batch, head, row, key) entries that share a mask entry.
+  return c.grad_logits.view(attn_mask->sizes()).to(attn_mask->scalar_type());
 }
 
 at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,

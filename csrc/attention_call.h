@@ -101,11 +101,23 @@ struct AttentionBackwardCall : CallPattern {
   at::ScalarType row_scale_dtype;  // of the row_scale argument, for its gradient
   std::optional<at::Tensor> mask;
   at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;
-  // With grad_mask: the gradient of every logit, dS_ij before the softcap (the additive mask's
-  // gradient before it is summed over the dims the mask broadcasts along), (B, H, Lq, Lk)
-  // contiguous in `acc`, zero-filled; the kernels write the entries of the keys each row sees.
-  // Undefined otherwise.
+  // With grad_mask: the additive mask's gradient, the sum of dS_ij before the softcap over the
+  // logits that share each mask entry, in `acc`, zero-filled, with the mask's sizes (left-padded to
+  // 4 dims), so that a mask broadcast along the batch or the heads needs no (B, H, Lq, Lk) buffer;
+  // the kernels add the entries of the keys each row sees, through logit_grad_arg(). Undefined
+  // otherwise.
   at::Tensor grad_logits;
+
+  // grad_logits seen as (B, H, Lq, Lk): stride 0 along the dims the mask broadcasts along.
+  template <typename acc_t>
+  LogitGradArg<acc_t> logit_grad_arg() const {
+    LogitGradArg<acc_t> g;
+    if (!grad_logits.defined()) return g;
+    const at::Tensor t = grad_logits.expand({shape.batch, shape.heads, shape.q_len, shape.kv_len});
+    g.data = grad_logits.data_ptr<acc_t>();
+    g.sb = t.stride(0), g.sh = t.stride(1), g.si = t.stride(2), g.sj = t.stride(3);
+    return g;
+  }
 };
 
 AttentionBackwardCall prepare_attention_backward(
@@ -117,8 +129,8 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
     const AttentionOptions& options, bool grad_mask);
 
-// The gradient of the additive mask `attn_mask` from the call's grad_logits: summed over the dims
-// it broadcasts along, in its dtype; empty without grad_mask.
+// The gradient of the additive mask `attn_mask` from the call's grad_logits, with its shape and
+// dtype; empty without grad_mask.
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& call,
                      const at::Tensor& query);
 

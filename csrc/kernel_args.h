@@ -53,6 +53,20 @@ struct MaskArg {
   }
 };
 
+// The gradient of the logits, dS_ij before the softcap, which is the additive mask's gradient: an
+// accumulator with the mask's own sizes, seen as (B, H, Lq, Lk) with stride 0 along the dims the
+// mask broadcasts along, so that the logits sharing a mask entry add into one element and no
+// (B, H, Lq, Lk) buffer is needed. Null when the call does not ask for it (grad_mask).
+template <typename acc_t>
+struct LogitGradArg {
+  acc_t* data = nullptr;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0;
+
+  EA_HOST_DEVICE acc_t* at(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return data + b * sb + h * sh + i * si + j * sj;
+  }
+};
+
 // The scale policy of a call: lambda_i = c_i * g(n_i) / temperature (scale_policy.h), with c a
 // strided (B, H, Lq) tensor or one constant.
 template <typename acc_t>

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.autograd import gradcheck
 
 import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
-from conftest import GRAD_TOL, rel_err
+from conftest import GRAD_TOL, rel_err, requires_cuda
 from reference import reference_attention_raw
 
 F64 = torch.float64
@@ -52,6 +52,11 @@ CASES: Dict[str, Tuple[Tuple[int, ...], int, int, int, int, Dict[str, Any]]] = {
     "bottom_right": ((LQ - 3, LK), H, H, LQ - 3, LK, dict(is_causal=True, causal_alignment="bottom_right")),
     "gqa_sinks": ((1, 4, LQ, LK), 4, 2, LQ, LK, dict(enable_gqa=True)),
     "dropout": ((B, H, LQ, LK), H, H, LQ, LK, dict(dropout_p=0.3, dropout_seed=11)),
+    # Broadcast along dims that separate the CPU backward's tasks (batch, key/value heads, keys):
+    # their entries are summed by one task (csrc/cpu/attention_bwd.cpp, TaskSplit).
+    "per_row": ((B, H, LQ, 1), H, H, LQ, LK, dict(is_causal=True)),
+    "shared_gqa": ((1, 1, LQ, LK), 4, 2, LQ, LK, dict(enable_gqa=True)),
+    "per_batch_gqa": ((B, 1, LQ, LK), 4, 2, LQ, LK, dict(enable_gqa=True, window_size=[3, 2])),
 }
 
 
@@ -97,6 +102,51 @@ def test_mask_grad_matches_reference(device: str, case: str, dtype: torch.dtype)
     assert expected.abs().max() > 1e-3, "the case must give the mask a gradient"
     assert rel_err(dmask.cpu(), expected) < GRAD_TOL[dtype], f"{rel_err(dmask.cpu(), expected):.3g}"
     assert (dmask.cpu()[torch.isneginf(mask64)] == 0).all(), "a hidden key's mask entry has no gradient"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 9, 1), (9, 1100), (1, 2, 1, 1100)], ids=["per_row", "shared", "per_key"])
+def test_mask_grad_with_key_chunks(shape: Tuple[int, ...]) -> None:
+    """With fewer (batch, key/value head) pairs than threads the CPU backward splits the keys into
+    chunks run by separate tasks (more than one block of 512 keys here): a mask broadcast along
+    the keys then has its entries summed by one task walking every chunk, the others by the task
+    of their chunk. Against the float64 reference, with MQA (two query heads on one key head)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        g = torch.Generator().manual_seed(9)
+        q = torch.randn(1, 2, 9, D, generator=g, dtype=F64)
+        k, v = (torch.randn(1, 1, 1100, D, generator=g, dtype=F64) for _ in range(2))
+        mask = (torch.randn(*shape, generator=g, dtype=F64) * 0.5).requires_grad_()
+        out = OP(q, k, v, mask, None, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+        w = torch.randn(out[0].shape, generator=g, dtype=F64)
+        ((out[0] * w).sum() + out[1].sum() + out[2].sum()).backward()  # lse: a per-row mask's gradient
+        ref_mask = mask.detach().clone().requires_grad_()
+        ref = reference_attention_raw(q, k, v, ref_mask, None, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+        ((ref.output * w).sum() + ref.lse.sum() + ref.entropy.sum()).backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert mask.grad.shape == mask.shape and ref_mask.grad.abs().max() > 1e-3
+    assert rel_err(mask.grad, ref_mask.grad) < 1e-10, f"{rel_err(mask.grad, ref_mask.grad):.3g}"
+
+
+@requires_cuda
+def test_shared_mask_grad_memory_cuda() -> None:
+    """A bias shared across the batch (T5's (1, H, L, L)) gets its gradient without a (B, H, L, L)
+    buffer: the backward's peak memory stays far below that buffer's 256 MiB here."""
+    B_, H_, L_, D_ = 16, 4, 1024, 64
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B_, H_, L_, D_, generator=g).cuda().requires_grad_() for _ in range(3))
+    bias = (torch.randn(1, H_, L_, L_, generator=g) * 0.5).cuda().requires_grad_()
+    out = OP(q, k, v, bias, None)[0]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.sum().backward()
+    torch.cuda.synchronize()
+    full_buffer = B_ * H_ * L_ * L_ * 4
+    grown = torch.cuda.max_memory_allocated() - before
+    assert grown < full_buffer / 4, f"the backward took {grown / 2**20:.0f} MiB"
+    assert bias.grad.shape == bias.shape and torch.isfinite(bias.grad).all()
 
 
 def test_mask_grad_alone_and_with_qkv(device: str) -> None:

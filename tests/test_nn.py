@@ -115,6 +115,25 @@ def test_per_head_weights_unbatched_and_causal(batch_first: bool) -> None:
     assert_close(o_none, r_out)
 
 
+def test_weights_agree_with_output_under_finfo_min_masks() -> None:
+    """A float mask filled with finfo.min (how many models pad) hides its keys in the output and
+    in the returned weights alike: a row hidden entirely has output 0 and weights 0 (torch: the
+    uniform mean of the values, and uniform weights), and every row's output is its weights times
+    the values."""
+    torch.manual_seed(0)
+    _, ours = pair(batch_first=True)
+    x = torch.randn(1, L, E, dtype=torch.float64)
+    am = torch.zeros(L, L, dtype=torch.float64)
+    am[1] = torch.finfo(torch.float64).min
+    am[3, :2] = torch.finfo(torch.float64).min
+    out, w = ours(x, x, x, attn_mask=am, average_attn_weights=False)
+    assert (w[0, :, 1] == 0).all()
+    assert (w[0, :, 3, :2] == 0).all() and torch.allclose(w[0, :, 3].sum(-1), torch.ones(H, dtype=torch.float64))
+    v = F.linear(x, ours.in_proj_weight[2 * E :], ours.in_proj_bias[2 * E :]).view(1, L, H, E // H).transpose(1, 2)
+    expected = ours.out_proj((w @ v).transpose(1, 2).flatten(2))
+    assert_close(out, expected)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_low_precision(dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)

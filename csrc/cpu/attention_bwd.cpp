@@ -4,7 +4,9 @@
 // buffer, so tasks never write the same memory; the partials are summed afterwards. Keys are split
 // into chunks only when there are fewer (batch, key/value head) pairs than threads (e.g. MQA with
 // one sequence), else each task takes all keys and there is nothing to sum. p is recomputed from
-// lse.
+// lse. The additive mask's gradient has the mask's sizes: along a dim the mask broadcasts over
+// (batch or key/value heads) one task walks every index, and keys are not chunked when it
+// broadcasts over them, so that each of its entries is summed by one task, in a fixed order.
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
 // and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
 #include <ATen/Dispatch.h>
@@ -40,7 +42,7 @@ struct BwdArgs {
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
   acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
-  acc_t* d_logits;  // (B, H, Lq, Lk) contiguous, dS before the cap (the mask's gradient), or null
+  LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
   int64_t chunk_keys;  // keys per chunk, a multiple of kKvBlock
 };
 
@@ -155,8 +157,9 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
         for (int64_t j = 0; j < n; ++j) dp[j] *= keep[j];
       }
       dlogits_row(dp, buf.s.data() + r * n, p, n, buf.delta[r], buf.grads[r]);
-      if (a.d_logits) {  // each (row, key) lies in one key chunk: written by one task
-        std::copy(dp, dp + n, a.d_logits + (row0 + r) * sh.kv_len + j0);
+      if (a.d_logits.data) {  // each of its entries belongs to one task (backward_kernel)
+        acc_t* dl = a.d_logits.at(b, h, i0 + r, j0);
+        for (int64_t j = 0; j < n; ++j) dl[j * a.d_logits.sj] += dp[j];
       }
       if (softcap) {  // through the cap, to the scaled score lambda q.k
         const acc_t* dc = buf.dcap.data() + r * n;
@@ -181,29 +184,53 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   }
 }
 
+// Which of a task's indices (batch, key/value head) it walks itself instead of owning one: those
+// along which the mask's gradient is shared (size 1), so that no two tasks add into the same
+// entry; and whether the keys may be split into chunks (not when that gradient is shared along
+// the keys). Without a mask gradient a task owns one of each.
+struct TaskSplit {
+  bool all_batches = false, all_kv_heads = false, whole_keys = false;
+
+  static TaskSplit of(const AttentionBackwardCall& call) {
+    const at::Tensor& g = call.grad_logits;  // (B or 1, H or 1, Lq or 1, Lk or 1)
+    const AttentionShape& sh = call.shape;
+    if (!g.defined()) return {};
+    return {g.size(0) == 1 && sh.batch > 1, g.size(1) == 1 && sh.kv_heads > 1, g.size(3) == 1};
+  }
+  int64_t batches(const AttentionShape& sh) const { return all_batches ? 1 : sh.batch; }
+  int64_t kv_heads(const AttentionShape& sh) const { return all_kv_heads ? 1 : sh.kv_heads; }
+};
+
 // Keys per task: all of them, unless there are fewer (batch, key/value head) pairs than threads;
 // then as many chunks of whole key blocks as it takes to give every thread a task.
-inline int64_t backward_chunk_keys(const AttentionShape& sh) {
-  const int64_t pairs = sh.batch * sh.kv_heads, threads = at::get_num_threads();
+inline int64_t backward_chunk_keys(const AttentionShape& sh, const TaskSplit& split) {
+  const int64_t pairs = split.batches(sh) * split.kv_heads(sh), threads = at::get_num_threads();
   const int64_t kv_blocks = std::max<int64_t>(1, (sh.kv_len + kKvBlock - 1) / kKvBlock);
-  if (pairs == 0 || pairs >= threads || kv_blocks == 1) return kv_blocks * kKvBlock;
+  if (pairs == 0 || pairs >= threads || kv_blocks == 1 || split.whole_keys) {
+    return kv_blocks * kKvBlock;
+  }
   const int64_t chunks = std::min(kv_blocks, (threads + pairs - 1) / pairs);
   return (kv_blocks + chunks - 1) / chunks * kKvBlock;
 }
 
 template <typename acc_t>
-void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks) {
+void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& split) {
   const AttentionShape& sh = a.shape;
   const int64_t qb = q_block_size(sh.q_len, a.pattern.banded());
-  at::parallel_for(0, sh.batch * sh.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t nb = split.batches(sh), nkv = split.kv_heads(sh);
+  at::parallel_for(0, nb * nkv * chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(qb, sh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task % chunks, pair = task / chunks;
-      const int64_t b = pair / sh.kv_heads, kvh = pair % sh.kv_heads;
-      for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
-        for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
-          backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
+      const int64_t chunk = task % chunks, tkv = task / chunks % nkv, tb = task / chunks / nkv;
+      // The task's batch and key/value head, or every one where it walks them.
+      for (int64_t b = tb; b < (split.all_batches ? sh.batch : tb + 1); ++b) {
+        for (int64_t kvh = tkv; kvh < (split.all_kv_heads ? sh.kv_heads : tkv + 1); ++kvh) {
+          for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
+            for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
+              backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
+            }
+          }
         }
       }
     }
@@ -221,7 +248,8 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
   const at::Tensor dout = gemm_operand(grad_output, acc);
 
   const auto opts = query.options().dtype(acc);
-  const int64_t chunk_keys = backward_chunk_keys(sh);
+  const TaskSplit split = TaskSplit::of(call);
+  const int64_t chunk_keys = backward_chunk_keys(sh, split);
   const int64_t chunks = std::max<int64_t>(1, (sh.kv_len + chunk_keys - 1) / chunk_keys);
   at::Tensor dq = at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
   at::Tensor dkt = at::zeros({sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
@@ -251,9 +279,9 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.g_lse = opt_ptr(call.g_lse), a.g_entropy = opt_ptr(call.g_entropy);
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
-    a.d_logits = call.grad_logits.defined() ? call.grad_logits.data_ptr<scalar_t>() : nullptr;
+    a.d_logits = call.logit_grad_arg<scalar_t>();
     a.chunk_keys = chunk_keys;
-    backward_kernel(a, chunks);
+    backward_kernel(a, chunks, split);
   });
   if (chunks > 1) {  // the key chunks' partial dQ and dlambda
     dq = dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0);

@@ -142,7 +142,7 @@ BwdParams<acc_t> BackwardCall::params() const {
   p.g_sum_p2 = ptr_or_null<acc_t>(call.g_sum_p2);
   p.delta = delta.data_ptr<acc_t>();
   p.dq_accum = g.data_ptr<acc_t>();
-  if (call.grad_logits.defined()) p.d_logits = call.grad_logits.data_ptr<acc_t>();
+  p.d_logits = call.logit_grad_arg<acc_t>();
   if (family == Family::kFallback) {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   } else {

@@ -84,9 +84,9 @@ struct BwdParams : AttentionArgs<acc_t> {
   void *dq_out = nullptr, *dk_out = nullptr, *dv_out = nullptr;
   acc_t* d_row_scale = nullptr;
   bool deterministic = false;
-  // The gradient of every logit, dS before the softcap (the additive mask's gradient), (B, H, Lq,
-  // Lk) contiguous and zero-filled, when the call asks for it (the fallback writes it); else null.
-  acc_t* d_logits = nullptr;
+  // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the
+  // fallback adds into it); else null.
+  LogitGradArg<acc_t> d_logits;
 };
 
 // attention_sparsity: the forward's inputs (v unused) and one output per row, (B, H, Lq) contiguous.

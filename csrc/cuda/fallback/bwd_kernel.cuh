@@ -310,7 +310,9 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
           if (pw != Acc(0)) {
             const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, bh, i0 + r, j);
             ds = logit_grad(pw, dp, s, sDelta[r], g);
-            if (p.d_logits) p.d_logits[(row0 + i0 + r) * p.kv_len + j] = ds;
+            // Logits that share a mask entry (a mask broadcast along the batch, the heads, the
+            // rows or the keys) add into one element, from any block.
+            if (p.d_logits.data) atomicAdd(p.d_logits.at(b, h, i0 + r, j), ds);
             ds *= p.softcap.derivative(y);
           }
         }

@@ -58,9 +58,8 @@ c10::string_view AttentionOptions::causal_alignment_name() const {
   return bottom_right ? "bottom_right" : "top_left";
 }
 
-void CallPattern::set_documents(const DocumentArgs& docs, const AttentionShape& shape,
-                                const at::Tensor& query) {
-  if (!check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, shape, query)) return;
+void CallPattern::set_documents(const DocumentArgs& docs) {
+  if (!docs.cu_seq_q.has_value()) return;
   cu_q = docs.cu_seq_q->contiguous(), cu_k = docs.cu_seq_k->contiguous();
   if (docs.seqused_k.has_value()) seqused_k = docs.seqused_k->contiguous();
 }
@@ -75,16 +74,28 @@ KeyPattern CallPattern::key_pattern() const {
   return p;
 }
 
+SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor& key,
+                                       const at::Tensor& value,
+                                       const std::optional<at::Tensor>& attn_mask,
+                                       const std::optional<at::Tensor>& scale,
+                                       const std::optional<at::Tensor>& sinks,
+                                       const DocumentArgs& docs, const AttentionOptions& options) {
+  const SymAttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, options);
+  check_sinks(sinks, s, query);
+  check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, s, query);
+  return s;
+}
+
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
                                 const std::optional<at::Tensor>& sinks,
                                 const DocumentArgs& docs, const AttentionOptions& options) {
   AttentionCall c;
-  c.shape = check_attention_inputs(query, key, value, attn_mask, scale, options);
-  check_sinks(sinks, c.shape, query);
+  c.shape =
+      concrete(check_attention_call(query, key, value, attn_mask, scale, sinks, docs, options));
   c.options = options;
-  c.set_documents(docs, c.shape, query);
+  c.set_documents(docs);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
@@ -124,23 +135,26 @@ AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionSha
   return outputs;
 }
 
-AttentionOutputs AttentionCall::allocate_outputs(const at::Tensor& query) const {
-  const AttentionShape& s = shape;
+AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
+                                            at::ScalarType acc, bool return_stats) {
   const auto stat = query.options().dtype(acc);
-  auto row = [&] { return at::empty({s.batch, s.heads, s.q_len}, stat); };
-  // A statistic the call did not ask for: empty, and never written.
-  auto stat_row = [&] { return options.return_stats ? row() : at::empty({0}, stat); };
-  return {at::empty({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
+  auto row = [&] { return at::empty_symint({s.batch, s.heads, s.q_len}, stat); };
+  auto stat_row = [&] { return return_stats ? row() : at::empty({0}, stat); };
+  return {at::empty_symint({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
           row(),
           stat_row(),
           stat_row(),
           stat_row(),
-          at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(at::kLong)),
+          at::empty_symint({s.batch, s.heads, s.q_len}, query.options().dtype(at::kLong)),
           row(),
           row(),
           stat_row(),
           stat_row(),
           stat_row()};
+}
+
+AttentionOutputs AttentionCall::allocate_outputs(const at::Tensor& query) const {
+  return allocate_attention_outputs(symbolic(shape), query, acc, options.return_stats);
 }
 
 AttentionBackwardCall prepare_attention_backward(
@@ -152,13 +166,15 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
     const AttentionOptions& options, bool grad_mask) {
   AttentionBackwardCall c;
-  c.shape = check_attention_backward_inputs(grad_output, grad_lse, grad_entropy, grad_sum_p2, query,
-                                            key, value, attn_mask, output, lse, entropy, sum_p2,
-                                            row_scale, options);
-  check_sinks(sinks, c.shape, query);
+  const SymAttentionShape s = check_attention_backward_inputs(
+      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
+      entropy, sum_p2, row_scale, options);
+  check_sinks(sinks, s, query);
+  check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, s, query);
   check_grad_mask(attn_mask, grad_mask);
+  c.shape = concrete(s);
   c.options = options;
-  c.set_documents(docs, c.shape, query);
+  c.set_documents(docs);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.row_scale_dtype = row_scale.scalar_type();

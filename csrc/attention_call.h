@@ -36,9 +36,8 @@ struct CallPattern {
   at::Tensor sinks;  // (H,) in the accumulate type, contiguous, or undefined
 
   KeyPattern key_pattern() const;
-  // Checks the documents against the call's shape (attention_inputs.h) and keeps them.
-  void set_documents(const DocumentArgs& docs, const AttentionShape& shape,
-                     const at::Tensor& query);
+  // Keeps the documents (checked: attention_inputs.h, check_documents), contiguous.
+  void set_documents(const DocumentArgs& docs);
   template <typename acc_t>
   const acc_t* sink_data() const {
     return sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr;
@@ -67,10 +66,24 @@ struct AttentionCall : CallPattern {
     return make_scale_policy<acc_t>(scale, options.scale_factor, shape.head_dim, options.scale_mode,
                                     options.log_base, options.temperature);
   }
-  // The op's outputs, allocated (uninitialized) on `query`'s device: output (B, H, Lq, Dv) in the
-  // input dtype, the row statistics (B, H, Lq) in `acc`, n_keys in int64.
+  // The op's outputs for this call (allocate_attention_outputs).
   AttentionOutputs allocate_outputs(const at::Tensor& query) const;
 };
+
+// Every check of a call of `attention` (attention_inputs.h: inputs, sinks, documents), on the
+// symbolic sizes the Meta kernel sees under torch.compile; prepare_attention starts with it.
+SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor& key,
+                                       const at::Tensor& value,
+                                       const std::optional<at::Tensor>& attn_mask,
+                                       const std::optional<at::Tensor>& scale,
+                                       const std::optional<at::Tensor>& sinks,
+                                       const DocumentArgs& docs, const AttentionOptions& options);
+
+// The outputs of `attention` for sizes `s`, allocated (uninitialized) on `query`'s device: output
+// (B, H, Lq, Dv) in the input dtype, the row statistics (B, H, Lq) in `acc` (the statistics empty
+// without return_stats: never written), n_keys in int64.
+AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
+                                            at::ScalarType acc, bool return_stats);
 
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,

@@ -23,7 +23,7 @@ void check_qkv_tensor(const at::Tensor& x, const char* name, const char* layout)
 }
 
 // True when `sizes` broadcasts to `target` (numpy rules, sizes right-aligned).
-bool broadcasts_to(at::IntArrayRef sizes, at::IntArrayRef target) {
+bool broadcasts_to(c10::SymIntArrayRef sizes, c10::SymIntArrayRef target) {
   if (sizes.size() > target.size()) return false;
   const size_t off = target.size() - sizes.size();
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -33,6 +33,16 @@ bool broadcasts_to(at::IntArrayRef sizes, at::IntArrayRef target) {
 }
 
 }  // namespace
+
+AttentionShape concrete(const SymAttentionShape& s) {
+  return {s.batch.expect_int(),     s.heads.expect_int(),  s.kv_heads.expect_int(),
+          s.q_len.expect_int(),     s.kv_len.expect_int(), s.head_dim.expect_int(),
+          s.v_head_dim.expect_int()};
+}
+
+SymAttentionShape symbolic(const AttentionShape& s) {
+  return {s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.v_head_dim};
+}
 
 ScaleMode parse_scale_mode(std::string_view scale_mode) {
   if (scale_mode == "fixed") return ScaleMode::kFixed;
@@ -54,11 +64,11 @@ at::ScalarType accumulate_type(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
-                                      const at::Tensor& value,
-                                      const std::optional<at::Tensor>& attn_mask,
-                                      const std::optional<at::Tensor>& scale,
-                                      const AttentionOptions& options) {
+SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
+                                         const at::Tensor& value,
+                                         const std::optional<at::Tensor>& attn_mask,
+                                         const std::optional<at::Tensor>& scale,
+                                         const AttentionOptions& options) {
   check_qkv_tensor(query, "query", "(batch, heads, q_len, head_dim)");
   check_qkv_tensor(key, "key", "(batch, kv_heads, kv_len, head_dim)");
   check_qkv_tensor(value, "value", "(batch, kv_heads, kv_len, v_head_dim)");
@@ -70,19 +80,22 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                     "query, key and value must be on the same device, got ", query.device(), ", ",
                     key.device(), " and ", value.device());
 
-  const AttentionShape s{query.size(0), query.size(1), key.size(1),  query.size(2),
-                         key.size(2),   query.size(3), value.size(3)};
-  TORCH_CHECK_VALUE(key.size(0) == s.batch && value.size(0) == s.batch,
+  // (Comparisons of SymInts guard on the symbols: they hold for every size the graph serves.)
+  const SymAttentionShape s{query.sym_size(0), query.sym_size(1), key.sym_size(1),
+                            query.sym_size(2), key.sym_size(2),   query.sym_size(3),
+                            value.sym_size(3)};
+  TORCH_CHECK_VALUE(key.sym_size(0) == s.batch && value.sym_size(0) == s.batch,
                     "query, key and value must have the same batch size, got ", s.batch, ", ",
-                    key.size(0), " and ", value.size(0));
-  TORCH_CHECK_VALUE(value.size(1) == s.kv_heads,
+                    key.sym_size(0), " and ", value.sym_size(0));
+  TORCH_CHECK_VALUE(value.sym_size(1) == s.kv_heads,
                     "key and value must have the same number of heads, got ", s.kv_heads, " and ",
-                    value.size(1));
-  TORCH_CHECK_VALUE(value.size(2) == s.kv_len,
+                    value.sym_size(1));
+  TORCH_CHECK_VALUE(value.sym_size(2) == s.kv_len,
                     "key and value must have the same sequence length, got ", s.kv_len, " and ",
-                    value.size(2));
-  TORCH_CHECK_VALUE(key.size(3) == s.head_dim, "query and key must have the same head_dim, got ",
-                    s.head_dim, " and ", key.size(3));
+                    value.sym_size(2));
+  TORCH_CHECK_VALUE(key.sym_size(3) == s.head_dim,
+                    "query and key must have the same head_dim, got ", s.head_dim, " and ",
+                    key.sym_size(3));
   TORCH_CHECK_VALUE(s.head_dim > 0, "query's head_dim must be positive, got 0");
   if (s.heads != s.kv_heads) {
     TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "the number of query heads (",
@@ -99,10 +112,10 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                      m.scalar_type());
     TORCH_CHECK_VALUE(m.device() == query.device(), "attn_mask must be on query's device (",
                       query.device(), "), got ", m.device());
-    TORCH_CHECK_VALUE(broadcasts_to(m.sizes(), {s.batch, s.heads, s.q_len, s.kv_len}),
-                      "attn_mask of shape ", m.sizes(), " does not broadcast to (batch, heads, ",
-                      "q_len, kv_len) = (", s.batch, ", ", s.heads, ", ", s.q_len, ", ", s.kv_len,
-                      ")");
+    TORCH_CHECK_VALUE(broadcasts_to(m.sym_sizes(), {s.batch, s.heads, s.q_len, s.kv_len}),
+                      "attn_mask of shape ", m.sym_sizes(),
+                      " does not broadcast to (batch, heads, ", "q_len, kv_len) = (", s.batch, ", ",
+                      s.heads, ", ", s.q_len, ", ", s.kv_len, ")");
   }
   if (scale.has_value()) {
     const at::Tensor& c = *scale;
@@ -111,8 +124,8 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                      c.scalar_type());
     TORCH_CHECK_VALUE(c.device() == query.device(), "scale tensor must be on query's device (",
                       query.device(), "), got ", c.device());
-    TORCH_CHECK_VALUE(broadcasts_to(c.sizes(), {s.batch, s.heads, s.q_len}),
-                      "scale tensor of shape ", c.sizes(),
+    TORCH_CHECK_VALUE(broadcasts_to(c.sym_sizes(), {s.batch, s.heads, s.q_len}),
+                      "scale tensor of shape ", c.sym_sizes(),
                       " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ", s.heads,
                       ", ", s.q_len, ")");
     TORCH_CHECK_VALUE(!options.scale_factor.has_value(),
@@ -131,7 +144,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
     // The kernels of float32 and 16-bit inputs form lambda_i = c g(n_i) / tau in float32 from c
     // and 1 / tau: a finite double there may overflow it (every logit infinite, the output NaN).
     constexpr double kMax = std::numeric_limits<float>::max();
-    const double c = base_scale(options.scale_factor, s.head_dim);
+    const double c = base_scale(options.scale_factor, s.head_dim.guard_int(__FILE__, __LINE__));
     TORCH_CHECK_VALUE(1 / options.temperature <= kMax,
                       "temperature must be at least 1 / FLT_MAX for ", query.scalar_type(),
                       " inputs (their kernels compute in float32), got ", options.temperature);
@@ -139,6 +152,13 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                       "scale / temperature = ", c, " / ", options.temperature,
                       " overflows float32, in which the kernels of ", query.scalar_type(),
                       " inputs compute lambda_i");
+    // They also form 1 / softcap there: above 2^126 it is subnormal (0 where the GPU flushes
+    // subnormals), and above FLT_MAX the cap itself overflows (NaN or 0 logits).
+    constexpr double kMaxSoftcap = 1 / static_cast<double>(std::numeric_limits<float>::min());
+    TORCH_CHECK_VALUE(options.softcap <= kMaxSoftcap, "softcap must be at most 2^126 (1 / the ",
+                      "smallest normal float32) for ", query.scalar_type(),
+                      " inputs (their kernels compute in float32), got ", options.softcap,
+                      "; pass softcap=None for no cap");
   }
   if (options.scale_mode != ScaleMode::kFixed) {
     TORCH_CHECK_VALUE(std::isfinite(options.log_base) && options.log_base > 1,
@@ -167,7 +187,7 @@ void check_pattern_options(const AttentionOptions& o) {
 
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
-                     const std::optional<at::Tensor>& seqused_k, const AttentionShape& s,
+                     const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
                      const at::Tensor& query) {
   if (!cu_seq_q.has_value() && !cu_seq_k.has_value()) {
     TORCH_CHECK_VALUE(!seqused_k.has_value(), "seqused_k needs cu_seq_q and cu_seq_k");
@@ -232,19 +252,19 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   return true;
 }
 
-void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
+void check_sinks(const std::optional<at::Tensor>& sinks, const SymAttentionShape& s,
                  const at::Tensor& query) {
   if (!sinks.has_value()) return;
   const at::Tensor& t = *sinks;
   TORCH_CHECK_TYPE(is_supported_dtype(t.scalar_type()),
                    "sinks must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == s.heads, "sinks must have shape (heads,) = (",
-                    s.heads, ",), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == s.heads, "sinks must have shape (heads,) = (",
+                    s.heads, ",), got ", t.sym_sizes());
   TORCH_CHECK_VALUE(t.device() == query.device(), "sinks must be on query's device (",
                     query.device(), "), got ", t.device());
 }
 
-AttentionShape check_attention_backward_inputs(
+SymAttentionShape check_attention_backward_inputs(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -253,18 +273,19 @@ AttentionShape check_attention_backward_inputs(
     const AttentionOptions& options) {
   AttentionOptions gqa = options;  // the backward accepts any group
   gqa.enable_gqa = true;
-  const AttentionShape sh = check_attention_inputs(query, key, value, attn_mask, std::nullopt, gqa);
-  const std::vector<int64_t> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
-  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(out_sizes) &&
-                        output.sizes() == at::IntArrayRef(out_sizes),
-                    "grad_output and output must have shape ", out_sizes, ", got ",
-                    grad_output.sizes(), " and ", output.sizes());
+  const SymAttentionShape sh =
+      check_attention_inputs(query, key, value, attn_mask, std::nullopt, gqa);
+  const std::vector<c10::SymInt> out_sizes{sh.batch, sh.heads, sh.q_len, sh.v_head_dim};
+  TORCH_CHECK_VALUE(grad_output.sym_sizes() == c10::SymIntArrayRef(out_sizes) &&
+                        output.sym_sizes() == c10::SymIntArrayRef(out_sizes),
+                    "grad_output and output must have shape ", c10::SymIntArrayRef(out_sizes),
+                    ", got ", grad_output.sym_sizes(), " and ", output.sym_sizes());
   TORCH_CHECK_VALUE(grad_output.device() == query.device() && output.device() == query.device(),
                     "grad_output and output must be on query's device (", query.device(), ")");
-  const std::vector<int64_t> row_sizes{sh.batch, sh.heads, sh.q_len};
+  const std::vector<c10::SymInt> row_sizes{sh.batch, sh.heads, sh.q_len};
   auto check_row_stat = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(row_sizes), name, " must have shape ", row_sizes,
-                      ", got ", t.sizes());
+    TORCH_CHECK_VALUE(t.sym_sizes() == c10::SymIntArrayRef(row_sizes), name, " must have shape ",
+                      c10::SymIntArrayRef(row_sizes), ", got ", t.sym_sizes());
     TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
                       query.device(), "), got ", t.device());
   };

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 
 #include <cmath>
 #include <optional>
@@ -13,22 +14,32 @@
 
 namespace entropy_attn {
 
-// Sizes of one call: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv).
-struct AttentionShape {
-  int64_t batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim;
-  int64_t group() const { return heads / kv_heads; }  // query heads per key/value head
+// Sizes of one call: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv). The checks
+// and the Meta kernels take them symbolic (SymInt), as torch.compile traces with dynamic shapes:
+// a check then becomes a guard on the symbols instead of fixing each size to a constant, and one
+// graph serves every length. The device kernels take the concrete sizes.
+template <typename Size>
+struct BasicAttentionShape {
+  Size batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim;
+  Size group() const { return heads / kv_heads; }  // query heads per key/value head
 };
+using AttentionShape = BasicAttentionShape<int64_t>;
+using SymAttentionShape = BasicAttentionShape<c10::SymInt>;
+
+// The sizes of a call on real tensors (whose sizes are concrete), and back.
+AttentionShape concrete(const SymAttentionShape& s);
+SymAttentionShape symbolic(const AttentionShape& s);
 
 // Raises ValueError/TypeError naming the argument for anything the op does not accept.
-AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
-                                      const at::Tensor& value,
-                                      const std::optional<at::Tensor>& attn_mask,
-                                      const std::optional<at::Tensor>& scale,
-                                      const AttentionOptions& options);
+SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
+                                         const at::Tensor& value,
+                                         const std::optional<at::Tensor>& attn_mask,
+                                         const std::optional<at::Tensor>& scale,
+                                         const AttentionOptions& options);
 
 // The checks of attention_backward beyond those of the forward: the shapes of output, grad_output,
 // the saved row statistics and the optional upstream statistic gradients (undefined = absent).
-AttentionShape check_attention_backward_inputs(
+SymAttentionShape check_attention_backward_inputs(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -41,7 +52,7 @@ AttentionShape check_attention_backward_inputs(
 void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask);
 
 // sinks: (H,) float on query's device, or absent.
-void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s,
+void check_sinks(const std::optional<at::Tensor>& sinks, const SymAttentionShape& s,
                  const at::Tensor& query);
 
 // The packed documents of a call (attention_call.h: DocumentArgs): false when absent (a dense
@@ -50,7 +61,7 @@ void check_sinks(const std::optional<at::Tensor>& sinks, const AttentionShape& s
 // equal to the query / key tokens, 0 <= seqused_k <= each sequence's keys) and returns true.
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
-                     const std::optional<at::Tensor>& seqused_k, const AttentionShape& s,
+                     const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
                      const at::Tensor& query);
 
 // The window, softcap and dropout options (ValueError naming the argument).

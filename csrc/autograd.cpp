@@ -143,7 +143,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     if (scale.defined() && ctx->needs_input_grad(scale_input)) {
       // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
       // over the dims along which c was broadcast.
-      dscale = (dlam * length_factor).sum_to_size(scale.sizes()).to(scale.scalar_type());
+      dscale = (dlam * length_factor).sum_to_size_symint(scale.sym_sizes()).to(scale.scalar_type());
     }
     at::Tensor dsink;
     if (sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))) {

@@ -11,15 +11,41 @@
 namespace entropy_attn {
 namespace {
 
-AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& /*key*/,
-                                const at::Tensor& /*value*/, const AttentionCall& call) {
-  return call.allocate_outputs(query);
+// The forward's checks (check_attention_call) and outputs on symbolic sizes, so that
+// torch.compile traces one graph for every length instead of fixing each size to a constant.
+AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const OptTensor& attn_mask,
+                                const OptTensor& scale, bool is_causal,
+                                std::optional<double> scale_factor, c10::string_view scale_mode,
+                                double temperature, double log_base, bool enable_gqa,
+                                bool return_stats, c10::IntArrayRef window_size,
+                                c10::string_view causal_alignment, double softcap,
+                                const OptTensor& sinks, double dropout_p, c10::SymInt dropout_seed,
+                                const OptTensor& cu_seq_q, const OptTensor& cu_seq_k,
+                                const OptTensor& seqused_k) {
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
+      window_size, causal_alignment, softcap, dropout_p, std::move(dropout_seed));
+  const SymAttentionShape s = check_attention_call(query, key, value, attn_mask, scale, sinks,
+                                                   {cu_seq_q, cu_seq_k, seqused_k}, options);
+  return allocate_attention_outputs(s, query, accumulate_type(query.scalar_type()), return_stats);
 }
 
-at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& /*key*/,
-                                   SparsityKind /*kind*/, const AttentionCall& call) {
-  const AttentionShape& s = call.shape;
-  return at::empty({s.batch, s.heads, s.q_len}, query.options().dtype(call.acc));
+at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& key,
+                                   const OptTensor& attn_mask, const OptTensor& scale,
+                                   c10::string_view kind, bool is_causal,
+                                   std::optional<double> scale_factor, c10::string_view scale_mode,
+                                   double temperature, double log_base, bool enable_gqa,
+                                   c10::IntArrayRef window_size, c10::string_view causal_alignment,
+                                   double softcap) {
+  const AttentionOptions options = AttentionOptions::from_schema(
+      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa,
+      /*return_stats=*/true, window_size, causal_alignment, softcap, 0.0, 0);
+  const SymAttentionShape s =
+      check_attention_call(query, key, key, attn_mask, scale, std::nullopt, {}, options);
+  parse_sparsity_kind(std::string_view(kind.data(), kind.size()));  // (its ValueError)
+  return at::empty_symint({s.batch, s.heads, s.q_len},
+                          query.options().dtype(accumulate_type(query.scalar_type())));
 }
 
 // The gradients have the shapes of the inputs they belong to. No shape checks here, unlike the
@@ -42,7 +68,7 @@ AttentionBackwardOutputs attention_backward_meta(
           at::empty_like(key, at::MemoryFormat::Contiguous),
           at::empty_like(value, at::MemoryFormat::Contiguous),
           at::empty_like(row_scale, at::MemoryFormat::Contiguous),
-          sinks.has_value() ? at::empty(sinks->sizes(), sinks->options().dtype(acc))
+          sinks.has_value() ? at::empty_symint(sinks->sym_sizes(), sinks->options().dtype(acc))
                             : at::empty({0}, query.options().dtype(acc)),
           grad_mask ? at::empty_like(*attn_mask, at::MemoryFormat::Contiguous)
                     : at::empty({0}, query.options().dtype(acc))};
@@ -65,9 +91,9 @@ at::Tensor sparsity_meta(const at::Tensor& a, int64_t dim) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(entropy_attn, Meta, m) {
-  m.impl("attention", &attention_kernel<attention_meta>);
+  m.impl("attention", &attention_meta);
   m.impl("attention_backward", &attention_backward_meta);
-  m.impl("attention_sparsity", &attention_sparsity_kernel<attention_sparsity_meta>);
+  m.impl("attention_sparsity", &attention_sparsity_meta);
   m.impl("entropy", &entropy_meta);
   m.impl("sparsity", &sparsity_meta);
 }

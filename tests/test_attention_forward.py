@@ -679,6 +679,64 @@ def test_uniform_rows_statistics(device: str) -> None:
     assert (ne[..., 0] == 0).all()  # n = 1 -> 0 by convention
 
 
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+@pytest.mark.parametrize("return_stats", [False, True])
+def test_compile_one_graph_for_every_length(return_stats: bool, dynamic: Optional[bool]) -> None:
+    """Under torch.compile the op's checks and output shapes are symbolic (the Meta kernel guards on
+    the sizes instead of fixing them), so a graph traced with dynamic sizes serves every length,
+    batch and number of heads: with dynamic=True the 10 shapes below compile once; left to dynamo
+    (automatic dynamic shapes) once more per kind of size as it first changes (lengths, batch,
+    heads), where fixing the sizes recompiled per shape and raised past the recompile limit (8)
+    under fullgraph=True. Forward and backward, a mask, GQA and the log-n scale (whose n_i follows
+    the length), each result equal to the eager op's."""
+    def f(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Any:
+        return torch_ext.attention(q, k, v, mask, is_causal=True, enable_gqa=True, scale="logn",
+                                   train_length=8, return_stats=return_stats)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    # Recompiling raises from the shape after which none is expected: the second with dynamic=True,
+    # the fifth when each kind of size has changed once.
+    settled = 1 if dynamic else 4
+    g = torch.Generator().manual_seed(2)
+    # (dynamo itself specializes sizes of 0 and 1, and ties sizes equal in the first trace: every
+    # size here is at least 2, and the first shape's are all different.)
+    for i, (b, h, lq, lk) in enumerate([(2, 6, 5, 7), (2, 4, 7, 9), (3, 4, 12, 12), (2, 6, 9, 17), (4, 4, 20, 30),
+                                        (2, 4, 33, 31), (3, 8, 40, 41), (2, 4, 50, 50), (2, 4, 64, 70),
+                                        (2, 4, 3, 90)]):
+        if i >= settled:
+            torch.compiler.set_stance("fail_on_recompile")
+        q = torch.randn(b, h, lq, 8, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(b, h // 2, lk, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+        mask = torch.randn(lq, lk, dtype=torch.float64, generator=g)
+        try:
+            got = compiled(q, k, v, mask)
+        finally:
+            torch.compiler.set_stance("default")
+        want = f(q, k, v, mask)
+        got_out, want_out = (got[0], want[0]) if return_stats else (got, want)
+        torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
+        if return_stats:
+            torch.testing.assert_close(got[1].entropy, want[1].entropy, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(got_out.sum(), (q, k, v))
+        for a, e in zip(grads, torch.autograd.grad(want_out.sum(), (q, k, v))):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_export_with_dynamic_lengths() -> None:
+    """torch.export with the sequence lengths dynamic (Dim): one program that runs other lengths."""
+    class Attn(torch.nn.Module):
+        def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return torch_ext.attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+
+    lq, lk = torch.export.Dim("lq", min=2, max=4096), torch.export.Dim("lk", min=2, max=4096)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (6, 10, 10))
+    program = torch.export.export(Attn(), (q, k, v), dynamic_shapes=({2: lq}, {2: lk}, {2: lk}))
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (13, 29, 29))
+    torch.testing.assert_close(program.module()(q, k, v), Attn()(q, k, v), rtol=1e-6, atol=1e-6)
+
+
 def test_compile_dynamic_fullgraph() -> None:
     """torch.compile(dynamic=True, fullgraph=True) traces the Python wrapper (its argument checks
     used math.isfinite, which dynamo cannot trace on the symbolic floats of dynamic=True)."""

@@ -292,6 +292,7 @@ def test_sparsity_with_window_and_softcap(device: str) -> None:
         (dict(softcap=-1.0), "softcap"),
         (dict(softcap=float("inf")), "softcap"),
         (dict(softcap=1e-40), "softcap"),  # below float32's normal range: the kernels could not apply it
+        (dict(softcap=1e39), "softcap"),  # above 2^126 for float32 inputs: 1 / cap is not a normal float32
         (dict(dropout_p=1.0), "dropout_p"),
         (dict(dropout_p=-0.1), "dropout_p"),
         (dict(sinks=torch.zeros(3)), "sinks"),
@@ -309,6 +310,15 @@ def test_bad_pattern_arguments(kwargs: Dict[str, Any], match: str) -> None:
         api["window_size"] = tuple(api["window_size"])
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         torch_ext.attention(q, q, q, **api)
+
+
+def test_huge_softcap_in_float64() -> None:
+    """float64 inputs compute in float64: a cap beyond float32's range is allowed there, and one
+    that large changes no logit of these inputs."""
+    q = torch.randn(1, 2, 4, 8, dtype=F64)
+    capped = ops.attention(q, q, q, softcap=1e300)
+    for a, b in zip(capped[:3], ops.attention(q, q, q)[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,49 @@
+// Autocast (torch.autocast) for the attention ops, as for scaled_dot_product_attention, which is
+// on autocast's lower-precision list: inside an autocast region, query and key (and value) that
+// autocast may cast (floating point, not float64, on the region's device) run in the region's
+// dtype (torch.get_autocast_dtype). Models mix them there: q and k rotated with float32 position
+// tables next to a 16-bit v. The other tensors (mask, scale tensor, sinks) are read in any float
+// dtype and keep theirs, so that an additive mask or a learned scale loses no precision.
+// ATen's autocast header (the only declaration of the autocast dtype and cast) includes all of
+// ATen, which the build's TORCH_ASSERT_ONLY_METHOD_OPERATORS forbids: this file alone lifts it
+// (tests/test_build.py).
+#undef TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+namespace entropy_attn {
+namespace {
+
+// Casts the op's first kTensors arguments (query, key[, value]) and calls the op again with this
+// device's autocast key excluded (the next key then runs: autograd, or the device kernel).
+template <c10::DeviceType kDevice, size_t kTensors>
+void autocast_leading_tensors(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/,
+                              torch::jit::Stack* stack) {
+  const size_t first = stack->size() - op.schema().arguments().size();
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  for (size_t i = first; i < first + kTensors; ++i) {
+    c10::IValue& arg = (*stack)[i];
+    if (arg.isTensor()) arg = at::autocast::cached_cast(dtype, arg.toTensor(), kDevice);
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  op.callBoxed(stack);
+}
+
+template <c10::DeviceType kDevice>
+void register_autocast(torch::Library& m) {
+  m.impl("attention",
+         torch::CppFunction::makeFromBoxedFunction<&autocast_leading_tensors<kDevice, 3>>());
+  m.impl("attention_sparsity",
+         torch::CppFunction::makeFromBoxedFunction<&autocast_leading_tensors<kDevice, 2>>());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(entropy_attn, AutocastCPU, m) { register_autocast<c10::DeviceType::CPU>(m); }
+TORCH_LIBRARY_IMPL(entropy_attn, AutocastCUDA, m) { register_autocast<c10::DeviceType::CUDA>(m); }
+
+}  // namespace entropy_attn

@@ -185,24 +185,30 @@ AttentionBackwardOutputs attention_backward_kernel(
       dq, dk, dv, dlam, sink_grad(grad_output, output, call), mask_grad(attn_mask, call, query)};
 }
 
+// The parameters of `attention` with the schema's names (ops.cpp), for the kernels that take them
+// all (attention_kernel below, the autograd and Meta kernels), and the scalar ones among them
+// folded into AttentionOptions.
+#define EA_ATTENTION_PARAMS                                                                        \
+  const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,                         \
+      const OptTensor &attn_mask, const OptTensor &scale, bool is_causal,                          \
+      std::optional<double> scale_factor, c10::string_view scale_mode, double temperature,         \
+      double log_base, bool enable_gqa, bool return_stats, c10::IntArrayRef window_size,           \
+      c10::string_view causal_alignment, double softcap, const OptTensor &sinks, double dropout_p, \
+      c10::SymInt dropout_seed, const OptTensor &cu_seq_q, const OptTensor &cu_seq_k,              \
+      const OptTensor &seqused_k
+#define EA_ATTENTION_OPTIONS                                                                      \
+  AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,       \
+                                enable_gqa, return_stats, window_size, causal_alignment, softcap, \
+                                dropout_p, dropout_seed)
+
 // The dispatcher-facing kernel of `attention` for a device implementation
 //   AttentionOutputs impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
 //                         const AttentionCall& call);
 // registered as m.impl("attention", &attention_kernel<impl>).
 template <AttentionOutputs (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const AttentionCall&)>
-AttentionOutputs attention_kernel(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& scale,
-    bool is_causal, std::optional<double> scale_factor, c10::string_view scale_mode,
-    double temperature, double log_base, bool enable_gqa, bool return_stats,
-    c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
-    const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
-    const std::optional<at::Tensor>& seqused_k) {
-  const AttentionOptions options = AttentionOptions::from_schema(
-      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
-      window_size, causal_alignment, softcap, dropout_p, dropout_seed);
+AttentionOutputs attention_kernel(EA_ATTENTION_PARAMS) {
+  const AttentionOptions options = EA_ATTENTION_OPTIONS;
   AttentionCall call = prepare_attention(query, key, value, attn_mask, scale, sinks,
                                          {cu_seq_q, cu_seq_k, seqused_k}, options);
   const AttentionShape shape = call.shape;

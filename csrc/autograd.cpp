@@ -154,16 +154,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
-AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& key,
-                                    const at::Tensor& value, const OptTensor& attn_mask,
-                                    const OptTensor& scale, bool is_causal,
-                                    std::optional<double> scale_factor, c10::string_view scale_mode,
-                                    double temperature, double log_base, bool enable_gqa,
-                                    bool return_stats, c10::IntArrayRef window_size,
-                                    c10::string_view causal_alignment, double softcap,
-                                    const OptTensor& sinks, double dropout_p,
-                                    c10::SymInt dropout_seed, const OptTensor& cu_seq_q,
-                                    const OptTensor& cu_seq_k, const OptTensor& seqused_k) {
+AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
   if (seqused_k.has_value()) {
     // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that
     // nothing computes.
@@ -177,17 +168,10 @@ AttentionOutputs attention_autograd(const at::Tensor& query, const at::Tensor& k
                       "torch.no_grad() or with inputs that do not require grad");
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_attention(query, key, value, attn_mask, scale, sinks,
-                          {cu_seq_q, cu_seq_k, seqused_k},
-                          AttentionOptions::from_schema(
-                              is_causal, scale_factor, scale_mode, temperature, log_base,
-                              enable_gqa, return_stats, window_size, causal_alignment, softcap,
-                              dropout_p, dropout_seed));
+                          {cu_seq_q, cu_seq_k, seqused_k}, EA_ATTENTION_OPTIONS);
   }
-  const variable_list r = AttentionFunction::apply(
-      query, key, value, attn_mask, scale, sinks, cu_seq_q, cu_seq_k,
-      AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,
-                                    enable_gqa, return_stats, window_size, causal_alignment,
-                                    softcap, dropout_p, dropout_seed));
+  const variable_list r = AttentionFunction::apply(query, key, value, attn_mask, scale, sinks,
+                                                   cu_seq_q, cu_seq_k, EA_ATTENTION_OPTIONS);
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]};
 }
 

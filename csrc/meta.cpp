@@ -13,19 +13,8 @@ namespace {
 
 // The forward's checks (check_attention_call) and outputs on symbolic sizes, so that
 // torch.compile traces one graph for every length instead of fixing each size to a constant.
-AttentionOutputs attention_meta(const at::Tensor& query, const at::Tensor& key,
-                                const at::Tensor& value, const OptTensor& attn_mask,
-                                const OptTensor& scale, bool is_causal,
-                                std::optional<double> scale_factor, c10::string_view scale_mode,
-                                double temperature, double log_base, bool enable_gqa,
-                                bool return_stats, c10::IntArrayRef window_size,
-                                c10::string_view causal_alignment, double softcap,
-                                const OptTensor& sinks, double dropout_p, c10::SymInt dropout_seed,
-                                const OptTensor& cu_seq_q, const OptTensor& cu_seq_k,
-                                const OptTensor& seqused_k) {
-  const AttentionOptions options = AttentionOptions::from_schema(
-      is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
-      window_size, causal_alignment, softcap, dropout_p, std::move(dropout_seed));
+AttentionOutputs attention_meta(EA_ATTENTION_PARAMS) {
+  const AttentionOptions options = EA_ATTENTION_OPTIONS;
   const SymAttentionShape s = check_attention_call(query, key, value, attn_mask, scale, sinks,
                                                    {cu_seq_q, cu_seq_k, seqused_k}, options);
   return allocate_attention_outputs(s, query, accumulate_type(query.scalar_type()), return_stats);

@@ -186,17 +186,19 @@ def test_torch_compile_fullgraph() -> None:
     assert not torch.allclose(eager, model(x), atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast(dtype: torch.dtype) -> None:
+def test_autocast(dtype: torch.dtype, device: str) -> None:
     """Under torch.autocast the drop-in behaves as SDPA, which autocast runs in its dtype: query and
     key rotated with float32 position tables next to a 16-bit value (a Llama-style block under
     autocast) are cast, and the output has the autocast dtype; the additive mask keeps its own.
     The same values as SDPA's under the same autocast."""
     g = torch.Generator().manual_seed(5)
-    q, k = (torch.randn(2, 4, 9, 16, generator=g) for _ in range(2))
-    v = torch.randn(2, 4, 9, 16, generator=g).to(dtype)
-    mask = torch.randn(9, 9, generator=g)
-    with torch.autocast("cpu", dtype=dtype):
+    q, k = (torch.randn(2, 4, 9, 16, generator=g).to(device) for _ in range(2))
+    v = torch.randn(2, 4, 9, 16, generator=g).to(device, dtype)
+    mask = torch.randn(9, 9, generator=g).to(device)
+    device_type = torch.device(device).type
+    with torch.autocast(device_type, dtype=dtype):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         with torch_ext.replace_sdpa():
             got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -204,7 +206,7 @@ def test_autocast(dtype: torch.dtype) -> None:
     assert got.dtype == want.dtype == dtype and same.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with torch.autocast("cpu", dtype=dtype):
+    with torch.autocast(device_type, dtype=dtype):
         out = torch_ext.attention(*leaves, mask)
     out.float().sum().backward()
     assert [t.grad.dtype for t in leaves] == [torch.float32, torch.float32, dtype]

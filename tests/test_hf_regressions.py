@@ -518,3 +518,26 @@ def test_block_indices_raise() -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="block_indices"):
         fn(torch.nn.Module(), q, q, q, None, block_indices=torch.zeros(1, 4, 1, dtype=torch.long))
+
+
+# --- 13. inference mode ------------------------------------------------------------------------
+def test_generate_under_inference_mode() -> None:
+    """Under torch.inference_mode the backend's value checks (cached by tensor version) meet
+    inference tensors, which have no version counter: generation with a sliding-window layer (whose
+    window check reads the mask) and a packed one-row forward (whose check reads position_ids) give
+    the same as under torch.no_grad, where they raised."""
+    model = build(Qwen3Config(intermediate_size=128, sliding_window=4, use_sliding_window=True,
+                              max_window_layers=1, **COMMON), PLAIN, torch.float64)
+    ids = token_ids(2, 8)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False)
+    with torch.inference_mode():
+        got = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, ref)
+    _, packed, pos, _ = packed_documents()
+    llama_model = llama(PLAIN, torch.float64)
+    with torch.no_grad():
+        ref_logits = llama_model(input_ids=packed, position_ids=pos, use_cache=False).logits
+    with torch.inference_mode():
+        logits = llama_model(input_ids=packed, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)

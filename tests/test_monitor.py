@@ -208,6 +208,13 @@ def test_errors() -> None:
             with m2:
                 pass
     assert not torch_ext.monitor.is_recording()
+    # The same monitor nested in itself: the same error, and the outer step still ends cleanly.
+    with m1:
+        with pytest.raises(RuntimeError, match="already recording"):
+            with m1:
+                pass
+        assert torch_ext.monitor.is_recording()
+    assert not torch_ext.monitor.is_recording()
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")

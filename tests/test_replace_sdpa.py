@@ -262,3 +262,14 @@ def test_dropout_p_runs_in_the_op() -> None:
         mean = torch.stack([F.scaled_dot_product_attention(q, k, v, dropout_p=0.5) for _ in range(300)]).mean(0)
     assert torch.equal(a, b) and not torch.equal(a, plain)
     assert (mean - plain).abs().max() < 0.25
+
+
+def test_multihead_attention_warns_it_is_not_routed() -> None:
+    """torch.nn.MultiheadAttention runs SDPA inside its functional form with the mode disabled: the
+    mode says so once (a warning naming torch_ext.nn.MultiheadAttention) instead of silently
+    leaving it on torch's attention."""
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with torch_ext.replace_sdpa(scale="logn"):
+        with pytest.warns(UserWarning, match="torch_ext.nn.MultiheadAttention"):
+            mha(x, x, x, need_weights=False)

@@ -292,7 +292,10 @@ class _ValueChecks:
         self._entries: list[tuple[tuple[weakref.ref, ...], tuple[Any, ...], Any]] = []
 
     def get(self, tensors: tuple[torch.Tensor, ...], params: Any, compute: Any) -> Any:
-        """``compute()``, or its answer for the same ``tensors`` and ``params`` when kept."""
+        """``compute()``, or its answer for the same ``tensors`` and ``params`` when kept. Inference
+        tensors (``torch.inference_mode``) have no version counter to tell a change by: never kept."""
+        if any(t.is_inference() for t in tensors):
+            return compute()
         key = (tuple(t._version for t in tensors), params)
         for refs, k, answer in self._entries:
             if k == key and all(r() is t for r, t in zip(refs, tensors)):

@@ -256,6 +256,12 @@ def _active() -> Optional["AttentionEntropyMonitor"]:
     return getattr(_state, "monitor", None)
 
 
+def _ensure_idle() -> None:
+    """Raises if a monitor records on this thread already (monitors do not nest)."""
+    if _active() is not None:
+        raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
+
+
 def is_recording() -> bool:
     """Whether an :class:`AttentionEntropyMonitor` is recording on this thread (always False
     while torch.compile traces: a compiled graph does not report to the monitor, and during
@@ -410,6 +416,7 @@ class AttentionEntropyMonitor:
             yield True
 
     def __enter__(self) -> "AttentionEntropyMonitor":
+        _ensure_idle()  # before replacing self._cm, which an outer `with self` still needs
         step = self._step_counter
         self._step_counter += 1
         self._cm = self._recording(step)
@@ -422,8 +429,7 @@ class AttentionEntropyMonitor:
 
     @contextlib.contextmanager
     def _recording(self, step: int) -> Iterator[None]:
-        if _active() is not None:
-            raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
+        _ensure_idle()
         self._layers, self._anonymous_calls = {}, 0
         _state.monitor = self
         tracker = contextlib.nullcontext()

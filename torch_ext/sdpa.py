@@ -4,6 +4,7 @@ edits."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -102,6 +103,14 @@ class replace_sdpa(TorchFunctionMode):
     ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0 (SDPA:
     the mean of the values for a ``finfo.min`` mask, NaN for ``-inf``).
 
+    Not with activation checkpointing (``torch.utils.checkpoint``, transformers'
+    ``gradient_checkpointing_enable()``): the backward re-runs the forward outside the mode (the
+    mode is popped while a backward call is dispatched, and gone after the ``with``), so the
+    re-run uses torch's SDPA: wrong gradients with ``use_reentrant=True``, a ``CheckpointError``
+    otherwise. Use the Hugging Face backend (:mod:`torch_ext.hf`) or :mod:`torch_ext.nn` there,
+    which the re-run reaches. Nor does it reach ``torch.nn.MultiheadAttention`` (its functional
+    form runs SDPA with the mode disabled; it warns once): use :class:`torch_ext.nn.MultiheadAttention`.
+
     Example::
 
         with torch_ext.replace_sdpa(scale="logn", train_length=1024):
@@ -111,6 +120,7 @@ class replace_sdpa(TorchFunctionMode):
     def __init__(self, scale: float | str | None = None, temperature: float = 1.0, train_length: float = 512) -> None:
         super().__init__()
         self.policy = AttentionPolicy(scale, temperature, train_length)
+        self._warned_mha = False
 
     def __torch_function__(
         self, func: Callable, types: Tuple[type, ...], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
@@ -118,4 +128,11 @@ class replace_sdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA:
             return _routed_sdpa(self.policy, *args, **kwargs)
+        if func is F.multi_head_attention_forward and not self._warned_mha:
+            self._warned_mha = True
+            warnings.warn(
+                "replace_sdpa does not reach torch.nn.MultiheadAttention (its functional form runs "
+                "SDPA with torch-function modes disabled): use torch_ext.nn.MultiheadAttention",
+                stacklevel=2,
+            )
         return func(*args, **kwargs)

@@ -33,7 +33,7 @@ AttentionResult varlen_attention(const at::Tensor& query, const at::Tensor& key,
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::varlen_attention", "")
           .typed<AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                  const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt,
                                   const OptTensor&, const OptTensor&, bool, std::optional<double>,
                                   c10::string_view, double, double, bool, bool, c10::IntArrayRef,
                                   double, const OptTensor&, double, c10::SymInt)>();

@@ -198,23 +198,25 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   auto check_offsets = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK_TYPE(t.defined(), name, " must be an int32 tensor, got None");
     TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, name,
-                      " must be 1-D (number of sequences + 1), got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) >= 1, name,
+                      " must be 1-D (number of sequences + 1), got shape ", t.sym_sizes());
     TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
                       query.device(), "), got ", t.device());
   };
   check_offsets(*cu_seq_q, "cu_seq_q");
   check_offsets(*cu_seq_k, "cu_seq_k");
-  const int64_t n = cu_seq_q->size(0) - 1;
-  TORCH_CHECK_VALUE(cu_seq_k->size(0) == n + 1, "cu_seq_q and cu_seq_k must have the same length, ",
-                    "got ", n + 1, " and ", cu_seq_k->size(0));
+  // The number of sequences, symbolic while torch.compile traces (one graph for every count).
+  const c10::SymInt sym_n = cu_seq_q->sym_size(0) - 1;
+  TORCH_CHECK_VALUE(cu_seq_k->sym_size(0) == sym_n + 1,
+                    "cu_seq_q and cu_seq_k must have the same length, got ", sym_n + 1, " and ",
+                    cu_seq_k->sym_size(0));
   if (seqused_k.has_value()) {
     TORCH_CHECK_TYPE(seqused_k->defined(), "seqused_k must be an int32 tensor or None");
     TORCH_CHECK_TYPE(seqused_k->scalar_type() == at::kInt, "seqused_k must be int32, got ",
                      seqused_k->scalar_type());
-    TORCH_CHECK_VALUE(seqused_k->dim() == 1 && seqused_k->size(0) == n,
-                      "seqused_k must have shape (number of sequences,) = (", n, ",), got ",
-                      seqused_k->sizes());
+    TORCH_CHECK_VALUE(seqused_k->dim() == 1 && seqused_k->sym_size(0) == sym_n,
+                      "seqused_k must have shape (number of sequences,) = (", sym_n, ",), got ",
+                      seqused_k->sym_sizes());
     TORCH_CHECK_VALUE(seqused_k->device() == query.device(), "seqused_k must be on query's device");
   }
   TORCH_CHECK_VALUE(s.batch == 1, "packed documents (cu_seq_q) need a batch of 1, got ", s.batch);
@@ -223,6 +225,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
       cu_seq_q->key_set().has(c10::DispatchKey::Python)) {
     return true;
   }
+  const int64_t n = sym_n.expect_int();
   // The values decide which memory the kernels read: checked on the host (a device sync on CUDA).
   // (contiguous: a strided view's values are not at data + d, and the kernels read contiguous
   // copies of these very values, attention_call.cpp: set_documents)

@@ -58,7 +58,7 @@ TORCH_LIBRARY(entropy_attn, m) {
   // inference-only, as in varlen_attn).
   m.def(
       "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor cu_seq_k, "
-      "int max_q, int max_k, Tensor? scale=None, *, Tensor? seqused_k=None, "
+      "SymInt max_q, SymInt max_k, Tensor? scale=None, *, Tensor? seqused_k=None, "
       "bool is_causal=False, float? scale_factor=None, str scale_mode=\"fixed\", "
       "float temperature=1.0, float log_base=512.0, bool enable_gqa=False, "
       "bool return_stats=True, int[2] window_size=[-1, -1], float softcap=0.0, "

@@ -20,11 +20,13 @@ void check_packed(const at::Tensor& x, const char* name, const char* layout) {
 
 // max_q and max_k must cover every sequence (varlen_attn's contract; our kernels do not need
 // them, but a caller whose max is too small has wrong offsets or a wrong max, and should hear so).
-void check_max_len(const at::Tensor& cu, int64_t max_len, const char* cu_name,
+void check_max_len(const at::Tensor& cu, const c10::SymInt& max, const char* cu_name,
                    const char* max_name) {
-  TORCH_CHECK_VALUE(max_len >= 0, max_name, " must be >= 0, got ", max_len);
-  // No values to read under fake tensors (torch.compile, opcheck) or on the Meta device.
+  TORCH_CHECK_VALUE(max >= 0, max_name, " must be >= 0, got ", max);
+  // No values to read under fake tensors (torch.compile, opcheck) or on the Meta device; else
+  // max is a plain int.
   if (cu.is_meta() || cu.key_set().has(c10::DispatchKey::Python)) return;
+  const int64_t max_len = max.expect_int();
   if (cu.scalar_type() != at::kInt || cu.dim() != 1 || cu.numel() < 2) return;
   const at::Tensor c = cu.to(at::kCPU).contiguous();  // a strided view's values are not at p + d
   const int32_t* p = c.const_data_ptr<int32_t>();
@@ -46,7 +48,7 @@ at::Tensor packed(const at::Tensor& x) {
 
 AttentionOutputs varlen_attention(const at::Tensor& query, const at::Tensor& key,
                                   const at::Tensor& value, const at::Tensor& cu_seq_q,
-                                  const at::Tensor& cu_seq_k, int64_t max_q, int64_t max_k,
+                                  const at::Tensor& cu_seq_k, c10::SymInt max_q, c10::SymInt max_k,
                                   const std::optional<at::Tensor>& scale,
                                   const std::optional<at::Tensor>& seqused_k, bool is_causal,
                                   std::optional<double> scale_factor, c10::string_view scale_mode,

@@ -229,3 +229,32 @@ def test_varlen_strided_offsets_are_read_as_values() -> None:
         want = torch_ext.varlen_attention(q, k, v, cu, cu, 5, 5, seqused_k=used, **kw)
         got = torch_ext.varlen_attention(q, k, v, strided, strided, 5, 5, seqused_k=used_strided, **kw)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compile_one_graph_for_every_packing() -> None:
+    """varlen_attention under torch.compile(fullgraph=True): the number of documents (cu_seq_q's
+    size), the token count and max_q / max_k (SymInt in the schema) stay symbolic, so after each
+    kind has changed once no packing recompiles, where every packing did and the ninth raised past
+    the recompile limit. Forward and backward equal the eager op's."""
+    def f(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
+        return torch_ext.varlen_attention(q, k, v, cu, cu, max_len, max_len, is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(8)
+    packings = [(5, 7, 3, 6), (4, 9, 8), (6, 6, 6, 6, 2), (2, 3), (9, 9), (3, 4, 5), (7, 2, 3),
+                (8, 8, 8), (2, 2, 2, 2, 2, 2), (5, 4), (11, 3, 6, 2)]
+    for i, lens in enumerate(packings):
+        if i >= 4:
+            torch.compiler.set_stance("fail_on_recompile")
+        total = sum(lens)
+        q, k, v = (torch.randn(total, 2, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        try:
+            got = compiled(q, k, v, cu, max(lens))
+        finally:
+            torch.compiler.set_stance("default")
+        want = f(q, k, v, cu, max(lens))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

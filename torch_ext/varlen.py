@@ -59,7 +59,8 @@ def varlen_attention(
         The output (T, H, Dv), or ``(output, stats)`` with statistics of shape (T, H).
     """
     for name, m in (("max_q", max_q), ("max_k", max_k)):
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+        # (a SymInt while torch.compile traces dynamic lengths: passed on as it is, not fixed)
+        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)):
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
         if not 0 <= m < 2**63:
             raise ValueError(f"{name} must be an int in [0, 2^63), got {m}")
@@ -75,8 +76,8 @@ def varlen_attention(
         value,
         cu_seq_q,
         cu_seq_k,
-        int(max_q),
-        int(max_k),
+        max_q,
+        max_k,
         scale_tensor,
         seqused_k=seqused_k,
         is_causal=_flag(is_causal, "is_causal"),

@@ -34,6 +34,8 @@ import torch_ext.hf as hf  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    BartConfig,
     BertConfig,
     DynamicCache,
     Gemma3TextConfig,
@@ -541,3 +543,22 @@ def test_generate_under_inference_mode() -> None:
     with torch.inference_mode():
         logits = llama_model(input_ids=packed, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+
+
+# --- 14. the monitor's rows in cross-attention ---------------------------------------------------
+def test_monitor_cross_attention_rows_with_equal_lengths() -> None:
+    """In cross-attention key i is the encoder's token i: with as many decoder as encoder tokens the
+    mask is square, and reading its diagonal as each row's own key dropped the decoder rows facing
+    encoder padding from the monitor. Every decoder row counts, whatever the decoder's length."""
+    config = BartConfig(d_model=32, encoder_attention_heads=2, decoder_attention_heads=2, encoder_layers=1,
+                        decoder_layers=1, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB,
+                        max_position_embeddings=32)
+    model = build(config, PLAIN, torch.float64, cls=AutoModelForSeq2SeqLM)
+    src = token_ids(2, 8)
+    src_mask = torch.ones(2, 8, dtype=torch.long)
+    src_mask[0, 5:] = 0  # encoder padding
+    for length in (7, 8, 9):
+        with torch_ext.AttentionEntropyMonitor(model) as monitor, torch.no_grad():
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=token_ids(2, length, seed=length))
+        rows = {r["rows"] for r in monitor.latest if r["layer"].endswith("encoder_attn")}
+        assert rows == {2 * length}, (length, rows)

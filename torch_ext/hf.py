@@ -219,7 +219,7 @@ def attention_forward(
     # attend() expands a batch of 1 and makes finfo.min float-mask entries -inf (out of n_i).
     out = attend(
         query, key, value, attention_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa,
-        base_scale=scaling, module=module, **features, **_monitor_rows(query, key, attention_mask, kwargs),
+        base_scale=scaling, module=module, **features, **_monitor_rows(module, query, key, attention_mask, kwargs),
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -262,20 +262,31 @@ def _with_selected_keys(attention_mask: Optional[torch.Tensor], indices: torch.T
     return attention_mask.masked_fill(~selected, float("-inf"))
 
 
+def _is_cross_attention(module: Any) -> bool:
+    """Whether a layer attends to another sequence (an encoder's), as transformers marks it: BERT's
+    ``is_cross_attention`` or cross-attention class, or a decoder layer that is not causal (BART,
+    T5, Whisper: their decoders' self-attention is causal, their cross-attention not)."""
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        return True
+    return bool(getattr(module, "is_decoder", False)) and getattr(module, "is_causal", True) is False
+
+
 def _monitor_rows(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor], kwargs: dict[str, Any]
+    module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    kwargs: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
     """What the monitor needs to know of a dense call's rows, when it records: their token
     positions (``position_ids``: right under a KV cache, where row i is not position i) and, for
     self-attention with a mask, which rows are real tokens (a padding token's own key is masked;
-    right padding's rows still see the real keys, so n_i >= 1 does not exclude them)."""
+    right padding's rows still see the real keys, so n_i >= 1 does not exclude them). Not for
+    cross-attention, where key i is another sequence's token i even when the lengths match."""
     if not _monitor.is_recording():
         return {}
     found: dict[str, torch.Tensor] = {}
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] == query.shape[2]:
         found["positions"] = pos
-    square = query.shape[2] == key.shape[2]
+    square = query.shape[2] == key.shape[2] and not _is_cross_attention(module)
     if attention_mask is not None and attention_mask.dim() == 4 and square and attention_mask.shape[-2:] == key.shape[2:3] * 2:
         own = _allowed(torch.diagonal(attention_mask, dim1=-2, dim2=-1))  # (B or 1, H or 1, L): row i, key i
         found["rows"] = own.any(dim=1).expand(query.shape[0], -1)

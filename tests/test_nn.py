@@ -332,3 +332,19 @@ def test_weights_gradient_reaches_a_zero_head_scale(policy: Optional[str]) -> No
     torch.testing.assert_close(w, want_w.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     assert want[0] != 0
+
+
+def test_jit_trace() -> None:
+    """torch.jit.trace of the module (as torch's MultiheadAttention traces) runs the op and gives the
+    eager output on new inputs of the traced shape (the batch-broadcast check compared traced sizes
+    as a set, which does not deduplicate them, and raised)."""
+    import warnings
+
+    torch.manual_seed(0)
+    _, ours = pair(batch_first=True)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings of the shape checks
+        traced = torch.jit.trace(ours, (x, x, x), check_trace=False)
+    y = torch.randn(2, 5, E, dtype=torch.float64)
+    assert_close(traced(y, y, y)[0], ours(y, y, y)[0])

@@ -72,13 +72,13 @@ def sdpa_conventions(
     entries (``finfo(dtype).min``, or anything at or below half of it, as transformers and many
     models fill padding) become ``-inf``, so that those keys do not count in n_i nor in the
     monitor's statistics. Other additive values are kept."""
-    sizes = {query.shape[0], key.shape[0], value.shape[0]}
+    # (Compared one by one, not as a set: under torch.jit.trace the sizes are traced values, which
+    # a set does not deduplicate.)
+    sizes = (query.shape[0], key.shape[0], value.shape[0])
     b = max(sizes)
-    if not sizes <= {1, b}:
-        raise ValueError(
-            f"query, key and value batch sizes {query.shape[0]}, {key.shape[0]} and {value.shape[0]} do not broadcast"
-        )
-    if len(sizes) > 1:
+    if any(n != 1 and n != b for n in sizes):
+        raise ValueError(f"query, key and value batch sizes {sizes[0]}, {sizes[1]} and {sizes[2]} do not broadcast")
+    if any(n != b for n in sizes):
         query, key, value = (t.expand(b, *t.shape[1:]) if t.shape[0] != b else t for t in (query, key, value))
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.masked_fill(masked_entries(attn_mask), float("-inf"))

@@ -80,7 +80,7 @@ def _routed_sdpa(
             m = m.expand(*outer, *m.shape[-3:])
         attn_mask = m.reshape(-1 if m.shape[:-3] else 1, *m.shape[-3:])
     out = attend(
-        q, k, v, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=q_heads != kv_heads, base_scale=scale,
+        q, k, v, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=bool(q_heads != kv_heads), base_scale=scale,
         dropout_p=dropout_p,
     )
     out = out.reshape(*outer, *out.shape[1:])

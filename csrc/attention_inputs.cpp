@@ -114,7 +114,7 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
                       query.device(), "), got ", m.device());
     TORCH_CHECK_VALUE(broadcasts_to(m.sym_sizes(), {s.batch, s.heads, s.q_len, s.kv_len}),
                       "attn_mask of shape ", m.sym_sizes(),
-                      " does not broadcast to (batch, heads, ", "q_len, kv_len) = (", s.batch, ", ",
+                      " does not broadcast to (batch, heads, q_len, kv_len) = (", s.batch, ", ",
                       s.heads, ", ", s.q_len, ", ", s.kv_len, ")");
   }
   if (scale.has_value()) {

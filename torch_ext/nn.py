@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_ext.attention import length_factor
-from torch_ext.policy import AttentionPolicy, attend, masked_entries
+from torch_ext.policy import AttentionPolicy, attend, hide_masked
 
 
 def _keep_off_fast_path(module: torch.nn.Module, args: Any) -> None:
@@ -249,13 +249,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if is_causal:
             logits = logits.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         if mask is not None:
-            # The op's mask convention (attend: sdpa_conventions): float entries at or below
-            # finfo.min / 2 hide their key, so that a row they hide entirely has the output's 0
-            # weights, not the uniform ones that adding finfo.min would give.
-            hidden = masked_entries(mask)
-            logits = logits.masked_fill(hidden, float("-inf"))
-            if mask.dtype != torch.bool:
-                logits = logits + mask.masked_fill(hidden, 0.0)
+            # The op's reading of the mask (attend): float entries at or below finfo.min / 2 hide
+            # their key, so a row they hide entirely has the output's 0 weights, not the uniform
+            # ones that adding finfo.min would give.
+            mask = hide_masked(mask)
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
         acc = torch.promote_types(q.dtype, torch.float32)
         weights = torch.softmax(logits.to(acc), dim=-1).nan_to_num(0.0).to(q.dtype)  # empty rows: 0
         return out, weights

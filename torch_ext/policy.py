@@ -64,6 +64,14 @@ def masked_entries(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask <= torch.finfo(attn_mask.dtype).min / 2
 
 
+def hide_masked(attn_mask: torch.Tensor) -> torch.Tensor:
+    """A float mask with its masked entries (:func:`masked_entries`) set to ``-inf``, as the op reads
+    it; a bool mask as it is."""
+    if not attn_mask.is_floating_point():
+        return attn_mask
+    return attn_mask.masked_fill(masked_entries(attn_mask), float("-inf"))
+
+
 def sdpa_conventions(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -80,9 +88,7 @@ def sdpa_conventions(
         raise ValueError(f"query, key and value batch sizes {sizes[0]}, {sizes[1]} and {sizes[2]} do not broadcast")
     if any(n != b for n in sizes):
         query, key, value = (t.expand(b, *t.shape[1:]) if t.shape[0] != b else t for t in (query, key, value))
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.masked_fill(masked_entries(attn_mask), float("-inf"))
-    return query, key, value, attn_mask
+    return query, key, value, None if attn_mask is None else hide_masked(attn_mask)
 
 
 def attend(

@@ -223,13 +223,13 @@ void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& s
     BwdBuffers<acc_t> buf(qb, sh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, tkv = task / chunks % nkv, tb = task / chunks / nkv;
-      // The task's batch and key/value head, or every one where it walks them.
-      for (int64_t b = tb; b < (split.all_batches ? sh.batch : tb + 1); ++b) {
-        for (int64_t kvh = tkv; kvh < (split.all_kv_heads ? sh.kv_heads : tkv + 1); ++kvh) {
-          for (int64_t h = kvh * sh.group(); h < (kvh + 1) * sh.group(); ++h) {
-            for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
-              backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
-            }
+      // The task's batch and the query heads of its key/value head, or every one it walks.
+      const int64_t b_end = split.all_batches ? sh.batch : tb + 1;
+      const int64_t h_end = (split.all_kv_heads ? sh.kv_heads : tkv + 1) * sh.group();
+      for (int64_t b = tb; b < b_end; ++b) {
+        for (int64_t h = tkv * sh.group(); h < h_end; ++h) {
+          for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
+            backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
           }
         }
       }

@@ -151,12 +151,22 @@ struct DerivedStats {
   acc_t normalized_entropy, sparsity, effective_keys;
 };
 
+// min(x, hi) that keeps a NaN x (std::fmin would return hi for it).
+template <typename acc_t>
+EA_HOST_DEVICE acc_t at_most(acc_t x, acc_t hi) {
+  return x > hi ? hi : x;
+}
+
+// The three are bounded by their value on a uniform row (1, 1 and n), which is also where rounding
+// lands them: sum_p2 = u / l^2 of n equal weights can come out one ulp under 1 / n, which gave
+// effective keys above n. They are clamped at those bounds; their gradients (autograd.cpp) are the
+// unclamped formulas', as the clamp only removes rounding.
 template <typename acc_t>
 EA_HOST_DEVICE DerivedStats<acc_t> derive(acc_t entropy, acc_t sum_p2, int64_t n) {
   if (n <= 0) return {acc_t(0), acc_t(0), acc_t(0)};
   const acc_t nn = static_cast<acc_t>(n);
-  const acc_t ne = n >= 2 ? entropy / std::log(nn) : acc_t(0);
-  return {ne, acc_t(1) / std::sqrt(nn * sum_p2), acc_t(1) / sum_p2};
+  const acc_t ne = n >= 2 ? at_most(entropy / std::log(nn), acc_t(1)) : acc_t(0);
+  return {ne, at_most(acc_t(1) / std::sqrt(nn * sum_p2), acc_t(1)), at_most(acc_t(1) / sum_p2, nn)};
 }
 
 // Backward of one row (docs/math.md section 3). With upstream gradients gL, gH, gU of lse, entropy and

@@ -17,10 +17,11 @@ EA_HOST_DEVICE acc_t entropy_term(acc_t p) {
 }
 
 // mean|a| / sqrt(mean a^2) = l1 / sqrt(n * l2) from l1 = sum |a| and l2 = sum a^2 over n entries;
-// an all-zero slice has no direction: 0.
+// an all-zero slice has no direction: 0. At most 1 (Cauchy-Schwarz), the value of a uniform slice,
+// which rounding could otherwise cross (online_stats.h: at_most).
 template <typename acc_t>
 EA_HOST_DEVICE acc_t sparsity_value(acc_t l1, acc_t l2, int64_t n) {
-  return l2 == acc_t(0) ? acc_t(0) : l1 / std::sqrt(static_cast<acc_t>(n) * l2);
+  return l2 == acc_t(0) ? acc_t(0) : at_most(l1 / std::sqrt(static_cast<acc_t>(n) * l2), acc_t(1));
 }
 
 // The sparsity's sums are taken over |a_j| / d with d the slice's largest |a| (S is scale-free),
@@ -53,12 +54,12 @@ EA_HOST_DEVICE void rescale_power_sums(RowStats<acc_t>& st, acc_t block_bmax, bo
   st.m = block_bmax;
 }
 
-// S_i = l1 / sqrt(n_i l2) of attention_sparsity; an empty or all-zero row has no direction: 0, as
-// the attention op's statistics (NaN propagates).
+// S_i = l1 / sqrt(n_i l2) of attention_sparsity, at most 1 as sparsity_value; an empty or all-zero
+// row has no direction: 0, as the attention op's statistics (NaN propagates).
 template <typename acc_t>
 EA_HOST_DEVICE acc_t attention_sparsity_value(acc_t l1, acc_t l2, int64_t n) {
   const acc_t denom = std::sqrt(static_cast<acc_t>(n) * l2);
-  return denom > acc_t(0) || l2 != l2 || l1 != l1 ? l1 / denom : acc_t(0);
+  return denom > acc_t(0) || l2 != l2 || l1 != l1 ? at_most(l1 / denom, acc_t(1)) : acc_t(0);
 }
 
 }  // namespace entropy_attn

@@ -679,6 +679,26 @@ def test_uniform_rows_statistics(device: str) -> None:
     assert (ne[..., 0] == 0).all()  # n = 1 -> 0 by convention
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_uniform_rows_stay_in_range(device: str, dtype: torch.dtype) -> None:
+    """A uniform row is where normalized entropy, sparsity and effective keys reach their bounds
+    (1, 1, n); rounding must not carry them past (sum_p2 one ulp under 1/n gave n_eff > n). Every
+    n from 1 to 300 (causal rows), with and without a sink."""
+    L = 300
+    q = torch.zeros(1, 2, L, 8, device=device, dtype=dtype)
+    k = torch.randn(1, 2, L, 8, device=device, dtype=dtype)
+    v = torch.randn(1, 2, L, 8, device=device, dtype=dtype)
+    for sinks in (None, torch.zeros(2, device=device, dtype=dtype)):
+        _, stats = torch_ext.attention(q, k, v, is_causal=True, sinks=sinks, return_stats=True)
+        n = stats.n_keys.to(stats.effective_keys.dtype) + (0 if sinks is None else 1)
+        assert (stats.effective_keys <= n).all(), (stats.effective_keys - n).max()
+        assert (stats.sparsity <= 1).all(), stats.sparsity.max()
+        assert (stats.normalized_entropy <= 1).all(), stats.normalized_entropy.max()
+        torch.testing.assert_close(stats.effective_keys, n, atol=0, rtol=1e-5)
+    a = torch.full((3, 257), 0.1, device=device, dtype=dtype)
+    assert (torch_ext.sparsity(a, dim=-1) <= 1).all()
+
+
 @pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
 @pytest.mark.parametrize("return_stats", [False, True])
 def test_compile_one_graph_for_every_length(return_stats: bool, dynamic: Optional[bool]) -> None:

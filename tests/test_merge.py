@@ -140,6 +140,19 @@ def test_derived_stats_match_kernel_epilogue() -> None:
     torch.testing.assert_close(effective, res[10])
 
 
+def test_derived_stats_clamped_like_the_kernel() -> None:
+    """Past their uniform-row bounds by rounding (sum_p2 an ulp under 1 / n), the derived
+    statistics stop at 1, 1 and n, as the kernel epilogue's; the gradient is the unclamped one."""
+    n = torch.tensor([3, 7, 300])
+    u = (1 / n.float()) * (1 - 2 ** -23)
+    u.requires_grad_(True)
+    h = torch.log(n.float()) * (1 + 2 ** -23)
+    normalized, sparsity, effective = derived_stats(h, u, n)
+    assert (normalized == 1).all() and (sparsity == 1).all() and (effective == n).all()
+    effective.sum().backward()
+    torch.testing.assert_close(u.grad, -1 / u.detach() ** 2)
+
+
 def test_merge_rejects_malformed_arguments() -> None:
     """Clear errors naming the argument."""
     o = torch.zeros(1, 1, 2, 4)

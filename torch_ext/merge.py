@@ -18,7 +18,7 @@ whole row (for the log-n policies, from the whole row's n_i: :func:`torch_ext.le
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
@@ -40,15 +40,21 @@ def derived_stats(entropy: torch.Tensor, sum_p2: torch.Tensor, n_keys: torch.Ten
     """(normalized entropy, sparsity, effective keys) from (H, sum p^2, n), differentiable: the
     definitions of ``derive`` in csrc/online_stats.h (the kernels' epilogue), which
     tests/test_merge.py checks these against. Rows with n = 0 give 0; normalized entropy is 0 for
-    n < 2."""
+    n < 2. Like ``derive``, the values are clamped at their uniform-row bounds (1, 1, n), which
+    rounding can cross by an ulp, and the gradients are the unclamped formulas'."""
     nonempty = n_keys > 0
     n = n_keys.clamp_min(1).to(sum_p2.dtype)
     u = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))
     zero = torch.zeros_like(sum_p2)
-    normalized = torch.where(n_keys >= 2, entropy / torch.log(n.clamp_min(2)), zero)
-    sparsity = torch.where(nonempty, torch.rsqrt(n * u), zero)
-    effective = torch.where(nonempty, 1 / u, zero)
+    normalized = torch.where(n_keys >= 2, _at_most(entropy / torch.log(n.clamp_min(2)), 1), zero)
+    sparsity = torch.where(nonempty, _at_most(torch.rsqrt(n * u), 1), zero)
+    effective = torch.where(nonempty, _at_most(1 / u, n), zero)
     return normalized, sparsity, effective
+
+
+def _at_most(x: torch.Tensor, hi: Union[torch.Tensor, float]) -> torch.Tensor:
+    """min(x, hi) in value (NaN kept) with the gradient of x: the clamp only removes rounding."""
+    return x - (x - hi).clamp_min(0).detach()
 
 
 def merge_row_states(states: Sequence[RowState]) -> RowState:

@@ -348,3 +348,23 @@ def test_jit_trace() -> None:
         traced = torch.jit.trace(ours, (x, x, x), check_trace=False)
     y = torch.randn(2, 5, E, dtype=torch.float64)
     assert_close(traced(y, y, y)[0], ours(y, y, y)[0])
+
+
+def test_jit_script_says_what_works() -> None:
+    """torch.jit.script of a model holding the module raises a RuntimeError that names the
+    alternatives (it failed deep inside TorchScript's type checks of the Python wrappers), while a
+    scripted function calling the op itself runs and gives the eager result."""
+    import warnings
+
+    _, ours = pair(batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script's deprecation
+        with pytest.raises(RuntimeError, match="torch.jit.trace, torch.compile or torch.export"):
+            torch.jit.script(torch.nn.Sequential(ours))
+
+        def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.ops.entropy_attn.attention(q, k, v, None, None, is_causal=True)[0]
+
+        scripted = torch.jit.script(f)
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    assert_close(scripted(q, q, q), torch_ext.attention(q, q, q, is_causal=True))

@@ -312,6 +312,14 @@ def test_bad_pattern_arguments(kwargs: Dict[str, Any], match: str) -> None:
         torch_ext.attention(q, q, q, **api)
 
 
+def test_tiny_softcap_message_speaks_python() -> None:
+    """From Python "no cap" is None (0 itself is refused), so the message for a cap below float32's
+    normal range says None, not the op's 0."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"softcap must be None \(no cap\) or a finite number >= 1.175494e-38"):
+        torch_ext.attention(q, q, q, softcap=1e-40)
+
+
 def test_huge_softcap_in_float64() -> None:
     """float64 inputs compute in float64: a cap beyond float32's range is allowed there, and one
     that large changes no logit of these inputs."""

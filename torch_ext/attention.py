@@ -8,12 +8,17 @@ from typing import NamedTuple
 import torch
 
 _SCALE_MODES = ("logn", "logn_sharpen")
+_MIN_SOFTCAP = torch.finfo(torch.float32).tiny  # the ops' bound (csrc/attention_inputs.cpp: check_pattern_options)
 
 
 class AttentionStats(NamedTuple):
     """Per-row statistics of the attention weights, each of shape (B, H, Lq).
 
-    Float32 (float64 for float64 inputs); ``n_keys`` is int64. Rows with no allowed key give 0.
+    Float32 (float64 for float64 inputs); ``n_keys`` is int64. Rows with no allowed key give 0
+    (``scale`` still holds their lambda_i). With ``sinks`` the distribution has n_i + 1 entries
+    (the keys and the sink): read n_i + 1 for n_i in the ranges below (``n_keys`` counts keys), and
+    a row with no key puts its whole weight on the sink (lse the sink logit, entropy 0, sparsity,
+    effective keys and max weight 1). The ranges hold exactly, rounding included.
     """
 
     lse: torch.Tensor
@@ -144,8 +149,11 @@ def _pattern_args(
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
         cap = _as_float(softcap, "softcap", "a finite number > 0")
-        if not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+        if not (math.isfinite(cap) and cap >= _MIN_SOFTCAP):
+            raise ValueError(
+                f"softcap must be None (no cap) or a finite number >= {_MIN_SOFTCAP:.7g} (the smallest normal "
+                f"float32, in which every kernel computes at least), got {softcap}"
+            )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
     if not 0 <= dropout_p < 1:

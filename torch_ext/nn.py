@@ -42,7 +42,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     the backward regenerates); the statistics, and the weights ``need_weights=True`` returns, are
     those before dropout (torch returns them after). ``need_weights=True`` (torch's default) materializes the (L, S) weights, as torch does: pass
     ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` does) to keep memory linear in L.
-    Rows with no allowed key give output 0 (torch: NaN). Nested-tensor inputs are not supported
+    A row with no allowed key attends to nothing: its attention output is 0, so the module returns
+    ``out_proj``'s bias there (torch gives the same with ``need_weights=False`` and NaN with
+    ``need_weights=True``). Nested-tensor inputs are not supported
     (build ``nn.TransformerEncoder`` with ``enable_nested_tensor=False``).
     """
 
@@ -73,6 +75,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if learnable_scale:
             self.head_scale = torch.nn.Parameter(torch.ones(num_heads, device=device, dtype=dtype))
         self.register_forward_pre_hook(_keep_off_fast_path)
+
+    def __prepare_scriptable__(self) -> "MultiheadAttention":
+        """``torch.jit.script`` (deprecated in torch) calls this on every submodule before compiling:
+        the forward runs Python wrappers that TorchScript cannot compile, so say so here rather than
+        fail deep inside them. ``torch.jit.trace``, ``torch.compile`` and ``torch.export`` work."""
+        raise RuntimeError(
+            "torch_ext.nn.MultiheadAttention cannot be compiled by torch.jit.script; use torch.jit.trace, "
+            "torch.compile or torch.export (the ops themselves, torch.ops.entropy_attn.*, are scriptable)"
+        )
 
     def extra_repr(self) -> str:
         p = self.policy

@@ -100,8 +100,8 @@ class replace_sdpa(TorchFunctionMode):
     applies), and traced by ``torch.compile`` when active around the compiled call. Inputs of any
     layout SDPA takes ((..., L, E), broadcasting leading dims); ``dropout_p`` applies the op's
     attention dropout (pass it in training only, as SDPA's callers do). Float-mask entries at or below
-    ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0 (SDPA:
-    the mean of the values for a ``finfo.min`` mask, NaN for ``-inf``).
+    ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0, as SDPA
+    gives for ``-inf`` and bool masks (SDPA gives the mean of the values for a ``finfo.min`` mask).
 
     Not with activation checkpointing (``torch.utils.checkpoint``, transformers'
     ``gradient_checkpointing_enable()``): the backward re-runs the forward outside the mode (the

@@ -257,6 +257,18 @@ def test_function_matches_sdpa_attention_forward(case: str) -> None:
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
 
 
+def test_zero_softcap_is_no_softcap() -> None:
+    """softcap=0.0 means no capping in transformers' flash-attention path, and "sdpa" ignores the
+    argument: the backend attends uncapped (the op itself refuses a cap of 0)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = _Attn(is_causal=True, groups=2)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+    out, _ = transformers.AttentionInterface()[PLAIN](module, q, k, v, None, scaling=0.3, softcap=0.0)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+
+
 def test_float_mask_counts_only_attendable_keys() -> None:
     """An additive mask filled with finfo.min (as models building their own masks use) gives the
     output of the equivalent bool mask, n_i included; batch 1 queries broadcast as in SDPA."""

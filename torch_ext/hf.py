@@ -167,7 +167,9 @@ def attention_forward(
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    features: dict[str, Any] = {"softcap": kwargs.get("softcap"), "sinks": sinks, "dropout_p": float(dropout)}
+    # softcap 0 means none in transformers' flash-attention path (the "sdpa" one ignores the argument)
+    softcap = kwargs.get("softcap")
+    features: dict[str, Any] = {"softcap": softcap if softcap else None, "sinks": sinks, "dropout_p": float(dropout)}
     window = _window(kwargs.get("sliding_window"), bool(is_causal))
 
     position_bias = kwargs.get("position_bias")

@@ -217,13 +217,14 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
   if (!c.sinks.defined()) return at::empty({0}, output.options().dtype(c.acc));
   const at::Tensor sink = c.sinks.view({1, -1, 1});
   const at::Tensor p_sink = at::exp(sink - c.lse);  // the sink's weight per row
-  // D~_i (online_stats.h: row_delta) and dP~_sink = -g_H s_sink + 2 g_U p_sink.
+  // D~_i (online_stats.h: row_delta) and dP~_sink = -g_H x_sink + 2 g_U p_sink, with lse the
+  // reference: x_sink = s_sink - lse, and D~ holds -g_H (0 - H).
   at::Tensor delta = (grad_output.to(c.acc) * output.to(c.acc)).sum(-1);
   at::Tensor dp = at::zeros_like(p_sink);
   if (c.g_lse.defined()) delta = delta - c.g_lse;
   if (c.g_entropy.defined()) {
-    delta = delta - c.g_entropy * (c.lse - c.entropy);
-    dp = dp - c.g_entropy * sink;
+    delta = delta + c.g_entropy * c.entropy;
+    dp = dp - c.g_entropy * (sink - c.lse);
   }
   if (c.g_sum_p2.defined()) {
     delta = delta + 2 * c.g_sum_p2 * c.sum_p2;

@@ -145,10 +145,11 @@ EA_HOST_DEVICE RowResult<acc_t> finalize(const RowStats<acc_t>& st) {
 
 // The statistics that follow from a row's entropy, sum of squared weights and n_i (docs/math.md
 // section 2), written by the kernels' epilogues: normalized entropy H / ln n (0 for n < 2),
-// l1/l2 sparsity 1 / sqrt(n sum_p2) and effective keys 1 / sum_p2 (both 0 for an empty row).
+// l1/l2 sparsity 1 / sqrt(n sum_p2) and effective keys 1 / sum_p2 (both 0 for an empty row), with
+// the entropy itself, bounded as below.
 template <typename acc_t>
 struct DerivedStats {
-  acc_t normalized_entropy, sparsity, effective_keys;
+  acc_t entropy, normalized_entropy, sparsity, effective_keys;
 };
 
 // min(x, hi) that keeps a NaN x (std::fmin would return hi for it).
@@ -157,23 +158,34 @@ EA_HOST_DEVICE acc_t at_most(acc_t x, acc_t hi) {
   return x > hi ? hi : x;
 }
 
-// The three are bounded by their value on a uniform row (1, 1 and n), which is also where rounding
-// lands them: sum_p2 = u / l^2 of n equal weights can come out one ulp under 1 / n, which gave
-// effective keys above n. They are clamped at those bounds; their gradients (autograd.cpp) are the
-// unclamped formulas', as the clamp only removes rounding.
+// Entropy, normalized entropy, sparsity and effective keys are bounded by their value on a uniform
+// row (ln n, 1, 1 and n), which is also where rounding lands them: ln l - t / l of n equal weights
+// can come out a few ulps above ln n, and sum_p2 = u / l^2 one ulp under 1 / n, which gave
+// effective keys above n. They are clamped at those bounds; their gradients (autograd.cpp, the
+// backward's delta) are the unclamped formulas', as the clamp only removes rounding.
 template <typename acc_t>
 EA_HOST_DEVICE DerivedStats<acc_t> derive(acc_t entropy, acc_t sum_p2, int64_t n) {
-  if (n <= 0) return {acc_t(0), acc_t(0), acc_t(0)};
+  if (n <= 0) return {entropy, acc_t(0), acc_t(0), acc_t(0)};
   const acc_t nn = static_cast<acc_t>(n);
-  const acc_t ne = n >= 2 ? at_most(entropy / std::log(nn), acc_t(1)) : acc_t(0);
-  return {ne, at_most(acc_t(1) / std::sqrt(nn * sum_p2), acc_t(1)), at_most(acc_t(1) / sum_p2, nn)};
+  const acc_t log_n = std::log(nn);
+  const acc_t h = at_most(entropy, log_n);
+  const acc_t ne = n >= 2 ? at_most(h / log_n, acc_t(1)) : acc_t(0);
+  return {h, ne, at_most(acc_t(1) / std::sqrt(nn * sum_p2), acc_t(1)),
+          at_most(acc_t(1) / sum_p2, nn)};
 }
 
-// Backward of one row (docs/math.md section 3). With upstream gradients gL, gH, gU of lse, entropy and
-// sum_p2 beside dO, the gradient w.r.t. the scaled logit keeps the FlashAttention-2 form
-//   dS_ij = p_ij (dP~_ij - D~_i),  dP~_ij = dP_ij - gH s_ij + 2 gU p_ij,
-//   D~_i = dO_i . O_i - gL - gH (lse_i - H_i) + 2 gU sum_p2_i,
-// using d lse/ds = p, dH/ds = -p (s - lse + H) and d(sum p^2)/ds = 2 p (p - sum p^2).
+// Backward of one row (docs/math.md section 3). With upstream gradients gL, gH, gU of lse, entropy
+// and sum_p2 beside dO, the gradient w.r.t. the scaled logit keeps the FlashAttention-2 form
+//   dS_ij = p_ij (dP~_ij - D~_i),  dP~_ij = dP_ij - gH x_ij + 2 gU p_ij,
+//   D~_i = dO_i . O_i - gL - gH (lse_i - r_i - H_i) + 2 gU sum_p2_i,
+// with x_ij = s_ij - r_i for a per-row reference r_i that cancels between the two (d lse/ds = p,
+// dH/ds = -p (s - lse + H), d(sum p^2)/ds = 2 p (p - sum p^2)). The reference decides the rounding:
+// r_i = lse_i forms s - lse before g_H multiplies it, an error of eps |s - lse|, where r_i = 0
+// rounds g_H s and g_H lse apart and leaves eps |s| after they cancel (float32 entropy gradients
+// at logits of standard deviation 9: median error 5.3x a plain float32 softmax's with r_i = 0,
+// 2.1x with r_i = lse_i; docs/math.md). The float32 and float64 kernels (CPU, CUDA fallback) take
+// r_i = lse_i; the tensor-core families keep r_i = 0 (x = s, no extra subtraction in their inner
+// loop): their gradients are rounded to 16 bits, far coarser than that error.
 template <typename acc_t>
 struct RowGrads {
   acc_t g_lse = 0;
@@ -183,13 +195,15 @@ struct RowGrads {
 
 template <typename acc_t>
 EA_HOST_DEVICE acc_t row_delta(acc_t do_dot_o, const RowGrads<acc_t>& g, acc_t lse, acc_t entropy,
-                               acc_t sum_p2) {
-  return do_dot_o - g.g_lse - g.g_entropy * (lse - entropy) + acc_t(2) * g.g_sum_p2 * sum_p2;
+                               acc_t sum_p2, acc_t ref = acc_t(0)) {
+  return do_dot_o - g.g_lse - g.g_entropy * ((lse - ref) - entropy) +
+         acc_t(2) * g.g_sum_p2 * sum_p2;
 }
 
+// dS of one entry, x = s - r with the r of the row's delta.
 template <typename acc_t>
-EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t s, acc_t delta, const RowGrads<acc_t>& g) {
-  return p * (dp - g.g_entropy * s + acc_t(2) * g.g_sum_p2 * p - delta);
+EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t x, acc_t delta, const RowGrads<acc_t>& g) {
+  return p * (dp - g.g_entropy * x + acc_t(2) * g.g_sum_p2 * p - delta);
 }
 
 }  // namespace entropy_attn

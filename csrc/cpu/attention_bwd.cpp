@@ -104,8 +104,9 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     g.g_lse = a.g_lse ? a.g_lse[row] : 0;
     g.g_entropy = a.g_entropy ? a.g_entropy[row] : 0;
     g.g_sum_p2 = a.g_sum_p2 ? a.g_sum_p2[row] : 0;
+    // (lse is the reference: weights_row leaves x = s - lse for dlogits_row)
     buf.delta[r] = row_delta(dot(dout + r * a.dout.sl, a.out.at(b, h, i0 + r), Dv), g, a.lse[row],
-                             a.entropy[row], a.sum_p2[row]);
+                             a.entropy[row], a.sum_p2[row], a.lse[row]);
   }
   std::fill(buf.g.begin(), buf.g.begin() + rows * D, acc_t(0));
   for (int64_t r = 0; r < rows; ++r) {

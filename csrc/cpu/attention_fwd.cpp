@@ -112,7 +112,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     // With a sink the distribution has one more entry than the n_i keys.
     const DerivedStats<acc_t> d =
         derive(res.entropy, res.sum_p2, buf.setup[r].n + (has_sink_entry(a.sinks, h) ? 1 : 0));
-    a.entropy[row0 + r] = res.entropy;
+    a.entropy[row0 + r] = d.entropy;
     a.sum_p2[row0 + r] = res.sum_p2;
     a.max_weight[row0 + r] = res.max_weight;
     a.normalized_entropy[row0 + r] = d.normalized_entropy;

@@ -50,8 +50,9 @@ EA_ALWAYS_INLINE acc_t softmax_row_impl(acc_t* s, int64_t n, int64_t j0, const L
   return alpha;
 }
 
-// Recomputes one row of weights p = e^{s - lse} (0 where masked, whatever lse is) from raw scores
-// s, which become the scaled logits; with softcap on, dcap gets the cap's derivative at each scaled
+// Recomputes one row of weights p = e^{s - lse} (0 where masked, whatever lse is) from raw scores,
+// which become the scaled logits relative to lse, x = s - lse (the reference of the backward's
+// delta, online_stats.h: row_delta); with softcap on, dcap gets the cap's derivative at each scaled
 // score.
 template <typename acc_t>
 EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t n, int64_t j0,
@@ -68,17 +69,18 @@ EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t 
     // products over the block (dV, dK) then keep the row's NaN to the keys it sees.
     const acc_t x = s[j] - lse;
     p[j] = s[j] == kNegInf ? acc_t(0) : exp_nonpositive(x, clamp_exp_arg(x));
+    s[j] = x;
   }
 }
 
-// dP -> dS in place for one row (online_stats.h: logit_grad).
+// dP -> dS in place for one row (online_stats.h: logit_grad), from x = s - lse.
 template <typename acc_t>
-EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* s, const acc_t* p, int64_t n,
+EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* x, const acc_t* p, int64_t n,
                                        acc_t delta, const RowGrads<acc_t>& g) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
-    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], s[j], delta, g);
+    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], x[j], delta, g);
   }
 }
 
@@ -129,13 +131,13 @@ void weights_row(double* s, double* p, double* dcap, int64_t n, int64_t j0,
                  const LogitRow<double>& row, double lse) {
   weights_row_impl(s, p, dcap, n, j0, row, lse);
 }
-EA_CPU_CLONES void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
+EA_CPU_CLONES void dlogits_row(float* ds, const float* x, const float* p, int64_t n, float delta,
                                const RowGrads<float>& g) {
-  dlogits_row_impl(ds, s, p, n, delta, g);
+  dlogits_row_impl(ds, x, p, n, delta, g);
 }
-void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
+void dlogits_row(double* ds, const double* x, const double* p, int64_t n, double delta,
                  const RowGrads<double>& g) {
-  dlogits_row_impl(ds, s, p, n, delta, g);
+  dlogits_row_impl(ds, x, p, n, delta, g);
 }
 
 EA_CPU_CLONES void power_sums_row(SparsityKind kind, float* s, int64_t n, int64_t j0,

@@ -18,17 +18,19 @@ float softmax_row(float* s, int64_t n, int64_t j0, const LogitRow<float>& row, R
 double softmax_row(double* s, int64_t n, int64_t j0, const LogitRow<double>& row,
                    RowStats<double>& st, bool with_stats);
 
-// Backward: raw scores -> logits in s, and p = e^{s - lse} (0 where masked). With softcap on,
-// dcap[j] receives the derivative of the cap at the key's scaled score (else dcap is unused).
+// Backward: raw scores -> logits relative to lse in s (x = s - lse, -inf where masked), and
+// p = e^{s - lse} (0 where masked). With softcap on, dcap[j] receives the derivative of the cap at
+// the key's scaled score (else dcap is unused).
 void weights_row(float* s, float* p, float* dcap, int64_t n, int64_t j0, const LogitRow<float>& row,
                  float lse);
 void weights_row(double* s, double* p, double* dcap, int64_t n, int64_t j0,
                  const LogitRow<double>& row, double lse);
 
-// Backward: dP -> dS in place (online_stats.h: logit_grad).
-void dlogits_row(float* ds, const float* s, const float* p, int64_t n, float delta,
+// Backward: dP -> dS in place (online_stats.h: logit_grad), from x = s - lse of weights_row and
+// the delta of row_delta with reference lse.
+void dlogits_row(float* ds, const float* x, const float* p, int64_t n, float delta,
                  const RowGrads<float>& g);
-void dlogits_row(double* ds, const double* s, const double* p, int64_t n, double delta,
+void dlogits_row(double* ds, const double* x, const double* p, int64_t n, double delta,
                  const RowGrads<double>& g);
 
 // Non-softmax attention a = f(s), f = relu^2 or identity: raw scores -> logits, then the sums

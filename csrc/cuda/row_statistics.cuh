@@ -17,10 +17,10 @@ template <typename acc_t>
 __device__ __forceinline__ void store_row_statistics(const FwdParams<acc_t>& p, int64_t row,
                                                      const RowResult<acc_t>& res, int64_t n_keys,
                                                      bool with_sink) {
-  p.entropy[row] = res.entropy;
+  const DerivedStats<acc_t> d = derive(res.entropy, res.sum_p2, n_keys + (with_sink ? 1 : 0));
+  p.entropy[row] = d.entropy;
   p.sum_p2[row] = res.sum_p2;
   p.max_weight[row] = res.max_weight;
-  const DerivedStats<acc_t> d = derive(res.entropy, res.sum_p2, n_keys + (with_sink ? 1 : 0));
   p.normalized_entropy[row] = d.normalized_entropy;
   p.sparsity[row] = d.sparsity;
   p.effective_keys[row] = d.effective_keys;

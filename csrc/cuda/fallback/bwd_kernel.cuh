@@ -1,12 +1,12 @@
-// CUDA backward kernels of the fused attention (FlashAttention-2 form with a per-row scale, docs/math.md
-// section 3; the per-element math is online_stats.h's, shared with the CPU kernel).
+// CUDA backward kernels of the fused attention (FlashAttention-2 form with a per-row scale,
+// docs/math.md section 3; the per-element math is online_stats.h's, shared with the CPU kernel).
 //
-// A preprocess kernel computes D~_i = row_delta(dO_i . O_i, ...) per query row. The main kernel
-// runs one thread block per (batch, query head, tile of kBN keys): it keeps K, V and the dK, dV
-// accumulators of its tile in shared memory and streams the query tiles that can see it
+// A preprocess kernel computes D~_i = row_delta(dO_i . O_i, ..., ref = lse_i) per query row. The
+// main kernel runs one thread block per (batch, query head, tile of kBN keys): it keeps K, V and
+// the dK, dV accumulators of its tile in shared memory and streams the query tiles that can see it
 // (KeyPattern: causality, windows, documents), recomputing p = e^{s - lse} from the saved lse
 // (which holds the sink, if any):
-//   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s, D~) o cap',
+//   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s - lse, D~) o cap',
 //   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator; the host forms
 //   dq = lambda G and d lambda = q . G),
 // with Z the dropout factors (1 without dropout) and cap' the softcap's derivative at the scaled
@@ -96,7 +96,7 @@ __device__ __forceinline__ void preprocess_row(const BwdParams<AccType<T>>& p, i
     g.g_lse = p.g_lse ? p.g_lse[row] : Acc(0);
     g.g_entropy = p.g_entropy ? p.g_entropy[row] : Acc(0);
     g.g_sum_p2 = p.g_sum_p2 ? p.g_sum_p2[row] : Acc(0);
-    p.delta[row] = row_delta(dot, g, p.lse[row], p.entropy[row], p.sum_p2[row]);
+    p.delta[row] = row_delta(dot, g, p.lse[row], p.entropy[row], p.sum_p2[row], p.lse[row]);
   }
 }
 
@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
         Acc ds = 0;
         if (y != neg_inf<Acc>()) {  // within the row's keys: the logit again, from y and the mask
           const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
-          const Acc pw = s != neg_inf<Acc>() ? std::exp(s - sLse[r]) : Acc(0);
+          const Acc x = s - sLse[r];  // the logit relative to lse, the delta's reference
+          const Acc pw = s != neg_inf<Acc>() ? std::exp(x) : Acc(0);
           RowGrads<Acc> g;
           g.g_entropy = sGH[r];
           g.g_sum_p2 = sGU[r];
@@ -309,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
           // q.k.
           if (pw != Acc(0)) {
             const Acc dp = sdP[r * L::kLdS + c] * dropout_factor(p.dropout, bh, i0 + r, j);
-            ds = logit_grad(pw, dp, s, sDelta[r], g);
+            ds = logit_grad(pw, dp, x, sDelta[r], g);
             // Logits that share a mask entry (a mask broadcast along the batch, the heads, the
             // rows or the keys) add into one element, from any block.
             if (p.d_logits.data) atomicAdd(p.d_logits.at(b, h, i0 + r, j), ds);

@@ -15,6 +15,10 @@ bug found in review: each fails on the code before its fix.
 10. Gemma 4's sliced query rows (KV-shared layers, ``logits_to_keep``) aligned top-left.
 11. A bidirectional window under torch.compile taken as W - 1 where the model's mask has W.
 12. ``block_indices`` (block-sparse indexer) silently ignored.
+13. Generation under inference mode.
+14. The monitor's rows in cross-attention.
+15. Models that refuse "sdpa" given sdpa's masks (None where causal: a decoder run without
+    causality; bool masks added to scores), and per-query sinks refused by the op's message.
 
 Tiny random-weight models built from configs (no downloads), CPU, float64 where the comparison
 is tight, float32 elsewhere.
@@ -22,6 +26,7 @@ is tight, float32 elsewhere.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -43,6 +48,7 @@ from transformers import (  # noqa: E402
     ModernBertConfig,
     Qwen3Config,
 )
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 PLAIN = "torch_ext_regressions_plain"
 VOCAB = 100
@@ -562,3 +568,80 @@ def test_monitor_cross_attention_rows_with_equal_lengths() -> None:
             model(input_ids=src, attention_mask=src_mask, decoder_input_ids=token_ids(2, length, seed=length))
         rows = {r["rows"] for r in monitor.latest if r["layer"].endswith("encoder_attn")}
         assert rows == {2 * length}, (length, rows)
+
+
+# --- 15. models that refuse "sdpa" --------------------------------------------------------------
+def _eager_only_models() -> List[Tuple[str, Any, Any, Dict[str, torch.Tensor], bool]]:
+    """Tiny models whose classes set _supports_sdpa = False, as (name, config, class, inputs,
+    whether the model is built with "eager" and switched: GIT builds only with "eager"):
+    TrOCR, BLIP's text decoder (a sub-config, blip_text_model, that no auto mapping names) and GIT
+    (their own attention code, which adds the mask to the scores), PEGASUS-X (whose decoder layers
+    keep is_causal = False and take causality from the mask) and Splinter (an encoder whose
+    attention modules have no is_causal)."""
+    ids = token_ids(2, 10)
+    trocr = transformers.TrOCRConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_position_embeddings=64, pad_token_id=0)
+    blip_text = transformers.BlipTextConfig(
+        vocab_size=VOCAB, hidden_size=32, encoder_hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    pegasus = transformers.PegasusXConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, decoder_start_token_id=1)
+    splinter = transformers.SplinterConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, question_token_id=VOCAB - 1)
+    git = transformers.GitConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                           image_size=32, patch_size=16))
+    return [
+        ("trocr", trocr, transformers.TrOCRForCausalLM, dict(input_ids=ids), False),
+        ("blip_text", blip_text, transformers.BlipTextLMHeadModel, dict(input_ids=ids), False),
+        ("git", git, transformers.GitForCausalLM, dict(input_ids=ids), True),
+        ("pegasus_x", pegasus, transformers.PegasusXForConditionalGeneration,
+         dict(input_ids=ids, decoder_input_ids=token_ids(2, 7, seed=2)), False),
+        ("splinter", splinter, transformers.SplinterModel, dict(input_ids=ids), False),
+    ]
+
+
+def test_models_refusing_sdpa_get_eager_masks() -> None:
+    """A model that refuses "sdpa" builds its masks with the backend's mask function too; given
+    sdpa_mask's (None for an unpadded causal batch, bool otherwise) TrOCR, BLIP's text decoder and
+    GIT added bool masks to their scores or ran without causality, PEGASUS-X's decoder ran without
+    causality and Splinter's encoder ran causally (errors of 1e-2 relative, no exception). With
+    eager's masks every output equals "eager"'s (to 1e-6: some eager attention code takes its
+    softmax in float32). Each model is built for its implementation (TrOCR cannot switch later),
+    or built with "eager" and switched (GIT cannot be built with another)."""
+    for name, config, cls, inputs, switch in _eager_only_models():
+        outputs = []
+        for attn in ("eager", PLAIN):
+            torch.manual_seed(0)
+            model = cls._from_config(copy.deepcopy(config), attn_implementation="eager" if switch else attn,
+                                     dtype=torch.float64).eval()
+            if switch:
+                model.set_attn_implementation(attn)
+            with torch.no_grad():
+                outputs.append(output_of(model(**inputs)))
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # Models that support "sdpa", or flash attention through the interface (Gemma 2 and gpt-oss
+    # refuse "sdpa" for softcap and sinks only), keep its masks: None where causality alone
+    # applies, no L x L mask. DeepSeek-V4 (no flash attention) joins additive biases to its mask.
+    fn = AttentionMaskInterface()[PLAIN]
+    for config in (llama().config, transformers.Gemma2Config(), transformers.GptOssConfig()):
+        assert fn(batch_size=1, q_length=4, kv_length=4, config=config) is None, type(config).__name__
+    transformers.DeepseekV4Model  # (loads the model class the mask function looks for)
+    mask = fn(batch_size=1, q_length=4, kv_length=4, config=transformers.DeepseekV4Config())
+    assert mask is not None and mask.dtype == torch.float32 and mask.shape == (1, 1, 4, 4)
+
+
+def test_per_query_sinks_raise() -> None:
+    """A sink computed per query (shape (B, H, Lq, 1), not one logit per head) is refused by the
+    backend with a message naming the model-level fix, not the op's shape error."""
+    fn = transformers.AttentionInterface()[PLAIN]
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="one sink logit per head.*eager"):
+        fn(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(1, 2, 4, 1))

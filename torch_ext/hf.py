@@ -45,14 +45,20 @@ wav2vec2-conformer's and wav2vec2-BERT's relative positions) joins the mask as "
 differentiates it: the bias and learned masks (Doge's) get their gradients, as with "sdpa".
 
 Not supported (they raise, naming the argument): block-sparse ``block_indices`` (MiniMax-M3),
-paged KV caches (continuous batching), and ``position_bias`` with a packed batch.
+sinks computed per query rather than one logit per head, paged KV caches (continuous batching), and
+``position_bias`` with a packed batch.
 ``output_attentions=True`` warns and gives ``None`` attention weights, as with "sdpa": the op
 never forms the L x L matrix (use :class:`torch_ext.AttentionEntropyMonitor` for per-row
 statistics, or "eager" for the weights).
 
-Only models that call transformers' ``AttentionInterface`` use the backend (their classes set
-``_supports_attention_backend = True``: most decoder and encoder models of transformers 5); a model
-with its own attention code ignores ``attn_implementation``.
+Only models that call transformers' ``AttentionInterface`` use the backend (most decoder and
+encoder models of transformers 5); a model with its own attention code ignores ``attn_implementation`` but still builds its masks with the
+backend's mask function. That function gives what "sdpa" gets (``sdpa_mask``: bool, or None where
+causality alone applies) to models that support "sdpa" or run flash attention through the
+interface (Gemma 2, gpt-oss), and what "eager" gets (``eager_mask``: additive float masks, never
+skipped) to the models that support neither (PEGASUS-X, NLLB-MoE, GIT, TrOCR, BLIP's text decoder,
+Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks: their outputs equal
+"eager"'s.
 
 This module imports transformers; ``import torch_ext`` does not.
 """
@@ -68,7 +74,7 @@ import torch
 
 try:
     import transformers
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "torch_ext.hf needs Hugging Face transformers (pip install transformers); the rest of torch_ext "
@@ -167,6 +173,12 @@ def attention_forward(
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if isinstance(sinks, torch.Tensor) and sinks.dim() != 1:
+        raise NotImplementedError(
+            f"torch_ext.hf supports one sink logit per head (sinks of shape (heads,)), got sinks of shape "
+            f"{tuple(sinks.shape)} (a sink computed per query, e.g. from the hidden states): use "
+            "attn_implementation='eager' for this model"
+        )
     # softcap 0 means none in transformers' flash-attention path (the "sdpa" one ignores the argument)
     softcap = kwargs.get("softcap")
     features: dict[str, Any] = {"softcap": softcap if softcap else None, "sinks": sinks, "dropout_p": float(dropout)}
@@ -467,8 +479,10 @@ def register(
         train_length: the log base b of the "logn" policies (> 1): the context length at which
             "logn" equals the model's own scale.
 
-    The mask function registered with it is transformers' ``sdpa_mask``: boolean masks (True =
-    attend), or None where causality alone applies.
+    The mask function registered with it is transformers' ``sdpa_mask`` (boolean masks, True =
+    attend, or None where causality alone applies) for models that support "sdpa" or flash
+    attention through the interface, and ``eager_mask`` (additive float masks, never None) for
+    the others, as "eager" gets (see the module docstring).
     """
     name = _check_name(name)
     policy = AttentionPolicy(scale, temperature, train_length)
@@ -476,5 +490,49 @@ def register(
     entropy_invariant_attention = functools.partial(attention_forward, policy=policy)
     entropy_invariant_attention.policy = policy  # type: ignore[attr-defined]
     transformers.AttentionInterface.register(name, entropy_invariant_attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask)
     return name
+
+
+def _needs_eager_masks(cls: type) -> bool:
+    """Whether model class ``cls`` may rely on eager's masks: it refuses "sdpa", and does not run
+    through the attention interface with flash attention either (which hands it no 4-D mask, so its
+    layers take causality from ``is_causal`` as sdpa's skipped masks need). Gemma 2 and gpt-oss
+    refuse "sdpa" for softcap and sinks only and keep sdpa's masks (None where causal: no L x L
+    mask); PEGASUS-X (decoder layers whose ``is_causal`` is False), GIT and TrOCR (masks added to
+    scores) and DeepSeek-V4 (additive biases joined to the mask) get eager's."""
+    if getattr(cls, "_supports_sdpa", False):
+        return False
+    return not (getattr(cls, "_supports_attention_backend", False) and getattr(cls, "_supports_flash_attn", False))
+
+
+def _model_classes() -> list[type]:
+    """Every loaded transformers model class (the model being run is loaded: remote code too)."""
+    found, todo = [], [transformers.PreTrainedModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_masks(config_type: type) -> bool:
+    """Whether a model class built from ``config_type`` needs eager's masks (:func:`_needs_eager_masks`).
+
+    Keyed on the config's class, which the model classes name (``config_class``), so sub-configs
+    (BLIP's text decoder, CLVP's) and remote code resolve as well as top-level model types.
+    """
+    return any(_needs_eager_masks(c) for c in _model_classes() if getattr(c, "config_class", None) is config_type)
+
+
+def _mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """The backend's mask function: "eager"'s masks for models that need them, else "sdpa"'s.
+
+    transformers' mask builders pass the model's ``config`` (to let a mask function do this).
+    """
+    config = kwargs.get("config")
+    if config is not None and _eager_masks(type(config)):
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return eager_mask(*args, **kwargs)
+    return sdpa_mask(*args, **kwargs)

@@ -1,22 +1,16 @@
 // Autograd for every op, registered in C++ (Autograd key) so that LibTorch callers get gradients
-// as Python callers do. Backward passes call registered ops or ATen ops only, so they also trace
-// under torch.compile.
-#include <ATen/TensorOperators.h>
+// as Python callers do. Backward passes are registered ops (attention_grad.h), made of registered
+// ops and ATen ops only, so they also trace under torch.compile.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/isneginf.h>
-#include <ATen/ops/log.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/promote_types.h>
-#include <ATen/ops/rsqrt.h>
-#include <ATen/ops/sign.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <array>
+
 #include "attention_call.h"
+#include "attention_grad.h"
 
 namespace entropy_attn {
 namespace {
@@ -75,82 +69,36 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse,
                             options.return_stats ? entropy : no_stat,
                             options.return_stats ? sum_p2 : no_stat, row_scale, length_factor,
-                            scale.value_or(at::Tensor()),
-                            n_keys, sinks.value_or(at::Tensor()), cu_seq_q.value_or(at::Tensor()),
-                            cu_seq_k.value_or(at::Tensor())});
+                            scale.value_or(at::Tensor()), n_keys, sinks.value_or(at::Tensor()),
+                            cu_seq_q.value_or(at::Tensor()), cu_seq_k.value_or(at::Tensor())});
     save_options(ctx, options);
-    return {out,           lse,           entropy,           sum_p2,     max_weight,    n_keys,
-            row_scale,     length_factor, normalized_entropy, sparsity, effective_keys};
-  }
-
-  // The upstream gradients of entropy and sum_p2 with those of the statistics derived from them
-  // chained in (docs/math.md section 3): normalized entropy H / ln n adds g / ln n to g_H;
-  // effective keys 1 / U adds -g / U^2 and sparsity (n U)^(-1/2) adds -g S / (2 U) to g_U. Rows
-  // with n < 2 (normalized entropy) or n = 0 (the others) have constant statistics: no gradient.
-  // n is the size of the distribution's support: n_keys, plus one with a sink.
-  static std::pair<at::Tensor, at::Tensor> statistic_grads(const variable_list& grads,
-                                                           const at::Tensor& sum_p2,
-                                                           const at::Tensor& n_keys) {
-    at::Tensor g_entropy = grads[2], g_sum_p2 = grads[3];
-    const at::Tensor &g_norm = grads[8], &g_sparsity = grads[9], &g_eff = grads[10];
-    if (g_norm.defined()) {
-      const at::Tensor log_n = at::log(n_keys.clamp_min(2).to(sum_p2.scalar_type()));
-      const at::Tensor term = at::where(n_keys >= 2, g_norm / log_n, at::zeros_like(g_norm));
-      g_entropy = g_entropy.defined() ? g_entropy + term : term;
-    }
-    if (g_sparsity.defined() || g_eff.defined()) {
-      const at::Tensor nonempty = n_keys > 0;
-      const at::Tensor u = at::where(nonempty, sum_p2, at::ones_like(sum_p2));
-      at::Tensor term = at::zeros_like(sum_p2);
-      if (g_eff.defined()) term = term - g_eff / (u * u);
-      if (g_sparsity.defined()) {
-        const at::Tensor s = at::rsqrt(n_keys.clamp_min(1).to(u.scalar_type()) * u);
-        term = term - 0.5 * g_sparsity * s / u;
-      }
-      term = at::where(nonempty, term, at::zeros_like(term));
-      g_sum_p2 = g_sum_p2.defined() ? g_sum_p2 + term : term;
-    }
-    return {g_entropy, g_sum_p2};
+    return {out,       lse,           entropy,
+            sum_p2,    max_weight,    n_keys,
+            row_scale, length_factor, normalized_entropy,
+            sparsity,  effective_keys};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
-    const at::Tensor &out = saved[4], &row_scale = saved[8], &length_factor = saved[9],
-                     &scale = saved[10], &sinks = saved[12];
-    const AttentionOptions options = saved_options(ctx);
-    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    at::Tensor g_entropy, g_sum_p2;  // a forward without statistics returned them empty
-    if (options.return_stats) {
-      // (a sink of -inf is no entry: online_stats.h, is_sink_entry)
-      const at::Tensor support =
-          sinks.defined() ? saved[11] + at::isneginf(sinks).logical_not().view({1, -1, 1})
-                          : saved[11];
-      std::tie(g_entropy, g_sum_p2) = statistic_grads(grads, saved[7], support);
-    }
+    const AttentionOptions o = saved_options(ctx);
     // needs_input_grad counts the tensor inputs given: the mask follows q, k and v, the scale
-    // follows the mask. A bool mask has no gradient.
-    const bool grad_mask =
-        saved[3].defined() && saved[3].is_floating_point() && ctx->needs_input_grad(3);
-    auto [dq, dk, dv, dlam, dsinks, dmask] = call_attention_backward(
-        grad_out, defined_or_null(grads[1]), defined_or_null(g_entropy), defined_or_null(g_sum_p2),
-        query, key, value, defined_or_null(saved[3]), out, saved[5], saved[6], saved[7], row_scale,
-        defined_or_null(sinks),
-        {defined_or_null(saved[13]), defined_or_null(saved[14]), std::nullopt}, options, grad_mask);
-
-    at::Tensor dscale;
-    const int64_t scale_input = saved[3].defined() ? 4 : 3;
-    if (scale.defined() && ctx->needs_input_grad(scale_input)) {
-      // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
-      // over the dims along which c was broadcast.
-      dscale = (dlam * length_factor).sum_to_size_symint(scale.sym_sizes()).to(scale.scalar_type());
-    }
-    at::Tensor dsink;
-    if (sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))) {
-      dsink = dsinks.to(sinks.scalar_type());
-    }
+    // follows the mask, the sinks follow the scale.
+    const at::Tensor &mask = saved[3], &scale = saved[10], &sinks = saved[12];
+    const int64_t scale_input = mask.defined() ? 4 : 3;
+    const std::array<bool, 3> output_mask = {
+        mask.defined() && ctx->needs_input_grad(3),
+        scale.defined() && ctx->needs_input_grad(scale_input),
+        sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))};
+    auto [dq, dk, dv, dmask, dscale, dsink] = attention_grad(
+        defined_or_null(grads[0]), defined_or_null(grads[1]), defined_or_null(grads[2]),
+        defined_or_null(grads[3]), defined_or_null(grads[8]), defined_or_null(grads[9]),
+        defined_or_null(grads[10]), saved[0], saved[1], saved[2], defined_or_null(mask),
+        defined_or_null(scale), defined_or_null(sinks), saved[4], saved[5], saved[6], saved[7],
+        saved[11], saved[8], saved[9], o.causal, o.return_stats, o.window_size(),
+        o.causal_alignment_name(), o.softcap, o.dropout_p, o.dropout_seed,
+        defined_or_null(saved[13]), defined_or_null(saved[14]), output_mask);
     const at::Tensor none;  // cu_seq_q, cu_seq_k and the options have no gradient
-    return {dq, dk, dv, grad_mask ? dmask : none, dscale, dsink, none, none, none};
+    return {dq, dk, dv, dmask, dscale, dsink, none, none, none};
   }
 };
 
@@ -162,7 +110,8 @@ AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
         at::GradMode::is_enabled() &&
         (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
          (attn_mask.has_value() && attn_mask->requires_grad()) ||
-         (scale.has_value() && scale->requires_grad()) || (sinks.has_value() && sinks->requires_grad()));
+         (scale.has_value() && scale->requires_grad()) ||
+         (sinks.has_value() && sinks->requires_grad()));
     TORCH_CHECK_VALUE(!needs_grad,
                       "seqused_k is inference-only (no backward, as in varlen_attn): call it under "
                       "torch.no_grad() or with inputs that do not require grad");
@@ -175,59 +124,33 @@ AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]};
 }
 
-// A row reduction whose backward is d result / d x = grad * local_grad(x), in ATen ops.
-template <typename Derived>
-class RowReductionFunction : public torch::autograd::Function<Derived> {
+// A row reduction with its backward op (attention_grad.h).
+template <at::Tensor (*Backward)(const at::Tensor&, const at::Tensor&, int64_t)>
+class RowReductionFunction : public torch::autograd::Function<RowReductionFunction<Backward>> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim) {
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& x, int64_t dim,
+      const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)>& op) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = row_reduction_op(Derived::kOpName);
     at::Tensor y = op.call(x, dim);
     ctx->save_for_backward({x});
-    ctx->saved_data["dim"] = dim < 0 ? dim + x.dim() : dim;
+    ctx->saved_data["dim"] = dim;
     return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    const int64_t dim = ctx->saved_data["dim"].toInt();
-    const at::Tensor xa = x.to(at::promote_types(x.scalar_type(), at::kFloat));
-    const at::Tensor g = grads[0].unsqueeze(dim).to(xa.scalar_type());
-    return {(g * Derived::local_grad(xa, dim)).to(x.scalar_type()), at::Tensor()};
-  }
-};
-
-// dH/dp_j = -(ln p_j + 1) on the support; 0 where p_j = 0 (those keys carry no weight).
-struct EntropyFunction : RowReductionFunction<EntropyFunction> {
-  static constexpr const char* kOpName = "entropy_attn::entropy";
-  static at::Tensor local_grad(const at::Tensor& p, int64_t /*dim*/) {
-    return at::where(p > 0, -(at::log(p) + 1), at::zeros_like(p));
-  }
-};
-
-// S = A / sqrt(n Q) with A = sum |a|, Q = sum a^2: dS/da_j = sign(a_j) r - A r a_j / Q,
-// r = 1 / sqrt(n Q); 0 for an all-zero slice. S is scale-free, so this is evaluated at a / d, d the
-// slice's largest |a| (no underflow or overflow in A and Q: reduction_math.h, sparsity_divisor),
-// and divided by d.
-struct SparsityFunction : RowReductionFunction<SparsityFunction> {
-  static constexpr const char* kOpName = "entropy_attn::sparsity";
-  static at::Tensor local_grad(const at::Tensor& x, int64_t dim) {
-    const at::Tensor abs_max = x.abs().amax(dim, /*keepdim=*/true);
-    const at::Tensor nonzero = abs_max > 0;
-    const at::Tensor d = at::where(nonzero, abs_max, at::ones_like(abs_max));
-    const at::Tensor a = x / d;
-    const at::Tensor l1 = a.abs().sum(dim, /*keepdim=*/true);
-    const at::Tensor q = at::where(nonzero, (a * a).sum(dim, /*keepdim=*/true), at::ones_like(d));
-    const at::Tensor r = at::where(nonzero, at::rsqrt(q * a.size(dim)), at::zeros_like(q));
-    return (at::sign(a) * r - (l1 * r / q) * a) / d;
+    return {Backward(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["dim"].toInt()),
+            at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor entropy_autograd(const at::Tensor& p, int64_t dim) {
-  return EntropyFunction::apply(p, dim)[0];
+  static const auto op = row_reduction_op("entropy_attn::entropy");
+  return RowReductionFunction<entropy_backward>::apply(p, dim, op)[0];
 }
 at::Tensor sparsity_autograd(const at::Tensor& a, int64_t dim) {
-  return SparsityFunction::apply(a, dim)[0];
+  static const auto op = row_reduction_op("entropy_attn::sparsity");
+  return RowReductionFunction<sparsity_backward>::apply(a, dim, op)[0];
 }
 
 }  // namespace

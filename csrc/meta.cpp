@@ -65,9 +65,9 @@ AttentionBackwardOutputs attention_backward_meta(
 
 at::Tensor row_reduction_meta(const at::Tensor& x, int64_t dim, const char* name) {
   const int64_t d = checked_reduction_dim(x, dim, name);
-  std::vector<int64_t> sizes = x.sizes().vec();
+  std::vector<c10::SymInt> sizes = x.sym_sizes().vec();  // symbolic: one graph for every size
   sizes.erase(sizes.begin() + d);
-  return at::empty(sizes, x.options());
+  return at::empty_symint(sizes, x.options());
 }
 
 at::Tensor entropy_meta(const at::Tensor& p, int64_t dim) {

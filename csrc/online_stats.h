@@ -161,8 +161,8 @@ EA_HOST_DEVICE acc_t at_most(acc_t x, acc_t hi) {
 // Entropy, normalized entropy, sparsity and effective keys are bounded by their value on a uniform
 // row (ln n, 1, 1 and n), which is also where rounding lands them: ln l - t / l of n equal weights
 // can come out a few ulps above ln n, and sum_p2 = u / l^2 one ulp under 1 / n, which gave
-// effective keys above n. They are clamped at those bounds; their gradients (autograd.cpp, the
-// backward's delta) are the unclamped formulas', as the clamp only removes rounding.
+// effective keys above n. They are clamped at those bounds; their gradients (attention_grad.cpp,
+// the backward's delta) are the unclamped formulas', as the clamp only removes rounding.
 template <typename acc_t>
 EA_HOST_DEVICE DerivedStats<acc_t> derive(acc_t entropy, acc_t sum_p2, int64_t n) {
   if (n <= 0) return {entropy, acc_t(0), acc_t(0), acc_t(0)};

@@ -49,6 +49,21 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None, "
       "bool grad_mask=False) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
       "Tensor grad_row_scale, Tensor grad_sinks, Tensor grad_attn_mask)");
+  // The gradients of `attention`'s inputs (query, key, value, and where output_mask asks: the
+  // additive attn_mask, the scale tensor, the sinks; else undefined) from the upstream gradients
+  // of its outputs (absent: 0; the derived statistics' chained into entropy's and sum_p2's) and
+  // what the forward saved: the backward of its autograd function, in `attention_backward` and
+  // ATen ops, for autograd functions in C++ and Python (torch.func) alike.
+  m.def(
+      "attention_grad(Tensor? grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor? grad_sum_p2, Tensor? grad_normalized_entropy, Tensor? grad_sparsity, "
+      "Tensor? grad_effective_keys, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor? scale, Tensor? sinks, Tensor output, Tensor lse, Tensor entropy, Tensor sum_p2, "
+      "Tensor n_keys, Tensor row_scale, Tensor length_factor, bool is_causal, bool return_stats, "
+      "*, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", float softcap=0.0, "
+      "float dropout_p=0.0, SymInt dropout_seed=0, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
+      "bool[3] output_mask=[False, False, False]) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value, Tensor grad_attn_mask, Tensor grad_scale, Tensor grad_sinks)");
   // Attention over packed sequences with the layout of torch.nn.attention.varlen.varlen_attn:
   // query (T, H, D), key and value (Tk, Hkv, D / Dv), int32 cumulative offsets cu_seq_q and
   // cu_seq_k of N + 1 entries, max_q and max_k the longest sequences; causality and windows align
@@ -88,4 +103,7 @@ TORCH_LIBRARY(entropy_attn, m) {
   m.def("entropy(Tensor p, int dim=-1) -> Tensor");
   // l1/l2 sparsity mean|a| / sqrt(mean a^2) along `dim` (seed 003); 0 for an all-zero slice.
   m.def("sparsity(Tensor a, int dim=-1) -> Tensor");
+  // Their backward: grad (the input's shape without dim) times d result / d input.
+  m.def("entropy_backward(Tensor grad, Tensor p, int dim) -> Tensor");
+  m.def("sparsity_backward(Tensor grad, Tensor a, int dim) -> Tensor");
 }

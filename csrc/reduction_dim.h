@@ -13,7 +13,7 @@ inline int64_t checked_reduction_dim(const at::Tensor& x, int64_t dim, const cha
                    name, " must be float32, float64, bfloat16 or float16, got ", t);
   TORCH_CHECK_VALUE(x.dim() >= 1, name, " must have at least one dimension");
   TORCH_CHECK_VALUE(dim >= -x.dim() && dim < x.dim(), "dim must be in [", -x.dim(), ", ",
-                    x.dim() - 1, "] for ", name, " of shape ", x.sizes(), ", got ", dim);
+                    x.dim() - 1, "] for ", name, " of shape ", x.sym_sizes(), ", got ", dim);
   return dim < 0 ? dim + x.dim() : dim;
 }
 

@@ -152,6 +152,27 @@ def test_opcheck_attention_backward(device: str, config: Tuple[str, Tuple[int, .
     torch.library.opcheck(ops.attention_backward.default, backward_args(config, device))
 
 
+@pytest.mark.parametrize("config", BW_CONFIGS, ids=[c[0] for c in BW_CONFIGS])
+def test_opcheck_attention_grad(device: str, config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> None:
+    """opcheck entropy_attn.attention_grad (the autograd functions' backward) on a real forward's
+    outputs, with upstream gradients of every differentiable output and every input gradient asked."""
+    go, gl, ge, gp, q, k, v, mask, o, lse, ent, sp2, rs, causal = backward_args(config, device)
+    _, (B, H, _, Lq, _), _, _, opt = config
+    scale = (torch.rand(B, H, Lq, dtype=q.dtype, device=device) + 0.1) if opt.get("scale") else None
+    res = ops.attention(q, k, v, mask, scale, is_causal=causal, enable_gqa=opt.get("gqa", False))
+    stats = opt.get("stats", False)
+    derived = tuple(torch.randn_like(t) if stats else None for t in res[8:])
+    args = (go, gl, ge, gp, *derived, q, k, v, mask, scale, None, *res[:4], res[5], res[6], res[7], causal, True)
+    torch.library.opcheck(ops.attention_grad.default, args, {"output_mask": [True, True, True]})
+
+
+@pytest.mark.parametrize("name", ["entropy_backward", "sparsity_backward"])
+def test_opcheck_row_reduction_backward(device: str, name: str) -> None:
+    """opcheck the row reductions' backward ops."""
+    x = to_device(torch.softmax(torch.randn(3, 5, 6, dtype=F64), 1), device)
+    torch.library.opcheck(getattr(ops, name).default, (torch.randn_like(x[:, 0]), x, 1))
+
+
 def stats_samples() -> List[Tuple[str, Tuple[Any, ...]]]:
     """Samples for entropy / sparsity (positive probabilities; signed values for sparsity)."""
     torch.manual_seed(2)
@@ -193,6 +214,8 @@ def test_opcheck_length_factor(device: str, mode: str) -> None:
 
 
 ALL_OPS = ("attention", "attention_backward", "entropy", "sparsity", "attention_sparsity", "length_factor")
+# Composites of those (CompositeImplicitAutograd: one kernel for every device and for Meta).
+COMPOSITE_OPS = ("attention_grad", "entropy_backward", "sparsity_backward", "varlen_attention")
 
 
 def test_all_ops_registered(device: str) -> None:
@@ -207,6 +230,8 @@ def test_all_ops_registered(device: str) -> None:
         composite = has(op.name(), "CompositeExplicitAutograd")
         assert composite or has(op.name(), key), f"{name}: no {key} kernel"
         assert composite or has(op.name(), "Meta"), name
+    for name in COMPOSITE_OPS:
+        assert has(getattr(ops, name).default.name(), "CompositeImplicitAutograd"), name
 
 
 def test_import_standalone() -> None:

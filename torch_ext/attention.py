@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from torch_ext import _functorch
+
 _SCALE_MODES = ("logn", "logn_sharpen")
 _MIN_SOFTCAP = torch.finfo(torch.float32).tiny  # the ops' bound (csrc/attention_inputs.cpp: check_pattern_options)
 
@@ -111,7 +113,7 @@ def _finite_float(x: object, name: str) -> float:
     """``x`` as a float, or a TypeError/ValueError naming ``name``."""
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         value = _as_float(x, name, "finite")
-        if not math.isfinite(value):
+        if not -math.inf < value < math.inf:  # (not math.isfinite: a SymFloat under torch.compile)
             raise ValueError(f"{name} must be finite, got {x}")
         return value
     raise TypeError(f"{name} must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(x).__name__}")
@@ -149,7 +151,7 @@ def _pattern_args(
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
         cap = _as_float(softcap, "softcap", "a finite number > 0")
-        if not (math.isfinite(cap) and cap >= _MIN_SOFTCAP):
+        if not _MIN_SOFTCAP <= cap < math.inf:  # (NaN fails it; a SymFloat under torch.compile)
             raise ValueError(
                 f"softcap must be None (no cap) or a finite number >= {_MIN_SOFTCAP:.7g} (the smallest normal "
                 f"float32, in which every kernel computes at least), got {softcap}"
@@ -162,8 +164,18 @@ def _pattern_args(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     seed = 0
     if dropout_p > 0:
+        if torch.jit.is_tracing():
+            # A traced graph would keep this call's seed as a constant: the same dropout mask on
+            # every call of the trace.
+            raise RuntimeError(
+                "torch.jit.trace cannot trace attention dropout (the seed drawn per call would be frozen into "
+                "the trace): trace with dropout_p=0 (the module in eval mode), or use torch.compile / torch.export, "
+                "which draw a fresh seed per call"
+            )
         device = generator.device if generator is not None else "cpu"
-        seed = int(torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device))
+        # .item(), not int(): under torch.export the draw is data-dependent (an unbacked SymInt the
+        # schema takes), which int() would have to specialize.
+        seed = torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device).item()
     return {
         "window_size": [int(left), int(right)],
         "causal_alignment": causal_alignment,
@@ -245,19 +257,12 @@ def attention(
     pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
     return_stats = _flag(return_stats, "return_stats")
     # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
-    res = torch.ops.entropy_attn.attention(
-        query,
-        key,
-        value,
-        attn_mask,
-        scale_tensor,
-        is_causal=_flag(is_causal, "is_causal"),
-        enable_gqa=_flag(enable_gqa, "enable_gqa"),
-        return_stats=return_stats,
-        sinks=sinks,
-        **policy,
-        **pattern,
-    )
+    options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=_flag(enable_gqa, "enable_gqa"),
+                   return_stats=return_stats, **policy, **pattern)
+    if _functorch.transforms_active():
+        res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
+    else:
+        res = torch.ops.entropy_attn.attention(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
     if not return_stats:
         return res[0]
     return res[0], _stats(res)

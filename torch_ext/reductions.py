@@ -2,12 +2,16 @@
 
 import torch
 
+from torch_ext import _functorch
+
 
 def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Shannon entropy ``-sum(p * ln p)`` of normalized weights along ``dim`` (0 ln 0 = 0).
 
     Differentiable; the gradient at entries with ``p == 0`` is taken as 0.
     """
+    if _functorch.transforms_active():
+        return _functorch.row_reduction("entropy", p, dim)
     return torch.ops.entropy_attn.entropy(p, dim)
 
 
@@ -17,4 +21,6 @@ def sparsity(a: torch.Tensor, dim: int = -1) -> torch.Tensor:
     1 for a uniform row, ``1/sqrt(n)`` for a one-hot row; any attention matrix, signed or not.
     An all-zero slice gives 0. Differentiable.
     """
+    if _functorch.transforms_active():
+        return _functorch.row_reduction("sparsity", a, dim)
     return torch.ops.entropy_attn.sparsity(a, dim)

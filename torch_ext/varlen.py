@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from torch_ext import _functorch
 from torch_ext.attention import AttentionStats, _check_tensors, _flag, _pattern_args, _policy_args, _stats
 
 
@@ -70,23 +71,15 @@ def varlen_attention(
     pattern = _pattern_args(window_size, "bottom_right", softcap, dropout_p, generator)
     return_stats = _flag(return_stats, "return_stats")
     del pattern["causal_alignment"]  # always bottom-right within each sequence
-    res = torch.ops.entropy_attn.varlen_attention(
-        query,
-        key,
-        value,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        scale_tensor,
-        seqused_k=seqused_k,
-        is_causal=_flag(is_causal, "is_causal"),
-        enable_gqa=_flag(enable_gqa, "enable_gqa"),
-        return_stats=return_stats,
-        sinks=sinks,
-        **policy,
-        **pattern,
-    )
+    options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=_flag(enable_gqa, "enable_gqa"),
+                   return_stats=return_stats, **policy, **pattern)
+    options["seqused_k"] = seqused_k
+    if _functorch.transforms_active():
+        res = _functorch.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale_tensor, sinks,
+                                          options)
+    else:
+        res = torch.ops.entropy_attn.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                                      scale_tensor, sinks=sinks, **options)
     if not return_stats:
         return res[0]
     return res[0], _stats(res)

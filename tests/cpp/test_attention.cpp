@@ -44,7 +44,8 @@ struct Args {
   bool enable_gqa = false;
 };
 
-// The schema returns (output, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor).
+// The schema returns (output, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+// normalized_entropy, sparsity, effective_keys).
 using AttentionTuple =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -1,0 +1,227 @@
+"""torch.func transforms (grad, vjp, jacrev, vmap of grad) through the ops, and the tracing paths
+that must not freeze or specialize values: torch.compile with dynamic sizes and float arguments,
+torch.export with dropout, torch.jit.trace with dropout (refused).
+
+The ops' autograd is a C++ function, which torch.func cannot transform; under a transform the
+wrappers use Python autograd functions (torch_ext/_functorch.py) whose backward is the same
+registered op. Each gradient here is checked against plain autograd of the same call in float64
+(itself checked against the float64 reference in test_attention_backward.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+from torch.func import functional_call, grad, jacrev, vjp, vmap
+
+import torch_ext
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def rand(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(out: Any) -> Tensor:
+    """A loss that reaches every differentiable output: output and, with statistics, lse,
+    entropy and the statistics derived from entropy and sum_p2."""
+    if isinstance(out, tuple):
+        o, s = out
+        terms = [o.square().sum(), s.lse.sum(), s.entropy.sum(), s.normalized_entropy.sum(), s.sparsity.sum(),
+                 s.effective_keys.sum()]
+        return sum(w * t for w, t in zip((1.0, 0.3, 0.7, 0.2, 0.4, -0.1), terms))
+    return out.square().sum()
+
+
+def autograd_grads(f: Callable[..., Tensor], args: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    return torch.autograd.grad(f(*leaves), leaves)
+
+
+CASES: Dict[str, Dict[str, Any]] = {
+    "plain": {},
+    "causal_stats": dict(is_causal=True, return_stats=True),
+    "gqa_window_softcap": dict(enable_gqa=True, window_size=(2, 1), softcap=3.0, return_stats=True),
+    "logn_sinks": dict(scale="logn", train_length=4, sinks=True, return_stats=True),
+    "float_mask": dict(mask=True, return_stats=True),
+    "scale_tensor": dict(scale_tensor=True, return_stats=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grad_equals_autograd(case: str) -> None:
+    """torch.func.grad with respect to every tensor argument (query, key, value, and the float
+    mask, scale tensor or sinks where the case has one) equals torch.autograd.grad."""
+    kw = dict(CASES[case])
+    H, Hkv = 4, (2 if kw.get("enable_gqa") else 4)
+    args: List[Tensor] = [rand(2, H, 5, 8, seed=1), rand(2, Hkv, 6, 8, seed=2), rand(2, Hkv, 6, 3, seed=3)]
+    names = ["query", "key", "value"]
+    optional = (("mask", "attn_mask", rand(1, H, 5, 6, seed=4)), ("scale_tensor", "scale", rand(H, 1, seed=5).abs()),
+                ("sinks", "sinks", rand(H, seed=6)))
+    for flag, name, t in optional:
+        if kw.pop(flag, False):
+            args.append(t)
+            names.append(name)
+
+    def f(*xs: Tensor) -> Tensor:
+        return loss_of(torch_ext.attention(**dict(kw, **dict(zip(names, xs)))))
+
+    got = grad(f, argnums=tuple(range(len(args))))(*args)
+    for name, g, ref in zip(names, got, autograd_grads(f, tuple(args))):
+        torch.testing.assert_close(g, ref, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_vjp_and_jacrev() -> None:
+    """vjp with cotangents for the output and the statistics, and jacrev of a small call, equal
+    plain autograd's vector-Jacobian products."""
+    q, k, v = rand(1, 2, 3, 4, seed=1), rand(1, 2, 4, 4, seed=2), rand(1, 2, 4, 2, seed=3)
+
+    def f(q: Tensor) -> Tuple[Tensor, Tensor]:
+        out, stats = torch_ext.attention(q, k, v, is_causal=True, return_stats=True)
+        return out, stats.entropy
+
+    outs, pullback = vjp(f, q)
+    cot = (rand(*outs[0].shape, seed=7), rand(*outs[1].shape, seed=8))
+    (got,) = pullback(cot)
+    leaf = q.clone().requires_grad_()
+    ref_out, ref_ent = f(leaf)
+    (ref,) = torch.autograd.grad((ref_out, ref_ent), leaf, cot)
+    torch.testing.assert_close(got, ref, **TOL)
+
+    jac = jacrev(lambda q: torch_ext.attention(q, k, v))(q)
+    ref_jac = torch.autograd.functional.jacobian(lambda q: torch_ext.attention(q, k, v), q)
+    torch.testing.assert_close(jac, ref_jac, **TOL)
+
+
+def test_per_sample_grads_of_the_module() -> None:
+    """vmap(grad(...)) over a batch (per-sample gradients, as with torch.nn.MultiheadAttention)
+    equals one autograd call per sample."""
+    torch.manual_seed(0)
+    mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True, scale="logn", train_length=4, dtype=F64)
+    params = {n: p.detach() for n, p in mha.named_parameters()}
+    x = rand(3, 5, 8, seed=1)
+
+    def loss(p: Dict[str, Tensor], xi: Tensor) -> Tensor:
+        out = functional_call(mha, p, (xi[None], xi[None], xi[None]), {"need_weights": False, "is_causal": False})
+        return out[0].square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(x.shape[0]):
+        mha.zero_grad()
+        loss(dict(mha.named_parameters()), x[i]).backward()
+        for n, p in mha.named_parameters():
+            torch.testing.assert_close(per_sample[n][i], p.grad, **TOL, msg=lambda m, n=n: f"sample {i}, {n}: {m}")
+
+
+def test_varlen_grad_equals_autograd() -> None:
+    """torch.func.grad through varlen_attention (packed documents, GQA, a (T, H) scale tensor, sinks,
+    statistics) equals torch.autograd.grad; with seqused_k (inference-only) it raises."""
+    lengths = [3, 5, 2]
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    T, H, Hkv = sum(lengths), 4, 2
+    args = (rand(T, H, 8, seed=1), rand(T, Hkv, 8, seed=2), rand(T, Hkv, 3, seed=3), rand(T, 1, seed=4).abs(),
+            rand(H, seed=5))
+
+    def f(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, sinks: Tensor) -> Tensor:
+        return loss_of(torch_ext.varlen_attention(q, k, v, cu, cu, 5, 5, scale=scale, sinks=sinks, is_causal=True,
+                                                  enable_gqa=True, return_stats=True))
+
+    got = grad(f, argnums=(0, 1, 2, 3, 4))(*args)
+    for name, g, ref in zip(("query", "key", "value", "scale", "sinks"), got, autograd_grads(f, args)):
+        torch.testing.assert_close(g, ref, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+    used = torch.tensor([2, 5, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seqused_k is inference-only"):
+        grad(lambda q: torch_ext.varlen_attention(q, args[1], args[2], cu, cu, 5, 5, seqused_k=used,
+                                                  enable_gqa=True).sum())(args[0])
+
+
+@pytest.mark.parametrize("name", ["entropy", "sparsity"])
+def test_row_reductions_under_transforms(name: str) -> None:
+    """grad and vmap(grad) through torch_ext.entropy / sparsity equal plain autograd."""
+    fn = getattr(torch_ext, name)
+    x = rand(3, 6, seed=1).softmax(-1)
+    ref = autograd_grads(lambda x: fn(x, 0).square().sum(), (x,))[0]
+    torch.testing.assert_close(grad(lambda x: fn(x, 0).square().sum())(x), ref, **TOL)
+    rows = vmap(grad(lambda r: fn(r).square().sum()))(x)
+    for i in range(x.shape[0]):
+        torch.testing.assert_close(rows[i], autograd_grads(lambda r: fn(r).square().sum(), (x[i],))[0], **TOL)
+
+
+# --- tracing that must not freeze or specialize values ------------------------------------------
+@pytest.mark.parametrize("name", ["entropy", "sparsity"])
+def test_row_reductions_compile_dynamic_sizes(name: str) -> None:
+    """The row reductions' Meta kernel keeps sizes symbolic: torch.compile(dynamic=True) compiles
+    once for every size, and torch.export takes a dynamic dim (the sizes were constants)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fn = getattr(torch_ext, name)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: fn(p), fullgraph=True, dynamic=True, backend=counter)
+    for n in (5, 9, 12):
+        p = torch.rand(3, n).softmax(-1).requires_grad_()
+        out = compiled(p)
+        torch.testing.assert_close(out, fn(p))
+        out.sum().backward()
+    assert counter.frame_count == 1
+
+    class M(torch.nn.Module):
+        def forward(self, p: Tensor) -> Tensor:
+            return fn(p)
+
+    ep = torch.export.export(M(), (torch.rand(3, 5),), dynamic_shapes={"p": {1: torch.export.Dim("n", min=2)}})
+    p = torch.rand(3, 11).softmax(-1)
+    torch.testing.assert_close(ep.module()(p), fn(p))
+
+
+def test_compile_float_arguments_from_sizes_and_attributes() -> None:
+    """A float scale or softcap computed from a size or read from a module attribute (a SymFloat
+    under dynamic=True) compiles with fullgraph=True, as SDPA's scale does (math.isfinite refused
+    SymFloats)."""
+    q, k, v = rand(1, 2, 5, 8, seed=1), rand(1, 2, 5, 8, seed=2), rand(1, 2, 5, 8, seed=3)
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch_ext.attention(q, k, v, scale=1 / math.sqrt(q.size(-1)), softcap=4.0 * math.sqrt(q.size(-1)))
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, dynamic=True)(q, k, v), f(q, k, v), **TOL)
+    mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True, scale=0.3, dtype=F64)
+    x = rand(2, 5, 8, seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x), mha(x, x, x, need_weights=False)[0], **TOL)
+
+
+def test_export_with_dropout_draws_a_seed_per_call() -> None:
+    """torch.export (non-strict, its default) of a module with attention dropout works, as with
+    SDPA and torch.nn.MultiheadAttention (int() of the drawn seed was a data-dependent guard),
+    and the exported program draws a fresh mask per call."""
+    mha = torch_ext.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True).train()
+    x = torch.randn(2, 5, 16)
+    ep = torch.export.export(mha, (x, x, x), {"need_weights": False})
+    first, second = ep.module()(x, x, x, need_weights=False)[0], ep.module()(x, x, x, need_weights=False)[0]
+    assert first.shape == (2, 5, 16) and not torch.equal(first, second)
+
+
+def test_jit_trace_refuses_dropout() -> None:
+    """torch.jit.trace would freeze the drawn dropout seed into the trace (the same mask on every
+    call): it raises, naming the ways that work; without dropout tracing works."""
+    class SelfAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch_ext.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    model, x = SelfAttention(), torch.randn(2, 5, 16)
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot trace attention dropout"):
+        torch.jit.trace(model.train(), (x,))
+    traced = torch.jit.trace(model.eval(), (x,))
+    torch.testing.assert_close(traced(x), model(x))

@@ -198,6 +198,52 @@ def test_mismatched_ranks_fail_on_every_rank() -> None:
     assert all("ranks' calls differ" in m for m in messages), messages
 
 
+def _bad_calls_rank(rank: int, world: int) -> list[str]:
+    """One process group through calls that are invalid on one rank, differ between ranks, or are
+    invalid on every rank, then a valid one: "<error type>: <message>" per call."""
+    q = torch.randn(1, 2, 4, 8)
+    short = q[:, :, :2]
+    narrow = torch.randn(1, 2, 4, 4)
+    calls = [
+        lambda: cp.context_parallel_attention(q, short if rank == 1 else q, short if rank == 1 else q),
+        lambda: cp.context_parallel_attention(q, narrow if rank == 1 else q, q),  # key head dim (the op's check)
+        lambda: cp.context_parallel_attention(q, q, q, temperature=3.0 if rank == 1 else 1.0),
+        lambda: cp.context_parallel_attention(q, q, q, scale="logn", train_length=64 if rank == 1 else 32),
+        lambda: cp.context_parallel_attention(q, q.double(), q.double()),  # invalid on every rank
+        lambda: cp.context_parallel_attention(q, q, q, is_causal="False"),
+        lambda: cp.context_parallel_attention(q, q, q, is_causal=True),
+    ]
+    results = []
+    for call in calls:
+        try:
+            out = call()
+            results.append(f"ok: finite {bool(out.isfinite().all())}")
+        except (TypeError, ValueError) as e:
+            results.append(f"{type(e).__name__}: {e}")
+    return results
+
+
+def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
+    """A call invalid on one rank raises there (its own error) and on the others (naming the rank)
+    before any transfer: the others hung in the check, or, for key and value shapes it did not
+    compare, crashed in gloo or returned rows computed from uninitialized buffers. Calls whose scale
+    options differ raise naming the option (each rank computed its rows of another attention). A
+    call invalid everywhere raises everywhere and leaves no transfer posted, so the group's next
+    call works (it deadlocked)."""
+    ranks = run_ranks(2, _bad_calls_rank)
+    for rank, results in enumerate(ranks):
+        invalid_elsewhere = "ValueError: context_parallel_attention: the call of rank(s) [1] is invalid"
+        assert results[0].startswith("ValueError: query, key and value must hold the same rows" if rank == 1
+                                     else invalid_elsewhere), results[0]
+        assert results[1].startswith("ValueError: query and key must have the same head_dim" if rank == 1
+                                     else invalid_elsewhere), results[1]
+        assert "calls differ (temperature: rank 0: 1.0, rank 1: 3.0)" in results[2], results[2]
+        assert "calls differ (train_length: rank 0: 32.0, rank 1: 64.0)" in results[3], results[3]
+        assert results[4].startswith("TypeError: query, key and value must have the same dtype"), results[4]
+        assert results[5] == "TypeError: is_causal must be a bool, got str", results[5]
+        assert results[6] == "ok: finite True", results[6]
+
+
 def test_shard_and_unshard_are_inverse_and_balance_causal_work() -> None:
     """shard_sequence / unshard_sequence round-trip, and with load balancing every rank's rows sum
     the same causal key counts."""

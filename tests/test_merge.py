@@ -166,3 +166,24 @@ def test_merge_rejects_malformed_arguments() -> None:
         merge_attention_states([o], [(z,)])
     with pytest.raises(ValueError, match=r"outputs\[1\]"):
         merge_attention_states([o, torch.zeros(1, 1, 3, 4)], [st, st])
+
+
+def test_merge_rejects_statistics_that_are_not_the_rows() -> None:
+    """Every per-row statistic must have the rows' shape: a broadcastable one (an entropy of
+    (B, 1, Lq) for (B, H, Lq) rows) merged silently wrong; n_keys must count, shards share a dtype."""
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    o1, s1 = torch_ext.attention(q, k[:, :, :3], v[:, :, :3], return_stats=True)
+    o2, s2 = torch_ext.attention(q, k[:, :, 3:], v[:, :, 3:], return_stats=True)
+    merge_attention_states([o1, o2], [s1, s2])  # well-formed
+    cases = [
+        (ValueError, r"stats\[1\]\.entropy has shape \(1, 1, 3\)", [o1, o2], [s1, s2._replace(entropy=s2.entropy[:, :1])]),
+        (ValueError, r"stats\[1\]\.effective_keys", [o1, o2], [s1, s2._replace(effective_keys=s2.effective_keys[0])]),
+        (TypeError, r"stats\[0\]\.n_keys must be an integer", [o1, o2], [s1._replace(n_keys=s1.n_keys.float()), s2]),
+        (ValueError, r"stats\[1\]\.lse is torch\.float64", [o1, o2],
+         [s1, s2._replace(lse=s2.lse.double(), entropy=s2.entropy.double())]),
+        (ValueError, r"outputs\[1\] is torch\.float64", [o1, o2.double()], [s1, s2]),
+        (TypeError, r"outputs\[1\] must be a Tensor", [o1, o2.tolist()], [s1, s2]),
+    ]
+    for error, message, outputs, stats in cases:
+        with pytest.raises(error, match=message):
+            merge_attention_states(outputs, stats)

@@ -20,14 +20,16 @@ Works with any backend that has point-to-point operations (gloo on CPU, NCCL on 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+import struct
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torch_ext import monitor as _monitor
-from torch_ext.attention import AttentionStats, _policy_args
+from torch_ext.attention import AttentionStats, _flag, _policy_args
 from torch_ext.merge import RowState, derived_stats, merge_row_states
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as codes in the same-call check
@@ -81,16 +83,52 @@ def global_positions(local_len: int, group: dist.ProcessGroup | None = None, *,
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
 
 
-def _check_same_call(shapes: Sequence[int], group: dist.ProcessGroup | None, world: int, device: torch.device) -> None:
-    """Raises the same ValueError on every rank when the ranks' calls differ (shapes, flags), instead
-    of letting them hang in mismatched transfers."""
-    mine = torch.tensor(list(shapes), dtype=torch.int64, device=device)
+def _from_bits(bits: int) -> float:
+    """The inverse of :func:`_float_bits`."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _collective_device(query: Any, group: dist.ProcessGroup | None) -> torch.device:
+    """Where this rank's check tensors live: query's device, or for a call without a tensor query
+    the device the group's backend communicates on."""
+    if isinstance(query, torch.Tensor):
+        return query.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _float_bits(x: float) -> int:
+    """The bits of float64 ``x`` as an int64, for comparing floats exactly across ranks."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _check_same_call(error: BaseException | None, signature: Sequence[int], group: dist.ProcessGroup | None,
+                     world: int, device: torch.device) -> None:
+    """Every rank reaches this (collective) before any transfer. It raises on every rank when a
+    rank's call is invalid (that rank its own ``error``, the others a ValueError naming it) or when
+    the ranks' calls differ (``signature``: shapes, dtypes, device, flags, the scale policy), instead
+    of letting the other ranks hang in the ring's transfers or compute rows of another attention."""
+    mine = torch.tensor([int(error is not None), *signature], dtype=torch.int64, device=device)
+    # (a rank whose call is too malformed to sign sends a flagged zero signature of the same size)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    if any(not torch.equal(e, every[0]) for e in every):
-        table = ", ".join(f"rank {r}: {e.tolist()}" for r, e in enumerate(every))
-        raise ValueError("context_parallel_attention: the ranks' calls differ (batch, heads, kv heads, local "
-                         f"length, head dims, dtype, flags): {table}")
+    failed = [r for r, e in enumerate(every) if e[0] != 0]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"context_parallel_attention: the call of rank(s) {failed} is invalid (see the error there); "
+                         "every rank stops")
+    rows = [e[1:].tolist() for e in every]
+    differ = [i for i in range(len(_SIGNATURE)) if any(row[i] != rows[0][i] for row in rows)]
+    if differ:
+        def show(i: int, v: int) -> object:
+            return _from_bits(v) if _SIGNATURE[i] in _FLOAT_FIELDS and v != -1 else v
+
+        table = "; ".join(f"{_SIGNATURE[i]}: " + ", ".join(f"rank {r}: {show(i, row[i])}" for r, row in enumerate(rows))
+                          for i in differ)
+        raise ValueError(f"context_parallel_attention: the ranks' calls differ ({table}); every rank must pass the "
+                         "same shapes, dtypes and options")
 
 
 def _exchange(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, rank: int,
@@ -104,6 +142,17 @@ def _exchange(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, 
     ops = [dist.P2POp(dist.isend, t.contiguous(), g_nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, g_prv, group) for b in recv]
     return recv, dist.batch_isend_irecv(ops)
+
+
+@contextlib.contextmanager
+def _completing(pending: tuple[list[torch.Tensor], list[Any]] | None) -> Iterator[None]:
+    """Waits for the transfers of ``pending`` (from :func:`_exchange`) after the block, also when
+    it raises: requests left posted would pair with the next call's transfers."""
+    try:
+        yield
+    finally:
+        for req in pending[1] if pending is not None else ():
+            req.wait()
 
 
 def _pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
@@ -137,17 +186,16 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world
             pending = _exchange([k_cur, v_cur], group, rank, world) if step < world - 1 else None
             k_parts, v_parts = k_cur.chunk(per, 2), v_cur.chunk(per, 2)
-            for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), causal):
-                res = torch.ops.entropy_attn.attention(
-                    q_parts[qi], k_parts[ki], v_parts[ki], None, lam_parts[qi], is_causal=diag,
-                    enable_gqa=q.shape[1] != k.shape[1], return_stats=True)
-                # The output in the accumulate type while blocks merge: rounded to q's dtype once.
-                state = RowState(res[0].to(res[1].dtype), res[1], res[2], res[3], res[4], res[5])
-                running[qi] = state if running[qi] is None else merge_row_states([running[qi], state])
+            with _completing(pending):
+                for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), causal):
+                    res = torch.ops.entropy_attn.attention(
+                        q_parts[qi], k_parts[ki], v_parts[ki], None, lam_parts[qi], is_causal=diag,
+                        enable_gqa=q.shape[1] != k.shape[1], return_stats=True)
+                    # The output in the accumulate type while blocks merge: rounded to q's dtype once.
+                    state = RowState(res[0].to(res[1].dtype), res[1], res[2], res[3], res[4], res[5])
+                    running[qi] = state if running[qi] is None else merge_row_states([running[qi], state])
             if pending is not None:
-                (k_cur, v_cur), requests = pending
-                for req in requests:
-                    req.wait()
+                k_cur, v_cur = pending[0]
         merged = [s if s is not None else _empty_state(qp, v) for s, qp in zip(running, q_parts)]
         out, lse, ent, sum_p2, max_w, n = (torch.cat(field, 2) for field in zip(*merged))
         out = out.to(q.dtype)
@@ -178,19 +226,18 @@ class _RingAttention(torch.autograd.Function):
             pending = _exchange([k_cur, v_cur], group, rank, world) if step < world - 1 else None
             k_parts, v_parts = k_cur.chunk(per, 2), v_cur.chunk(per, 2)
             dk_parts, dv_parts = dk_cur.chunk(per, 2), dv_cur.chunk(per, 2)
-            for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), ctx.causal):
-                qp, lp, op, lsep, entp, p2p, gop = (r[qi] for r in rows)
-                g = [None if gr is None else gr[qi].contiguous() for gr in grads]
-                dqp, dkp, dvp, dlp, _, _ = torch.ops.entropy_attn.attention_backward(
-                    gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag)
-                dq[qi] += dqp
-                dlam[qi] += dlp
-                dk_parts[ki].add_(dkp)  # views of dk_cur, dv_cur
-                dv_parts[ki].add_(dvp)
+            with _completing(pending):
+                for qi, ki, diag in _pairs(q_chunks, _chunks(src, world, load_balance), ctx.causal):
+                    qp, lp, op, lsep, entp, p2p, gop = (r[qi] for r in rows)
+                    g = [None if gr is None else gr[qi].contiguous() for gr in grads]
+                    dqp, dkp, dvp, dlp, _, _ = torch.ops.entropy_attn.attention_backward(
+                        gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag)
+                    dq[qi] += dqp
+                    dlam[qi] += dlp
+                    dk_parts[ki].add_(dkp)  # views of dk_cur, dv_cur
+                    dv_parts[ki].add_(dvp)
             if pending is not None:
-                (k_cur, v_cur), requests = pending
-                for req in requests:
-                    req.wait()
+                k_cur, v_cur = pending[0]
             # The block's accumulators follow it to the next rank; after the last step they reach
             # the block's owner (a ring of one holds its own).
             if world > 1:
@@ -231,8 +278,10 @@ def context_parallel_attention(
     Args:
         query, key, value: this rank's rows, (B, H, L/P, D), (B, Hkv, L/P, D), (B, Hkv, L/P, Dv),
             as :func:`shard_sequence` cuts the full tensors (query and key sharded alike: self
-            attention over one sequence). Every rank must pass the same shapes and options; if
-            they differ, every rank raises ValueError.
+            attention over one sequence). Every rank must pass the same shapes, dtypes and
+            options; if they differ, every rank raises a ValueError naming the difference, and a
+            call that is invalid on one rank raises on every rank (there its own error), before
+            any transfer.
         is_causal: causal masking over the global positions (load balanced: see the module).
         scale: as :func:`torch_ext.attention`: ``None`` (1/sqrt(D)), a float, ``"logn"`` /
             ``"logn_sharpen"`` (from each row's global n_i), or a tensor broadcastable to
@@ -251,23 +300,24 @@ def context_parallel_attention(
         single-device call on the full tensors to rounding, gradients included.
     """
     rank, world = _world(group)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, local length, dim)")
-    if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
-        raise ValueError("query, key and value must hold the same rows of one sequence (self attention), got "
-                         f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
-    per = 2 if load_balance else 1
-    if query.shape[2] % per != 0:
-        raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
-    dtype_code = _DTYPES.index(query.dtype) if query.dtype in _DTYPES else -1
-    _check_same_call([*query.shape, key.shape[1], value.shape[3], dtype_code, int(is_causal), int(load_balance)],
-                     group, world, query.device)
+    error: BaseException | None = None
+    signature = [0] * _SIGNATURE_LEN
+    lam = None
+    try:
+        is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
+        signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,
+                                enable_gqa, load_balance)
+        lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
+                         total=query.shape[2] * world)
+        # The op's own checks of this rank's block (dtypes, head dims, GQA, the scale), on the Meta
+        # device: no rank starts a transfer for a call the op would refuse.
+        meta = [t.to("meta") for t in (query, key, value, lam)]
+        torch.ops.entropy_attn.attention(*meta[:3], None, meta[3], is_causal=is_causal,
+                                         enable_gqa=query.shape[1] != key.shape[1], return_stats=True)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    _check_same_call(error, signature, group, world, _collective_device(query, group))
 
-    lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
-                     total=query.shape[2] * world)
     out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
                                                            load_balance)
     recording = _monitor.is_recording()
@@ -283,6 +333,60 @@ def context_parallel_attention(
         positions = global_positions(query.shape[2], group, load_balance=load_balance, device=query.device)
         _monitor.record(stats, module, positions)
     return (out, stats) if return_stats else out
+
+
+# What _local_call returns, by name (dtypes as indices of _DTYPES, the device type 0 cpu / 1 cuda,
+# the scale mode an index of fixed / logn / logn_sharpen; floats by their bits, -1 none).
+_SIGNATURE = (
+    *(f"{t}.shape[{d}]" for t in ("query", "key", "value") for d in range(4)),
+    "query dtype", "key dtype", "value dtype", "device", "is_causal", "load_balance",
+    "scale mode", "temperature", "train_length", "float scale or scale_factor",
+    *(f"scale tensor shape[{d}]" for d in range(3)),
+)
+_FLOAT_FIELDS = ("temperature", "train_length", "float scale or scale_factor")
+_SIGNATURE_LEN = len(_SIGNATURE)
+
+
+def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: object, train_length: object,
+                scale_factor: object, is_causal: bool, enable_gqa: bool, load_balance: bool) -> list[int]:
+    """The checks of this rank's call that need no other rank (TypeError / ValueError naming the
+    argument), and its signature for :func:`_check_same_call`: the shapes, dtypes and device of
+    query, key and value, the flags, and the scale policy (floats by their bits)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, local length, dim)")
+    if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
+        raise ValueError("query, key and value must hold the same rows of one sequence (self attention), got "
+                         f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")
+    if query.shape[1] != key.shape[1] and not _flag(enable_gqa, "enable_gqa"):
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
+    if load_balance and query.shape[2] % 2 != 0:
+        raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
+    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+    codes = [_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1 for t in (query, key, value)]
+    device = query.device.type
+    codes.append(["cpu", "cuda"].index(device) if device in ("cpu", "cuda") else -1)
+    factor = policy["scale_factor"]
+    policy_codes = [
+        ("fixed", "logn", "logn_sharpen").index(policy["scale_mode"]),
+        _float_bits(policy["temperature"]),
+        _float_bits(policy["log_base"]),
+        -1 if factor is None else _float_bits(factor),  # a float scale or scale_factor
+    ]
+    return [*query.shape, *key.shape, *value.shape, *codes, int(is_causal), int(load_balance), *policy_codes,
+            *_row_tensor_shape(scale_tensor, query)]
+
+
+def _row_tensor_shape(t: torch.Tensor | None, query: torch.Tensor) -> list[int]:
+    """The shape of the scale tensor (``scale``, or ``scale_factor`` of the log-n policies)
+    left-padded to (B, H, L/P), [-1, -1, -1] for none: the ranks' shapes must agree (its values are
+    each rank's own rows)."""
+    if t is None:
+        return [-1, -1, -1]
+    if t.dim() > 3:
+        raise ValueError(f"the scale tensor of shape {tuple(t.shape)} does not broadcast to (B, H, L/P) = "
+                         f"{tuple(query.shape[:3])}")
+    return [1] * (3 - t.dim()) + list(t.shape)
 
 
 def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,

@@ -116,14 +116,7 @@ def merge_attention_states(
         raise ValueError(f"outputs and stats must have the same length, got {len(outputs)} and {len(stats)}")
     if not outputs:
         raise ValueError("merge_attention_states needs at least one shard")
-    shape = tuple(outputs[0].shape)
-    for i, (o, s) in enumerate(zip(outputs, stats)):
-        if not isinstance(s, AttentionStats):
-            raise TypeError(f"stats[{i}] must be an AttentionStats, got {type(s).__name__}")
-        if tuple(o.shape) != shape:
-            raise ValueError(f"outputs[{i}] has shape {tuple(o.shape)}, outputs[0] {shape}")
-        if tuple(s.lse.shape) != shape[:-1]:
-            raise ValueError(f"stats[{i}].lse has shape {tuple(s.lse.shape)}, expected {shape[:-1]}")
+    _check_shards(outputs, stats)
     states = [
         RowState(o, s.lse, s.entropy, _sum_p2(s), s.max_weight, s.n_keys) for o, s in zip(outputs, stats)
     ]
@@ -139,6 +132,48 @@ def merge_attention_states(
         n_keys=m.n_keys,
         scale=stats[0].scale,
     )
+
+
+# The per-row fields of AttentionStats that the merge reads (scale is passed through).
+_ROW_FIELDS = ("lse", "entropy", "effective_keys", "max_weight", "n_keys")
+
+
+def _check_shards(outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStats]) -> None:
+    """TypeError / ValueError naming the argument for shards that are not one row set's results:
+    every output of one shape, dtype and device; every per-row statistic of the rows' shape (a
+    broadcastable one would merge silently wrong), floating in one dtype, n_keys integer."""
+    first = outputs[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"outputs[0] must be a Tensor, got {type(first).__name__}")
+    shape, rows = tuple(first.shape), tuple(first.shape[:-1])
+    stat_dtype = None
+    for i, (o, s) in enumerate(zip(outputs, stats)):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"outputs[{i}] must be a Tensor, got {type(o).__name__}")
+        if not isinstance(s, AttentionStats):
+            raise TypeError(f"stats[{i}] must be an AttentionStats, got {type(s).__name__}")
+        if tuple(o.shape) != shape:
+            raise ValueError(f"outputs[{i}] has shape {tuple(o.shape)}, outputs[0] {shape}")
+        if o.dtype != first.dtype or o.device != first.device:
+            raise ValueError(f"outputs[{i}] is {o.dtype} on {o.device}, outputs[0] {first.dtype} on {first.device}")
+        for field in _ROW_FIELDS:
+            t = getattr(s, field)
+            name = f"stats[{i}].{field}"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != rows:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {rows} (outputs' rows)")
+            if t.device != first.device:
+                raise ValueError(f"{name} is on {t.device}, outputs[0] on {first.device}")
+            if field == "n_keys":
+                if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                    raise TypeError(f"{name} must be an integer tensor (key counts), got {t.dtype}")
+            elif not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            elif stat_dtype is None:
+                stat_dtype = t.dtype
+            elif t.dtype != stat_dtype:
+                raise ValueError(f"{name} is {t.dtype}, stats[0].lse {stat_dtype}: shards of one call share a dtype")
 
 
 def _sum_p2(s: AttentionStats) -> torch.Tensor:

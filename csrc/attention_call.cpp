@@ -4,7 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
-#include <ATen/ops/isneginf.h>
+#include <ATen/ops/isinf.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -230,9 +230,10 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
     delta = delta + 2 * c.g_sum_p2 * c.sum_p2;
     dp = dp + 2 * c.g_sum_p2 * p_sink;
   }
-  // A sink without weight (-inf) gets no gradient (and no 0 * inf); a NaN sink gets NaN.
-  const at::Tensor ds = at::where(at::isneginf(sink) | (p_sink == 0), at::zeros_like(p_sink),
-                                  p_sink * (dp - delta));
+  // A sink without weight (-inf) gets no gradient (and no 0 * inf), nor one with all of it (+inf:
+  // p_sink = 1 whatever its logit, where exp(inf - inf) is NaN); a NaN sink gets NaN.
+  const at::Tensor ds =
+      at::where(at::isinf(sink) | (p_sink == 0), at::zeros_like(p_sink), p_sink * (dp - delta));
   return ds.sum(at::IntArrayRef{0, 2});
 }
 

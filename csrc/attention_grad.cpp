@@ -3,6 +3,7 @@
 // they trace under torch.compile and run under torch.func transforms.
 #include "attention_grad.h"
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/isneginf.h>
 #include <ATen/ops/log.h>
@@ -13,6 +14,11 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "attention_call.h"
 #include "reduction_dim.h"
@@ -57,11 +63,48 @@ std::pair<at::Tensor, at::Tensor> statistic_grads(const OptTensor& grad_entropy,
   return {g_entropy, g_sum_p2};
 }
 
+// The row tensors attention_grad takes beyond attention_backward's (which checks the rest): n_keys
+// (integer), length_factor and the derived statistics' gradients, all of lse's shape and device.
+void check_saved_rows(const at::Tensor& lse, const at::Tensor& n_keys,
+                      const at::Tensor& length_factor,
+                      std::initializer_list<std::pair<const char*, OptTensor>> grads) {
+  auto check = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK_VALUE(t.sym_sizes() == lse.sym_sizes(), name, " must have lse's shape ",
+                      lse.sym_sizes(), ", got ", t.sym_sizes());
+    TORCH_CHECK_VALUE(t.device() == lse.device(), name, " must be on lse's device (", lse.device(),
+                      "), got ", t.device());
+  };
+  check("n_keys", n_keys);
+  TORCH_CHECK_TYPE(at::isIntegralType(n_keys.scalar_type(), /*includeBool=*/false),
+                   "n_keys must be an integer tensor, got ", n_keys.scalar_type());
+  check("length_factor", length_factor);
+  for (const auto& [name, g] : grads) {
+    if (!g.has_value()) continue;
+    check(name, *g);
+    TORCH_CHECK_TYPE(g->is_floating_point(), name, " must be a floating-point tensor, got ",
+                     g->scalar_type());
+  }
+  TORCH_CHECK_TYPE(length_factor.is_floating_point(),
+                   "length_factor must be a floating-point tensor, got ",
+                   length_factor.scalar_type());
+}
+
 // d result / d x of a row reduction along `dim`, evaluated in float32 at least, times grad.
 template <at::Tensor (*LocalGrad)(const at::Tensor&, int64_t)>
 at::Tensor row_reduction_backward(const at::Tensor& grad, const at::Tensor& x, int64_t dim,
                                   const char* name) {
   const int64_t d = checked_reduction_dim(x, dim, name);
+  std::vector<c10::SymInt> rows = x.sym_sizes().vec();
+  rows.erase(rows.begin() + d);
+  TORCH_CHECK_VALUE(grad.sym_sizes() == c10::SymIntArrayRef(rows), "grad must have shape ",
+                    c10::SymIntArrayRef(rows), " (", name, "'s without dim ", d, "), got ",
+                    grad.sym_sizes());
+  TORCH_CHECK_VALUE(grad.device() == x.device(), "grad must be on ", name, "'s device (",
+                    x.device(), "), got ", grad.device());
+  TORCH_CHECK_TYPE(grad.is_floating_point(), "grad must be a floating-point tensor, got ",
+                   grad.scalar_type());
+  // An empty slice has a constant result (0): no gradient, and no reduction over it below.
+  if (x.sym_size(d) == 0) return at::zeros_like(x);
   const at::Tensor xa = x.to(at::promote_types(x.scalar_type(), at::kFloat));
   const at::Tensor g = grad.unsqueeze(d).to(xa.scalar_type());
   return (g * LocalGrad(xa, d)).to(x.scalar_type());
@@ -101,6 +144,28 @@ AttentionInputGrads attention_grad(
     c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
     double dropout_p, c10::SymInt dropout_seed, const OptTensor& cu_seq_q,
     const OptTensor& cu_seq_k, std::array<bool, 3> output_mask) {
+  // (the derived statistics' gradients only with statistics: a forward without them returned
+  // them empty, and traced backwards pass empty gradients for them)
+  using NamedGrad = std::pair<const char*, OptTensor>;
+  check_saved_rows(
+      lse, n_keys, length_factor,
+      return_stats
+          ? std::initializer_list<NamedGrad>{{"grad_normalized_entropy", grad_normalized_entropy},
+                                             {"grad_sparsity", grad_sparsity},
+                                             {"grad_effective_keys", grad_effective_keys}}
+          : std::initializer_list<NamedGrad>{});
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(at::is_expandable_to(scale->sym_sizes(), lse.sym_sizes()),
+                      "scale tensor of shape ", scale->sym_sizes(), " does not broadcast to lse's ",
+                      lse.sym_sizes());
+    TORCH_CHECK_VALUE(scale->device() == lse.device(), "scale must be on lse's device (",
+                      lse.device(), "), got ", scale->device());
+  }
+  TORCH_CHECK_VALUE(
+      !sinks.has_value() ||
+          (sinks->dim() == 1 && lse.dim() == 3 && sinks->sym_size(0) == lse.sym_size(1)),
+      "sinks must have shape (heads,) = (", lse.sym_sizes().at(std::min<size_t>(1, lse.dim() - 1)),
+      ",), got ", sinks.has_value() ? sinks->sym_sizes() : c10::SymIntArrayRef{});
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, return_stats, window_size,
       causal_alignment, softcap, dropout_p, std::move(dropout_seed));

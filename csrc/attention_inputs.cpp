@@ -285,8 +285,14 @@ SymAttentionShape check_attention_backward_inputs(
                     ", got ", grad_output.sym_sizes(), " and ", output.sym_sizes());
   TORCH_CHECK_VALUE(grad_output.device() == query.device() && output.device() == query.device(),
                     "grad_output and output must be on query's device (", query.device(), ")");
+  TORCH_CHECK_TYPE(grad_output.is_floating_point() && output.is_floating_point(),
+                   "grad_output and output must be floating-point tensors, got ",
+                   grad_output.scalar_type(), " and ", output.scalar_type());
   const std::vector<c10::SymInt> row_sizes{sh.batch, sh.heads, sh.q_len};
   auto check_row_stat = [&](const at::Tensor& t, const char* name) {
+    // (an integer row_scale would make an integer, truncated grad_row_scale)
+    TORCH_CHECK_TYPE(t.is_floating_point(), name, " must be a floating-point tensor, got ",
+                     t.scalar_type());
     TORCH_CHECK_VALUE(t.sym_sizes() == c10::SymIntArrayRef(row_sizes), name, " must have shape ",
                       c10::SymIntArrayRef(row_sizes), ", got ", t.sym_sizes());
     TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <string_view>
 
 #include "attention_inputs.h"
@@ -35,8 +36,13 @@ at::Tensor length_factor_op(const at::Tensor& n_keys, c10::string_view scale_mod
                    "n_keys must be an integer tensor, got ", n_keys.scalar_type());
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble,
                    "dtype must be torch.float32 or torch.float64, got ", dtype);
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
-                    "temperature must be a finite number > 0, got ", temperature);
+  // (as attention's check: a finite inverse, in float32 for a float32 result)
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0 && std::isfinite(1 / temperature),
+                    "temperature must be a finite number > 0 with a finite inverse, got ",
+                    temperature);
+  TORCH_CHECK_VALUE(dtype != at::kFloat || 1 / temperature <= std::numeric_limits<float>::max(),
+                    "temperature must be at least 1 / FLT_MAX for a float32 length factor, got ",
+                    temperature);
   TORCH_CHECK_VALUE(std::isfinite(log_base) && log_base > 1,
                     "log_base must be a finite number > 1, got ", log_base);
   const auto opts = n_keys.options().dtype(dtype);

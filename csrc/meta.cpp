@@ -39,18 +39,40 @@ at::Tensor attention_sparsity_meta(const at::Tensor& query, const at::Tensor& ke
 
 // The gradients have the shapes of the inputs they belong to. No shape checks here, unlike the
 // forward's Meta kernel: the backward runs under dynamic shapes (symbolic sizes) when torch.compile
-// traces it, and its inputs come from a forward that was checked.
+// traces it, and its inputs come from a forward that was checked. The devices are checked: one
+// Meta tensor among CPU or CUDA ones dispatches here, and would get uninitialized gradients.
 AttentionBackwardOutputs attention_backward_meta(
-    const at::Tensor& /*grad_output*/, const std::optional<at::Tensor>& /*grad_lse*/,
-    const std::optional<at::Tensor>& /*grad_entropy*/,
-    const std::optional<at::Tensor>& /*grad_sum_p2*/, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-    const at::Tensor& /*output*/, const at::Tensor& /*lse*/, const at::Tensor& /*entropy*/,
-    const at::Tensor& /*sum_p2*/, const at::Tensor& row_scale, bool /*is_causal*/,
-    c10::IntArrayRef /*window_size*/, c10::string_view /*causal_alignment*/, double /*softcap*/,
-    const std::optional<at::Tensor>& sinks, double /*dropout_p*/, c10::SymInt /*dropout_seed*/,
-    const std::optional<at::Tensor>& /*cu_seq_q*/, const std::optional<at::Tensor>& /*cu_seq_k*/,
-    const std::optional<at::Tensor>& /*seqused_k*/, bool grad_mask) {
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_sum_p2,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
+    const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
+    bool /*is_causal*/, c10::IntArrayRef /*window_size*/, c10::string_view /*causal_alignment*/,
+    double /*softcap*/, const std::optional<at::Tensor>& sinks, double /*dropout_p*/,
+    c10::SymInt /*dropout_seed*/, const std::optional<at::Tensor>& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
+    bool grad_mask) {
+  const std::pair<const char*, std::optional<at::Tensor>> tensors[] = {
+      {"grad_output", grad_output},
+      {"grad_lse", grad_lse},
+      {"grad_entropy", grad_entropy},
+      {"grad_sum_p2", grad_sum_p2},
+      {"key", key},
+      {"value", value},
+      {"attn_mask", attn_mask},
+      {"output", output},
+      {"lse", lse},
+      {"entropy", entropy},
+      {"sum_p2", sum_p2},
+      {"row_scale", row_scale},
+      {"sinks", sinks},
+      {"cu_seq_q", cu_seq_q},
+      {"cu_seq_k", cu_seq_k},
+      {"seqused_k", seqused_k}};
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK_VALUE(!t.has_value() || t->device() == query.device(), name,
+                      " must be on query's device (", query.device(), "), got ", t->device());
+  }
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   check_grad_mask(attn_mask, grad_mask);
   return {at::empty_like(query, at::MemoryFormat::Contiguous),

@@ -216,3 +216,53 @@ def test_stats_ops_bad_inputs(device: str, name: str, fn: Callable[..., Tensor])
         fn(torch.rand(3, 4, device=device), dim=2)
     with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
         fn(torch.rand(3, 4, device=device), dim=-3)
+
+
+def _backward_args() -> Dict[str, Any]:
+    """Valid arguments of attention_backward / attention_grad from a real float32 forward."""
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    res = torch.ops.entropy_attn.attention(q, k, v, return_stats=True)
+    return dict(q=q, k=k, v=v, out=res[0], lse=res[1], ent=res[2], p2=res[3], n=res[5], rs=res[6], lf=res[7])
+
+
+def test_backward_ops_name_bad_arguments() -> None:
+    """The backward ops called directly check what they are given, naming it: one Meta tensor among
+    CPU ones (the Meta kernel returned uninitialized gradients), integer saved rows (an integer
+    row_scale gave a truncated integer gradient), attention_grad's own row tensors (broadcast
+    silently, or ATen errors naming nothing) and the row reductions' upstream gradient."""
+    a = _backward_args()
+    ops = torch.ops.entropy_attn
+
+    def backward(**over: Any) -> Any:
+        x = {**a, **over}
+        return ops.attention_backward(torch.ones_like(x["out"]), None, None, None, x["q"], x["k"], x["v"], None,
+                                      x["out"], x["lse"], x["ent"], x["p2"], x["rs"], False)
+
+    def grad(**over: Any) -> Any:
+        x = {**a, **over}
+        return ops.attention_grad(torch.ones_like(x["out"]), None, None, None, x.get("g_norm"), x.get("g_sp"), None,
+                                  x["q"], x["k"], x["v"], None, x.get("scale"), x.get("sinks"), x["out"], x["lse"],
+                                  x["ent"], x["p2"], x["n"], x["rs"], x["lf"], False, True,
+                                  output_mask=[False, True, True])
+
+    backward(), grad()  # control: valid
+    cases: list[Tuple[type, str, Callable[[], Any]]] = [
+        (ValueError, "lse must be on query's device", lambda: backward(lse=a["lse"].to("meta"))),
+        (TypeError, "row_scale must be a floating-point tensor", lambda: backward(rs=a["rs"].long())),
+        (ValueError, "grad_sparsity must have lse's shape", lambda: grad(g_sp=torch.ones(5))),
+        (ValueError, "grad_normalized_entropy must have lse's shape", lambda: grad(g_norm=torch.ones(1))),
+        (TypeError, "n_keys must be an integer tensor", lambda: grad(n=a["n"].float())),
+        (ValueError, "length_factor must have lse's shape", lambda: grad(lf=a["lf"][:, :1])),
+        (ValueError, "scale tensor of shape .* does not broadcast", lambda: grad(scale=torch.ones(7))),
+        (ValueError, r"sinks must have shape \(heads,\)", lambda: grad(sinks=torch.zeros(2, 3))),
+        (ValueError, r"grad must have shape \[2\]", lambda: ops.entropy_backward(torch.ones(1), torch.rand(2, 3), 1)),
+        (ValueError, "grad must be on p's device", lambda: ops.entropy_backward(torch.ones(2, device="meta"),
+                                                                              torch.rand(2, 3), 1)),
+        (ValueError, "temperature must be at least 1 / FLT_MAX",
+         lambda: torch_ext.length_factor(torch.arange(4), temperature=1e-300)),
+        (ValueError, "temperature must be a finite number > 0 with a finite inverse",
+         lambda: ops.length_factor(torch.arange(4), "logn", 1e-320, 512.0, dtype=torch.float64)),
+    ]
+    for error, message, fn in cases:
+        with pytest.raises(error, match=message):
+            fn()

@@ -425,3 +425,17 @@ def test_huge_window_bounds_are_unbounded(device: str) -> None:
                 n = stats.n_keys
             assert (n == 6).all(), (window, align)
             torch.testing.assert_close(out, full[0], msg=lambda s: f"{window} {align}: {s}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sink_of_plus_infinity_takes_every_weight(device: str) -> None:
+    """A sink of +inf holds the whole weight: output 0, and no gradient reaches the sink or the keys
+    (its gradient was exp(inf - inf) = NaN)."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (rand(1, 2, L, 8, gen=g, device=device).requires_grad_() for L in (4, 6, 6))
+    sinks = torch.tensor([float("inf"), 0.5], dtype=F64, device=device, requires_grad=True)
+    res = ops.attention(q, k, v, sinks=sinks, return_stats=True)
+    assert torch.isfinite(res[0]).all() and (res[0][:, 0] == 0).all()
+    grads = torch.autograd.grad(res[0].square().sum() + res[2].sum(), (q, k, v, sinks))
+    assert all(torch.isfinite(gr).all() for gr in grads)
+    assert grads[3][0] == 0 and (grads[0][:, 0] == 0).all() and grads[3][1] != 0

@@ -1,6 +1,6 @@
 // CPU kernels of the row-reduction ops on a given attention matrix: entropy (of normalized
-// weights) and the l1/l2 sparsity of seed 003. Rows are reduced in the accumulate type (float for
-// 16-bit inputs), in parallel over rows.
+// weights) and the l1/l2 sparsity of seed 003. Rows are reduced with terms in the accumulate type
+// (float for 16-bit inputs) summed in double, in parallel over rows.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -39,10 +39,12 @@ at::Tensor reduce_rows(const at::Tensor& x, int64_t dim, const char* name, Reduc
   return out;
 }
 
+// The terms are evaluated in the input's accumulate type and summed in double: a running float32
+// sum of 2^20 terms drifts by 0.6% (a uniform row's entropy came out above ln n).
 at::Tensor entropy_cpu(const at::Tensor& p, int64_t dim) {
   return reduce_rows(p, dim, "p", [](const auto* x, int64_t n) {
     using acc_t = at::opmath_type<std::remove_cv_t<std::remove_pointer_t<decltype(x)>>>;
-    acc_t h = 0;
+    double h = 0;
     for (int64_t j = 0; j < n; ++j) h += entropy_term(static_cast<acc_t>(x[j]));
     return h;
   });
@@ -54,9 +56,9 @@ at::Tensor sparsity_cpu(const at::Tensor& a, int64_t dim) {
     acc_t abs_max = 0;
     for (int64_t j = 0; j < n; ++j) abs_max = std::max(abs_max, std::abs(static_cast<acc_t>(x[j])));
     const acc_t d = sparsity_divisor(abs_max);
-    acc_t l1 = 0, l2 = 0;
+    double l1 = 0, l2 = 0;
     for (int64_t j = 0; j < n; ++j) {
-      const acc_t v = std::abs(static_cast<acc_t>(x[j])) / d;
+      const double v = std::abs(static_cast<acc_t>(x[j])) / d;
       l1 += v;
       l2 += v * v;
     }

@@ -31,9 +31,11 @@ void check_max_len(const at::Tensor& cu, const c10::SymInt& max, const char* cu_
   const at::Tensor c = cu.to(at::kCPU).contiguous();  // a strided view's values are not at p + d
   const int32_t* p = c.const_data_ptr<int32_t>();
   for (int64_t d = 0; d + 1 < c.numel(); ++d) {
-    TORCH_CHECK_VALUE(p[d + 1] - p[d] <= max_len, max_name, " = ", max_len,
-                      " is smaller than sequence ", d, " of ", cu_name, ", of length ",
-                      p[d + 1] - p[d]);
+    // (in int64: the difference of two int32 offsets may not fit int32; bad offsets are
+    // reported by the documents' own check)
+    const int64_t length = static_cast<int64_t>(p[d + 1]) - p[d];
+    TORCH_CHECK_VALUE(length <= max_len, max_name, " = ", max_len, " is smaller than sequence ", d,
+                      " of ", cu_name, ", of length ", length);
   }
 }
 

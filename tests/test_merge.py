@@ -183,6 +183,7 @@ def test_merge_rejects_statistics_that_are_not_the_rows() -> None:
          [s1, s2._replace(lse=s2.lse.double(), entropy=s2.entropy.double())]),
         (ValueError, r"outputs\[1\] is torch\.float64", [o1, o2.double()], [s1, s2]),
         (TypeError, r"outputs\[1\] must be a Tensor", [o1, o2.tolist()], [s1, s2]),
+        (TypeError, r"outputs\[0\] must be a floating-point tensor", [o1.long(), o2.long()], [s1, s2]),
     ]
     for error, message, outputs, stats in cases:
         with pytest.raises(error, match=message):

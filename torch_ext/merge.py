@@ -154,6 +154,8 @@ def _check_shards(outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStat
             raise TypeError(f"stats[{i}] must be an AttentionStats, got {type(s).__name__}")
         if tuple(o.shape) != shape:
             raise ValueError(f"outputs[{i}] has shape {tuple(o.shape)}, outputs[0] {shape}")
+        if not o.is_floating_point():
+            raise TypeError(f"outputs[{i}] must be a floating-point tensor, got {o.dtype}")
         if o.dtype != first.dtype or o.device != first.device:
             raise ValueError(f"outputs[{i}] is {o.dtype} on {o.device}, outputs[0] {first.dtype} on {first.device}")
         for field in _ROW_FIELDS:

@@ -15,8 +15,6 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -25,10 +23,6 @@
 
 namespace entropy_attn {
 namespace {
-
-std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
 
 // The upstream gradients of entropy and sum_p2 with those of the statistics derived from them
 // chained in (docs/math.md section 3): normalized entropy H / ln n adds g / ln n to g_H;
@@ -64,29 +58,33 @@ std::pair<at::Tensor, at::Tensor> statistic_grads(const OptTensor& grad_entropy,
 }
 
 // The row tensors attention_grad takes beyond attention_backward's (which checks the rest): n_keys
-// (integer), length_factor and the derived statistics' gradients, all of lse's shape and device.
+// (integer), length_factor and, with statistics, the derived statistics' gradients, all of lse's
+// shape and device (without statistics those outputs were empty, and traced backwards pass empty
+// gradients for them: not used, not checked).
 void check_saved_rows(const at::Tensor& lse, const at::Tensor& n_keys,
-                      const at::Tensor& length_factor,
-                      std::initializer_list<std::pair<const char*, OptTensor>> grads) {
-  auto check = [&](const char* name, const at::Tensor& t) {
+                      const at::Tensor& length_factor, bool return_stats, const OptTensor& g_norm,
+                      const OptTensor& g_sparsity, const OptTensor& g_eff) {
+  auto check = [&](const char* name, const at::Tensor& t, bool floating) {
     TORCH_CHECK_VALUE(t.sym_sizes() == lse.sym_sizes(), name, " must have lse's shape ",
                       lse.sym_sizes(), ", got ", t.sym_sizes());
     TORCH_CHECK_VALUE(t.device() == lse.device(), name, " must be on lse's device (", lse.device(),
                       "), got ", t.device());
+    TORCH_CHECK_TYPE(
+        floating ? t.is_floating_point()
+                 : at::isIntegralType(t.scalar_type(), /*includeBool=*/false),
+        name,
+        floating ? " must be a floating-point tensor, got " : " must be an integer tensor, got ",
+        t.scalar_type());
   };
-  check("n_keys", n_keys);
-  TORCH_CHECK_TYPE(at::isIntegralType(n_keys.scalar_type(), /*includeBool=*/false),
-                   "n_keys must be an integer tensor, got ", n_keys.scalar_type());
-  check("length_factor", length_factor);
+  check("n_keys", n_keys, /*floating=*/false);
+  check("length_factor", length_factor, /*floating=*/true);
+  if (!return_stats) return;
+  const std::pair<const char*, const OptTensor*> grads[] = {{"grad_normalized_entropy", &g_norm},
+                                                            {"grad_sparsity", &g_sparsity},
+                                                            {"grad_effective_keys", &g_eff}};
   for (const auto& [name, g] : grads) {
-    if (!g.has_value()) continue;
-    check(name, *g);
-    TORCH_CHECK_TYPE(g->is_floating_point(), name, " must be a floating-point tensor, got ",
-                     g->scalar_type());
+    if (g->has_value()) check(name, **g, /*floating=*/true);
   }
-  TORCH_CHECK_TYPE(length_factor.is_floating_point(),
-                   "length_factor must be a floating-point tensor, got ",
-                   length_factor.scalar_type());
 }
 
 // d result / d x of a row reduction along `dim`, evaluated in float32 at least, times grad.
@@ -144,16 +142,8 @@ AttentionInputGrads attention_grad(
     c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
     double dropout_p, c10::SymInt dropout_seed, const OptTensor& cu_seq_q,
     const OptTensor& cu_seq_k, std::array<bool, 3> output_mask) {
-  // (the derived statistics' gradients only with statistics: a forward without them returned
-  // them empty, and traced backwards pass empty gradients for them)
-  using NamedGrad = std::pair<const char*, OptTensor>;
-  check_saved_rows(
-      lse, n_keys, length_factor,
-      return_stats
-          ? std::initializer_list<NamedGrad>{{"grad_normalized_entropy", grad_normalized_entropy},
-                                             {"grad_sparsity", grad_sparsity},
-                                             {"grad_effective_keys", grad_effective_keys}}
-          : std::initializer_list<NamedGrad>{});
+  check_saved_rows(lse, n_keys, length_factor, return_stats, grad_normalized_entropy, grad_sparsity,
+                   grad_effective_keys);
   if (scale.has_value()) {
     TORCH_CHECK_VALUE(at::is_expandable_to(scale->sym_sizes(), lse.sym_sizes()),
                       "scale tensor of shape ", scale->sym_sizes(), " does not broadcast to lse's ",
@@ -161,11 +151,12 @@ AttentionInputGrads attention_grad(
     TORCH_CHECK_VALUE(scale->device() == lse.device(), "scale must be on lse's device (",
                       lse.device(), "), got ", scale->device());
   }
+  // (before the view below; attention_backward checks the rest of the sinks)
   TORCH_CHECK_VALUE(
       !sinks.has_value() ||
           (sinks->dim() == 1 && lse.dim() == 3 && sinks->sym_size(0) == lse.sym_size(1)),
-      "sinks must have shape (heads,) = (", lse.sym_sizes().at(std::min<size_t>(1, lse.dim() - 1)),
-      ",), got ", sinks.has_value() ? sinks->sym_sizes() : c10::SymIntArrayRef{});
+      "sinks must have shape (heads,), one per head of lse (of shape ", lse.sym_sizes(), "), got ",
+      sinks.has_value() ? sinks->sym_sizes() : c10::SymIntArrayRef{});
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, return_stats, window_size,
       causal_alignment, softcap, dropout_p, std::move(dropout_seed));

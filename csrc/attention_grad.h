@@ -13,6 +13,11 @@
 
 namespace entropy_attn {
 
+// An optional tensor from a possibly undefined one (autograd passes absent gradients undefined).
+inline OptTensor defined_or_null(const at::Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
 // (grad_query, grad_key, grad_value, grad_attn_mask, grad_scale, grad_sinks); the last three are
 // undefined where output_mask (mask, scale, sinks) does not ask for them or the input is absent.
 using AttentionInputGrads =

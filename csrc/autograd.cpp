@@ -18,10 +18,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::optional<at::Tensor> defined_or_null(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // The forward's options that the backward needs, kept in the context's saved_data.
 void save_options(AutogradContext* ctx, const AttentionOptions& o) {
   ctx->saved_data["return_stats"] = o.return_stats;

@@ -27,13 +27,6 @@ def transforms_active() -> bool:
 _NON_DIFFERENTIABLE = slice(4, 8)  # max_weight, n_keys, row_scale, length_factor
 
 
-def _output_mask(ctx: Any, attn_mask: Optional[torch.Tensor], scale: Optional[torch.Tensor],
-                 sinks: Optional[torch.Tensor]) -> list[bool]:
-    """attention_grad's output_mask: which of the mask, scale and sinks want a gradient."""
-    return [attn_mask is not None and ctx.needs_input_grad[3], scale is not None and ctx.needs_input_grad[4],
-            sinks is not None and ctx.needs_input_grad[5]]
-
-
 def _grad_args(grads: tuple) -> tuple:
     """The upstream gradients attention_grad takes: output, lse, entropy, sum_p2, normalized
     entropy, sparsity and effective keys (the outputs 0-3 and 8-10)."""
@@ -67,11 +60,13 @@ class _Attention(torch.autograd.Function):
             ctx.saved_tensors
         )
         o = ctx.options
+        # which of the mask, scale and sinks (inputs 3-5) want a gradient
+        output_mask = [t is not None and ctx.needs_input_grad[i] for i, t in ((3, attn_mask), (4, scale), (5, sinks))]
         dq, dk, dv, dmask, dscale, dsinks = _ops.attention_grad(
             *_grad_args(grads), query, key, value, attn_mask, scale, sinks, out, lse, entropy, sum_p2, n_keys,
             row_scale, factor, o["is_causal"], o["return_stats"], window_size=o["window_size"],
             causal_alignment=o["causal_alignment"], softcap=o["softcap"], dropout_p=o["dropout_p"],
-            dropout_seed=o["dropout_seed"], output_mask=_output_mask(ctx, attn_mask, scale, sinks),
+            dropout_seed=o["dropout_seed"], output_mask=output_mask,
         )
         return dq, dk, dv, dmask, dscale, dsinks, None
 

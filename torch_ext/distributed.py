@@ -302,7 +302,6 @@ def context_parallel_attention(
     rank, world = _world(group)
     error: BaseException | None = None
     signature = [0] * _SIGNATURE_LEN
-    lam = None
     try:
         is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
         signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,

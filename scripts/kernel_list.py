@@ -37,6 +37,13 @@ GENCODE = "gencode"
 # compile it once, from the lowest of them, and assemble it for each (share_ptx): one cicc pass
 # instead of one per architecture, and the same machine code.
 PTX_CHANGES_AT = "ptx_changes_at"
+# `min_arch = 80`: the lowest compute capability the family is selected on (csrc/cuda/family.cpp).
+# Below it the family's device code is another program: CuTe compiles its SM80 atoms (mma.sync,
+# cp.async, ldmatrix) to a printf and a trap where __CUDA_ARCH__ < 800. So share_ptx never assembles
+# a target at or above it from a PTX below it: it is a change like those of `ptx_changes_at` (a list
+# "7.5;8.0;8.6" once built sm_80's and sm_86's machine code of every sm80 forward from compute_75,
+# all traps).
+MIN_ARCH = "min_arch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +95,8 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
     spec = _spec(path)
     families: dict[str, list[Instantiation]] = {}
     for family, entry in spec.items():
-        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, PTX_CHANGES_AT, *FLAGS}
+        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, PTX_CHANGES_AT, MIN_ARCH,
+                                *FLAGS}
         if unknown:
             raise ValueError(f"{path}: [{family}] has unknown keys {sorted(unknown)}")
         for dtype in entry["dtypes"]:
@@ -191,9 +199,14 @@ def gencode_units() -> dict[Path, str]:
     return {p: f"-gencode={folders[p.parent]}" for p in translation_units() if p.parent in folders}
 
 
+def min_archs(path: Path = LIST) -> dict[str, int]:
+    """family -> its `min_arch`, for the families that declare one."""
+    return {family: int(entry[MIN_ARCH]) for family, entry in _spec(path).items() if MIN_ARCH in entry}
+
+
 def ptx_changes(path: Path = LIST) -> dict[tuple[str, str], tuple[int, ...]]:
     """(family, direction) -> the sorted compute capabilities at which its device code changes, for
-    the families that declare them (`ptx_changes_at`)."""
+    the families that declare them (`ptx_changes_at`), the family's `min_arch` among them."""
     spec = _spec(path)
     changes: dict[tuple[str, str], tuple[int, ...]] = {}
     for family, entry in spec.items():
@@ -202,8 +215,9 @@ def ptx_changes(path: Path = LIST) -> dict[tuple[str, str], tuple[int, ...]]:
             continue
         if GENCODE in entry or set(declared) != set(entry["directions"]):
             raise ValueError(f"{path}: [{family}] {PTX_CHANGES_AT} needs one list per direction, and no {GENCODE}")
+        floor = {int(entry[MIN_ARCH])} if MIN_ARCH in entry else set()
         for direction, capabilities in declared.items():
-            changes[(family, direction)] = tuple(sorted(int(c) for c in capabilities))
+            changes[(family, direction)] = tuple(sorted({int(c) for c in capabilities} | floor))
     return changes
 
 

@@ -240,6 +240,105 @@ def test_torch_compile_fullgraph() -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_model_does_not_recompile_for_recording_steps() -> None:
+    """A compiled model stepped under monitor.step compiles once: the monitor registers no global
+    module hooks (it registered some on every recorded step, which changed Dynamo's guards: a
+    recompilation per recorded step, 11 graphs in 20 steps, until Dynamo's limit)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net("logn").float()
+    compiled = torch.compile(model, backend="eager")
+    monitor = torch_ext.AttentionEntropyMonitor(model, every=2)
+    x, pad = batch(dtype=torch.float32)
+    for step in range(6):
+        with monitor.step(step):
+            compiled(x, pad).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_names_follow_replaced_and_added_layers() -> None:
+    """Layers replaced or added after the monitor's first recorded step are named by their own
+    module paths (the names were read once: a replaced layer took the root's name, and layers of
+    other head counts pooled into one record raised)."""
+    model = Net().double()
+    x, pad = batch()
+    monitor = torch_ext.AttentionEntropyMonitor(model, every=1)
+    with monitor.step(0):
+        model(x, pad)
+    model.layers[1] = Block(2, "logn").double()
+    model.layers.append(Block(3).double())
+    with monitor.step(1):
+        model(x, pad)
+    assert sorted({r["layer"] for r in monitor.latest}) == ["layers.0.attn", "layers.1.attn", "layers.2.attn"]
+    assert max(r["head"] for r in monitor.latest if r["layer"] == "layers.2.attn") == 2
+
+
+def test_threads() -> None:
+    """A monitor records its own thread's calls only (another thread running a part of the same
+    model under replace_sdpa is not named in its records), and one monitor recording on two threads
+    at once raises instead of mixing their calls."""
+    import threading
+
+    class SDPALayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(E, 3 * E)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.proj(x).unflatten(-1, (3, 4, E // 4)).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = SDPALayer(), SDPALayer()
+
+    model = Two()
+    x = torch.randn(2, 16, E)
+    monitor = torch_ext.AttentionEntropyMonitor(model, every=1)
+    stop, errors, seen = threading.Event(), [], set()
+
+    def other() -> None:
+        try:
+            with torch.no_grad(), torch_ext.replace_sdpa():
+                while not stop.is_set():
+                    model.dec(x)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        for step in range(30):
+            with monitor.step(step), torch_ext.replace_sdpa():
+                model.enc(x)
+            seen |= {r["layer"] for r in monitor.latest}
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors and seen == {"enc"}
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with monitor.step(100):
+            entered.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(RuntimeError, match="recording a step on another thread"):
+            with monitor.step(200):
+                pass
+    finally:
+        release.set()
+        holder.join()
+
+
 # --- torch.distributed ------------------------------------------------------------------------
 def _ddp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     import torch.distributed as dist

@@ -15,8 +15,9 @@ import csv
 import json
 import math
 import os
+import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -296,33 +297,21 @@ def record(
         m._add(stats, module, positions, rows)
 
 
-@dataclass
-class _ModuleTracker:
-    """Tracks the innermost running module of a model through global forward hooks."""
-
-    names: Dict[int, str]
-    stack: List[str] = field(default_factory=list)
-    handles: List[Any] = field(default_factory=list)
-
-    def __enter__(self) -> "_ModuleTracker":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            name = self.names.get(id(module))
+def _running_module(names: Dict[int, str]) -> Optional[str]:
+    """The path of the innermost module of the model whose method runs on this thread: from the
+    caller up, the first frame whose ``self`` is one of the model's modules (``names``: id -> path).
+    A frame walk, on recorded calls only, rather than global forward hooks: those changed what
+    torch.compile guards on at every recorded step (a recompilation each time) and saw every
+    thread's modules."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            name = names.get(id(frame.f_locals.get("self")))
             if name is not None:
-                self.stack.append(name)
-
-        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if id(module) in self.names and self.stack:
-                self.stack.pop()
-
-        self.handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles, self.stack = [], []
+                return name
+        frame = frame.f_back
+    return None
 
 
 class AttentionEntropyMonitor:
@@ -393,7 +382,7 @@ class AttentionEntropyMonitor:
         self._names: Optional[Dict[int, str]] = None
         self._unnamed: Dict[int, str] = {}
         self._anonymous_calls = 0
-        self._tracker: Optional[_ModuleTracker] = None
+        self._busy = threading.Lock()  # held while a step records (by one thread at a time)
         self._step_counter = 0
         self._cm: Optional[contextlib.AbstractContextManager] = None
 
@@ -430,18 +419,23 @@ class AttentionEntropyMonitor:
     @contextlib.contextmanager
     def _recording(self, step: int) -> Iterator[None]:
         _ensure_idle()
-        self._layers, self._anonymous_calls = {}, 0
-        _state.monitor = self
-        tracker = contextlib.nullcontext()
-        if self.model is not None:
-            tracker = self._tracker = _ModuleTracker(self._module_names())
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this AttentionEntropyMonitor is recording a step on another thread: give each thread its own "
+                "monitor (one step's statistics cannot mix two threads' calls)"
+            )
         try:
-            with tracker:
+            # The module names are read anew each recorded step: layers replaced or added since the
+            # last one get their own paths.
+            self._layers, self._anonymous_calls, self._names = {}, 0, None
+            _state.monitor = self
+            try:
                 yield
+            finally:
+                _state.monitor = None
+            self._flush(step)
         finally:
-            _state.monitor = None
-            self._tracker = None
-        self._flush(step)
+            self._busy.release()
 
     def _module_names(self) -> Dict[int, str]:
         if self._names is None:
@@ -451,12 +445,13 @@ class AttentionEntropyMonitor:
 
     # --- recording ----------------------------------------------------------------------------
     def _layer_name(self, module: Optional[torch.nn.Module]) -> str:
-        if module is not None and self.model is not None:
-            name = self._module_names().get(id(module))
+        if self.model is not None:
+            names = self._module_names()
+            name = names.get(id(module)) if module is not None else None
+            if name is None:
+                name = _running_module(names)
             if name is not None:
                 return name
-        if self._tracker is not None and self._tracker.stack:
-            return self._tracker.stack[-1]
         if module is not None:  # no model: name modules by class and first appearance
             return self._unnamed.setdefault(id(module), f"{type(module).__name__}.{len(self._unnamed)}")
         self._anonymous_calls += 1  # no module: by call order within the step

@@ -163,6 +163,27 @@ def test_state_dict_compatible() -> None:
     assert isinstance(torch_ext.nn.MultiheadAttention(E, H), torch.nn.MultiheadAttention)
 
 
+def test_head_scale_from_the_meta_device() -> None:
+    """Built on the meta device, a learnable-scale module gets head_scale = 1 from a strict
+    ``load_state_dict(torch's, assign=True)`` (it stayed on the meta device, and the forward raised)
+    and from ``to_empty()`` + ``_reset_parameters()`` (it held whatever memory to_empty gave)."""
+    for kw in ({}, {"kdim": 5, "vdim": 7}):
+        ref = torch.nn.MultiheadAttention(E, H, batch_first=True, **kw)
+        with torch.device("meta"):
+            ours = torch_ext.nn.MultiheadAttention(E, H, batch_first=True, learnable_scale=True, **kw)
+        ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
+        assert all(not p.is_meta for p in ours.parameters())
+        assert torch.equal(ours.head_scale, torch.ones(H))
+        x, kv = torch.randn(2, 3, E), torch.randn(2, 4, kw.get("kdim", E))
+        v = torch.randn(2, 4, kw.get("vdim", E))
+        torch.testing.assert_close(ours(x, kv, v, need_weights=False)[0], ref(x, kv, v, need_weights=False)[0])
+    with torch.device("meta"):
+        ours = torch_ext.nn.MultiheadAttention(E, H, learnable_scale=True, dtype=torch.float64)
+    ours.to_empty(device="cpu")
+    ours._reset_parameters()
+    assert torch.equal(ours.head_scale, torch.ones(H, dtype=torch.float64))
+
+
 def plain_mha(
     m: torch.nn.MultiheadAttention, x: torch.Tensor, allowed: torch.Tensor, scale_of_n: Any, head_scale: Any = None
 ) -> torch.Tensor:

@@ -93,6 +93,14 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             f"learnable_scale={self.head_scale is not None}"
         )
 
+    def _reset_parameters(self) -> None:
+        """torch's initialization, and ``head_scale`` at 1 (``to_empty()`` after meta-device
+        construction leaves it uninitialized, as every parameter)."""
+        super()._reset_parameters()
+        if getattr(self, "head_scale", None) is not None:  # (torch's __init__ calls this before it exists)
+            with torch.no_grad():
+                self.head_scale.fill_(1.0)
+
     def _load_from_state_dict(
         self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool, missing_keys: list,
         unexpected_keys: list, error_msgs: list,
@@ -104,6 +112,12 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         )
         if absent and key in missing_keys:  # a torch.nn.MultiheadAttention state_dict: keep the init
             missing_keys.remove(key)
+            # Built on the meta device and loaded with assign=True: there is no init to keep, so the
+            # init value (1), where the projections just loaded are (the submodules load after this).
+            loaded = [p for name, p in self._parameters.items() if name != "head_scale" and p is not None]
+            if self.head_scale.is_meta and loaded and not loaded[0].is_meta:
+                w = loaded[0]
+                self.head_scale = torch.nn.Parameter(torch.ones(self.num_heads, device=w.device, dtype=w.dtype))
 
     def forward(  # type: ignore[override]
         self,

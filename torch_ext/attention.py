@@ -172,6 +172,13 @@ def _pattern_args(
                 "the trace): trace with dropout_p=0 (the module in eval mode), or use torch.compile / torch.export, "
                 "which draw a fresh seed per call"
             )
+        if not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Likewise a CUDA graph: every replay would drop the same weights.
+            raise RuntimeError(
+                "attention dropout cannot be captured in a CUDA graph (the seed drawn per call would be frozen into "
+                "the graph: every replay would drop the same weights): capture with dropout_p=0 (the module in eval "
+                "mode), or run the training step uncaptured"
+            )
         device = generator.device if generator is not None else "cpu"
         # .item(), not int(): under torch.export the draw is data-dependent (an unbacked SymInt the
         # schema takes), which int() would have to specialize.

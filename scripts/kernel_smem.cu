@@ -28,6 +28,10 @@ void print_kernels() {
     std::printf("entropy_attn::cuda::fallback::attention_bwd_kernel<%s, %d, true> %zu\n", t, kD,
                 ea::BwdLayout<T, kD>::kBytes);
   }
+  if constexpr (ea::kHasCompactBackward<T, kD>) {  // for GPUs of 99 KB per block
+    std::printf("entropy_attn::cuda::fallback::attention_bwd_compact_kernel<%s, %d> %zu\n", t, kD,
+                ea::CompactBwdLayout<T, kD>::kBytes);
+  }
   std::printf("entropy_attn::cuda::fallback::attention_sparsity_kernel<%s, %d> %zu\n", t, kD,
               ea::SparsityLayout<T, kD>::kBytes);
 }

@@ -1642,6 +1642,81 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
         assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference"
 
 
+@real_cuda
+def test_cuda_graph_capture() -> None:
+    """A dense call captured in a CUDA graph replays as the eager call (no host synchronization in
+    it), with statistics; with dropout the capture raises instead of freezing one call's seed into
+    the graph (every replay would drop the same weights)."""
+    q, k, v = (cuda(t) for t in make_qkv(2, 4, 2, 200, 300, 64, dtype=torch.bfloat16))
+    call = lambda: torch_ext.attention(q, k, v, is_causal=True, enable_gqa=True, scale="logn",  # noqa: E731
+                                       return_stats=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs asks
+        eager = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    q.copy_(q * 0.5)
+    eager = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1].entropy, eager[1].entropy)
+    with pytest.raises(RuntimeError, match="attention dropout cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch_ext.attention(q, k, v, enable_gqa=True, dropout_p=0.1)
+
+
+#: The shared memory per block of sm_86/89/120 (RTX 30-50 series, A10, L4, L40): 99 KB.
+SMALL_GPU_SMEM = 101376
+#: Calls as such a GPU runs them (dtype, head_dim, v_head_dim, Lq, Lk, the op's keyword arguments as
+#: TC_FEATURES): the 16-bit backward at head dims 129-256 in the fallback's compact tiles (Gemma's
+#: 256 with softcap + window, DeepSeek's 192 / 128), at 128 in the fallback (the sm80 backward's
+#: 165 KB do not fit), at 64 in the sm80 backward (97 KB).
+SMALL_GPU_CASES: Dict[str, Tuple[torch.dtype, int, int, int, int, Dict[str, Any]]] = {
+    "bf16_d256_softcap_window": (torch.bfloat16, 256, 256, 150, 150,
+                                 {"is_causal": True, "softcap": 30.0, "window_size": (60, 0)}),
+    "f16_d192_dv128_mask": (torch.float16, 192, 128, 70, 90, {"mask": "additive"}),
+    "bf16_d128_causal": (torch.bfloat16, 128, 128, 150, 150, {"is_causal": True}),
+    "bf16_d64_sinks": (torch.bfloat16, 64, 64, 100, 130, {"sinks": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SMALL_GPU_CASES))
+def test_gpu_of_99KB_per_block(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Run as a GPU of 99 KB per block runs them (ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK, on any larger
+    GPU), forward and backward match the float64 reference, the backward of head dims 129-256 in the
+    fallback's compact kernel (its tiles of 32 rows need 156 KB); the float32 backward at 256, which
+    needs 107 KB in any tiles, raises naming the shared memory. (Dry run: the CPU op.)"""
+    dtype, D, Dv, Lq, Lk, spec = SMALL_GPU_CASES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", str(SMALL_GPU_SMEM))
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
+    torch.manual_seed(11)
+    q, k, v = make_qkv(1, 4, 2, Lq, Lk, D, dtype=dtype, Dv=Dv)
+    sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
+    out = OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=leaves[3] if sinks is not None else None,
+             return_stats=True, **kw)
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
+                                sinks=rin[3] if sinks is not None else None, **kw)
+    assert_matches_reference(out, r, dtype, True)
+    go, ge = torch.randn_like(out[0]), torch.randn_like(out[2])
+    grads: list = []
+    compact = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), "fallback",
+                             "attention_bwd_compact_kernel")
+    assert DRY_RUN or bool(compact) == (max(D, Dv) > 128), compact
+    ref_grads = grads_of([r.output, r.entropy], [go.cpu(), ge.cpu()], rin)
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference"
+    if not DRY_RUN and case == "bf16_d256_softcap_window":
+        q32 = cuda(q.float()).requires_grad_()
+        o = OP(q32, cuda(k.float()), cuda(v.float()), None, None, enable_gqa=True, **kw)[0]
+        with pytest.raises(RuntimeError, match="shared memory per block, but CUDA device .* allows 101376"):
+            o.sum().backward()
+
+
 #: Head dims the tensor-core families do not compile, which they run on zero-padded inputs
 #: (csrc/head_dim_padding.h): (head_dim, v_head_dim, Lq, Lk, the op's keyword arguments, as
 #: TC_FEATURES). Phi-2's 80 and Phi-3's 96 (padded to 128), 32 (to 64), head_dim != v_head_dim (to

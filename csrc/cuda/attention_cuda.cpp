@@ -4,6 +4,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -42,16 +43,29 @@ void dispatch_cuda_type(at::ScalarType dtype, F&& f) {
   }
 }
 
+// Raises unless the current device is one the kernels are written for: compute capability 8.0 or
+// newer. (The build embeds no machine code for older GPUs, and their shared memory per block, 64 KB
+// on a T4, holds none of the fallback's forward tiles.)
+void check_device() {
+  const int sm = device_sm();
+  TORCH_CHECK(sm >= 80,
+              "entropy_attn's CUDA kernels need a GPU of compute capability 8.0 or newer "
+              "(Ampere and later), but CUDA device ",
+              static_cast<int>(c10::cuda::current_device()), " is ", sm / 10, ".", sm % 10,
+              ": run the op on CPU tensors");
+}
+
 // Raises unless the current device grants `bytes` of shared memory to one block (an A100 or H100
-// does for every kernel; GPUs with 99 KB per block lack it for some head dims above 128).
-void check_shared_memory(size_t bytes, const char* kernel) {
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  TORCH_CHECK(bytes <= static_cast<size_t>(optin), "the ", kernel,
-              " kernel for this head_dim and dtype needs ", bytes,
-              " bytes of shared memory per block, but CUDA device ", static_cast<int>(device),
-              " allows ", optin, ": use a head_dim of at most 128, or float16/bfloat16");
+// does for every kernel; GPUs with 99 KB per block lack it for the float32 and float64 backward at
+// head dims above 128 and 64).
+void check_shared_memory(size_t bytes, const char* kernel, const AttentionShape& s,
+                         at::ScalarType dtype) {
+  const int optin = device_smem_optin();
+  TORCH_CHECK(bytes <= static_cast<size_t>(optin), "the ", kernel, " kernel for head_dim ",
+              std::max(s.head_dim, s.v_head_dim), " in ", dtype, " needs ", bytes,
+              " bytes of shared memory per block, but CUDA device ",
+              static_cast<int>(c10::cuda::current_device()), " allows ", optin,
+              ": use a smaller head_dim, a 16-bit dtype, or CPU tensors");
 }
 
 AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
@@ -60,6 +74,7 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   const AttentionShape& sh = call.call.shape;
   if (sh.batch * sh.heads * sh.q_len == 0) return call.outputs;
   const c10::cuda::CUDAGuard guard(query.device());
+  check_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Family family = select_forward(call).family;
   // Head dims the tensor-core families do not compile: the same call on zero-padded inputs
@@ -70,12 +85,12 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
                              pad_head_dim(call.v, dim), with_head_dim(checked, dim));
     const Family padded_family = select_forward(padded).family;
     if (padded_family != Family::kFallback) {
-      check_shared_memory(forward_smem_bytes(padded), "attention forward");
+      check_shared_memory(forward_smem_bytes(padded), "attention forward", sh, call.call.dtype);
       C10_CUDA_CHECK(launch_forward(padded, padded_family, stream));
       return unpad_outputs(padded.outputs, std::get<0>(call.outputs));
     }
   }
-  check_shared_memory(forward_smem_bytes(call), "attention forward");
+  check_shared_memory(forward_smem_bytes(call), "attention forward", sh, call.call.dtype);
   C10_CUDA_CHECK(launch_forward(call, family, stream));
   return call.outputs;
 }
@@ -87,6 +102,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   BackwardCall call(grad_output, query, key, value, output, checked);
   const AttentionShape& sh = call.call.shape;
   const c10::cuda::CUDAGuard guard(query.device());
+  check_device();
   const bool empty = sh.batch * sh.heads * sh.q_len == 0 && sh.batch * sh.kv_heads * sh.kv_len == 0;
   const Family family = empty ? Family::kFallback : select_backward(call).family;
   // Head dims the tensor-core families do not compile, as in the forward (attention_cuda).
@@ -98,7 +114,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
     const Family padded_family = select_backward(padded).family;
     if (padded_family != Family::kFallback) {
       padded.allocate(padded_family);
-      check_shared_memory(backward_smem_bytes(padded), "attention backward");
+      check_shared_memory(backward_smem_bytes(padded), "attention backward", sh, call.call.dtype);
       C10_CUDA_CHECK(launch_backward(padded, padded_family, c10::cuda::getCurrentCUDAStream()));
       return unpad_grads(padded.finish(), sh);
     }
@@ -113,7 +129,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   }
   call.allocate(family);
   if (!empty) {
-    check_shared_memory(backward_smem_bytes(call), "attention backward");
+    check_shared_memory(backward_smem_bytes(call), "attention backward", sh, call.call.dtype);
     C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
   }
   return call.finish();
@@ -124,10 +140,11 @@ at::Tensor attention_sparsity_cuda(const at::Tensor& query, const at::Tensor& ke
   const SparsityCall call(query, key, kind, checked);
   if (call.out.numel() == 0) return call.out;
   const c10::cuda::CUDAGuard guard(query.device());
+  check_device();
   dispatch_cuda_type(query.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     check_shared_memory(fallback::attention_sparsity_smem_bytes<T>(call.call.shape.head_dim),
-                        "attention_sparsity");
+                        "attention_sparsity", call.call.shape, call.call.dtype);
     C10_CUDA_CHECK(fallback::launch_attention_sparsity<T>(call.params<AccType<T>>(),
                                                           c10::cuda::getCurrentCUDAStream()));
   });
@@ -140,6 +157,7 @@ at::Tensor reduce_rows_cuda(const at::Tensor& x, int64_t dim, const char* name, 
   const RowReductionCall call = prepare_row_reduction(x, dim, name);
   if (call.out.numel() == 0) return call.out;
   const c10::cuda::CUDAGuard guard(x.device());
+  check_device();
   dispatch_cuda_type(x.scalar_type(), [&](auto tag) {
     C10_CUDA_CHECK(launch(tag, call.params(), c10::cuda::getCurrentCUDAStream()));
   });

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "../head_dim_padding.h"
+#include "device_limits.h"
 #include "fallback/instantiations/dispatch.h"
 #include "fallback/launch.h"
 #include "sm80/instantiations/dispatch.h"
@@ -44,6 +45,8 @@ int fallback_bucket(const AttentionShape& s) {
   return head_dim_bucket(std::max(s.head_dim, s.v_head_dim));
 }
 
+}  // namespace
+
 int device_sm() {
   const c10::DeviceIndex device = c10::cuda::current_device();
   int major = 0, minor = 0;
@@ -52,13 +55,18 @@ int device_sm() {
   return major * 10 + minor;
 }
 
-// The dynamic shared memory one block may have on the current device (opted in).
 int device_smem_optin() {
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        c10::cuda::current_device()));
-  return optin;
+  const char* env = std::getenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK");
+  TORCH_CHECK_VALUE(env == nullptr || *env == '\0' || smem_cap_from_env() > 0,
+                    "ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK must be a positive number of bytes, got '",
+                    env, "'");
+  cudaError_t err = cudaSuccess;
+  const int bytes = smem_per_block(err);
+  C10_CUDA_CHECK(err);
+  return bytes;
 }
+
+namespace {
 
 int device_sm_count() {
   int sms = 0;

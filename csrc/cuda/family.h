@@ -81,6 +81,11 @@ struct Selection {
 Selection select_forward(const ForwardCall& call);
 Selection select_backward(const BackwardCall& call);
 
+// The current device's compute capability (major * 10 + minor), and the dynamic shared memory one
+// of its blocks may have (opted in; under ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK: device_limits.h).
+int device_sm();
+int device_smem_optin();
+
 // Dynamic shared memory per block of the fallback kernel for a call (the tensor-core families check
 // their own). Every call needs the fallback's: after a tensor-core kernel it runs as the guard
 // against hidden non-finite inputs (launch_forward, launch_backward).

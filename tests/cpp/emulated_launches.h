@@ -10,9 +10,12 @@ namespace emulated {
 
 template <typename T>
 void launch_forward(const entropy_attn::cuda::FwdParams<entropy_attn::cuda::AccType<T>>& p);
-// With the preprocess and, as after a tensor-core backward, the postprocess kernel.
+// With the preprocess and, as after a tensor-core backward, the postprocess kernel; the main
+// kernel with the tiles bwd_launch.cuh chooses on a device granting smem_optin bytes per block (by
+// default one that takes every kernel).
 template <typename T>
-void launch_backward(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p);
+void launch_backward(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p,
+                     int smem_optin = 232448);
 template <typename T>
 void launch_sparsity(const entropy_attn::cuda::SparsityParams<entropy_attn::cuda::AccType<T>>& p);
 

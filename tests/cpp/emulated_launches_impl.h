@@ -53,8 +53,13 @@ void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
 }
 
 template <typename T, int kD>
-void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
+void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
+  if (ef::use_compact_backward<T, kD>(p, smem_optin)) {
+    using C = ef::CompactBwdLayout<T, kD>;
+    return emulate_launch(ef::attention_bwd_compact_kernel<T, kD>, C::blocks(p), C::kBytes, p);
+  }
   using L = ef::BwdLayout<T, kD>;
+  ASSERT_LE(L::kBytes, static_cast<size_t>(smem_optin)) << "no backward kernel fits";
   if constexpr (ef::kIs16Bit<T>) {
     if (ef::grouped(p)) {
       return emulate_launch(ef::attention_bwd_kernel<T, kD, true>, L::blocks(p), L::kBytes, p);
@@ -64,16 +69,16 @@ void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p) {
 }
 
 template <typename T>
-void launch_backward(const ec::BwdParams<ec::AccType<T>>& p) {
+void launch_backward(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
   emulate_launch(ef::attention_bwd_preprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
   const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
   bool launched = false;
-#define EA_MATCH(U, D)                  \
-  if constexpr (std::is_same_v<T, U>) { \
-    if (d == D && !launched) {          \
-      launch_backward_d<T, D>(p);       \
-      launched = true;                  \
-    }                                   \
+#define EA_MATCH(U, D)                        \
+  if constexpr (std::is_same_v<T, U>) {       \
+    if (d == D && !launched) {                \
+      launch_backward_d<T, D>(p, smem_optin); \
+      launched = true;                        \
+    }                                         \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
@@ -106,7 +111,7 @@ void launch_sparsity(const ec::SparsityParams<ec::AccType<T>>& p) {
 }
 
 template void launch_forward<EA_EMULATED_T>(const ec::FwdParams<ec::AccType<EA_EMULATED_T>>&);
-template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&);
+template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&, int);
 template void launch_sparsity<EA_EMULATED_T>(const ec::SparsityParams<ec::AccType<EA_EMULATED_T>>&);
 
 }  // namespace emulated

@@ -126,6 +126,9 @@ struct Case {
   // Packed documents (B = 1, Lq and Lk the totals): the cumulative query and key lengths, and the
   // keys each document uses (empty: all of its cu_k range).
   std::vector<int32_t> cu_q, cu_k, seqused_k;
+  // The backward's device: the shared memory per block it grants (bwd_launch.cuh chooses the
+  // tiles by it), by default one that takes every kernel.
+  int smem_optin = 232448;
   int64_t dv() const { return Dv < 0 ? D : Dv; }
 };
 
@@ -524,7 +527,7 @@ void run_case_typed(const Case& c, bool backward) {
       options(c), /*grad_mask=*/additive_mask(in));
   ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
-  launch_backward<T>(bwd.params<Acc>());
+  launch_backward<T>(bwd.params<Acc>(), c.smem_optin);
   if (::testing::Test::HasFatalFailure()) return;
   const entropy_attn::AttentionGrads grads = bwd.finish();
   const auto& [dq, dk, dv, dlam] = grads;
@@ -722,7 +725,31 @@ std::vector<Case> attention_cases() {
   c = mk("f32_docs_dropout_sinks", kFloat, 60, 85, 40), c.cu_q = {0, 20, 20, 60};
   c.cu_k = {0, 35, 50, 85}, c.causal = true, c.dropout_p = 0.25, c.sinks = true, c.H = 2;
   c.Hkv = 1, v.push_back(c);
+  // A GPU of 99 KB per block (sm_86/89/120): the 16-bit backward at head dims 129-256 in the
+  // compact kernel's tiles of 16 rows, over several query and key tiles.
+  c = mk("bf16_d256_99KB_causal_window_sinks", kBFloat16, 70, 70, 256), c.causal = true;
+  c.window_left = 40, c.sinks = true, c.H = 2, c.Hkv = 1, c.smem_optin = 101376, v.push_back(c);
+  c = mk("f16_d200_dv160_99KB_mask_logn_softcap", kHalf, 33, 50, 200, 160);
+  c.mask = MaskType::kAdditive, c.masked_rows = true, c.mode = "logn", c.softcap = 2;
+  c.smem_optin = 101376, v.push_back(c);
+  c = mk("bf16_d256_99KB_dropout_docs", kBFloat16, 60, 85, 256), c.cu_q = {0, 20, 20, 60};
+  c.cu_k = {0, 35, 50, 85}, c.causal = true, c.dropout_p = 0.25, c.smem_optin = 101376;
+  v.push_back(c);
   return v;
+}
+
+// Which backward tiles exist for GPUs of 99 KB per block: the compact kernel where the usual tiles
+// do not fit and tiles of 16 do (16-bit at 256), none where even those do not (float32 at 256,
+// float64 at 128: those calls raise on such a GPU), and the usual tiles elsewhere.
+TEST(EmulatedAttention, CompactBackwardOnlyWhereTheTilesDoNotFit) {
+  static_assert(ef::kHasCompactBackward<__half, 256> &&
+                ef::kHasCompactBackward<__nv_bfloat16, 256>);
+  static_assert(!ef::kHasCompactBackward<__half, 128> && !ef::kHasCompactBackward<float, 256> &&
+                !ef::kHasCompactBackward<double, 128>);
+  static_assert(ef::BwdLayout<__half, 128>::kBytes <= ef::kSmallSharedMemory);
+  static_assert(ef::BwdLayout<float, 256>::kBytes > ef::kSmallSharedMemory &&
+                ef::BwdLayout<double, 128>::kBytes > ef::kSmallSharedMemory);
+  static_assert(ef::CompactBwdLayout<__nv_bfloat16, 256>::kBM == 16);
 }
 
 // The fallback forward as the guard of a tensor-core forward (params.h: nonfinite): where the

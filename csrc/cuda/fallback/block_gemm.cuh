@@ -71,8 +71,14 @@ __device__ __forceinline__ void gemm_wmma(const T* a, int lda, const T* b, int l
   // A trip count the same for every warp and known to ptxas: lanes it cannot prove converged would
   // make each __syncwarp and shuffle a call, and values live across calls are spilled.
   constexpr int kTiles = (M / 16) * (N / 16);
-  static_assert(kTiles % kWarps == 0, "every warp takes the same number of output tiles");
-  for (int tw = 0; tw < kTiles / kWarps; ++tw) {
+  static_assert(kTiles % kWarps == 0 || kTiles < kWarps,
+                "every warp takes the same number of output tiles");
+  if constexpr (kTiles < kWarps) {
+    // (the 16 x 16 products of the compact backward's tiles: the warps past them sit out; the
+    // caller synchronizes the block after the call)
+    if (warp >= kTiles) return;
+  }
+  for (int tw = 0; tw < (kTiles + kWarps - 1) / kWarps; ++tw) {
     const int t = warp + tw * kWarps;
     const int m0 = (t / (N / 16)) * 16, n0 = (t % (N / 16)) * 16;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;

@@ -29,11 +29,17 @@ __host__ __device__ __forceinline__ bool grouped(const BwdParams<acc_t>& p) {
   return p.dk_out != nullptr;
 }
 
+// The query and key tiles' rows (kBM = kBN) per input type and head-dim bucket.
 template <typename T, int kD>
+constexpr int backward_tile() {
+  return kIs16Bit<T> ? 32 : (std::is_same_v<T, float> && kD <= 64 ? 32 : 16);
+}
+
+template <typename T, int kD, int kTile = backward_tile<T, kD>()>
 struct BwdLayout {
   using Acc = AccType<T>;
   using OpT = std::conditional_t<kIs16Bit<T>, T, Acc>;  // P and dS as product operands
-  static constexpr int kBM = kIs16Bit<T> ? 32 : (std::is_same_v<T, float> && kD <= 64 ? 32 : 16);
+  static constexpr int kBM = kTile;
   static constexpr int kBN = kBM;
   static constexpr int kLdT = padded_ld<T>(kD);     // K, V, Q, dO tiles
   static constexpr int kLdS = padded_ld<Acc>(kBN);  // logits, dP
@@ -65,6 +71,28 @@ struct BwdLayout {
     return (p.kv_len + kBN - 1) / kBN * p.batch * (grouped(p) ? p.kv_heads : p.heads);
   }
 };
+
+// The shared memory per block of the GPUs with the least of it among those the kernels run on:
+// compute capability 8.6, 8.7, 8.9 and 12.x (RTX 30-50 series, A10, A40, L4, L40).
+constexpr size_t kSmallSharedMemory = 101376;
+// On those, the 16-bit backward at head dims 129-256 takes tiles of 16 rows (77 KB where its tiles
+// of 32 take 156 KB), as a kernel of its own (attention_bwd_compact_kernel) so that the other GPUs
+// keep the larger tiles. (float32 at 256 and float64 at 128 need more than 99 KB even at 16.)
+template <typename T, int kD>
+using CompactBwdLayout = BwdLayout<T, kD, 16>;
+template <typename T, int kD>
+constexpr bool kHasCompactBackward =
+    BwdLayout<T, kD>::kBytes > kSmallSharedMemory&& CompactBwdLayout<T, kD>::kBytes <=
+    kSmallSharedMemory;
+
+// Whether a backward runs in the compact kernel on a device granting `smem_optin` bytes per block:
+// where the usual tiles do not fit and the compact ones exist. (Not as the guard of a tensor-core
+// backward, whose kernels need more than the usual tiles.)
+template <typename T, int kD>
+bool use_compact_backward(const BwdParams<AccType<T>>& p, int smem_optin) {
+  return kHasCompactBackward<T, kD> && !grouped(p) &&
+         static_cast<size_t>(smem_optin) < BwdLayout<T, kD>::kBytes;
+}
 
 // The grid of the per-row kernels (preprocess, postprocess): one warp per query row; as a guard at
 // most kGuardRowBlocks blocks, whose warps stride over the rows, since an idle guard's blocks only
@@ -129,12 +157,11 @@ __device__ __forceinline__ int64_t first_query_tile(const AttentionArgs<Acc>& a,
   return lo;
 }
 
-// kGrouped: the guard of a tensor-core backward (grouped(p)), instantiated for 16-bit inputs only;
-// a compile-time flag, so that the plain kernel keeps its registers.
-template <typename T, int kD, bool kGrouped>
-__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T, kD>::kBytes))
-    attention_bwd_kernel(const BwdParams<AccType<T>> p) {
-  using L = BwdLayout<T, kD>;
+// The main kernel's work for the key tile of one block, with the tiles of layout L. kGrouped: the
+// guard of a tensor-core backward (grouped(p)), instantiated for 16-bit inputs only; a compile-time
+// flag, so that the plain kernel keeps its registers.
+template <typename T, int kD, bool kGrouped, typename L>
+__device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p) {
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
   constexpr int kBM = L::kBM, kBN = L::kBN;
@@ -377,6 +404,20 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T,
       if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
     }
   }
+}
+
+template <typename T, int kD, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T, kD>::kBytes))
+    attention_bwd_kernel(const BwdParams<AccType<T>> p) {
+  backward_key_tile<T, kD, kGrouped, BwdLayout<T, kD>>(p);
+}
+
+// The same with the compact tiles (kHasCompactBackward), for GPUs of 99 KB per block.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads,
+                                  blocks_by_shared_memory(CompactBwdLayout<T, kD>::kBytes))
+    attention_bwd_compact_kernel(const BwdParams<AccType<T>> p) {
+  backward_key_tile<T, kD, false, CompactBwdLayout<T, kD>>(p);
 }
 
 // The guard's last kernel: dq = lambda G in the input type and d lambda = q . G (the tensor-core

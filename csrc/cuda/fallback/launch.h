@@ -1,9 +1,10 @@
 // Host entry points of the fallback family: the generic CUDA kernels for every dtype and any GPU
-// since sm_75, with causality and the mask kind as runtime arguments. T is float, double, __half or
-// __nv_bfloat16; kD the head-dim bucket (64, 128, 256; padded, 128 at most for double). The attention
-// forward and backward are instantiated per (T, kD) as csrc/cuda/kernels.toml lists them, in the
-// generated translation units of instantiations/; attention_sparsity and the row reductions in
-// sparsity.cu and row_reductions.cu. Each launches on `stream` and returns the launch's error code.
+// since sm_80, with causality and the mask kind as runtime arguments. T is float, double, __half or
+// __nv_bfloat16; kD the head-dim bucket (64, 128, 256; padded, 128 at most for double). The
+// attention forward and backward are instantiated per (T, kD) as csrc/cuda/kernels.toml lists them,
+// in the generated translation units of instantiations/; attention_sparsity and the row reductions
+// in sparsity.cu and row_reductions.cu. Each launches on `stream` and returns the launch's error
+// code.
 #pragma once
 
 #include <cuda_runtime_api.h>

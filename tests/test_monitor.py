@@ -322,21 +322,27 @@ def test_threads() -> None:
 
     entered, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with monitor.step(100):
+    def hold(enter: Any) -> None:
+        with enter():
             entered.set()
             release.wait(30)
+            with torch_ext.replace_sdpa():
+                model.enc(x)
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert entered.wait(30)
-        with pytest.raises(RuntimeError, match="recording a step on another thread"):
-            with monitor.step(200):
-                pass
-    finally:
-        release.set()
-        holder.join()
+    # monitor.step(s) and `with monitor` (whose context another thread's entry replaced).
+    for enter in (lambda: monitor.step(200), lambda: monitor):
+        entered.clear(), release.clear()
+        holder = threading.Thread(target=hold, args=(enter,))
+        holder.start()
+        try:
+            assert entered.wait(30)
+            with pytest.raises(RuntimeError, match="recording a step on another thread"):
+                with enter():
+                    pass
+        finally:
+            release.set()
+            holder.join()
+        assert {r["layer"] for r in monitor.latest} == {"enc"}  # the holder's step, whole
 
 
 # --- torch.distributed ------------------------------------------------------------------------

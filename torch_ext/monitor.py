@@ -298,16 +298,17 @@ def record(
 
 
 def _running_module(names: Dict[int, str]) -> Optional[str]:
-    """The path of the innermost module of the model whose method runs on this thread: from the
-    caller up, the first frame whose ``self`` is one of the model's modules (``names``: id -> path).
-    A frame walk, on recorded calls only, rather than global forward hooks: those changed what
-    torch.compile guards on at every recorded step (a recompilation each time) and saw every
+    """The path of the innermost module of the model running on this thread: from the caller up,
+    the first frame whose first argument (``self`` of a method, ``module`` of a function such as
+    transformers' ``eager_attention_forward``) is one of the model's modules (``names``: id ->
+    path). A frame walk, on recorded calls only, rather than global forward hooks: those changed
+    what torch.compile guards on at every recorded step (a recompilation each time) and saw every
     thread's modules."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
-            name = names.get(id(frame.f_locals.get("self")))
+        if code.co_argcount:
+            name = names.get(id(frame.f_locals.get(code.co_varnames[0])))
             if name is not None:
                 return name
         frame = frame.f_back
@@ -408,8 +409,9 @@ class AttentionEntropyMonitor:
         _ensure_idle()  # before replacing self._cm, which an outer `with self` still needs
         step = self._step_counter
         self._step_counter += 1
-        self._cm = self._recording(step)
-        self._cm.__enter__()
+        cm = self._recording(step)
+        cm.__enter__()  # (raises while another thread records: self._cm is that thread's)
+        self._cm = cm
         return self
 
     def __exit__(self, *exc: Any) -> None:

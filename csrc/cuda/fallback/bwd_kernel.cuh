@@ -73,7 +73,7 @@ struct BwdLayout {
 };
 
 // The shared memory per block of the GPUs with the least of it among those the kernels run on:
-// compute capability 8.6, 8.7, 8.9 and 12.x (RTX 30-50 series, A10, A40, L4, L40).
+// compute capability 8.6, 8.9 and 12.x (RTX 30-50 series, A10, A40, L4, L40).
 constexpr size_t kSmallSharedMemory = 101376;
 // On those, the 16-bit backward at head dims 129-256 takes tiles of 16 rows (77 KB where its tiles
 // of 32 take 156 KB), as a kernel of its own (attention_bwd_compact_kernel) so that the other GPUs

@@ -10,7 +10,8 @@
 namespace entropy_attn::cuda::fallback {
 
 // The main kernel's dynamic shared memory, with the tiles the current device takes (a plain call:
-// use_compact_backward).
+// use_compact_backward). As the guard of a tensor-core backward it runs the usual tiles, which a
+// device that takes the tensor-core backward has room for (sm80's at D = 256 needs 214 KB).
 template <typename T, int kD>
 size_t backward_smem_bytes() {
   if constexpr (kHasCompactBackward<T, kD>) {

@@ -1,0 +1,29 @@
+"""benchmarks/cpu_decode.py: its quick run prints a table of both points, each checked against
+SDPA's output first, and a point whose outputs differ fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "cpu_decode.py"
+bench = load_script(SCRIPT, "cpu_decode")
+
+
+def test_quick_run_prints_the_table() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| float") or line.startswith("| bfloat")]
+    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows), out
+
+
+def test_a_wrong_output_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench.torch_ext, "attention", lambda q, k, v, **kw: torch.zeros_like(q))
+    with pytest.raises(AssertionError):
+        bench.measure(bench.QUICK[0], 1, 0.01)

@@ -223,3 +223,33 @@ def test_nan_row_scale_reaches_only_seen_keys():
     out, _, (dq, dk, dv) = check_against_reference(q, k, v, w, allowed, is_causal=True, scale=scale)
     assert torch.isnan(out[0, 0, 0]).all() and torch.isfinite(out[0, 0, 1:]).all()
     assert torch.isnan(dk[0, 0, 0]).any() and torch.isfinite(dk[0, 0, 1:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_decoding_blocks_keep_hidden_values_out(dtype, heads):
+    """One token against a cache of 1100 keys (three key blocks, converted and transposed block by
+    block as the forward streams them: csrc/cpu/attention_fwd.cpp, transposes_key_blocks): a NaN
+    value at a masked key in the second block reaches no output, and at an allowed key exactly the
+    output columns of the rows that see it; the rest matches the float64 reference."""
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, H, 1, 16, generator=g).to(dtype)
+    cache = torch.randn(2, Hkv, 1200, 16, generator=g).to(dtype)
+    k, v = cache[:, :, :1100], torch.randn(2, Hkv, 1100, 8, generator=g).to(dtype)
+    allow = torch.rand(2, 1, 1, 1100, generator=g) < 0.9
+    allow[0, ..., 700] = False
+    v = v.clone()
+    v[0, 0, 700, 3] = NAN
+    out = torch_ext.attention(q, k, v, allow, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double().nan_to_num(0), allow, enable_gqa=True)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    allow[0, ..., 700] = True
+    out = torch_ext.attention(q, k, v, allow, enable_gqa=True)
+    seeing = torch.zeros(2, H, dtype=torch.bool)
+    seeing[0, : H // Hkv] = True  # the query heads of key/value head 0 in batch 0
+    assert torch.isnan(out[..., 0, 3])[seeing].all() and not torch.isnan(out[..., 0, 3])[~seeing].any()
+    assert not torch.isnan(out[..., [0, 1, 2, 4, 5, 6, 7]]).any()

@@ -214,9 +214,9 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q);
     a.key_blocks_transposed = per_block;
-    if (convert) {
-      a.k16 = Raw16::of(k),
-      a.v16 = Raw16::of(v);  // (the blocks' non-finite rows found as they load)
+    if (convert) {  // (the value blocks' non-finite rows are found as they load)
+      a.k16 = Raw16::of(k);
+      a.v16 = Raw16::of(v);
     } else {
       (per_block ? a.k : a.kt) = Strided4<scalar_t>::of(k);
       a.v = Strided4<scalar_t>::of(v);

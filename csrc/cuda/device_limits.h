@@ -11,7 +11,7 @@ namespace entropy_attn::cuda {
 
 // The cap ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK=N (bytes) puts on it, for tests and benchmarks: a GPU
 // with more then runs every call as one with N would (101376: sm_86/89/120's, on an H100); 0 when
-// unset or not a positive number (family.cpp: smem_cap rejects such a value with a message).
+// unset or not a positive number (family.cpp: device_smem_optin rejects such a value, naming it).
 inline long smem_cap_from_env() {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK");
   if (env == nullptr || *env == '\0') return 0;

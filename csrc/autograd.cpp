@@ -7,7 +7,9 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <initializer_list>
 
 #include "attention_call.h"
 #include "attention_grad.h"
@@ -98,19 +100,29 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
+// Whether a call records anything for autograd: a differentiable input that requires grad under
+// grad mode, or one carrying a forward-mode tangent (which the autograd function refuses with
+// torch's "jvp is not implemented" error, rather than return outputs without tangents).
+bool records_autograd(std::initializer_list<const at::Tensor*> inputs) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  return std::any_of(inputs.begin(), inputs.end(), [&](const at::Tensor* t) {
+    return t->defined() &&
+           ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined());
+  });
+}
+
 AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
-  if (seqused_k.has_value()) {
+  const at::Tensor none;
+  const bool records = records_autograd({&query, &key, &value, attn_mask ? &*attn_mask : &none,
+                                         scale ? &*scale : &none, sinks ? &*sinks : &none});
+  if (!records || seqused_k.has_value()) {
     // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that
     // nothing computes.
-    const bool needs_grad =
-        at::GradMode::is_enabled() &&
-        (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
-         (attn_mask.has_value() && attn_mask->requires_grad()) ||
-         (scale.has_value() && scale->requires_grad()) ||
-         (sinks.has_value() && sinks->requires_grad()));
-    TORCH_CHECK_VALUE(!needs_grad,
+    TORCH_CHECK_VALUE(!records || !seqused_k.has_value(),
                       "seqused_k is inference-only (no backward, as in varlen_attn): call it under "
                       "torch.no_grad() or with inputs that do not require grad");
+    // Nothing to record: the autograd function's node, saved tensors and options would cost more
+    // than a short call's kernel (a decoding step).
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_attention(query, key, value, attn_mask, scale, sinks,
                           {cu_seq_q, cu_seq_k, seqused_k}, EA_ATTENTION_OPTIONS);

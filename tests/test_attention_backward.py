@@ -488,3 +488,28 @@ def test_entropy_grads_float32_large_logits(device: str) -> None:
         ratios.append(max(((a.double() - e).abs().max() / (b.double() - e).abs().max()).item()
                           for e, a, b in zip(exact, ours, plain)))
     assert sorted(ratios)[5] <= 3, f"error / a plain float32 softmax's: {sorted(ratios)}"
+
+
+def test_calls_with_nothing_to_differentiate_record_nothing(device: str) -> None:
+    """A call with nothing to differentiate (under no_grad, or on inputs that do not require grad)
+    skips the autograd function and records no graph, with the same results; a forward-mode tangent
+    still reaches the autograd function, whose error it raises (the op has no forward-mode
+    derivative) instead of returning outputs that silently lack the tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (rand(2, 3, 5, 8, device=device) for _ in range(3))
+    scale = rand(3, 1, device=device)
+    recorded = OP(q, k, v, None, scale)
+    assert all(t.grad_fn is not None for t in recorded[:4])
+    with torch.no_grad():
+        inference = OP(q, k, v, None, scale)
+    plain = OP(q.detach(), k.detach(), v.detach(), None, scale.detach())
+    for a, b, c in zip(recorded, inference, plain):
+        assert b.grad_fn is None and not b.requires_grad and c.grad_fn is None and not c.requires_grad
+        torch.testing.assert_close(b, a.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(c, a.detach(), rtol=0, atol=0)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q.detach(), torch.ones_like(q))
+        for grad_mode in (False, True):
+            with torch.set_grad_enabled(grad_mode), pytest.raises(RuntimeError, match="jvp is not implemented"):
+                OP(dual, k.detach(), v.detach())

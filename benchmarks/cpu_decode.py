@@ -43,6 +43,10 @@ POINTS = [
     Point(1, 32, 8, 1, 2048, 128, torch.float32),
     Point(1, 32, 8, 1, 8192, 128, torch.float32),
     Point(1, 32, 32, 1, 2048, 128, torch.bfloat16),
+    # A few query tokens per step (speculative decoding, chunked prefill; no causality here).
+    Point(1, 32, 32, 4, 2048, 128, torch.float32),
+    Point(1, 32, 32, 16, 2048, 128, torch.float32),
+    Point(1, 32, 32, 4, 2048, 128, torch.bfloat16),
 ]
 QUICK = [Point(1, 4, 4, 1, 600, 64, torch.float32), Point(1, 4, 2, 1, 600, 64, torch.bfloat16)]
 

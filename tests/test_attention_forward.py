@@ -578,6 +578,24 @@ def test_strided_inputs(device: str, dtype: torch.dtype) -> None:
     compare(q, k1, v1, mask)
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("Lq", [1, 3, 8, 9, 17, 32])
+def test_short_query_blocks_against_a_cache(device: str, dtype: torch.dtype, Lq: int) -> None:
+    """A few query rows per head against the first keys of a preallocated cache (key rows 48
+    elements apart, heads 1280 rows apart), as a decoding step or a chunked prefill passes them:
+    three key blocks, the last one ragged, a padding mask and statistics. On the CPU, up to 8 rows
+    take their scores from the key rows as stored and more rows a transposed copy of each block,
+    16-bit blocks converted as they stream: each path against the reference."""
+    B, H, Lk, D = 2, 3, 1100, 40
+    g = torch.Generator().manual_seed(Lq)
+    cache_k = torch.randn(B, H, 1280, 48, generator=g).to(dtype)
+    cache_v = torch.randn(B, H, 1280, 48, generator=g).to(dtype)
+    k, v = cache_k[:, :, :Lk, :D].to(device), cache_v[:, :, :Lk, :D].to(device)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype).to(device)
+    mask = (torch.rand(B, 1, 1, Lk, generator=g) < 0.9).to(device)
+    compare(q, k, v, mask, causal_alignment="bottom_right", is_causal=True)
+
+
 # ----------------------------------------------------------------------------------------
 # edge cases: empty rows, Lk = 0, huge logits, NaN
 # ----------------------------------------------------------------------------------------

@@ -60,12 +60,12 @@ struct BwdBuffers {
   std::vector<acc_t> scratch;
   std::vector<RowGrads<acc_t>> grads;
   BwdBuffers(int64_t rows, const AttentionShape& sh)
-      : s(rows * kKvBlock),
-        p(rows * kKvBlock),
-        dp(rows * kKvBlock),
-        dcap(rows * kKvBlock),
-        keep(rows * kKvBlock),
-        pd(rows * kKvBlock),
+      : s(rows * key_block_capacity(sh)),
+        p(rows * key_block_capacity(sh)),
+        dp(rows * key_block_capacity(sh)),
+        dcap(rows * key_block_capacity(sh)),
+        keep(rows * key_block_capacity(sh)),
+        pd(rows * key_block_capacity(sh)),
         g(rows * sh.head_dim),
         qs_t(rows * sh.head_dim),
         do_t(rows * sh.v_head_dim),
@@ -221,7 +221,7 @@ void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& s
   const int64_t nb = split.batches(sh), nkv = split.kv_heads(sh);
   at::parallel_for(0, nb * nkv * chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
-    BwdBuffers<acc_t> buf(qb, sh);
+    BwdBuffers<acc_t> buf(std::min(qb, sh.q_len), sh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, tkv = task / chunks % nkv, tb = task / chunks / nkv;
       // The task's batch and the query heads of its key/value head, or every one it walks.

@@ -85,16 +85,23 @@ inline int64_t q_block_size(int64_t q_len, bool banded) {
 }
 constexpr int64_t kKvBlock = 512;
 
+// The keys of the largest block a call streams, which its buffers are sized for: kKvBlock, or the
+// call's key count when smaller. (A decoding step against a short cache would otherwise allocate
+// and zero buffers for 512 keys per thread on every call, more than its whole computation.)
+inline int64_t key_block_capacity(const AttentionShape& sh) {
+  return std::clamp<int64_t>(sh.kv_len, 1, kKvBlock);
+}
+
 // Runs body(state, b, h, i0, rows) for every (batch, head, query block of rows i0 .. i0 + rows), in
-// parallel over these tasks. Each thread builds its buffers once, as State(q_block_size, shape),
-// and runs its products with a single-threaded BLAS.
+// parallel over these tasks. Each thread builds its buffers once, as State(rows, shape) for the
+// tallest block it will see, and runs its products with a single-threaded BLAS.
 template <typename State, typename Body>
 void parallel_query_blocks(const AttentionShape& sh, bool banded, const Body& body) {
   const int64_t qb = q_block_size(sh.q_len, banded);
   const int64_t blocks = (sh.q_len + qb - 1) / qb;
   at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
-    State state(qb, sh);
+    State state(std::min(qb, sh.q_len), sh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i0 = (task % blocks) * qb, bh = task / blocks;
       body(state, bh / sh.heads, bh % sh.heads, i0, std::min(qb, sh.q_len - i0));

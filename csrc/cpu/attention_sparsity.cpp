@@ -30,14 +30,14 @@ struct SparsityArgs {
   acc_t* out;  // (B, H, Lq), contiguous
 };
 
-// A thread's buffers: scores of one block (rows x kKvBlock) and the per-row state.
+// A thread's buffers: scores of one block (rows x key_block_capacity) and the per-row state.
 template <typename acc_t>
 struct SparsityBuffers {
   std::vector<acc_t> s;
   std::vector<RowSetup<acc_t>> setup;
   std::vector<RowStats<acc_t>> stats;  // l1 in l, l2 in u, relative to a running max in m
-  SparsityBuffers(int64_t rows, const AttentionShape& /*sh*/)
-      : s(rows * kKvBlock), setup(rows), stats(rows) {}
+  SparsityBuffers(int64_t rows, const AttentionShape& sh)
+      : s(rows * key_block_capacity(sh)), setup(rows), stats(rows) {}
 };
 
 template <typename acc_t>

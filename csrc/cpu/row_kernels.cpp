@@ -112,7 +112,33 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
   st.u += a2;
 }
 
+template <typename acc_t>
+EA_ALWAYS_INLINE void key_row_scores_impl(int64_t rows, int64_t n, int64_t dim, const acc_t* q,
+                                          int64_t ldq, const acc_t* k, int64_t ldk, acc_t* s,
+                                          int64_t lds) {
+  // Key-major, so that each key row is read from memory once and stays in L1 for every query row.
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t* kj = k + j * ldk;
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* qr = q + r * ldq;
+      acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * kj[d];
+      s[r * lds + j] = dot;
+    }
+  }
+}
+
 }  // namespace
+
+EA_CPU_CLONES void key_row_scores(int64_t rows, int64_t n, int64_t dim, const float* q, int64_t ldq,
+                                  const float* k, int64_t ldk, float* s, int64_t lds) {
+  key_row_scores_impl(rows, n, dim, q, ldq, k, ldk, s, lds);
+}
+void key_row_scores(int64_t rows, int64_t n, int64_t dim, const double* q, int64_t ldq,
+                    const double* k, int64_t ldk, double* s, int64_t lds) {
+  key_row_scores_impl(rows, n, dim, q, ldq, k, ldk, s, lds);
+}
 
 EA_CPU_CLONES float softmax_row(float* s, int64_t n, int64_t j0, const LogitRow<float>& row,
                                 RowStats<float>& st, bool with_stats) {

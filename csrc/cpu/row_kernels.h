@@ -18,6 +18,14 @@ float softmax_row(float* s, int64_t n, int64_t j0, const LogitRow<float>& row, R
 double softmax_row(double* s, int64_t n, int64_t j0, const LogitRow<double>& row,
                    RowStats<double>& st, bool with_stats);
 
+// Scores of a few query rows against a block of keys read as they are stored (row-major, unit
+// column stride): s[r * lds + j] = q_r . k_j for r < rows, j < n. For decoding, where a block
+// product with so few rows costs less than the transposed copy of the block it would need.
+void key_row_scores(int64_t rows, int64_t n, int64_t dim, const float* q, int64_t ldq,
+                    const float* k, int64_t ldk, float* s, int64_t lds);
+void key_row_scores(int64_t rows, int64_t n, int64_t dim, const double* q, int64_t ldq,
+                    const double* k, int64_t ldk, double* s, int64_t lds);
+
 // Backward: raw scores -> logits relative to lse in s (x = s - lse, -inf where masked), and
 // p = e^{s - lse} (0 where masked). With softcap on, dcap[j] receives the derivative of the cap at
 // the key's scaled score (else dcap is unused).

@@ -13,6 +13,36 @@ _SCALE_MODES = ("logn", "logn_sharpen")
 _MIN_SOFTCAP = torch.finfo(torch.float32).tiny  # the ops' bound (csrc/attention_inputs.cpp: check_pattern_options)
 
 
+def _schema_defaults(packet: torch._ops.OpOverloadPacket) -> dict[str, object]:
+    """The keyword-only arguments' defaults of an op, read from its schema (csrc/ops.cpp)."""
+    return {a.name: a.default_value for a in packet.default._schema.arguments if a.kwarg_only and a.has_default_value()}
+
+
+def _explicit(options: dict[str, object], defaults: dict[str, object]) -> dict[str, object]:
+    """``options`` without the entries that equal the op's defaults.
+
+    torch.ops converts every keyword argument it is given against the schema, about 0.3 us each:
+    with a dozen, more than a short call's kernel (a decoding step). While torch.compile traces
+    (once, so the cost does not matter) they are all kept: a value may be a SymInt or SymFloat
+    that Dynamo reports as an int or a float, and comparing it would add a guard, or fail on the
+    unbacked dropout seed. Otherwise only values of the default's own type are compared (a SymInt
+    never equals an int default here).
+    """
+    if torch.compiler.is_compiling():
+        return options
+    return {k: v for k, v in options.items() if type(v) is not type(d := defaults[k]) or v != d}
+
+
+def _is_int(x: object) -> bool:
+    """Whether ``x`` is an integer and not a bool (an int first: numbers' ABC check is slow)."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
+
+
+def _is_real(x: object) -> bool:
+    """Whether ``x`` is a real number and not a bool (a float or an int first, as _is_int)."""
+    return type(x) in (float, int) or (not isinstance(x, bool) and isinstance(x, numbers.Real))
+
+
 class AttentionStats(NamedTuple):
     """Per-row statistics of the attention weights, each of shape (B, H, Lq).
 
@@ -45,13 +75,13 @@ def _policy_args(
     scale: object, temperature: object, train_length: object, scale_factor: object = None
 ) -> tuple[torch.Tensor | None, dict]:
     """Validates the public scale arguments and maps them to the ops' (scale tensor, keyword args)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+    if not _is_real(temperature):
         raise TypeError(f"temperature must be a number > 0, got {type(temperature).__name__}")
     # (comparisons, not math.isfinite: these are SymFloats under torch.compile(dynamic=True); NaN
     # fails them all)
     if not (0 < temperature < math.inf and 1 / temperature < math.inf):
         raise ValueError(f"temperature must be a finite number > 0 with a finite inverse, got {temperature}")
-    if isinstance(train_length, bool) or not isinstance(train_length, numbers.Real):
+    if not _is_real(train_length):
         raise TypeError(f"train_length must be a number > 1, got {type(train_length).__name__}")
     if not 1 < train_length < math.inf:
         raise ValueError(f"train_length must be a finite number > 1, got {train_length}")
@@ -111,7 +141,7 @@ def _as_float(x: object, name: str, requirement: str) -> float:
 
 def _finite_float(x: object, name: str) -> float:
     """``x`` as a float, or a TypeError/ValueError naming ``name``."""
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+    if _is_real(x):
         value = _as_float(x, name, "finite")
         if not -math.inf < value < math.inf:  # (not math.isfinite: a SymFloat under torch.compile)
             raise ValueError(f"{name} must be finite, got {x}")
@@ -140,7 +170,7 @@ def _pattern_args(
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
     for name, w in (("window_size[0]", left), ("window_size[1]", right)):
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+        if not _is_int(w) or w < -1:
             raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {w!r}")
     # A bound of 2^62 or more covers every key of any tensor: unbounded (as the op maps it).
     left, right = (-1 if w >= 2**62 else int(w) for w in (left, right))
@@ -148,7 +178,7 @@ def _pattern_args(
         raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
     cap = 0.0
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        if not _is_real(softcap):
             raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
         cap = _as_float(softcap, "softcap", "a finite number > 0")
         if not _MIN_SOFTCAP <= cap < math.inf:  # (NaN fails it; a SymFloat under torch.compile)
@@ -156,7 +186,7 @@ def _pattern_args(
                 f"softcap must be None (no cap) or a finite number >= {_MIN_SOFTCAP:.7g} (the smallest normal "
                 f"float32, in which every kernel computes at least), got {softcap}"
             )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+    if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -190,6 +220,9 @@ def _pattern_args(
         "dropout_p": float(dropout_p),
         "dropout_seed": seed,
     }
+
+
+_ATTENTION_DEFAULTS = _schema_defaults(torch.ops.entropy_attn.attention)
 
 
 def attention(
@@ -269,6 +302,7 @@ def attention(
     if _functorch.transforms_active():
         res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
     else:
+        options = _explicit(options, _ATTENTION_DEFAULTS)
         res = torch.ops.entropy_attn.attention(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
     if not return_stats:
         return res[0]

@@ -8,7 +8,18 @@ import numbers
 import torch
 
 from torch_ext import _functorch
-from torch_ext.attention import AttentionStats, _check_tensors, _flag, _pattern_args, _policy_args, _stats
+from torch_ext.attention import (
+    AttentionStats,
+    _check_tensors,
+    _explicit,
+    _flag,
+    _pattern_args,
+    _policy_args,
+    _schema_defaults,
+    _stats,
+)
+
+_VARLEN_DEFAULTS = _schema_defaults(torch.ops.entropy_attn.varlen_attention)
 
 
 def varlen_attention(
@@ -78,6 +89,7 @@ def varlen_attention(
         res = _functorch.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale_tensor, sinks,
                                           options)
     else:
+        options = _explicit(options, _VARLEN_DEFAULTS)
         res = torch.ops.entropy_attn.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                                                       scale_tensor, sinks=sinks, **options)
     if not return_stats:

@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <array>
 #include <initializer_list>
 
@@ -103,24 +102,34 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 // Whether a call records anything for autograd: a differentiable input that requires grad under
 // grad mode, or one carrying a forward-mode tangent (which the autograd function refuses with
 // torch's "jvp is not implemented" error, rather than return outputs without tangents).
-bool records_autograd(std::initializer_list<const at::Tensor*> inputs) {
+struct Records {
+  bool grad = false, tangent = false;
+  bool any() const { return grad || tangent; }
+};
+Records records_autograd(std::initializer_list<const at::Tensor*> inputs) {
   const bool grad_mode = at::GradMode::is_enabled();
-  return std::any_of(inputs.begin(), inputs.end(), [&](const at::Tensor* t) {
-    return t->defined() &&
-           ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined());
-  });
+  Records r;
+  for (const at::Tensor* t : inputs) {
+    if (!t->defined()) continue;
+    r.grad = r.grad || (grad_mode && t->requires_grad());
+    r.tangent = r.tangent || t->_fw_grad(/*level=*/0).defined();
+  }
+  return r;
 }
 
 AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
   const at::Tensor none;
-  const bool records = records_autograd({&query, &key, &value, attn_mask ? &*attn_mask : &none,
-                                         scale ? &*scale : &none, sinks ? &*sinks : &none});
-  if (!records || seqused_k.has_value()) {
+  const Records records = records_autograd({&query, &key, &value, attn_mask ? &*attn_mask : &none,
+                                            scale ? &*scale : &none, sinks ? &*sinks : &none});
+  if (!records.any() || seqused_k.has_value()) {
     // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that
     // nothing computes.
-    TORCH_CHECK_VALUE(!records || !seqused_k.has_value(),
+    TORCH_CHECK_VALUE(!records.grad,
                       "seqused_k is inference-only (no backward, as in varlen_attn): call it under "
                       "torch.no_grad() or with inputs that do not require grad");
+    TORCH_CHECK_VALUE(!records.tangent,
+                      "seqused_k is inference-only: it has no forward-mode derivative either (an "
+                      "input carries a forward-mode AD tangent)");
     // Nothing to record: the autograd function's node, saved tensors and options would cost more
     // than a short call's kernel (a decoding step).
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -141,7 +141,7 @@ def test_varlen_gradcheck(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_python_api_and_seqused_k(device: str) -> None:
     """torch_ext.varlen_attention returns (T, H) statistics; seqused_k equals truncating each
-    document's keys, and refuses to run with inputs that need gradients."""
+    document's keys, and refuses to run with inputs that need gradients or carry forward-mode tangents."""
     q_lens, k_lens = [3, 4], [8, 6]
     q, k, v = packed_inputs(q_lens, k_lens, 2, 2, 8, F64, device, seed=9)
     cq, ck = offsets(q_lens, device), offsets(k_lens, device)
@@ -153,6 +153,11 @@ def test_varlen_python_api_and_seqused_k(device: str) -> None:
     torch.testing.assert_close(out, want)
     with pytest.raises(ValueError, match="seqused_k"):
         torch_ext.varlen_attention(q.requires_grad_(), k, v, cq, ck, 4, 8, seqused_k=used)
+    # Nor forward-mode AD, under no_grad too (whose advice the first error gives).
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), torch.no_grad(), pytest.raises(ValueError, match="no forward-mode derivative"):
+        torch_ext.varlen_attention(fwAD.make_dual(q.detach(), torch.ones_like(q)), k, v, cq, ck, 4, 8, seqused_k=used)
 
 
 @requires_cuda

@@ -100,9 +100,9 @@ struct FwdArgs {
 };
 
 // A thread's buffers: scores of one block (rows x key_block_capacity), the output accumulator
-// (rows x Dv), the per-row state, scratch for a value block with non-finite rows, and where
-// transposes_key_blocks a key block transposed (D x key_block_capacity), or for few rows of 16-bit
-// keys converted as stored (key_block_capacity x D).
+// (rows x Dv), the per-row state, scratch for a value block with non-finite rows, and (allocated
+// at first use) where transposes_key_blocks a key block transposed (D x key_block_capacity), or
+// for few rows of 16-bit keys converted as stored (key_block_capacity x D).
 template <typename acc_t>
 struct FwdBuffers {
   std::vector<acc_t> s, o, scratch, kt, v;  // v: a value block converted from 16 bits
@@ -110,11 +110,7 @@ struct FwdBuffers {
   std::vector<RowSetup<acc_t>> setup;
   std::vector<RowStats<acc_t>> stats;
   FwdBuffers(int64_t rows, const AttentionShape& sh)
-      : s(rows * key_block_capacity(sh)),
-        o(rows * sh.v_head_dim),
-        kt(transposes_key_blocks(sh) ? sh.head_dim * key_block_capacity(sh) : 0),
-        setup(rows),
-        stats(rows) {}
+      : s(rows * key_block_capacity(sh)), o(rows * sh.v_head_dim), setup(rows), stats(rows) {}
 };
 
 template <typename acc_t>
@@ -130,6 +126,10 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const acc_t* k = per_block && !convert ? a.k.at(b, kvh) : nullptr;
   const acc_t* v = convert ? nullptr : a.v.at(b, kvh);
   const uint8_t* v_flags = a.v_nonfinite.at(b, kvh);
+  // (kt only where a block is transposed or converted: float rows read as stored need none)
+  if (per_block && (convert || rows > kKeyRowScoreRows) && buf.kt.empty()) {
+    buf.kt.resize(D * key_block_capacity(sh));
+  }
   if (convert && buf.v.empty()) {
     buf.v.resize(key_block_capacity(sh) * Dv), buf.v_flags.resize(key_block_capacity(sh));
   }

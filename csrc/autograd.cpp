@@ -62,7 +62,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // scalar, no memory), not as the empty outputs: the saved tensors' shapes then do not depend on
     // return_stats, so that activation checkpointing may re-run a forward that returned them
     // (a step the monitor recorded) without them, or the other way round.
-    const at::Tensor no_stat = at::zeros({}, lse.options()).expand_symint(lse.sym_sizes());
+    const at::Tensor no_stat = options.return_stats
+                                   ? at::Tensor()
+                                   : at::zeros({}, lse.options()).expand_symint(lse.sym_sizes());
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()), out, lse,
                             options.return_stats ? entropy : no_stat,
                             options.return_stats ? sum_p2 : no_stat, row_scale, length_factor,

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "../attention_inputs.h"
 #include "../dropout.h"
@@ -92,19 +94,32 @@ inline int64_t key_block_capacity(const AttentionShape& sh) {
   return std::clamp<int64_t>(sh.kv_len, 1, kKvBlock);
 }
 
-// Runs body(state, b, h, i0, rows) for every (batch, head, query block of rows i0 .. i0 + rows), in
-// parallel over these tasks. Each thread builds its buffers once, as State(rows, shape) for the
-// tallest block it will see, and runs its products with a single-threaded BLAS.
+// Runs body(state, b, h, i0, rows) for every (batch, head, query tile of rows i0 .. i0 + rows), in
+// parallel over these tasks. The tiles are blocks of q_block_size rows, cut at the boundaries of
+// packed documents (cu_q, `documents` of them), where there are some: a tile spanning documents
+// streams the union of their keys for each of its rows. Each thread builds its buffers once, as
+// State(rows, shape) for the tallest tile, and runs its products with a single-threaded BLAS.
 template <typename State, typename Body>
-void parallel_query_blocks(const AttentionShape& sh, bool banded, const Body& body) {
+void parallel_query_blocks(const AttentionShape& sh, bool banded, const int32_t* cu_q,
+                           int64_t documents, const Body& body) {
   const int64_t qb = q_block_size(sh.q_len, banded);
-  const int64_t blocks = (sh.q_len + qb - 1) / qb;
-  at::parallel_for(0, sh.batch * sh.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows)
+  auto add_tiles = [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = begin; i0 < end; i0 += qb) tiles.emplace_back(i0, std::min(qb, end - i0));
+  };
+  if (cu_q == nullptr) {
+    add_tiles(0, sh.q_len);
+  } else {
+    for (int64_t d = 0; d < documents; ++d) add_tiles(cu_q[d], cu_q[d + 1]);
+  }
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, sh.batch * sh.heads * n, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     State state(std::min(qb, sh.q_len), sh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i0 = (task % blocks) * qb, bh = task / blocks;
-      body(state, bh / sh.heads, bh % sh.heads, i0, std::min(qb, sh.q_len - i0));
+      const auto [i0, rows] = tiles[task % n];
+      const int64_t bh = task / n;
+      body(state, bh / sh.heads, bh % sh.heads, i0, rows);
     }
   });
 }

@@ -265,12 +265,13 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.effective_keys = effective_keys.data_ptr<scalar_t>();
     a.with_stats = call.options.return_stats;
     // Query blocks are sized as for a band of keys when the rows' key ranges are narrower than the
-    // call's: a band, or packed documents shorter on average than a tall block (whose rows would
-    // each stream the union of its documents' keys: 256 rows over documents of 40 tokens, 300).
+    // call's: a band, or packed documents shorter on average than a tall block (whose tiles, cut
+    // at the documents' boundaries, would mostly be short ones).
     const bool narrow =
         a.pattern.banded() || sh.q_len < q_block_size(sh.q_len, false) * a.pattern.documents;
     parallel_query_blocks<FwdBuffers<scalar_t>>(
-        sh, narrow, [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+        sh, narrow, a.pattern.cu_q, a.pattern.documents,
+        [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           forward_task(a, buf, b, h, i0, rows);
         });
   });

@@ -93,7 +93,7 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
     a.kind = kind;
     a.out = out.data_ptr<scalar_t>();
     parallel_query_blocks<SparsityBuffers<scalar_t>>(
-        sh, a.pattern.banded(),
+        sh, a.pattern.banded(), a.pattern.cu_q, a.pattern.documents,
         [&](SparsityBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           sparsity_task(a, buf, b, h, i0, rows);
         });

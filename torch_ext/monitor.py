@@ -268,9 +268,11 @@ def is_recording() -> bool:
     while torch.compile traces: a compiled graph does not report to the monitor, and during
     backward: a checkpointed forward's re-run does not report twice). The op saves the same
     tensors with and without statistics, so such a re-run may differ from its forward here."""
-    if torch.compiler.is_compiling() or _in_backward():
+    # (Cheapest first: every attention call of a model asks. The compile check comes first, so that
+    # a traced graph never reads the thread's monitor.)
+    if torch.compiler.is_compiling() or _active() is None:
         return False
-    return _active() is not None
+    return not _in_backward()
 
 
 def _in_backward() -> bool:

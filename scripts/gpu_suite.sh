@@ -3,7 +3,8 @@
 # extension with its CUDA kernels (scripts/setup.sh), runs the whole pytest suite (CPU and CUDA
 # tests; a CUDA test skipped for "no CUDA device" is a failure), the ptxas register/spill report
 # (scripts/ptxas_report.py, if present) and the GPU benchmark against SDPA
-# (benchmarks/gpu_vs_sdpa.py, which writes results/gpu/benchmark.md). Prints a summary with
+# (benchmarks/gpu_vs_sdpa.py, which writes results/gpu/benchmark.md; with it the windows and packed
+# sequences, and the fixed cost of a call). Prints a summary with
 # timings; exits non-zero if any step failed (later steps still run, so one run shows everything).
 #
 #   bash scripts/gpu_suite.sh                    # everything
@@ -213,7 +214,7 @@ if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log" &&
    "$PYTHON" scripts/sass_check.py 2>&1 | tee "$LOG_DIR/sass.log"; then finish ok; else finish "FAILED"; fi
 
 # --- 7. GPU benchmarks against SDPA (results/gpu/benchmark.md; windows and packed sequences:
-# results/features/cuda.md) --------------------------------------------------------------------
+# results/features/cuda.md; the fixed cost of a call: results/gpu/call_overhead.md) -------------
 begin "benchmark (benchmarks/gpu_vs_sdpa.py)"
 if [[ ${SKIP_BENCH:-0} != 0 ]]; then
   finish "skipped (SKIP_BENCH)"
@@ -222,8 +223,9 @@ else
   # shellcheck disable=SC2086
   if "$PYTHON" benchmarks/gpu_vs_sdpa.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/benchmark.log" &&
      "$PYTHON" benchmarks/features.py --device cuda --dtype bfloat16 --heads 16 2>&1 |
-       tee "$LOG_DIR/features.log"; then
-    finish "ok (results/gpu/benchmark.md, results/features/cuda.md)"
+       tee "$LOG_DIR/features.log" &&
+     "$PYTHON" benchmarks/call_overhead.py | tee results/gpu/call_overhead.md; then
+    finish "ok (results/gpu/benchmark.md, results/features/cuda.md, results/gpu/call_overhead.md)"
   else
     finish "FAILED"
   fi

@@ -63,6 +63,9 @@ CASES: List[Tuple[str, List[int], List[int], Dict[str, Any]]] = [
     ("window_both_sides", [13, 20], [13, 20], {"window_size": [3, 2]}),
     ("softcap_sinks", [9, 4], [11, 4], {"is_causal": True, "softcap": 2.0}),
     ("long", [700, 300, 5], [700, 300, 5], {"is_causal": True}),  # several CPU key blocks
+    # Short documents, some over a tile (of 32 rows here): on the CPU each tile transposes its own
+    # document's keys, or for up to 8 rows reads them as stored.
+    ("short_docs", [20, 3, 40, 8, 33, 1], [20, 3, 40, 8, 33, 1], {"is_causal": True}),
 ]
 
 

@@ -19,12 +19,16 @@ namespace entropy_attn::cpu {
 namespace {
 
 // Whether the forward transposes each key block as it streams it rather than all of K up front:
-// when every key/value head is read by one task (one query block per head and no GQA group, as in
-// KV-cache decoding, where GQA packs a group's heads into one block), a transposed copy of the
-// whole cache is a pass into fresh memory that no other task reuses (4.8x SDPA's time for one
-// token against 2048 cached keys, 32 heads: 17 of its 23 ms).
-inline bool transposes_key_blocks(const AttentionShape& sh) {
-  return sh.group() == 1 && sh.q_len <= q_block_size(sh.q_len, false);
+// when each key/value head's keys are read by one task, a transposed copy of the whole cache is a
+// pass into fresh memory that no other task reuses. So with no GQA group, and one query block per
+// head (KV-cache decoding, where GQA packs a group's heads into one block: 4.8x SDPA's time for one
+// token against 2048 cached keys, 32 heads, 17 of its 23 ms in the copy), or packed documents
+// short enough to be mostly one tile each, a tile reading its own document's keys (256 causal
+// documents of 16-64 tokens: the copy took a fifth of the call).
+inline bool transposes_key_blocks(const AttentionShape& sh, const KeyPattern& pattern) {
+  if (sh.group() != 1) return false;
+  return sh.q_len <= q_block_size(sh.q_len, false) ||
+         sh.q_len <= q_block_size(sh.q_len, true) * pattern.documents;
 }
 
 // Up to this many query rows (one decoding token per head, or the heads of a GQA group packed as
@@ -223,7 +227,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
   const at::Tensor q = gemm_operand(query, acc);
-  const bool per_block = transposes_key_blocks(sh);
+  const bool per_block = transposes_key_blocks(sh, call.key_pattern());
   const bool convert = per_block && call.dtype != acc;  // 16-bit K and V converted per block
   const at::Tensor k = convert     ? with_unit_last_stride(key, call.dtype)
                        : per_block ? gemm_operand(key, acc)

@@ -83,12 +83,12 @@ def sdpa_conventions(
     # (Compared one by one, not as a set: under torch.jit.trace the sizes are traced values, which
     # a set does not deduplicate.)
     sizes = (query.shape[0], key.shape[0], value.shape[0])
-    if sizes[0] == sizes[1] == sizes[2]:  # (the common case, without the loops below)
-        return query, key, value, None if attn_mask is None else hide_masked(attn_mask)
-    b = max(sizes)
-    if any(n != 1 and n != b for n in sizes):
-        raise ValueError(f"query, key and value batch sizes {sizes[0]}, {sizes[1]} and {sizes[2]} do not broadcast")
-    if any(n != b for n in sizes):
+    if not sizes[0] == sizes[1] == sizes[2]:  # (the common case skips the loops)
+        b = max(sizes)
+        if any(n != 1 and n != b for n in sizes):
+            raise ValueError(
+                f"query, key and value batch sizes {sizes[0]}, {sizes[1]} and {sizes[2]} do not broadcast"
+            )
         query, key, value = (t.expand(b, *t.shape[1:]) if t.shape[0] != b else t for t in (query, key, value))
     return query, key, value, None if attn_mask is None else hide_masked(attn_mask)
 

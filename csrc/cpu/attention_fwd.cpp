@@ -55,24 +55,10 @@ void load_rows(const Raw16& x, int64_t b, int64_t h, int64_t j0, int64_t n, int6
                int64_t ld, bool transposed) {
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.dtype, "entropy_attn_load_rows", [&] {
     const scalar_t* src = static_cast<const scalar_t*>(x.data) + b * x.sb + h * x.sh + j0 * x.sl;
-    if (!transposed) {
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* row = src + j * x.sl;
-        for (int64_t d = 0; d < dim; ++d) dst[j * ld + d] = static_cast<acc_t>(row[d]);
-      }
-      return;
-    }
-    // In tiles of 16 x 16, as transpose_block: row by row, each key would write one element to
-    // each of `dim` cache lines (bfloat16, 16 query rows, 32 heads, 2048 keys: 28.5 -> 25 ms).
-    constexpr int64_t kTile = 16;
-    for (int64_t j1 = 0; j1 < n; j1 += kTile) {
-      for (int64_t d1 = 0; d1 < dim; d1 += kTile) {
-        for (int64_t d = d1; d < std::min(dim, d1 + kTile); ++d) {
-          for (int64_t j = j1; j < std::min(n, j1 + kTile); ++j) {
-            dst[d * ld + j] = static_cast<acc_t>(src[j * x.sl + d]);
-          }
-        }
-      }
+    if (transposed) return transpose_block(n, dim, src, x.sl, dst, ld);
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* row = src + j * x.sl;
+      for (int64_t d = 0; d < dim; ++d) dst[j * ld + d] = static_cast<acc_t>(row[d]);
     }
   });
 }

@@ -103,23 +103,4 @@ void block_gemm<double>(int64_t M, int64_t N, int64_t K, const double* A, int64_
   mm_product(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
-template <typename T>
-void transpose_block(int64_t rows, int64_t cols, const T* src, int64_t ld_src, T* dst,
-                     int64_t ld_dst) {
-  // Tiles of 16 x 16 keep both the reads and the writes within a few cache lines.
-  constexpr int64_t kTile = 16;
-  for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
-    const int64_t i1 = std::min(rows, i0 + kTile);
-    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
-      const int64_t j1 = std::min(cols, j0 + kTile);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t i = i0; i < i1; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
-      }
-    }
-  }
-}
-
-template void transpose_block<float>(int64_t, int64_t, const float*, int64_t, float*, int64_t);
-template void transpose_block<double>(int64_t, int64_t, const double*, int64_t, double*, int64_t);
-
 }  // namespace entropy_attn::cpu

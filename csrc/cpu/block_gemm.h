@@ -9,6 +9,7 @@
 // SerialBlasScope.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace entropy_attn::cpu {
@@ -18,10 +19,25 @@ template <typename T>
 void block_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                 T* C, int64_t ldc, bool accumulate);
 
-// dst (cols x rows, row stride ld_dst) = src^T, src being (rows x cols, row stride ld_src).
-template <typename T>
-void transpose_block(int64_t rows, int64_t cols, const T* src, int64_t ld_src, T* dst,
-                     int64_t ld_dst);
+// dst (cols x rows, row stride ld_dst) = src^T, src being (rows x cols, row stride ld_src),
+// converted to Dst (a 16-bit key block is widened to float32 as it is transposed). Tiles of
+// 16 x 16 keep both the reads and the writes within a few cache lines: element by element, each
+// source row would write to `cols` lines.
+template <typename Src, typename Dst>
+void transpose_block(int64_t rows, int64_t cols, const Src* src, int64_t ld_src, Dst* dst,
+                     int64_t ld_dst) {
+  constexpr int64_t kTile = 16;
+  for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
+    const int64_t i1 = std::min(rows, i0 + kTile);
+    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
+      const int64_t j1 = std::min(cols, j0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t i = i0; i < i1; ++i)
+          dst[j * ld_dst + i] = static_cast<Dst>(src[i * ld_src + j]);
+      }
+    }
+  }
+}
 
 // Makes the BLAS single-threaded on this thread for the scope's lifetime. PyTorch turns MKL's
 // dynamic threading off, so without it MKL opens a nested OpenMP team inside every task (seen in

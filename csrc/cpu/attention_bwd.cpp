@@ -17,10 +17,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../attention_call.h"
 #include "attention_cpu.h"
+#include "bf16_products.h"
 #include "block_gemm.h"
 #include "hidden_nonfinite.h"
 #include "row_kernels.h"
@@ -28,9 +31,22 @@
 namespace entropy_attn::cpu {
 namespace {
 
+// Where the backward's products run in bfloat16 (bf16_products.h; docs/math.md section 9): Q and
+// dO as given, and whole operands in pairs: K^T and V^T for the scores and dP, K as rows for
+// G = dS K. The products that sum over query rows (dV^T += dO^T P, dK^T += Q^T (lambda dS)) take
+// Q^T and dO^T of each query block, and P and lambda dS in pairs along their rows. P and dS are
+// rounded to bfloat16 for them, as FlashAttention does; blocks where a non-finite operand row must
+// be kept from the rows (keys) that do not see it take the float products.
+struct BwdPairs {
+  bool on = false;
+  Raw16 q, dout;
+  PairedOperand kt, vt, k;
+};
+
 template <typename acc_t>
 struct BwdArgs {
   AttentionShape shape;
+  BwdPairs pairs;
   Strided4<acc_t> q, k, out, dout;
   Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
   Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
@@ -59,6 +75,9 @@ struct BwdBuffers {
   std::vector<uint8_t> qs_flags, do_flags;
   std::vector<acc_t> scratch;
   std::vector<RowGrads<acc_t>> grads;
+  // With bfloat16 products: Q^T and dO^T (D or Dv x rows rounded up to even), a block of P or
+  // lambda dS in pairs along its rows, and dS in bfloat16 (rows x keys rounded up to even).
+  std::vector<c10::BFloat16> q_t16, do_t16, pairs16, ds16;
   BwdBuffers(int64_t rows, const AttentionShape& sh)
       : s(rows * key_block_capacity(sh)),
         p(rows * key_block_capacity(sh)),
@@ -83,6 +102,78 @@ acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   return r;
 }
 
+// Q^T and dO^T of the query block in bfloat16 for the products summed over its rows, a zero
+// column after an odd number of rows (so that they pair with the zero row of pack_float_row_pairs).
+template <typename acc_t>
+void prepare_pair_rows(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t b, int64_t h,
+                       int64_t i0, int64_t rows) {
+  const int64_t D = a.shape.head_dim, Dv = a.shape.v_head_dim, rows2 = rows + rows % 2;
+  const int64_t cap = buf.delta.size() + buf.delta.size() % 2;
+  if (buf.q_t16.empty()) {
+    const int64_t keys = pair_row_length(key_block_capacity(a.shape) + 1);
+    buf.q_t16.resize(D * cap), buf.do_t16.resize(Dv * cap);
+    buf.pairs16.resize(cap * keys), buf.ds16.resize(buf.delta.size() * keys);
+  }
+  for (auto [x, dst, dim] : {std::tuple{a.pairs.q, buf.q_t16.data(), D},
+                             std::tuple{a.pairs.dout, buf.do_t16.data(), Dv}}) {
+    transpose_block(rows, dim, x.template row<c10::BFloat16>(b, h, i0), x.sl, dst, rows2);
+    if (rows2 > rows) {
+      for (int64_t d = 0; d < dim; ++d) dst[d * rows2 + rows] = c10::BFloat16(0.f);
+    }
+  }
+}
+
+// C (rows x n, row stride n) = X (rows of (b, h) from i0, as given) . B's keys [j0, j0 + n), B a
+// whole operand transposed in pairs (K^T or V^T of (b, kvh)): the scores, or dP.
+template <typename acc_t>
+void pair_product(int64_t b, int64_t kvh, int64_t i0, int64_t h, const Raw16& x,
+                  const PairedOperand& bt, int64_t j0, int64_t rows, int64_t n, int64_t dim,
+                  acc_t* c) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    bf16_gemm(rows, n, dim, x.row<c10::BFloat16>(b, h, i0), x.sl, bt.at(b, kvh) + 2 * j0, bt.ld, c,
+              n, false);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
+  }
+}
+
+// C^T (dim x n, row stride ldc) += X^T (dim x rows, in buf) . W (rows x n, row stride n), W's row r
+// times scale[r] (null: 1), rounded to bfloat16 in pairs along its rows: dV^T += dO^T P and
+// dK^T += Q^T (lambda dS).
+template <typename acc_t>
+void pair_rows_product(BwdBuffers<acc_t>& buf, const c10::BFloat16* xt, int64_t dim, const acc_t* w,
+                       const std::type_identity_t<acc_t>* scale, int64_t rows, int64_t n, acc_t* c,
+                       int64_t ldc) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const int64_t rows2 = rows + rows % 2, ldb = pair_row_length(n);
+    pack_float_row_pairs(rows, n, w, n, scale, buf.pairs16.data(), ldb);
+    bf16_gemm(dim, n, rows2, xt, rows2, buf.pairs16.data(), ldb, c, ldc, true);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
+  }
+}
+
+// G (rows x D) += dS (in buf.dp, rounded to bfloat16) . K's keys [j0, j0 + n) of (b, kvh), K
+// packed whole as rows in pairs (j0 even; an odd n is paired with a zero weight).
+template <typename acc_t>
+void pair_keys_product(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t b, int64_t kvh,
+                       int64_t rows, int64_t j0, int64_t n) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const int64_t n2 = n + n % 2, D = a.shape.head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* ds = buf.dp.data() + r * n;
+      c10::BFloat16* ds16 = buf.ds16.data() + r * n2;
+      for (int64_t j = 0; j < n; ++j) ds16[j] = c10::BFloat16(ds[j]);
+      if (n2 > n) ds16[n] = c10::BFloat16(0.f);
+    }
+    const PairedOperand& k = a.pairs.k;
+    bf16_gemm(rows, D, n2, buf.ds16.data(), n2, k.at(b, kvh) + j0 * k.ld, k.ld, buf.g.data(), D,
+              true);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
+  }
+}
+
 // One query block of one query head against the keys it may see in key chunk `chunk`.
 template <typename acc_t>
 void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
@@ -95,7 +186,9 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   const acc_t* dout = a.dout.at(b, h, i0);
   const acc_t* k = a.k.at(b, kvh);
   const uint8_t* k_flags = a.k_nonfinite.at(b, kvh);
-  const acc_t *kt = a.kt.at(b, kvh), *vt = a.vt.at(b, kvh);
+  // (K^T and V^T in float only without bfloat16 products)
+  const acc_t* kt = a.pairs.on ? nullptr : a.kt.at(b, kvh);
+  const acc_t* vt = a.pairs.on ? nullptr : a.vt.at(b, kvh);
   acc_t *dkt = a.dkt.at(b, kvh), *dvt = a.dvt.at(b, kvh);
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -117,15 +210,24 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     buf.do_flags[r] = has_nonfinite(dout + r * a.dout.sl, Dv);
   }
   transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
+  const bool pairs = a.pairs.on;
+  if (pairs) prepare_pair_rows(a, buf, b, h, i0, rows);
 
   // The keys of this chunk that some row of the block may see.
   const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
   const int64_t kv_begin = std::max(chunk * a.chunk_keys, tile.lo);
   const int64_t kv_end = std::min(tile.hi, (chunk + 1) * a.chunk_keys);
   const bool dropout = a.dropout.on(), softcap = a.softcap.on();
-  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kKvBlock) {
+  // With bfloat16 products the blocks start at even keys, where K's pairs start (a key before the
+  // tile's first is one no row sees, in the same chunk: chunks start at multiples of kKvBlock).
+  const int64_t first = pairs ? kv_begin - kv_begin % 2 : kv_begin;
+  for (int64_t j0 = first; j0 < kv_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, kv_end - j0);
-    block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
+    if (pairs) {
+      pair_product(b, kvh, i0, h, a.pairs.q, a.pairs.kt, j0, rows, n, D, buf.s.data());
+    } else {
+      block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       const LogitRow<acc_t> row{a.pattern.keys(i, sh.q_len, sh.kv_len), a.row_scale[row0 + r],
@@ -146,10 +248,18 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
       return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
     };
     // dV^T += dO^T P (P dropped out, as the forward's P V saw it); dP = dO V^T
-    product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows,
-                                   (dropout ? buf.pd : buf.p).data(), n, dvt + j0, a.dvt.sl,
-                                   buf.do_flags.data(), buf.scratch, sees);
-    block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
+    const acc_t* weights = (dropout ? buf.pd : buf.p).data();
+    if (pairs && !any_flagged(buf.do_flags.data(), rows)) {
+      pair_rows_product(buf, buf.do_t16.data(), Dv, weights, nullptr, rows, n, dvt + j0, a.dvt.sl);
+    } else {
+      product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows, weights, n, dvt + j0,
+                                     a.dvt.sl, buf.do_flags.data(), buf.scratch, sees);
+    }
+    if (pairs) {
+      pair_product(b, kvh, i0, h, a.pairs.dout, a.pairs.vt, j0, rows, n, Dv, buf.dp.data());
+    } else {
+      block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* dp = buf.dp.data() + r * n;
       const acc_t* p = buf.p.data() + r * n;
@@ -167,13 +277,25 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
         for (int64_t j = 0; j < n; ++j) dp[j] *= dc[j];
       }
     }
-    // G += dS K (unscaled); dK^T += (lambda Q)^T dS
-    product_seen_rows_of_b<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
-                                  buf.g.data(), D, true, k_flags ? k_flags + j0 : nullptr,
-                                  buf.scratch, sees);
-    product_seen_cols_of_bt<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0,
-                                   a.dkt.sl, buf.qs_flags.data(), buf.scratch, sees);
+    // G += dS K (unscaled); dK^T += (lambda Q)^T dS. (K's pairs join key j0 + n to an odd
+    // block's last: its dS is 0, but 0 * inf is not.)
+    const int64_t paired = std::min(n + n % 2, sh.kv_len - j0);
+    if (pairs && !any_flagged(k_flags ? k_flags + j0 : nullptr, paired)) {
+      pair_keys_product(a, buf, b, kvh, rows, j0, n);
+    } else {
+      product_seen_rows_of_b<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
+                                    buf.g.data(), D, true, k_flags ? k_flags + j0 : nullptr,
+                                    buf.scratch, sees);
+    }
+    if (pairs && !any_flagged(buf.qs_flags.data(), rows)) {
+      pair_rows_product(buf, buf.q_t16.data(), D, buf.dp.data(), a.row_scale + row0, rows, n,
+                        dkt + j0, a.dkt.sl);
+    } else {
+      product_seen_cols_of_bt<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0,
+                                     a.dkt.sl, buf.qs_flags.data(), buf.scratch, sees);
+    }
   }
+  if (pairs) release_bf16_products();
 
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t* g = buf.g.data() + r * D;
@@ -238,15 +360,43 @@ void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& s
   });
 }
 
+// Whether the backward's products run in bfloat16 (BwdPairs): bfloat16 inputs (and upstream
+// gradient) where the CPU has the kernel, even head dims, and K's and V's rows an even number of
+// entries apart (both are moved in pairs along their head dims).
+bool backward_uses_bf16_products(const AttentionShape& sh, const at::Tensor& grad_output,
+                                 const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value) {
+  const auto even_rows = [](const at::Tensor& x) {
+    return x.stride(3) != 1 || x.stride(2) % 2 == 0;  // (else made contiguous)
+  };
+  return query.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 &&
+         sh.head_dim % 2 == 0 && sh.v_head_dim % 2 == 0 && even_rows(key) && even_rows(value) &&
+         bf16_products_available();
+}
+
 AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
                                      const at::Tensor& key, const at::Tensor& value,
                                      const at::Tensor& output, const AttentionBackwardCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
+  const bool pairs = backward_uses_bf16_products(sh, grad_output, query, key, value);
   const at::Tensor q = gemm_operand(query, acc), k = gemm_operand(key, acc);
-  const at::Tensor kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
   const at::Tensor out = gemm_operand(output, acc);
   const at::Tensor dout = gemm_operand(grad_output, acc);
+  // The right operands of the products with K^T and V^T: in float, or packed in pairs.
+  at::Tensor kt, vt, q16, dout16;
+  BwdPairs bwd_pairs;
+  if (pairs) {
+    q16 = gemm_operand(query, at::kBFloat16), dout16 = gemm_operand(grad_output, at::kBFloat16);
+    bwd_pairs.on = true;
+    bwd_pairs.q = Raw16::of(q16), bwd_pairs.dout = Raw16::of(dout16);
+    const at::Tensor k16 = with_unit_last_stride(key, at::kBFloat16);
+    bwd_pairs.kt = pack_whole_pairs(k16, /*transposed=*/true);
+    bwd_pairs.vt = pack_whole_pairs(with_unit_last_stride(value, at::kBFloat16), true);
+    bwd_pairs.k = pack_whole_pairs(k16, /*transposed=*/false);
+  } else {
+    kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
+  }
 
   const auto opts = query.options().dtype(acc);
   const TaskSplit split = TaskSplit::of(call);
@@ -264,10 +414,17 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     BwdArgs<scalar_t> a{};
     a.shape = sh;
     a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
-    a.k_nonfinite = NonFiniteRows::of(a.k, sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim);
+    // (found where K was packed in pairs, else here)
+    a.k_nonfinite = pairs ? NonFiniteRows::from(std::move(bwd_pairs.k.flags), sh.kv_heads,
+                                                sh.kv_len + sh.kv_len % 2)
+                          : NonFiniteRows::of(a.k, sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim);
     a.out = Strided4<scalar_t>::of(out), a.dout = Strided4<scalar_t>::of(dout);
     a.dq = Strided4<scalar_t>::of(dq);
-    a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
+    if (pairs) {
+      a.pairs = bwd_pairs;
+    } else {
+      a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
+    }
     a.dkt = Strided4<scalar_t>::of(dkt), a.dvt = Strided4<scalar_t>::of(dvt);
     a.mask = make_mask_arg<scalar_t>(call.mask);
     a.pattern = call.key_pattern();

@@ -51,6 +51,21 @@ inline at::Tensor gemm_operand(const at::Tensor& x, at::ScalarType dtype) {
   return span > std::numeric_limits<int32_t>::max() ? y.contiguous() : y;
 }
 
+// A 16-bit (B, heads, L, dim) operand as given: its data, type and strides (unit last stride).
+struct Raw16 {
+  const void* data = nullptr;
+  at::ScalarType dtype = at::kBFloat16;
+  int64_t sb = 0, sh = 0, sl = 0;
+  static Raw16 of(const at::Tensor& t) {
+    return {t.const_data_ptr(), t.scalar_type(), t.stride(0), t.stride(1), t.stride(2)};
+  }
+  // Row l of (b, h), read as T (the operand's own type).
+  template <typename T>
+  const T* row(int64_t b, int64_t h, int64_t l) const {
+    return static_cast<const T*>(data) + b * sb + h * sh + l * sl;
+  }
+};
+
 // x (B, heads, L, dim) as a contiguous (B, heads, dim, L) tensor in `dtype`, in one copy: the
 // row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is.
 // (Tensor::to with a memory format would alias: a transposed view "suggests" the contiguous

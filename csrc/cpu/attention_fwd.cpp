@@ -7,10 +7,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../attention_call.h"
 #include "attention_cpu.h"
+#include "bf16_products.h"
 #include "block_gemm.h"
 #include "hidden_nonfinite.h"
 #include "row_kernels.h"
@@ -38,16 +40,6 @@ inline bool transposes_key_blocks(const AttentionShape& sh, const KeyPattern& pa
 // rows the block product was faster, 7.8 ms against 9-11 for the dot products).
 constexpr int64_t kKeyRowScoreRows = 8;
 
-// A 16-bit (B, heads, L, dim) operand as given: its data, type and strides (unit last stride).
-struct Raw16 {
-  const void* data = nullptr;
-  at::ScalarType dtype = at::kBFloat16;
-  int64_t sb = 0, sh = 0, sl = 0;
-  static Raw16 of(const at::Tensor& t) {
-    return {t.const_data_ptr(), t.scalar_type(), t.stride(0), t.stride(1), t.stride(2)};
-  }
-};
-
 // Rows j0 .. j0 + n of (b, h) of a 16-bit operand in acc_t: dst[j * ld + d], or transposed,
 // dst[d * ld + j].
 template <typename acc_t>
@@ -63,6 +55,15 @@ void load_rows(const Raw16& x, int64_t b, int64_t h, int64_t j0, int64_t n, int6
   });
 }
 
+// Where the forward multiplies bfloat16 operands as they are (bf16_products.h): Q as given, K^T
+// and V in pairs, either whole (packed once before the tasks, shared by a head's query tiles) or,
+// where key_blocks_transposed, block by block from k16 and v16.
+struct PairOperands {
+  bool on = false;
+  Raw16 q;
+  PairedOperand kt, v;  // whole
+};
+
 template <typename acc_t>
 struct FwdArgs {
   AttentionShape shape;
@@ -74,6 +75,7 @@ struct FwdArgs {
   // block converted as it streams, since a conversion of the whole cache is as costly as the copy
   // it replaces (bfloat16 decoding took 3.8x SDPA's time with it).
   Raw16 k16, v16;
+  PairOperands pairs;
   NonFiniteRows v_nonfinite;  // the value rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
@@ -97,11 +99,90 @@ template <typename acc_t>
 struct FwdBuffers {
   std::vector<acc_t> s, o, scratch, kt, v;  // v: a value block converted from 16 bits
   std::vector<uint8_t> v_flags;             // its non-finite rows
+  // With bfloat16 products: P in pairs' order (rows x an even number of keys), and where
+  // transposes_key_blocks the block's K^T and V in pairs.
+  std::vector<c10::BFloat16> p16, kt16, v16;
   std::vector<RowSetup<acc_t>> setup;
   std::vector<RowStats<acc_t>> stats;
+  int64_t rows;  // the most rows a task has
   FwdBuffers(int64_t rows, const AttentionShape& sh)
-      : s(rows * key_block_capacity(sh)), o(rows * sh.v_head_dim), setup(rows), stats(rows) {}
+      : s(rows * key_block_capacity(sh)),
+        o(rows * sh.v_head_dim),
+        setup(rows),
+        stats(rows),
+        rows(rows) {}
 };
+
+// The scores of key block [j0, j0 + n) by a bfloat16 product (PairOperands): S = Q K^T into buf.s
+// (rows x n), K^T's block taken from the whole packed operand, or packed here.
+template <typename acc_t>
+void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h, int64_t i0,
+                 int64_t rows, int64_t j0, int64_t n) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const AttentionShape& sh = a.shape;
+    const int64_t kvh = h / sh.group(), D = sh.head_dim;
+    const PairOperands& po = a.pairs;
+    const auto* q = po.q.row<c10::BFloat16>(b, h, i0);
+    const c10::BFloat16* kt = nullptr;
+    int64_t ldb = 0;
+    if (a.key_blocks_transposed) {
+      const auto* k = a.k16.template row<c10::BFloat16>(b, kvh, j0);
+      ldb = pair_row_length(n);
+      pack_transposed_pairs(n, D, k, a.k16.sl, buf.kt16.data(), ldb);
+      kt = buf.kt16.data();
+    } else {
+      kt = po.kt.at(b, kvh) + 2 * j0, ldb = po.kt.ld;  // key j0's first pair
+    }
+    bf16_gemm(rows, n, D, q, po.q.sl, kt, ldb, buf.s.data(), n, false);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
+  }
+}
+
+// O += P V for key block [j0, j0 + n) by a bfloat16 product, P (buf.s) rounded to bfloat16 in
+// pairs' order and V's block taken from the whole packed operand, or packed here. A block whose
+// values hold a NaN or an infinity goes through the float product that adds them to the rows that
+// see them only (hidden_nonfinite.h), its values widened.
+template <typename acc_t, typename Sees>
+void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h,
+                 int64_t rows, int64_t j0, int64_t n, const Sees& sees) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const AttentionShape& sh = a.shape;
+    const int64_t kvh = h / sh.group(), Dv = sh.v_head_dim;
+    const int64_t n2 = n + n % 2;  // keys in whole pairs
+    const c10::BFloat16* v = nullptr;
+    const int64_t ldb = pair_row_length(Dv);
+    const uint8_t* flags = nullptr;
+    int64_t checked = n;  // the keys whose values the product reads with a weight
+    if (a.key_blocks_transposed) {
+      const auto* rows16 = a.v16.template row<c10::BFloat16>(b, kvh, j0);
+      pack_row_pairs(n, Dv, rows16, a.v16.sl, buf.v16.data(), ldb, buf.v_flags.data());
+      v = buf.v16.data(), flags = buf.v_flags.data();
+    } else {
+      // The whole operand pairs key j0 + n with an odd block's last key: its weight is 0, but
+      // 0 * inf is not.
+      v = a.pairs.v.at(b, kvh) + j0 * ldb;
+      const uint8_t* all = a.v_nonfinite.at(b, kvh);
+      flags = all ? all + j0 : nullptr;
+      checked = std::min(n2, sh.kv_len - j0);
+    }
+    if (any_flagged(flags, checked)) {
+      load_rows(a.v16, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
+      product_seen_rows_of_b<float>(rows, Dv, n, buf.s.data(), n, buf.v.data(), Dv, buf.o.data(),
+                                    Dv, true, flags, buf.scratch, sees);
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* p = buf.s.data() + r * n;
+      c10::BFloat16* p16 = buf.p16.data() + r * n2;
+      for (int64_t j = 0; j < n; ++j) p16[j] = c10::BFloat16(p[j]);
+      if (n2 > n) p16[n] = c10::BFloat16(0.f);
+    }
+    bf16_gemm(rows, Dv, n2, buf.p16.data(), n2, v, ldb, buf.o.data(), Dv, true);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
+  }
+}
 
 template <typename acc_t>
 void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h, int64_t i0,
@@ -109,19 +190,28 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const AttentionShape& sh = a.shape;
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
-  const acc_t* q = a.q.at(b, h, i0);
+  const bool pairs = a.pairs.on;
+  const acc_t* q = pairs ? nullptr : a.q.at(b, h, i0);
   const bool per_block = a.key_blocks_transposed;
-  const acc_t* kt = per_block ? nullptr : a.kt.at(b, kvh);
-  const bool convert = a.k16.data != nullptr;
+  const acc_t* kt = per_block || pairs ? nullptr : a.kt.at(b, kvh);
+  const bool convert = !pairs && a.k16.data != nullptr;
   const acc_t* k = per_block && !convert ? a.k.at(b, kvh) : nullptr;
-  const acc_t* v = convert ? nullptr : a.v.at(b, kvh);
+  const acc_t* v = convert || pairs ? nullptr : a.v.at(b, kvh);
   const uint8_t* v_flags = a.v_nonfinite.at(b, kvh);
   // (kt only where a block is transposed or converted: float rows read as stored need none)
-  if (per_block && (convert || rows > kKeyRowScoreRows) && buf.kt.empty()) {
+  if (per_block && !pairs && (convert || rows > kKeyRowScoreRows) && buf.kt.empty()) {
     buf.kt.resize(D * key_block_capacity(sh));
   }
-  if (convert && buf.v.empty()) {
-    buf.v.resize(key_block_capacity(sh) * Dv), buf.v_flags.resize(key_block_capacity(sh));
+  if ((convert || pairs) && buf.v.empty()) {
+    buf.v.resize(key_block_capacity(sh) * Dv), buf.v_flags.resize(key_block_capacity(sh) + 1);
+  }
+  if (pairs && buf.p16.empty()) {
+    // (a block of an odd number of keys takes one more, a zero, in its pairs)
+    buf.p16.resize(buf.rows * (key_block_capacity(sh) + 1));
+    if (per_block) {
+      buf.kt16.resize(D * pair_row_length(key_block_capacity(sh)));
+      buf.v16.resize((key_block_capacity(sh) + 1) * pair_row_length(Dv));
+    }
   }
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;  // index into the (B, H, Lq) outputs
   std::vector<acc_t>&s_buf = buf.s, &o_buf = buf.o;
@@ -139,9 +229,14 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 
   // Only the keys some row of the block may see (causality, windows, documents).
   const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
-  for (int64_t j0 = tile.lo; j0 < tile.hi; j0 += kKvBlock) {
+  // With bfloat16 products the blocks start at even keys, where V's pairs start (a key before the
+  // tile's first is one no row sees: weight 0).
+  const int64_t first = pairs ? tile.lo - tile.lo % 2 : tile.lo;
+  for (int64_t j0 = first; j0 < tile.hi; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, tile.hi - j0);
-    if (per_block && rows <= kKeyRowScoreRows) {
+    if (pairs) {
+      pair_scores(a, buf, b, h, i0, rows, j0, n);
+    } else if (per_block && rows <= kKeyRowScoreRows) {
       // (16-bit keys converted as stored, unit column stride: D apart)
       if (convert) load_rows(a.k16, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false);
       const acc_t* k_rows = convert ? buf.kt.data() : k + j0 * a.k.sl;
@@ -173,6 +268,13 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
       }
     }
+    const auto sees = [&](int64_t r, int64_t j) {
+      return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
+    };
+    if (pairs) {
+      pair_values(a, buf, b, h, rows, j0, n, sees);
+      continue;
+    }
     // O += P V, a non-finite value reaching only the rows that see its key.
     const acc_t* v_block = convert ? buf.v.data() : v + j0 * a.v.sl;
     const int64_t ld_v = convert ? Dv : a.v.sl;
@@ -183,10 +285,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
       block_flags = any_flagged(buf.v_flags.data(), n) ? buf.v_flags.data() : nullptr;
     }
     product_seen_rows_of_b<acc_t>(rows, Dv, n, s_buf.data(), n, v_block, ld_v, o_buf.data(), Dv,
-                                  true, block_flags, buf.scratch, [&](int64_t r, int64_t j) {
-                                    return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
-                                  });
+                                  true, block_flags, buf.scratch, sees);
   }
+  if (pairs) release_bf16_products();
 
   for (int64_t r = 0; r < rows; ++r) {
     const RowResult<acc_t> res = finalize(stats[r]);
@@ -208,18 +309,41 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   }
 }
 
+// Whether the call's products run in bfloat16 (bf16_products.h): bfloat16 inputs where the CPU has
+// the kernel, with an even head dim and K's rows an even number of entries apart (K is moved in
+// pairs). Elsewhere 16-bit inputs are widened to float32.
+bool uses_bf16_products(const AttentionCall& call, const at::Tensor& key) {
+  return call.dtype == at::kBFloat16 && call.shape.head_dim % 2 == 0 &&
+         (key.stride(3) != 1 || key.stride(2) % 2 == 0) && bf16_products_available();
+}
+
+// The operands of bfloat16 products: Q as given, and unless the tasks pack each block
+// (per_block), K^T and V packed whole, with the flags of V's non-finite rows.
+PairOperands pair_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           bool per_block, NonFiniteRows& v_nonfinite) {
+  PairOperands po;
+  po.on = true;
+  po.q = Raw16::of(q);
+  if (per_block) return po;
+  po.kt = pack_whole_pairs(k, /*transposed=*/true);
+  po.v = pack_whole_pairs(v, /*transposed=*/false);
+  v_nonfinite = NonFiniteRows::from(std::move(po.v.flags), v.size(1), v.size(2) + v.size(2) % 2);
+  return po;
+}
+
 AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const at::Tensor q = gemm_operand(query, acc);
   const bool per_block = transposes_key_blocks(sh, call.key_pattern());
-  const bool convert = per_block && call.dtype != acc;  // 16-bit K and V converted per block
-  const at::Tensor k = convert     ? with_unit_last_stride(key, call.dtype)
+  const bool pairs = uses_bf16_products(call, key);
+  const at::Tensor q = gemm_operand(query, pairs ? call.dtype : acc);
+  // 16-bit K and V converted per block, or taken as they are by bfloat16 products
+  const bool raw16 = (per_block && call.dtype != acc) || pairs;
+  const at::Tensor k = raw16       ? with_unit_last_stride(key, call.dtype)
                        : per_block ? gemm_operand(key, acc)
                                    : transposed_copy(key, acc);
-  const at::Tensor v =
-      convert ? with_unit_last_stride(value, call.dtype) : gemm_operand(value, acc);
+  const at::Tensor v = raw16 ? with_unit_last_stride(value, call.dtype) : gemm_operand(value, acc);
   AttentionOutputs outputs = call.allocate_outputs(query);
   auto& [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
          normalized_entropy, sparsity, effective_keys] = outputs;
@@ -229,9 +353,13 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
     FwdArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = Strided4<scalar_t>::of(q);
+    if (!pairs) a.q = Strided4<scalar_t>::of(q);
     a.key_blocks_transposed = per_block;
-    if (convert) {  // (the value blocks' non-finite rows are found as they load)
+    if (pairs) {
+      a.k16 = Raw16::of(k);
+      a.v16 = Raw16::of(v);
+      a.pairs = pair_operands(q, k, v, per_block, a.v_nonfinite);
+    } else if (raw16) {  // (the value blocks' non-finite rows are found as they load)
       a.k16 = Raw16::of(k);
       a.v16 = Raw16::of(v);
     } else {

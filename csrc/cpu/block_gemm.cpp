@@ -26,19 +26,28 @@ SerialBlasScope::~SerialBlasScope() {
 
 namespace {
 
-// Whether the float products go through oneDNN's brgemm (else ATen's mm, i.e. MKL's sgemm).
+// ENTROPY_ATTN_CPU_GEMM, read once: "brgemm", "blas" or "brgemm_float" (brgemm, with 16-bit inputs
+// widened to float32 for it rather than multiplied as bfloat16: bf16_products.h), or unset.
+const std::string& forced_gemm() {
+  static const std::string forced = [] {
+    const char* f = std::getenv("ENTROPY_ATTN_CPU_GEMM");
+    const std::string s = f ? f : "";
+    TORCH_CHECK_VALUE(s.empty() || s == "brgemm" || s == "blas" || s == "brgemm_float",
+                      "ENTROPY_ATTN_CPU_GEMM must be brgemm, brgemm_float or blas, got '", s, "'");
+    return s;
+  }();
+  return forced;
+}
+
+}  // namespace
+
 // brgemm's AVX-512 micro-kernel is what makes the CPU kernels fast (benchmarks/results/cpu_isa.md:
 // the headline point 173 ms against SDPA's 348); without AVX-512 (oneDNN capped at AVX2) it took
 // 384 ms where MKL's sgemm took 353. So: brgemm where oneDNN can use AVX-512, MKL elsewhere on x86;
-// ENTROPY_ATTN_CPU_GEMM=brgemm or blas forces one (read once).
+// ENTROPY_ATTN_CPU_GEMM forces one.
 bool use_brgemm() {
   static const bool brgemm = [] {
-    if (const char* forced = std::getenv("ENTROPY_ATTN_CPU_GEMM")) {
-      const std::string f = forced;
-      TORCH_CHECK_VALUE(f == "brgemm" || f == "blas",
-                        "ENTROPY_ATTN_CPU_GEMM must be brgemm or blas, got '", f, "'");
-      return f == "brgemm";
-    }
+    if (!forced_gemm().empty()) return forced_gemm() != "blas";
 #if defined(__x86_64__) && defined(__GNUC__)
     // oneDNN's own cap on its instruction set: AVX512_CORE..., AMX... and ALL/DEFAULT keep AVX-512.
     if (const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA")) {
@@ -55,6 +64,10 @@ bool use_brgemm() {
   }();
   return brgemm;
 }
+
+bool brgemm_takes_16_bit() { return use_brgemm() && forced_gemm() != "brgemm_float"; }
+
+namespace {
 
 // C (M x N, row stride ldc) [+]= A B through ATen's mm on strided views of the buffers.
 template <typename T>

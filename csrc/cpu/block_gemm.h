@@ -39,6 +39,13 @@ void transpose_block(int64_t rows, int64_t cols, const Src* src, int64_t ld_src,
   }
 }
 
+// Whether the float products go through oneDNN's brgemm (else ATen's mm, i.e. MKL's sgemm).
+bool use_brgemm();
+
+// Whether brgemm may also take 16-bit operands as they are (bf16_products.h): not where
+// ENTROPY_ATTN_CPU_GEMM=brgemm_float (or blas) says otherwise.
+bool brgemm_takes_16_bit();
+
 // Makes the BLAS single-threaded on this thread for the scope's lifetime. PyTorch turns MKL's
 // dynamic threading off, so without it MKL opens a nested OpenMP team inside every task (seen in
 // perf as gblock_by_k_omp spinning in libgomp: a 20x slowdown on 2 cores). A no-op for builds

@@ -60,6 +60,15 @@ class NonFiniteRows {
     return r;
   }
 
+  // From flags already found, `len` per (batch, head).
+  static NonFiniteRows from(std::vector<uint8_t> flags, int64_t heads, int64_t len) {
+    NonFiniteRows r;
+    r.heads_ = heads, r.len_ = len;
+    if (std::find(flags.begin(), flags.end(), uint8_t{1}) != flags.end())
+      r.flags_ = std::move(flags);
+    return r;
+  }
+
   // The flags of (b, h)'s rows, or null when no row of the operand is flagged.
   const uint8_t* at(int64_t b, int64_t h) const {
     return flags_.empty() ? nullptr : flags_.data() + (b * heads_ + h) * len_;

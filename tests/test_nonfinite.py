@@ -195,6 +195,24 @@ def test_documents_of_a_packed_batch():
     assert torch.equal(bad, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_keeps_a_hidden_nan_key_out(dtype):
+    """With logit softcapping the backward takes the cap's derivative at each score, NaN for a NaN key:
+    rows that do not see the key must keep dS = 0 for it (0 * NaN), so their dq equals the call's
+    with the key zeroed (it was NaN on the CPU before)."""
+    q, k, v, w = case_inputs(dtype)
+    k[0, 1, 3, 2] = NAN
+    k0 = k.clone()
+    k0[0, 1, 3, 2] = 0
+    out, _, (dq, _, _) = run_op(q, k, v, w, is_causal=True, softcap=5.0)
+    out0, _, (dq0, _, _) = run_op(q, k0, v, w, is_causal=True, softcap=5.0)
+    assert torch.isfinite(dq[0, 1, :3]).all() and torch.isfinite(dq[0, 0]).all()
+    torch.testing.assert_close(out[0, 1, :3], out0[0, 1, :3], rtol=0, atol=0)
+    torch.testing.assert_close(dq[0, 1, :3], dq0[0, 1, :3], rtol=0, atol=0)
+    torch.testing.assert_close(dq[0, 0], dq0[0, 0], rtol=0, atol=0)
+    assert torch.isnan(dq[0, 1, 3:]).all()  # the rows that see it
+
+
 def test_dropout_keeps_hidden_values_out():
     q, k, v, w = case_inputs(torch.float32, Lq=40, Lk=40)
     v[0, :, 30] = NAN

@@ -273,8 +273,10 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
         for (int64_t j = 0; j < n; ++j) dl[j * a.d_logits.sj] += dp[j];
       }
       if (softcap) {  // through the cap, to the scaled score lambda q.k
+        // A key the row does not see (p = 0: its dS is 0) keeps dS = 0 whatever its derivative:
+        // a NaN key's is NaN (docs/math.md section 8), as in the CUDA fallback.
         const acc_t* dc = buf.dcap.data() + r * n;
-        for (int64_t j = 0; j < n; ++j) dp[j] *= dc[j];
+        for (int64_t j = 0; j < n; ++j) dp[j] = p[j] == acc_t(0) ? dp[j] : dp[j] * dc[j];
       }
     }
     // G += dS K (unscaled); dK^T += (lambda Q)^T dS. (K's pairs join key j0 + n to an odd

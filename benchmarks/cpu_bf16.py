@@ -19,8 +19,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +121,24 @@ def table(points: list, best: dict, key: str) -> str:
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """The CPU, its bfloat16 instructions, torch and the commit measured."""
+    name, flags = "unknown CPU", ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and name == "unknown CPU":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line
+    except OSError:
+        pass
+    has = {f: f in flags.split() for f in ("avx512f", "avx512_bf16", "amx_bf16")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    return (f"{name} ({os.cpu_count()} CPUs; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in has.items())
+            + f"), torch {torch.__version__}, commit {commit.strip() or 'unknown'}, "
+            + time.strftime("%Y-%m-%d"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="calls per process (the fastest counts)")
@@ -129,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     points, rounds = (QUICK, 1) if args.quick else (POINTS, args.rounds)
     best = measure(points, args.reps, rounds, args.threads)
-    text = (f"bfloat16, {args.threads} threads, fastest of {args.reps} calls x {rounds} processes per setting; SDPA "
+    text = (f"{machine()}\n\nbfloat16, {args.threads} threads, fastest of {args.reps} calls x {rounds} processes per setting; SDPA "
             f"in the same processes.\n\nForward with statistics:\n\n{table(points, best, 'ours_ms')}\n\n"
             f"Forward + backward (the gradients of q, k and v; without statistics):\n\n"
             f"{table(points, best, 'ours_bwd_ms')}")

@@ -142,8 +142,7 @@ void pair_product(int64_t b, int64_t kvh, int64_t i0, int64_t h, const Raw16& x,
 // dK^T += Q^T (lambda dS).
 template <typename acc_t>
 void pair_rows_product(BwdBuffers<acc_t>& buf, const c10::BFloat16* xt, int64_t dim, const acc_t* w,
-                       const std::type_identity_t<acc_t>* scale, int64_t rows, int64_t n, acc_t* c,
-                       int64_t ldc) {
+                       const acc_t* scale, int64_t rows, int64_t n, acc_t* c, int64_t ldc) {
   if constexpr (std::is_same_v<acc_t, float>) {
     const int64_t rows2 = rows + rows % 2, ldb = pair_row_length(n);
     pack_float_row_pairs(rows, n, w, n, scale, buf.pairs16.data(), ldb);
@@ -250,7 +249,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     // dV^T += dO^T P (P dropped out, as the forward's P V saw it); dP = dO V^T
     const acc_t* weights = (dropout ? buf.pd : buf.p).data();
     if (pairs && !any_flagged(buf.do_flags.data(), rows)) {
-      pair_rows_product(buf, buf.do_t16.data(), Dv, weights, nullptr, rows, n, dvt + j0, a.dvt.sl);
+      pair_rows_product(buf, buf.do_t16.data(), Dv, weights, static_cast<const acc_t*>(nullptr),
+                        rows, n, dvt + j0, a.dvt.sl);
     } else {
       product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows, weights, n, dvt + j0,
                                      a.dvt.sl, buf.do_flags.data(), buf.scratch, sees);

@@ -25,37 +25,35 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cpu_name  # noqa: E402  (benchmarks/timing.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, sys, time, torch, torch_ext
+import json, sys, torch, torch_ext
 import torch.nn.functional as F
+from timing import fastest_ms
 B, H, Hkv, Lq, Lk, D, causal, reps = map(int, sys.argv[1:9])
 torch.set_num_threads(int(sys.argv[9]))
 g = torch.Generator().manual_seed(0)
 q = torch.randn(B, H, Lq, D, generator=g).bfloat16()
 k, v = (torch.randn(B, Hkv, Lk, D, generator=g).bfloat16() for _ in range(2))
 kw = dict(is_causal=bool(causal), enable_gqa=H != Hkv)
-def best(f):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
-    return min(ts) * 1e3
 with torch.no_grad():
     ours_out = torch_ext.attention(q, k, v, **kw)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw)
     err = (ours_out.float() - ref).abs().max().item()
     assert err < 3e-2, f"output differs from SDPA's by {err}"
-    ours = best(lambda: torch_ext.attention(q, k, v, return_stats=True, **kw))
-    sdpa = best(lambda: F.scaled_dot_product_attention(q, k, v, **kw))
+    ours = fastest_ms(lambda: torch_ext.attention(q, k, v, return_stats=True, **kw), reps)
+    sdpa = fastest_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kw), reps)
 r = {"ours_ms": ours, "sdpa_ms": sdpa}
 if Lq == Lk:  # prefill: also the gradients of q, k, v
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     g_out = torch.randn(q.shape, generator=g).bfloat16()
-    r["ours_bwd_ms"] = best(lambda: torch.autograd.grad(torch_ext.attention(q, k, v, **kw), (q, k, v), g_out))
-    r["sdpa_bwd_ms"] = best(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v),
-                                                        g_out))
+    grads = lambda attn: torch.autograd.grad(attn(q, k, v, **kw), (q, k, v), g_out)
+    r["ours_bwd_ms"] = fastest_ms(lambda: grads(torch_ext.attention), reps)
+    r["sdpa_bwd_ms"] = fastest_ms(lambda: grads(F.scaled_dot_product_attention), reps)
 print(json.dumps(r))
 """
 
@@ -93,7 +91,7 @@ SETTINGS = [("bf16", {}), ("float", {"ENTROPY_ATTN_CPU_GEMM": "brgemm_float"})]
 def run_child(p: Point, env: dict, reps: int, threads: int) -> dict:
     args = [p.batch, p.heads, p.kv_heads, p.q_len, p.kv_len, p.head_dim, int(p.causal), reps, threads]
     out = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], capture_output=True, text=True, check=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}).stdout
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}", **env}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -123,20 +121,14 @@ def table(points: list, best: dict, key: str) -> str:
 
 def machine() -> str:
     """The CPU, its bfloat16 instructions, torch and the commit measured."""
-    name, flags = "unknown CPU", ""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name == "unknown CPU":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
     except OSError:
-        pass
-    has = {f: f in flags.split() for f in ("avx512f", "avx512_bf16", "amx_bf16")}
+        flags = []
+    has = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512f", "avx512_bf16", "amx_bf16"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    return (f"{name} ({os.cpu_count()} CPUs; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in has.items())
-            + f"), torch {torch.__version__}, commit {commit.strip() or 'unknown'}, "
-            + time.strftime("%Y-%m-%d"))
+    return (f"{cpu_name()} ({os.cpu_count()} CPUs; {has}), torch {torch.__version__}, "
+            f"commit {commit.strip() or 'unknown'}, {time.strftime('%Y-%m-%d')}")
 
 
 def main() -> None:

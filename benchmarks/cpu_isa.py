@@ -15,27 +15,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+from timing import cpu_name  # noqa: E402  (benchmarks/timing.py; the children import its fastest_ms)
 
 POINT = dict(B=2, H=8, L=4096, D=64)
 
 CHILD = r"""
-import json, sys, time, torch, torch_ext
+import json, sys, torch, torch_ext
 import torch.nn.functional as F
+from timing import fastest_ms
 reps = int(sys.argv[1])
 torch.manual_seed(0)
 B, H, L, D = 2, 8, 4096, 64
 q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-def best(f):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
-    return min(ts) * 1e3
-ours = best(lambda: torch_ext.attention(q, k, v))
-sdpa = best(lambda: F.scaled_dot_product_attention(q, k, v))
+ours = fastest_ms(lambda: torch_ext.attention(q, k, v), reps)
+sdpa = fastest_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)
 print(json.dumps({"ours_ms": ours, "sdpa_ms": sdpa, "aten_isa": torch.backends.cpu.get_cpu_capability()}))
 """
 
@@ -49,16 +48,6 @@ SETTINGS = [
 ]
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -69,7 +58,8 @@ def main() -> None:
     print("| setting | ATen ISA | ours (ms) | SDPA (ms) | ours / SDPA |")
     print("|---|---|---:|---:|---:|")
     for name, env in SETTINGS:
-        out = subprocess.run([sys.executable, "-c", CHILD, str(args.reps)], env={**os.environ, **env},
+        path = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
+        out = subprocess.run([sys.executable, "-c", CHILD, str(args.reps)], env={**os.environ, "PYTHONPATH": path, **env},
                              capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(f"| {name} | {r['aten_isa']} | {r['ours_ms']:.0f} | {r['sdpa_ms']:.0f} | "

@@ -1,9 +1,10 @@
-"""What the benchmark scripts share: the median time of a call with torch's threads, and the name
-of the device it ran on."""
+"""What the benchmark scripts share: the median time of a call with torch's threads, the fastest of a
+few calls, and the name of the device it ran on."""
 
 from __future__ import annotations
 
 import platform
+import time
 from typing import Callable
 
 import torch
@@ -16,6 +17,18 @@ def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     fn()
     timer = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def fastest_ms(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` calls of fn() in ms, after one warm-up call (for scripts that time each
+    setting in fresh processes, where the machine's noise only ever adds time)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 def cpu_name() -> str:

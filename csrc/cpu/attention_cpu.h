@@ -67,13 +67,9 @@ struct Raw16 {
 };
 
 // x (B, heads, L, dim) as a contiguous (B, heads, dim, L) tensor in `dtype`, in one copy: the
-// row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is.
-// (Tensor::to with a memory format would alias: a transposed view "suggests" the contiguous
-// format.)
-inline at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype) {
-  const at::Tensor xt = x.transpose(2, 3);
-  return at::empty(xt.sizes(), x.options().dtype(dtype)).copy_(xt);
-}
+// row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is,
+// and the backward's dK^T, dV^T back in their layout. (transposed_copy.cpp)
+at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype);
 
 // One row of the mask, positioned at key 0.
 template <typename acc_t>

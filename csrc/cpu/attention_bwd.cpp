@@ -159,12 +159,7 @@ void pair_keys_product(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t 
                        int64_t rows, int64_t j0, int64_t n) {
   if constexpr (std::is_same_v<acc_t, float>) {
     const int64_t n2 = n + n % 2, D = a.shape.head_dim;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* ds = buf.dp.data() + r * n;
-      c10::BFloat16* ds16 = buf.ds16.data() + r * n2;
-      for (int64_t j = 0; j < n; ++j) ds16[j] = c10::BFloat16(ds[j]);
-      if (n2 > n) ds16[n] = c10::BFloat16(0.f);
-    }
+    round_rows_to_pairs(rows, n, buf.dp.data(), n, buf.ds16.data());
     const PairedOperand& k = a.pairs.k;
     bf16_gemm(rows, D, n2, buf.ds16.data(), n2, k.at(b, kvh) + j0 * k.ld, k.ld, buf.g.data(), D,
               true);
@@ -208,8 +203,11 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     buf.qs_flags[r] = has_nonfinite(buf.qs_t.data() + r, D, rows);  // column r of (lambda Q)^T
     buf.do_flags[r] = has_nonfinite(dout + r * a.dout.sl, Dv);
   }
-  transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
   const bool pairs = a.pairs.on;
+  // (dO^T in float: the float products', which bfloat16 products take only for a non-finite row)
+  if (!pairs || any_flagged(buf.do_flags.data(), rows)) {
+    transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
+  }
   if (pairs) prepare_pair_rows(a, buf, b, h, i0, rows);
 
   // The keys of this chunk that some row of the block may see.
@@ -363,17 +361,12 @@ void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& s
 }
 
 // Whether the backward's products run in bfloat16 (BwdPairs): bfloat16 inputs (and upstream
-// gradient) where the CPU has the kernel, even head dims, and K's and V's rows an even number of
-// entries apart (both are moved in pairs along their head dims).
-bool backward_uses_bf16_products(const AttentionShape& sh, const at::Tensor& grad_output,
-                                 const at::Tensor& query, const at::Tensor& key,
-                                 const at::Tensor& value) {
-  const auto even_rows = [](const at::Tensor& x) {
-    return x.stride(3) != 1 || x.stride(2) % 2 == 0;  // (else made contiguous)
-  };
+// gradient) where the CPU has the kernel, and K and V (moved in pairs along their head dims) fit
+// them.
+bool backward_uses_bf16_products(const at::Tensor& grad_output, const at::Tensor& query,
+                                 const at::Tensor& key, const at::Tensor& value) {
   return query.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 &&
-         sh.head_dim % 2 == 0 && sh.v_head_dim % 2 == 0 && even_rows(key) && even_rows(value) &&
-         bf16_products_available();
+         rows_pair_up(key) && rows_pair_up(value) && bf16_products_available();
 }
 
 AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
@@ -381,7 +374,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
                                      const at::Tensor& output, const AttentionBackwardCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const bool pairs = backward_uses_bf16_products(sh, grad_output, query, key, value);
+  const bool pairs = backward_uses_bf16_products(grad_output, query, key, value);
   const at::Tensor q = gemm_operand(query, acc), k = gemm_operand(key, acc);
   const at::Tensor out = gemm_operand(output, acc);
   const at::Tensor dout = gemm_operand(grad_output, acc);

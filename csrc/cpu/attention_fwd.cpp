@@ -172,12 +172,7 @@ void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
                                     Dv, true, flags, buf.scratch, sees);
       return;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* p = buf.s.data() + r * n;
-      c10::BFloat16* p16 = buf.p16.data() + r * n2;
-      for (int64_t j = 0; j < n; ++j) p16[j] = c10::BFloat16(p[j]);
-      if (n2 > n) p16[n] = c10::BFloat16(0.f);
-    }
+    round_rows_to_pairs(rows, n, buf.s.data(), n, buf.p16.data());
     bf16_gemm(rows, Dv, n2, buf.p16.data(), n2, v, ldb, buf.o.data(), Dv, true);
   } else {
     TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
@@ -310,11 +305,10 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 }
 
 // Whether the call's products run in bfloat16 (bf16_products.h): bfloat16 inputs where the CPU has
-// the kernel, with an even head dim and K's rows an even number of entries apart (K is moved in
-// pairs). Elsewhere 16-bit inputs are widened to float32.
+// the kernel, and K (moved in pairs along the head dim) fits them. Elsewhere 16-bit inputs are
+// widened to float32.
 bool uses_bf16_products(const AttentionCall& call, const at::Tensor& key) {
-  return call.dtype == at::kBFloat16 && call.shape.head_dim % 2 == 0 &&
-         (key.stride(3) != 1 || key.stride(2) % 2 == 0) && bf16_products_available();
+  return call.dtype == at::kBFloat16 && rows_pair_up(key) && bf16_products_available();
 }
 
 // The operands of bfloat16 products: Q as given, and unless the tasks pack each block

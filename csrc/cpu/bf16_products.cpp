@@ -120,6 +120,17 @@ void pack_row_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t l
   }
 }
 
+void round_rows_to_pairs(int64_t rows, int64_t n, const float* src, int64_t ld,
+                         c10::BFloat16* dst) {
+  const int64_t n2 = n + n % 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = src + r * ld;
+    c10::BFloat16* o = dst + r * n2;
+    for (int64_t j = 0; j < n; ++j) o[j] = c10::BFloat16(x[j]);
+    if (n2 > n) o[n] = c10::BFloat16(0.f);
+  }
+}
+
 void pack_float_row_pairs(int64_t rows, int64_t n, const float* src, int64_t ld, const float* scale,
                           c10::BFloat16* dst, int64_t ldb) {
   for (int64_t r = 0; r < rows; r += 2) {

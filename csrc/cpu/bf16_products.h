@@ -50,6 +50,17 @@ void pack_transposed_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, in
 void pack_row_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t ld,
                     c10::BFloat16* dst, int64_t ldb, uint8_t* flags);
 
+// Whether x (B, heads, L, dim), moved in pairs along dim, fits them: an even dim, and rows an even
+// number of entries apart where they are contiguous (else they are copied contiguous first).
+inline bool rows_pair_up(const at::Tensor& x) {
+  return x.size(3) % 2 == 0 && (x.stride(3) != 1 || x.stride(2) % 2 == 0);
+}
+
+// A float block (rows x n, row stride ld) rounded to bfloat16 as the left operand of a product
+// summed over its n columns: dst (rows x n2, n2 = n rounded up to even) with a zero column after an
+// odd n (P for P V, dS for dS K).
+void round_rows_to_pairs(int64_t rows, int64_t n, const float* src, int64_t ld, c10::BFloat16* dst);
+
 // A float block (rows x n, row stride ld), each row r times scale[r] (null: 1), rounded to
 // bfloat16 in pairs along its rows: dst holds B (rows x n, row length ldb >= n, zeros after column
 // n), rows 2p and 2p + 1 interleaved, and a zero row after an odd number of rows (P or lambda dS as

@@ -8,7 +8,9 @@ every per-row statistic), ``fwd`` (``return_stats=False``), both against SDPA's 
 better) are against the fastest. Times also come as TFLOP/s (forward 4·B·H·Lq·Lk·D, halved when
 causal; forward+backward 3.5x) and as a fraction of the matmul peak measured at startup. ``--family``
 sets ENTROPY_ATTN_CUDA_FAMILY before ours runs; a point records the family requested (the extension
-may still fall back where it has no kernel). Points over 70% of the free memory, or out of memory,
+may still fall back where it has no kernel). ``--launch-order`` likewise sets
+ENTROPY_ATTN_CUDA_LAUNCH_ORDER (the tensor-core kernels' block order, csrc/cuda/launch_order.h:
+``auto``, ``heads`` or a number of sections), each family timed under each order. Points over 70% of the free memory, or out of memory,
 are recorded as skipped. ``--dropout-p`` runs both with attention dropout (training: the cost of
 drawing the mask; no ``--check``, the masks differ). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
@@ -18,6 +20,8 @@ nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ou
     python3 benchmarks/gpu_vs_sdpa.py --quick --check       # smoke run, outputs and grads checked first
     python3 benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 128 --seq 4096 --causal yes \\
         --heads-kv 32:8 --family fallback sm80 --no-backward --out-json ''
+    python3 benchmarks/gpu_vs_sdpa.py --causal yes --seq 1024 4096 --launch-order auto heads \\
+        --out-md results/gpu/launch_order.md --out-json results/gpu/launch_order.json
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ SDPA_BACKENDS: Dict[str, SDPBackend] = {
 }
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 FAMILIES = ("auto", "fallback", "sm80", "sm90")
+LAUNCH_ORDER_ENV = "ENTROPY_ATTN_CUDA_LAUNCH_ORDER"
 KINDS = ("fwd_stats", "fwd", "fwd_bwd")
 TFLOPS_KEYS = ("ours_fwd_stats", "ours_fwd", "ours_fwd_bwd", "sdpa_fwd", "sdpa_fwd_bwd")
 ERR_KEYS = ("out", "dq", "dk", "dv")
@@ -109,6 +114,13 @@ def parse_heads_kv(text: str) -> Tuple[int, int]:
     return heads, kv_heads
 
 
+def parse_launch_order(text: str) -> str:
+    """A value of ENTROPY_ATTN_CUDA_LAUNCH_ORDER: 'auto', 'heads' or a positive number of sections."""
+    if text in ("auto", "heads") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, heads or a number of sections >= 1, got {text!r}")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line arguments; grid flags left out take --quick's or the full grid's values."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +132,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", nargs="+", type=int, help="Lq = Lk (default 1024 4096 16384)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--family", nargs="+", choices=FAMILIES, default=["auto"], help=f"sets {FAMILY_ENV}")
+    p.add_argument("--launch-order", nargs="+", type=parse_launch_order, default=["auto"], metavar="ORDER",
+                   help=f"sets {LAUNCH_ORDER_ENV}: auto, heads or a number of sections (default auto)")
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip fwd_bwd")
     p.add_argument("--dropout-p", type=float, default=0.0, help="attention dropout of both (default 0)")
     p.add_argument("--check", action="store_true", help="compare output (and grads) with SDPA's first")
@@ -173,16 +187,16 @@ def fastest(by_backend: Dict[str, Times], kind: str) -> Tuple[Optional[str], Opt
 
 def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], peak: Optional[float], *,
                 skipped: Optional[str] = None, errors: Sequence[str] = (), max_abs_err: Optional[Times] = None,
-                mismatch: Optional[bool] = None) -> Dict[str, Any]:  # fmt: skip
+                mismatch: Optional[bool] = None, launch_order: str = "auto") -> Dict[str, Any]:  # fmt: skip
     """The JSON record of one point from ours' times by kind and SDPA's by backend then kind (missing
     ones None). "sdpa_backend" is the fastest backend in the forward; each measurement also names the
-    backend it is compared with."""
+    backend it is compared with. "launch_order" is the ENTROPY_ATTN_CUDA_LAUNCH_ORDER it ran under."""
     by_backend = {name: {k: sdpa.get(name, {}).get(k) for k in ("fwd", "fwd_bwd")} for name in SDPA_BACKENDS}
     fwd_name, fwd_ms = fastest(by_backend, "fwd")
     bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
     point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
     point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, family=family,
-                 sdpa_backend=fwd_name)  # fmt: skip
+                 launch_order=launch_order, sdpa_backend=fwd_name)  # fmt: skip
     against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
     for kind, (name, ms) in against.items():
         point[kind] = {"ours_ms": ours.get(kind), "sdpa_ms": ms, "ratio": ratio(ours.get(kind), ms), "sdpa_backend": name}
@@ -357,9 +371,12 @@ def check_point(x: Inputs, shape: Shape, run: Run) -> Tuple[Times, bool]:
     return {k: e if e is None or math.isfinite(e) else None for k, e in errs.items()}, bad  # JSON has no NaN
 
 
-def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times], run: Run, peak: Optional[float]) -> Dict[str, Any]:  # fmt: skip
-    """One point: set the family, check against SDPA (with --check), time ours, build the record."""
+def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times], run: Run, peak: Optional[float],
+                   launch_order: str = "auto") -> Dict[str, Any]:  # fmt: skip
+    """One point: set the family and the launch order, check against SDPA (with --check), time ours,
+    build the record."""
     os.environ[FAMILY_ENV] = family
+    os.environ[LAUNCH_ORDER_ENV] = launch_order
     errors: List[str] = []
     errs, bad = None, None
     if run.check:
@@ -370,26 +387,30 @@ def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times],
         except (RuntimeError, ValueError) as e:
             errors.append(f"check: {describe(e)}")
     ours = measure_ours(x, shape, run, errors)
-    return build_point(shape, family, ours, sdpa, peak, errors=errors, max_abs_err=errs, mismatch=bad)
+    return build_point(shape, family, ours, sdpa, peak, errors=errors, max_abs_err=errs, mismatch=bad,
+                       launch_order=launch_order)  # fmt: skip
 
 
-def measure_shape(shape: Shape, families: Sequence[str], run: Run, peak: Optional[float], free: Optional[int]) -> List[Dict[str, Any]]:  # fmt: skip
-    """The points of one shape, one per family (SDPA timed once for all); skipped ones when the
-    memory guard says so (`free` bytes free; None: no guard) or on out of memory."""
+def measure_shape(shape: Shape, families: Sequence[str], run: Run, peak: Optional[float], free: Optional[int],
+                  launch_orders: Sequence[str] = ("auto",)) -> List[Dict[str, Any]]:  # fmt: skip
+    """The points of one shape, one per family and launch order (SDPA timed once for all); skipped
+    ones when the memory guard says so (`free` bytes free; None: no guard) or on out of memory."""
+    variants = [(f, o) for f in families for o in launch_orders]
     reason = None if free is None else memory_skip_reason(estimate_bytes(shape, run.backward, run.check), free)
     points: List[Dict[str, Any]] = []
     if reason is None:
         try:
             x = make_inputs(shape, run.device)
             sdpa = measure_sdpa(x, shape, run)
-            for family in families:
-                points.append(measure_family(x, shape, family, sdpa, run, peak))
+            for family, order in variants:
+                points.append(measure_family(x, shape, family, sdpa, run, peak, order))
         except torch.cuda.OutOfMemoryError:
             reason = "out of memory"
         x = sdpa = None  # type: ignore[assignment]  # freed (the exception and its frames are gone here)
         if run.device == "cuda":
             torch.cuda.empty_cache()
-    return points + [build_point(shape, f, {}, {}, peak, skipped=reason) for f in families[len(points) :]]
+    return points + [build_point(shape, f, {}, {}, peak, skipped=reason, launch_order=o)
+                     for f, o in variants[len(points) :]]  # fmt: skip
 
 
 def matmul_peak_tflops(dtype: str, min_run_time: float, n: int = MATMUL_N) -> Optional[float]:
@@ -469,7 +490,9 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
     def table(title: str, cols: List[str], cells: Callable[[Dict[str, Any]], List[str]]) -> None:
         lines.extend(["", f"## {title}", "", "| " + " | ".join(keys + cols) + " |", "|" + "---|" * (len(keys) + len(cols))])  # fmt: skip
         for p in result["points"]:
-            key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", p["family"]]  # fmt: skip
+            order = p.get("launch_order", "auto")
+            family = p["family"] if order == "auto" else f"{p['family']}, order {order}"
+            key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", family]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in key + cells(p)) + " |")
 
     kinds = KINDS if backward else KINDS[:2]
@@ -507,15 +530,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = environment(command.strip())
     result["dropout_p"] = args.dropout_p
     result["matmul_peak_tflops"] = peaks = {dt: matmul_peak_tflops(dt, args.min_run_time) for dt in args.dtype}
-    saved, points = os.environ.get(FAMILY_ENV), []
+    saved, points = {k: os.environ.get(k) for k in (FAMILY_ENV, LAUNCH_ORDER_ENV)}, []
     try:
         for shape in tqdm(expand_grid(args), desc="gpu_vs_sdpa", unit="shape", file=sys.stderr):
-            points += measure_shape(shape, args.family, run, peaks[shape.dtype], torch.cuda.mem_get_info()[0])
-    finally:  # the family variable as it was
-        if saved is None:
-            os.environ.pop(FAMILY_ENV, None)
-        else:
-            os.environ[FAMILY_ENV] = saved
+            points += measure_shape(shape, args.family, run, peaks[shape.dtype], torch.cuda.mem_get_info()[0],
+                                    args.launch_order)  # fmt: skip
+    finally:  # the variables as they were
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     result["points"] = points
     text = markdown(result, args.backward)
     print("\n" + text)

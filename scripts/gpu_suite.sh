@@ -213,8 +213,22 @@ begin "ptxas report + SASS check"
 if "$PYTHON" scripts/ptxas_report.py 2>&1 | tee "$LOG_DIR/ptxas.log" &&
    "$PYTHON" scripts/sass_check.py 2>&1 | tee "$LOG_DIR/sass.log"; then finish ok; else finish "FAILED"; fi
 
+# --- 6b. Nsight Compute profile of the default path (results/gpu/profile.md: throughput, tensor pipe,
+# stall reasons per kernel); skipped where ncu is missing -------------------------------------------
+begin "profile (benchmarks/gpu_profile.py)"
+if [[ ${SKIP_BENCH:-0} != 0 ]]; then
+  finish "skipped (SKIP_BENCH)"
+elif ! command -v "${NCU:-ncu}" >/dev/null; then
+  finish "skipped (no ncu)"
+elif "$PYTHON" benchmarks/gpu_profile.py --ncu "${NCU:-ncu}" 2>&1 | tee "$LOG_DIR/profile.log"; then
+  finish "ok (results/gpu/profile.md)"
+else
+  finish "FAILED"
+fi
+
 # --- 7. GPU benchmarks against SDPA (results/gpu/benchmark.md; windows and packed sequences:
-# results/features/cuda.md; the fixed cost of a call: results/gpu/call_overhead.md) -------------
+# results/features/cuda.md; the fixed cost of a call: results/gpu/call_overhead.md; the causal calls
+# under both launch orders, csrc/cuda/launch_order.h: results/gpu/launch_order.md) ----------------
 begin "benchmark (benchmarks/gpu_vs_sdpa.py)"
 if [[ ${SKIP_BENCH:-0} != 0 ]]; then
   finish "skipped (SKIP_BENCH)"
@@ -224,8 +238,11 @@ else
   if "$PYTHON" benchmarks/gpu_vs_sdpa.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/benchmark.log" &&
      "$PYTHON" benchmarks/features.py --device cuda --dtype bfloat16 --heads 16 2>&1 |
        tee "$LOG_DIR/features.log" &&
-     "$PYTHON" benchmarks/call_overhead.py | tee results/gpu/call_overhead.md; then
-    finish "ok (results/gpu/benchmark.md, results/features/cuda.md, results/gpu/call_overhead.md)"
+     "$PYTHON" benchmarks/call_overhead.py | tee results/gpu/call_overhead.md &&
+     "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --seq 1024 4096 --causal yes \
+       --launch-order auto heads --out-md results/gpu/launch_order.md \
+       --out-json results/gpu/launch_order.json 2>&1 | tee "$LOG_DIR/launch_order.log"; then
+    finish "ok (results/gpu/benchmark.md, results/features/cuda.md, results/gpu/call_overhead.md, results/gpu/launch_order.md)"
   else
     finish "FAILED"
   fi

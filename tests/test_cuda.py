@@ -1896,6 +1896,74 @@ def test_split_kv_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         OP(q, k, k)
 
 
+#: ENTROPY_ATTN_CUDA_LAUNCH_ORDER settings (family.h): the grid's own order, the rule, one section
+#: (every entry's first tile before any entry's second) and 3 sections of unequal width.
+LAUNCH_ORDERS = ("heads", "auto", "1", "3")
+
+
+@pytest.mark.parametrize("pattern", ["full", "causal", "window"])
+@pytest.mark.parametrize("family", TC_FAMILIES)
+def test_launch_order_only_renames_blocks(monkeypatch: pytest.MonkeyPatch, family: str, pattern: str) -> None:
+    """The launch order (csrc/cuda/launch_order.h) renames blocks and changes nothing else: under
+    every setting the forward's outputs and statistics and the gradients of k and v (each written
+    by one block) are the bits of the grid's own order, dq (float32 atomics, added in the order
+    the blocks run) equal within rounding, and the result matches the float64 reference. GQA
+    with 5 batch entries (10 KV-head and 20 query-head entries: sections of unequal width) and
+    tiles that are not full; causal and a window run in the general instantiations, which read
+    the order, full attention in the plain ones, which keep the grid's; the family's kernels in
+    the profile. (Dry run: the CPU op, which reads no launch order, against the same reference.)"""
+    B, H, Hkv, L, D = 5, 4, 2, 300, 64
+    torch.manual_seed(12)
+    q, k, v = make_qkv(B, H, Hkv, L, L, D, dtype=torch.bfloat16)
+    go = cuda(randn(B, H, L, D, dtype=torch.bfloat16))
+    kw: Dict[str, Any] = dict(is_causal=pattern != "full", enable_gqa=True, return_stats=True)
+    if pattern == "window":
+        kw["window_size"] = [100, 0]
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
+    runs: Dict[str, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}
+    for order in LAUNCH_ORDERS:
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", order)
+        leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+        res: list = []
+        ran = family_kernels(lambda: res.append(OP(*leaves, None, None, **kw)), family, "forward_kernel")
+        assert DRY_RUN or ran, f"the {family} forward did not run"
+        grads: list = []
+        ran = family_kernels(lambda: grads.extend(torch.autograd.grad(res[0][0], leaves, go)), family,
+                             "main_kernel")
+        assert DRY_RUN or ran, f"the {family} backward did not run"
+        runs[order] = (tuple(t.detach() for t in res[0]), tuple(grads))
+    base_out, base_grads = runs["heads"]
+    for order, (out, grads) in runs.items():
+        for a, e, name in zip(out, base_out, OUT_NAMES):
+            assert torch.equal(a, e), f"{name} under ENTROPY_ATTN_CUDA_LAUNCH_ORDER={order}"
+        for i, name in ((1, "dk"), (2, "dv")):
+            assert torch.equal(grads[i], base_grads[i]), f"{name} under ENTROPY_ATTN_CUDA_LAUNCH_ORDER={order}"
+        assert rel_err(grads[0], base_grads[0]) < 1e-2, f"dq under ENTROPY_ATTN_CUDA_LAUNCH_ORDER={order}"
+    rin = [leaf64(t) for t in (q, k, v)]
+    ref = reference_attention_raw(*rin, None, None, **{**kw, "window_size": tuple(kw.get("window_size", (-1, -1)))})
+    assert_matches_reference(base_out, ref, torch.bfloat16, True)
+    ref_grads = grads_of([ref.output], [go.cpu()], rin)
+    for a, e, name in zip(base_grads, ref_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
+@real_cuda
+@pytest.mark.skipif(not tensor_core_family_runs("sm80"), reason="the tensor-core families read it")
+def test_launch_order_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ENTROPY_ATTN_CUDA_LAUNCH_ORDER is a ValueError naming it; the documented values are
+    accepted."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
+    q = cuda(torch.randn(1, 2, 100, 64, dtype=torch.bfloat16))
+    for bad in ("0", "-2", "lpt", "1.5"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", bad)
+        with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_LAUNCH_ORDER"):
+            OP(q, q, q, is_causal=True)
+    for good in ("auto", "heads", "1", "1000"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", good)
+        OP(q, q, q, is_causal=True)
+
+
 @pytest.mark.parametrize("family", ["auto", "fallback", *TC_FAMILIES])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
 def test_learned_mask_grad_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str,

@@ -181,6 +181,37 @@ def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatc
     assert "sources 0123456789ab" in text  # the kernels measured, named by the hash of their sources
 
 
+def test_launch_orders_are_variants_of_each_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--launch-order times each family under each ENTROPY_ATTN_CUDA_LAUNCH_ORDER, set before the
+    call and recorded; the table names a non-default order; bad values are refused."""
+    import torch_ext
+
+    seen: List[str] = []
+
+    class Recording:  # the CPU op, noting the launch order each call ran under
+        def attention(self, *a: Any, **kw: Any) -> Any:
+            seen.append(os.environ[bench.LAUNCH_ORDER_ENV])
+            return torch_ext.attention(*a, **kw)
+
+    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
+    monkeypatch.delenv(bench.LAUNCH_ORDER_ENV, raising=False)
+    s = shape(heads=4, kv_heads=2, seq_len=64, causal=True)
+    points = bench.measure_shape(s, ["auto", "sm80"], cpu_run(Recording()), None, None, ["auto", "heads"])
+    assert [(p["family"], p["launch_order"]) for p in points] == [
+        ("auto", "auto"), ("auto", "heads"), ("sm80", "auto"), ("sm80", "heads")]
+    assert "auto" in seen and "heads" in seen
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {"bfloat16": 50.0},
+                           "points": points}, True)  # fmt: skip
+    assert "| sm80, order heads |" in text and "| sm80 |" in text
+    skipped = bench.measure_shape(s, ["auto"], cpu_run(Recording()), None, free=1, launch_orders=["auto", "3"])
+    assert [(p["launch_order"], p["skipped"] is not None) for p in skipped] == [("auto", True), ("3", True)]
+    assert bench.parse_args(["--launch-order", "auto", "heads", "4"]).launch_order == ["auto", "heads", "4"]
+    for bad in ("0", "lpt", "-1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--launch-order", bad])
+
+
 def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """--dropout-p reaches ours and SDPA (the point and the report say so); --check with it, whose

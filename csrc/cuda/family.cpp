@@ -17,6 +17,7 @@
 #include "device_limits.h"
 #include "fallback/instantiations/dispatch.h"
 #include "fallback/launch.h"
+#include "launch_order.h"
 #include "sm80/instantiations/dispatch.h"
 #include "sm80/launch.h"
 #include "sm90/instantiations/dispatch.h"
@@ -397,6 +398,43 @@ int forward_splits(const ForwardCall& c) {
   return n;
 }
 
+int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, int64_t element_size,
+                          bool backward, int blocks_per_sm) {
+  const char* env = std::getenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER");
+  const std::string_view v = env ? env : "";
+  // The grid's entries and tiles (of 128 query rows or keys: the rule needs only their order of
+  // magnitude; a bound on the grid's blocks, whatever the family's tiles, is rows / 64).
+  const int64_t entries = backward ? s.batch * s.kv_heads : s.batch * s.heads;
+  const int64_t len = backward ? s.kv_len : s.q_len;
+  const bool fits = launch_tile_fits(entries, (len + 63) / 64);
+  if (v == "heads") return 0;
+  if (v.empty() || v == "auto") {
+    if (pattern.right < 0 || pattern.cu_q != nullptr || !fits) return 0;
+    int l2 = 0;
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, c10::cuda::current_device()));
+    const int64_t resident = static_cast<int64_t>(blocks_per_sm) * device_sm_count();
+    const int64_t group = s.heads / s.kv_heads;
+    // Every query tile of a head reads its K and V, which the query heads of a GQA group share;
+    // every key block of a KV head reads Q and dO of its group's query heads and their five row
+    // values, and adds into their float32 dq accumulator.
+    const int64_t bytes =
+        backward
+            ? group * s.q_len * ((s.head_dim + s.v_head_dim) * element_size + (s.head_dim + 5) * 4)
+            : std::max<int64_t>(1, s.kv_len * (s.head_dim + s.v_head_dim) * element_size / group);
+    return launch_sections(entries, (len + 127) / 128, bytes, l2, resident);
+  }
+  int n = 0;
+  const bool digits =
+      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (digits && v.size() <= 9) n = std::atoi(std::string(v).c_str());
+  TORCH_CHECK_VALUE(n >= 1,
+                    "ENTROPY_ATTN_CUDA_LAUNCH_ORDER must be 'auto', 'heads' or a number of "
+                    "sections of at least 1, got '",
+                    std::string(v), "'");
+  return fits ? n : 0;
+}
+
 Selection select_forward(const ForwardCall& c) {
   const AttentionShape& s = c.call.shape;
   auto sm80_obstacle = [&] {
@@ -498,6 +536,9 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   // Split-KV (sm80) runs in the general instantiations, so that the plain full-attention kernels
   // carry none of it.
   if (f == Family::kSm80) p.num_splits = forward_splits(c);
+  // (Two blocks of the sm80 forward fit on an SM, one of the others.)
+  p.launch_sections =
+      launch_order_sections(s, p.pattern, c.q.element_size(), false, f == Family::kSm80 ? 2 : 1);
   const auto launch =
       f == Family::kSm90
           ? sm90_forward_of(c)
@@ -522,6 +563,7 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
   if (c.call.dtype == at::kDouble) return launch_fallback_backward(c, c.params<double>(), stream);
   BwdParams<float> p = c.params<float>();
   if (f == Family::kFallback) return launch_fallback_backward(c, p, stream);
+  p.launch_sections = launch_order_sections(s, p.pattern, c.q.element_size(), true, 1);
   const auto launch =
       f == Family::kSm90
           ? sm90_backward_of(c)

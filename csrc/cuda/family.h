@@ -65,6 +65,22 @@ constexpr bool kSplitKvByDefault = true;
 // Raises ValueError for a bad ENTROPY_ATTN_SPLIT_KV.
 int forward_splits(const ForwardCall& call);
 
+// The tensor-core kernels' launch order (launch_order.h) for a call: the number of sections of the
+// grid's (head, batch) entries within which every entry's heaviest tile starts before any entry's
+// second; 0 keeps the grid's own order (each head's tiles in a row). "auto" orders causal calls so
+// (one document per batch entry, keys bounded on the right: the tiles' work grows with the query
+// tile and shrinks with the key block), in sections whose reused operands fit in 5/8 of L2 and
+// whose tiles fill the GPU (`blocks_per_sm` of the kernel run on each SM); the other calls' tiles
+// are alike, and keep the grid's order. Computed, not yet timed on a GPU
+// (results/gpu/launch_order_model.md: the model it follows).
+// ENTROPY_ATTN_CUDA_LAUNCH_ORDER (read at each call) overrides it: "auto", "heads" (the grid's
+// order) or a number of sections of at least 1 for every call the general (causal) instantiations
+// without a mask run (forced, for tests and benchmarks; the other kernels keep the grid's order:
+// launch_order.h, this_block_tile).
+// Raises ValueError for another value.
+int launch_order_sections(const AttentionShape& shape, const KeyPattern& pattern,
+                          int64_t element_size, bool backward, int blocks_per_sm);
+
 // The family's name in ENTROPY_ATTN_CUDA_FAMILY.
 const char* family_name(Family f);
 

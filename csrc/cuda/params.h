@@ -42,6 +42,10 @@ struct AttentionArgs {
   // launched after them with the same pointer, then recompute the call by the rule that hidden
   // keys never enter a row, and return at once where it is 0. Null: a plain fallback call.
   int* nonfinite = nullptr;
+  // The tensor-core kernels' launch order (launch_order.h): their blocks take the tiles in this
+  // many sections of the grid's (head, batch) entries, every entry's heaviest tile first; 0: the
+  // grid's own order.
+  int launch_sections = 0;
 };
 
 template <typename acc_t>

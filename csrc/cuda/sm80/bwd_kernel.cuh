@@ -39,6 +39,7 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
+#include "../launch_order.h"
 #include "../params.h"
 #include "launch.h"
 
@@ -491,7 +492,10 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   const int tid = threadIdx.x;
-  const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  // Key block 0 is the heaviest of a causal call (every row sees it): blocks are dispatched in
+  // order, and launch_order.h puts every head's first x before any head's second.
+  const GridTile at = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const int n_block = at.x, kvh = at.y, b = at.z;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads), group = heads / static_cast<int>(p.kv_heads);
   const int j0 = n_block * kBlockN;

@@ -60,6 +60,7 @@
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
+#include "../launch_order.h"
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "../row_statistics.cuh"
@@ -309,13 +310,16 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   const int tid = threadIdx.x;
   // With split-KV (p.num_splits > 1; the general instantiations only, which the host picks for a
   // split call: family.cpp) the grid's x holds the query tiles of every split, split-major.
+  // The block's grid coordinates in the launch order of launch_order.h.
+  const GridTile at = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
   const int tiles = static_cast<int>(gridDim.x) / (kCausal ? p.num_splits : 1);
-  const int split = kCausal ? static_cast<int>(blockIdx.x) / tiles : 0;
-  const int tile = kCausal ? static_cast<int>(blockIdx.x) % tiles : static_cast<int>(blockIdx.x);
-  // Causal tiles further down do more work: start them first (blocks are dispatched in order), so
-  // that the short ones fill the tail of the wave.
+  const int split = kCausal ? at.x / tiles : 0;
+  const int tile = kCausal ? at.x % tiles : at.x;
+  // Causal tiles further down do more work: start them first (blocks are dispatched in order, and
+  // the launch order puts every head's first x before any head's second), so that the short ones
+  // fill the tail of the wave.
   const int m_block = kCausal ? tiles - 1 - tile : tile;
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int h = at.y, b = at.z;
   // Sequence lengths fit in int (a 2^31-key head would hold 256 GB of K at D = 64).
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads);
@@ -706,7 +710,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     // Split-KV: the rows' state over this split's keys and their unnormalized output, in float32,
     // for split_kv.cuh's combine kernel (which also raises the guard's flag).
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
-    const int split_e = static_cast<int>(blockIdx.x / (gridDim.x / p.num_splits));
+    const int split_e = this_block_tile < kCausal &&
+                        kMask == MaskKind::kNone > (p.launch_sections).x /
+                                                       (static_cast<int>(gridDim.x) / p.num_splits);
     const int64_t base = split_e * p.batch * p.heads * p.q_len + row0;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {

@@ -70,8 +70,9 @@
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
-#include "../params.h"
 #include "../key_ranges.cuh"
+#include "../launch_order.h"
+#include "../params.h"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -190,13 +191,13 @@ constexpr int kdSBarrier = 1;
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_q,
-                                        typename Kt::Pipeline& pipeline_do, int m_begin,
-                                        int m_count, int iters) {
+                                        typename Kt::Pipeline& pipeline_do, const GridTile tile,
+                                        int m_begin, int m_count, int iters) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   const BwdParams<float>& p = args.p;
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const int kvh = tile.y, b = tile.z;
+  const int j0 = tile.x * kBlockN;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads);
   const int group = heads / static_cast<int>(p.kv_heads);
@@ -553,7 +554,10 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   extern __shared__ __align__(1024) char ea_sm90_bwd_smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_bwd_smem);
   const BwdParams<float>& p = args.p;
-  const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  // Key block 0 is the heaviest of a causal call (every row sees it): blocks are dispatched in
+  // order, and launch_order.h puts every head's first x before any head's second.
+  const GridTile tile = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const int n_block = tile.x, kvh = tile.y, b = tile.z;
   const int q_len = static_cast<int>(p.q_len);
   const int group = static_cast<int>(p.heads / p.kv_heads);
   // The query blocks whose rows may see a key of this block (top-left causality: rows from j0 on).
@@ -628,7 +632,8 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_do.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask>(args, ss, pipeline_q, pipeline_do, m_begin, m_count, iters);
+    consume<T, Kt, kCausal, kMask>(args, ss, pipeline_q, pipeline_do, tile, m_begin, m_count,
+                                   iters);
   }
 #endif
 }

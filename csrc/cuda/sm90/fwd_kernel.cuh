@@ -101,10 +101,11 @@
 #include "../../kernel_args.h"
 #include "../../online_stats.h"
 #include "../cute_utils.cuh"
+#include "../key_ranges.cuh"
+#include "../launch_order.h"
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "../row_statistics.cuh"
-#include "../key_ranges.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -245,13 +246,13 @@ __device__ __forceinline__ void scheduler_arrive(int wg) {
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_k,
-                                        typename Kt::Pipeline& pipeline_v, int m0,
-                                        const TileBlocks tb) {
+                                        typename Kt::Pipeline& pipeline_v, const GridTile tile,
+                                        int m0, const TileBlocks tb) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr bool kHasMask = kMask != MaskKind::kNone;
   const FwdParams<float>& p = args.p;
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int h = tile.y, b = tile.z;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads);
   const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
@@ -666,9 +667,11 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_fwd_smem);
   const FwdParams<float>& p = args.p;
 
-  // Causal tiles further down do more work: start them first (blocks are dispatched in order), so
-  // that the short ones fill the tail of the wave. (Windows make the tiles alike: no harm.)
-  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  // Causal tiles further down do more work: start them first (blocks are dispatched in order, and
+  // launch_order.h puts every head's first x before any head's second), so that the short ones
+  // fill the tail of the wave. (Windows make the tiles alike: no harm.)
+  const GridTile tile = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const int m_block = kCausal ? static_cast<int>(gridDim.x) - 1 - tile.x : tile.x;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int m0 = m_block * kBlockM;
   const int rows = min(kBlockM, q_len - m0);
@@ -692,7 +695,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int h = tile.y, b = tile.z;
     const int kv_head = h / static_cast<int>(p.heads / p.kv_heads);  // GQA
     const int head_dim = Kt::kHeadDim, heads = static_cast<int>(p.heads);
     const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
@@ -736,7 +739,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_v.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, m0, tb);
+    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, tile, m0, tb);
   }
 #endif
 }

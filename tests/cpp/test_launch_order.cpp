@@ -1,0 +1,154 @@
+// The tensor-core kernels' launch order (csrc/cuda/launch_order.h), on the host: the renaming of a
+// grid's blocks is a bijection that keeps the grid's own order with one entry per section, starts
+// every entry's tile of rank r before any entry's tile of rank r + 1 within a section, and keeps
+// the sections in order; the number of sections follows the L2 budget and the GPU's size.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <set>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cuda/launch_order.h"
+
+namespace {
+
+using entropy_attn::cuda::GridTile;
+using entropy_attn::cuda::launch_sections;
+using entropy_attn::cuda::launch_tile;
+using entropy_attn::cuda::launch_tile_fits;
+
+// The tiles of an X x Y x Z grid in launch order.
+std::vector<GridTile> order(int x_dim, int y_dim, int z_dim, int sections) {
+  std::vector<GridTile> tiles;
+  const uint32_t blocks = static_cast<uint32_t>(x_dim) * y_dim * z_dim;
+  for (uint32_t l = 0; l < blocks; ++l)
+    tiles.push_back(launch_tile(l, x_dim, y_dim, z_dim, sections));
+  return tiles;
+}
+
+TEST(LaunchOrder, IsABijectionOfTheGrid) {
+  for (int x_dim : {1, 2, 7, 32}) {
+    for (int y_dim : {1, 3, 16}) {
+      for (int z_dim : {1, 2, 5}) {
+        for (int sections : {-3, 0, 1, 2, 3, 4, 7, 16, 48, 1000}) {
+          std::set<std::tuple<int, int, int>> seen;
+          for (const GridTile& t : order(x_dim, y_dim, z_dim, sections)) {
+            ASSERT_GE(t.x, 0);
+            ASSERT_LT(t.x, x_dim);
+            ASSERT_GE(t.y, 0);
+            ASSERT_LT(t.y, y_dim);
+            ASSERT_GE(t.z, 0);
+            ASSERT_LT(t.z, z_dim);
+            seen.insert({t.x, t.y, t.z});
+          }
+          EXPECT_EQ(seen.size(), static_cast<size_t>(x_dim) * y_dim * z_dim)
+              << x_dim << " x " << y_dim << " x " << z_dim << ", sections " << sections;
+        }
+      }
+    }
+  }
+}
+
+TEST(LaunchOrder, OneEntryPerSectionIsTheGridsOwnOrder) {
+  const int x_dim = 5, y_dim = 3, z_dim = 2;
+  for (int sections : {0, -1, y_dim * z_dim, 100}) {
+    const std::vector<GridTile> tiles = order(x_dim, y_dim, z_dim, sections);
+    for (size_t l = 0; l < tiles.size(); ++l) {
+      EXPECT_EQ(tiles[l].x, static_cast<int>(l % x_dim)) << sections;
+      EXPECT_EQ(tiles[l].y, static_cast<int>(l / x_dim % y_dim)) << sections;
+      EXPECT_EQ(tiles[l].z, static_cast<int>(l / x_dim / y_dim)) << sections;
+    }
+  }
+}
+
+TEST(LaunchOrder, SectionsWalkTheEntriesFastestAndTheirTilesInOrder) {
+  // 4 tiles, 3 heads x 3 batch entries = 9 (head, batch) entries in 4 sections: {0, 1, 2}, {3, 4},
+  // {5, 6}, {7, 8} (the first 9 mod 4 one entry wider). Within a section the entries cycle
+  // fastest, x grows by one per cycle.
+  const int x_dim = 4, y_dim = 3, z_dim = 3;
+  const std::vector<GridTile> tiles = order(x_dim, y_dim, z_dim, 4);
+  size_t l = 0;
+  for (const auto& [first, width] :
+       std::vector<std::pair<int, int>>{{0, 3}, {3, 2}, {5, 2}, {7, 2}}) {
+    for (int x = 0; x < x_dim; ++x) {
+      for (int e = first; e < first + width; ++e, ++l) {
+        ASSERT_LT(l, tiles.size());
+        EXPECT_EQ(tiles[l].x, x) << "block " << l;
+        EXPECT_EQ(tiles[l].y + y_dim * tiles[l].z, e) << "block " << l;
+      }
+    }
+  }
+  EXPECT_EQ(l, tiles.size());
+}
+
+TEST(LaunchOrder, OneSectionStartsEveryFirstTileFirst) {
+  // Rank is non-decreasing along the launch order when one section holds the grid.
+  const std::vector<GridTile> tiles = order(8, 16, 4, 1);
+  for (size_t l = 1; l < tiles.size(); ++l) EXPECT_LE(tiles[l - 1].x, tiles[l].x) << l;
+  EXPECT_EQ(tiles[63].x, 0);
+  EXPECT_EQ(tiles[64].x, 1);
+}
+
+TEST(LaunchOrder, GridsJustUnder2To32Blocks) {
+  // 65535 tiles x 65535 heads x 1 batch entry: 2^32 - 2^17 + 1 blocks.
+  const uint32_t x_dim = 65535, y_dim = 65535, z_dim = 1;
+  const uint32_t last = x_dim * y_dim * z_dim - 1;
+  for (int sections : {1, 7, 4096}) {
+    const GridTile t = launch_tile(last, x_dim, y_dim, z_dim, sections);
+    // The last block of the last section: its last entry at the last tile.
+    EXPECT_EQ(t.x, static_cast<int>(x_dim - 1)) << sections;
+    EXPECT_EQ(t.y, static_cast<int>(y_dim - 1)) << sections;
+    EXPECT_EQ(t.z, 0) << sections;
+    const GridTile first = launch_tile(0, x_dim, y_dim, z_dim, sections);
+    EXPECT_EQ(first.x, 0);
+    EXPECT_EQ(first.y, 0);
+  }
+  EXPECT_TRUE(launch_tile_fits(65535, 65535));
+  EXPECT_FALSE(launch_tile_fits(65536, 65536));
+  EXPECT_FALSE(launch_tile_fits(int64_t{65535} * 65535, int64_t{1} << 31));
+  EXPECT_FALSE(launch_tile_fits(0, 8));
+  // launch_sections keeps such grids in their own order.
+  EXPECT_EQ(launch_sections(int64_t{1} << 17, int64_t{1} << 16, 1, 50 << 20, 132), 0);
+}
+
+TEST(LaunchSections, FollowTheL2Budget) {
+  constexpr int64_t kMB = 1 << 20;
+  const int64_t l2 = 50 * kMB;  // an H100's: 31.25 MB for the reused operands
+  // 64 heads of 2 MB (K and V of 4096 keys, D = 128, bf16) and 32 tiles each: 15 heads fit, 5
+  // sections of 13 or 12.
+  EXPECT_EQ(launch_sections(64, 32, 2 * kMB, l2, 132), 5);
+  // Heads of 256 KB: the whole grid fits, one section.
+  EXPECT_EQ(launch_sections(64, 8, kMB / 4, l2, 132), 1);
+  // A head larger than the budget: sections of a wave's entries (132 blocks: 5 entries of 32
+  // tiles), or the grid's own order where that is one entry.
+  EXPECT_EQ(launch_sections(64, 32, 64 * kMB, l2, 132), 13);
+  EXPECT_EQ(launch_sections(64, 256, 64 * kMB, l2, 132), 0);
+  // Nothing to order, or nothing known.
+  EXPECT_EQ(launch_sections(1, 32, kMB, l2, 132), 0);
+  EXPECT_EQ(launch_sections(64, 32, 0, l2, 132), 0);
+  EXPECT_EQ(launch_sections(64, 32, kMB, 0, 132), 0);
+  EXPECT_EQ(launch_sections(64, 0, kMB, l2, 132), 0);
+}
+
+TEST(LaunchSections, AreNeverNarrowerThanAWave) {
+  // 32 KV heads of 8 key blocks whose data does not fit twice in L2: a section holds the 17
+  // entries whose 136 blocks fill 132 SMs, so 2 sections, not 32.
+  constexpr int64_t kMB = 1 << 20;
+  EXPECT_EQ(launch_sections(32, 8, 20 * kMB, 50 * kMB, 132), 2);
+  // Whatever the budget, the sections (as wide as each other as the entries allow) hold at least
+  // half a wave's entries.
+  for (int64_t bytes = kMB / 8; bytes <= 256 * kMB; bytes *= 2) {
+    for (int64_t x_dim : {1, 3, 8, 32, 100, 128}) {
+      const int k = launch_sections(256, x_dim, bytes, 50 * kMB, 264);
+      ASSERT_GE(k, 0);
+      ASSERT_LT(k, 256);
+      if (k > 0) {
+        EXPECT_GE(256 / k, (264 + x_dim - 1) / x_dim / 2) << bytes << " " << x_dim;
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1901,17 +1901,21 @@ def test_split_kv_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 LAUNCH_ORDERS = ("heads", "auto", "1", "3")
 
 
+@pytest.mark.parametrize("split_kv", ["off", "3"])
 @pytest.mark.parametrize("pattern", ["full", "causal", "window"])
 @pytest.mark.parametrize("family", TC_FAMILIES)
-def test_launch_order_only_renames_blocks(monkeypatch: pytest.MonkeyPatch, family: str, pattern: str) -> None:
+def test_launch_order_only_renames_blocks(monkeypatch: pytest.MonkeyPatch, family: str, pattern: str,
+                                          split_kv: str) -> None:
     """The launch order (csrc/cuda/launch_order.h) renames blocks and changes nothing else: under
     every setting the forward's outputs and statistics and the gradients of k and v (each written
     by one block) are the bits of the grid's own order, dq (float32 atomics, added in the order
     the blocks run) equal within rounding, and the result matches the float64 reference. GQA
     with 5 batch entries (10 KV-head and 20 query-head entries: sections of unequal width) and
     tiles that are not full; causal and a window run in the general instantiations, which read
-    the order, full attention in the plain ones, which keep the grid's; the family's kernels in
-    the profile. (Dry run: the CPU op, which reads no launch order, against the same reference.)"""
+    the order, full attention in the plain ones, which keep the grid's, unless split-KV (3 parts,
+    sm80's: the forward of an sm90 call goes there) sends it to the general ones too, whose grid
+    x is then split-major; the family's kernels in the profile. (Dry run: the CPU op, which reads
+    no launch order, against the same reference.)"""
     B, H, Hkv, L, D = 5, 4, 2, 300, 64
     torch.manual_seed(12)
     q, k, v = make_qkv(B, H, Hkv, L, L, D, dtype=torch.bfloat16)
@@ -1920,14 +1924,15 @@ def test_launch_order_only_renames_blocks(monkeypatch: pytest.MonkeyPatch, famil
     if pattern == "window":
         kw["window_size"] = [100, 0]
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
-    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", split_kv)
+    forward_family = family if split_kv == "off" else "sm80"
     runs: Dict[str, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}
     for order in LAUNCH_ORDERS:
         monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", order)
         leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
         res: list = []
-        ran = family_kernels(lambda: res.append(OP(*leaves, None, None, **kw)), family, "forward_kernel")
-        assert DRY_RUN or ran, f"the {family} forward did not run"
+        ran = family_kernels(lambda: res.append(OP(*leaves, None, None, **kw)), forward_family, "forward_kernel")
+        assert DRY_RUN or ran, f"the {forward_family} forward did not run"
         grads: list = []
         ran = family_kernels(lambda: grads.extend(torch.autograd.grad(res[0][0], leaves, go)), family,
                              "main_kernel")

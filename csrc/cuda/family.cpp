@@ -399,14 +399,15 @@ int forward_splits(const ForwardCall& c) {
 }
 
 int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, int64_t element_size,
-                          bool backward, int blocks_per_sm) {
+                          bool backward, int blocks_per_sm, int splits) {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER");
   const std::string_view v = env ? env : "";
-  // The grid's entries and tiles (of 128 query rows or keys: the rule needs only their order of
-  // magnitude; a bound on the grid's blocks, whatever the family's tiles, is rows / 64).
+  // The grid's entries and its x: tiles (of 128 query rows or keys: the rule needs only their
+  // order of magnitude) times the forward's split-KV parts; every family's tiles hold 64 rows or
+  // more, which bounds the grid's blocks.
   const int64_t entries = backward ? s.batch * s.kv_heads : s.batch * s.heads;
   const int64_t len = backward ? s.kv_len : s.q_len;
-  const bool fits = launch_tile_fits(entries, (len + 63) / 64);
+  const bool fits = launch_tile_fits(entries, (len + 63) / 64 * splits);
   if (v == "heads") return 0;
   if (v.empty() || v == "auto") {
     if (pattern.right < 0 || pattern.cu_q != nullptr || !fits) return 0;
@@ -422,7 +423,7 @@ int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, in
         backward
             ? group * s.q_len * ((s.head_dim + s.v_head_dim) * element_size + (s.head_dim + 5) * 4)
             : std::max<int64_t>(1, s.kv_len * (s.head_dim + s.v_head_dim) * element_size / group);
-    return launch_sections(entries, (len + 127) / 128, bytes, l2, resident);
+    return launch_sections(entries, (len + 127) / 128 * splits, bytes, l2, resident);
   }
   int n = 0;
   const bool digits =
@@ -537,8 +538,8 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   // carry none of it.
   if (f == Family::kSm80) p.num_splits = forward_splits(c);
   // (Two blocks of the sm80 forward fit on an SM, one of the others.)
-  p.launch_sections =
-      launch_order_sections(s, p.pattern, c.q.element_size(), false, f == Family::kSm80 ? 2 : 1);
+  p.launch_sections = launch_order_sections(s, p.pattern, c.q.element_size(), false,
+                                            f == Family::kSm80 ? 2 : 1, p.num_splits);
   const auto launch =
       f == Family::kSm90
           ? sm90_forward_of(c)
@@ -563,7 +564,7 @@ cudaError_t launch_backward(const BackwardCall& c, Family f, cudaStream_t stream
   if (c.call.dtype == at::kDouble) return launch_fallback_backward(c, c.params<double>(), stream);
   BwdParams<float> p = c.params<float>();
   if (f == Family::kFallback) return launch_fallback_backward(c, p, stream);
-  p.launch_sections = launch_order_sections(s, p.pattern, c.q.element_size(), true, 1);
+  p.launch_sections = launch_order_sections(s, p.pattern, c.q.element_size(), true, 1, 1);
   const auto launch =
       f == Family::kSm90
           ? sm90_backward_of(c)

@@ -70,8 +70,10 @@ int forward_splits(const ForwardCall& call);
 // second; 0 keeps the grid's own order (each head's tiles in a row). "auto" orders causal calls so
 // (one document per batch entry, keys bounded on the right: the tiles' work grows with the query
 // tile and shrinks with the key block), in sections whose reused operands fit in 5/8 of L2 and
-// whose tiles fill the GPU (`blocks_per_sm` of the kernel run on each SM); the other calls' tiles
-// are alike, and keep the grid's order. Computed, not yet timed on a GPU
+// whose tiles fill the GPU (`blocks_per_sm` of the kernel run on each SM; `splits`: the sm80
+// forward's split-KV parts, 1 otherwise); the other calls' tiles are alike, and keep the grid's
+// order. With split-KV the grid's x is split-major, so the order walks each part's tiles, heaviest
+// first, before the next part's. Computed, not yet timed on a GPU
 // (results/gpu/launch_order_model.md: the model it follows).
 // ENTROPY_ATTN_CUDA_LAUNCH_ORDER (read at each call) overrides it: "auto", "heads" (the grid's
 // order) or a number of sections of at least 1 for every call the general (causal) instantiations
@@ -79,7 +81,7 @@ int forward_splits(const ForwardCall& call);
 // launch_order.h, this_block_tile).
 // Raises ValueError for another value.
 int launch_order_sections(const AttentionShape& shape, const KeyPattern& pattern,
-                          int64_t element_size, bool backward, int blocks_per_sm);
+                          int64_t element_size, bool backward, int blocks_per_sm, int splits);
 
 // The family's name in ENTROPY_ATTN_CUDA_FAMILY.
 const char* family_name(Family f);

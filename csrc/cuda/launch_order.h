@@ -84,10 +84,10 @@ inline bool launch_tile_fits(int64_t entries, int64_t x_dim) {
 // every tile of the entry reads, should fit in the part of L2 given to them, 5/8 (FlashAttention-3
 // gives K and V 32 MB of an H100's 50): `bytes` is an entry's share (a forward's query head: its K
 // and V over the query heads of its GQA group, which read the same; a backward's KV head: the Q, dO
-// and dq accumulator of its group). But a section is never narrower than the entries whose tiles
-// fill the `resident_blocks` the GPU runs at once: the blocks running together would span several
-// sections anyway, and each section would start its heaviest tiles only after the light ones of the
-// one before.
+// and dq accumulator of its group). But a section is meant to hold the entries whose tiles fill
+// the `resident_blocks` the GPU runs at once (half of them at least, once the widths are evened
+// out): the blocks running together would span several narrower sections anyway, and each section
+// would start its heaviest tiles only after the light ones of the one before.
 inline int launch_sections(int64_t entries, int64_t x_dim, int64_t bytes, int64_t l2_bytes,
                            int64_t resident_blocks) {
   if (entries <= 1 || x_dim < 1 || bytes <= 0 || l2_bytes <= 0) return 0;
@@ -96,7 +96,7 @@ inline int launch_sections(int64_t entries, int64_t x_dim, int64_t bytes, int64_
   const int64_t wave = (std::max<int64_t>(resident_blocks, 1) + x_dim - 1) / x_dim;
   const int64_t per_section = std::max(fit, wave);
   const int64_t sections = (entries + per_section - 1) / per_section;
-  return sections >= entries ? 0 : static_cast<int>(sections);
+  return sections >= entries ? 0 : static_cast<int>(std::min<int64_t>(sections, INT32_MAX));
 }
 
 }  // namespace entropy_attn::cuda

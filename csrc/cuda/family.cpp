@@ -17,7 +17,7 @@
 #include "device_limits.h"
 #include "fallback/instantiations/dispatch.h"
 #include "fallback/launch.h"
-#include "launch_order.h"
+#include "launch_order_rule.h"
 #include "sm80/instantiations/dispatch.h"
 #include "sm80/launch.h"
 #include "sm90/instantiations/dispatch.h"
@@ -402,38 +402,23 @@ int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, in
                           bool backward, int blocks_per_sm, int splits) {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER");
   const std::string_view v = env ? env : "";
-  // The grid's entries and its x: tiles (of 128 query rows or keys: the rule needs only their
-  // order of magnitude) times the forward's split-KV parts; every family's tiles hold 64 rows or
-  // more, which bounds the grid's blocks.
-  const int64_t entries = backward ? s.batch * s.kv_heads : s.batch * s.heads;
-  const int64_t len = backward ? s.kv_len : s.q_len;
-  const bool fits = launch_tile_fits(entries, (len + 63) / 64 * splits);
-  if (v == "heads") return 0;
-  if (v.empty() || v == "auto") {
-    if (pattern.right < 0 || pattern.cu_q != nullptr || !fits) return 0;
-    int l2 = 0;
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, c10::cuda::current_device()));
-    const int64_t resident = static_cast<int64_t>(blocks_per_sm) * device_sm_count();
-    const int64_t group = s.heads / s.kv_heads;
-    // Every query tile of a head reads its K and V, which the query heads of a GQA group share;
-    // every key block of a KV head reads Q and dO of its group's query heads and their five row
-    // values, and adds into their float32 dq accumulator.
-    const int64_t bytes =
-        backward
-            ? group * s.q_len * ((s.head_dim + s.v_head_dim) * element_size + (s.head_dim + 5) * 4)
-            : std::max<int64_t>(1, s.kv_len * (s.head_dim + s.v_head_dim) * element_size / group);
-    return launch_sections(entries, (len + 127) / 128 * splits, bytes, l2, resident);
+  LaunchOrderSetting setting;
+  if (v == "heads") {
+    setting.kind = LaunchOrderSetting::Kind::kGridOrder;
+  } else if (!v.empty() && v != "auto") {
+    const bool digits =
+        std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    setting.kind = LaunchOrderSetting::Kind::kSections;
+    setting.sections = digits && v.size() <= 9 ? std::atoi(std::string(v).c_str()) : 0;
+    TORCH_CHECK_VALUE(setting.sections >= 1,
+                      "ENTROPY_ATTN_CUDA_LAUNCH_ORDER must be 'auto', 'heads' or a number of "
+                      "sections of at least 1, got '",
+                      std::string(v), "'");
   }
-  int n = 0;
-  const bool digits =
-      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-  if (digits && v.size() <= 9) n = std::atoi(std::string(v).c_str());
-  TORCH_CHECK_VALUE(n >= 1,
-                    "ENTROPY_ATTN_CUDA_LAUNCH_ORDER must be 'auto', 'heads' or a number of "
-                    "sections of at least 1, got '",
-                    std::string(v), "'");
-  return fits ? n : 0;
+  int l2 = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, c10::cuda::current_device()));
+  const LaunchDevice device{l2, static_cast<int64_t>(blocks_per_sm) * device_sm_count()};
+  return launch_order_rule(s, pattern, element_size, backward, splits, setting, device);
 }
 
 Selection select_forward(const ForwardCall& c) {

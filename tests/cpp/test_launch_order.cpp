@@ -11,13 +11,18 @@
 #include <vector>
 
 #include "cuda/launch_order.h"
+#include "cuda/launch_order_rule.h"
 
 namespace {
 
+using entropy_attn::KeyPattern;
 using entropy_attn::cuda::GridTile;
+using entropy_attn::cuda::launch_order_rule;
 using entropy_attn::cuda::launch_sections;
 using entropy_attn::cuda::launch_tile;
 using entropy_attn::cuda::launch_tile_fits;
+using entropy_attn::cuda::LaunchDevice;
+using entropy_attn::cuda::LaunchOrderSetting;
 
 // The tiles of an X x Y x Z grid in launch order.
 std::vector<GridTile> order(int x_dim, int y_dim, int z_dim, int sections) {
@@ -149,6 +154,78 @@ TEST(LaunchSections, AreNeverNarrowerThanAWave) {
       }
     }
   }
+}
+
+// A call's sizes, as AttentionShape holds them.
+struct Shape {
+  int64_t batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim;
+};
+
+KeyPattern causal() {
+  KeyPattern p;
+  p.right = 0;
+  return p;
+}
+
+// An H100's (or H200's) L2 and SMs, one block of the Hopper kernels each.
+constexpr LaunchDevice kHopper{50 << 20, 132};
+
+TEST(LaunchOrderRule, MatchesTheModelsTable) {
+  // Rows of results/gpu/launch_order_model.md (B = 4, bf16; forward and backward sections), which
+  // benchmarks/launch_order_model.py computes with its own copy of the rule.
+  struct Row {
+    int64_t heads, kv_heads, head_dim, len;
+    int fwd, bwd;
+  };
+  for (const Row& r : {Row{16, 16, 64, 1024, 1, 2}, Row{16, 16, 64, 4096, 3, 5},
+                       Row{16, 16, 128, 4096, 5, 10}, Row{32, 8, 128, 4096, 3, 7},
+                       Row{16, 16, 128, 16384, 22, 32}, Row{32, 8, 128, 16384, 9, 16}}) {
+    const Shape s{4, r.heads, r.kv_heads, r.len, r.len, r.head_dim, r.head_dim};
+    EXPECT_EQ(launch_order_rule(s, causal(), 2, false, 1, {}, kHopper), r.fwd)
+        << r.heads << " " << r.len;
+    EXPECT_EQ(launch_order_rule(s, causal(), 2, true, 1, {}, kHopper), r.bwd)
+        << r.heads << " " << r.len;
+  }
+}
+
+TEST(LaunchOrderRule, OrdersOnlyCallsWhoseTilesDifferInWork) {
+  const Shape s{4, 16, 16, 4096, 4096, 128, 128};
+  KeyPattern full;
+  EXPECT_EQ(launch_order_rule(s, full, 2, false, 1, {}, kHopper), 0);
+  KeyPattern left_only;  // rows see [i - 100, Lk): no right bound
+  left_only.left = 100;
+  EXPECT_EQ(launch_order_rule(s, left_only, 2, true, 1, {}, kHopper), 0);
+  KeyPattern window = causal();
+  window.left = 1000;
+  EXPECT_EQ(launch_order_rule(s, window, 2, false, 1, {}, kHopper),
+            launch_order_rule(s, causal(), 2, false, 1, {}, kHopper));
+  KeyPattern packed = causal();
+  const int32_t cu[2] = {0, 4096};
+  packed.cu_q = packed.cu_k = cu;
+  EXPECT_EQ(launch_order_rule(s, packed, 2, false, 1, {}, kHopper), 0);
+}
+
+TEST(LaunchOrderRule, SettingsAndLargeGrids) {
+  const Shape s{4, 16, 16, 4096, 4096, 128, 128};
+  LaunchOrderSetting heads;
+  heads.kind = LaunchOrderSetting::Kind::kGridOrder;
+  EXPECT_EQ(launch_order_rule(s, causal(), 2, false, 1, heads, kHopper), 0);
+  LaunchOrderSetting three;
+  three.kind = LaunchOrderSetting::Kind::kSections;
+  three.sections = 3;
+  EXPECT_EQ(launch_order_rule(s, KeyPattern{}, 2, false, 1, three, kHopper), 3);  // any call
+  // 65535 heads x 65535 batch entries of 4096 rows: 2^32 blocks and more keep the grid's order,
+  // forced or not; split-KV's parts count.
+  const Shape huge{65535, 65535, 65535, 4096, 4096, 64, 64};
+  EXPECT_EQ(launch_order_rule(huge, causal(), 2, false, 1, three, kHopper), 0);
+  EXPECT_EQ(launch_order_rule(huge, causal(), 2, false, 1, {}, kHopper), 0);
+  const Shape decode{4096, 256, 256, 1, 65536, 128, 128};  // 2^20 entries, one tile
+  EXPECT_EQ(launch_order_rule(decode, causal(), 2, false, 1, three, kHopper), 3);
+  EXPECT_EQ(launch_order_rule(decode, causal(), 2, false, 8192, three, kHopper), 0);
+  // An sm80 forward (two blocks per SM on an A100: 108 SMs, 40 MB) splits its sections by its own
+  // wave: more tiles per wave, fewer sections.
+  const LaunchDevice a100{40 << 20, 2 * 108};
+  EXPECT_GE(launch_order_rule(s, causal(), 2, false, 1, {}, a100), 1);
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ struct GridTile {
 // entries allow (the first E mod sections hold one entry more): a bijection of the grid onto
 // itself. sections < 1, or at least the Y Z entries, is the grid's own order. 32-bit arithmetic
 // (a 64-bit division is a call, which gives the kernels a stack frame): the grid holds fewer than
-// 2^32 blocks (launch_sections' callers check).
+// 2^32 blocks (launch_order_rule.h checks).
 EA_HOST_DEVICE GridTile launch_tile(uint32_t block, uint32_t x_dim, uint32_t y_dim, uint32_t z_dim,
                                     int sections) {
   const uint32_t entries = y_dim * z_dim;

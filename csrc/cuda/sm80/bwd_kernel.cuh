@@ -829,7 +829,10 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   const int tid = threadIdx.x;
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // Causal query blocks further down walk more key blocks: start them first (blocks are
+  // dispatched in order), as the forward does, so that the short ones fill the tail of the wave.
+  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads);
   const int kvh = h / (heads / static_cast<int>(p.kv_heads));

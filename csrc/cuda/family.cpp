@@ -374,6 +374,19 @@ int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType 
   return padded_head_dim(shape, {64, 128, 256});
 }
 
+namespace {
+
+// The number an environment variable's value spells with at most `max_digits` decimal digits, or 0
+// when it spells none (the callers name the variable in their error).
+int env_count(std::string_view v, size_t max_digits) {
+  const bool digits =
+      !v.empty() && v.size() <= max_digits &&
+      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  return digits ? std::atoi(std::string(v).c_str()) : 0;
+}
+
+}  // namespace
+
 int forward_splits(const ForwardCall& c) {
   const char* env = std::getenv("ENTROPY_ATTN_SPLIT_KV");
   const std::string_view v = env ? env : "";
@@ -388,10 +401,7 @@ int forward_splits(const ForwardCall& c) {
     const int64_t tiles = s.batch * s.heads * ((s.q_len + 127) / 128);
     return split_kv_count(tiles, (s.kv_len + 63) / 64, 2 * device_sm_count());
   }
-  int n = 0;
-  const bool digits =
-      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-  if (digits && v.size() <= 3) n = std::atoi(std::string(v).c_str());
+  const int n = env_count(v, 3);
   TORCH_CHECK_VALUE(n >= 1 && n <= kMaxSplits,
                     "ENTROPY_ATTN_SPLIT_KV must be 'auto', 'off' or a count from 1 to ", kMaxSplits,
                     ", got '", std::string(v), "'");
@@ -406,10 +416,8 @@ int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, in
   if (v == "heads") {
     setting.kind = LaunchOrderSetting::Kind::kGridOrder;
   } else if (!v.empty() && v != "auto") {
-    const bool digits =
-        std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
     setting.kind = LaunchOrderSetting::Kind::kSections;
-    setting.sections = digits && v.size() <= 9 ? std::atoi(std::string(v).c_str()) : 0;
+    setting.sections = env_count(v, 9);
     TORCH_CHECK_VALUE(setting.sections >= 1,
                       "ENTROPY_ATTN_CUDA_LAUNCH_ORDER must be 'auto', 'heads' or a number of "
                       "sections of at least 1, got '",

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../kernel_args.h"   // MaskKind
 #include "../online_stats.h"  // EA_HOST_DEVICE
 
 namespace entropy_attn::cuda {
@@ -57,13 +58,15 @@ EA_HOST_DEVICE GridTile launch_tile(uint32_t block, uint32_t x_dim, uint32_t y_d
 }
 
 #if defined(__CUDACC__)
-// This block's coordinates: the launch order's in the general (causal) instantiations without a
-// mask, whose tiles differ in work; blockIdx itself in the others (kOrdered false), where the
-// order would cost registers, which coordinates read from blockIdx do not hold (they are read
-// again where needed): the plain full-attention kernels gain nothing from it, and the masked
-// ones have none to spare (with it the sm90 masked forward at D = 128 took a stack frame).
-template <bool kOrdered>
+// This block's coordinates in an instantiation (causality, mask kind) of a tensor-core kernel: the
+// launch order's in the general (causal) instantiations without a mask, whose tiles differ in
+// work; blockIdx itself in the others, where the order would cost registers, which coordinates
+// read from blockIdx do not hold (they are read again where needed): the plain full-attention
+// kernels gain nothing from it, and the masked ones have none to spare (with it the sm90 masked
+// forward at D = 128 took a stack frame).
+template <bool kCausal, MaskKind kMask>
 __device__ __forceinline__ GridTile this_block_tile(int sections) {
+  constexpr bool kOrdered = kCausal && kMask == MaskKind::kNone;
   if (!kOrdered || sections < 1) {
     return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
             static_cast<int>(blockIdx.z)};

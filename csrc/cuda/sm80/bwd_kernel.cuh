@@ -494,7 +494,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   const int tid = threadIdx.x;
   // Key block 0 is the heaviest of a causal call (every row sees it): blocks are dispatched in
   // order, and launch_order.h puts every head's first x before any head's second.
-  const GridTile at = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const GridTile at = this_block_tile<kCausal, kMask>(p.launch_sections);
   const int n_block = at.x, kvh = at.y, b = at.z;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads), group = heads / static_cast<int>(p.kv_heads);

@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // With split-KV (p.num_splits > 1; the general instantiations only, which the host picks for a
   // split call: family.cpp) the grid's x holds the query tiles of every split, split-major.
   // The block's grid coordinates in the launch order of launch_order.h.
-  const GridTile at = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const GridTile at = this_block_tile<kCausal, kMask>(p.launch_sections);
   const int tiles = static_cast<int>(gridDim.x) / (kCausal ? p.num_splits : 1);
   const int split = kCausal ? at.x / tiles : 0;
   const int tile = kCausal ? at.x % tiles : at.x;
@@ -710,9 +710,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     // Split-KV: the rows' state over this split's keys and their unnormalized output, in float32,
     // for split_kv.cuh's combine kernel (which also raises the guard's flag).
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
-    const int split_e = this_block_tile < kCausal &&
-                        kMask == MaskKind::kNone > (p.launch_sections).x /
-                                                       (static_cast<int>(gridDim.x) / p.num_splits);
+    const int split_e = this_block_tile<kCausal, kMask>(p.launch_sections).x /
+                        (static_cast<int>(gridDim.x) / p.num_splits);
     const int64_t base = split_e * p.batch * p.heads * p.q_len + row0;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {

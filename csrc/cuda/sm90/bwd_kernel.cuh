@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const BwdParams<float>& p = args.p;
   // Key block 0 is the heaviest of a causal call (every row sees it): blocks are dispatched in
   // order, and launch_order.h puts every head's first x before any head's second.
-  const GridTile tile = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const GridTile tile = this_block_tile<kCausal, kMask>(p.launch_sections);
   const int n_block = tile.x, kvh = tile.y, b = tile.z;
   const int q_len = static_cast<int>(p.q_len);
   const int group = static_cast<int>(p.heads / p.kv_heads);

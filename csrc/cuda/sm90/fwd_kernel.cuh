@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   // Causal tiles further down do more work: start them first (blocks are dispatched in order, and
   // launch_order.h puts every head's first x before any head's second), so that the short ones
   // fill the tail of the wave. (Windows make the tiles alike: no harm.)
-  const GridTile tile = this_block_tile < kCausal && kMask == MaskKind::kNone > (p.launch_sections);
+  const GridTile tile = this_block_tile<kCausal, kMask>(p.launch_sections);
   const int m_block = kCausal ? static_cast<int>(gridDim.x) - 1 - tile.x : tile.x;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int m0 = m_block * kBlockM;

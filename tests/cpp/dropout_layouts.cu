@@ -145,7 +145,7 @@ void sm90_backward(const char* name) {
   using Kt = ec::sm90::bwd_impl::BwdTraits<T, kD>;
   auto view = [](int tid) {
     return typename Kt::TiledMmaSdP{}.get_thread_slice(tid).partition_C(
-        make_identity_tensor(Shape<Int<Kt::kBlockM>, Int<Kt::kHalfN>>{}));
+        make_identity_tensor(Shape<Int<Kt::kBlockM>, Int<Kt::kSliceN>>{}));
   };
   check_tile<true>(name, Kt::kConsumerThreads, view,
                    [](auto l) { return ec::sm90::acc_rowcol(l); });
@@ -164,7 +164,8 @@ int main() {
   sm80_backward<__nv_bfloat16, 256>("sm80 backward D=256 (64 x 64)");
   sm90_forward<__nv_bfloat16, 64, MaskKind::kNone>("sm90 forward D=64 (128 x 128)");
   sm90_forward<__nv_bfloat16, 128, MaskKind::kAdditive>("sm90 forward D=128 masked (128 x 112)");
-  sm90_backward<__half, 128>("sm90 backward D=128 (64 x 64 halves)");
+  sm90_backward<__half, 128>("sm90 backward D=128 (64 x 64 slices)");
+  sm90_backward<__nv_bfloat16, 64>("sm90 backward D=64 (64 x 128, one slice)");
   if (failures) std::printf("%d tile(s) with wrong dropout decisions\n", failures);
   return failures ? 1 : 0;
 }

@@ -12,12 +12,13 @@
 //     K and V once (TMA, one mbarrier) and then Q and dO of every query block into a 2-stage ring
 //     (cutlass::PipelineTmaAsync, one pipeline each);
 //   warpgroups 1 and 2, the consumers (240 registers): warpgroup w accumulates dK and dV of keys
-//     [64 w, 64 w + 64) of the block, and computes S and dP for keys [32 w, 32 w + 32) of each
-//     64-key half. Per query block:
+//     [64 w, 64 w + 64) of the block, and computes S and dP for half of each slice of the block's
+//     keys (BwdTraits::kSlices: at D = 64 one slice, so its own 64 keys; at D = 128 keys
+//     [32 w, 32 w + 32) of each 64-key slice). Per query block:
 //       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
 //                                    memory by cp.async, waited for once S and dP of the first
-//                                    half are issued (their latency beside those products);
-//       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per half both issued, then
+//                                    slice are issued (their latency beside those products);
+//       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per slice both issued, then
 //                                    waited in turn; each thread holds two query rows;
 //       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element;
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
@@ -44,7 +45,7 @@
 // nothing here (lse and the statistics read include the sink; its gradient is the host's). Logit
 // softcapping replaces S by the scores whose scaled logits are the capped ones before the
 // per-element step (a uniform branch), and its derivative multiplies dS. Dropout regenerates the
-// forward's decisions per half tile (cute_utils.cuh: for_each_dropout_decision, one Philox call
+// forward's decisions per slice (cute_utils.cuh: for_each_dropout_decision, one Philox call
 // per 8 weights): the P of dV is the dropped one, p z / (1 - p'), and dP is multiplied by
 // z / (1 - p') before dS (docs/math.md section 6).
 #pragma once
@@ -99,12 +100,21 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  // S = Q K^T and dP = dO V^T: (queries, keys) over one half of the key block at a time (64
-  // keys, 32 per warpgroup), so that S and dP hold 16 registers each next to dK and dV (whole,
-  // they spill at D = 128).
-  static constexpr int kHalfN = kBlockN / 2;
+  // S = Q K^T and dP = dO V^T: (queries, keys) over kSlices slices of the key block, one after
+  // the other, each warpgroup taking half of a slice's keys.
+  //   D = 64: one slice, a warpgroup's 64 keys as one m64n64 product each (S and dP 32 registers
+  //     each, beside dK and dV's 32 + 32). At N = 32 each wgmma's shared-memory operands (64 x 16
+  //     of A, N x 16 of B: 3 KB for 32K multiply-adds) take 24 cycles of the SM's 128 bytes per
+  //     cycle against 16 of tensor-core work, about 2/3 of the pipe's rate; at N = 64 the two
+  //     balance (4 KB, 32 cycles each).
+  //   D = 128: two slices of 64 keys, 32 per warpgroup, so that S and dP hold 16 registers each
+  //     beside dK and dV's 64 + 64: the consumers use 237 of their 240 registers so, and whole
+  //     slices would need 32 more.
+  static constexpr int kSlices = kHeadDim == 64 ? 1 : 2;
+  static constexpr int kSliceN = kBlockN / kSlices;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, _32, Int<kHeadDim>>>(),
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kSliceN / 2>, Int<kHeadDim>>>(),
       Layout<Shape<_1, _2, _1>>{}));
   // dV += P^T dO and dK += (lambda dS)^T Q: (keys, D), the warpgroups along the keys; every
   // operand read MN-major (the transposed views of tiles stored K-major).
@@ -224,11 +234,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
   auto thr_g = mma_g.get_thread_slice(ctid);
   Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
-  // K and V by halves of the key block: (64, D, 2).
-  const auto half_tile = Shape<Int<Kt::kHalfN>, Int<kD>>{};
-  Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, half_tile, make_coord(_, _0{})));
+  // K and V by slices of the key block: (kSliceN, D, kSlices).
+  const auto slice_tile = Shape<Int<Kt::kSliceN>, Int<kD>>{};
+  Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
   Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
-  Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, half_tile, make_coord(_, _0{})));
+  Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, slice_tile, make_coord(_, _0{})));
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);     // (MMA, MMA_keys, MMA_queries)
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);   // (MMA, MMA_D, MMA_queries, stages)
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSlt);  // (MMA, MMA_keys, MMA_queries)
@@ -244,7 +254,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // (query, key) in the tile of every S accumulator, as (thread rows, columns); (query, d) of
   // every G accumulator.
   using RowCol = decltype(acc_rowcol(
-      thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kHalfN>>{})).layout()));
+      thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kSliceN>>{})).layout()));
   constexpr int kRows = decltype(size<0>(RowCol{}))::value;
   constexpr int kCols = decltype(size<1>(RowCol{}))::value;
   static_assert(kRows == 2 && kCols % 2 == 0);
@@ -256,7 +266,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_kv, 0);
   typename Kt::PipelineState read_state;
 
-  // Logit softcapping (docs/math.md section 6): S of a half becomes the scores whose scaled logits
+  // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
   // are the capped ones (cute_utils.cuh: softcap_row, as the forward); the cap's derivative
   // 1 - (s / c)^2 is formed from s in the dS loop, which is why a softcapped call takes the kGrads
   // step (s kept) and never comes with an additive mask (s = c tanh + m). Nor with a bool mask:
@@ -289,7 +299,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // 0), buffer t & 1: every consumer passed this barrier of t - 1 after its reads of t - 2. The
     // barrier also orders this block's stores of P and dS after every product of the last one.
     // Copied by 4-byte cp.async (zero-filled where no value is read), waited for and published
-    // only once S and dP of the first half are in the tensor cores, which need none of it: the
+    // only once S and dP of the first slice are in the tensor cores, which need none of it: the
     // loads' latency (L2, once per query block) runs beside those products instead of before
     // them, and no register holds the values in between.
     float(*srow)[kBlockM] = ss.rows[t & 1];
@@ -312,8 +322,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     auto othr = mma_sdp.get_thread_slice(otid);
-    Tensor cS0 = othr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kHalfN>>{}));
-    Tensor cS_rc = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));  // (query, key in half)
+    Tensor cS0 = othr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kSliceN>>{}));
+    Tensor cS_rc = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));  // (query, key in slice)
     Tensor cG = mma_g.get_thread_slice(otid).partition_C(
         make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
     Tensor cG_rc = make_tensor(cG.data(), acc_rowcol(cG.layout()));
@@ -324,40 +334,42 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + get<0>(cS_rc(r, 0)), q_len, kv_len);
       klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
     }
-    // Dropout (kGrads): the decisions of each half's weights (the forward's), bit r * kCols + c;
+    // Dropout (kGrads): the decisions of each slice's weights (the forward's), bit r * kCols + c;
     // all kept without dropout, whose keep_scale is 1. Drawn here, before the products of the
-    // halves hold their accumulators (drawn next to them, the masked kernels spill at D = 128).
-    [[maybe_unused]] uint32_t keep_half[2] = {~0u, ~0u};
+    // slices hold their accumulators (drawn next to them, the masked kernels spill at D = 128).
+    [[maybe_unused]] uint32_t keep_slice[Kt::kSlices];
+    CUTE_UNROLL
+    for (int slice = 0; slice < Kt::kSlices; ++slice) keep_slice[slice] = ~0u;
     if (kGrads && dropping) {
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        keep_half[half] = dropout_keep_bits<true>(p.dropout, static_cast<int64_t>(b) * heads + h,
-                                                  i0, j0 + half * Kt::kHalfN, cS_rc);
+      for (int slice = 0; slice < Kt::kSlices; ++slice) {
+        keep_slice[slice] = dropout_keep_bits<true>(p.dropout, static_cast<int64_t>(b) * heads + h,
+                                                    i0, j0 + slice * Kt::kSliceN, cS_rc);
       }
     }
     pipeline_q.consumer_wait(read_state);
     pipeline_do.consumer_wait(read_state);
     cutlass::NumericArrayConverter<Element, float, 2> to_pair;
 
-    // One half of the key block: keys [64 half, 64 half + 64).
+    // One slice of the key block: keys [kSliceN slice, kSliceN (slice + 1)).
     CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const auto half_of = [&](auto& tile) {
+    for (int slice = 0; slice < Kt::kSlices; ++slice) {
+      const auto slice_of = [&](auto& tile) {
         return as_position_independent_swizzle_tensor(
-            local_tile(tile, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{}, make_coord(_0{}, half)));
+            local_tile(tile, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{}, make_coord(_0{}, slice)));
       };
-      Tensor tPsP = othr.partition_C(half_of(sP));
-      Tensor tdSsdS = othr.partition_C(half_of(sdS));
-      Tensor tdSsdSl = othr.partition_C(half_of(sdSl));
-      const int jh = j0 + half * Kt::kHalfN;
+      Tensor tPsP = othr.partition_C(slice_of(sP));
+      Tensor tdSsdS = othr.partition_C(slice_of(sdS));
+      Tensor tdSsdSl = othr.partition_C(slice_of(sdSl));
+      const int jh = j0 + slice * Kt::kSliceN;
 
-      // S = Q K^T and dP = dO V^T of the half, both in flight.
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kHalfN>>{});
-      wg_gemm_issue<true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, half), acc_s);
-      wg_gemm_issue<true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, half),
+      // S = Q K^T and dP = dO V^T of the slice, both in flight.
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
+      wg_gemm_issue<true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, slice), acc_s);
+      wg_gemm_issue<true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                           acc_dp);
-      if (half == 0) {
+      if (slice == 0) {
         cp_async_wait<0>();
         cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
         CUTE_UNROLL
@@ -379,7 +391,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         }
       }
 
-      [[maybe_unused]] const uint32_t keep = keep_half[half];
+      [[maybe_unused]] const uint32_t keep = keep_slice[slice];
 
       // s = lambda_i x (+ mask), -inf where not allowed; p = 2^(s log2 e - lse_i log2 e), stored
       // to shared memory in T for dV (after dropout: p z / (1 - p')). A fully masked row (lse = 0,

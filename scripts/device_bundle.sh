@@ -8,7 +8,8 @@
 #                                           # pack .device/ (library, build info, wheels)
 #   bash scripts/device_bundle.sh install   # there (scripts/gpu_suite.sh does it when .device/
 #                                           # exists): the packed library if it was built from
-#                                           # these sources for this torch, else a build there
+#                                           # these sources for this torch, else a build there;
+#                                           # and build/kernel_harness, which needs no torch
 #   bash scripts/device_bundle.sh check     # CI: the sources still build against DEVICE_TORCH
 #   bash scripts/device_bundle.sh venv      # only the virtual environment of make and check (CI
 #                                           # makes it while setup compiles)
@@ -16,9 +17,10 @@
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
 # (default 9.0: an H100/H200; "8.0;9.0" for an A100 too). It packs the stripped library, the
-# sources' hash and the wheels a build there needs (nvidia-cutlass's headers, a setuptools that
-# reads pyproject.toml). .device/ is ignored by git: copy it along. DEVICE_VENV names an existing
-# virtual environment with DEVICE_TORCH to build in instead of build/device/venv.
+# kernel harness (scripts/kernel_harness.sh), the sources' hash and the wheels a build there needs
+# (nvidia-cutlass's headers, a setuptools that reads pyproject.toml). .device/ is ignored by git:
+# copy it along. DEVICE_VENV names an existing virtual environment with DEVICE_TORCH to build in
+# instead of build/device/venv.
 #
 # `check` is the cheap half of `make`, for every CI run: a CPU-only build of the copy against
 # DEVICE_TORCH with warnings as errors, the host sources of the CUDA kernels (which only a CUDA
@@ -102,6 +104,11 @@ make_bundle() {
   strip --strip-debug -o build/device/_C.abi3.so "$SRC/torch_ext/_C.abi3.so"
   xz -T0 -c build/device/_C.abi3.so >"$BUNDLE/_C.abi3.so.xz"
   cp "$SRC/torch_ext/_build_info.py" "$BUNDLE/"
+  # The kernel harness (scripts/kernel_harness.sh), linked from the same kernel objects: the
+  # kernels checked and timed without torch, whatever the machine's torch accepts.
+  (cd "$SRC" && bash scripts/kernel_harness.sh build) >build/device/harness.log 2>&1 ||
+    { tail -5 build/device/harness.log >&2; exit 1; }
+  xz -T0 -c "$SRC/build/kernel_harness" >"$BUNDLE/kernel_harness.xz"
   bash "$SRC/scripts/sources_hash.sh" >"$BUNDLE/sources.sha256"
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
@@ -146,6 +153,16 @@ PY
 
 install_bundle() {
   local python=${PYTHON:-python3} torch_version
+  # The kernel harness first: it needs no torch (scripts/kernel_harness.sh run).
+  if [[ -f $BUNDLE/kernel_harness.xz && -f $BUNDLE/sources.sha256 &&
+        $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]]; then
+    mkdir -p build
+    "$python" -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
+      "$BUNDLE/kernel_harness.xz" build/kernel_harness
+    chmod +x build/kernel_harness
+    note "build/kernel_harness unpacked (the kernels checked and timed without torch)"
+  fi
   torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
   if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]] &&
      grep -q "TORCH_VERSION = '${torch_version}'" "$BUNDLE/_build_info.py"; then

@@ -28,8 +28,10 @@ if(_ea_cuda)
                                      ${_ea_emulated_units})
   target_link_libraries(test_cuda_emulation PRIVATE entropy_attn ${_ea_gtest_main}
                                                     Threads::Threads)
+  # (benchmarks/harness: the kernel harness's core, which the test checks too.)
   target_include_directories(test_cuda_emulation PRIVATE "${PROJECT_SOURCE_DIR}/csrc"
-                                                         "${CMAKE_CURRENT_LIST_DIR}")
+                                                         "${CMAKE_CURRENT_LIST_DIR}"
+                                                         "${PROJECT_SOURCE_DIR}/benchmarks/harness")
   target_include_directories(test_cuda_emulation SYSTEM PRIVATE
                              ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
   target_compile_features(test_cuda_emulation PRIVATE cxx_std_20)  # std::barrier-era atomics

@@ -22,6 +22,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -36,6 +37,7 @@
 #include "cuda/fallback/sparsity_kernel.cuh"
 #include "emulated_launches.h"
 #include "entropy_attn.h"
+#include "kernel_harness.h"
 
 namespace {
 
@@ -1083,6 +1085,80 @@ TEST(CudaEmulation, ReportsDivergenceAndDeadlocks) {
   EXPECT_THROW(emulate_launch(self_test_kernel, 1, cuda_emu::kSmemCapacity + 1,
                               SelfTestParams{out.data(), &sum, 0}),
                cuda_emu::CudaEmulationError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel harness's core (benchmarks/harness/kernel_harness.h), which checks the kernels on a
+// GPU without torch: its parameters, filled from raw buffers, drive the fallback kernels to its
+// own float64 reference within its tolerances, forward (with statistics) and backward. A wrong
+// stride, pattern or scale policy there, or a wrong reference, fails here on any machine.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void run_harness_case(const entropy_attn::harness::Shape& s) {
+  namespace eh = entropy_attn::harness;
+  eh::Buffers b;
+  std::vector<std::vector<std::byte>> storage;
+  for (const eh::BufferSize& z : eh::buffer_sizes(s, b, sizeof(T))) {
+    storage.emplace_back(static_cast<size_t>(z.bytes) + 16);
+    *z.slot = storage.back().data();
+  }
+  const eh::Inputs<T> in = eh::make_inputs<T>(s, 3);
+  std::memcpy(b.q, in.q.data(), in.q.size() * sizeof(T));
+  std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
+  std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
+  std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
+  const eh::Forward ref = eh::reference_forward(s, in);
+  const eh::Tolerance tol = eh::tolerance<T>();
+  const auto expect_ok = [](const eh::Check& c) {
+    EXPECT_TRUE(c.ok()) << c.what << ": " << c.error << " > " << c.tol;
+  };
+  const auto rows = [&](const float* p) { return std::vector<float>(p, p + s.rows()); };
+
+  launch_forward<T>(eh::forward_params(s, b, true));
+  std::vector<T> out(static_cast<const T*>(b.out), static_cast<const T*>(b.out) + s.q_elems());
+  expect_ok(eh::elementwise("out", eh::widen(out), ref.out, tol));
+  expect_ok(eh::elementwise("lse", rows(b.lse), ref.lse, tol));
+  expect_ok(eh::elementwise("entropy", rows(b.entropy), ref.entropy, tol));
+  expect_ok(eh::elementwise("sum_p2", rows(b.sum_p2), ref.sum_p2, tol));
+
+  std::memset(b.dq_accum, 0, s.q_elems() * sizeof(float));
+  launch_backward<T>(eh::backward_params(s, b, false));
+  const int64_t heads_kv = s.batch * s.heads * s.kv_len * s.head_dim;
+  const eh::Backward got =
+      eh::finish_fallback(s, std::vector<float>(b.dq_accum, b.dq_accum + s.q_elems()),
+                          rows(b.row_scale), std::vector<float>(b.dk_heads, b.dk_heads + heads_kv),
+                          std::vector<float>(b.dv_heads, b.dv_heads + heads_kv));
+  const eh::Backward gref = eh::reference_backward(s, in, ref);
+  expect_ok(eh::relative("dq", got.dq, gref.dq, tol.grad));
+  expect_ok(eh::relative("dk", got.dk, gref.dk, tol.grad));
+  expect_ok(eh::relative("dv", got.dv, gref.dv, tol.grad));
+}
+
+TEST(KernelHarness, FallbackMatchesTheHarnessReference) {
+  // GQA with partial tiles, causal; Lq != Lk with "logn" row scales; both 16-bit types.
+  const entropy_attn::harness::Shape gqa{1, 4, 2, 70, 70, 64, true, false};
+  const entropy_attn::harness::Shape logn{1, 2, 2, 40, 90, 128, false, true};
+  run_harness_case<__nv_bfloat16>(gqa);
+  run_harness_case<__half>(logn);
+}
+
+TEST(KernelHarness, ChecksFailOnWrongResults) {
+  namespace eh = entropy_attn::harness;
+  const eh::Tolerance tol = eh::tolerance<__half>();
+  const std::vector<double> e{1.0, -2.0, 0.5};
+  EXPECT_TRUE(eh::elementwise("same", std::vector<double>{1.0, -2.0, 0.5}, e, tol).ok());
+  EXPECT_FALSE(eh::elementwise("off", std::vector<double>{1.0, -2.1, 0.5}, e, tol).ok());
+  EXPECT_FALSE(eh::elementwise("nan", std::vector<double>{1.0, NAN, 0.5}, e, tol).ok());
+  EXPECT_FALSE(eh::elementwise("short", std::vector<double>{1.0}, e, tol).ok());
+  EXPECT_FALSE(eh::relative("off", std::vector<double>{1.0, -2.0, 0.6}, e, tol.grad).ok());
+  // The reference itself: one key gives weight 1 (entropy 0, sum p^2 1) and out = v.
+  const eh::Shape one{1, 1, 1, 3, 3, 64, true, false};
+  const eh::Inputs<__half> in = eh::make_inputs<__half>(one, 5);
+  const eh::Forward f = eh::reference_forward(one, in);
+  EXPECT_NEAR(f.entropy[0], 0.0, 1e-15);
+  EXPECT_NEAR(f.sum_p2[0], 1.0, 1e-15);
+  for (int c = 0; c < 64; ++c) EXPECT_NEAR(f.out[c], in.vd[c], 1e-15);
 }
 
 }  // namespace

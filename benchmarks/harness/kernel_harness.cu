@@ -1,0 +1,461 @@
+// The kernel harness: the CUDA kernels of every family checked and timed in one command, without
+// torch or Python, whatever the GPU machine has installed. Built here (scripts/kernel_harness.sh
+// build: this file linked with the kernel objects of the extension's build and the static CUDA
+// runtime), carried to the GPU machine as one file, run there:
+//
+//   build/kernel_harness [--quick] [--checks-only] [--families sm80,sm90,fallback] [--json F]
+//                        [--commit C]
+//
+// 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, D = 64 and 128, bf16 and
+//    fp16) through each family the device runs: the forward with and without statistics and the
+//    backward against the float64 reference of kernel_harness.h, with the test suite's
+//    tolerances. (The pytest suite, tests/test_cuda.py, is the full judge: masks, windows,
+//    documents, softcap, sinks, dropout, the statistic gradients.)
+// 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
+//    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
+//    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
+//    and with statistics and of the forward with statistics + backward (dq's accumulator zeroed
+//    in the timed span, as the op does), and their TFLOP/s. No SDPA here: ratios against it come
+//    from benchmarks/gpu_vs_sdpa.py.
+//
+// Markdown tables on stdout, and --json F writes them as JSON. Exit code 0 when every check passed,
+// 1 when one failed, 2 without a CUDA device or on a usage error.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda/fallback/instantiations/dispatch.h"
+#include "cuda/fallback/launch.h"
+#include "cuda/sm80/instantiations/dispatch.h"
+#include "cuda/sm80/launch.h"
+#include "cuda/sm90/instantiations/dispatch.h"
+#include "cuda/sm90/launch.h"
+#include "kernel_harness.h"
+
+namespace {
+
+using namespace entropy_attn;
+using namespace entropy_attn::cuda;
+using namespace entropy_attn::harness;
+
+using FwdFn = cudaError_t (*)(const FwdParams<float>&, cudaStream_t);
+using BwdFn = cudaError_t (*)(const BwdParams<float>&, cudaStream_t);
+
+enum class Family { kFallback, kSm80, kSm90 };
+const char* family_name(Family f) {
+  return f == Family::kFallback ? "fallback" : f == Family::kSm80 ? "sm80" : "sm90";
+}
+
+#define EA_CHECK_CUDA(expr)                                              \
+  do {                                                                   \
+    const cudaError_t err_ = (expr);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(err_));                            \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+// The launchers of a family for a call without a mask: the instantiation lists of
+// csrc/cuda/kernels.toml (the generated dispatch tables, which csrc/cuda/family.cpp reads too).
+template <typename T>
+FwdFn forward_of(Family f, int d, bool causal, bool stats) {
+#define EA_FALLBACK(U, D)                                                         \
+  if constexpr (std::is_same_v<T, U>) {                                           \
+    if (f == Family::kFallback && d == D) return &fallback::launch_forward<T, D>; \
+  }
+#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M, S)                                     \
+  if constexpr (std::is_same_v<T, U>) {                                               \
+    if (f == FAMILY && d == D && causal == C && M == MaskKind::kNone && stats == S) { \
+      return &NS::launch_forward<T, D, C, M, S>;                                      \
+    }                                                                                 \
+  }
+#define EA_SM80(U, D, C, M, S) EA_TENSOR_CORE(Family::kSm80, sm80, U, D, C, M, S)
+#define EA_SM90(U, D, C, M, S) EA_TENSOR_CORE(Family::kSm90, sm90, U, D, C, M, S)
+  EA_FALLBACK_FORWARD_KERNELS(EA_FALLBACK)
+  EA_SM80_FORWARD_KERNELS(EA_SM80)
+  EA_SM90_FORWARD_KERNELS(EA_SM90)
+#undef EA_SM90
+#undef EA_SM80
+#undef EA_TENSOR_CORE
+#undef EA_FALLBACK
+  return nullptr;
+}
+
+template <typename T>
+BwdFn backward_of(Family f, int d, bool causal) {
+#define EA_FALLBACK(U, D)                                                          \
+  if constexpr (std::is_same_v<T, U>) {                                            \
+    if (f == Family::kFallback && d == D) return &fallback::launch_backward<T, D>; \
+  }
+#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M)                          \
+  if constexpr (std::is_same_v<T, U>) {                                 \
+    if (f == FAMILY && d == D && causal == C && M == MaskKind::kNone) { \
+      return &NS::launch_backward<T, D, C, M>;                          \
+    }                                                                   \
+  }
+#define EA_SM80(U, D, C, M) EA_TENSOR_CORE(Family::kSm80, sm80, U, D, C, M)
+#define EA_SM90(U, D, C, M) EA_TENSOR_CORE(Family::kSm90, sm90, U, D, C, M)
+  EA_FALLBACK_BACKWARD_KERNELS(EA_FALLBACK)
+  EA_SM80_BACKWARD_KERNELS(EA_SM80)
+  EA_SM90_BACKWARD_KERNELS(EA_SM90)
+#undef EA_SM90
+#undef EA_SM80
+#undef EA_TENSOR_CORE
+#undef EA_FALLBACK
+  return nullptr;
+}
+
+// A call's buffers in device memory (kernel_harness.h: buffer_sizes), freed with it.
+struct DeviceCall {
+  Shape s;
+  Buffers b;
+  std::vector<BufferSize> sizes;
+  DeviceCall(const Shape& shape, int64_t elem) : s(shape), sizes(buffer_sizes(s, b, elem)) {
+    for (const BufferSize& z : sizes)
+      EA_CHECK_CUDA(cudaMalloc(z.slot, std::max<int64_t>(z.bytes, 16)));
+  }
+  ~DeviceCall() {
+    for (const BufferSize& z : sizes) cudaFree(*z.slot);
+  }
+  DeviceCall(const DeviceCall&) = delete;
+  DeviceCall& operator=(const DeviceCall&) = delete;
+  int64_t bytes_of(void* p) const {
+    for (const BufferSize& z : sizes) {
+      if (*z.slot == p) return z.bytes;
+    }
+    return 0;
+  }
+  template <typename X>
+  void upload(void* to, const std::vector<X>& from) {
+    EA_CHECK_CUDA(cudaMemcpy(to, from.data(), from.size() * sizeof(X), cudaMemcpyHostToDevice));
+  }
+  template <typename X>
+  std::vector<X> download(const void* from) const {
+    std::vector<X> out(bytes_of(const_cast<void*>(from)) / sizeof(X));
+    EA_CHECK_CUDA(cudaMemcpy(out.data(), from, out.size() * sizeof(X), cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+// The median of `reps` CUDA-event times of fn (after `warmup` calls), in milliseconds.
+double median_ms(const std::function<void()>& fn, int warmup, int reps) {
+  for (int r = 0; r < warmup; ++r) fn();
+  cudaEvent_t start, stop;
+  EA_CHECK_CUDA(cudaEventCreate(&start));
+  EA_CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    EA_CHECK_CUDA(cudaEventRecord(start));
+    fn();
+    EA_CHECK_CUDA(cudaEventRecord(stop));
+    EA_CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    EA_CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+std::string describe(const Shape& s) {
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s",
+                static_cast<long long>(s.batch), static_cast<long long>(s.heads),
+                static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
+                static_cast<long long>(s.kv_len), static_cast<long long>(s.head_dim),
+                s.causal ? " causal" : "", s.logn ? " logn" : "");
+  return buf;
+}
+
+struct CheckRow {
+  std::string family, dtype, shape;
+  Check check;
+};
+struct TimeRow {
+  std::string family, dtype;
+  Shape s;
+  double fwd = 0, fwd_stats = 0, fwd_bwd = 0;
+};
+
+// Whether a launch ran: false for cudaErrorNotSupported (the family does not cover the call, as
+// the selection point would route it elsewhere); any other error stops the harness.
+bool launched(cudaError_t err) {
+  if (err == cudaErrorNotSupported) return false;
+  EA_CHECK_CUDA(err);
+  return true;
+}
+
+// The checks of one small call through one family, appended to rows.
+template <typename T>
+void check_call(Family f, const char* dtype, const Shape& s, std::vector<CheckRow>& rows) {
+  const int d = static_cast<int>(s.head_dim);
+  const FwdFn fwd_stats = forward_of<T>(f, d, s.causal, true);
+  const FwdFn fwd_plain = forward_of<T>(f, d, s.causal, false);
+  const BwdFn bwd = backward_of<T>(f, d, s.causal);
+  if (fwd_stats == nullptr || bwd == nullptr) return;
+  const Inputs<T> in = make_inputs<T>(s, 7);
+  const Forward ref = reference_forward(s, in);
+  const Backward gref = reference_backward(s, in, ref);
+  const Tolerance tol = tolerance<T>();
+  DeviceCall c(s, sizeof(T));
+  c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
+  const auto add = [&](Check ch) { rows.push_back({family_name(f), dtype, describe(s), ch}); };
+  const auto not_covered = [&](const char* what) {
+    add({std::string(what) + ": not covered (cudaErrorNotSupported)", 0.0, 1.0});
+  };
+
+  // Without statistics first, so that the backward below reads the forward with them.
+  if (fwd_plain != nullptr && f != Family::kFallback) {
+    if (!launched(fwd_plain(forward_params(s, c.b, false), nullptr))) return not_covered("forward");
+    EA_CHECK_CUDA(cudaDeviceSynchronize());
+    add(elementwise("forward: out", widen(c.download<T>(c.b.out)), ref.out, tol));
+    add(elementwise("forward: lse", c.download<float>(c.b.lse), ref.lse, tol));
+  }
+  if (!launched(fwd_stats(forward_params(s, c.b, true), nullptr))) {
+    return not_covered("forward+stats");
+  }
+  EA_CHECK_CUDA(cudaDeviceSynchronize());
+  add(elementwise("forward+stats: out", widen(c.download<T>(c.b.out)), ref.out, tol));
+  add(elementwise("forward+stats: lse", c.download<float>(c.b.lse), ref.lse, tol));
+  add(elementwise("forward+stats: entropy", c.download<float>(c.b.entropy), ref.entropy, tol));
+  add(elementwise("forward+stats: sum_p2", c.download<float>(c.b.sum_p2), ref.sum_p2, tol));
+
+  EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
+  const bool tensor_core = f != Family::kFallback;
+  if (!launched(bwd(backward_params(s, c.b, tensor_core), nullptr))) {
+    return not_covered("backward");
+  }
+  EA_CHECK_CUDA(cudaDeviceSynchronize());
+  Backward got;
+  if (tensor_core) {
+    got = {widen(c.download<T>(c.b.dq)), widen(c.download<T>(c.b.dk)),
+           widen(c.download<T>(c.b.dv))};
+  } else {
+    got = finish_fallback(s, c.download<float>(c.b.dq_accum), c.download<float>(c.b.row_scale),
+                          c.download<float>(c.b.dk_heads), c.download<float>(c.b.dv_heads));
+  }
+  add(relative("backward: dq", got.dq, gref.dq, tol.grad));
+  add(relative("backward: dk", got.dk, gref.dk, tol.grad));
+  add(relative("backward: dv", got.dv, gref.dv, tol.grad));
+}
+
+// The timings of one call through one family (bf16).
+TimeRow time_call(Family f, const Shape& s, int reps) {
+  using T = __nv_bfloat16;
+  const int d = static_cast<int>(s.head_dim);
+  TimeRow row{family_name(f), "bf16", s};
+  const FwdFn fwd = forward_of<T>(f, d, s.causal, false);
+  const FwdFn fwd_stats = forward_of<T>(f, d, s.causal, true);
+  const BwdFn bwd = backward_of<T>(f, d, s.causal);
+  if (fwd_stats == nullptr || bwd == nullptr) return row;
+  DeviceCall c(s, sizeof(T));
+  const Inputs<T> in = make_inputs<T>(s, 11);
+  c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
+  const FwdParams<float> pf = forward_params(s, c.b, false), ps = forward_params(s, c.b, true);
+  const BwdParams<float> pb = backward_params(s, c.b, f != Family::kFallback);
+  const int64_t g_bytes = c.bytes_of(c.b.dq_accum);
+  if (!launched(fwd_stats(ps, nullptr))) return row;
+  const int warmup = 2;
+  if (fwd != nullptr && f != Family::kFallback) {
+    row.fwd = median_ms([&] { EA_CHECK_CUDA(fwd(pf, nullptr)); }, warmup, reps);
+  }
+  row.fwd_stats = median_ms([&] { EA_CHECK_CUDA(fwd_stats(ps, nullptr)); }, warmup, reps);
+  row.fwd_bwd = median_ms(
+      [&] {
+        EA_CHECK_CUDA(fwd_stats(ps, nullptr));
+        EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
+        EA_CHECK_CUDA(bwd(pb, nullptr));
+      },
+      warmup, reps);
+  return row;
+}
+
+double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0; }
+
+struct Options {
+  bool quick = false, checks_only = false;
+  std::vector<Family> families;
+  std::string json, commit;
+};
+
+int usage(const char* why) {
+  std::fprintf(stderr,
+               "kernel_harness: %s\nusage: kernel_harness [--quick] [--checks-only] "
+               "[--families sm80,sm90,fallback] [--json FILE] [--commit C]\n",
+               why);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  bool families_given = false;
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    const bool has_value = a + 1 < argc;
+    if (arg == "--quick") {
+      o.quick = true;
+    } else if (arg == "--checks-only") {
+      o.checks_only = true;
+    } else if (arg == "--json" && has_value) {
+      o.json = argv[++a];
+    } else if (arg == "--commit" && has_value) {
+      o.commit = argv[++a];
+    } else if (arg == "--families" && has_value) {
+      families_given = true;
+      std::string list = argv[++a];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t end = std::min(list.find(',', at), list.size());
+        const std::string name = list.substr(at, end - at);
+        if (name == "fallback") {
+          o.families.push_back(Family::kFallback);
+        } else if (name == "sm80") {
+          o.families.push_back(Family::kSm80);
+        } else if (name == "sm90") {
+          o.families.push_back(Family::kSm90);
+        } else {
+          return usage(("unknown family '" + name + "'").c_str());
+        }
+        at = end + 1;
+      }
+    } else if (arg == "--help" || arg == "-h") {
+      usage("the CUDA kernels checked and timed without torch");
+      return 0;
+    } else {
+      return usage(("unknown argument '" + arg + "'").c_str());
+    }
+  }
+
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "kernel_harness: no CUDA device (cudaGetDeviceCount: %d device(s))\n",
+                 devices);
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  EA_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const int cc = prop.major * 10 + prop.minor;
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  if (!families_given) o.families = {Family::kSm80, Family::kSm90};
+  // A family runs where its kernels exist: sm80 from compute capability 8.0, sm90 on 9.0 alone.
+  std::vector<Family> families;
+  for (Family f : o.families) {
+    if ((f == Family::kSm80 && cc < 80) || (f == Family::kSm90 && cc != 90)) continue;
+    families.push_back(f);
+  }
+  std::printf("# Kernel harness: %s (sm_%d, %d SMs), driver %d, runtime %d%s%s\n\n", prop.name, cc,
+              prop.multiProcessorCount, driver, runtime, o.commit.empty() ? "" : ", commit ",
+              o.commit.c_str());
+
+  // 1. Checks, every family the device runs (the fallback included: it anchors the others).
+  std::vector<CheckRow> checks;
+  std::vector<Family> checked = families;
+  if (std::find(checked.begin(), checked.end(), Family::kFallback) == checked.end()) {
+    checked.insert(checked.begin(), Family::kFallback);
+  }
+  std::vector<Shape> small;
+  for (int d : {64, 128}) {
+    for (bool causal : {false, true}) {
+      small.push_back({2, 4, 2, 200, 200, d, causal, false});  // GQA, partial tiles
+      small.push_back({1, 2, 2, 130, 300, d, causal, true});   // Lq != Lk, logn
+    }
+  }
+  for (Family f : checked) {
+    for (const Shape& s : small) {
+      check_call<__nv_bfloat16>(f, "bf16", s, checks);
+      check_call<__half>(f, "fp16", s, checks);
+    }
+  }
+  int failed = 0;
+  std::printf(
+      "## Checks against the float64 reference\n\n| family | dtype | call | what | error / tol | "
+      "|\n|---|---|---|---|---|---|\n");
+  for (const CheckRow& r : checks) {
+    failed += !r.check.ok();
+    std::printf("| %s | %s | %s | %s | %.3g / %.3g | %s |\n", r.family.c_str(), r.dtype.c_str(),
+                r.shape.c_str(), r.check.what.c_str(), r.check.error, r.check.tol,
+                r.check.ok() ? "ok" : "**FAILED**");
+  }
+  std::printf("\n%zu checks, %d failed\n\n", checks.size(), failed);
+
+  // 2. Timings.
+  std::vector<TimeRow> times;
+  if (!o.checks_only) {
+    const std::vector<int64_t> lens =
+        o.quick ? std::vector<int64_t>{1024, 4096} : std::vector<int64_t>{1024, 4096, 16384};
+    for (Family f : families) {
+      for (auto [h, hkv] : {std::pair<int64_t, int64_t>{16, 16}, {32, 8}}) {
+        for (int64_t d : {64, 128}) {
+          for (int64_t l : lens) {
+            for (bool causal : {false, true}) {
+              const Shape s{4, h, hkv, l, l, d, causal, false};
+              times.push_back(time_call(f, s, l >= 16384 ? 5 : 20));
+            }
+          }
+        }
+      }
+    }
+    std::printf(
+        "## Times (bf16, medians of CUDA events)\n\n| family | B | H:Hkv | D | L | causal | fwd ms "
+        "| fwd+stats ms | fwd+stats+bwd ms | fwd TFLOP/s | fwd+stats TFLOP/s | fwd+bwd TFLOP/s "
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const TimeRow& t : times) {
+      const double flops = t.s.forward_flops();
+      std::printf(
+          "| %s | %lld | %lld:%lld | %lld | %lld | %s | %.4g | %.4g | %.4g | %.1f | %.1f | %.1f "
+          "|\n",
+          t.family.c_str(), static_cast<long long>(t.s.batch), static_cast<long long>(t.s.heads),
+          static_cast<long long>(t.s.kv_heads), static_cast<long long>(t.s.head_dim),
+          static_cast<long long>(t.s.q_len), t.s.causal ? "yes" : "no", t.fwd, t.fwd_stats,
+          t.fwd_bwd, tflops(flops, t.fwd), tflops(flops, t.fwd_stats),
+          tflops(3.5 * flops, t.fwd_bwd));
+    }
+  }
+
+  if (!o.json.empty()) {
+    FILE* out = std::fopen(o.json.c_str(), "w");
+    if (out == nullptr) return usage(("cannot write " + o.json).c_str());
+    std::fprintf(out,
+                 "{\"device\": \"%s\", \"compute_capability\": %d, \"driver\": %d, "
+                 "\"runtime\": %d, \"commit\": \"%s\",\n \"checks\": [",
+                 prop.name, cc, driver, runtime, o.commit.c_str());
+    for (size_t i = 0; i < checks.size(); ++i) {
+      const CheckRow& r = checks[i];
+      std::fprintf(out,
+                   "%s\n  {\"family\": \"%s\", \"dtype\": \"%s\", \"call\": \"%s\", "
+                   "\"what\": \"%s\", \"error\": %.6g, \"tol\": %.6g, \"ok\": %s}",
+                   i ? "," : "", r.family.c_str(), r.dtype.c_str(), r.shape.c_str(),
+                   r.check.what.c_str(), std::isnan(r.check.error) ? -1.0 : r.check.error,
+                   r.check.tol, r.check.ok() ? "true" : "false");
+    }
+    std::fprintf(out, "],\n \"points\": [");
+    for (size_t i = 0; i < times.size(); ++i) {
+      const TimeRow& t = times[i];
+      std::fprintf(out,
+                   "%s\n  {\"family\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, "
+                   "\"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
+                   "\"seq_len\": %lld, \"causal\": %s, \"fwd_ms\": %.6g, "
+                   "\"fwd_stats_ms\": %.6g, \"fwd_bwd_ms\": %.6g}",
+                   i ? "," : "", t.family.c_str(), t.dtype.c_str(),
+                   static_cast<long long>(t.s.batch), static_cast<long long>(t.s.heads),
+                   static_cast<long long>(t.s.kv_heads), static_cast<long long>(t.s.head_dim),
+                   static_cast<long long>(t.s.q_len), t.s.causal ? "true" : "false", t.fwd,
+                   t.fwd_stats, t.fwd_bwd);
+    }
+    std::fprintf(out, "]}\n");
+    std::fclose(out);
+  }
+  return failed ? 1 : 0;
+}

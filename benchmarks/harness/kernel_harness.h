@@ -1,0 +1,356 @@
+// The torch-free core of the kernel harness (kernel_harness.cu): deterministic inputs, an
+// independent float64 reference written plainly (the n x n formula, docs/math.md sections 1-3),
+// the kernel parameters of a call filled from raw buffers (as csrc/cuda/attention_host.cpp fills
+// them from tensors), and the comparisons. Host C++ only, no ATen and no CUDA runtime, so that the
+// same code drives the real kernels on a GPU and the fallback family's kernels under the CPU
+// emulation (tests/cpp/test_cuda_emulation.cpp: KernelHarness), which checks it on any machine.
+//
+// The calls it covers are the ones the GPU targets measure: bf16 or fp16, head_dim == v_head_dim,
+// full or top-left causal attention, GQA, the default scale 1 / sqrt(D) or "logn" (a per-row
+// lambda_i), with and without statistics; the backward with the output's gradient.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/params.h"
+
+namespace entropy_attn::harness {
+
+using cuda::AttentionArgs;
+using cuda::BwdParams;
+using cuda::FwdParams;
+
+// A call: (B, H, L, D) queries, (B, Hkv, Lk, D) keys and values.
+struct Shape {
+  int64_t batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64;
+  bool causal = false;
+  bool logn = false;  // lambda_i = log_b(n_i) / sqrt(D) (b = kLogBase) instead of 1 / sqrt(D)
+
+  int64_t q_elems() const { return batch * heads * q_len * head_dim; }
+  int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
+  int64_t rows() const { return batch * heads * q_len; }
+  int64_t group() const { return heads / kv_heads; }
+  // The keys row i sees (top-left causality, as SDPA's is_causal).
+  int64_t keys(int64_t i) const { return causal ? std::min(i + 1, kv_len) : kv_len; }
+  // Forward FLOPs as the GPU benchmark counts them: 4 B H Lq Lk D, halved when causal.
+  double forward_flops() const {
+    return 4.0 * batch * heads * q_len * kv_len * head_dim * (causal ? 0.5 : 1.0);
+  }
+};
+
+constexpr double kLogBase = 256.0;
+
+// lambda_i of row i: the scale policy's constant times its length factor (scale_policy.h).
+inline double row_lambda(const Shape& s, int64_t i) {
+  const double c = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  return s.logn ? c * std::log(static_cast<double>(s.keys(i))) / std::log(kLogBase) : c;
+}
+
+template <typename T>
+inline double to_double(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return static_cast<double>(__bfloat162float(x));
+  } else {
+    return static_cast<double>(__half2float(x));
+  }
+}
+template <typename T>
+inline T from_float(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
+
+// Inputs in T, and their values in float64 (the reference reads the rounded values).
+template <typename T>
+struct Inputs {
+  std::vector<T> q, k, v, dout;
+  std::vector<double> qd, kd, vd, doutd;
+};
+
+// Values of a 32-bit linear congruential sequence, uniform in [-range, range): the same on every
+// machine. Queries and keys in [-2, 2), so that the logits (about 1.3 standard deviations at the
+// default scale) make weights far from uniform; values and the output's gradient in [-1, 1).
+template <typename T>
+Inputs<T> make_inputs(const Shape& s, uint32_t seed) {
+  uint32_t state = seed * 2654435761u + 12345u;
+  const auto fill = [&state](int64_t n, float range, std::vector<T>& out,
+                             std::vector<double>& outd) {
+    out.resize(n), outd.resize(n);
+    for (int64_t e = 0; e < n; ++e) {
+      state = state * 1664525u + 1013904223u;
+      out[e] = from_float<T>(range * (static_cast<float>(state >> 8) / 8388608.0f - 1.0f));
+      outd[e] = to_double(out[e]);
+    }
+  };
+  Inputs<T> in;
+  fill(s.q_elems(), 2.f, in.q, in.qd);
+  fill(s.kv_elems(), 2.f, in.k, in.kd);
+  fill(s.kv_elems(), 1.f, in.v, in.vd);
+  fill(s.q_elems(), 1.f, in.dout, in.doutd);
+  return in;
+}
+
+// The forward's results, per row (B, H, Lq) and the output (B, H, Lq, D).
+struct Forward {
+  std::vector<double> out, lse, entropy, sum_p2;
+};
+
+// The weights p_ij of row (b, h, i) over its keys, and its lse (float64, the n x n formula).
+inline std::vector<double> row_weights(const Shape& s, const double* q, const double* k, int64_t i,
+                                       double& lse) {
+  const int64_t n = s.keys(i), d = s.head_dim;
+  const double lam = row_lambda(s, i);
+  std::vector<double> w(n);
+  double m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    double x = 0;
+    for (int64_t c = 0; c < d; ++c) x += q[c] * k[j * d + c];
+    w[j] = lam * x;
+    m = std::max(m, w[j]);
+  }
+  double l = 0;
+  for (double& x : w) l += (x = std::exp(x - m));
+  for (double& x : w) x /= l;
+  lse = m + std::log(l);
+  return w;
+}
+
+template <typename T>
+Forward reference_forward(const Shape& s, const Inputs<T>& in) {
+  const int64_t d = s.head_dim;
+  Forward f;
+  f.out.assign(s.q_elems(), 0.0);
+  f.lse.assign(s.rows(), 0.0), f.entropy.assign(s.rows(), 0.0), f.sum_p2.assign(s.rows(), 0.0);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t kvh = h / s.group();
+      const double* k = &in.kd[((b * s.kv_heads + kvh) * s.kv_len) * d];
+      const double* v = &in.vd[((b * s.kv_heads + kvh) * s.kv_len) * d];
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        const int64_t row = (b * s.heads + h) * s.q_len + i;
+        double lse = 0;
+        const std::vector<double> w = row_weights(s, &in.qd[row * d], k, i, lse);
+        double ent = 0, p2 = 0;
+        for (size_t j = 0; j < w.size(); ++j) {
+          if (w[j] > 0) ent -= w[j] * std::log(w[j]);
+          p2 += w[j] * w[j];
+          for (int64_t c = 0; c < d; ++c) f.out[row * d + c] += w[j] * v[j * d + c];
+        }
+        f.lse[row] = lse, f.entropy[row] = ent, f.sum_p2[row] = p2;
+      }
+    }
+  }
+  return f;
+}
+
+// The gradients of sum(out * dout) (no statistic gradients): dq (B, H, Lq, D), dk and dv
+// (B, Hkv, Lk, D) summed over each GQA group. dS_ij = p_ij (dP_ij - delta_i), dP_ij = dO_i . v_j,
+// delta_i = dO_i . O_i; dq_i = lambda_i sum_j dS_ij k_j, dk_j = sum_i lambda_i dS_ij q_i,
+// dv_j = sum_i p_ij dO_i (docs/math.md section 3).
+struct Backward {
+  std::vector<double> dq, dk, dv;
+};
+
+template <typename T>
+Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& f) {
+  const int64_t d = s.head_dim;
+  Backward g;
+  g.dq.assign(s.q_elems(), 0.0), g.dk.assign(s.kv_elems(), 0.0), g.dv.assign(s.kv_elems(), 0.0);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t kv0 = ((b * s.kv_heads + h / s.group()) * s.kv_len) * d;
+      const double *k = &in.kd[kv0], *v = &in.vd[kv0];
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        const int64_t row = (b * s.heads + h) * s.q_len + i;
+        const double *q = &in.qd[row * d], *dout = &in.doutd[row * d], *out = &f.out[row * d];
+        double lse = 0;
+        const std::vector<double> w = row_weights(s, q, k, i, lse);
+        const double lam = row_lambda(s, i);
+        double delta = 0;
+        for (int64_t c = 0; c < d; ++c) delta += dout[c] * out[c];
+        for (size_t j = 0; j < w.size(); ++j) {
+          double dp = 0;
+          for (int64_t c = 0; c < d; ++c) dp += dout[c] * v[j * d + c];
+          const double ds = w[j] * (dp - delta);
+          for (int64_t c = 0; c < d; ++c) {
+            g.dq[row * d + c] += lam * ds * k[j * d + c];
+            g.dk[kv0 + j * d + c] += lam * ds * q[c];
+            g.dv[kv0 + j * d + c] += w[j] * dout[c];
+          }
+        }
+      }
+    }
+  }
+  return g;
+}
+
+// The addresses of a call's buffers: device memory on a GPU, host memory under the emulation.
+// Inputs and 16-bit outputs in T; row values, dq's accumulator and the fallback's per-query-head
+// dK and dV in float32.
+struct Buffers {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
+  float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
+  float *row_scale = nullptr, *length_factor = nullptr;
+  float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
+  int64_t* n_keys = nullptr;
+  float *delta = nullptr, *dq_accum = nullptr, *d_row_scale = nullptr;
+  float *dk_heads = nullptr, *dv_heads = nullptr;    // the fallback's (B, H, Lk, D)
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the tensor-core families' (T)
+};
+
+// What each buffer holds, in bytes, for inputs of `elem` bytes: one list, so that the allocation
+// on either side walks it.
+struct BufferSize {
+  void** slot;
+  int64_t bytes;
+};
+inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t elem) {
+  const int64_t rows = s.rows() * 4, q = s.q_elems(), kv = s.kv_elems();
+  const int64_t kv_heads = s.batch * s.heads * s.kv_len * s.head_dim * 4;
+  const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
+  return {{slot(b.q), q * elem},         {slot(b.k), kv * elem},
+          {slot(b.v), kv * elem},        {slot(b.dout), q * elem},
+          {slot(b.out), q * elem},       {slot(b.lse), rows},
+          {slot(b.entropy), rows},       {slot(b.sum_p2), rows},
+          {slot(b.max_weight), rows},    {slot(b.row_scale), rows},
+          {slot(b.length_factor), rows}, {slot(b.normalized_entropy), rows},
+          {slot(b.sparsity), rows},      {slot(b.effective_keys), rows},
+          {slot(b.n_keys), rows * 2},    {slot(b.delta), rows},
+          {slot(b.dq_accum), q * 4},     {slot(b.d_row_scale), rows},
+          {slot(b.dk_heads), kv_heads},  {slot(b.dv_heads), kv_heads},
+          {slot(b.dq), q * elem},        {slot(b.dk), kv * elem},
+          {slot(b.dv), kv * elem}};
+}
+
+// What the forward and the backward both read.
+inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b) {
+  const int64_t d = s.head_dim;
+  a.q = {b.q, s.heads * s.q_len * d, s.q_len * d, d};
+  a.k = {b.k, s.kv_heads * s.kv_len * d, s.kv_len * d, d};
+  a.v = {b.v, s.kv_heads * s.kv_len * d, s.kv_len * d, d};
+  a.batch = s.batch, a.heads = s.heads, a.kv_heads = s.kv_heads;
+  a.q_len = s.q_len, a.kv_len = s.kv_len, a.head_dim = d, a.v_head_dim = d;
+  a.pattern.right = s.causal ? 0 : -1;  // (attention_options.h: key_pattern)
+}
+
+inline FwdParams<float> forward_params(const Shape& s, const Buffers& b, bool stats) {
+  FwdParams<float> p;
+  fill_args(p, s, b);
+  p.scale.constant = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  p.scale.mode = s.logn ? ScaleMode::kLogN : ScaleMode::kFixed;
+  p.scale.inv_log_base = s.logn ? static_cast<float>(1.0 / std::log(kLogBase)) : 0.f;
+  p.out = b.out, p.lse = b.lse, p.row_scale = b.row_scale, p.length_factor = b.length_factor;
+  p.n_keys = b.n_keys;
+  if (stats) {
+    p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.max_weight = b.max_weight;
+    p.normalized_entropy = b.normalized_entropy, p.sparsity = b.sparsity;
+    p.effective_keys = b.effective_keys;
+  }
+  return p;
+}
+
+// The backward of a forward with statistics into b (lse, row_scale, entropy, sum_p2), for the
+// fallback (G, per-query-head dK and dV in float32; finish_fallback forms the gradients) or a
+// tensor-core family (dq, dk, dv in T). dq_accum must be zero-filled.
+inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool tensor_core) {
+  BwdParams<float> p;
+  fill_args(p, s, b);
+  const int64_t d = s.head_dim;
+  p.out = {b.out, s.heads * s.q_len * d, s.q_len * d, d};
+  p.dout = {b.dout, s.heads * s.q_len * d, s.q_len * d, d};
+  p.lse = b.lse, p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.row_scale = b.row_scale;
+  p.delta = b.delta, p.dq_accum = b.dq_accum;
+  if (tensor_core) {
+    p.dq_out = b.dq, p.dk_out = b.dk, p.dv_out = b.dv, p.d_row_scale = b.d_row_scale;
+  } else {
+    p.dk = b.dk_heads, p.dv = b.dv_heads;
+  }
+  return p;
+}
+
+// The fallback's gradients as the reference gives them: dq = lambda G, dK and dV summed over each
+// GQA group (what csrc/cuda/attention_host.cpp's finish does with tensors).
+inline Backward finish_fallback(const Shape& s, const std::vector<float>& g,
+                                const std::vector<float>& row_scale,
+                                const std::vector<float>& dk_heads,
+                                const std::vector<float>& dv_heads) {
+  const int64_t d = s.head_dim, per_head = s.kv_len * d;
+  Backward out;
+  out.dq.resize(s.q_elems());
+  for (int64_t e = 0; e < s.q_elems(); ++e) out.dq[e] = double(g[e]) * row_scale[e / d];
+  out.dk.assign(s.kv_elems(), 0.0), out.dv.assign(s.kv_elems(), 0.0);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t from = (b * s.heads + h) * per_head;
+      const int64_t to = (b * s.kv_heads + h / s.group()) * per_head;
+      for (int64_t e = 0; e < per_head; ++e) {
+        out.dk[to + e] += dk_heads[from + e], out.dv[to + e] += dv_heads[from + e];
+      }
+    }
+  }
+  return out;
+}
+
+// Tolerances per input type: the test suite's (tests/conftest.py: OUT_TOL, STAT_TOL, GRAD_TOL).
+struct Tolerance {
+  double atol, rtol, grad;
+};
+template <typename T>
+constexpr Tolerance tolerance() {
+  return std::is_same_v<T, __nv_bfloat16> ? Tolerance{2e-2, 2e-2, 4e-2}
+                                          : Tolerance{3e-3, 3e-3, 6e-3};
+}
+
+// One comparison: the worst |a - e| / (atol + rtol |e|) elementwise (<= 1 passes; NaN fails), or
+// the relative norm ||a - e|| / ||e|| against `tol`.
+struct Check {
+  std::string what;
+  double error = 0, tol = 1;
+  bool ok() const { return error <= tol; }  // (false for NaN)
+};
+
+template <typename A>
+Check elementwise(const std::string& what, const std::vector<A>& a, const std::vector<double>& e,
+                  const Tolerance& t) {
+  Check c{what, a.size() == e.size() ? 0.0 : INFINITY, 1.0};
+  for (size_t i = 0; i < std::min(a.size(), e.size()); ++i) {
+    const double r = std::fabs(double(a[i]) - e[i]) / (t.atol + t.rtol * std::fabs(e[i]));
+    if (std::isnan(r)) return {what, NAN, 1.0};
+    c.error = std::max(c.error, r);
+  }
+  return c;
+}
+
+template <typename A>
+Check relative(const std::string& what, const std::vector<A>& a, const std::vector<double>& e,
+               double tol) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), e.size()); ++i) {
+    num += (double(a[i]) - e[i]) * (double(a[i]) - e[i]);
+    den += e[i] * e[i];
+  }
+  const double err =
+      a.size() == e.size() ? std::sqrt(num) / std::max(std::sqrt(den), 1e-12) : INFINITY;
+  return {what, err, tol};
+}
+
+// A 16-bit buffer read back, in float64.
+template <typename T>
+std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_double(x[i]);
+  return out;
+}
+
+}  // namespace entropy_attn::harness

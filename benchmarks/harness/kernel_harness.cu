@@ -9,8 +9,9 @@
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, D = 64 and 128, bf16 and
 //    fp16) through each family the device runs: the forward with and without statistics and the
 //    backward against the float64 reference of kernel_harness.h, with the test suite's
-//    tolerances. (The pytest suite, tests/test_cuda.py, is the full judge: masks, windows,
-//    documents, softcap, sinks, dropout, the statistic gradients.)
+//    tolerances; and calls of 2048 rows and keys (bf16) against the fallback family's results. (The
+//    pytest suite, tests/test_cuda.py, is the full judge: masks, windows, documents, softcap,
+//    sinks, dropout, the statistic gradients.)
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
@@ -194,58 +195,115 @@ bool launched(cudaError_t err) {
   return true;
 }
 
-// The checks of one small call through one family, appended to rows.
+// What a family computed for a call, in float64 in the reference's layouts: the forward without
+// statistics (out and lse; tensor-core families only), with them, and the backward. `missing`
+// names the first launch the family does not cover (cudaErrorNotSupported: the selection point
+// would route the call elsewhere); what follows it is not run.
+struct Results {
+  std::string missing;
+  bool has_plain = false;
+  Forward plain, stats;
+  Backward grads;
+};
+
 template <typename T>
-void check_call(Family f, const char* dtype, const Shape& s, std::vector<CheckRow>& rows) {
+Results run_family(Family f, const Shape& s, const Inputs<T>& in) {
   const int d = static_cast<int>(s.head_dim);
   const FwdFn fwd_stats = forward_of<T>(f, d, s.causal, true);
-  const FwdFn fwd_plain = forward_of<T>(f, d, s.causal, false);
+  const FwdFn fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, s.causal, false);
   const BwdFn bwd = backward_of<T>(f, d, s.causal);
-  if (fwd_stats == nullptr || bwd == nullptr) return;
-  const Inputs<T> in = make_inputs<T>(s, 7);
-  const Forward ref = reference_forward(s, in);
-  const Backward gref = reference_backward(s, in, ref);
-  const Tolerance tol = tolerance<T>();
+  Results r;
+  if (fwd_stats == nullptr || bwd == nullptr) {
+    r.missing = "no instantiation";
+    return r;
+  }
   DeviceCall c(s, sizeof(T));
   c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
-  const auto add = [&](Check ch) { rows.push_back({family_name(f), dtype, describe(s), ch}); };
-  const auto not_covered = [&](const char* what) {
-    add({std::string(what) + ": not covered (cudaErrorNotSupported)", 0.0, 1.0});
+  const auto rows = [&](const float* p) {
+    const std::vector<float> x = c.download<float>(p);
+    return std::vector<double>(x.begin(), x.end());
   };
-
-  // Without statistics first, so that the backward below reads the forward with them.
-  if (fwd_plain != nullptr && f != Family::kFallback) {
-    if (!launched(fwd_plain(forward_params(s, c.b, false), nullptr))) return not_covered("forward");
+  // Without statistics first, so that the backward reads the forward with them.
+  if (fwd_plain != nullptr) {
+    if (!launched(fwd_plain(forward_params(s, c.b, false), nullptr))) {
+      r.missing = "forward";
+      return r;
+    }
     EA_CHECK_CUDA(cudaDeviceSynchronize());
-    add(elementwise("forward: out", widen(c.download<T>(c.b.out)), ref.out, tol));
-    add(elementwise("forward: lse", c.download<float>(c.b.lse), ref.lse, tol));
+    r.has_plain = true;
+    r.plain.out = widen(c.download<T>(c.b.out)), r.plain.lse = rows(c.b.lse);
   }
   if (!launched(fwd_stats(forward_params(s, c.b, true), nullptr))) {
-    return not_covered("forward+stats");
+    r.missing = "forward+stats";
+    return r;
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
-  add(elementwise("forward+stats: out", widen(c.download<T>(c.b.out)), ref.out, tol));
-  add(elementwise("forward+stats: lse", c.download<float>(c.b.lse), ref.lse, tol));
-  add(elementwise("forward+stats: entropy", c.download<float>(c.b.entropy), ref.entropy, tol));
-  add(elementwise("forward+stats: sum_p2", c.download<float>(c.b.sum_p2), ref.sum_p2, tol));
+  r.stats.out = widen(c.download<T>(c.b.out)), r.stats.lse = rows(c.b.lse);
+  r.stats.entropy = rows(c.b.entropy), r.stats.sum_p2 = rows(c.b.sum_p2);
 
   EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
   const bool tensor_core = f != Family::kFallback;
   if (!launched(bwd(backward_params(s, c.b, tensor_core), nullptr))) {
-    return not_covered("backward");
+    r.missing = "backward";
+    return r;
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
-  Backward got;
   if (tensor_core) {
-    got = {widen(c.download<T>(c.b.dq)), widen(c.download<T>(c.b.dk)),
-           widen(c.download<T>(c.b.dv))};
+    r.grads = {widen(c.download<T>(c.b.dq)), widen(c.download<T>(c.b.dk)),
+               widen(c.download<T>(c.b.dv))};
   } else {
-    got = finish_fallback(s, c.download<float>(c.b.dq_accum), c.download<float>(c.b.row_scale),
-                          c.download<float>(c.b.dk_heads), c.download<float>(c.b.dv_heads));
+    r.grads = finish_fallback(s, c.download<float>(c.b.dq_accum), c.download<float>(c.b.row_scale),
+                              c.download<float>(c.b.dk_heads), c.download<float>(c.b.dv_heads));
   }
-  add(relative("backward: dq", got.dq, gref.dq, tol.grad));
-  add(relative("backward: dk", got.dk, gref.dk, tol.grad));
-  add(relative("backward: dv", got.dv, gref.dv, tol.grad));
+  return r;
+}
+
+// A family's results against expected ones (the float64 reference, or the fallback's results on
+// calls too long for the reference on the CPU: then with twice the tolerances, both sides
+// carrying 16-bit rounding, as tests/test_cuda.py compares with the CPU op), appended to rows.
+void add_checks(Family f, const char* dtype, const Shape& s, const Results& got,
+                const Forward& want, const Backward& want_grads, Tolerance tol,
+                std::vector<CheckRow>& rows) {
+  const auto add = [&](Check ch) { rows.push_back({family_name(f), dtype, describe(s), ch}); };
+  if (got.has_plain) {
+    add(elementwise("forward: out", got.plain.out, want.out, tol));
+    add(elementwise("forward: lse", got.plain.lse, want.lse, tol));
+  }
+  if (!got.missing.empty()) {
+    add({got.missing + ": not covered", 0.0, 1.0});
+    if (got.missing != "backward") return;
+  }
+  add(elementwise("forward+stats: out", got.stats.out, want.out, tol));
+  add(elementwise("forward+stats: lse", got.stats.lse, want.lse, tol));
+  add(elementwise("forward+stats: entropy", got.stats.entropy, want.entropy, tol));
+  add(elementwise("forward+stats: sum_p2", got.stats.sum_p2, want.sum_p2, tol));
+  if (!got.missing.empty()) return;
+  add(relative("backward: dq", got.grads.dq, want_grads.dq, tol.grad));
+  add(relative("backward: dk", got.grads.dk, want_grads.dk, tol.grad));
+  add(relative("backward: dv", got.grads.dv, want_grads.dv, tol.grad));
+}
+
+// The checks of one call of type T through each family: against the float64 reference, or, with
+// against_fallback, against the fallback family's results.
+template <typename T>
+void check_call(const std::vector<Family>& families, const char* dtype, const Shape& s,
+                bool against_fallback, std::vector<CheckRow>& rows) {
+  const Inputs<T> in = make_inputs<T>(s, 7);
+  Forward want;
+  Backward want_grads;
+  Tolerance tol = tolerance<T>();
+  if (against_fallback) {
+    Results ref = run_family(Family::kFallback, s, in);
+    if (!ref.missing.empty()) return;
+    want = std::move(ref.stats), want_grads = std::move(ref.grads);
+    tol = {2 * tol.atol, 2 * tol.rtol, 2 * tol.grad};
+  } else {
+    want = reference_forward(s, in), want_grads = reference_backward(s, in, want);
+  }
+  for (Family f : families) {
+    if (against_fallback && f == Family::kFallback) continue;
+    add_checks(f, dtype, s, run_family(f, s, in), want, want_grads, tol, rows);
+  }
 }
 
 // The timings of one call through one family (bf16).
@@ -365,17 +423,17 @@ int main(int argc, char** argv) {
   if (std::find(checked.begin(), checked.end(), Family::kFallback) == checked.end()) {
     checked.insert(checked.begin(), Family::kFallback);
   }
-  std::vector<Shape> small;
   for (int d : {64, 128}) {
     for (bool causal : {false, true}) {
-      small.push_back({2, 4, 2, 200, 200, d, causal, false});  // GQA, partial tiles
-      small.push_back({1, 2, 2, 130, 300, d, causal, true});   // Lq != Lk, logn
-    }
-  }
-  for (Family f : checked) {
-    for (const Shape& s : small) {
-      check_call<__nv_bfloat16>(f, "bf16", s, checks);
-      check_call<__half>(f, "fp16", s, checks);
+      // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales.
+      for (const Shape& s : {Shape{2, 4, 2, 200, 200, d, causal, false},
+                             Shape{1, 2, 2, 130, 300, d, causal, true}}) {
+        check_call<__nv_bfloat16>(checked, "bf16", s, false, checks);
+        check_call<__half>(checked, "fp16", s, false, checks);
+      }
+      // Against the fallback: many key and query blocks per row, as the timed calls have.
+      check_call<__nv_bfloat16>(checked, "bf16", Shape{1, 4, 2, 2048, 2048, d, causal, false}, true,
+                                checks);
     }
   }
   int failed = 0;

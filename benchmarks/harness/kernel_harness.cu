@@ -434,6 +434,8 @@ int main(int argc, char** argv) {
       // Against the fallback: many key and query blocks per row, as the timed calls have.
       check_call<__nv_bfloat16>(checked, "bf16", Shape{1, 4, 2, 2048, 2048, d, causal, false}, true,
                                 checks);
+      std::fprintf(stderr, "checked D=%d%s: %zu checks so far\n", d, causal ? " causal" : "",
+                   checks.size());
     }
   }
   int failed = 0;
@@ -460,6 +462,10 @@ int main(int argc, char** argv) {
             for (bool causal : {false, true}) {
               const Shape s{4, h, hkv, l, l, d, causal, false};
               times.push_back(time_call(f, s, l >= 16384 ? 5 : 20));
+              // Progress on stderr (the tables go to stdout).
+              std::fprintf(stderr, "timed %zu/%zu: %s %s\n", times.size(),
+                           families.size() * 2 * 2 * lens.size() * 2, family_name(f),
+                           describe(s).c_str());
             }
           }
         }

@@ -19,8 +19,11 @@
 //    in the timed span, as the op does), and their TFLOP/s. No SDPA here: ratios against it come
 //    from benchmarks/gpu_vs_sdpa.py.
 //
-// Markdown tables on stdout, and --json F writes them as JSON. Exit code 0 when every check passed,
-// 1 when one failed, 2 without a CUDA device or on a usage error.
+// Markdown tables on stdout (progress on stderr), and --json F writes them as JSON. Exit code 0
+// when every check passed, 1 when one failed, 2 without a CUDA device of compute capability 8.0 or
+// newer or on a usage error, 3 on a CUDA error (named on stderr). Calls are launched as the op
+// launches them by default (csrc/cuda/family.cpp): split-KV's parts for the sm80 forward, the
+// launch order's sections, the backward left out where the op would not run it on the device.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -33,10 +36,12 @@
 
 #include "cuda/fallback/instantiations/dispatch.h"
 #include "cuda/fallback/launch.h"
+#include "cuda/launch_order_rule.h"
 #include "cuda/sm80/instantiations/dispatch.h"
 #include "cuda/sm80/launch.h"
 #include "cuda/sm90/instantiations/dispatch.h"
 #include "cuda/sm90/launch.h"
+#include "cuda/split_kv.h"
 #include "kernel_harness.h"
 
 namespace {
@@ -59,7 +64,7 @@ const char* family_name(Family f) {
     if (err_ != cudaSuccess) {                                           \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
                    cudaGetErrorString(err_));                            \
-      std::exit(1);                                                      \
+      std::exit(3);                                                      \
     }                                                                    \
   } while (0)
 
@@ -118,12 +123,22 @@ struct DeviceCall {
   Shape s;
   Buffers b;
   std::vector<BufferSize> sizes;
-  DeviceCall(const Shape& shape, int64_t elem) : s(shape), sizes(buffer_sizes(s, b, elem)) {
-    for (const BufferSize& z : sizes)
+  std::vector<void*> scratch;  // split-KV's workspace
+  DeviceCall(const Shape& shape, int64_t elem, bool per_head_grads)
+      : s(shape), sizes(buffer_sizes(s, b, elem, per_head_grads)) {
+    for (const BufferSize& z : sizes) {
       EA_CHECK_CUDA(cudaMalloc(z.slot, std::max<int64_t>(z.bytes, 16)));
+    }
   }
   ~DeviceCall() {
     for (const BufferSize& z : sizes) cudaFree(*z.slot);
+    for (void* x : scratch) cudaFree(x);
+  }
+  float* workspace(int64_t floats) {
+    void* x = nullptr;
+    EA_CHECK_CUDA(cudaMalloc(&x, std::max<int64_t>(floats, 4) * sizeof(float)));
+    scratch.push_back(x);
+    return static_cast<float*>(x);
   }
   DeviceCall(const DeviceCall&) = delete;
   DeviceCall& operator=(const DeviceCall&) = delete;
@@ -195,37 +210,104 @@ bool launched(cudaError_t err) {
   return true;
 }
 
+// What the op's launches read of the device (csrc/cuda/family.cpp, device_limits.h).
+struct Device {
+  int sms = 0, l2_bytes = 0, smem_optin = 0;
+};
+
+// A call's sizes as csrc/cuda/launch_order_rule.h reads them.
+struct RuleShape {
+  int64_t batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim;
+};
+
+// How the op launches a call through family f (csrc/cuda/family.cpp: launch_forward,
+// launch_backward, with the default settings): the launchers (the general instantiation where
+// split-KV cuts the keys), split-KV's parts for the sm80 forward (split_kv.h's rule, two blocks per
+// SM), the launch order's sections (launch_order_rule.h), and why the op would not run the
+// family's backward on this device (its shared memory: tensor_core_backward_obstacle).
+struct OpLaunch {
+  FwdFn fwd_stats = nullptr, fwd_plain = nullptr;
+  BwdFn bwd = nullptr;
+  int splits = 1, fwd_sections = 0, bwd_sections = 0;
+  std::string bwd_skip;
+
+  template <typename T>
+  static OpLaunch of(Family f, const Shape& s, const Device& dev) {
+    OpLaunch l;
+    const int d = static_cast<int>(s.head_dim);
+    if (f == Family::kSm80) {
+      l.splits = split_kv_count(s.batch * s.heads * ((s.q_len + 127) / 128), (s.kv_len + 63) / 64,
+                                2 * dev.sms);
+    }
+    const bool general = s.causal || l.splits > 1;
+    l.fwd_stats = forward_of<T>(f, d, general, true);
+    l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false);
+    l.bwd = backward_of<T>(f, d, s.causal);
+    if (f == Family::kSm80 && sm80::backward_main_smem_bytes(d) > dev.smem_optin) {
+      l.bwd_skip = "backward: not run (needs " + std::to_string(sm80::backward_main_smem_bytes(d)) +
+                   " bytes of shared memory per block; the op runs the fallback here)";
+    }
+    if (f != Family::kFallback) {
+      const RuleShape r{s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.head_dim};
+      KeyPattern pattern;
+      pattern.right = s.causal ? 0 : -1;
+      const int64_t per_sm = f == Family::kSm80 ? 2 : 1;
+      l.fwd_sections = launch_order_rule(r, pattern, sizeof(T), false, l.splits, {},
+                                         LaunchDevice{dev.l2_bytes, per_sm * dev.sms});
+      l.bwd_sections = launch_order_rule(r, pattern, sizeof(T), true, 1, {},
+                                         LaunchDevice{dev.l2_bytes, int64_t{dev.sms}});
+    }
+    return l;
+  }
+
+  // The forward's parameters with the op's split-KV parts (and their workspace) and sections.
+  FwdParams<float> forward(DeviceCall& c, bool stats) const {
+    FwdParams<float> p = forward_params(c.s, c.b, stats);
+    p.launch_sections = fwd_sections;
+    if (splits > 1) {
+      p.num_splits = splits;
+      p.o_partial = c.workspace(int64_t{splits} * c.s.rows() * c.s.head_dim);
+      p.state_partial = c.workspace(int64_t{splits} * c.s.rows() * 4);
+    }
+    return p;
+  }
+  BwdParams<float> backward(const DeviceCall& c, bool tensor_core) const {
+    BwdParams<float> p = backward_params(c.s, c.b, tensor_core);
+    p.launch_sections = bwd_sections;
+    return p;
+  }
+};
+
 // What a family computed for a call, in float64 in the reference's layouts: the forward without
 // statistics (out and lse; tensor-core families only), with them, and the backward. `missing`
-// names the first launch the family does not cover (cudaErrorNotSupported: the selection point
-// would route the call elsewhere); what follows it is not run.
+// names the first launch the family refused (cudaErrorNotSupported: a failure, the checked calls
+// are all ones the families cover) and `skipped` a backward the op would not run on this device;
+// what follows either is not run.
 struct Results {
-  std::string missing;
+  std::string missing, skipped;
   bool has_plain = false;
   Forward plain, stats;
   Backward grads;
 };
 
 template <typename T>
-Results run_family(Family f, const Shape& s, const Inputs<T>& in) {
-  const int d = static_cast<int>(s.head_dim);
-  const FwdFn fwd_stats = forward_of<T>(f, d, s.causal, true);
-  const FwdFn fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, s.causal, false);
-  const BwdFn bwd = backward_of<T>(f, d, s.causal);
+Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& dev) {
+  const OpLaunch l = OpLaunch::of<T>(f, s, dev);
   Results r;
-  if (fwd_stats == nullptr || bwd == nullptr) {
+  if (l.fwd_stats == nullptr || l.bwd == nullptr) {
     r.missing = "no instantiation";
     return r;
   }
-  DeviceCall c(s, sizeof(T));
+  const bool tensor_core = f != Family::kFallback;
+  DeviceCall c(s, sizeof(T), !tensor_core);
   c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
   const auto rows = [&](const float* p) {
     const std::vector<float> x = c.download<float>(p);
     return std::vector<double>(x.begin(), x.end());
   };
   // Without statistics first, so that the backward reads the forward with them.
-  if (fwd_plain != nullptr) {
-    if (!launched(fwd_plain(forward_params(s, c.b, false), nullptr))) {
+  if (l.fwd_plain != nullptr) {
+    if (!launched(l.fwd_plain(l.forward(c, false), nullptr))) {
       r.missing = "forward";
       return r;
     }
@@ -233,27 +315,31 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in) {
     r.has_plain = true;
     r.plain.out = widen(c.download<T>(c.b.out)), r.plain.lse = rows(c.b.lse);
   }
-  if (!launched(fwd_stats(forward_params(s, c.b, true), nullptr))) {
+  if (!launched(l.fwd_stats(l.forward(c, true), nullptr))) {
     r.missing = "forward+stats";
     return r;
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
   r.stats.out = widen(c.download<T>(c.b.out)), r.stats.lse = rows(c.b.lse);
   r.stats.entropy = rows(c.b.entropy), r.stats.sum_p2 = rows(c.b.sum_p2);
+  if (!l.bwd_skip.empty()) {
+    r.skipped = l.bwd_skip;
+    return r;
+  }
 
   EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
-  const bool tensor_core = f != Family::kFallback;
-  if (!launched(bwd(backward_params(s, c.b, tensor_core), nullptr))) {
+  if (!launched(l.bwd(l.backward(c, tensor_core), nullptr))) {
     r.missing = "backward";
     return r;
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
   if (tensor_core) {
     r.grads = {widen(c.download<T>(c.b.dq)), widen(c.download<T>(c.b.dk)),
-               widen(c.download<T>(c.b.dv))};
+               widen(c.download<T>(c.b.dv)), rows(c.b.d_row_scale)};
   } else {
-    r.grads = finish_fallback(s, c.download<float>(c.b.dq_accum), c.download<float>(c.b.row_scale),
-                              c.download<float>(c.b.dk_heads), c.download<float>(c.b.dv_heads));
+    r.grads = finish_fallback(s, widen(in.q), c.download<float>(c.b.dq_accum),
+                              c.download<float>(c.b.row_scale), c.download<float>(c.b.dk_heads),
+                              c.download<float>(c.b.dv_heads));
   }
   return r;
 }
@@ -270,31 +356,39 @@ void add_checks(Family f, const char* dtype, const Shape& s, const Results& got,
     add(elementwise("forward: lse", got.plain.lse, want.lse, tol));
   }
   if (!got.missing.empty()) {
-    add({got.missing + ": not covered", 0.0, 1.0});
+    add({got.missing + ": refused (cudaErrorNotSupported)", INFINITY, 1.0});
     if (got.missing != "backward") return;
   }
   add(elementwise("forward+stats: out", got.stats.out, want.out, tol));
   add(elementwise("forward+stats: lse", got.stats.lse, want.lse, tol));
   add(elementwise("forward+stats: entropy", got.stats.entropy, want.entropy, tol));
   add(elementwise("forward+stats: sum_p2", got.stats.sum_p2, want.sum_p2, tol));
-  if (!got.missing.empty()) return;
+  if (!got.skipped.empty()) add({got.skipped, 0.0, 1.0});
+  if (!got.missing.empty() || !got.skipped.empty()) return;
   add(relative("backward: dq", got.grads.dq, want_grads.dq, tol.grad));
   add(relative("backward: dk", got.grads.dk, want_grads.dk, tol.grad));
   add(relative("backward: dv", got.grads.dv, want_grads.dv, tol.grad));
+  add(relative("backward: d lambda", got.grads.dlam, want_grads.dlam, tol.grad));
 }
 
 // The checks of one call of type T through each family: against the float64 reference, or, with
 // against_fallback, against the fallback family's results.
 template <typename T>
-void check_call(const std::vector<Family>& families, const char* dtype, const Shape& s,
-                bool against_fallback, std::vector<CheckRow>& rows) {
+void check_call(const std::vector<Family>& families, const Device& dev, const char* dtype,
+                const Shape& s, bool against_fallback, std::vector<CheckRow>& rows) {
   const Inputs<T> in = make_inputs<T>(s, 7);
   Forward want;
   Backward want_grads;
   Tolerance tol = tolerance<T>();
   if (against_fallback) {
-    Results ref = run_family(Family::kFallback, s, in);
-    if (!ref.missing.empty()) return;
+    Results ref = run_family(Family::kFallback, s, in, dev);
+    if (!ref.missing.empty()) {
+      rows.push_back({"fallback",
+                      dtype,
+                      describe(s),
+                      {"the fallback: " + ref.missing + " refused", INFINITY, 1.0}});
+      return;
+    }
     want = std::move(ref.stats), want_grads = std::move(ref.grads);
     tol = {2 * tol.atol, 2 * tol.rtol, 2 * tol.grad};
   } else {
@@ -302,39 +396,63 @@ void check_call(const std::vector<Family>& families, const char* dtype, const Sh
   }
   for (Family f : families) {
     if (against_fallback && f == Family::kFallback) continue;
-    add_checks(f, dtype, s, run_family(f, s, in), want, want_grads, tol, rows);
+    add_checks(f, dtype, s, run_family(f, s, in, dev), want, want_grads, tol, rows);
   }
 }
 
 // The timings of one call through one family (bf16).
-TimeRow time_call(Family f, const Shape& s, int reps) {
+TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   using T = __nv_bfloat16;
-  const int d = static_cast<int>(s.head_dim);
   TimeRow row{family_name(f), "bf16", s};
-  const FwdFn fwd = forward_of<T>(f, d, s.causal, false);
-  const FwdFn fwd_stats = forward_of<T>(f, d, s.causal, true);
-  const BwdFn bwd = backward_of<T>(f, d, s.causal);
-  if (fwd_stats == nullptr || bwd == nullptr) return row;
-  DeviceCall c(s, sizeof(T));
-  const Inputs<T> in = make_inputs<T>(s, 11);
+  const OpLaunch l = OpLaunch::of<T>(f, s, dev);
+  if (l.fwd_stats == nullptr || l.bwd == nullptr) return row;
+  const bool tensor_core = f != Family::kFallback;
+  DeviceCall c(s, sizeof(T), !tensor_core);
+  const Inputs<T> in = make_inputs<T>(s, 11, false);
   c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
-  const FwdParams<float> pf = forward_params(s, c.b, false), ps = forward_params(s, c.b, true);
-  const BwdParams<float> pb = backward_params(s, c.b, f != Family::kFallback);
+  const FwdParams<float> pf = l.forward(c, false), ps = l.forward(c, true);
+  const BwdParams<float> pb = l.backward(c, tensor_core);
   const int64_t g_bytes = c.bytes_of(c.b.dq_accum);
-  if (!launched(fwd_stats(ps, nullptr))) return row;
+  if (!launched(l.fwd_stats(ps, nullptr))) return row;
   const int warmup = 2;
-  if (fwd != nullptr && f != Family::kFallback) {
-    row.fwd = median_ms([&] { EA_CHECK_CUDA(fwd(pf, nullptr)); }, warmup, reps);
+  if (l.fwd_plain != nullptr) {
+    row.fwd = median_ms([&] { EA_CHECK_CUDA(l.fwd_plain(pf, nullptr)); }, warmup, reps);
   }
-  row.fwd_stats = median_ms([&] { EA_CHECK_CUDA(fwd_stats(ps, nullptr)); }, warmup, reps);
-  row.fwd_bwd = median_ms(
-      [&] {
-        EA_CHECK_CUDA(fwd_stats(ps, nullptr));
-        EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
-        EA_CHECK_CUDA(bwd(pb, nullptr));
-      },
-      warmup, reps);
+  row.fwd_stats = median_ms([&] { EA_CHECK_CUDA(l.fwd_stats(ps, nullptr)); }, warmup, reps);
+  if (l.bwd_skip.empty()) {
+    row.fwd_bwd = median_ms(
+        [&] {
+          EA_CHECK_CUDA(l.fwd_stats(ps, nullptr));
+          EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
+          EA_CHECK_CUDA(l.bwd(pb, nullptr));
+        },
+        warmup, reps);
+  }
   return row;
+}
+
+// JSON text: a string with its quotes and escapes; a number, or null where it is not finite (a
+// NaN error, the infinite one of a refused launch).
+std::string json_string(const std::string& x) {
+  std::string out = "\"";
+  for (const char ch : x) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\', out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.6g", x);
+  return buf;
 }
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0; }
@@ -403,6 +521,16 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   EA_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int cc = prop.major * 10 + prop.minor;
+  if (cc < 80) {
+    std::fprintf(stderr,
+                 "kernel_harness: compute capability %d.%d: the kernels need 8.0 or newer\n",
+                 prop.major, prop.minor);
+    return 2;
+  }
+  Device dev;
+  dev.sms = prop.multiProcessorCount, dev.l2_bytes = prop.l2CacheSize;
+  EA_CHECK_CUDA(
+      cudaDeviceGetAttribute(&dev.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
@@ -428,12 +556,12 @@ int main(int argc, char** argv) {
       // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales.
       for (const Shape& s : {Shape{2, 4, 2, 200, 200, d, causal, false},
                              Shape{1, 2, 2, 130, 300, d, causal, true}}) {
-        check_call<__nv_bfloat16>(checked, "bf16", s, false, checks);
-        check_call<__half>(checked, "fp16", s, false, checks);
+        check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
+        check_call<__half>(checked, dev, "fp16", s, false, checks);
       }
       // Against the fallback: many key and query blocks per row, as the timed calls have.
-      check_call<__nv_bfloat16>(checked, "bf16", Shape{1, 4, 2, 2048, 2048, d, causal, false}, true,
-                                checks);
+      check_call<__nv_bfloat16>(checked, dev, "bf16", Shape{1, 4, 2, 2048, 2048, d, causal, false},
+                                true, checks);
       std::fprintf(stderr, "checked D=%d%s: %zu checks so far\n", d, causal ? " causal" : "",
                    checks.size());
     }
@@ -461,7 +589,7 @@ int main(int argc, char** argv) {
           for (int64_t l : lens) {
             for (bool causal : {false, true}) {
               const Shape s{4, h, hkv, l, l, d, causal, false};
-              times.push_back(time_call(f, s, l >= 16384 ? 5 : 20));
+              times.push_back(time_call(f, s, dev, l >= 16384 ? 5 : 20));
               // Progress on stderr (the tables go to stdout).
               std::fprintf(stderr, "timed %zu/%zu: %s %s\n", times.size(),
                            families.size() * 2 * 2 * lens.size() * 2, family_name(f),
@@ -492,31 +620,34 @@ int main(int argc, char** argv) {
     FILE* out = std::fopen(o.json.c_str(), "w");
     if (out == nullptr) return usage(("cannot write " + o.json).c_str());
     std::fprintf(out,
-                 "{\"device\": \"%s\", \"compute_capability\": %d, \"driver\": %d, "
-                 "\"runtime\": %d, \"commit\": \"%s\",\n \"checks\": [",
-                 prop.name, cc, driver, runtime, o.commit.c_str());
+                 "{\"device\": %s, \"compute_capability\": %d, \"driver\": %d, "
+                 "\"runtime\": %d, \"commit\": %s,\n \"checks\": [",
+                 json_string(prop.name).c_str(), cc, driver, runtime,
+                 json_string(o.commit).c_str());
     for (size_t i = 0; i < checks.size(); ++i) {
       const CheckRow& r = checks[i];
       std::fprintf(out,
-                   "%s\n  {\"family\": \"%s\", \"dtype\": \"%s\", \"call\": \"%s\", "
-                   "\"what\": \"%s\", \"error\": %.6g, \"tol\": %.6g, \"ok\": %s}",
-                   i ? "," : "", r.family.c_str(), r.dtype.c_str(), r.shape.c_str(),
-                   r.check.what.c_str(), std::isnan(r.check.error) ? -1.0 : r.check.error,
-                   r.check.tol, r.check.ok() ? "true" : "false");
+                   "%s\n  {\"family\": %s, \"dtype\": %s, \"call\": %s, \"what\": %s, "
+                   "\"error\": %s, \"tol\": %s, \"ok\": %s}",
+                   i ? "," : "", json_string(r.family).c_str(), json_string(r.dtype).c_str(),
+                   json_string(r.shape).c_str(), json_string(r.check.what).c_str(),
+                   json_number(r.check.error).c_str(), json_number(r.check.tol).c_str(),
+                   r.check.ok() ? "true" : "false");
     }
     std::fprintf(out, "],\n \"points\": [");
     for (size_t i = 0; i < times.size(); ++i) {
       const TimeRow& t = times[i];
       std::fprintf(out,
-                   "%s\n  {\"family\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, "
+                   "%s\n  {\"family\": %s, \"dtype\": %s, \"batch\": %lld, "
                    "\"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
-                   "\"seq_len\": %lld, \"causal\": %s, \"fwd_ms\": %.6g, "
-                   "\"fwd_stats_ms\": %.6g, \"fwd_bwd_ms\": %.6g}",
-                   i ? "," : "", t.family.c_str(), t.dtype.c_str(),
+                   "\"seq_len\": %lld, \"causal\": %s, \"fwd_ms\": %s, "
+                   "\"fwd_stats_ms\": %s, \"fwd_bwd_ms\": %s}",
+                   i ? "," : "", json_string(t.family).c_str(), json_string(t.dtype).c_str(),
                    static_cast<long long>(t.s.batch), static_cast<long long>(t.s.heads),
                    static_cast<long long>(t.s.kv_heads), static_cast<long long>(t.s.head_dim),
-                   static_cast<long long>(t.s.q_len), t.s.causal ? "true" : "false", t.fwd,
-                   t.fwd_stats, t.fwd_bwd);
+                   static_cast<long long>(t.s.q_len), t.s.causal ? "true" : "false",
+                   json_number(t.fwd).c_str(), json_number(t.fwd_stats).c_str(),
+                   json_number(t.fwd_bwd).c_str());
     }
     std::fprintf(out, "]}\n");
     std::fclose(out);

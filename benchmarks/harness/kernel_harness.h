@@ -81,16 +81,17 @@ struct Inputs {
 // Values of a 32-bit linear congruential sequence, uniform in [-range, range): the same on every
 // machine. Queries and keys in [-2, 2), so that the logits (about 1.3 standard deviations at the
 // default scale) make weights far from uniform; values and the output's gradient in [-1, 1).
+// (with_doubles = false: the 16-bit values alone, for calls no reference reads.)
 template <typename T>
-Inputs<T> make_inputs(const Shape& s, uint32_t seed) {
+Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
   uint32_t state = seed * 2654435761u + 12345u;
-  const auto fill = [&state](int64_t n, float range, std::vector<T>& out,
-                             std::vector<double>& outd) {
-    out.resize(n), outd.resize(n);
+  const auto fill = [&state, with_doubles](int64_t n, float range, std::vector<T>& out,
+                                           std::vector<double>& outd) {
+    out.resize(n), outd.resize(with_doubles ? n : 0);
     for (int64_t e = 0; e < n; ++e) {
       state = state * 1664525u + 1013904223u;
       out[e] = from_float<T>(range * (static_cast<float>(state >> 8) / 8388608.0f - 1.0f));
-      outd[e] = to_double(out[e]);
+      if (with_doubles) outd[e] = to_double(out[e]);
     }
   };
   Inputs<T> in;
@@ -155,11 +156,13 @@ Forward reference_forward(const Shape& s, const Inputs<T>& in) {
 }
 
 // The gradients of sum(out * dout) (no statistic gradients): dq (B, H, Lq, D), dk and dv
-// (B, Hkv, Lk, D) summed over each GQA group. dS_ij = p_ij (dP_ij - delta_i), dP_ij = dO_i . v_j,
-// delta_i = dO_i . O_i; dq_i = lambda_i sum_j dS_ij k_j, dk_j = sum_i lambda_i dS_ij q_i,
-// dv_j = sum_i p_ij dO_i (docs/math.md section 3).
+// (B, Hkv, Lk, D) summed over each GQA group, and d lambda (B, H, Lq), the gradient of each row's
+// scale. dS_ij = p_ij (dP_ij - delta_i), dP_ij = dO_i . v_j, delta_i = dO_i . O_i; with the raw
+// score x_ij = q_i . k_j (s_ij = lambda_i x_ij): dq_i = lambda_i sum_j dS_ij k_j,
+// dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij
+// (docs/math.md section 3).
 struct Backward {
-  std::vector<double> dq, dk, dv;
+  std::vector<double> dq, dk, dv, dlam;
 };
 
 template <typename T>
@@ -167,6 +170,7 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
   const int64_t d = s.head_dim;
   Backward g;
   g.dq.assign(s.q_elems(), 0.0), g.dk.assign(s.kv_elems(), 0.0), g.dv.assign(s.kv_elems(), 0.0);
+  g.dlam.assign(s.rows(), 0.0);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kv0 = ((b * s.kv_heads + h / s.group()) * s.kv_len) * d;
@@ -180,9 +184,10 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
         double delta = 0;
         for (int64_t c = 0; c < d; ++c) delta += dout[c] * out[c];
         for (size_t j = 0; j < w.size(); ++j) {
-          double dp = 0;
-          for (int64_t c = 0; c < d; ++c) dp += dout[c] * v[j * d + c];
+          double dp = 0, x = 0;
+          for (int64_t c = 0; c < d; ++c) dp += dout[c] * v[j * d + c], x += q[c] * k[j * d + c];
           const double ds = w[j] * (dp - delta);
+          g.dlam[row] += ds * x;
           for (int64_t c = 0; c < d; ++c) {
             g.dq[row * d + c] += lam * ds * k[j * d + c];
             g.dk[kv0 + j * d + c] += lam * ds * q[c];
@@ -215,9 +220,12 @@ struct BufferSize {
   void** slot;
   int64_t bytes;
 };
-inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t elem) {
+// per_head_grads: the fallback's per-query-head dK and dV (the tensor-core families write dk and
+// dv summed over the group, and leave them empty).
+inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t elem,
+                                            bool per_head_grads = true) {
   const int64_t rows = s.rows() * 4, q = s.q_elems(), kv = s.kv_elems();
-  const int64_t kv_heads = s.batch * s.heads * s.kv_len * s.head_dim * 4;
+  const int64_t kv_heads = per_head_grads ? s.batch * s.heads * s.kv_len * s.head_dim * 4 : 0;
   const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
   return {{slot(b.q), q * elem},         {slot(b.k), kv * elem},
           {slot(b.v), kv * elem},        {slot(b.dout), q * elem},
@@ -279,16 +287,20 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   return p;
 }
 
-// The fallback's gradients as the reference gives them: dq = lambda G, dK and dV summed over each
-// GQA group (what csrc/cuda/attention_host.cpp's finish does with tensors).
-inline Backward finish_fallback(const Shape& s, const std::vector<float>& g,
-                                const std::vector<float>& row_scale,
+// The fallback's gradients as the reference gives them: dq = lambda G, d lambda = q . G, dK and dV
+// summed over each GQA group (what csrc/cuda/attention_host.cpp's finish does with tensors).
+inline Backward finish_fallback(const Shape& s, const std::vector<double>& q,
+                                const std::vector<float>& g, const std::vector<float>& row_scale,
                                 const std::vector<float>& dk_heads,
                                 const std::vector<float>& dv_heads) {
   const int64_t d = s.head_dim, per_head = s.kv_len * d;
   Backward out;
   out.dq.resize(s.q_elems());
-  for (int64_t e = 0; e < s.q_elems(); ++e) out.dq[e] = double(g[e]) * row_scale[e / d];
+  out.dlam.assign(s.rows(), 0.0);
+  for (int64_t e = 0; e < s.q_elems(); ++e) {
+    out.dq[e] = double(g[e]) * row_scale[e / d];
+    out.dlam[e / d] += q[e] * double(g[e]);
+  }
   out.dk.assign(s.kv_elems(), 0.0), out.dv.assign(s.kv_elems(), 0.0);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {

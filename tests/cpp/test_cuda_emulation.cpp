@@ -1126,13 +1126,14 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
   launch_backward<T>(eh::backward_params(s, b, false));
   const int64_t heads_kv = s.batch * s.heads * s.kv_len * s.head_dim;
   const eh::Backward got =
-      eh::finish_fallback(s, std::vector<float>(b.dq_accum, b.dq_accum + s.q_elems()),
+      eh::finish_fallback(s, in.qd, std::vector<float>(b.dq_accum, b.dq_accum + s.q_elems()),
                           rows(b.row_scale), std::vector<float>(b.dk_heads, b.dk_heads + heads_kv),
                           std::vector<float>(b.dv_heads, b.dv_heads + heads_kv));
   const eh::Backward gref = eh::reference_backward(s, in, ref);
   expect_ok(eh::relative("dq", got.dq, gref.dq, tol.grad));
   expect_ok(eh::relative("dk", got.dk, gref.dk, tol.grad));
   expect_ok(eh::relative("dv", got.dv, gref.dv, tol.grad));
+  expect_ok(eh::relative("d lambda", got.dlam, gref.dlam, tol.grad));
 }
 
 TEST(KernelHarness, FallbackMatchesTheHarnessReference) {

@@ -9,9 +9,10 @@
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, D = 64 and 128, bf16 and
 //    fp16) through each family the device runs: the forward with and without statistics and the
 //    backward against the float64 reference of kernel_harness.h, with the test suite's
-//    tolerances; and calls of 2048 rows and keys (bf16) against the fallback family's results. (The
-//    pytest suite, tests/test_cuda.py, is the full judge: masks, windows, documents, softcap,
-//    sinks, dropout, the statistic gradients.)
+//    tolerances (with the statistics' upstream gradients too, as an entropy regularizer sends
+//    them); and calls of 2048 rows and keys (bf16, with those gradients) against the fallback
+//    family's results. (The pytest suite, tests/test_cuda.py, is the full judge: masks,
+//    windows, documents, softcap, sinks, dropout.)
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
@@ -184,11 +185,12 @@ double median_ms(const std::function<void()>& fn, int warmup, int reps) {
 
 std::string describe(const Shape& s) {
   char buf[128];
-  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s",
+  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s",
                 static_cast<long long>(s.batch), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
                 static_cast<long long>(s.kv_len), static_cast<long long>(s.head_dim),
-                s.causal ? " causal" : "", s.logn ? " logn" : "");
+                s.causal ? " causal" : "", s.logn ? " logn" : "",
+                s.stat_grads ? " +statistic gradients" : "");
   return buf;
 }
 
@@ -301,6 +303,10 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   const bool tensor_core = f != Family::kFallback;
   DeviceCall c(s, sizeof(T), !tensor_core);
   c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
+  if (s.stat_grads) {
+    c.upload(c.b.g_lse, in.g_lse), c.upload(c.b.g_entropy, in.g_entropy);
+    c.upload(c.b.g_sum_p2, in.g_sum_p2);
+  }
   const auto rows = [&](const float* p) {
     const std::vector<float> x = c.download<float>(p);
     return std::vector<double>(x.begin(), x.end());
@@ -553,15 +559,17 @@ int main(int argc, char** argv) {
   }
   for (int d : {64, 128}) {
     for (bool causal : {false, true}) {
-      // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales.
-      for (const Shape& s : {Shape{2, 4, 2, 200, 200, d, causal, false},
-                             Shape{1, 2, 2, 130, 300, d, causal, true}}) {
+      // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales; the
+      // statistics' gradients too.
+      for (const Shape& s :
+           {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
+            Shape{2, 4, 2, 200, 200, d, causal, false, true}}) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);
       }
       // Against the fallback: many key and query blocks per row, as the timed calls have.
-      check_call<__nv_bfloat16>(checked, dev, "bf16", Shape{1, 4, 2, 2048, 2048, d, causal, false},
-                                true, checks);
+      check_call<__nv_bfloat16>(checked, dev, "bf16",
+                                Shape{1, 4, 2, 2048, 2048, d, causal, false, true}, true, checks);
       std::fprintf(stderr, "checked D=%d%s: %zu checks so far\n", d, causal ? " causal" : "",
                    checks.size());
     }

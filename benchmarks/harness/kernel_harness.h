@@ -33,6 +33,9 @@ struct Shape {
   int64_t batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64;
   bool causal = false;
   bool logn = false;  // lambda_i = log_b(n_i) / sqrt(D) (b = kLogBase) instead of 1 / sqrt(D)
+  // The backward with upstream gradients of lse, entropy and sum p^2 too (what an entropy
+  // regularizer sends), not only the output's.
+  bool stat_grads = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
@@ -76,6 +79,8 @@ template <typename T>
 struct Inputs {
   std::vector<T> q, k, v, dout;
   std::vector<double> qd, kd, vd, doutd;
+  // The statistics' upstream gradients (B, H, Lq) in float32, empty without stat_grads.
+  std::vector<float> g_lse, g_entropy, g_sum_p2;
 };
 
 // Values of a 32-bit linear congruential sequence, uniform in [-range, range): the same on every
@@ -99,6 +104,14 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
   fill(s.kv_elems(), 2.f, in.k, in.kd);
   fill(s.kv_elems(), 1.f, in.v, in.vd);
   fill(s.q_elems(), 1.f, in.dout, in.doutd);
+  if (s.stat_grads) {
+    for (std::vector<float>* g : {&in.g_lse, &in.g_entropy, &in.g_sum_p2}) {
+      std::vector<T> x;
+      std::vector<double> xd;
+      fill(s.rows(), 1.f, x, xd);
+      for (const T& e : x) g->push_back(static_cast<float>(to_double(e)));
+    }
+  }
   return in;
 }
 
@@ -155,12 +168,14 @@ Forward reference_forward(const Shape& s, const Inputs<T>& in) {
   return f;
 }
 
-// The gradients of sum(out * dout) (no statistic gradients): dq (B, H, Lq, D), dk and dv
-// (B, Hkv, Lk, D) summed over each GQA group, and d lambda (B, H, Lq), the gradient of each row's
-// scale. dS_ij = p_ij (dP_ij - delta_i), dP_ij = dO_i . v_j, delta_i = dO_i . O_i; with the raw
-// score x_ij = q_i . k_j (s_ij = lambda_i x_ij): dq_i = lambda_i sum_j dS_ij k_j,
-// dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij
-// (docs/math.md section 3).
+// The gradients of sum(out * dout) (with stat_grads, plus sum(g_lse lse + g_entropy H +
+// g_sum_p2 sum p^2)): dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group, and
+// d lambda (B, H, Lq), the gradient of each row's scale. The logit's gradient term by term, each
+// statistic's own derivative (docs/math.md section 3; not the collected form the kernels use):
+// dS_ij = p_ij (dP_ij - delta_i) + g_lse p_ij - g_H p_ij (s_ij - lse_i + H_i)
+// + 2 g_U p_ij (p_ij - U_i), dP_ij = dO_i . v_j, delta_i = dO_i . O_i; with the raw score
+// x_ij = q_i . k_j (s_ij = lambda_i x_ij): dq_i = lambda_i sum_j dS_ij k_j,
+// dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij.
 struct Backward {
   std::vector<double> dq, dk, dv, dlam;
 };
@@ -183,10 +198,15 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
         const double lam = row_lambda(s, i);
         double delta = 0;
         for (int64_t c = 0; c < d; ++c) delta += dout[c] * out[c];
+        const double gl = s.stat_grads ? in.g_lse[row] : 0.0;
+        const double gh = s.stat_grads ? in.g_entropy[row] : 0.0;
+        const double gu = s.stat_grads ? in.g_sum_p2[row] : 0.0;
         for (size_t j = 0; j < w.size(); ++j) {
           double dp = 0, x = 0;
           for (int64_t c = 0; c < d; ++c) dp += dout[c] * v[j * d + c], x += q[c] * k[j * d + c];
-          const double ds = w[j] * (dp - delta);
+          const double ds = w[j] * (dp - delta) + gl * w[j] -
+                            gh * w[j] * (lam * x - lse + f.entropy[row]) +
+                            2 * gu * w[j] * (w[j] - f.sum_p2[row]);
           g.dlam[row] += ds * x;
           for (int64_t c = 0; c < d; ++c) {
             g.dq[row * d + c] += lam * ds * k[j * d + c];
@@ -210,6 +230,7 @@ struct Buffers {
   float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
   int64_t* n_keys = nullptr;
   float *delta = nullptr, *dq_accum = nullptr, *d_row_scale = nullptr;
+  float *g_lse = nullptr, *g_entropy = nullptr, *g_sum_p2 = nullptr;  // with stat_grads
   float *dk_heads = nullptr, *dv_heads = nullptr;    // the fallback's (B, H, Lk, D)
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the tensor-core families' (T)
 };
@@ -235,10 +256,11 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
           {slot(b.length_factor), rows}, {slot(b.normalized_entropy), rows},
           {slot(b.sparsity), rows},      {slot(b.effective_keys), rows},
           {slot(b.n_keys), rows * 2},    {slot(b.delta), rows},
-          {slot(b.dq_accum), q * 4},     {slot(b.d_row_scale), rows},
-          {slot(b.dk_heads), kv_heads},  {slot(b.dv_heads), kv_heads},
-          {slot(b.dq), q * elem},        {slot(b.dk), kv * elem},
-          {slot(b.dv), kv * elem}};
+          {slot(b.g_lse), rows},         {slot(b.g_entropy), rows},
+          {slot(b.g_sum_p2), rows},      {slot(b.dq_accum), q * 4},
+          {slot(b.d_row_scale), rows},   {slot(b.dk_heads), kv_heads},
+          {slot(b.dv_heads), kv_heads},  {slot(b.dq), q * elem},
+          {slot(b.dk), kv * elem},       {slot(b.dv), kv * elem}};
 }
 
 // What the forward and the backward both read.
@@ -279,6 +301,7 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   p.dout = {b.dout, s.heads * s.q_len * d, s.q_len * d, d};
   p.lse = b.lse, p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.row_scale = b.row_scale;
   p.delta = b.delta, p.dq_accum = b.dq_accum;
+  if (s.stat_grads) p.g_lse = b.g_lse, p.g_entropy = b.g_entropy, p.g_sum_p2 = b.g_sum_p2;
   if (tensor_core) {
     p.dq_out = b.dq, p.dk_out = b.dk, p.dv_out = b.dv, p.d_row_scale = b.d_row_scale;
   } else {

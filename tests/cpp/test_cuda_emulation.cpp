@@ -1108,6 +1108,11 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
   std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
   std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
   std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
+  if (s.stat_grads) {
+    std::memcpy(b.g_lse, in.g_lse.data(), in.g_lse.size() * sizeof(float));
+    std::memcpy(b.g_entropy, in.g_entropy.data(), in.g_entropy.size() * sizeof(float));
+    std::memcpy(b.g_sum_p2, in.g_sum_p2.data(), in.g_sum_p2.size() * sizeof(float));
+  }
   const eh::Forward ref = eh::reference_forward(s, in);
   const eh::Tolerance tol = eh::tolerance<T>();
   const auto expect_ok = [](const eh::Check& c) {
@@ -1137,9 +1142,11 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
 }
 
 TEST(KernelHarness, FallbackMatchesTheHarnessReference) {
-  // GQA with partial tiles, causal; Lq != Lk with "logn" row scales; both 16-bit types.
+  // GQA with partial tiles, causal; Lq != Lk with "logn" row scales and the statistics'
+  // gradients (the reference's term-by-term derivative against the kernels' collected form); both
+  // 16-bit types.
   const entropy_attn::harness::Shape gqa{1, 4, 2, 70, 70, 64, true, false};
-  const entropy_attn::harness::Shape logn{1, 2, 2, 40, 90, 128, false, true};
+  const entropy_attn::harness::Shape logn{1, 2, 2, 40, 90, 128, false, true, true};
   run_harness_case<__nv_bfloat16>(gqa);
   run_harness_case<__half>(logn);
 }

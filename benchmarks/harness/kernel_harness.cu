@@ -6,13 +6,13 @@
 //   build/kernel_harness [--quick] [--checks-only] [--families sm80,sm90,fallback] [--json F]
 //                        [--commit C]
 //
-// 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, D = 64 and 128, bf16 and
-//    fp16) through each family the device runs: the forward with and without statistics and the
-//    backward against the float64 reference of kernel_harness.h, with the test suite's
-//    tolerances (with the statistics' upstream gradients too, as an entropy regularizer sends
-//    them); and calls of 2048 rows and keys (bf16, with those gradients) against the fallback
-//    family's results. (The pytest suite, tests/test_cuda.py, is the full judge: masks,
-//    windows, documents, softcap, sinks, dropout.)
+// 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, bool and additive masks,
+//    D = 64 and 128, bf16 and fp16) through each family the device runs: the forward with and
+//    without statistics and the backward against the float64 reference of kernel_harness.h, with
+//    the test suite's tolerances (with the statistics' upstream gradients too, as an entropy
+//    regularizer sends them); and calls of 2048 rows and keys (bf16, with those gradients) against
+//    the fallback family's results. (The pytest suite, tests/test_cuda.py, is the full judge:
+//    windows, documents, softcap, sinks, dropout, other mask layouts.)
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
@@ -69,19 +69,19 @@ const char* family_name(Family f) {
     }                                                                    \
   } while (0)
 
-// The launchers of a family for a call without a mask: the instantiation lists of
+// The launchers of a family for a call with mask kind `mask`: the instantiation lists of
 // csrc/cuda/kernels.toml (the generated dispatch tables, which csrc/cuda/family.cpp reads too).
 template <typename T>
-FwdFn forward_of(Family f, int d, bool causal, bool stats) {
+FwdFn forward_of(Family f, int d, bool causal, bool stats, MaskKind mask) {
 #define EA_FALLBACK(U, D)                                                         \
   if constexpr (std::is_same_v<T, U>) {                                           \
     if (f == Family::kFallback && d == D) return &fallback::launch_forward<T, D>; \
   }
-#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M, S)                                     \
-  if constexpr (std::is_same_v<T, U>) {                                               \
-    if (f == FAMILY && d == D && causal == C && M == MaskKind::kNone && stats == S) { \
-      return &NS::launch_forward<T, D, C, M, S>;                                      \
-    }                                                                                 \
+#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M, S)                          \
+  if constexpr (std::is_same_v<T, U>) {                                    \
+    if (f == FAMILY && d == D && causal == C && M == mask && stats == S) { \
+      return &NS::launch_forward<T, D, C, M, S>;                           \
+    }                                                                      \
   }
 #define EA_SM80(U, D, C, M, S) EA_TENSOR_CORE(Family::kSm80, sm80, U, D, C, M, S)
 #define EA_SM90(U, D, C, M, S) EA_TENSOR_CORE(Family::kSm90, sm90, U, D, C, M, S)
@@ -96,16 +96,16 @@ FwdFn forward_of(Family f, int d, bool causal, bool stats) {
 }
 
 template <typename T>
-BwdFn backward_of(Family f, int d, bool causal) {
+BwdFn backward_of(Family f, int d, bool causal, MaskKind mask) {
 #define EA_FALLBACK(U, D)                                                          \
   if constexpr (std::is_same_v<T, U>) {                                            \
     if (f == Family::kFallback && d == D) return &fallback::launch_backward<T, D>; \
   }
-#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M)                          \
-  if constexpr (std::is_same_v<T, U>) {                                 \
-    if (f == FAMILY && d == D && causal == C && M == MaskKind::kNone) { \
-      return &NS::launch_backward<T, D, C, M>;                          \
-    }                                                                   \
+#define EA_TENSOR_CORE(FAMILY, NS, U, D, C, M)               \
+  if constexpr (std::is_same_v<T, U>) {                      \
+    if (f == FAMILY && d == D && causal == C && M == mask) { \
+      return &NS::launch_backward<T, D, C, M>;               \
+    }                                                        \
   }
 #define EA_SM80(U, D, C, M) EA_TENSOR_CORE(Family::kSm80, sm80, U, D, C, M)
 #define EA_SM90(U, D, C, M) EA_TENSOR_CORE(Family::kSm90, sm90, U, D, C, M)
@@ -184,13 +184,16 @@ double median_ms(const std::function<void()>& fn, int warmup, int reps) {
 }
 
 std::string describe(const Shape& s) {
-  char buf[128];
-  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s",
+  char buf[160];
+  const char* mask = s.mask == MaskKind::kBool       ? " bool mask"
+                     : s.mask == MaskKind::kAdditive ? " additive mask"
+                                                     : "";
+  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s",
                 static_cast<long long>(s.batch), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
                 static_cast<long long>(s.kv_len), static_cast<long long>(s.head_dim),
                 s.causal ? " causal" : "", s.logn ? " logn" : "",
-                s.stat_grads ? " +statistic gradients" : "");
+                s.stat_grads ? " +statistic gradients" : "", mask);
   return buf;
 }
 
@@ -241,10 +244,12 @@ struct OpLaunch {
       l.splits = split_kv_count(s.batch * s.heads * ((s.q_len + 127) / 128), (s.kv_len + 63) / 64,
                                 2 * dev.sms);
     }
-    const bool general = s.causal || l.splits > 1;
-    l.fwd_stats = forward_of<T>(f, d, general, true);
-    l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false);
-    l.bwd = backward_of<T>(f, d, s.causal);
+    // (Masked calls run in the general instantiations, as family.cpp routes them.)
+    const bool masked = s.mask != MaskKind::kNone;
+    const bool general = s.causal || l.splits > 1 || masked;
+    l.fwd_stats = forward_of<T>(f, d, general, true, s.mask);
+    l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
+    l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
     if (f == Family::kSm80 && sm80::backward_main_smem_bytes(d) > dev.smem_optin) {
       l.bwd_skip = "backward: not run (needs " + std::to_string(sm80::backward_main_smem_bytes(d)) +
                    " bytes of shared memory per block; the op runs the fallback here)";
@@ -303,6 +308,8 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   const bool tensor_core = f != Family::kFallback;
   DeviceCall c(s, sizeof(T), !tensor_core);
   c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
+  if (s.mask == MaskKind::kBool) c.upload(c.b.mask, in.mask_bool);
+  if (s.mask == MaskKind::kAdditive) c.upload(c.b.mask, in.mask_add);
   if (s.stat_grads) {
     c.upload(c.b.g_lse, in.g_lse), c.upload(c.b.g_entropy, in.g_entropy);
     c.upload(c.b.g_sum_p2, in.g_sum_p2);
@@ -560,10 +567,12 @@ int main(int argc, char** argv) {
   for (int d : {64, 128}) {
     for (bool causal : {false, true}) {
       // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales; the
-      // statistics' gradients too.
+      // statistics' gradients; bool and additive masks (the masked instantiations).
       for (const Shape& s :
            {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
-            Shape{2, 4, 2, 200, 200, d, causal, false, true}}) {
+            Shape{2, 4, 2, 200, 200, d, causal, false, true},
+            Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kBool},
+            Shape{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive}}) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);
       }

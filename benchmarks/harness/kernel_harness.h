@@ -5,9 +5,10 @@
 // same code drives the real kernels on a GPU and the fallback family's kernels under the CPU
 // emulation (tests/cpp/test_cuda_emulation.cpp: KernelHarness), which checks it on any machine.
 //
-// The calls it covers are the ones the GPU targets measure: bf16 or fp16, head_dim == v_head_dim,
-// full or top-left causal attention, GQA, the default scale 1 / sqrt(D) or "logn" (a per-row
-// lambda_i), with and without statistics; the backward with the output's gradient.
+// The calls it covers: bf16 or fp16, head_dim == v_head_dim, full or top-left causal attention,
+// GQA, the default scale 1 / sqrt(D) or "logn" (a per-row lambda_i), a bool or additive mask shared
+// by the heads, with and without statistics; the backward with the output's gradient and the
+// statistics' upstream gradients.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,6 +29,14 @@ using cuda::AttentionArgs;
 using cuda::BwdParams;
 using cuda::FwdParams;
 
+// The mask of a masked call, the same for every head (the kernels read it as (B, H, Lq, Lk) with a
+// head stride of 0): key j hidden from row i unless j = 0 or (i + 2 j) mod 3 != 0 (so no row is
+// empty); the additive mask adds (i + j) mod 5 / 4 - 1/2 to the allowed logits, -inf elsewhere.
+inline bool mask_allows(int64_t i, int64_t j) { return j == 0 || (i + 2 * j) % 3 != 0; }
+inline float mask_bias(int64_t i, int64_t j) {
+  return mask_allows(i, j) ? 0.25f * static_cast<float>((i + j) % 5) - 0.5f : -INFINITY;
+}
+
 // A call: (B, H, L, D) queries, (B, Hkv, Lk, D) keys and values.
 struct Shape {
   int64_t batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64;
@@ -36,13 +45,21 @@ struct Shape {
   // The backward with upstream gradients of lse, entropy and sum p^2 too (what an entropy
   // regularizer sends), not only the output's.
   bool stat_grads = false;
+  MaskKind mask = MaskKind::kNone;  // a bool or additive mask (mask_allows, mask_bias)
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
   int64_t rows() const { return batch * heads * q_len; }
   int64_t group() const { return heads / kv_heads; }
-  // The keys row i sees (top-left causality, as SDPA's is_causal).
-  int64_t keys(int64_t i) const { return causal ? std::min(i + 1, kv_len) : kv_len; }
+  // The keys [0, limit(i)) row i may see before the mask (top-left causality, as SDPA's
+  // is_causal); keys(i), its n_i, also counts the mask.
+  int64_t limit(int64_t i) const { return causal ? std::min(i + 1, kv_len) : kv_len; }
+  bool allows(int64_t i, int64_t j) const { return mask == MaskKind::kNone || mask_allows(i, j); }
+  int64_t keys(int64_t i) const {
+    int64_t n = 0;
+    for (int64_t j = 0; j < limit(i); ++j) n += allows(i, j);
+    return n;
+  }
   // Forward FLOPs as the GPU benchmark counts them: 4 B H Lq Lk D, halved when causal.
   double forward_flops() const {
     return 4.0 * batch * heads * q_len * kv_len * head_dim * (causal ? 0.5 : 1.0);
@@ -79,6 +96,9 @@ template <typename T>
 struct Inputs {
   std::vector<T> q, k, v, dout;
   std::vector<double> qd, kd, vd, doutd;
+  // The mask (B, 1, Lq, Lk): bool as bytes, or additive in float32; empty without one.
+  std::vector<uint8_t> mask_bool;
+  std::vector<float> mask_add;
   // The statistics' upstream gradients (B, H, Lq) in float32, empty without stat_grads.
   std::vector<float> g_lse, g_entropy, g_sum_p2;
 };
@@ -104,6 +124,17 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
   fill(s.kv_elems(), 2.f, in.k, in.kd);
   fill(s.kv_elems(), 1.f, in.v, in.vd);
   fill(s.q_elems(), 1.f, in.dout, in.doutd);
+  for (int64_t b = 0; b < s.batch && s.mask != MaskKind::kNone; ++b) {
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      for (int64_t j = 0; j < s.kv_len; ++j) {
+        if (s.mask == MaskKind::kBool) {
+          in.mask_bool.push_back(mask_allows(i, j) ? 1 : 0);
+        } else {
+          in.mask_add.push_back(mask_bias(i, j));
+        }
+      }
+    }
+  }
   if (s.stat_grads) {
     for (std::vector<float>* g : {&in.g_lse, &in.g_entropy, &in.g_sum_p2}) {
       std::vector<T> x;
@@ -120,21 +151,25 @@ struct Forward {
   std::vector<double> out, lse, entropy, sum_p2;
 };
 
-// The weights p_ij of row (b, h, i) over its keys, and its lse (float64, the n x n formula).
+// The weights p_ij of row (b, h, i) over keys [0, limit(i)) (0 where the mask hides a key), its
+// logits s_ij = lambda_i q_i.k_j (+ the additive mask) and its lse (float64, the n x n formula).
 inline std::vector<double> row_weights(const Shape& s, const double* q, const double* k, int64_t i,
-                                       double& lse) {
-  const int64_t n = s.keys(i), d = s.head_dim;
+                                       double& lse, std::vector<double>* logits = nullptr) {
+  const int64_t n = s.limit(i), d = s.head_dim;
   const double lam = row_lambda(s, i);
   std::vector<double> w(n);
   double m = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     double x = 0;
     for (int64_t c = 0; c < d; ++c) x += q[c] * k[j * d + c];
-    w[j] = lam * x;
+    w[j] = !s.allows(i, j)                 ? -INFINITY
+           : s.mask == MaskKind::kAdditive ? lam * x + mask_bias(i, j)
+                                           : lam * x;
     m = std::max(m, w[j]);
   }
+  if (logits != nullptr) *logits = w;
   double l = 0;
-  for (double& x : w) l += (x = std::exp(x - m));
+  for (double& x : w) l += (x = std::exp(x - m));  // (e^-inf = 0)
   for (double& x : w) x /= l;
   lse = m + std::log(l);
   return w;
@@ -174,7 +209,7 @@ Forward reference_forward(const Shape& s, const Inputs<T>& in) {
 // statistic's own derivative (docs/math.md section 3; not the collected form the kernels use):
 // dS_ij = p_ij (dP_ij - delta_i) + g_lse p_ij - g_H p_ij (s_ij - lse_i + H_i)
 // + 2 g_U p_ij (p_ij - U_i), dP_ij = dO_i . v_j, delta_i = dO_i . O_i; with the raw score
-// x_ij = q_i . k_j (s_ij = lambda_i x_ij): dq_i = lambda_i sum_j dS_ij k_j,
+// x_ij = q_i . k_j (s_ij = lambda_i x_ij, plus an additive mask): dq_i = lambda_i sum_j dS_ij k_j,
 // dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij.
 struct Backward {
   std::vector<double> dq, dk, dv, dlam;
@@ -194,7 +229,8 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
         const int64_t row = (b * s.heads + h) * s.q_len + i;
         const double *q = &in.qd[row * d], *dout = &in.doutd[row * d], *out = &f.out[row * d];
         double lse = 0;
-        const std::vector<double> w = row_weights(s, q, k, i, lse);
+        std::vector<double> logit;
+        const std::vector<double> w = row_weights(s, q, k, i, lse, &logit);
         const double lam = row_lambda(s, i);
         double delta = 0;
         for (int64_t c = 0; c < d; ++c) delta += dout[c] * out[c];
@@ -204,8 +240,9 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
         for (size_t j = 0; j < w.size(); ++j) {
           double dp = 0, x = 0;
           for (int64_t c = 0; c < d; ++c) dp += dout[c] * v[j * d + c], x += q[c] * k[j * d + c];
+          if (w[j] == 0) continue;  // a hidden key (or an underflow): no term
           const double ds = w[j] * (dp - delta) + gl * w[j] -
-                            gh * w[j] * (lam * x - lse + f.entropy[row]) +
+                            gh * w[j] * (logit[j] - lse + f.entropy[row]) +
                             2 * gu * w[j] * (w[j] - f.sum_p2[row]);
           g.dlam[row] += ds * x;
           for (int64_t c = 0; c < d; ++c) {
@@ -225,6 +262,7 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
 // dK and dV in float32.
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
+  void* mask = nullptr;  // (B, 1, Lq, Lk): bool or float32
   float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   float *row_scale = nullptr, *length_factor = nullptr;
   float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
@@ -248,19 +286,37 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
   const int64_t rows = s.rows() * 4, q = s.q_elems(), kv = s.kv_elems();
   const int64_t kv_heads = per_head_grads ? s.batch * s.heads * s.kv_len * s.head_dim * 4 : 0;
   const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
-  return {{slot(b.q), q * elem},         {slot(b.k), kv * elem},
-          {slot(b.v), kv * elem},        {slot(b.dout), q * elem},
-          {slot(b.out), q * elem},       {slot(b.lse), rows},
-          {slot(b.entropy), rows},       {slot(b.sum_p2), rows},
-          {slot(b.max_weight), rows},    {slot(b.row_scale), rows},
-          {slot(b.length_factor), rows}, {slot(b.normalized_entropy), rows},
-          {slot(b.sparsity), rows},      {slot(b.effective_keys), rows},
-          {slot(b.n_keys), rows * 2},    {slot(b.delta), rows},
-          {slot(b.g_lse), rows},         {slot(b.g_entropy), rows},
-          {slot(b.g_sum_p2), rows},      {slot(b.dq_accum), q * 4},
-          {slot(b.d_row_scale), rows},   {slot(b.dk_heads), kv_heads},
-          {slot(b.dv_heads), kv_heads},  {slot(b.dq), q * elem},
-          {slot(b.dk), kv * elem},       {slot(b.dv), kv * elem}};
+  const int64_t mask = s.batch * s.q_len * s.kv_len *
+                       (s.mask == MaskKind::kBool       ? 1
+                        : s.mask == MaskKind::kAdditive ? 4
+                                                        : 0);
+  return {{slot(b.mask), mask},
+          {slot(b.q), q * elem},
+          {slot(b.k), kv * elem},
+          {slot(b.v), kv * elem},
+          {slot(b.dout), q * elem},
+          {slot(b.out), q * elem},
+          {slot(b.lse), rows},
+          {slot(b.entropy), rows},
+          {slot(b.sum_p2), rows},
+          {slot(b.max_weight), rows},
+          {slot(b.row_scale), rows},
+          {slot(b.length_factor), rows},
+          {slot(b.normalized_entropy), rows},
+          {slot(b.sparsity), rows},
+          {slot(b.effective_keys), rows},
+          {slot(b.n_keys), rows * 2},
+          {slot(b.delta), rows},
+          {slot(b.g_lse), rows},
+          {slot(b.g_entropy), rows},
+          {slot(b.g_sum_p2), rows},
+          {slot(b.dq_accum), q * 4},
+          {slot(b.d_row_scale), rows},
+          {slot(b.dk_heads), kv_heads},
+          {slot(b.dv_heads), kv_heads},
+          {slot(b.dq), q * elem},
+          {slot(b.dk), kv * elem},
+          {slot(b.dv), kv * elem}};
 }
 
 // What the forward and the backward both read.
@@ -272,6 +328,10 @@ inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b)
   a.batch = s.batch, a.heads = s.heads, a.kv_heads = s.kv_heads;
   a.q_len = s.q_len, a.kv_len = s.kv_len, a.head_dim = d, a.v_head_dim = d;
   a.pattern.right = s.causal ? 0 : -1;  // (attention_options.h: key_pattern)
+  if (s.mask != MaskKind::kNone) {      // (B, H, Lq, Lk) with a head stride of 0
+    a.mask.kind = s.mask, a.mask.data = b.mask;
+    a.mask.sb = s.q_len * s.kv_len, a.mask.sh = 0, a.mask.si = s.kv_len, a.mask.sj = 1;
+  }
 }
 
 inline FwdParams<float> forward_params(const Shape& s, const Buffers& b, bool stats) {

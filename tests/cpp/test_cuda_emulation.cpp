@@ -1108,6 +1108,11 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
   std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
   std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
   std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
+  if (s.mask == entropy_attn::MaskKind::kBool) {
+    std::memcpy(b.mask, in.mask_bool.data(), in.mask_bool.size());
+  } else if (s.mask == entropy_attn::MaskKind::kAdditive) {
+    std::memcpy(b.mask, in.mask_add.data(), in.mask_add.size() * sizeof(float));
+  }
   if (s.stat_grads) {
     std::memcpy(b.g_lse, in.g_lse.data(), in.g_lse.size() * sizeof(float));
     std::memcpy(b.g_entropy, in.g_entropy.data(), in.g_entropy.size() * sizeof(float));
@@ -1145,10 +1150,17 @@ TEST(KernelHarness, FallbackMatchesTheHarnessReference) {
   // GQA with partial tiles, causal; Lq != Lk with "logn" row scales and the statistics'
   // gradients (the reference's term-by-term derivative against the kernels' collected form); both
   // 16-bit types.
-  const entropy_attn::harness::Shape gqa{1, 4, 2, 70, 70, 64, true, false};
-  const entropy_attn::harness::Shape logn{1, 2, 2, 40, 90, 128, false, true, true};
+  namespace eh = entropy_attn::harness;
+  const eh::Shape gqa{1, 4, 2, 70, 70, 64, true, false};
+  const eh::Shape logn{1, 2, 2, 40, 90, 128, false, true, true};
   run_harness_case<__nv_bfloat16>(gqa);
   run_harness_case<__half>(logn);
+  // Masks, the same for every head: bool with the statistics' gradients; additive (the logits
+  // shifted, which the entropy's gradient sees) with causality and logn over the masked n_i.
+  run_harness_case<__nv_bfloat16>(
+      eh::Shape{1, 2, 1, 50, 70, 64, false, false, true, entropy_attn::MaskKind::kBool});
+  run_harness_case<__half>(
+      eh::Shape{1, 2, 2, 60, 60, 128, true, true, true, entropy_attn::MaskKind::kAdditive});
 }
 
 TEST(KernelHarness, ChecksFailOnWrongResults) {

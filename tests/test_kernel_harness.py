@@ -44,13 +44,16 @@ def harness() -> Path:
 
 
 def test_usage(harness: Path) -> None:
-    """--help exits 0 with the usage; an unknown argument or family exits 2 naming it."""
+    """--help exits 0 with the usage; an unknown argument or family, or an option without its
+    value, exits 2 naming it."""
     ok = subprocess.run([str(harness), "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "usage: kernel_harness" in ok.stderr
     bad = subprocess.run([str(harness), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr
     fam = subprocess.run([str(harness), "--families", "sm70"], capture_output=True, text=True)
     assert fam.returncode == 2 and "unknown family 'sm70'" in fam.stderr
+    bare = subprocess.run([str(harness), "--json"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "--json needs a value" in bare.stderr
 
 
 def test_without_gpu_says_so(harness: Path) -> None:

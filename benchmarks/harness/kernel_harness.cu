@@ -520,6 +520,8 @@ int main(int argc, char** argv) {
     } else if (arg == "--help" || arg == "-h") {
       usage("the CUDA kernels checked and timed without torch");
       return 0;
+    } else if (arg == "--json" || arg == "--commit" || arg == "--families") {
+      return usage((arg + " needs a value").c_str());
     } else {
       return usage(("unknown argument '" + arg + "'").c_str());
     }

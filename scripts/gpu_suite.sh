@@ -227,6 +227,16 @@ else
   finish "FAILED (results/gpu/harness.md, $LOG_DIR/harness.log)"
 fi
 
+# --- 6a'. the sm80 backward's compact tiles (GPUs of 99 KB per block; off by default until they pass
+# here): the harness's checks with the shared memory per block capped as on such a GPU --------------
+begin "kernel harness, 99 KB per block (compact sm80 backward)"
+if ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK=101376 bash scripts/kernel_harness.sh run --checks-only \
+    --families sm80 >results/gpu/harness_99KB.md 2>"$LOG_DIR/harness_99KB.log"; then
+  finish "ok (results/gpu/harness_99KB.md)"
+else
+  finish "FAILED (results/gpu/harness_99KB.md, $LOG_DIR/harness_99KB.log)"
+fi
+
 # --- 6b. Nsight Compute profile of the default path (results/gpu/profile.md: throughput, tensor pipe,
 # stall reasons per kernel); skipped where ncu is missing -------------------------------------------
 begin "profile (benchmarks/gpu_profile.py)"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
@@ -1670,10 +1671,11 @@ def test_cuda_graph_capture() -> None:
 
 #: The shared memory per block of sm_86/89/120 (RTX 30-50 series, A10, L4, L40): 99 KB.
 SMALL_GPU_SMEM = 101376
-#: Calls as such a GPU runs them (dtype, head_dim, v_head_dim, Lq, Lk, the op's keyword arguments as
-#: TC_FEATURES): the 16-bit backward at head dims 129-256 in the fallback's compact tiles (Gemma's
-#: 256 with softcap + window, DeepSeek's 192 / 128), at 128 in the fallback (the sm80 backward's
-#: 165 KB do not fit), at 64 in the sm80 backward (97 KB).
+#: Calls as such a GPU runs them with the sm80 family forced (dtype, head_dim, v_head_dim, Lq, Lk,
+#: the op's keyword arguments as TC_FEATURES): the 16-bit backward at head dims 129-256 in the
+#: fallback's compact tiles (Gemma's 256 with softcap + window, DeepSeek's 192 / 128), at 128 in the
+#: sm80 backward's compact tiles (its full ones' 161 KB do not fit: test_compact_backward_...), at
+#: 64 in the sm80 backward (97 KB).
 SMALL_GPU_CASES: Dict[str, Tuple[torch.dtype, int, int, int, int, Dict[str, Any]]] = {
     "bf16_d256_softcap_window": (torch.bfloat16, 256, 256, 150, 150,
                                  {"is_causal": True, "softcap": 30.0, "window_size": (60, 0)}),
@@ -1715,6 +1717,64 @@ def test_gpu_of_99KB_per_block(monkeypatch: pytest.MonkeyPatch, case: str) -> No
         o = OP(q32, cuda(k.float()), cuda(v.float()), None, None, enable_gqa=True, **kw)[0]
         with pytest.raises(RuntimeError, match="shared memory per block, but CUDA device .* allows 101376"):
             o.sum().backward()
+
+
+#: Calls at head dim 128 as a GPU of 99 KB per block runs their backward in the sm80 family's compact
+#: tiles (64 x 64, one dO buffer): (dtype, Hkv, Lq, Lk, the op's keyword arguments as TC_FEATURES,
+#: deterministic). Partial key blocks, GQA groups whose key blocks walk several query heads' blocks
+#: (the one dO buffer reloaded at each), the masked and the general instantiations, the
+#: deterministic dq kernel.
+COMPACT_BACKWARD_CASES: Dict[str, Tuple[torch.dtype, int, int, int, Dict[str, Any], bool]] = {
+    "bf16_full_gqa": (torch.bfloat16, 2, 150, 230, {}, False),
+    "f16_causal_logn": (torch.float16, 4, 200, 200, {"is_causal": True, "scale_mode": "logn"}, False),
+    "bf16_bool_mask": (torch.bfloat16, 2, 130, 170, {"mask": "bool"}, False),
+    "f16_additive_mask_causal": (torch.float16, 2, 140, 140, {"mask": "additive", "is_causal": True}, False),
+    "bf16_window_sinks": (torch.bfloat16, 2, 180, 180, {"is_causal": True, "window_size": (50, 0), "sinks": True},
+                          False),
+    "bf16_causal_deterministic": (torch.bfloat16, 2, 150, 150, {"is_causal": True}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPACT_BACKWARD_CASES))
+def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """With the shared memory per block of sm_86/89/120 (ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK, on any
+    larger GPU) and ENTROPY_ATTN_CUDA_FAMILY=sm80, the backward at head dim 128 runs the sm80 main
+    kernel with its compact tiles, and the gradients of q, k, v (and the sinks) through the output
+    and the entropy match the float64 reference; under "auto" the compact tiles do not run while they
+    are off by default (family.h: kTensorCoreCompactBackwardByDefault; the fallback takes such a
+    call, or the sm90 family on an H100). (Dry run: the CPU op against the same reference.)"""
+    dtype, Hkv, Lq, Lk, spec, deterministic = COMPACT_BACKWARD_CASES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", str(SMALL_GPU_SMEM))
+    torch.manual_seed(13)
+    q, k, v = make_qkv(2, 4, Hkv, Lq, Lk, 128, dtype=dtype)
+    sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
+    extra = {"sinks": leaves[3]} if sinks is not None else {}
+    go = randn(2, 4, Lq, 128).to(dtype)
+    ge = randn(2, 4, Lq)
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
+                                sinks=rin[3] if sinks is not None else None, **kw)
+    ref_grads = grads_of([r.output, r.entropy], [go, ge], rin)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for family in ("sm80", "auto"):
+            monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+            out = OP(*leaves[:3], cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
+            grads: list = []
+            names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
+                                   "sm80", "main_kernel")
+            # (BwdTraits<T, 128, kCompact, Ops>: the demangled name spells every argument.)
+            compact = [n for n in names if re.search(r"BwdTraits<[^<>,]+, 128, true", n)]
+            if family == "sm80":
+                assert DRY_RUN or compact, "the sm80 backward's compact tiles did not run"
+            else:
+                assert not compact, f"the compact tiles ran under auto: {compact}"
+            for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
+                assert rel_err(a, e) < GRAD_TOL[dtype], f"{family}: {name} vs reference"
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 #: Head dims the tensor-core families do not compile, which they run on zero-padded inputs

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/device_limits.h"
 #include "cuda/fallback/instantiations/dispatch.h"
 #include "cuda/fallback/launch.h"
 #include "cuda/launch_order_rule.h"
@@ -250,8 +251,10 @@ struct OpLaunch {
     l.fwd_stats = forward_of<T>(f, d, general, true, s.mask);
     l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
     l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
-    if (f == Family::kSm80 && sm80::backward_main_smem_bytes(d) > dev.smem_optin) {
-      l.bwd_skip = "backward: not run (needs " + std::to_string(sm80::backward_main_smem_bytes(d)) +
+    // (The launcher takes the compact tiles where the full ones do not fit: launch.h.)
+    const int need = sm80::backward_main_smem_bytes(d, sm80::backward_compact(d, dev.smem_optin));
+    if (f == Family::kSm80 && need > dev.smem_optin) {
+      l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
     }
     if (f != Family::kFallback) {
@@ -544,8 +547,11 @@ int main(int argc, char** argv) {
   }
   Device dev;
   dev.sms = prop.multiProcessorCount, dev.l2_bytes = prop.l2CacheSize;
-  EA_CHECK_CUDA(
-      cudaDeviceGetAttribute(&dev.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  {  // (as the op and the launchers read it: under ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK)
+    cudaError_t err = cudaSuccess;
+    dev.smem_optin = smem_per_block(err);
+    EA_CHECK_CUDA(err);
+  }
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
@@ -559,6 +565,12 @@ int main(int argc, char** argv) {
   std::printf("# Kernel harness: %s (sm_%d, %d SMs), driver %d, runtime %d%s%s\n\n", prop.name, cc,
               prop.multiProcessorCount, driver, runtime, o.commit.empty() ? "" : ", commit ",
               o.commit.c_str());
+  if (sm80::backward_compact(128, dev.smem_optin)) {
+    std::printf(
+        "%d bytes of shared memory per block: the sm80 backward at D = 128 runs its compact "
+        "tiles (64 x 64, one dO buffer).\n\n",
+        dev.smem_optin);
+  }
 
   // 1. Checks, every family the device runs (the fallback included: it anchors the others).
   std::vector<CheckRow> checks;

@@ -297,7 +297,9 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
 }
 
 // The tensor-core backward also needs no mask gradient, and its shared memory, which at D = 128 is
-// more than some GPUs of sm_80 and newer offer a block (sm80/launch.h).
+// more than some GPUs of sm_80 and newer offer a block (sm80/launch.h): there its launcher takes
+// the compact tiles, which need less, when they are on (family.h:
+// kTensorCoreCompactBackwardByDefault).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
@@ -308,10 +310,16 @@ std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   if (why.empty()) why = softcap_backward_obstacle(c);
   if (!why.empty()) return why;
   const int d = static_cast<int>(s.head_dim);
+  const int smem = device_smem_optin();
+  const bool compact = sm80::backward_compact(d, smem);
+  if (compact && !tensor_core_capability(kTensorCoreCompactBackwardByDefault)) {
+    return "the backward's compact tiles (the GPU offers a block less shared memory than the full "
+           "ones need), off by default until tested on a GPU (kTensorCoreCompactBackwardByDefault)";
+  }
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  const int need = std::max(sm80::backward_main_smem_bytes(d),
-                            deterministic ? sm80::backward_dq_smem_bytes(d) : 0);
-  if (need > device_smem_optin()) {
+  const int need = std::max(sm80::backward_main_smem_bytes(d, compact),
+                            deterministic ? sm80::backward_dq_smem_bytes(d, compact) : 0);
+  if (need > smem) {
     return "the GPU offers a block less shared memory than the backward needs (" +
            std::to_string(need) + " bytes)";
   }

@@ -42,6 +42,15 @@ constexpr bool kHopperFeaturesByDefault = true;
 // them.
 constexpr bool kTensorCoreHeadDim256ByDefault = false;
 
+// Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
+// block less shared memory than its full tiles need (161 KB: sm_86, sm_89 and sm_120 offer 99 KB,
+// as ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK=101376 makes any GPU do), where its launcher takes the
+// compact tiles (64 x 64, one dO buffer: 97 KB; sm80/launch.h: backward_compact). Off until they
+// have passed the CUDA tests on a GPU (tests/test_cuda.py:
+// test_compact_backward_matches_reference); they pass the CPU emulation's
+// (tests/cpp/test_sm80_emulation.cpp). A forced tensor-core family takes them.
+constexpr bool kTensorCoreCompactBackwardByDefault = false;
+
 // Whether "auto" runs the calls whose head dims the tensor-core families do not compile (80, 96,
 // head_dim != v_head_dim, ...) in them with the inputs zero-padded to the next compiled head dim
 // (csrc/head_dim_padding.h), forward and backward. Off until tested on a GPU (tests/test_cuda.py:

@@ -57,7 +57,7 @@ EA_HOST_DEVICE GridTile launch_tile(uint32_t block, uint32_t x_dim, uint32_t y_d
           static_cast<int>(entry / y_dim)};
 }
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(ENTROPY_ATTN_CUDA_EMULATION)
 // This block's coordinates in an instantiation (causality, mask kind) of a tensor-core kernel: the
 // launch order's in the general (causal) instantiations without a mask, whose tiles differ in
 // work; blockIdx itself in the others, where the order would cost registers, which coordinates

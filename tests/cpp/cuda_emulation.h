@@ -4,12 +4,16 @@
 //   emulate_launch(attention_fwd_kernel<float, 64>, blocks, FwdLayout<float, 64>::kBytes, params);
 //
 // The model:
-//   * a block is kThreads = 128 std::threads (threadIdx, blockIdx are thread_local); the blocks of
-//     a launch run one after another on the same 128 threads;
+//   * a block is blockDim.x std::threads, 128 by default, up to 256 (threadIdx, blockIdx are
+//     thread_local); the blocks of a launch (a 1-D count or a 3-D grid, x fastest) run one after
+//     another on the same threads;
 //   * __syncthreads() is a barrier of the block's threads, __syncwarp() one of the warp's 32;
-//   * __shfl_xor_sync exchanges values through a per-warp slot array at a warp barrier;
-//   * dynamic shared memory is entropy_attn::cuda::fallback::smem (the kernels' `extern __shared__ smem[]`
-//     binds to it), filled with 0xff bytes (NaN for every floating type) before each block, so that
+//   * __shfl_xor_sync exchanges values through a per-warp slot array at a warp barrier, and so do
+//     the emulated warp-wide instructions of other headers (warp_gather: emulated_sm80_ops.h);
+//   * dynamic shared memory is entropy_attn::cuda::fallback::smem (the kernels' `extern __shared__
+//   smem[]`
+//     binds to it) or the array a launch names (another family's), filled with 0xff bytes (NaN
+//     for every floating type) before each block, so that
 //     reading shared memory nobody wrote shows up as NaN; the pages past the launch's smem_bytes
 //     are made inaccessible during the launch (an overrun far enough to leave the last page
 //     crashes instead of reading garbage);
@@ -36,6 +40,10 @@
 #if defined(__CUDACC__) || defined(__CUDA_ARCH__)
 #error "cuda_emulation.h is for the host compiler only"
 #endif
+
+// Tells the project's headers that the device code they guard by __CUDACC__ is wanted on the host
+// (launch_order.h: this_block_tile).
+#define ENTROPY_ATTN_CUDA_EMULATION 1
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -126,9 +134,12 @@ void store_matrix_sync(P*, const Frag&, unsigned, layout_t) {
 
 namespace cuda_emu {
 
-constexpr int kBlockThreads = 128;  // every kernel of the project runs 128 threads a block
+constexpr int kBlockThreads = 128;     // the fallback's kernels: 128 threads a block
+constexpr int kMaxBlockThreads = 256;  // the sm80 backward's
 constexpr int kWarpSize = 32;
-constexpr int kBlockWarps = kBlockThreads / kWarpSize;
+constexpr int kMaxBlockWarps = kMaxBlockThreads / kWarpSize;
+// The bytes a lane publishes to one warp operation (an emulated mma.sync's A and B fragments).
+constexpr int kSlotBytes = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 // Dynamic shared memory available to a launch (more than any GPU's 227 KB per block).
 constexpr size_t kSmemCapacity = 256 * 1024;
@@ -244,7 +255,7 @@ inline void SyncDomain::check_deadlock() {
 }
 
 // One warp-level operation of one lane, compared across the lanes after the warp barrier.
-enum class WarpOp : int { kSyncWarp = 1, kShflXor = 2 };
+enum class WarpOp : int { kSyncWarp = 1, kShflXor = 2, kMma = 3, kLdmatrix = 4, kVote = 5 };
 struct WarpOpRecord {
   uint64_t seq = 0;  // position in the lane's sequence of warp operations (since block start)
   WarpOp op{};
@@ -257,22 +268,28 @@ struct WarpState {
   // Double-buffered by seq parity: operation seq + 2 reuses the buffer of seq only after every
   // lane passed the barrier of seq + 1, i.e. finished reading the buffer of seq.
   WarpOpRecord record[2][kWarpSize];
-  alignas(8) unsigned char slot[2][kWarpSize][8];
+  alignas(16) unsigned char slot[2][kWarpSize][kSlotBytes];
 };
 
 struct BlockState {
   SyncDomain domain;
   Barrier barrier{domain, "__syncthreads barrier"};
-  Barrier warp_barrier[kBlockWarps] = {{domain, "warp 0 barrier"}, {domain, "warp 1 barrier"},
-                                       {domain, "warp 2 barrier"}, {domain, "warp 3 barrier"}};
-  uint64_t sync_seq[2][kBlockThreads] = {};
-  WarpState warps[kBlockWarps];
+  Barrier warp_barrier[kMaxBlockWarps] = {{domain, "warp 0 barrier"}, {domain, "warp 1 barrier"},
+                                          {domain, "warp 2 barrier"}, {domain, "warp 3 barrier"},
+                                          {domain, "warp 4 barrier"}, {domain, "warp 5 barrier"},
+                                          {domain, "warp 6 barrier"}, {domain, "warp 7 barrier"}};
+  uint64_t sync_seq[2][kMaxBlockThreads] = {};
+  WarpState warps[kMaxBlockWarps];
+  int threads = kBlockThreads;  // of the running launch
 
-  void reset() {
+  void reset(int block_threads) {
     std::lock_guard<std::mutex> lk(domain.m);
-    domain.reset(kBlockThreads);
-    barrier.reset(kBlockThreads);
-    for (auto& b : warp_barrier) b.reset(kWarpSize);
+    threads = block_threads;
+    domain.reset(block_threads);
+    barrier.reset(block_threads);
+    // (The warps past the block's keep no participants: they are never waited on.)
+    for (int w = 0; w < kMaxBlockWarps; ++w)
+      warp_barrier[w].reset(w * kWarpSize < threads ? kWarpSize : 0);
   }
   // Thread t returned from the kernel: it leaves its block's and its warp's barriers.
   void thread_exit(int t) {
@@ -294,6 +311,29 @@ inline BlockState g_block;  // the running block (blocks run one after another)
 inline thread_local uint64_t t_warp_seq = 0;   // warp operations done in this block
 inline thread_local uint64_t t_block_seq = 0;  // __syncthreads done in this block
 
+// Shared-memory hazards between the warps of a block, as compute-sanitizer's racecheck finds them:
+// two warps touch a 4-byte word between the same two __syncthreads (the same epoch: the number of
+// barriers each has passed), at least one of them writing. Only the accesses that emulated
+// instructions report are seen (emulated_sm80_ops.h: cp.async writes, taken to land at issue, and
+// ldmatrix reads); plain loads and stores are not. Reset for every block.
+struct SmemShadow {
+  struct Word {
+    uint64_t write_epoch = 0, read_epoch = 0;  // epoch + 1 of the last write and reads; 0: none
+    int writer = -1;                           // warp of the last write
+    uint32_t readers = 0;                      // warps that read in read_epoch
+  };
+  std::mutex m;
+  const unsigned char* base = nullptr;
+  std::vector<Word> words;  // one per 4 bytes of the launch's dynamic shared memory
+
+  void reset(const unsigned char* smem, size_t bytes) {
+    std::lock_guard<std::mutex> lk(m);
+    base = smem;
+    words.assign((bytes + 3) / 4, Word{});
+  }
+};
+inline SmemShadow g_smem_shadow;
+
 }  // namespace cuda_emu
 
 // ---------------------------------------------------------------------------------------------
@@ -313,13 +353,13 @@ inline void __syncthreads() {
   b.sync_seq[buf][t] = seq;
   const int participants = b.barrier.arrive_and_wait();
   // Every thread checks (thread 0 may be among those that returned).
-  if (participants != kBlockThreads) {
+  if (participants != b.threads) {
     report_error("__syncthreads() in block " + std::to_string(blockIdx.x) + " after " +
-                 std::to_string(kBlockThreads - participants) +
+                 std::to_string(b.threads - participants) +
                  " thread(s) of the block returned (undefined behavior on a GPU)");
     return;
   }
-  for (int u = 0; u < kBlockThreads; ++u) {
+  for (int u = 0; u < b.threads; ++u) {
     if (b.sync_seq[buf][u] != seq) {
       report_error("divergent __syncthreads() in block " + std::to_string(blockIdx.x) +
                    ": thread 0 at its barrier #" + std::to_string(seq) + ", thread " +
@@ -342,7 +382,11 @@ inline int warp_exchange(WarpOp op, unsigned member_mask, int lane_mask, const v
   const uint64_t seq = t_warp_seq++;
   const int buf = static_cast<int>(seq & 1);
   const WarpOpRecord mine{seq, op, member_mask, lane_mask, bytes};
-  const char* what = op == WarpOp::kSyncWarp ? "__syncwarp" : "__shfl_xor_sync";
+  const char* what = op == WarpOp::kSyncWarp  ? "__syncwarp"
+                     : op == WarpOp::kShflXor ? "__shfl_xor_sync"
+                     : op == WarpOp::kMma     ? "mma.sync"
+                     : op == WarpOp::kVote    ? "__any_sync"
+                                              : "ldmatrix";
   if (member_mask != kFullMask) {
     report_error(std::string(what) + " with member mask " + std::to_string(member_mask) +
                  " (the emulation and the kernels use full warps only), thread " +
@@ -373,6 +417,57 @@ inline int warp_exchange(WarpOp op, unsigned member_mask, int lane_mask, const v
   return buf;
 }
 
+// A warp-wide instruction's exchange: every lane publishes `bytes` (at most kSlotBytes) and gets
+// the 32 lanes' values, lane l's at [l * kSlotBytes]. They stay valid until the lane's next warp
+// operation but one (the slots are double-buffered), so read them before the next.
+inline const unsigned char* warp_gather(WarpOp op, const void* value, int bytes) {
+  const int t = static_cast<int>(threadIdx.x);
+  const int buf = warp_exchange(op, kFullMask, 0, value, bytes);
+  return &g_block.warps[t / kWarpSize].slot[buf][0][0];
+}
+
+}  // namespace cuda_emu
+
+namespace cuda_emu {
+
+// An emulated instruction's access of `bytes` bytes at p by the calling thread's warp; addresses
+// outside the launch's dynamic shared memory are not tracked. Reports the first hazard per access.
+inline void smem_access(const void* p, size_t bytes, bool write, const char* what) {
+  SmemShadow& sh = g_smem_shadow;
+  const auto* at = static_cast<const unsigned char*>(p);
+  std::lock_guard<std::mutex> lk(sh.m);
+  if (sh.base == nullptr || at < sh.base || at + bytes > sh.base + 4 * sh.words.size()) return;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const uint64_t epoch = t_block_seq + 1;
+  const size_t first = static_cast<size_t>(at - sh.base) / 4;
+  const size_t last = (static_cast<size_t>(at - sh.base) + bytes - 1) / 4;
+  bool reported = false;
+  auto hazard = [&](const char* kind, int other, size_t w) {
+    if (reported) return;
+    reported = true;
+    report_error(std::string("shared-memory ") + kind + " hazard in block (" +
+                 std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
+                 std::to_string(blockIdx.z) + "): " + what + " by warp " + std::to_string(warp) +
+                 " at byte " + std::to_string(4 * w) + ", which warp " + std::to_string(other) +
+                 " accessed after the same __syncthreads (#" + std::to_string(epoch - 1) + ")");
+  };
+  for (size_t w = first; w <= last; ++w) {
+    SmemShadow::Word& word = sh.words[w];
+    if (word.write_epoch == epoch && word.writer != warp) {
+      hazard(write ? "write-after-write" : "read-after-write", word.writer, w);
+    }
+    if (write) {
+      const uint32_t others = word.read_epoch == epoch ? word.readers & ~(1u << warp) : 0u;
+      if (others != 0) hazard("write-after-read", __builtin_ctz(others), w);
+      word.write_epoch = epoch;
+      word.writer = warp;
+    } else {
+      if (word.read_epoch != epoch) word.read_epoch = epoch, word.readers = 0;
+      word.readers |= 1u << warp;
+    }
+  }
+}
+
 }  // namespace cuda_emu
 
 inline void __syncwarp(unsigned mask = cuda_emu::kFullMask) {
@@ -396,6 +491,32 @@ inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = cuda
   V out;
   std::memcpy(&out, g_block.warps[t / kWarpSize].slot[buf][lane ^ lane_mask], sizeof(V));
   return out;
+}
+
+inline int __any_sync(unsigned mask, int predicate) {
+  using namespace cuda_emu;
+  const int t = static_cast<int>(threadIdx.x);
+  const int mine = predicate != 0;
+  const int buf = warp_exchange(WarpOp::kVote, mask, 0, &mine, static_cast<int>(sizeof(mine)));
+  int any = 0;
+  for (int l = 0; l < kWarpSize; ++l) {
+    int v;
+    std::memcpy(&v, g_block.warps[t / kWarpSize].slot[buf][l], sizeof(v));
+    any |= v;
+  }
+  return any;
+}
+
+// Bit casts (the device's are intrinsics).
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned x;
+  std::memcpy(&x, &f, sizeof(x));
+  return x;
 }
 
 inline float atomicAdd(float* address, float value) {
@@ -464,50 +585,76 @@ class Watchdog {
   std::thread thread_;
 };
 
-// Protects the pages of the shared-memory array past `bytes` (rounded up to a page) while alive.
+// Protects the pages of a shared-memory array (kSmemCapacity bytes, page-aligned) past `bytes`
+// (rounded up to a page) while alive.
 class SmemGuard {
  public:
-  explicit SmemGuard(size_t bytes) {
+  SmemGuard(unsigned char* smem, size_t bytes) : smem_(smem) {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     begin_ = (bytes + page - 1) / page * page;
     if (begin_ < kSmemCapacity &&
-        mprotect(entropy_attn::cuda::fallback::smem + begin_, kSmemCapacity - begin_, PROT_NONE) != 0) {
+        mprotect(smem_ + begin_, kSmemCapacity - begin_, PROT_NONE) != 0) {
       begin_ = kSmemCapacity;  // best effort
     }
   }
   ~SmemGuard() {
     if (begin_ < kSmemCapacity) {
-      mprotect(entropy_attn::cuda::fallback::smem + begin_, kSmemCapacity - begin_, PROT_READ | PROT_WRITE);
+      mprotect(smem_ + begin_, kSmemCapacity - begin_, PROT_READ | PROT_WRITE);
     }
   }
   SmemGuard(const SmemGuard&) = delete;
   SmemGuard& operator=(const SmemGuard&) = delete;
 
  private:
+  unsigned char* smem_;
   size_t begin_ = kSmemCapacity;
 };
 
-inline void prepare_block(size_t smem_bytes) {
-  g_block.reset();
-  std::memset(entropy_attn::cuda::fallback::smem, 0xff, smem_bytes);  // NaN in every floating type
+inline void prepare_block(int threads, unsigned char* smem, size_t smem_bytes) {
+  g_block.reset(threads);
+  g_smem_shadow.reset(smem, smem_bytes);
+  std::memset(smem, 0xff, smem_bytes);  // NaN in every floating type
 }
 
 }  // namespace cuda_emu
 
-// Runs kernel<<<blocks, 128, smem_bytes>>>(p) on the host: the blocks one after another, each on
-// 128 threads. Throws cuda_emu::CudaEmulationError for a launch a GPU would reject or for what the
-// checks above found.
+// The shape of an emulated launch: kernel<<<grid, threads, smem_bytes>>> with the dynamic shared
+// memory in `smem` (an array of cuda_emu::kSmemCapacity bytes, page-aligned: the one the kernel's
+// `extern __shared__` declaration names).
+struct EmulatedLaunch {
+  dim3 grid;
+  int threads = cuda_emu::kBlockThreads;
+  size_t smem_bytes = 0;
+  unsigned char* smem = entropy_attn::cuda::fallback::smem;
+};
+
+// Runs the launch on the host: the blocks one after another (x fastest, then y, then z), each on
+// `threads` threads. Throws cuda_emu::CudaEmulationError for a launch a GPU would reject or for
+// what the checks above found.
 template <typename Kernel, typename Params>
-void emulate_launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
+void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
   using namespace cuda_emu;
+  const size_t smem_bytes = l.smem_bytes;
+  const int threads_per_block = l.threads;
   if (smem_bytes > kSmemCapacity) {
     throw CudaEmulationError("emulate_launch: " + std::to_string(smem_bytes) +
                              " bytes of dynamic shared memory, more than the emulation's " +
                              std::to_string(kSmemCapacity));
   }
-  if (blocks < 0 || blocks > 0x7fffffff) {
-    throw CudaEmulationError("emulate_launch: invalid grid of " + std::to_string(blocks) +
-                             " blocks");
+  if (threads_per_block <= 0 || threads_per_block > kMaxBlockThreads ||
+      threads_per_block % kWarpSize != 0) {
+    throw CudaEmulationError("emulate_launch: blocks of " + std::to_string(threads_per_block) +
+                             " threads (the emulation runs whole warps, up to " +
+                             std::to_string(kMaxBlockThreads) + ")");
+  }
+  if (l.grid.y < 1 || l.grid.y > 65535 || l.grid.z < 1 || l.grid.z > 65535) {
+    throw CudaEmulationError("emulate_launch: invalid grid y " + std::to_string(l.grid.y) + ", z " +
+                             std::to_string(l.grid.z));
+  }
+  const int64_t blocks = static_cast<int64_t>(l.grid.x) * l.grid.y * l.grid.z;
+  if (l.grid.x > 0x7fffffffu) {
+    throw CudaEmulationError("emulate_launch: invalid grid of " + std::to_string(l.grid.x) +
+                             " blocks along x");
   }
   {
     std::lock_guard<std::mutex> lk(g_error_mutex);
@@ -517,24 +664,27 @@ void emulate_launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Para
 
   static std::mutex launch_mutex;  // one launch at a time (one shared-memory array)
   std::lock_guard<std::mutex> launch_lock(launch_mutex);
-  SmemGuard guard(smem_bytes);
+  SmemGuard guard(l.smem, smem_bytes);
   Watchdog watchdog;
-  SyncDomain launch_domain;  // the launch's 128 threads between blocks (never deadlocks)
-  launch_domain.reset(kBlockThreads);
+  SyncDomain launch_domain;  // the launch's threads between blocks (never deadlocks)
+  launch_domain.reset(threads_per_block);
   Barrier between_blocks(launch_domain, "between blocks");
-  between_blocks.reset(kBlockThreads);
-  prepare_block(smem_bytes);
+  between_blocks.reset(threads_per_block);
+  prepare_block(threads_per_block, l.smem, smem_bytes);
   std::atomic<bool> aborted{false};
 
   std::vector<std::thread> threads;
-  threads.reserve(kBlockThreads);
-  for (int t = 0; t < kBlockThreads; ++t) {
+  threads.reserve(threads_per_block);
+  for (int t = 0; t < threads_per_block; ++t) {
     threads.emplace_back([&, t] {
       threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
-      blockDim = dim3(kBlockThreads, 1, 1);
-      gridDim = dim3(static_cast<unsigned>(blocks), 1, 1);
+      blockDim = dim3(threads_per_block, 1, 1);
+      gridDim = l.grid;
       for (int64_t b = 0; b < blocks; ++b) {
-        blockIdx = uint3{static_cast<unsigned>(b), 0, 0};
+        const int64_t xy = static_cast<int64_t>(l.grid.x) * l.grid.y;
+        blockIdx =
+            uint3{static_cast<unsigned>(b % l.grid.x),
+                  static_cast<unsigned>(b / l.grid.x % l.grid.y), static_cast<unsigned>(b / xy)};
         t_warp_seq = 0;
         t_block_seq = 0;
         try {
@@ -555,7 +705,8 @@ void emulate_launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Para
           }
           Watchdog::current_block.store(b + 1);
           g_progress.fetch_add(1, std::memory_order_relaxed);
-          if (b + 1 < blocks && !aborted.load()) prepare_block(smem_bytes);
+          if (b + 1 < blocks && !aborted.load())
+            prepare_block(threads_per_block, l.smem, smem_bytes);
         }
         between_blocks.arrive_and_wait();  // block b + 1 is set up
         if (aborted.load()) break;
@@ -571,4 +722,18 @@ void emulate_launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Para
     g_errors.clear();
     throw CudaEmulationError(msg);
   }
+}
+
+// Runs kernel<<<blocks, 128, smem_bytes>>>(p) (the fallback's launches: a 1-D grid, its shared
+// memory array).
+template <typename Kernel, typename Params>
+void emulate_launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
+  if (blocks < 0 || blocks > 0x7fffffff) {
+    throw cuda_emu::CudaEmulationError("emulate_launch: invalid grid of " + std::to_string(blocks) +
+                                       " blocks");
+  }
+  EmulatedLaunch l;
+  l.grid = dim3(static_cast<unsigned>(blocks), 1, 1);
+  l.smem_bytes = smem_bytes;
+  emulate_launch(kernel, l, p);
 }

@@ -86,9 +86,9 @@ void sm80_forward(const char* name) {
 }
 
 // The sm80 backward: its S tile (dropout_keep_bits) and the renumbered bits of each dP part.
-template <typename T, int kD>
+template <typename T, int kD, bool kCompact = false>
 void sm80_backward(const char* name) {
-  using Kt = ec::sm80::bwd::BwdTraits<T, kD>;
+  using Kt = ec::sm80::bwd::BwdTraits<T, kD, kCompact>;
   using PartS = Shape<Int<Kt::kBlockM>, Int<Kt::kBlockN / Kt::kDpParts>>;
   auto cS = make_identity_tensor(Shape<Int<Kt::kBlockM>, Int<Kt::kBlockN>>{});
   auto rc = [](auto l) { return ec::sm80::bwd::rowcol(l); };
@@ -160,6 +160,7 @@ int main() {
   sm80_forward<__half, 128, MaskKind::kBool>("sm80 forward D=128 masked (64 x 64)");
   sm80_backward<__nv_bfloat16, 64>("sm80 backward D=64 (64 x 128)");
   sm80_backward<__half, 128>("sm80 backward D=128 (64 x 128)");
+  sm80_backward<__nv_bfloat16, 128, true>("sm80 backward D=128 compact (64 x 64)");
   sm80_forward<__nv_bfloat16, 256, MaskKind::kAdditive>("sm80 forward D=256 (64 x 32)");
   sm80_backward<__nv_bfloat16, 256>("sm80 backward D=256 (64 x 64)");
   sm90_forward<__nv_bfloat16, 64, MaskKind::kNone>("sm90 forward D=64 (128 x 128)");

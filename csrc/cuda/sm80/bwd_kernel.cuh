@@ -42,23 +42,11 @@
 #include "../launch_order.h"
 #include "../params.h"
 #include "launch.h"
+#include "ops.cuh"
 
 namespace entropy_attn::cuda::sm80::bwd {
 
 using namespace cute;
-
-
-// The instructions the tiles are built from. Tests on a machine without a GPU may substitute
-// emulated operations with the same thread/value layouts; the kernels see only these names.
-struct Sm80Ops {
-  template <typename Element>
-  using Mma = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
-                                 SM80_16x8x16_F32BF16BF16F32_TN, SM80_16x8x16_F32F16F16F32_TN>;
-  using LdsmN = SM75_U32x4_LDSM_N;                         // ldmatrix x4
-  using LdsmT = SM75_U16x8_LDSM_T;                         // ldmatrix x4 .trans
-  using CpAsync16 = SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>;  // 16-byte cp.async, L2 only
-  using CpAsync4 = SM80_CP_ASYNC_CACHEALWAYS<uint32_t>;    // 4-byte cp.async (row statistics)
-};
 
 // Tiles: 64 query rows x 128 keys, 8 warps, at D = 64 and 128. This is FlashAttention-2's sm80
 // tile at D = 128; at D = 64 FlashAttention-2 prefers 128 x 128, which here needs more than 255
@@ -66,11 +54,16 @@ struct Sm80Ops {
 // Registers per thread: dK and dV (128 keys x D, fp32) D / 2 together, S and dP 32 each. A key
 // block of 128 rather than 64 halves the dQ atomics and the Q/dO reloads. Shared memory: Q,
 // lambda Q, dO double-buffered (64 x D each), K, V (128 x D), P, dS (64 x 128) and the row
-// statistics: 161 KB at D = 128 (an A100 allows 163 KB), 97 KB at D = 64. sm_86/sm_89/sm_120
-// allow 99 KB: D = 128 does not launch there (launch_backward returns the attribute error).
+// statistics: 161 KB at D = 128 (an A100 allows 163 KB), 97 KB at D = 64.
+// kCompact (D = 128 only): the tiles for GPUs that allow a block 99 KB (sm_86/sm_89/sm_120), as
+// FlashAttention-2 takes them there: 64 x 64 and one dO buffer, 97 KB. dK and dV then hold 32
+// registers each, S and dP 16, so dP runs whole; the dK/dV product has 2 warps along the keys.
+// The next dO lands after dV += P^T dO has read the present one (a barrier), overlapping G and dK
+// only. launch_backward picks these tiles where the others do not fit (launch.h:
+// backward_compact).
 // D = 256 takes 64 x 64 tiles (FlashAttention-2's there too): dK and dV 128 registers, S and dP
 // 16 each, G 64; 209 KB of shared memory, which an H100 has and an A100 has not (launch.h).
-template <typename T, int kHeadDim_, typename Ops_ = Sm80Ops>
+template <typename T, int kHeadDim_, bool kCompact_ = false, typename Ops_ = Sm80Ops>
 struct BwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   using Ops = Ops_;
@@ -78,15 +71,19 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
                 "the tensor-core family compiles D = 64, 128, 256");
+  static constexpr bool kCompact = kCompact_;
+  static_assert(!kCompact || kHeadDim == 128, "the compact tiles are D = 128's");
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = backward_block_n(kHeadDim);
+  static constexpr int kBlockN = backward_block_n(kHeadDim, kCompact);
+  static constexpr int kDoBuffers = backward_do_buffers(kCompact);
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = 32 * kNWarps;
 
-  // Warps along M of each product (the rest along N): S and dP 2 (32 rows x 32 keys per warp),
-  // dK and dV 4 (32 keys x D / 2 per warp), dQ 2 (32 rows x D / 4 per warp).
+  // Warps along M of each product (the rest along N): S and dP 2 (32 rows x kBlockN / 4 keys per
+  // warp), dK and dV 4 (32 keys x D / 2 per warp; compact: 2, 32 keys x D / 4), dQ 2 (32 rows x
+  // D / 4 per warp).
   static constexpr int kWarpsMSdP = kBlockM / 32;
-  static constexpr int kWarpsNdKV = 4;
+  static constexpr int kWarpsNdKV = kCompact ? 2 : 4;
   static constexpr int kWarpsMdQ = kBlockM / 32;
 
   using MmaAtom = MMA_Atom<typename Ops::template Mma<Element>>;
@@ -100,7 +97,7 @@ struct BwdTraits {
   // halves of 64 keys so that only half of dP is live, which keeps every variant within 255
   // registers without spills (ptxas; the whole product spilled), for 11% more ldmatrix (dO is
   // read twice). D = 64 has registers to spare.
-  static constexpr int kDpParts = kHeadDim == 128 ? 2 : 1;  // (64 keys at D = 256: 16 registers)
+  static constexpr int kDpParts = kBlockN == 128 && kHeadDim == 128 ? 2 : 1;  // (64 keys: 16 each)
   // G = dS K of the main kernel, the peak at D = 256 (dK, dV and G: 192 registers; the whole
   // product spilled), runs in two halves of 128 columns there.
   static constexpr int kDqParts = kHeadDim == 256 ? 2 : 1;
@@ -142,7 +139,7 @@ struct BwdTraits {
   static constexpr int kBytesRows = kStats * kBlockM * 4;
   // Main kernel.
   static constexpr int kMainQ = 0, kMainQl = kMainQ + kBytesQ, kMaindO = kMainQl + kBytesQ;
-  static constexpr int kMainK = kMaindO + 2 * kBytesQ, kMainV = kMainK + kBytesKV;
+  static constexpr int kMainK = kMaindO + kDoBuffers * kBytesQ, kMainV = kMainK + kBytesKV;
   static constexpr int kMainP = kMainV + kBytesKV, kMaindS = kMainP + kBytesPdS;
   static constexpr int kMainRows = kMaindS + kBytesPdS;
   static constexpr int kMainBytes = kMainRows + kBytesRows;
@@ -153,6 +150,8 @@ struct BwdTraits {
   static constexpr int kDqBytes = kDqRows + kBytesRows;
   static_assert(kMainBytes <= (kHeadDim <= 128 ? 166912 : 232448),
                 "over the shared memory per block of an A100 (163 KB; D <= 128) or H100 (227 KB)");
+  static_assert(!kCompact || (kMainBytes <= 101376 && kDqBytes <= 101376),
+                "the compact tiles are for GPUs with 99 KB of shared memory per block");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 32 == 0 && kBlockN % 64 == 0);
 
   // Preprocess: 16-byte loads, kHeadDim / 8 threads per row. Postprocess: 4 floats per thread and
@@ -519,13 +518,14 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
                            typename Kt::SmemLayoutQ{});
   Tensor sQlt = make_tensor(sQl.data(), typename Kt::SmemLayoutQt{});
   // dO in two buffers: dO of t + 1 lands while t's products read dO of t. Buffer 1 is buffer 0's
-  // tensors moved by a whole tile (a multiple of the swizzle period: the same layout).
+  // tensors moved by a whole tile (a multiple of the swizzle period: the same layout). The compact
+  // tiles have one.
   constexpr int kTileQ = kBlockM * kD;
   Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kMaindO)),
                            typename Kt::SmemLayoutQ{});
   Tensor sdOt = make_tensor(sdO.data(), typename Kt::SmemLayoutQt{});
   auto in_do_buffer = [&](auto const& tensor, int t) {
-    return make_tensor(tensor.data() + (t & 1) * kTileQ, tensor.layout());
+    return make_tensor(tensor.data() + (Kt::kDoBuffers == 2 ? t & 1 : 0) * kTileQ, tensor.layout());
   };
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Kt::kMainK)),
                           typename Kt::SmemLayoutKV{});
@@ -739,13 +739,20 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
 
     if (t + 1 < iters) {  // overlaps the three products below; dO of t - 1 was read before the
       load_q(t + 1);      // barrier at the top of t
-      load_do(t + 1);
+      if constexpr (Kt::kDoBuffers == 2) load_do(t + 1);
       cp_async_fence();
     }
 
     // dV += P^T dO
     gemm_smem(acc_dv, tdKVrA, tdKVrB, tdVsPt, tdVsdOt_t, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv,
               thr_b_dkv);
+    if constexpr (Kt::kDoBuffers == 1) {
+      if (t + 1 < iters) {  // (uniform) dV was the last reader of dO of t
+        __syncthreads();
+        load_do(t + 1);
+        cp_async_fence();
+      }
+    }
 
     // G += dS K, accumulated over the key blocks by fp32 atomics (deterministic: the dq kernel).
     if (atomic_dq) {

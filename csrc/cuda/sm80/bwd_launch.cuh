@@ -1,11 +1,13 @@
 // launch_backward of the tensor-core family (declared in launch.h): the delta preprocess, the
 // deterministic dq kernel when asked for, the main kernel over key blocks, the dq / d lambda
-// postprocess, all on one stream. A generated translation unit under instantiations/ includes this
-// file and instantiates one (T, head dim, causal, mask kind).
+// postprocess, all on one stream, with the tiles launch.h's backward_compact picks for the device.
+// A generated translation unit under instantiations/ includes this file and instantiates one (T,
+// head dim, causal, mask kind).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include "../device_limits.h"
 #include "../params.h"
 #include "bwd_kernel.cuh"
 #include "launch.h"
@@ -26,45 +28,60 @@ cudaError_t set_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-}  // namespace bwd
-
-template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
-cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
-  using Kt = bwd::BwdTraits<T, kHeadDim>;
-  static_assert(Kt::kMainBytes == backward_main_smem_bytes(kHeadDim) &&
-                    Kt::kDqBytes == backward_dq_smem_bytes(kHeadDim),
+// The kernels with tiles Kt. The preprocess and the postprocess depend on the head dim alone:
+// they are the full tiles' (Rows) in either case.
+template <typename Kt, typename Rows, bool kCausal, MaskKind kMask>
+cudaError_t launch_tiles(const BwdParams<float>& p, cudaStream_t stream) {
+  static_assert(Kt::kMainBytes == backward_main_smem_bytes(Kt::kHeadDim, Kt::kCompact) &&
+                    Kt::kDqBytes == backward_dq_smem_bytes(Kt::kHeadDim, Kt::kCompact),
                 "launch.h's shared-memory sizes, which the selection point reads, are the traits'");
-  if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
+  static_assert(Rows::kNThreads == Kt::kNThreads);
   const dim3 block(Kt::kNThreads);
 
-  bwd::preprocess_kernel<Kt>
-      <<<bwd::row_grid(p.q_len, Kt::kPreRows, p.heads, p.batch), block, 0, stream>>>(p);
+  preprocess_kernel<Rows>
+      <<<row_grid(p.q_len, Rows::kPreRows, p.heads, p.batch), block, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
   if (p.deterministic) {  // G without atomics, before the main kernel (which then skips it)
-    auto kernel = &bwd::dq_kernel<Kt, kCausal, kMask>;
-    err = bwd::set_smem(kernel, Kt::kDqBytes);
+    auto kernel = &dq_kernel<Kt, kCausal, kMask>;
+    err = set_smem(kernel, Kt::kDqBytes);
     if (err != cudaSuccess) return err;
-    kernel<<<bwd::row_grid(p.q_len, Kt::kBlockM, p.heads, p.batch), block, Kt::kDqBytes, stream>>>(
-        p);
+    kernel<<<row_grid(p.q_len, Kt::kBlockM, p.heads, p.batch), block, Kt::kDqBytes, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
 
   {
-    auto kernel = &bwd::main_kernel<Kt, kCausal, kMask>;
-    err = bwd::set_smem(kernel, Kt::kMainBytes);
+    auto kernel = &main_kernel<Kt, kCausal, kMask>;
+    err = set_smem(kernel, Kt::kMainBytes);
     if (err != cudaSuccess) return err;
-    kernel<<<bwd::row_grid(p.kv_len, Kt::kBlockN, p.kv_heads, p.batch), block, Kt::kMainBytes,
-             stream>>>(p);
+    kernel<<<row_grid(p.kv_len, Kt::kBlockN, p.kv_heads, p.batch), block, Kt::kMainBytes, stream>>>(
+        p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
 
-  bwd::postprocess_kernel<Kt>
-      <<<bwd::row_grid(p.q_len, Kt::kPostRows, p.heads, p.batch), block, 0, stream>>>(p);
+  postprocess_kernel<Rows>
+      <<<row_grid(p.q_len, Rows::kPostRows, p.heads, p.batch), block, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+}  // namespace bwd
+
+template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
+cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
+  using Full = bwd::BwdTraits<T, kHeadDim>;
+  if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
+  if constexpr (kHeadDim == 128) {
+    cudaError_t err = cudaSuccess;
+    const int smem = smem_per_block(err);
+    if (err != cudaSuccess) return err;
+    if (backward_compact(kHeadDim, smem)) {
+      return bwd::launch_tiles<bwd::BwdTraits<T, kHeadDim, true>, Full, kCausal, kMask>(p, stream);
+    }
+  }
+  return bwd::launch_tiles<Full, Full, kCausal, kMask>(p, stream);
 }
 
 }  // namespace entropy_attn::cuda::sm80

@@ -64,6 +64,7 @@
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "../row_statistics.cuh"
+#include "ops.cuh"
 
 namespace entropy_attn::cuda::sm80 {
 namespace fwd_impl {
@@ -83,9 +84,11 @@ using namespace cute;
 // accumulator is then 128 registers per thread again (64 x 256 over 128 threads), S 16, and shared
 // memory Q 32 KB + K 16 KB + V 16 KB, within two blocks per SM on an A100. (FlashAttention-2's
 // 128 x 64 tile over 8 warps holds the same per thread but one block per SM, 128 KB.)
-template <typename T, int kHeadDim_, MaskKind kMask, bool kStats>
+// Ops: the instructions (ops.cuh).
+template <typename T, int kHeadDim_, MaskKind kMask, bool kStats, typename Ops_ = Sm80Ops>
 struct FwdTraits {
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
+  using Ops = Ops_;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
                 "head dims of the tensor-core family");
@@ -100,9 +103,7 @@ struct FwdTraits {
   // ptxas may cap registers to reach three blocks of the small masked tiles and spill.
   static constexpr int kMinBlocksPerSm = 2;
 
-  using MmaAtom =
-      MMA_Atom<std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
-                                  SM80_16x8x16_F32F16F16F32_TN, SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using MmaAtom = MMA_Atom<typename Ops::template Mma<Element>>;
   // Warps stacked along M; the 16-wide N tile makes one ldmatrix.x4 feed two n8 atoms.
   using TiledMma =
       TiledMMA<MmaAtom, Layout<Shape<Int<kWarps>, _1, _1>>, Tile<Int<16 * kWarps>, _16, _16>>;
@@ -121,17 +122,16 @@ struct FwdTraits {
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
 
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtom = Copy_Atom<typename Ops::LdsmN, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<typename Ops::LdsmT, Element>;
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
   // Global <-> shared: 8 threads per 64-element row segment, 16 bytes (8 elements) each, so a warp
   // moves four whole 128-byte lines. The host guarantees 16-byte aligned bases and row strides
   // that are multiples of 8 elements.
   using GmemLayoutAtom = Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>;
-  using GmemTiledCopyQKV =
-      decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-                               GmemLayoutAtom{}, Layout<Shape<_1, _8>>{}));
+  using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<typename Ops::CpAsync16, Element>{},
+                                                    GmemLayoutAtom{}, Layout<Shape<_1, _8>>{}));
   using GmemTiledCopyO =
       decltype(make_tiled_copy(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
                                GmemLayoutAtom{}, Layout<Shape<_1, _8>>{}));
@@ -197,10 +197,10 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
 
 // Loads the rows [row0, row0 + rows) of a row-major global tile (row stride ld elements, unit
 // column stride) into the thread's part `dst` of a shared tile (partitioned by GmemTiledCopyQKV;
-// `coord` holds each vector's (row, col) in the tile), 16 bytes per cp.async. Rows >= rows are
-// zero-filled with ordinary stores: zero K rows give finite scores (masked anyway), zero V rows
-// keep 0 * garbage = NaN out of P V.
-template <typename Element, typename Dst, typename Coord>
+// `coord` holds each vector's (row, col) in the tile), 16 bytes per cp.async (CpAsync16:
+// ops.cuh). Rows >= rows are zero-filled with ordinary stores: zero K rows give finite scores
+// (masked anyway), zero V rows keep 0 * garbage = NaN out of P V.
+template <typename CpAsync16, typename Element, typename Dst, typename Coord>
 __device__ __forceinline__ void load_rows(Dst dst, Coord const& coord, const Element* gmem,
                                           int64_t ld, int row0, int rows) {
   const int row_base = opaque(row0);
@@ -211,9 +211,8 @@ __device__ __forceinline__ void load_rows(Dst dst, Coord const& coord, const Ele
       const Element* src = gmem + static_cast<int64_t>(row_base + row) * ld;
       CUTE_UNROLL
       for (int k = 0; k < size<2>(dst); ++k) {
-        SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src + get<1>(coord(0, m, k))),
-            *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(dst(_, m, k).data())));
+        CpAsync16::copy(*reinterpret_cast<const cute::uint128_t*>(src + get<1>(coord(0, m, k))),
+                        *reinterpret_cast<cute::uint128_t*>(raw_pointer_cast(dst(_, m, k).data())));
       }
     } else {
       clear(dst(_, m, _));
@@ -239,7 +238,7 @@ __device__ __forceinline__ void load_mask_tile(uint32_t* s_mask, const MaskArg<f
   uint32_t* dst = s_mask + row_first * Kt::kMaskLd + col;
 #pragma unroll 8
   for (int r = row_first; r < kBlockM; r += kRowStep, off += step, dst += kRowStep * Kt::kMaskLd) {
-    if (r < rows) SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*mask_word<kMask>(mask, off), *dst);
+    if (r < rows) Kt::Ops::CpAsync4::copy(*mask_word<kMask>(mask, off), *dst);
   }
 }
 
@@ -305,6 +304,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kBlockThreads = Kt::kThreads;
   constexpr bool kHasMask = kMask != MaskKind::kNone;
+  using CpAsync16 = typename Kt::Ops::CpAsync16;
   extern __shared__ __align__(128) char ea_sm80_fwd_smem[];
 
   const int tid = threadIdx.x;
@@ -372,10 +372,10 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
 
   // Prologue: Q and the last K block in flight while the rows are set up. Q's padding rows are
   // zero (finite scores in rows that are never written).
-  load_rows(tQsQ, tQcQ, q_ptr, p.q.sl, 0, rows);
+  load_rows<CpAsync16>(tQsQ, tQcQ, q_ptr, p.q.sl, 0, rows);
   if (tb.n_end > tb.n_begin) {
-    load_rows(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (tb.n_end - 1) * kBlockN,
-              kv_end - (tb.n_end - 1) * kBlockN);
+    load_rows<CpAsync16>(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (tb.n_end - 1) * kBlockN,
+                         kv_end - (tb.n_end - 1) * kBlockN);
   }
   cp_async_fence();
 
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     clear(acc_s);
     cp_async_wait_all();  // K of block n (and Q)
     __syncthreads();      // ... visible to all; every warp done with block n + 1 (sV, mask free)
-    load_rows(tVsV, tKVcKV, kv_slice(p.v, opaque(kv_head)), p.v.sl, j0, kv_end - j0);
+    load_rows<CpAsync16>(tVsV, tKVcKV, kv_slice(p.v, opaque(kv_head)), p.v.sl, j0, kv_end - j0);
     if constexpr (kHasMask) {
       load_mask_tile<Kt, kMask>(s_mask, mask, b_k, h, m0_k, rows, j0, min(kBlockN, kv_end - j0));
     }
@@ -530,8 +530,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     __syncthreads();      // ... visible to all; every warp done with Q K^T of block n (sK free)
     if (n > tb.n_begin) {
       // Prefetch the next K block behind the softmax and P V of this one.
-      load_rows(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
-                kv_end - (j0 - kBlockN));
+      load_rows<CpAsync16>(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
+                           kv_end - (j0 - kBlockN));
       cp_async_fence();
     }
 

@@ -1,180 +1,21 @@
 // The sm80 (tensor-core) family run on the CPU: its kernels (csrc/cuda/sm80/fwd_kernel.cuh,
 // split_kv.cuh, bwd_kernel.cuh) compiled by the host compiler with emulated sm_80 instructions
-// (emulated_sm80_ops.h) on emulated thread blocks (cuda_emulation.h), against the kernel harness's
-// float64 reference (benchmarks/harness/kernel_harness.h), with the launchers' grids and shared
-// memory. What this checks on any machine: the kernels' indexing, tiling, masking, statistics and
-// gradients, and the barriers between cp.async and ldmatrix (the emulation reports shared-memory
-// hazards); not the hardware's timing or its own instructions.
+// (emulated_sm80_ops.h) on emulated thread blocks (cuda_emulation.h), with the launchers' grids
+// and shared memory (sm80_emulation.h). What this checks on any machine: the kernels' indexing,
+// tiling, masking, statistics and gradients, and the barriers between cp.async and ldmatrix (the
+// emulation reports shared-memory hazards); not the hardware's timing or its own instructions.
+// Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h):
 //   forward:  D = 64 and 128 (and the masked 64 x 64 tiles), with and without statistics, plain
 //             full attention and the general (causal) instantiations, split-KV with its combine;
 //   backward: the full tiles and the compact ones (64 x 64, one dO buffer: GPUs with 99 KB of
 //             shared memory per block), with and without masks, the atomic and the deterministic
 //             dq. Its statistics come from the emulated fallback forward.
-// clang-format off
-#include "cuda_emulation.h"  // first: the CUDA built-ins the kernel headers use
-#include "emulated_sm80_ops.h"
-// clang-format on
-
-#include <gtest/gtest.h>
-
-#include <cstring>
-#include <vector>
-
-#include "cuda/sm80/bwd_kernel.cuh"
-#include "cuda/sm80/fwd_kernel.cuh"
-#include "cuda/sm80/launch.h"
-#include "cuda/sm80/split_kv.cuh"
-#include "emulated_launches.h"
-#include "kernel_harness.h"
+// The features of the general instantiations: test_sm80_emulation_features.cpp.
+#include "sm80_emulation.h"
 
 namespace {
 
-namespace ec = entropy_attn::cuda;
-namespace eh = entropy_attn::harness;
-namespace sb = entropy_attn::cuda::sm80::bwd;
-namespace sf = entropy_attn::cuda::sm80::fwd_impl;
-using entropy_attn::MaskKind;
-
-template <typename T, int kD, bool kCompact>
-using EmulatedTraits = sb::BwdTraits<T, kD, kCompact, cuda_emu::sm80::Ops>;
-
-dim3 row_grid(int64_t len, int rows_per_block, int64_t heads, int64_t batch) {
-  return dim3(static_cast<unsigned>((len + rows_per_block - 1) / rows_per_block),
-              static_cast<unsigned>(heads), static_cast<unsigned>(batch));
-}
-
-// The kernels of sm80/bwd_launch.cuh's launch_tiles, in its order, grids and shared memory.
-template <typename T, int kD, bool kCompact, bool kCausal, MaskKind kMask>
-void launch_backward(const ec::BwdParams<float>& p) {
-  using Kt = EmulatedTraits<T, kD, kCompact>;
-  using Rows = EmulatedTraits<T, kD, false>;
-  EmulatedLaunch l;
-  l.threads = Kt::kNThreads;
-  l.smem = reinterpret_cast<unsigned char*>(sb::smem);
-  l.grid = row_grid(p.q_len, Rows::kPreRows, p.heads, p.batch);
-  emulate_launch(sb::preprocess_kernel<Rows>, l, p);
-  if (p.deterministic) {
-    l.grid = row_grid(p.q_len, Kt::kBlockM, p.heads, p.batch);
-    l.smem_bytes = Kt::kDqBytes;
-    emulate_launch(sb::dq_kernel<Kt, kCausal, kMask>, l, p);
-  }
-  l.grid = row_grid(p.kv_len, Kt::kBlockN, p.kv_heads, p.batch);
-  l.smem_bytes = Kt::kMainBytes;
-  emulate_launch(sb::main_kernel<Kt, kCausal, kMask>, l, p);
-  l.grid = row_grid(p.q_len, Rows::kPostRows, p.heads, p.batch);
-  l.smem_bytes = 0;
-  emulate_launch(sb::postprocess_kernel<Rows>, l, p);
-}
-
-// The kernels of sm80/fwd_launch.cuh's launch_forward: the forward over (query tiles x split-KV
-// parts, heads, batch), then the combine where the keys were split.
-template <typename T, int kD, bool kCausal, MaskKind kMask, bool kStats>
-void launch_forward(const ec::FwdParams<float>& p) {
-  using Kt = sf::FwdTraits<T, kD, kMask, kStats, cuda_emu::sm80::Ops>;
-  const int64_t tiles = (p.q_len + Kt::kBlockM - 1) / Kt::kBlockM;
-  const int splits = kCausal ? p.num_splits : 1;
-  EmulatedLaunch l;
-  l.threads = Kt::kThreads;
-  l.smem = reinterpret_cast<unsigned char*>(sf::ea_sm80_fwd_smem);
-  l.smem_bytes = Kt::kSmemBytes;
-  l.grid = dim3(static_cast<unsigned>(tiles * splits), static_cast<unsigned>(p.heads),
-                static_cast<unsigned>(p.batch));
-  emulate_launch(sf::forward_kernel<Kt, kCausal, kMask, kStats>, l, p);
-  if (splits > 1) {
-    const int64_t rows = p.batch * p.heads * p.q_len;
-    l.threads = sf::kCombineWarps * 32;
-    l.smem_bytes = 0;
-    l.grid = dim3(static_cast<unsigned>((rows + sf::kCombineWarps - 1) / sf::kCombineWarps));
-    emulate_launch(sf::split_combine_kernel<T, kD, kStats>, l, p);
-  }
-}
-
-// A call's buffers (the harness's), filled with its inputs.
-template <typename T>
-struct Call {
-  eh::Shape s;
-  eh::Inputs<T> in;
-  eh::Buffers b;
-  std::vector<std::vector<std::byte>> storage;
-
-  explicit Call(const eh::Shape& shape) : s(shape), in(eh::make_inputs<T>(shape, 11)) {
-    for (const eh::BufferSize& z : eh::buffer_sizes(s, b, sizeof(T))) {
-      storage.emplace_back(static_cast<size_t>(z.bytes) + 16);
-      *z.slot = storage.back().data();
-    }
-    std::memcpy(b.q, in.q.data(), in.q.size() * sizeof(T));
-    std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
-    std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
-    std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
-    if (s.mask == MaskKind::kBool) {
-      std::memcpy(b.mask, in.mask_bool.data(), in.mask_bool.size());
-    } else if (s.mask == MaskKind::kAdditive) {
-      std::memcpy(b.mask, in.mask_add.data(), in.mask_add.size() * sizeof(float));
-    }
-    if (s.stat_grads) {
-      std::memcpy(b.g_lse, in.g_lse.data(), in.g_lse.size() * sizeof(float));
-      std::memcpy(b.g_entropy, in.g_entropy.data(), in.g_entropy.size() * sizeof(float));
-      std::memcpy(b.g_sum_p2, in.g_sum_p2.data(), in.g_sum_p2.size() * sizeof(float));
-    }
-  }
-  std::vector<double> widen(const void* data, int64_t n) const {
-    return eh::widen(std::vector<T>(static_cast<const T*>(data), static_cast<const T*>(data) + n));
-  }
-  std::vector<float> rows(const float* p) const { return std::vector<float>(p, p + s.rows()); }
-};
-
-void expect_ok(const eh::Check& c) {
-  EXPECT_TRUE(c.ok()) << c.what << ": " << c.error << " > " << c.tol;
-}
-
-// One forward (the instantiation a call of this shape selects: the general one for causal, masked
-// or split calls) in `splits` split-KV parts, against the reference: out and lse, and with kStats
-// the entropy and sum p^2.
-template <typename T, int kD, bool kCausal, MaskKind kMask, bool kStats>
-void run_forward(const eh::Shape& s, int splits = 1) {
-  ASSERT_EQ(s.head_dim, kD);
-  ASSERT_EQ(s.mask, kMask);
-  ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone && splits == 1));
-  Call<T> c(s);
-  ec::FwdParams<float> p = eh::forward_params(s, c.b, kStats);
-  std::vector<float> o_partial, state_partial;
-  if (splits > 1) {
-    o_partial.assign(static_cast<size_t>(splits * s.rows() * kD), NAN);
-    state_partial.assign(static_cast<size_t>(splits * s.rows() * 4), NAN);
-    p.num_splits = splits, p.o_partial = o_partial.data(), p.state_partial = state_partial.data();
-  }
-  launch_forward<T, kD, kCausal, kMask, kStats>(p);
-  const eh::Forward ref = eh::reference_forward(s, c.in);
-  const eh::Tolerance tol = eh::tolerance<T>();
-  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
-  expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
-  if constexpr (kStats) {
-    expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));
-    expect_ok(eh::elementwise("sum_p2", c.rows(c.b.sum_p2), ref.sum_p2, tol));
-  }
-}
-
-// One backward: the fallback forward's statistics, the sm80 backward (the full or the compact
-// tiles; the instantiation a call of this shape selects), and its gradients against the reference.
-template <typename T, int kD, bool kCompact, bool kCausal, MaskKind kMask>
-void run_case(const eh::Shape& s, bool deterministic = false) {
-  ASSERT_EQ(s.head_dim, kD);
-  ASSERT_EQ(s.mask, kMask);
-  ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
-  Call<T> c(s);
-  emulated::launch_forward<T>(eh::forward_params(s, c.b, true));
-  std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
-  ec::BwdParams<float> p = eh::backward_params(s, c.b, true);
-  p.deterministic = deterministic;
-  launch_backward<T, kD, kCompact, kCausal, kMask>(p);
-
-  const eh::Backward gref = eh::reference_backward(s, c.in, eh::reference_forward(s, c.in));
-  const double tol = eh::tolerance<T>().grad;
-  expect_ok(eh::relative("dq", c.widen(c.b.dq, s.q_elems()), gref.dq, tol));
-  expect_ok(eh::relative("dk", c.widen(c.b.dk, s.kv_elems()), gref.dk, tol));
-  expect_ok(eh::relative("dv", c.widen(c.b.dv, s.kv_elems()), gref.dv, tol));
-  expect_ok(eh::relative("d lambda", c.rows(c.b.d_row_scale), gref.dlam, tol));
-}
+using namespace sm80_emulation;
 
 // Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask}.
 

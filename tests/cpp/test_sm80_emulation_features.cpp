@@ -2,14 +2,18 @@
 // test_sm80_emulation.cpp runs the family (sm80_emulation.h): windows, bottom-right alignment,
 // softcap, sinks and dropout, forward and backward, through the op's own call preparation
 // (prepare_attention; cuda/attention_host.h: the parameters the op gives the kernels) against the
-// CPU op of the same call (the same Philox stream for dropout). A unit of its own: the two compile
-// side by side.
+// CPU op of the same call (the same Philox stream for dropout); and packed documents (varlen),
+// which the CPU op takes in another layout, against the emulated fallback kernels on the same
+// parameters (which test_cuda_emulation.cpp checks against its float64 reference). A unit of its
+// own: the two compile side by side.
 #include "sm80_emulation.h"
 
 #include <ATen/ATen.h>
 
 #include <array>
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "attention_call.h"
 #include "cuda/attention_host.h"
@@ -107,6 +111,65 @@ TEST(EmulatedSm80Features, SoftcapSinksDropout) {
   run_feature<__nv_bfloat16, 64, false>(f);
   f.dropout_p = 0.1, f.sinks = true;
   run_feature<__nv_bfloat16, 128, true>(f);
+}
+
+// Packed documents: q (1, H, cu_q.back(), D) and k, v (1, Hkv, cu_k.back(), D) cut into documents
+// by cu_q and cu_k (causality and windows bottom-right aligned within each: key_ranges.cuh), one
+// call's parameters launched through both families.
+template <typename T, int kD, bool kCompact>
+void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
+                   std::array<int64_t, 2> window) {
+  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
+  at::manual_seed(22);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const int64_t lq = cu_q.back(), lk = cu_k.back();
+  const at::Tensor q = at::randn({1, 4, lq, kD}, opt), k = at::randn({1, 2, lk, kD}, opt),
+                   v = at::randn({1, 2, lk, kD}, opt), dout = at::randn({1, 4, lq, kD}, opt);
+  const at::Tensor g_entropy = at::randn({1, 4, lq});
+  const auto int32 = [](const std::vector<int32_t>& x) {
+    return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
+  };
+  const entropy_attn::DocumentArgs docs{int32(cu_q), int32(cu_k), std::nullopt};
+  const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
+      causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true, window,
+      "bottom_right", 0.0, 0.0, 0);
+  const entropy_attn::AttentionCall call =
+      entropy_attn::prepare_attention(q, k, v, std::nullopt, std::nullopt, std::nullopt, docs, o);
+  const ec::ForwardCall tc(q, k, v, call), fb(q, k, v, call);
+  launch_forward<T, kD, true, MaskKind::kNone, true>(tc.params<float>());
+  emulated::launch_forward<T>(fb.params<float>());
+  const eh::Tolerance tol = eh::tolerance<T>();
+  const char* names[] = {"output", "lse", "entropy", "sum_p2"};
+  EXPECT_LT(rel_norm(std::get<0>(tc.outputs), std::get<0>(fb.outputs)), tol.grad) << names[0];
+  EXPECT_LT(rel_norm(std::get<1>(tc.outputs), std::get<1>(fb.outputs)), tol.rtol) << names[1];
+  EXPECT_LT(rel_norm(std::get<2>(tc.outputs), std::get<2>(fb.outputs)), tol.rtol) << names[2];
+  EXPECT_LT(rel_norm(std::get<3>(tc.outputs), std::get<3>(fb.outputs)), tol.rtol) << names[3];
+  EXPECT_TRUE(at::equal(std::get<5>(tc.outputs), std::get<5>(fb.outputs))) << "n_keys";
+
+  const auto& f = fb.outputs;  // (both backwards from the fallback's forward)
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, std::get<0>(f),
+      std::get<1>(f), std::get<2>(f), std::get<3>(f), std::get<6>(f), std::nullopt, docs, o,
+      /*grad_mask=*/false);
+  ec::BackwardCall tb(dout, q, k, v, std::get<0>(f), bcall),
+      bb(dout, q, k, v, std::get<0>(f), bcall);
+  tb.allocate(ec::Family::kSm80);
+  bb.allocate(ec::Family::kFallback);
+  launch_backward<T, kD, kCompact, true, MaskKind::kNone>(tb.params<float>());
+  emulated::launch_backward<T>(bb.params<float>());
+  const entropy_attn::AttentionGrads got = tb.finish(), want = bb.finish();
+  EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol.grad) << "grad_query";
+  EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol.grad) << "grad_key";
+  EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol.grad) << "grad_value";
+  EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
+}
+
+TEST(EmulatedSm80Features, PackedDocuments) {
+  // Documents that straddle query tiles and key blocks, one of a single token, one with fewer
+  // queries than keys (a cache), causal and with a window.
+  run_documents<__nv_bfloat16, 64, false>({0, 1, 130, 190, 200}, {0, 1, 130, 250, 300}, true,
+                                          {-1, 0});
+  run_documents<__nv_bfloat16, 128, true>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
 }
 
 }  // namespace

@@ -310,13 +310,7 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   }
   const bool tensor_core = f != Family::kFallback;
   DeviceCall c(s, sizeof(T), !tensor_core);
-  c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
-  if (s.mask == MaskKind::kBool) c.upload(c.b.mask, in.mask_bool);
-  if (s.mask == MaskKind::kAdditive) c.upload(c.b.mask, in.mask_add);
-  if (s.stat_grads) {
-    c.upload(c.b.g_lse, in.g_lse), c.upload(c.b.g_entropy, in.g_entropy);
-    c.upload(c.b.g_sum_p2, in.g_sum_p2);
-  }
+  fill_inputs(s, c.b, in, [&](void* to, const auto& from) { c.upload(to, from); });
   const auto rows = [&](const float* p) {
     const std::vector<float> x = c.download<float>(p);
     return std::vector<double>(x.begin(), x.end());
@@ -425,7 +419,7 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   const bool tensor_core = f != Family::kFallback;
   DeviceCall c(s, sizeof(T), !tensor_core);
   const Inputs<T> in = make_inputs<T>(s, 11, false);
-  c.upload(c.b.q, in.q), c.upload(c.b.k, in.k), c.upload(c.b.v, in.v), c.upload(c.b.dout, in.dout);
+  fill_inputs(s, c.b, in, [&](void* to, const auto& from) { c.upload(to, from); });
   const FwdParams<float> pf = l.forward(c, false), ps = l.forward(c, true);
   const BwdParams<float> pb = l.backward(c, tensor_core);
   const int64_t g_bytes = c.bytes_of(c.b.dq_accum);

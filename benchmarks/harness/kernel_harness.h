@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -319,6 +321,17 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
           {slot(b.dv), kv * elem}};
 }
 
+// A call's inputs into its buffers b, each vector through copy(to, vector): cudaMemcpy on a GPU,
+// memcpy in host memory (the emulation tests).
+template <typename T, typename Copy>
+void fill_inputs(const Shape& s, const Buffers& b, const Inputs<T>& in, Copy&& copy) {
+  copy(b.q, in.q), copy(b.k, in.k), copy(b.v, in.v), copy(b.dout, in.dout);
+  if (s.mask == MaskKind::kBool) copy(b.mask, in.mask_bool);
+  if (s.mask == MaskKind::kAdditive) copy(b.mask, in.mask_add);
+  if (s.stat_grads)
+    copy(b.g_lse, in.g_lse), copy(b.g_entropy, in.g_entropy), copy(b.g_sum_p2, in.g_sum_p2);
+}
+
 // What the forward and the backward both read.
 inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b) {
   const int64_t d = s.head_dim;
@@ -447,5 +460,31 @@ std::vector<double> widen(const std::vector<T>& x) {
   for (size_t i = 0; i < x.size(); ++i) out[i] = to_double(x[i]);
   return out;
 }
+
+// A call's buffers in host memory (buffer_sizes), filled with its inputs: the CPU emulation's
+// calls.
+template <typename T>
+struct HostCall {
+  Shape s;
+  Inputs<T> in;
+  Buffers b;
+  std::vector<std::vector<std::byte>> storage;
+
+  HostCall(const Shape& shape, uint32_t seed) : s(shape), in(make_inputs<T>(shape, seed)) {
+    for (const BufferSize& z : buffer_sizes(s, b, sizeof(T))) {
+      storage.emplace_back(static_cast<size_t>(z.bytes) + 16);
+      *z.slot = storage.back().data();
+    }
+    fill_inputs(s, b, in, [](void* to, const auto& from) {
+      std::memcpy(to, from.data(), from.size() * sizeof(from[0]));
+    });
+  }
+  // n values of type T at data, widened; the per-row values (B, H, Lq) at p.
+  std::vector<double> widen(const void* data, int64_t n) const {
+    const T* x = static_cast<const T*>(data);
+    return harness::widen(std::vector<T>(x, x + n));
+  }
+  std::vector<float> rows(const float* p) const { return std::vector<float>(p, p + s.rows()); }
+};
 
 }  // namespace entropy_attn::harness

@@ -83,40 +83,6 @@ void launch_forward(const ec::FwdParams<float>& p) {
   }
 }
 
-// A call's buffers (the harness's), filled with its inputs.
-template <typename T>
-struct Call {
-  eh::Shape s;
-  eh::Inputs<T> in;
-  eh::Buffers b;
-  std::vector<std::vector<std::byte>> storage;
-
-  explicit Call(const eh::Shape& shape) : s(shape), in(eh::make_inputs<T>(shape, 11)) {
-    for (const eh::BufferSize& z : eh::buffer_sizes(s, b, sizeof(T))) {
-      storage.emplace_back(static_cast<size_t>(z.bytes) + 16);
-      *z.slot = storage.back().data();
-    }
-    std::memcpy(b.q, in.q.data(), in.q.size() * sizeof(T));
-    std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
-    std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
-    std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
-    if (s.mask == MaskKind::kBool) {
-      std::memcpy(b.mask, in.mask_bool.data(), in.mask_bool.size());
-    } else if (s.mask == MaskKind::kAdditive) {
-      std::memcpy(b.mask, in.mask_add.data(), in.mask_add.size() * sizeof(float));
-    }
-    if (s.stat_grads) {
-      std::memcpy(b.g_lse, in.g_lse.data(), in.g_lse.size() * sizeof(float));
-      std::memcpy(b.g_entropy, in.g_entropy.data(), in.g_entropy.size() * sizeof(float));
-      std::memcpy(b.g_sum_p2, in.g_sum_p2.data(), in.g_sum_p2.size() * sizeof(float));
-    }
-  }
-  std::vector<double> widen(const void* data, int64_t n) const {
-    return eh::widen(std::vector<T>(static_cast<const T*>(data), static_cast<const T*>(data) + n));
-  }
-  std::vector<float> rows(const float* p) const { return std::vector<float>(p, p + s.rows()); }
-};
-
 inline void expect_ok(const eh::Check& c) {
   EXPECT_TRUE(c.ok()) << c.what << ": " << c.error << " > " << c.tol;
 }
@@ -129,7 +95,7 @@ void run_forward(const eh::Shape& s, int splits = 1) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone && splits == 1));
-  Call<T> c(s);
+  eh::HostCall<T> c(s, 11);
   ec::FwdParams<float> p = eh::forward_params(s, c.b, kStats);
   std::vector<float> o_partial, state_partial;
   if (splits > 1) {
@@ -155,7 +121,7 @@ void run_case(const eh::Shape& s, bool deterministic = false) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
-  Call<T> c(s);
+  eh::HostCall<T> c(s, 11);
   emulated::launch_forward<T>(eh::forward_params(s, c.b, true));
   std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
   ec::BwdParams<float> p = eh::backward_params(s, c.b, true);

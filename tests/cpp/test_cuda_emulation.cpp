@@ -1097,49 +1097,27 @@ TEST(CudaEmulation, ReportsDivergenceAndDeadlocks) {
 template <typename T>
 void run_harness_case(const entropy_attn::harness::Shape& s) {
   namespace eh = entropy_attn::harness;
-  eh::Buffers b;
-  std::vector<std::vector<std::byte>> storage;
-  for (const eh::BufferSize& z : eh::buffer_sizes(s, b, sizeof(T))) {
-    storage.emplace_back(static_cast<size_t>(z.bytes) + 16);
-    *z.slot = storage.back().data();
-  }
-  const eh::Inputs<T> in = eh::make_inputs<T>(s, 3);
-  std::memcpy(b.q, in.q.data(), in.q.size() * sizeof(T));
-  std::memcpy(b.k, in.k.data(), in.k.size() * sizeof(T));
-  std::memcpy(b.v, in.v.data(), in.v.size() * sizeof(T));
-  std::memcpy(b.dout, in.dout.data(), in.dout.size() * sizeof(T));
-  if (s.mask == entropy_attn::MaskKind::kBool) {
-    std::memcpy(b.mask, in.mask_bool.data(), in.mask_bool.size());
-  } else if (s.mask == entropy_attn::MaskKind::kAdditive) {
-    std::memcpy(b.mask, in.mask_add.data(), in.mask_add.size() * sizeof(float));
-  }
-  if (s.stat_grads) {
-    std::memcpy(b.g_lse, in.g_lse.data(), in.g_lse.size() * sizeof(float));
-    std::memcpy(b.g_entropy, in.g_entropy.data(), in.g_entropy.size() * sizeof(float));
-    std::memcpy(b.g_sum_p2, in.g_sum_p2.data(), in.g_sum_p2.size() * sizeof(float));
-  }
-  const eh::Forward ref = eh::reference_forward(s, in);
+  eh::HostCall<T> c(s, 3);
+  const eh::Forward ref = eh::reference_forward(s, c.in);
   const eh::Tolerance tol = eh::tolerance<T>();
-  const auto expect_ok = [](const eh::Check& c) {
-    EXPECT_TRUE(c.ok()) << c.what << ": " << c.error << " > " << c.tol;
+  const auto expect_ok = [](const eh::Check& k) {
+    EXPECT_TRUE(k.ok()) << k.what << ": " << k.error << " > " << k.tol;
   };
-  const auto rows = [&](const float* p) { return std::vector<float>(p, p + s.rows()); };
 
-  launch_forward<T>(eh::forward_params(s, b, true));
-  std::vector<T> out(static_cast<const T*>(b.out), static_cast<const T*>(b.out) + s.q_elems());
-  expect_ok(eh::elementwise("out", eh::widen(out), ref.out, tol));
-  expect_ok(eh::elementwise("lse", rows(b.lse), ref.lse, tol));
-  expect_ok(eh::elementwise("entropy", rows(b.entropy), ref.entropy, tol));
-  expect_ok(eh::elementwise("sum_p2", rows(b.sum_p2), ref.sum_p2, tol));
+  launch_forward<T>(eh::forward_params(s, c.b, true));
+  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
+  expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
+  expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));
+  expect_ok(eh::elementwise("sum_p2", c.rows(c.b.sum_p2), ref.sum_p2, tol));
 
-  std::memset(b.dq_accum, 0, s.q_elems() * sizeof(float));
-  launch_backward<T>(eh::backward_params(s, b, false));
+  std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
+  launch_backward<T>(eh::backward_params(s, c.b, false));
   const int64_t heads_kv = s.batch * s.heads * s.kv_len * s.head_dim;
-  const eh::Backward got =
-      eh::finish_fallback(s, in.qd, std::vector<float>(b.dq_accum, b.dq_accum + s.q_elems()),
-                          rows(b.row_scale), std::vector<float>(b.dk_heads, b.dk_heads + heads_kv),
-                          std::vector<float>(b.dv_heads, b.dv_heads + heads_kv));
-  const eh::Backward gref = eh::reference_backward(s, in, ref);
+  const eh::Backward got = eh::finish_fallback(
+      s, c.in.qd, std::vector<float>(c.b.dq_accum, c.b.dq_accum + s.q_elems()),
+      c.rows(c.b.row_scale), std::vector<float>(c.b.dk_heads, c.b.dk_heads + heads_kv),
+      std::vector<float>(c.b.dv_heads, c.b.dv_heads + heads_kv));
+  const eh::Backward gref = eh::reference_backward(s, c.in, ref);
   expect_ok(eh::relative("dq", got.dq, gref.dq, tol.grad));
   expect_ok(eh::relative("dk", got.dk, gref.dk, tol.grad));
   expect_ok(eh::relative("dv", got.dv, gref.dv, tol.grad));

@@ -1,7 +1,8 @@
 # The CPU emulation test of the CUDA kernels (test_cuda_emulation.cpp with cuda_emulation.h): the
 # fallback kernels of csrc/cuda/fallback/*_kernel.cuh compiled by the host compiler and run on emulated thread blocks,
-# against a float64 reference; and the sm80 backward with emulated sm_80 instructions
-# (test_sm80_emulation.cpp, emulated_sm80_ops.h, with the CUTLASS headers). Included from tests/cpp/CMakeLists.txt, after ${_ea_gtest_main} is
+# against a float64 reference; the sm80 family with emulated sm_80 instructions
+# (test_sm80_emulation*.cpp, emulated_sm80_ops.h, with the CUTLASS headers); and the sm90 family with
+# emulated sm_90a instructions (test_sm90_emulation*.cpp, emulated_sm90_ops.h). Included from tests/cpp/CMakeLists.txt, after ${_ea_gtest_main} is
 # set; tests/cpp/CMakeLists.txt's glob of *.cpp must leave test_cuda_emulation.cpp out.
 #
 # Only for builds with the CUDA sources: the test uses csrc/cuda/attention_host.cpp (part of the
@@ -76,16 +77,18 @@ if(_ea_cuda)
   set(_ea_sources_test_cuda_emulation "${CMAKE_CURRENT_LIST_DIR}/test_cuda_emulation.cpp")
   set(_ea_sources_test_sm80_emulation "${CMAKE_CURRENT_LIST_DIR}/test_sm80_emulation.cpp"
                                       "${CMAKE_CURRENT_LIST_DIR}/test_sm80_emulation_features.cpp")
-  foreach(_ea_test test_cuda_emulation test_sm80_emulation)
+  set(_ea_sources_test_sm90_emulation "${CMAKE_CURRENT_LIST_DIR}/test_sm90_emulation.cpp"
+                                      "${CMAKE_CURRENT_LIST_DIR}/test_sm90_emulation_features.cpp")
+  foreach(_ea_test test_cuda_emulation test_sm80_emulation test_sm90_emulation)
     add_executable(${_ea_test} ${_ea_sources_${_ea_test}} $<TARGET_OBJECTS:ea_emulated_launches>)
     target_link_libraries(${_ea_test} PRIVATE entropy_attn ${_ea_gtest_main} Threads::Threads)
     _ea_emulation_settings(${_ea_test})
     set_target_properties(${_ea_test} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/bin")
-    # The sm80 units are compiled without the sanitizers' instrumentation (the executable still
+    # The sm80 and sm90 units are compiled without the sanitizers' instrumentation (the executable still
     # runs under their runtime, and the library and the fallback's units keep it): instrumented,
     # the CuTe kernels took over 10 minutes and 6 GB per unit, and UBSan's object-size check flags
     # CUTLASS's own punning of arrays (cutlass/array_subbyte.h), which CUDA code does by design.
-    if(ENTROPY_ATTN_SANITIZE AND _ea_test STREQUAL "test_sm80_emulation")
+    if(ENTROPY_ATTN_SANITIZE AND NOT _ea_test STREQUAL "test_cuda_emulation")
       target_compile_options(${_ea_test} PRIVATE -fno-sanitize=all)
     endif()
     if(ENTROPY_ATTN_CTEST_PER_CASE)

@@ -51,6 +51,7 @@
 #include <unistd.h>
 #include <vector_types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -135,9 +136,11 @@ void store_matrix_sync(P*, const Frag&, unsigned, layout_t) {
 namespace cuda_emu {
 
 constexpr int kBlockThreads = 128;     // the fallback's kernels: 128 threads a block
-constexpr int kMaxBlockThreads = 256;  // the sm80 backward's
+constexpr int kMaxBlockThreads = 384;  // the sm90 kernels' three warpgroups
 constexpr int kWarpSize = 32;
 constexpr int kMaxBlockWarps = kMaxBlockThreads / kWarpSize;
+constexpr int kMaxBlockWarpgroups = kMaxBlockThreads / 128;
+constexpr int kNamedBarriers = 16;  // bar.sync ids
 // The bytes a lane publishes to one warp operation (an emulated mma.sync's A and B fragments).
 constexpr int kSlotBytes = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -195,6 +198,7 @@ class Barrier {
   void reset(int participants) {  // no thread may be waiting
     expected_ = participants;
     arrived_ = 0;
+    waiting_ = 0;
   }
   // Returns the number of participants when the barrier completed (fewer than at reset when
   // threads left it).
@@ -203,9 +207,10 @@ class Barrier {
     if (d_.deadlocked.load()) throw DeadlockAbort{};
     const uint32_t g = gen_.load(std::memory_order_relaxed);
     if (++arrived_ == expected_) {
-      complete(arrived_ - 1);
+      complete();
       return expected_;
     }
+    ++waiting_;
     ++d_.blocked;
     d_.check_deadlock();
     lk.unlock();
@@ -214,10 +219,39 @@ class Barrier {
     // Stable until this thread arrives again: the next completion needs it.
     return completed_with_.load(std::memory_order_relaxed);
   }
+  // A named barrier (bar.sync / bar.arrive id, count): `count` threads complete it, the first
+  // arrival of a round setting the count; with `wait` false the thread goes on (bar.arrive).
+  void arrive_counted(int count, bool wait) {
+    std::unique_lock<std::mutex> lk(d_.m);
+    if (d_.deadlocked.load()) throw DeadlockAbort{};
+    if (arrived_ == 0) {
+      expected_ = count;
+    } else if (count != expected_) {
+      report_error(name_ + ": arrivals with thread counts " + std::to_string(expected_) + " and " +
+                   std::to_string(count));
+    }
+    const uint32_t g = gen_.load(std::memory_order_relaxed);
+    if (++arrived_ >= expected_) {
+      complete();
+      return;
+    }
+    if (!wait) return;
+    ++waiting_;
+    ++d_.blocked;
+    d_.check_deadlock();
+    lk.unlock();
+    wait_past(g);
+    if (d_.deadlocked.load(std::memory_order_acquire)) throw DeadlockAbort{};
+  }
+  // The completions so far, and a wait for the next (wake_all also ends it).
+  uint32_t generation() const { return gen_.load(std::memory_order_acquire); }
+  void wait_past(uint32_t g) {
+    while (gen_.load(std::memory_order_acquire) == g) gen_.wait(g, std::memory_order_acquire);
+  }
   // A thread leaves the barrier for good (under the domain's mutex).
   void drop_locked() {
     --expected_;
-    if (arrived_ > 0 && arrived_ == expected_) complete(arrived_);
+    if (arrived_ > 0 && arrived_ == expected_) complete();
   }
   // Under the domain's mutex.
   int participants_locked() const { return expected_; }
@@ -232,8 +266,9 @@ class Barrier {
   }
 
  private:
-  void complete(int waiters) {  // under the domain's mutex
-    d_.blocked -= waiters;
+  void complete() {  // under the domain's mutex
+    d_.blocked -= waiting_;
+    waiting_ = 0;
     arrived_ = 0;
     completed_with_.store(expected_, std::memory_order_relaxed);
     gen_.fetch_add(1, std::memory_order_release);
@@ -242,7 +277,7 @@ class Barrier {
   }
   SyncDomain& d_;
   std::string name_;
-  int expected_ = 0, arrived_ = 0;  // under the domain's mutex
+  int expected_ = 0, arrived_ = 0, waiting_ = 0;  // under the domain's mutex
   std::atomic<uint32_t> gen_{0};
   std::atomic<int> completed_with_{0};
 };
@@ -274,10 +309,22 @@ struct WarpState {
 struct BlockState {
   SyncDomain domain;
   Barrier barrier{domain, "__syncthreads barrier"};
-  Barrier warp_barrier[kMaxBlockWarps] = {{domain, "warp 0 barrier"}, {domain, "warp 1 barrier"},
-                                          {domain, "warp 2 barrier"}, {domain, "warp 3 barrier"},
-                                          {domain, "warp 4 barrier"}, {domain, "warp 5 barrier"},
-                                          {domain, "warp 6 barrier"}, {domain, "warp 7 barrier"}};
+  Barrier warp_barrier[kMaxBlockWarps] = {
+      {domain, "warp 0 barrier"}, {domain, "warp 1 barrier"},  {domain, "warp 2 barrier"},
+      {domain, "warp 3 barrier"}, {domain, "warp 4 barrier"},  {domain, "warp 5 barrier"},
+      {domain, "warp 6 barrier"}, {domain, "warp 7 barrier"},  {domain, "warp 8 barrier"},
+      {domain, "warp 9 barrier"}, {domain, "warp 10 barrier"}, {domain, "warp 11 barrier"}};
+  // The warpgroups' meeting points of warpgroup-wide instructions (emulated_sm90_ops.h: wgmma).
+  Barrier warpgroup_barrier[kMaxBlockWarpgroups] = {{domain, "warpgroup 0 barrier"},
+                                                    {domain, "warpgroup 1 barrier"},
+                                                    {domain, "warpgroup 2 barrier"}};
+  Barrier named_barrier[kNamedBarriers] = {
+      {domain, "named barrier 0"},  {domain, "named barrier 1"},  {domain, "named barrier 2"},
+      {domain, "named barrier 3"},  {domain, "named barrier 4"},  {domain, "named barrier 5"},
+      {domain, "named barrier 6"},  {domain, "named barrier 7"},  {domain, "named barrier 8"},
+      {domain, "named barrier 9"},  {domain, "named barrier 10"}, {domain, "named barrier 11"},
+      {domain, "named barrier 12"}, {domain, "named barrier 13"}, {domain, "named barrier 14"},
+      {domain, "named barrier 15"}};
   uint64_t sync_seq[2][kMaxBlockThreads] = {};
   WarpState warps[kMaxBlockWarps];
   int threads = kBlockThreads;  // of the running launch
@@ -290,6 +337,9 @@ struct BlockState {
     // (The warps past the block's keep no participants: they are never waited on.)
     for (int w = 0; w < kMaxBlockWarps; ++w)
       warp_barrier[w].reset(w * kWarpSize < threads ? kWarpSize : 0);
+    for (int g = 0; g < kMaxBlockWarpgroups; ++g)
+      warpgroup_barrier[g].reset(g * 128 < threads ? std::min(128, threads - g * 128) : 0);
+    for (Barrier& b : named_barrier) b.reset(0);
   }
   // Thread t returned from the kernel: it leaves its block's and its warp's barriers.
   void thread_exit(int t) {
@@ -297,6 +347,7 @@ struct BlockState {
     --domain.live;
     barrier.drop_locked();
     warp_barrier[t / kWarpSize].drop_locked();
+    warpgroup_barrier[t / 128].drop_locked();
     domain.check_deadlock();
   }
   int warp_participants(int warp) {
@@ -310,6 +361,7 @@ inline BlockState g_block;  // the running block (blocks run one after another)
 // Per emulated thread.
 inline thread_local uint64_t t_warp_seq = 0;   // warp operations done in this block
 inline thread_local uint64_t t_block_seq = 0;  // __syncthreads done in this block
+inline thread_local uint64_t t_group_seq = 0;  // warpgroup operations done in this block
 
 // Shared-memory hazards between the warps of a block, as compute-sanitizer's racecheck finds them:
 // two warps touch a 4-byte word between the same two __syncthreads (the same epoch: the number of
@@ -525,6 +577,10 @@ inline float atomicAdd(float* address, float value) {
 inline double atomicAdd(double* address, double value) {
   return std::atomic_ref<double>(*address).fetch_add(value, std::memory_order_relaxed);
 }
+// sm_90's vector atomic: each component added atomically (not the pair as one).
+inline float2 atomicAdd(float2* address, float2 value) {
+  return float2{atomicAdd(&address->x, value.x), atomicAdd(&address->y, value.y)};
+}
 
 // The dynamic shared memory the kernels' `extern __shared__ __align__(128) unsigned char smem[]`
 // (a block-scope declaration in namespace entropy_attn::cuda::fallback) refers to. Page-aligned, a whole
@@ -687,6 +743,7 @@ void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
                   static_cast<unsigned>(b / l.grid.x % l.grid.y), static_cast<unsigned>(b / xy)};
         t_warp_seq = 0;
         t_block_seq = 0;
+        t_group_seq = 0;
         try {
           kernel(p);
           // Leave the block's barriers: the threads still running may synchronize without us.

@@ -87,6 +87,39 @@ inline void expect_ok(const eh::Check& c) {
   EXPECT_TRUE(c.ok()) << c.what << ": " << c.error << " > " << c.tol;
 }
 
+// A call's forward outputs against the reference: out and lse, and with kStats the entropy and
+// sum p^2.
+template <typename T, bool kStats>
+void expect_forward(const eh::Shape& s, const eh::HostCall<T>& c) {
+  const eh::Forward ref = eh::reference_forward(s, c.in);
+  const eh::Tolerance tol = eh::tolerance<T>();
+  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
+  expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
+  if constexpr (kStats) {
+    expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));
+    expect_ok(eh::elementwise("sum_p2", c.rows(c.b.sum_p2), ref.sum_p2, tol));
+  }
+}
+
+// The backward's parameters of a call, its statistics from the emulated fallback forward.
+template <typename T>
+ec::BwdParams<float> backward_inputs(const eh::Shape& s, eh::HostCall<T>& c) {
+  emulated::launch_forward<T>(eh::forward_params(s, c.b, true));
+  std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
+  return eh::backward_params(s, c.b, true);
+}
+
+// A call's gradients against the reference.
+template <typename T>
+void expect_backward(const eh::Shape& s, const eh::HostCall<T>& c) {
+  const eh::Backward gref = eh::reference_backward(s, c.in, eh::reference_forward(s, c.in));
+  const double tol = eh::tolerance<T>().grad;
+  expect_ok(eh::relative("dq", c.widen(c.b.dq, s.q_elems()), gref.dq, tol));
+  expect_ok(eh::relative("dk", c.widen(c.b.dk, s.kv_elems()), gref.dk, tol));
+  expect_ok(eh::relative("dv", c.widen(c.b.dv, s.kv_elems()), gref.dv, tol));
+  expect_ok(eh::relative("d lambda", c.rows(c.b.d_row_scale), gref.dlam, tol));
+}
+
 // One forward (the instantiation a call of this shape selects: the general one for causal, masked
 // or split calls) in `splits` split-KV parts, against the reference: out and lse, and with kStats
 // the entropy and sum p^2.
@@ -104,14 +137,7 @@ void run_forward(const eh::Shape& s, int splits = 1) {
     p.num_splits = splits, p.o_partial = o_partial.data(), p.state_partial = state_partial.data();
   }
   launch_forward<T, kD, kCausal, kMask, kStats>(p);
-  const eh::Forward ref = eh::reference_forward(s, c.in);
-  const eh::Tolerance tol = eh::tolerance<T>();
-  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
-  expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
-  if constexpr (kStats) {
-    expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));
-    expect_ok(eh::elementwise("sum_p2", c.rows(c.b.sum_p2), ref.sum_p2, tol));
-  }
+  expect_forward<T, kStats>(s, c);
 }
 
 // One backward: the fallback forward's statistics, the sm80 backward (the full or the compact
@@ -122,18 +148,10 @@ void run_case(const eh::Shape& s, bool deterministic = false) {
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
   eh::HostCall<T> c(s, 11);
-  emulated::launch_forward<T>(eh::forward_params(s, c.b, true));
-  std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
-  ec::BwdParams<float> p = eh::backward_params(s, c.b, true);
+  ec::BwdParams<float> p = backward_inputs(s, c);
   p.deterministic = deterministic;
   launch_backward<T, kD, kCompact, kCausal, kMask>(p);
-
-  const eh::Backward gref = eh::reference_backward(s, c.in, eh::reference_forward(s, c.in));
-  const double tol = eh::tolerance<T>().grad;
-  expect_ok(eh::relative("dq", c.widen(c.b.dq, s.q_elems()), gref.dq, tol));
-  expect_ok(eh::relative("dk", c.widen(c.b.dk, s.kv_elems()), gref.dk, tol));
-  expect_ok(eh::relative("dv", c.widen(c.b.dv, s.kv_elems()), gref.dv, tol));
-  expect_ok(eh::relative("d lambda", c.rows(c.b.d_row_scale), gref.dlam, tol));
+  expect_backward(s, c);
 }
 
 }  // namespace sm80_emulation

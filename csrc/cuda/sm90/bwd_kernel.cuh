@@ -74,6 +74,8 @@
 #include "../key_ranges.cuh"
 #include "../launch_order.h"
 #include "../params.h"
+#include "launch.h"
+#include "ops.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -87,8 +89,9 @@ using namespace cute;
 // one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
 // after every product of the one before), the row statistics (two buffers: a block's copies
 // start before that barrier): 178 KB at D = 128, 114 KB at D = 64.
-template <typename T, int kHeadDim_>
+template <typename T, int kHeadDim_, typename Ops_ = Sm90Ops>
 struct BwdTraits {
+  using Ops = Ops_;  // the instructions (ops.cuh)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
@@ -113,20 +116,24 @@ struct BwdTraits {
   static constexpr int kSlices = kHeadDim == 64 ? 1 : 2;
   static constexpr int kSliceN = kBlockN / kSlices;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kSliceN / 2>, Int<kHeadDim>>>(),
+      typename Ops::template Gmma<
+          decltype(GMMA::ss_op_selector<Element, Element, float,
+                                        Shape<Int<kBlockM>, Int<kSliceN / 2>, Int<kHeadDim>>>())>{},
       Layout<Shape<_1, _2, _1>>{}));
   // dV += P^T dO and dK += (lambda dS)^T Q: (keys, D), the warpgroups along the keys; every
   // operand read MN-major (the transposed views of tiles stored K-major).
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+      typename Ops::template Gmma<
+          decltype(GMMA::ss_op_selector<Element, Element, float,
+                                        Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
+                                        GMMA::Major::MN>())>{},
       Layout<Shape<_2, _1, _1>>{}));
   // G = dS K: (queries, D), the warpgroups along D; dS K-major, K^T MN-major.
   using TiledMmaG = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
+      typename Ops::template Gmma<
+          decltype(GMMA::ss_op_selector<Element, Element, float,
+                                        Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                                        GMMA::Major::K, GMMA::Major::MN>())>{},
       Layout<Shape<_1, _2, _1>>{}));
 
   // 128-byte swizzled tiles, K-major as TMA (Q, dO two stages; K, V) or the accumulator stores
@@ -149,18 +156,18 @@ struct BwdTraits {
                                                         Stride<Int<kBlockM>, _1>{})));
 
   using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
+      typename Ops::TmaLoad{},
       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
       take<0, 2>(SmemLayoutQ{})));
   using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
+      typename Ops::TmaLoad{},
       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
       SmemLayoutK{}));
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using Pipeline = typename Ops::template Pipeline<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
   // The per-row values of a query block: lse, lambda, delta, g_entropy, g_sum_p2.
@@ -191,6 +198,41 @@ struct KernelArgs {
   typename Kt::TmaK tma_k, tma_v;
 };
 
+// The main kernel's arguments for a call: its parameters and the TMA descriptors of q, dout, k and
+// v (launch_backward, bwd_launch.cuh, and the CPU emulation, tests/cpp/sm90_emulation.h).
+template <typename Kt>
+KernelArgs<Kt> make_kernel_args(const BwdParams<float>& p) {
+  using Element = typename Kt::Element;
+  using namespace cute;
+  constexpr int kHeadDim = Kt::kHeadDim;
+  const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
+  const View4 dout = tma_strides(p.dout, p.q_len, p.heads, kHeadDim);
+  const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
+  const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);
+  // (rows, D, heads, batch) with the D stride 1; the batch stride of a single-entry batch is
+  // never used either: the head stride times the heads.
+  const auto tensor = [&](const View4& t, int64_t len, int64_t heads) {
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data)),
+                       ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
+                                static_cast<int32_t>(p.batch)),
+                       StrideQK(t.sl, _1{}, t.sh, p.batch == 1 ? heads * t.sh : t.sb));
+  };
+  const auto q_box = take<0, 2>(typename Kt::SmemLayoutQ{});
+  const typename Kt::SmemLayoutK kv_box{};
+  using TmaLoad = typename Kt::Ops::TmaLoad;
+  return KernelArgs<Kt>{p, make_tma_copy(TmaLoad{}, tensor(q, p.q_len, p.heads), q_box),
+                        make_tma_copy(TmaLoad{}, tensor(dout, p.q_len, p.heads), q_box),
+                        make_tma_copy(TmaLoad{}, tensor(k, p.kv_len, p.kv_heads), kv_box),
+                        make_tma_copy(TmaLoad{}, tensor(v, p.kv_len, p.kv_heads), kv_box)};
+}
+
+// The main kernel's grid: (key blocks, kv heads, batch).
+template <typename Kt>
+dim3 grid(const BwdParams<float>& p) {
+  return dim3(static_cast<unsigned>((p.kv_len + Kt::kBlockN - 1) / Kt::kBlockN),
+              static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+}
+
 // Named barriers of the two consumer warpgroups (256 threads; ids after CUTLASS's reserved ones):
 // the row statistics of a query block staged (and the previous block's products done), and P and
 // dS of both warpgroups in shared memory.
@@ -204,6 +246,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                                         typename Kt::Pipeline& pipeline_do, const GridTile tile,
                                         int m_begin, int m_count, int iters) {
   using Element = typename Kt::Element;
+  using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   const BwdParams<float>& p = args.p;
   const int kvh = tile.y, b = tile.z;
@@ -263,7 +306,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 
-  if (iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_kv, 0);
+  if (iters > 0) Ops::TxBarrier::wait(&ss.barrier_kv, 0);
   typename Kt::PipelineState read_state;
 
   // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
@@ -312,8 +355,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                                                    : p.g_sum_p2;
       const bool read = i0 + r < q_len && src != nullptr;
       // (p.lse, never null, stands in for the address of an entry not read.)
-      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(*(read ? src + row0 + r : p.lse), srow[stat][r],
-                                                   read);
+      Ops::CpAsync4Zfill::copy(*(read ? src + row0 + r : p.lse), srow[stat][r], read);
     }
     cp_async_fence();
 
@@ -366,12 +408,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // S = Q K^T and dP = dO V^T of the slice, both in flight.
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
-      wg_gemm_issue<true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, slice), acc_s);
-      wg_gemm_issue<true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
-                          acc_dp);
+      wg_gemm_issue<Ops, true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, slice),
+                               acc_s);
+      wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
+                               acc_dp);
       if (slice == 0) {
         cp_async_wait<0>();
-        cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
+        Ops::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int q = get<0>(cS_rc(r, 0));
@@ -379,7 +422,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
         }
       }
-      warpgroup_wait<1>();
+      Ops::template wgmma_wait<1>();
       warpgroup_fence_operand(acc_s);
       if (kGrads && capped) {
         Tensor x_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -441,7 +484,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
       // dS = logit_grad(p, dP, s, delta_i, g_i), 0 where p = 0 (masked or underflowed: no
       // 0 * inf from s = -inf); dS and lambda_i dS to shared memory.
-      warpgroup_wait<0>();
+      Ops::template wgmma_wait<0>();
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
@@ -486,14 +529,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
     // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(Kt::kConsumerThreads, kdSBarrier);
+    Ops::NamedBarrier::sync(Kt::kConsumerThreads, kdSBarrier);
 
     // dV += P^T dO, G = dS K, dK += (lambda dS)^T Q.
-    wg_gemm_issue<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+    wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
     Tensor acc_g = partition_fragment_C(mma_g, Shape<Int<kBlockM>, Int<kD>>{});
-    wg_gemm_issue<true>(mma_g, tGrdS, tGrKt, acc_g);
-    wg_gemm_issue<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_state.index()), acc_dk);
-    warpgroup_wait<1>();  // dV and G (batches complete in order)
+    wg_gemm_issue<Ops, true>(mma_g, tGrdS, tGrKt, acc_g);
+    wg_gemm_issue<Ops, false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_state.index()), acc_dk);
+    Ops::template wgmma_wait<1>();  // dV and G (batches complete in order)
     warpgroup_fence_operand(acc_g);
 
     // G into dq_accum (B, H, Lq, D), fp32, pairs of adjacent columns: one 8-byte atomic each.
@@ -511,7 +554,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
 
-    warpgroup_wait<0>();  // dK
+    Ops::template wgmma_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
     pipeline_q.consumer_release(read_state);
@@ -561,7 +604,9 @@ template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 __global__ void __launch_bounds__(Kt::kThreads, 1)
     main_kernel([[maybe_unused]] const __grid_constant__ KernelArgs<Kt> args) {
   // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target (see the forward).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || \
+    defined(ENTROPY_ATTN_CUDA_EMULATION)
+  using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   extern __shared__ __align__(1024) char ea_sm90_bwd_smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_bwd_smem);
@@ -579,23 +624,23 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   const int m_begin = mb.begin, m_count = max(mb.end - mb.begin, 0);
   const int iters = group * m_count;  // (query head, query block) pairs, head-major
 
-  const int warp_group = cutlass::canonical_warp_group_idx();
+  const int warp_group = Ops::warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
   const auto pipe_params =
       tma_pipeline_params<Pipeline>(warp_group, Kt::kTmaBytesQ, Kt::kConsumerThreads);
   Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_kv, 1);
+  if (threadIdx.x == 0) Ops::TxBarrier::init(&ss.barrier_kv, 1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     const int heads = static_cast<int>(p.heads);
     const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
     Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, kD, heads, batch));
@@ -614,8 +659,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
                                         group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_kv,
-                                                                     2 * Kt::kTmaBytesK);
+      Ops::TxBarrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * Kt::kTmaBytesK);
       copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
       copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
     }

@@ -19,8 +19,6 @@ template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
 cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
   using Kt = bwd_impl::BwdTraits<T, kHeadDim>;
   using Kt80 = sm80::bwd::BwdTraits<T, kHeadDim>;  // the pre- and postprocess
-  using Element = typename Kt::Element;
-  using namespace cute;
 
   cudaError_t err = device_is_sm90();
   if (err != cudaSuccess) return err;
@@ -33,33 +31,12 @@ cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
-  const View4 dout = tma_strides(p.dout, p.q_len, p.heads, kHeadDim);
-  const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
-  const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);
-  // (rows, D, heads, batch) with the D stride 1; the batch stride of a single-entry batch is
-  // never used either: the head stride times the heads.
-  const auto tensor = [&](const View4& t, int64_t len, int64_t heads) {
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data)),
-                       ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
-                                static_cast<int32_t>(p.batch)),
-                       StrideQK(t.sl, _1{}, t.sh, p.batch == 1 ? heads * t.sh : t.sb));
-  };
-  const auto q_box = take<0, 2>(typename Kt::SmemLayoutQ{});
-  const typename Kt::SmemLayoutK kv_box{};
-  bwd_impl::KernelArgs<Kt> args{
-      p, make_tma_copy(SM90_TMA_LOAD{}, tensor(q, p.q_len, p.heads), q_box),
-      make_tma_copy(SM90_TMA_LOAD{}, tensor(dout, p.q_len, p.heads), q_box),
-      make_tma_copy(SM90_TMA_LOAD{}, tensor(k, p.kv_len, p.kv_heads), kv_box),
-      make_tma_copy(SM90_TMA_LOAD{}, tensor(v, p.kv_len, p.kv_heads), kv_box)};
-
+  const bwd_impl::KernelArgs<Kt> args = bwd_impl::make_kernel_args<Kt>(p);
   const auto kernel = &bwd_impl::main_kernel<T, Kt, kCausal, kMask>;
   constexpr int kSmem = Kt::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((p.kv_len + Kt::kBlockN - 1) / Kt::kBlockN),
-                  static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  kernel<<<grid, Kt::kThreads, kSmem, stream>>>(args);
+  kernel<<<bwd_impl::grid<Kt>(p), Kt::kThreads, kSmem, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 

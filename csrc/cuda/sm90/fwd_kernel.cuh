@@ -106,6 +106,8 @@
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "../row_statistics.cuh"
+#include "launch.h"
+#include "ops.cuh"
 #include "wgmma_utils.cuh"
 
 namespace entropy_attn::cuda::sm90 {
@@ -118,8 +120,9 @@ using namespace cute;
 // D / 2 (64 at D = 128), inside the 240 that setmaxnreg gives the consumers. Two stages: Q 32 KB +
 // 2 x (K 32 KB + V 32 KB) = 160 KB at D = 128 (80 KB at D = 64), plus a masked kernel's mask tile,
 // within an H100's 227 KB per block.
-template <typename T, int kHeadDim_, MaskKind kMask>
+template <typename T, int kHeadDim_, MaskKind kMask, typename Ops_ = Sm90Ops>
 struct FwdTraits {
+  using Ops = Ops_;  // the instructions (ops.cuh)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
@@ -137,12 +140,16 @@ struct FwdTraits {
 
   // S = Q K^T: 64 x kBlockN x kHeadDim per warpgroup, both operands K-major in shared memory.
   using TiledMmaS = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      typename Ops::template Gmma<
+          decltype(GMMA::ss_op_selector<Element, Element, float,
+                                        Shape<_64, Int<kBlockN>, Int<kHeadDim>>>())>{},
       Layout<Shape<_2, _1, _1>>{}));
   // O += P V: 64 x kHeadDim x kBlockN per warpgroup, P (K-major) from registers, V^T MN-major.
   using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+      typename Ops::template Gmma<
+          decltype(GMMA::rs_op_selector<Element, Element, float,
+                                        Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                                        GMMA::Major::MN>())>{},
       Layout<Shape<_2, _1, _1>>{}));
 
   // 128-byte swizzled tiles (rows of 64 elements), K-major (D contiguous) as TMA writes them; V^T,
@@ -157,11 +164,11 @@ struct FwdTraits {
                                  Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
 
   using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
+      typename Ops::TmaLoad{},
       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
       SmemLayoutQ{}));
   using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
+      typename Ops::TmaLoad{},
       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
       take<0, 2>(SmemLayoutK{})));
 
@@ -169,7 +176,7 @@ struct FwdTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using Pipeline = typename Ops::template Pipeline<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
   // The mask tile of a key block, one 32-bit word per score (the float of an additive mask, or the
@@ -208,6 +215,52 @@ struct KernelArgs {
   typename Kt::TmaK tma_v;  // V as K: (keys, D, heads, batch)
 };
 
+// The kernel's arguments for a call: its parameters and the TMA descriptors of q, k and v
+// (launch_forward, fwd_launch.cuh, and the CPU emulation, tests/cpp/sm90_emulation.h).
+template <typename Kt>
+KernelArgs<Kt> make_kernel_args(const FwdParams<float>& p) {
+  using Element = typename Kt::Element;
+  using namespace cute;
+  constexpr int kHeadDim = Kt::kHeadDim;
+  const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
+  const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
+  const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);
+  const auto shape = [&](int64_t len, int64_t heads) {
+    return ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
+                    static_cast<int32_t>(p.batch));
+  };
+  const auto gmem = [](const View4& t) {
+    return make_gmem_ptr(static_cast<const Element*>(t.data));
+  };
+  // Batch strides of single-entry batches are never used either: the head stride times the heads.
+  const auto batch_stride = [&](const View4& t, int64_t heads) {
+    return p.batch == 1 ? heads * t.sh : t.sb;
+  };
+  using TmaLoad = typename Kt::Ops::TmaLoad;
+  return KernelArgs<Kt>{
+      p,
+      make_tma_copy(TmaLoad{},
+                    make_tensor(gmem(q), shape(p.q_len, p.heads),
+                                StrideQK(q.sl, _1{}, q.sh, batch_stride(q, p.heads))),
+                    typename Kt::SmemLayoutQ{}),
+      make_tma_copy(TmaLoad{},
+                    make_tensor(gmem(k), shape(p.kv_len, p.kv_heads),
+                                StrideQK(k.sl, _1{}, k.sh, batch_stride(k, p.kv_heads))),
+                    take<0, 2>(typename Kt::SmemLayoutK{})),
+      make_tma_copy(TmaLoad{},
+                    make_tensor(gmem(v), shape(p.kv_len, p.kv_heads),
+                                StrideQK(v.sl, _1{}, v.sh, batch_stride(v, p.kv_heads))),
+                    take<0, 2>(typename Kt::SmemLayoutK{}))};
+}
+
+// One block of three warpgroups per (query tile, head, batch): a 3-D grid, so that no index is a
+// product that could overflow 32 bits.
+template <typename Kt>
+dim3 grid(const FwdParams<float>& p) {
+  return dim3(static_cast<unsigned>((p.q_len + Kt::kBlockM - 1) / Kt::kBlockM),
+              static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+}
+
 // Copies the mask words (mask_words.cuh) of one consumer warpgroup's 64 tile rows (from `row0`;
 // those below `rows`) and keys [j0, j0 + cols) into the shared mask tile, one 4-byte cp.async per
 // score, issued before S = Q K^T. A thread owns one key column (consecutive threads, consecutive
@@ -223,7 +276,7 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
   uint32_t* dst = s_mask + row0 * Kt::kMaskLd + col;
 #pragma unroll 8
   for (int r = row0; r < row0 + 64; ++r, off += mask.si, dst += Kt::kMaskLd) {
-    if (r < rows) SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(*mask_word<kMask>(mask, off), *dst);
+    if (r < rows) Kt::Ops::CpAsync4::copy(*mask_word<kMask>(mask, off), *dst);
   }
 }
 
@@ -235,11 +288,13 @@ __device__ __forceinline__ void load_mask_rows(uint32_t* s_mask, const MaskArg<f
 // 0 goes first.
 constexpr int kMaskBarrier = 0;       // + warpgroup
 constexpr int kSchedulerBarrier = 2;  // + warpgroup
+template <typename Ops>
 __device__ __forceinline__ void scheduler_sync(int wg) {
-  cutlass::arch::NamedBarrier::sync(256, kSchedulerBarrier + wg);
+  Ops::NamedBarrier::sync(256, kSchedulerBarrier + wg);
 }
+template <typename Ops>
 __device__ __forceinline__ void scheduler_arrive(int wg) {
-  cutlass::arch::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
+  Ops::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
 }
 
 // The consumer warpgroups: everything but the loads.
@@ -249,6 +304,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                                         typename Kt::Pipeline& pipeline_v, const GridTile tile,
                                         int m0, const TileBlocks tb) {
   using Element = typename Kt::Element;
+  using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr bool kHasMask = kMask != MaskKind::kNone;
   const FwdParams<float>& p = args.p;
@@ -373,7 +429,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
   }
   clear(acc_o);
-  cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
+  Ops::TxBarrier::wait(&ss.barrier_q, 0);
   typename Kt::PipelineState read_state;
 
   // The consumer warpgroup (0 or 1) and its first tile row: the tiled wgmma gives warpgroup w the
@@ -382,27 +438,27 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   [[maybe_unused]] const int rows = min(kBlockM, q_len - m0);
   [[maybe_unused]] uint32_t* s_mask = ss.mask;
   const bool any_block = tb.n_end > tb.n_begin;    // the same in every thread of the block
-  if (wg == 1 && any_block) scheduler_arrive(wg);  // warpgroup 0 issues first
+  if (wg == 1 && any_block) scheduler_arrive<Ops>(wg);  // warpgroup 0 issues first
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
   // (they land while the wgmma runs), then the warpgroup's turn at the tensor cores (ping-pong).
   auto issue_s = [&](const int n, auto& acc_s) {
     if constexpr (kHasMask) {
       // Every thread of the warpgroup is done with the previous block's mask tile.
-      cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + wg);
+      Ops::NamedBarrier::sync(128, kMaskBarrier + wg);
       load_mask_rows<Kt, kMask>(s_mask, mask, b, h, m0, 64 * wg, rows, n * kBlockN,
                                 min(kBlockN, kv_len - n * kBlockN));
       cp_async_fence();
     }
     pipeline_k.consumer_wait(read_state);
-    scheduler_sync(wg);
-    wg_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_state.index()), acc_s);
+    scheduler_sync<Ops>(wg);
+    wg_gemm_issue<Ops, true>(mma_s, tSrQ, tSrK(_, _, _, read_state.index()), acc_s);
   };
   // O += P V for the key block whose V is in stage v_state, issued and not waited for.
   auto issue_pv = [&](auto& rP, const typename Kt::PipelineState& v_state) {
     Tensor tOrP = make_tensor(rP.data(), acc_as_a(rP.layout()));
     pipeline_v.consumer_wait(v_state);
-    wg_gemm_issue<false>(mma_o, tOrP, tOrV(_, _, _, v_state.index()), acc_o);
+    wg_gemm_issue<Ops, false>(mma_o, tOrP, tOrV(_, _, _, v_state.index()), acc_o);
   };
   // Once S of block n has landed: its K stage back to the producer, the mask tile visible.
   auto s_landed = [&](auto& acc_s) {
@@ -410,7 +466,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     pipeline_k.consumer_release(read_state);
     if constexpr (kHasMask) {
       cp_async_wait<0>();
-      cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
+      Ops::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
     }
   };
 
@@ -568,8 +624,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (any_block) {
     int n = tb.n_end - 1;
     issue_s(n, acc_s);
-    scheduler_arrive(wg);
-    warpgroup_wait<0>();
+    scheduler_arrive<Ops>(wg);
+    Ops::template wgmma_wait<0>();
     s_landed(acc_s);
     softmax_of(n, acc_s);  // O is still 0: its factor is moot
     Tensor rP = convert_fragment<Element>(acc_s);
@@ -580,11 +636,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       issue_s(n, acc_s);
       rescale_o();
       issue_pv(rP, v_state);
-      scheduler_arrive(wg);
-      warpgroup_wait<1>();  // S of block n (wgmma batches complete in order)
+      scheduler_arrive<Ops>(wg);
+      Ops::template wgmma_wait<1>();  // S of block n (wgmma batches complete in order)
       s_landed(acc_s);
       softmax_of(n, acc_s);
-      warpgroup_wait<0>();  // P V of the block before
+      Ops::template wgmma_wait<0>();  // P V of the block before
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(rP);
       pipeline_v.consumer_release(v_state);
@@ -595,7 +651,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
     rescale_o();
     issue_pv(rP, v_state);
-    warpgroup_wait<0>();
+    Ops::template wgmma_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipeline_v.consumer_release(v_state);
   }
@@ -661,7 +717,9 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target; the build compiles
   // this family for that target alone (scripts/kernel_list.py: gencode), and the guard keeps any
   // other device pass from seeing them.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || \
+    defined(ENTROPY_ATTN_CUDA_EMULATION)
+  using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN;
   extern __shared__ __align__(1024) char ea_sm90_fwd_smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_fwd_smem);
@@ -678,23 +736,23 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   // The key blocks the tile walks and those that need the predicate (key_ranges.cuh).
   const TileBlocks tb = tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, kBlockN);
 
-  const int warp_group = cutlass::canonical_warp_group_idx();
+  const int warp_group = Ops::warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
   const auto pipe_params =
       tma_pipeline_params<Pipeline>(warp_group, Kt::kTmaBytesKV, Kt::kConsumerThreads);
   // Warp 0 initializes the barriers of both pipelines and Q's; the barrier below publishes them.
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_q, 1);
+  if (threadIdx.x == 0) Ops::TxBarrier::init(&ss.barrier_q, 1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    Ops::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     const int h = tile.y, b = tile.z;
     const int kv_head = h / static_cast<int>(p.heads / p.kv_heads);  // GQA
     const int head_dim = Kt::kHeadDim, heads = static_cast<int>(p.heads);
@@ -719,7 +777,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                       group_modes<0, 2>(gV));
 
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
+    Ops::TxBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
     copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
     auto write_state = cutlass::make_producer_start_state<Pipeline>();
     // Not unrolled: each iteration is a few instructions, and the producer has 24 registers.

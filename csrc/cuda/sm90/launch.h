@@ -5,16 +5,18 @@
 // arch=compute_90a,code=sm_90a alone. kMask is the mask kind (MaskKind) as a compile-time flag.
 //
 // Status: passes the CUDA tests on an H100 (ENTROPY_ATTN_CUDA_FAMILY=sm90), and "auto" selects it
-// on compute capability 9.0 (family.h: kHopperFamilyByDefault). Every instantiation compiles
-// cleanly (warnings as errors, ptxas included) for sm_90a with HGMMA, UTMALDG and mbarrier (SYNCS)
-// instructions, setmaxnreg and no local memory. The forward implements what the sm80 forward does:
-// bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left causality, no / bool / additive
-// masks, with or without statistics, GQA, any sequence lengths; the backward the same calls with
-// the entropy and sum p^2 gradients, dq by fp32 atomics (a deterministic backward goes to sm80).
-// Both directions also take sliding windows, bottom-right alignment and packed documents (their
-// causal instantiations read the call's KeyPattern), logit softcapping and dropout (the backward
-// of either not with a mask) and attention sinks, which "auto" gives them since they passed the
-// CUDA tests on an H200 (family.h: kHopperFeaturesByDefault).
+// on compute capability 9.0 (family.h: kHopperFamilyByDefault). Its kernels also run on the CPU
+// with emulated sm_90a instructions (tests/cpp/test_sm90_emulation*.cpp; sm90/ops.cuh). Every
+// instantiation compiles cleanly (warnings as errors, ptxas included) for sm_90a with HGMMA,
+// UTMALDG and mbarrier (SYNCS) instructions, setmaxnreg and no local memory. The forward implements
+// what the sm80 forward does: bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left
+// causality, no / bool / additive masks, with or without statistics, GQA, any sequence lengths; the
+// backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics (a
+// deterministic backward goes to sm80). Both directions also take sliding windows, bottom-right
+// alignment and packed documents (their causal instantiations read the call's KeyPattern), logit
+// softcapping and dropout (the backward of either not with a mask) and attention sinks, which
+// "auto" gives them since they passed the CUDA tests on an H200 (family.h:
+// kHopperFeaturesByDefault).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -47,24 +47,25 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout const& acc) {
                      coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
 }
 
-// acc (+)= A B over the whole K extent as one warpgroup-wide batch of wgmma, committed and not
-// waited for (warpgroup_wait<k> does, batches completing in order). The fences keep the compiler
-// from moving accesses of the accumulator (and of a register A operand) across the issue; the
-// caller fences them again after the wait.
-template <bool kZeroInit, typename TiledMma, typename FragA, typename FragB, typename Acc>
+// acc (+)= A B over the whole K extent as one warpgroup-wide batch of wgmma (Ops: ops.cuh),
+// committed and not waited for (Ops::wgmma_wait<k> does, batches completing in order). The fences
+// keep the compiler from moving accesses of the accumulator (and of a register A operand) across
+// the issue; the caller fences them again after the wait.
+template <typename Ops, bool kZeroInit, typename TiledMma, typename FragA, typename FragB,
+          typename Acc>
 __device__ __forceinline__ void wg_gemm_issue(TiledMma& tiled_mma, FragA const& a, FragB const& b,
                                               Acc& acc) {
   constexpr bool kRs = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
   if constexpr (kRs) warpgroup_fence_operand(const_cast<FragA&>(a));
   warpgroup_fence_operand(acc);
-  warpgroup_arrive();
+  Ops::wgmma_fence();
   if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
-  warpgroup_commit_batch();
+  Ops::wgmma_commit();
   warpgroup_fence_operand(acc);
 }
 

@@ -1,0 +1,49 @@
+// The sm_90a instructions and synchronization objects the Hopper family is built from. The kernels
+// name them only through their traits' `Ops` parameter, so that a test on a machine without a GPU
+// may substitute emulated ones with the same interfaces (tests/cpp/emulated_sm90_ops.h), as the
+// sm80 family does with sm80/ops.cuh.
+#pragma once
+
+#include <cstdint>
+
+// cute/tensor.hpp first: the sm90 atom headers rely on what it declares.
+#include <cute/tensor.hpp>
+
+#include <cutlass/arch/barrier.h>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace entropy_attn::cuda::sm90 {
+
+struct Sm90Ops {
+  using TmaLoad = cute::SM90_TMA_LOAD;  // the copy operation make_tma_copy builds TMA loads from
+  // The wgmma operation GMMA::ss_op_selector / rs_op_selector picked.
+  template <typename Op>
+  using Gmma = Op;
+  template <int kStages>
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;  // an mbarrier with a byte count
+  using NamedBarrier = cutlass::arch::NamedBarrier;
+  using CpAsync4 = cute::SM80_CP_ASYNC_CACHEALWAYS<uint32_t>;          // 4-byte cp.async
+  using CpAsync4Zfill = cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>;  // ... zero-filled
+
+  // The thread's warpgroup, known warp-uniform to the compiler.
+  static __device__ __forceinline__ int warp_group_idx() {
+    return cutlass::canonical_warp_group_idx();
+  }
+  static __device__ __forceinline__ void prefetch_tma_descriptor(const cute::TmaDescriptor* d) {
+    cute::prefetch_tma_descriptor(d);
+  }
+  // wgmma.fence, wgmma.commit_group and wgmma.wait_group.
+  static __device__ __forceinline__ void wgmma_fence() { cute::warpgroup_arrive(); }
+  static __device__ __forceinline__ void wgmma_commit() { cute::warpgroup_commit_batch(); }
+  template <int kPending>
+  static __device__ __forceinline__ void wgmma_wait() {
+    cute::warpgroup_wait<kPending>();
+  }
+};
+
+}  // namespace entropy_attn::cuda::sm90

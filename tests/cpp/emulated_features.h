@@ -1,0 +1,152 @@
+// The features the tensor-core families' general (causal) instantiations take, run on the CPU
+// (sm80_emulation.h, sm90_emulation.h): windows, bottom-right alignment, softcap, sinks and
+// dropout, forward and backward, through the op's own call preparation (prepare_attention;
+// cuda/attention_host.h: the parameters the op gives the kernels) against the CPU op of the same
+// call (the same Philox stream for dropout); and packed documents (varlen), which the CPU op takes
+// in another layout, against the emulated fallback kernels on the same parameters (which
+// test_cuda_emulation.cpp checks against its float64 reference). A family is a type with
+//   static constexpr ec::Family kFamily;
+//   template <typename T, int kD> static void forward(const ec::FwdParams<float>&);   // general,
+//   template <typename T, int kD> static void backward(const ec::BwdParams<float>&);  // no mask
+// Include after the family's emulation header.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "attention_call.h"
+#include "cuda/attention_host.h"
+#include "emulated_launches.h"
+#include "entropy_attn.h"
+#include "kernel_harness.h"
+
+namespace emulated_features {
+
+namespace ec = entropy_attn::cuda;
+namespace eh = entropy_attn::harness;
+
+struct Feature {
+  bool causal = true;
+  std::array<int64_t, 2> window{-1, -1};
+  const char* alignment = "top_left";
+  double softcap = 0;
+  bool sinks = false;
+  double dropout_p = 0;
+  int64_t q_len = 150, kv_len = 150;
+};
+
+// ||a - e|| / ||e|| in float64.
+double rel_norm(const at::Tensor& a, const at::Tensor& e) {
+  const at::Tensor d = a.to(at::kDouble) - e.to(at::kDouble);
+  return (d.norm() / e.to(at::kDouble).norm().clamp_min(1e-30)).item<double>();
+}
+
+template <typename Family, typename T, int kD>
+void run_feature(const Feature& f) {
+  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
+  at::manual_seed(21);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const at::Tensor q = at::randn({1, 4, f.q_len, kD}, opt),
+                   k = at::randn({1, 2, f.kv_len, kD}, opt),
+                   v = at::randn({1, 2, f.kv_len, kD}, opt),
+                   dout = at::randn({1, 4, f.q_len, kD}, opt);
+  const at::Tensor g_entropy = at::randn({1, 4, f.q_len});
+  const std::optional<at::Tensor> sinks =
+      f.sinks ? std::optional<at::Tensor>(at::randn({4}, opt)) : std::nullopt;
+  const int64_t seed = 0x5eed;
+  const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
+      f.causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true,
+      f.window, f.alignment, f.softcap, f.dropout_p, seed);
+
+  const entropy_attn::AttentionCall call =
+      entropy_attn::prepare_attention(q, k, v, std::nullopt, std::nullopt, sinks, {}, o);
+  const ec::ForwardCall fwd(q, k, v, call);
+  Family::template forward<T, kD>(fwd.params<float>());
+  const at::Tensor &out = std::get<0>(fwd.outputs), &lse = std::get<1>(fwd.outputs);
+  const at::Tensor &entropy = std::get<2>(fwd.outputs), &sum_p2 = std::get<3>(fwd.outputs);
+  const at::Tensor &n_keys = std::get<5>(fwd.outputs), &row_scale = std::get<6>(fwd.outputs);
+
+  const entropy_attn::AttentionResult r = entropy_attn::attention(
+      q, k, v, std::nullopt, std::nullopt, f.causal, std::nullopt, "logn", 1.0, 64.0, true, true,
+      f.window, f.alignment, f.softcap, sinks, f.dropout_p, seed);
+  const eh::Tolerance tol = eh::tolerance<T>();
+  EXPECT_LT(rel_norm(out, r.output), tol.grad) << "output";
+  EXPECT_LT(rel_norm(lse, r.lse), tol.rtol) << "lse";
+  EXPECT_LT(rel_norm(entropy, r.entropy), tol.rtol) << "entropy";
+  EXPECT_LT(rel_norm(sum_p2, r.sum_p2), tol.rtol) << "sum_p2";
+  EXPECT_TRUE(at::equal(n_keys, r.n_keys)) << "n_keys";
+
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, out, lse, entropy, sum_p2,
+      row_scale, sinks, {}, o, /*grad_mask=*/false);
+  ec::BackwardCall bwd(dout, q, k, v, out, bcall);
+  bwd.allocate(Family::kFamily);
+  Family::template backward<T, kD>(bwd.params<float>());
+  const entropy_attn::AttentionGrads got = bwd.finish();
+  const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, r.output, r.lse,
+      r.entropy, r.sum_p2, r.row_scale, sinks, {}, o);
+  EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol.grad) << "grad_query";
+  EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol.grad) << "grad_key";
+  EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol.grad) << "grad_value";
+  EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
+}
+
+// Packed documents: q (1, H, cu_q.back(), D) and k, v (1, Hkv, cu_k.back(), D) cut into documents
+// by cu_q and cu_k (causality and windows bottom-right aligned within each: key_ranges.cuh), one
+// call's parameters launched through the family and the fallback.
+template <typename Family, typename T, int kD>
+void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
+                   std::array<int64_t, 2> window) {
+  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
+  at::manual_seed(22);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const int64_t lq = cu_q.back(), lk = cu_k.back();
+  const at::Tensor q = at::randn({1, 4, lq, kD}, opt), k = at::randn({1, 2, lk, kD}, opt),
+                   v = at::randn({1, 2, lk, kD}, opt), dout = at::randn({1, 4, lq, kD}, opt);
+  const at::Tensor g_entropy = at::randn({1, 4, lq});
+  const auto int32 = [](const std::vector<int32_t>& x) {
+    return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
+  };
+  const entropy_attn::DocumentArgs docs{int32(cu_q), int32(cu_k), std::nullopt};
+  const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
+      causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true, window,
+      "bottom_right", 0.0, 0.0, 0);
+  const entropy_attn::AttentionCall call =
+      entropy_attn::prepare_attention(q, k, v, std::nullopt, std::nullopt, std::nullopt, docs, o);
+  const ec::ForwardCall tc(q, k, v, call), fb(q, k, v, call);
+  Family::template forward<T, kD>(tc.params<float>());
+  emulated::launch_forward<T>(fb.params<float>());
+  const eh::Tolerance tol = eh::tolerance<T>();
+  const char* names[] = {"output", "lse", "entropy", "sum_p2"};
+  EXPECT_LT(rel_norm(std::get<0>(tc.outputs), std::get<0>(fb.outputs)), tol.grad) << names[0];
+  EXPECT_LT(rel_norm(std::get<1>(tc.outputs), std::get<1>(fb.outputs)), tol.rtol) << names[1];
+  EXPECT_LT(rel_norm(std::get<2>(tc.outputs), std::get<2>(fb.outputs)), tol.rtol) << names[2];
+  EXPECT_LT(rel_norm(std::get<3>(tc.outputs), std::get<3>(fb.outputs)), tol.rtol) << names[3];
+  EXPECT_TRUE(at::equal(std::get<5>(tc.outputs), std::get<5>(fb.outputs))) << "n_keys";
+
+  const auto& f = fb.outputs;  // (both backwards from the fallback's forward)
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, std::get<0>(f),
+      std::get<1>(f), std::get<2>(f), std::get<3>(f), std::get<6>(f), std::nullopt, docs, o,
+      /*grad_mask=*/false);
+  ec::BackwardCall tb(dout, q, k, v, std::get<0>(f), bcall),
+      bb(dout, q, k, v, std::get<0>(f), bcall);
+  tb.allocate(Family::kFamily);
+  bb.allocate(ec::Family::kFallback);
+  Family::template backward<T, kD>(tb.params<float>());
+  emulated::launch_backward<T>(bb.params<float>());
+  const entropy_attn::AttentionGrads got = tb.finish(), want = bb.finish();
+  EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol.grad) << "grad_query";
+  EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol.grad) << "grad_key";
+  EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol.grad) << "grad_value";
+  EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
+}
+
+}  // namespace emulated_features

@@ -1,0 +1,573 @@
+// Emulated sm_90a instructions for the CPU emulation of the Hopper family (cuda_emulation.h): TMA
+// tile loads, mbarriers with transaction counts, the TMA pipeline built on them, named barriers and
+// wgmma, as the operations the sm90 kernels take through their `Ops` parameter (sm90/ops.cuh:
+// Sm90Ops). CuTe's own host code builds the kernels' TMA copies and wgmma descriptors, so the
+// kernels partition and address shared memory exactly as on a GPU; only the instructions run here:
+//   * a TMA load copies its box (coordinates outside the tensor read as zeros) in the tensor map's
+//     swizzle and completes its bytes on its mbarrier, as late as it may: when a thread first waits
+//     for the barrier's phase, so that a thread that reads the stage without that wait reads what
+//     was there before (a stale stage, or the 0xff NaN bytes of unwritten shared memory). The map
+//     is the one CuTe encodes for the driver (cuTensorMapEncodeTiled): its arguments are recorded
+//     in the map's 128 bytes;
+//   * an mbarrier counts arrivals and transaction bytes and flips its phase when both are done,
+//     as the PTX ISA describes; waiting threads take part in the emulation's deadlock check;
+//   * wgmma is warpgroup-wide: the 128 threads meet (a register A operand is gathered then), each
+//     computes its own accumulators from the operands' shared-memory descriptors, decoded by the
+//     PTX ISA's canonical layouts and swizzles, and they meet again, so that no thread of the
+//     warpgroup passes the instruction before every read of shared memory is done (a GPU's
+//     wgmma.wait). Issue is completion here: an accumulator read before its wait is not caught;
+//   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them.
+// The shared-memory hazard check of the sm80 emulation does not apply: these kernels order their
+// accesses by mbarriers, not __syncthreads. Include before any CuTe header (sm90_emulation.h).
+#pragma once
+
+#include "cuda_emulation.h"  // (before CUTLASS: the CUDA built-ins)
+
+namespace cuda_emu {
+// The dynamic shared memory of the running launch: shared-memory addresses (what the kernels'
+// descriptors hold) are offsets from it.
+inline unsigned char* g_sm90_smem = nullptr;
+}  // namespace cuda_emu
+
+// CuTe turns shared-memory pointers into 32-bit shared addresses (wgmma descriptors) through this
+// intrinsic; the host has none, so the emulation provides it: the offset in the launch's array.
+// (Before any CuTe header: CuTe decides how to form the addresses when it is first included.)
+inline size_t __cvta_generic_to_shared(const void* p) {
+  return static_cast<size_t>(static_cast<const unsigned char*>(p) - cuda_emu::g_sm90_smem);
+}
+#define CUTE_CVTA_GENERIC_TO_SHARED_ACTIVATED 1
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// The tensor map CuTe's make_tma_copy encodes, recorded by the host encoder below.
+namespace cuda_emu::sm90 {
+struct TensorMap {
+  const unsigned char* address;
+  uint64_t dims[5];
+  uint64_t strides[5];  // bytes; strides[0] is the element size
+  uint32_t box[5];
+  uint32_t rank;
+  uint32_t element_bytes;
+  uint32_t swizzle_bytes;  // 0 (none), 32, 64 or 128
+};
+static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap));
+}  // namespace cuda_emu::sm90
+
+inline CUresult cuda_emu_tensor_map_encode_tiled(
+    CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* address,
+    const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+    const cuuint32_t* element_strides, CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+    CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+  cuda_emu::sm90::TensorMap m{};
+  m.address = static_cast<const unsigned char*>(address);
+  m.rank = rank;
+  switch (type) {
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT16:
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16:
+    case CU_TENSOR_MAP_DATA_TYPE_UINT16:
+      m.element_bytes = 2;
+      break;
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32:
+      m.element_bytes = 4;
+      break;
+    default:
+      return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  if (rank < 1 || rank > 5 || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE)
+    return CUDA_ERROR_INVALID_VALUE;
+  m.swizzle_bytes = swizzle == CU_TENSOR_MAP_SWIZZLE_128B  ? 128
+                    : swizzle == CU_TENSOR_MAP_SWIZZLE_64B ? 64
+                    : swizzle == CU_TENSOR_MAP_SWIZZLE_32B ? 32
+                                                           : 0;
+  for (uint32_t d = 0; d < 5; ++d) {
+    m.dims[d] = d < rank ? dims[d] : 1;
+    m.strides[d] = d == 0 ? m.element_bytes : d < rank ? strides[d - 1] : 0;
+    m.box[d] = d < rank ? box[d] : 1;
+    if (d < rank && element_strides[d] != 1) return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  // The hardware's rule: a swizzled box's inner extent fits in the swizzle span.
+  if (m.swizzle_bytes != 0 && m.box[0] * m.element_bytes > m.swizzle_bytes)
+    return CUDA_ERROR_INVALID_VALUE;
+  std::memset(map, 0, sizeof(*map));
+  std::memcpy(map, &m, sizeof(m));
+  return CUDA_SUCCESS;
+}
+
+// CuTe's TMA code as nvcc 12+ sees it (the descriptor is encoded only there), calling the encoder
+// above instead of the driver's: the version macros hold while CuTe's headers are first included
+// (copy_atom.hpp includes the TMA traits); elsewhere they ask for __CUDA_ARCH__ too, which the
+// host never has.
+#define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1
+#define cuTensorMapEncodeTiled cuda_emu_tensor_map_encode_tiled
+#define __CUDACC_VER_MAJOR__ 13
+#define __CUDACC_VER_MINOR__ 0
+// clang-format off
+#include "emulated_sm80_ops.h"  // the host stubs CUTLASS needs, cp.async, CuTe (first)
+#include <cutlass/cuda_host_adapter.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+// clang-format on
+#undef __CUDACC_VER_MAJOR__
+#undef __CUDACC_VER_MINOR__
+#undef cuTensorMapEncodeTiled
+
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace cuda_emu::sm90 {
+
+// ---------------------------------------------------------------------------------------------
+// TMA boxes.
+// ---------------------------------------------------------------------------------------------
+// The byte address `a` (an offset in shared memory) under a swizzle of `bytes` (32, 64, 128): its
+// 16-byte chunk index XORed with the 128-byte line's index (mod the span's chunks), as TMA and
+// wgmma's canonical layouts both apply it.
+inline uint32_t swizzle(uint32_t a, uint32_t bytes) {
+  const uint32_t mask = bytes == 128 ? 7u : bytes == 64 ? 3u : bytes == 32 ? 1u : 0u;
+  return a ^ (((a >> 7) & mask) << 4);
+}
+
+// One TMA tile load: the box of `map` at `crd` into shared memory at `dst` (an offset).
+struct TmaBox {
+  TensorMap map;
+  int32_t crd[5];
+  uint32_t dst;
+
+  // Writes the box (coordinates outside the tensor read as zeros) in the map's swizzle; returns
+  // its bytes.
+  uint32_t land() const {
+    const TensorMap& m = map;
+    const uint32_t total = m.box[0] * m.box[1] * m.box[2] * m.box[3] * m.box[4];
+    for (uint32_t linear = 0; linear < total; ++linear) {
+      uint32_t rest = linear;
+      bool inside = true;
+      int64_t off = 0;
+      for (uint32_t d = 0; d < 5; ++d) {
+        const int64_t g = static_cast<int64_t>(d < m.rank ? crd[d] : 0) + rest % m.box[d];
+        rest /= m.box[d];
+        inside = inside && g >= 0 && g < static_cast<int64_t>(m.dims[d]);
+        off += g * static_cast<int64_t>(m.strides[d]);
+      }
+      unsigned char* to = g_sm90_smem + swizzle(dst + linear * m.element_bytes, m.swizzle_bytes);
+      if (inside) {
+        std::memcpy(to, m.address + off, m.element_bytes);
+      } else {
+        std::memset(to, 0, m.element_bytes);
+      }
+    }
+    return total * m.element_bytes;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// mbarriers. The state of the block's barriers (their addresses in shared memory) lives here, under
+// the block's synchronization mutex; a waiting thread counts as blocked for the deadlock check.
+// ---------------------------------------------------------------------------------------------
+struct Mbarrier {
+  int expected = 0, pending = 0;
+  int64_t tx = 0;  // transaction bytes still to come
+  uint32_t phase = 0;
+  std::vector<TmaBox> loads;  // issued, not landed
+};
+
+struct MbarrierTable {
+  std::map<const void*, Mbarrier> bars;            // under g_block.domain.m
+  int waiting = 0;                                 // threads blocked in wait(), under the mutex
+  Barrier wake{g_block.domain, "mbarrier waits"};  // its generation wakes them (and a deadlock)
+
+  Mbarrier& at(const void* p) {
+    auto it = bars.find(p);
+    if (it == bars.end()) {
+      report_error("mbarrier at shared byte " +
+                   std::to_string(static_cast<const unsigned char*>(p) - g_sm90_smem) +
+                   " used before its init");
+      return bars[p];
+    }
+    return it->second;
+  }
+  // Completes the phase when every arrival and byte is in; wakes the waiters. Under the mutex.
+  void settle(Mbarrier& b) {
+    if (b.pending > 0 || b.tx > 0) return;
+    if (b.tx < 0) report_error("mbarrier: more transaction bytes completed than expected");
+    b.phase ^= 1u;
+    b.pending = b.expected;
+    b.tx = 0;
+    g_progress.fetch_add(1, std::memory_order_relaxed);
+    wake_waiters();
+  }
+  // Every waiting thread looks again (a phase completed, or a load it may land was issued). Under
+  // the mutex.
+  void wake_waiters() {
+    g_block.domain.blocked -= waiting;
+    waiting = 0;
+    wake.wake_all();
+  }
+};
+inline MbarrierTable g_mbarriers;
+
+// ClusterTransactionBarrier's interface (a block of one CTA).
+struct TxBarrier {
+  static void init(const uint64_t* p, uint32_t count) {
+    std::lock_guard<std::mutex> lk(g_block.domain.m);
+    Mbarrier& b = g_mbarriers.bars[p];
+    b = Mbarrier{static_cast<int>(count), static_cast<int>(count), 0, 0, {}};
+  }
+  // Waits until the phase of parity `phase` has completed (mbarrier.try_wait.parity).
+  static void wait(const uint64_t* p, uint32_t phase) {
+    std::unique_lock<std::mutex> lk(g_block.domain.m);
+    for (;;) {
+      if (g_block.domain.deadlocked.load()) throw DeadlockAbort{};
+      Mbarrier& b = g_mbarriers.at(p);
+      if (b.phase != (phase & 1u)) return;
+      if (!b.loads.empty()) {  // the loads land when first waited for
+        for (const TmaBox& box : b.loads) b.tx -= box.land();
+        b.loads.clear();
+        g_mbarriers.settle(b);
+        continue;
+      }
+      ++g_block.domain.blocked;
+      ++g_mbarriers.waiting;
+      g_block.domain.check_deadlock();
+      const uint32_t g = g_mbarriers.wake.generation();
+      lk.unlock();
+      g_mbarriers.wake.wait_past(g);
+      lk.lock();
+    }
+  }
+  static void arrive(const uint64_t* p) { arrive_and_expect_tx(p, 0); }
+  static void arrive_and_expect_tx(const uint64_t* p, uint32_t bytes) {
+    std::lock_guard<std::mutex> lk(g_block.domain.m);
+    Mbarrier& b = g_mbarriers.at(p);
+    b.tx += bytes;
+    if (b.pending <= 0) report_error("mbarrier: more arrivals than its count");
+    --b.pending;
+    g_mbarriers.settle(b);
+  }
+  // A TMA load that completes its bytes on the barrier: it lands when a thread first waits for the
+  // phase (so that a thread that reads the stage without waiting reads what was there before).
+  static void issue(const uint64_t* p, const TmaBox& box) {
+    std::lock_guard<std::mutex> lk(g_block.domain.m);
+    g_mbarriers.at(p).loads.push_back(box);
+    g_mbarriers.wake_waiters();
+  }
+};
+
+// cutlass::PipelineTmaAsync for a cluster of one block: "full" barriers (the producer's arrival
+// with the stage's bytes, completed by the TMA loads) and "empty" ones (one arrival per consumer
+// thread, as CUTLASS counts them for a single block).
+template <int kStages>
+class PipelineTmaAsync {
+ public:
+  static constexpr uint32_t Stages = kStages;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  struct SharedStorage {
+    uint64_t full_barrier_[kStages];
+    uint64_t empty_barrier_[kStages];
+  };
+  enum class ThreadCategory { NonParticipant, Producer, Consumer, ProducerConsumer };
+  struct Params {
+    uint32_t transaction_bytes = 0;
+    ThreadCategory role = ThreadCategory::NonParticipant;
+    uint32_t is_leader = 0;
+    uint32_t num_consumers = 0;
+  };
+
+  template <typename ClusterShape>
+  PipelineTmaAsync(SharedStorage& storage, Params params, ClusterShape)
+      : full_(storage.full_barrier_), empty_(storage.empty_barrier_), params_(params) {
+    if (threadIdx.x / kWarpSize == 0 && threadIdx.x % kWarpSize == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        TxBarrier::init(&full_[s], 1);
+        TxBarrier::init(&empty_[s], params.num_consumers);
+      }
+    }
+  }
+  void producer_acquire(PipelineState state) {
+    TxBarrier::wait(&empty_[state.index()], state.phase());
+    if (params_.is_leader)
+      TxBarrier::arrive_and_expect_tx(&full_[state.index()], params_.transaction_bytes);
+  }
+  uint64_t* producer_get_barrier(PipelineState state) { return &full_[state.index()]; }
+  void producer_tail(PipelineState state) {
+    for (int s = 0; s < kStages; ++s, ++state)
+      TxBarrier::wait(&empty_[state.index()], state.phase());
+  }
+  void consumer_wait(PipelineState state) { TxBarrier::wait(&full_[state.index()], state.phase()); }
+  void consumer_release(PipelineState state) { TxBarrier::arrive(&empty_[state.index()]); }
+
+ private:
+  uint64_t* full_;
+  uint64_t* empty_;
+  Params params_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Named barriers: bar.sync / bar.arrive id, count (the block's named barriers: cuda_emulation.h).
+// ---------------------------------------------------------------------------------------------
+struct NamedBarrier {
+  // CUTLASS reserves the first ids; the kernels' ids come after them, as on a GPU.
+  static constexpr uint32_t kReserved =
+      static_cast<uint32_t>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+  static void sync(uint32_t threads, uint32_t id) {
+    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), true);
+  }
+  static void arrive(uint32_t threads, uint32_t id) {
+    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), false);
+  }
+
+ private:
+  static uint32_t checked(uint32_t id) {
+    if (id + kReserved >= kNamedBarriers)
+      report_error("named barrier id " + std::to_string(id) + " past the hardware's 16");
+    return (id + kReserved) % kNamedBarriers;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// TMA loads.
+// ---------------------------------------------------------------------------------------------
+struct TmaLoadOp {
+  template <typename... Coords>
+  static void copy(void const* desc, uint64_t* mbar, uint64_t /*cache_hint*/, void* smem,
+                   Coords const&... coords) {
+    static_assert(sizeof...(Coords) >= 1 && sizeof...(Coords) <= 5);
+    TmaBox box{};
+    std::memcpy(&box.map, desc, sizeof(box.map));
+    const int32_t crd[sizeof...(Coords)] = {static_cast<int32_t>(coords)...};
+    for (size_t d = 0; d < sizeof...(Coords); ++d) box.crd[d] = crd[d];
+    if (sizeof...(Coords) != box.map.rank)
+      report_error("TMA load: coordinates and map rank differ");
+    box.dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    if (box.map.swizzle_bytes != 0 && box.dst % (8 * box.map.swizzle_bytes) != 0)
+      report_error(
+          "TMA load: a swizzled box's shared-memory address is not aligned to its pattern");
+    TxBarrier::issue(mbar, box);
+  }
+};
+
+// The operation the kernels name in make_tma_copy: CuTe builds SM90_TMA_LOAD's traits (the same
+// descriptor and partitioning), and `with` gives the emulated executable copy.
+struct TmaLoad : cute::SM90_TMA_LOAD {};
+
+// ---------------------------------------------------------------------------------------------
+// wgmma.
+// ---------------------------------------------------------------------------------------------
+template <typename Real>
+struct Gmma : Real {};
+
+// A wgmma operand's element (r, k) in shared memory from its descriptor (PTX ISA, "Matrix
+// Descriptor Format"; CuTe's make_gmma_desc writes it): r is the M or N index, k the K index, of
+// 16-bit elements. The canonical layouts, in 16-byte units (T = 8 elements):
+//   K-major,  swizzled:  ((8, m), 2) : ((W, SBO), 1)        interleaved: ((8, m), 2) : ((1, SBO),
+//   LBO) MN-major, swizzled:  ((W, m), (8, k)) : ((1, LBO), (W, SBO))
+//             interleaved: ((1, m), (8, k)) : ((-, SBO), (1, LBO))
+// with W the swizzle span in 16-byte chunks, then the swizzle of the byte address.
+inline uint32_t operand_address(uint64_t desc, bool k_major, int r, int k) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3fffu) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3fffu);
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fffu);
+  const uint32_t type = static_cast<uint32_t>(desc >> 62);  // 0 none, 1 128B, 2 64B, 3 32B
+  const uint32_t span = type == 1 ? 128 : type == 2 ? 64 : type == 3 ? 32 : 0;
+  const uint32_t w = span / 16;
+  uint32_t chunk;  // in 16-byte units
+  uint32_t within;
+  if (k_major) {
+    const uint32_t c = static_cast<uint32_t>(k) / 8;
+    within = static_cast<uint32_t>(k % 8) * 2;
+    chunk = span != 0 ? (r % 8) * w + (r / 8) * sbo + c : (r % 8) + (r / 8) * sbo + c * lbo;
+  } else {
+    const uint32_t c = static_cast<uint32_t>(r) / 8;
+    within = static_cast<uint32_t>(r % 8) * 2;
+    chunk = span != 0 ? (c % w) + (c / w) * lbo + (k % 8) * w + (k / 8) * sbo
+                      : c * sbo + (k % 8) + (k / 8) * lbo;
+  }
+  return swizzle(start + chunk * 16 + within, span);
+}
+
+template <typename Frg>
+struct OperandMajor;
+template <cute::GMMA::Major kMajor>
+struct OperandMajor<cute::GMMA::smem_desc<kMajor>> {
+  static constexpr bool kK = kMajor == cute::GMMA::Major::K;
+};
+
+// The warpgroups' slots for a register A operand (8 16-bit values per thread), double-buffered as
+// the warps' slots are.
+struct WarpgroupSlots {
+  alignas(16) unsigned char slot[2][128][16];
+  uint64_t seq[2][128];
+};
+inline WarpgroupSlots g_warpgroup_slots[kMaxBlockWarpgroups];
+
+// The 128 threads of the calling thread's warpgroup at the same wgmma (reported otherwise).
+inline int warpgroup_meet(const void* value, int bytes) {
+  const int t = static_cast<int>(threadIdx.x), wg = t / 128;
+  WarpgroupSlots& s = g_warpgroup_slots[wg];
+  const uint64_t seq = t_group_seq++;
+  const int buf = static_cast<int>(seq & 1);
+  s.seq[buf][t % 128] = seq;
+  if (bytes > 0) std::memcpy(s.slot[buf][t % 128], value, static_cast<size_t>(bytes));
+  const int participants = g_block.warpgroup_barrier[wg].arrive_and_wait();
+  if (participants != 128) {
+    report_error("wgmma by thread " + std::to_string(t) + " while " +
+                 std::to_string(128 - participants) + " thread(s) of its warpgroup have returned");
+  }
+  for (int u = 0; u < 128; ++u) {
+    if (s.seq[buf][u] != seq) {
+      report_error("divergent wgmma in warpgroup " + std::to_string(wg) + ": thread " +
+                   std::to_string(t) + " at #" + std::to_string(seq) + ", thread " +
+                   std::to_string(wg * 128 + u) + " at #" + std::to_string(s.seq[buf][u]));
+      break;
+    }
+  }
+  return buf;
+}
+
+// The operations of sm90/ops.cuh's Sm90Ops, emulated.
+struct Ops {
+  using TmaLoad = sm90::TmaLoad;
+  template <typename Op>
+  using Gmma = sm90::Gmma<Op>;
+  template <int kStages>
+  using Pipeline = PipelineTmaAsync<kStages>;
+  using TxBarrier = sm90::TxBarrier;
+  using NamedBarrier = sm90::NamedBarrier;
+  using CpAsync4 = sm80::CpAsync<uint32_t>;
+  // 4-byte cp.async that writes zeros where `read` is false.
+  struct CpAsync4Zfill {
+    static void copy(float const& src, float& dst, bool read) {
+      smem_access(&dst, sizeof(float), true, "cp.async");
+      dst = read ? src : 0.f;
+    }
+  };
+  static int warp_group_idx() { return static_cast<int>(threadIdx.x) / 128; }
+  static void prefetch_tma_descriptor(const cute::TmaDescriptor*) {}
+  static void wgmma_fence() {}
+  static void wgmma_commit() {}
+  template <int kPending>
+  static void wgmma_wait() {}
+};
+
+}  // namespace cuda_emu::sm90
+
+// The emulated operations have the real ones' traits.
+namespace cute {
+template <typename Real>
+struct MMA_Traits<cuda_emu::sm90::Gmma<Real>> : MMA_Traits<Real> {};
+
+template <class NumBits, class Aux>
+struct Copy_Traits<cuda_emu::sm90::TmaLoadOp, NumBits, Aux>;
+
+// The executable emulated load: what SM90_TMA_LOAD's `with` gives, calling the emulated copy.
+template <class NumBits>
+struct Copy_Traits<cuda_emu::sm90::TmaLoadOp, NumBits>
+    : TMA_LOAD_Unpack<cuda_emu::sm90::TmaLoadOp, NumBits> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBits>>;
+  using DstLayout = Layout<Shape<_1, NumBits>>;
+  using RefLayout = SrcLayout;
+  tuple<TmaDescriptor const*, uint64_t*, uint64_t> const opargs_;
+  Copy_Traits(TmaDescriptor const* desc, uint64_t* mbar, uint64_t cache)
+      : opargs_(desc, mbar, cache) {}
+};
+
+// The non-executable load as SM90_TMA_LOAD's, whose `with` gives the emulated executable one.
+template <class NumBits, class Aux>
+struct Copy_Traits<cuda_emu::sm90::TmaLoad, NumBits, Aux>
+    : Copy_Traits<SM90_TMA_LOAD, NumBits, Aux> {
+  using Base = Copy_Traits<SM90_TMA_LOAD, NumBits, Aux>;
+  Copy_Traits(TmaDescriptor const& desc, Aux const& aux) : Base{desc, aux} {}
+  Copy_Traits<cuda_emu::sm90::TmaLoadOp, NumBits> with(
+      uint64_t& mbar, uint16_t const& = 0,
+      TMA::CacheHintSm90 const& hint = TMA::CacheHintSm90::EVICT_NORMAL) const {
+    return {&this->tma_desc_, &mbar, static_cast<uint64_t>(hint)};
+  }
+};
+
+// One emulated wgmma (m64nNk16): D (+)= A B over the atom's K of 16, fp32 products added in k
+// order. A from shared memory (its descriptor) or from the warpgroup's registers (gathered), B
+// from shared memory.
+template <class Real, class TD, class DLayout, class TA, class ALayout, class TB, class BLayout,
+          class TC, class CLayout>
+void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD, DLayout>& D,
+                Tensor<TA, ALayout> const& A, Tensor<TB, BLayout> const& B,
+                Tensor<TC, CLayout> const&) {
+  using namespace cuda_emu;
+  using Traits = MMA_Traits<Real>;
+  using Element = typename Traits::ValTypeA;
+  static_assert(sizeof(Element) == 2, "the emulated wgmma takes 16-bit operands");
+  constexpr int kM = size<0>(typename Traits::Shape_MNK{});
+  constexpr int kN = size<1>(typename Traits::Shape_MNK{});
+  constexpr bool kSsA = std::is_same_v<std::remove_cv_t<typename TA::value_type>, GmmaDescriptor>;
+  static_assert(kM == 64 && size<2>(typename Traits::Shape_MNK{}) == 16);
+
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  // The register A operand of every thread, gathered (RS); with SS the meeting only orders.
+  uint32_t a_regs[4] = {0, 0, 0, 0};
+  if constexpr (!kSsA) {
+    static_assert(decltype(size(A))::value == 8);
+    for (int v = 0; v < 8; ++v) {
+      const Element e = A(v);
+      uint16_t bits;
+      std::memcpy(&bits, &e, 2);
+      a_regs[v / 2] |= static_cast<uint32_t>(bits) << (16 * (v % 2));
+    }
+  }
+  const int buf = sm90::warpgroup_meet(a_regs, kSsA ? 0 : 16);
+  float a[64][16];
+  if constexpr (kSsA) {
+    const uint64_t desc = static_cast<uint64_t>(*A.data());
+    constexpr bool kK = sm90::OperandMajor<typename Traits::FrgTypeA>::kK;
+    for (int m = 0; m < 64; ++m)
+      for (int k = 0; k < 16; ++k) {
+        Element e;
+        std::memcpy(&e, g_sm90_smem + sm90::operand_address(desc, kK, m, k), 2);
+        a[m][k] = static_cast<float>(e);
+      }
+  } else {
+    const auto& slots = sm90::g_warpgroup_slots[threadIdx.x / 128].slot[buf];
+    for (int t = 0; t < 128; ++t)
+      for (int v = 0; v < 8; ++v) {
+        uint32_t reg;
+        std::memcpy(&reg, slots[t] + 4 * (v / 2), 4);
+        const uint16_t bits = static_cast<uint16_t>(v % 2 ? reg >> 16 : reg & 0xffffu);
+        const int mk = typename Traits::ALayout{}(t, v);  // (m, k), m fastest
+        a[mk % 64][mk / 64] = static_cast<float>(Element::bitcast(bits));
+      }
+  }
+  const uint64_t bdesc = static_cast<uint64_t>(*B.data());
+  constexpr bool kKB = sm90::OperandMajor<typename Traits::FrgTypeB>::kK;
+  const bool zero = traits.accumulate_ == GMMA::ScaleOut::Zero;
+  static_assert(decltype(size(D))::value == kN / 2);
+  for (int v = 0; v < kN / 2; ++v) {
+    const int mn = typename Traits::CLayout{}(tid, v);  // (m, n), m fastest
+    const int m = mn % 64, n = mn / 64;
+    float acc = zero ? 0.f : D(v);
+    for (int k = 0; k < 16; ++k) {
+      Element e;
+      std::memcpy(&e, g_sm90_smem + sm90::operand_address(bdesc, kKB, n, k), 2);
+      acc += a[m][k] * static_cast<float>(e);
+    }
+    D(v) = acc;
+  }
+  // Every thread's reads of shared memory are done before any passes (the wgmma's wait).
+  sm90::warpgroup_meet(nullptr, 0);
+}
+}  // namespace cute
+
+// The dynamic shared memory of the sm90 kernels (their `extern __shared__` arrays are declared in
+// these namespaces).
+namespace entropy_attn::cuda::sm90::fwd_impl {
+alignas(4096) inline char ea_sm90_fwd_smem[cuda_emu::kSmemCapacity];
+}  // namespace entropy_attn::cuda::sm90::fwd_impl
+namespace entropy_attn::cuda::sm90::bwd_impl {
+alignas(4096) inline char ea_sm90_bwd_smem[cuda_emu::kSmemCapacity];
+}  // namespace entropy_attn::cuda::sm90::bwd_impl

@@ -1,0 +1,96 @@
+// The Hopper family's kernels on the CPU (test_sm90_emulation.cpp): their emulated launches, with
+// the launchers' arguments, grids and shared memory (csrc/cuda/sm90/fwd_launch.cuh,
+// bwd_launch.cuh), and the checks of a call against the kernel harness's float64 reference
+// (benchmarks/harness/kernel_harness.h).
+#pragma once
+
+// clang-format off
+#include "cuda_emulation.h"  // first: the CUDA built-ins the kernel headers use
+#include "emulated_sm90_ops.h"  // before any CuTe header (shared addresses)
+// clang-format on
+
+#include <gtest/gtest.h>
+
+#include "cuda/sm80/bwd_kernel.cuh"
+#include "cuda/sm90/bwd_kernel.cuh"
+#include "cuda/sm90/fwd_kernel.cuh"
+#include "cuda/sm90/launch.h"
+#include "kernel_harness.h"
+#include "sm80_emulation.h"
+
+namespace sm90_emulation {
+
+namespace ec = entropy_attn::cuda;
+namespace eh = entropy_attn::harness;
+namespace s9f = entropy_attn::cuda::sm90::fwd_impl;
+namespace s9b = entropy_attn::cuda::sm90::bwd_impl;
+using entropy_attn::MaskKind;
+
+// An emulated launch of a Hopper kernel: 384 threads, the kernel's shared memory (whose offsets
+// are the shared addresses of its descriptors).
+inline EmulatedLaunch hopper_launch(dim3 grid, int threads, size_t smem_bytes, char* smem) {
+  EmulatedLaunch l;
+  l.grid = grid;
+  l.threads = threads;
+  l.smem_bytes = smem_bytes;
+  l.smem = reinterpret_cast<unsigned char*>(smem);
+  cuda_emu::g_sm90_smem = l.smem;
+  return l;
+}
+
+// sm90/fwd_launch.cuh's launch_forward.
+template <typename T, int kD, bool kCausal, MaskKind kMask, bool kStats>
+void launch_forward(const ec::FwdParams<float>& p) {
+  using Kt = s9f::FwdTraits<T, kD, kMask, cuda_emu::sm90::Ops>;
+  ASSERT_TRUE(ec::sm90::covers(p, kD, kCausal));
+  const s9f::KernelArgs<Kt> args = s9f::make_kernel_args<Kt>(p);
+  const EmulatedLaunch l =
+      hopper_launch(s9f::grid<Kt>(p), Kt::kThreads, Kt::kSmemBytes, s9f::ea_sm90_fwd_smem);
+  emulate_launch(s9f::forward_kernel<T, Kt, kCausal, kMask, kStats>, l, args);
+}
+
+// sm90/bwd_launch.cuh's launch_backward: the sm80 family's delta preprocess, the Hopper main
+// kernel, the sm80 family's dq / d lambda postprocess.
+template <typename T, int kD, bool kCausal, MaskKind kMask>
+void launch_backward(const ec::BwdParams<float>& p) {
+  using Kt = s9b::BwdTraits<T, kD, cuda_emu::sm90::Ops>;
+  using Rows = sm80_emulation::EmulatedTraits<T, kD, false>;
+  namespace sb = entropy_attn::cuda::sm80::bwd;
+  ASSERT_TRUE(ec::sm90::backward_covers(p, kD, kCausal));
+  EmulatedLaunch l;
+  l.threads = Rows::kNThreads;
+  l.smem = reinterpret_cast<unsigned char*>(sb::smem);
+  l.grid = sm80_emulation::row_grid(p.q_len, Rows::kPreRows, p.heads, p.batch);
+  emulate_launch(sb::preprocess_kernel<Rows>, l, p);
+  const s9b::KernelArgs<Kt> args = s9b::make_kernel_args<Kt>(p);
+  emulate_launch(
+      s9b::main_kernel<T, Kt, kCausal, kMask>,
+      hopper_launch(s9b::grid<Kt>(p), Kt::kThreads, Kt::kSmemBytes, s9b::ea_sm90_bwd_smem), args);
+  l.grid = sm80_emulation::row_grid(p.q_len, Rows::kPostRows, p.heads, p.batch);
+  emulate_launch(sb::postprocess_kernel<Rows>, l, p);
+}
+
+// One forward against the reference (sm80_emulation.h: expect_forward).
+template <typename T, int kD, bool kCausal, MaskKind kMask, bool kStats>
+void run_forward(const eh::Shape& s) {
+  ASSERT_EQ(s.head_dim, kD);
+  ASSERT_EQ(s.mask, kMask);
+  ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
+  eh::HostCall<T> c(s, 11);
+  launch_forward<T, kD, kCausal, kMask, kStats>(eh::forward_params(s, c.b, kStats));
+  sm80_emulation::expect_forward<T, kStats>(s, c);
+}
+
+// One backward: the fallback forward's statistics, the Hopper backward, and its gradients against
+// the reference.
+template <typename T, int kD, bool kCausal, MaskKind kMask>
+void run_backward(const eh::Shape& s) {
+  ASSERT_EQ(s.head_dim, kD);
+  ASSERT_EQ(s.mask, kMask);
+  ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
+  eh::HostCall<T> c(s, 11);
+  launch_backward<T, kD, kCausal, kMask>(sm80_emulation::backward_inputs(s, c));
+  sm80_emulation::expect_backward(s, c);
+}
+
+}  // namespace sm90_emulation

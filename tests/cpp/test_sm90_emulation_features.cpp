@@ -1,0 +1,60 @@
+// The features the Hopper family's general (causal) instantiations take (emulated_features.h),
+// run on the CPU as test_sm90_emulation.cpp runs the family (sm90_emulation.h): windows,
+// bottom-right alignment, softcap, sinks, dropout and packed documents, forward and backward. A
+// unit of its own: the two compile side by side.
+#include "sm90_emulation.h"
+
+#include "emulated_features.h"
+
+namespace {
+
+using namespace sm90_emulation;
+using emulated_features::Feature;
+using emulated_features::run_documents;
+using emulated_features::run_feature;
+
+// The Hopper family's general forward and backward (without a mask, which takes any feature).
+struct Sm90 {
+  static constexpr ec::Family kFamily = ec::Family::kSm90;
+  template <typename T, int kD>
+  static void forward(const ec::FwdParams<float>& p) {
+    launch_forward<T, kD, true, MaskKind::kNone, true>(p);
+  }
+  template <typename T, int kD>
+  static void backward(const ec::BwdParams<float>& p) {
+    launch_backward<T, kD, true, MaskKind::kNone>(p);
+  }
+};
+
+TEST(EmulatedSm90Features, WindowsAndAlignment) {
+  Feature f;
+  f.window = {40, 0};
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.alignment = "bottom_right", f.q_len = 70, f.kv_len = 200;
+  run_feature<Sm90, __half, 128>(f);
+  f = Feature{};
+  f.causal = false, f.window = {30, 50};  // a two-sided band
+  run_feature<Sm90, __nv_bfloat16, 128>(f);
+}
+
+TEST(EmulatedSm90Features, SoftcapSinksDropout) {
+  Feature f;
+  f.softcap = 2.0, f.sinks = true, f.window = {63, 0};
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.dropout_p = 0.2;
+  run_feature<Sm90, __nv_bfloat16, 128>(f);
+  f.dropout_p = 0.1, f.sinks = true;
+  run_feature<Sm90, __half, 64>(f);
+}
+
+TEST(EmulatedSm90Features, PackedDocuments) {
+  // Documents that straddle query tiles and key blocks, one of a single token, one with fewer
+  // queries than keys (a cache), causal and with a window.
+  run_documents<Sm90, __nv_bfloat16, 64>({0, 1, 130, 190, 200}, {0, 1, 130, 250, 300}, true,
+                                         {-1, 0});
+  run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
+}
+
+}  // namespace

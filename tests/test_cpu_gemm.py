@@ -146,10 +146,20 @@ def test_bf16_products_match_the_reference(tmp_path: Path) -> None:
                 for g, rg in zip(gs, ref_grads):
                     assert ((g.double() - rg).norm() / rg.norm()).item() < 1e-2
         differs |= not torch.equal(out, out_f) and all(not torch.equal(a, b) for a, b in zip(grads, grads_f))
-    assert differs == (cpu_has_bf16_kernel() and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
-    for (*_, out_c, ent_c, grads_c), (*_, out_f, ent_f, grads_f) in zip(results["capped"], results["float"]):
-        for a, b in ((out_c, out_f), (ent_c, ent_f), *zip(grads_c, grads_f)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, equal_nan=True)
+    # Where the CPU has AVX512-BF16 or AMX the default must take the bfloat16 products. Without them
+    # oneDNN may still generate a bfloat16 kernel (an AMD EPYC with AVX2 only does), which the
+    # library's probe accepts once its exact products check out: either answer is right there, and
+    # the comparisons above held both paths to the reference.
+    if cpu_has_bf16_kernel() and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert differs
+    # Capped below its AVX-512 bfloat16 kernels, oneDNN runs the float products (the probe turned the
+    # bfloat16 ones off instead of raising). A CPU without AVX512-BF16 or AMX may keep a bfloat16 kernel
+    # under that cap (the AVX2 one above): the capped run is then the default one.
+    def same(run: str) -> bool:
+        return all(torch.allclose(a, b, atol=1e-6, rtol=1e-6, equal_nan=True)
+                   for (*_, out_c, ent_c, grads_c), (*_, out_r, ent_r, grads_r) in zip(results["capped"], results[run])
+                   for a, b in ((out_c, out_r), (ent_c, ent_r), *zip(grads_c, grads_r)))
+    assert same("float") or (not cpu_has_bf16_kernel() and same("bf16"))
 
 
 def test_bf16_with_onednn_disabled() -> None:

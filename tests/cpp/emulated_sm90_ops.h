@@ -463,9 +463,6 @@ namespace cute {
 template <typename Real>
 struct MMA_Traits<cuda_emu::sm90::Gmma<Real>> : MMA_Traits<Real> {};
 
-template <class NumBits, class Aux>
-struct Copy_Traits<cuda_emu::sm90::TmaLoadOp, NumBits, Aux>;
-
 // The executable emulated load: what SM90_TMA_LOAD's `with` gives, calling the emulated copy.
 template <class NumBits>
 struct Copy_Traits<cuda_emu::sm90::TmaLoadOp, NumBits>

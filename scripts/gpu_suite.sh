@@ -237,6 +237,21 @@ else
   finish "FAILED (results/gpu/harness_99KB.md, $LOG_DIR/harness_99KB.log)"
 fi
 
+# --- 6a''. the Hopper backward's bulk dq reductions (off by default until they pass and are timed
+# here: csrc/cuda/family.h, kHopperBulkDqByDefault): the harness's checks and timings with them, to
+# set beside 6a's (the atomics) ------------------------------------------------------------------
+begin "kernel harness, sm90 dq by bulk reductions"
+if [[ ${SKIP_BENCH:-0} != 0 ]]; then
+  finish "skipped (SKIP_BENCH)"
+elif bash scripts/kernel_harness.sh run --quick --families sm90 --sm90-bulk-dq \
+    --json results/gpu/harness_bulk_dq.json \
+    --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+    >results/gpu/harness_bulk_dq.md 2>"$LOG_DIR/harness_bulk_dq.log"; then
+  finish "ok (results/gpu/harness_bulk_dq.md)"
+else
+  finish "FAILED (results/gpu/harness_bulk_dq.md, $LOG_DIR/harness_bulk_dq.log)"
+fi
+
 # --- 6b. Nsight Compute profile of the default path (results/gpu/profile.md: throughput, tensor pipe,
 # stall reasons per kernel); skipped where ncu is missing -------------------------------------------
 begin "profile (benchmarks/gpu_profile.py)"

@@ -14,7 +14,8 @@ its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) com
 mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
 local memory; its masked forward kernels also copy the mask tile with asynchronous copies
 (LDGSTS); its backward main kernels use HGMMA, UTMALDG, SYNCS, USETMAXREG, MUFU.EX2 and
-accumulate dQ with reductions (RED or ATOM).
+accumulate dQ with reductions (RED or ATOM), those without a mask also with bulk reductions from
+shared memory (UBLKRED: sm90/bwd_kernel.cuh, write_dq).
 Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each architecture
 but the targets of families restricted to one (`gencode`), each of [sm90] for its target. Writes
 results/sass/report.md; exits 1 on any violation.
@@ -131,6 +132,8 @@ def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     problems = [f"no {op}" for op in needs if not has(counts, op)]
     if kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
         problems.append("no RED/ATOM for the dQ accumulation")
+    if kind == "backward" and re.search(r"\(entropy_attn::MaskKind\)0", name) and not has(counts, "UBLKRED"):
+        problems.append("no UBLKRED for the dQ bulk reductions")
     return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
 
 
@@ -198,7 +201,7 @@ def main() -> int:
                                 f"kernels.toml lists {n_fwd} and {n_bwd}")
     args.out.mkdir(parents=True, exist_ok=True)
     cols = ["HMMA", "LDSM", "LDGSTS", "HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "RED", "ATOM",
-            "LDL", "STL"]
+            "UBLKRED", "LDL", "STL"]
     lines = [f"SASS of the tensor-core families in `{lib.relative_to(ROOT) if lib.is_relative_to(ROOT) else lib}` "
              f"({', '.join(archs)}): instruction counts per kernel (`scripts/sass_check.py`).", "",
              "| arch | kernel | " + " | ".join(cols) + " | verdict |", "|---" * (len(cols) + 3) + "|"]

@@ -4,7 +4,7 @@
 // runtime), carried to the GPU machine as one file, run there:
 //
 //   build/kernel_harness [--quick] [--checks-only] [--families sm80,sm90,fallback] [--json F]
-//                        [--commit C]
+//                        [--commit C] [--sm90-bulk-dq]
 //
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, bool and additive masks,
 //    D = 64 and 128, bf16 and fp16) through each family the device runs: the forward with and
@@ -24,7 +24,9 @@
 // when every check passed, 1 when one failed, 2 without a CUDA device of compute capability 8.0 or
 // newer or on a usage error, 3 on a CUDA error (named on stderr). Calls are launched as the op
 // launches them by default (csrc/cuda/family.cpp): split-KV's parts for the sm80 forward, the
-// launch order's sections, the backward left out where the op would not run it on the device.
+// launch order's sections, the backward left out where the op would not run it on the device;
+// --sm90-bulk-dq has the Hopper backward add dq by bulk reductions, as the op does where the family
+// is forced (csrc/cuda/family.h: kHopperBulkDqByDefault), for the calls without a mask.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -216,9 +218,12 @@ bool launched(cudaError_t err) {
   return true;
 }
 
-// What the op's launches read of the device (csrc/cuda/family.cpp, device_limits.h).
+// What the op's launches read of the device (csrc/cuda/family.cpp, device_limits.h), and whether
+// the Hopper backward adds dq by bulk reductions (--sm90-bulk-dq: what the op does where
+// ENTROPY_ATTN_CUDA_FAMILY=sm90 forces the family, family.h: kHopperBulkDqByDefault).
 struct Device {
   int sms = 0, l2_bytes = 0, smem_optin = 0;
+  bool sm90_bulk_dq = false;
 };
 
 // A call's sizes as csrc/cuda/launch_order_rule.h reads them.
@@ -235,6 +240,7 @@ struct OpLaunch {
   FwdFn fwd_stats = nullptr, fwd_plain = nullptr;
   BwdFn bwd = nullptr;
   int splits = 1, fwd_sections = 0, bwd_sections = 0;
+  bool bulk_dq = false;  // the sm90 backward's bulk reductions (calls without a mask)
   std::string bwd_skip;
 
   template <typename T>
@@ -251,6 +257,7 @@ struct OpLaunch {
     l.fwd_stats = forward_of<T>(f, d, general, true, s.mask);
     l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
     l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
+    l.bulk_dq = f == Family::kSm90 && dev.sm90_bulk_dq && !masked;
     // (The launcher takes the compact tiles where the full ones do not fit: launch.h.)
     const int need = sm80::backward_main_smem_bytes(d, sm80::backward_compact(d, dev.smem_optin));
     if (f == Family::kSm80 && need > dev.smem_optin) {
@@ -284,6 +291,7 @@ struct OpLaunch {
   BwdParams<float> backward(const DeviceCall& c, bool tensor_core) const {
     BwdParams<float> p = backward_params(c.s, c.b, tensor_core);
     p.launch_sections = bwd_sections;
+    if (bulk_dq) p.dq_layout = sm90::bulk_dq_accum(c.s.q_len, c.s.head_dim);
     return p;
   }
 };
@@ -468,7 +476,7 @@ std::string json_number(double x) {
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0; }
 
 struct Options {
-  bool quick = false, checks_only = false;
+  bool quick = false, checks_only = false, sm90_bulk_dq = false;
   std::vector<Family> families;
   std::string json, commit;
 };
@@ -476,7 +484,7 @@ struct Options {
 int usage(const char* why) {
   std::fprintf(stderr,
                "kernel_harness: %s\nusage: kernel_harness [--quick] [--checks-only] "
-               "[--families sm80,sm90,fallback] [--json FILE] [--commit C]\n",
+               "[--families sm80,sm90,fallback] [--sm90-bulk-dq] [--json FILE] [--commit C]\n",
                why);
   return 2;
 }
@@ -493,6 +501,8 @@ int main(int argc, char** argv) {
       o.quick = true;
     } else if (arg == "--checks-only") {
       o.checks_only = true;
+    } else if (arg == "--sm90-bulk-dq") {
+      o.sm90_bulk_dq = true;
     } else if (arg == "--json" && has_value) {
       o.json = argv[++a];
     } else if (arg == "--commit" && has_value) {
@@ -541,6 +551,7 @@ int main(int argc, char** argv) {
   }
   Device dev;
   dev.sms = prop.multiProcessorCount, dev.l2_bytes = prop.l2CacheSize;
+  dev.sm90_bulk_dq = o.sm90_bulk_dq;
   {  // (as the op and the launchers read it: under ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK)
     cudaError_t err = cudaSuccess;
     dev.smem_optin = smem_per_block(err);

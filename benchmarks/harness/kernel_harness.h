@@ -24,12 +24,15 @@
 #include <vector>
 
 #include "cuda/params.h"
+#include "cuda/sm90/launch.h"
 
 namespace entropy_attn::harness {
 
 using cuda::AttentionArgs;
 using cuda::BwdParams;
+using cuda::DqAccumLayout;
 using cuda::FwdParams;
+using cuda::packed_dq_accum;
 
 // The mask of a masked call, the same for every head (the kernels read it as (B, H, Lq, Lk) with a
 // head stride of 0): key j hidden from row i unless j = 0 or (i + 2 j) mod 3 != 0 (so no row is
@@ -275,6 +278,13 @@ struct Buffers {
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the tensor-core families' (T)
 };
 
+// The floats of dq's accumulator: packed, or laid out for the Hopper backward's bulk reductions
+// (sm90/launch.h: bulk_dq_accum), whichever is larger.
+inline int64_t dq_accum_elems(const Shape& s) {
+  const DqAccumLayout bulk = cuda::sm90::bulk_dq_accum(s.q_len, s.head_dim);
+  return std::max(s.q_elems(), s.batch * s.heads * bulk.rows * bulk.ld);
+}
+
 // What each buffer holds, in bytes, for inputs of `elem` bytes: one list, so that the allocation
 // on either side walks it.
 struct BufferSize {
@@ -286,6 +296,7 @@ struct BufferSize {
 inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t elem,
                                             bool per_head_grads = true) {
   const int64_t rows = s.rows() * 4, q = s.q_elems(), kv = s.kv_elems();
+  const int64_t dq_accum = dq_accum_elems(s) * 4;
   const int64_t kv_heads = per_head_grads ? s.batch * s.heads * s.kv_len * s.head_dim * 4 : 0;
   const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
   const int64_t mask = s.batch * s.q_len * s.kv_len *
@@ -312,7 +323,7 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
           {slot(b.g_lse), rows},
           {slot(b.g_entropy), rows},
           {slot(b.g_sum_p2), rows},
-          {slot(b.dq_accum), q * 4},
+          {slot(b.dq_accum), dq_accum},
           {slot(b.d_row_scale), rows},
           {slot(b.dk_heads), kv_heads},
           {slot(b.dv_heads), kv_heads},
@@ -365,10 +376,12 @@ inline FwdParams<float> forward_params(const Shape& s, const Buffers& b, bool st
 
 // The backward of a forward with statistics into b (lse, row_scale, entropy, sum_p2), for the
 // fallback (G, per-query-head dK and dV in float32; finish_fallback forms the gradients) or a
-// tensor-core family (dq, dk, dv in T). dq_accum must be zero-filled.
+// tensor-core family (dq, dk, dv in T), dq_accum packed (the Hopper backward's bulk reductions
+// want another layout: sm90/launch.h, bulk_dq_accum). dq_accum must be zero-filled.
 inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool tensor_core) {
   BwdParams<float> p;
   fill_args(p, s, b);
+  p.dq_layout = packed_dq_accum(s.q_len, s.head_dim);
   const int64_t d = s.head_dim;
   p.out = {b.out, s.heads * s.q_len * d, s.q_len * d, d};
   p.dout = {b.dout, s.heads * s.q_len * d, s.q_len * d, d};

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "../reduction_dim.h"
+#include "family.h"
+#include "sm90/launch.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -117,7 +119,11 @@ void BackwardCall::allocate(Family f) {
   family = f;
   const auto opts = q.options().dtype(call.acc);
   delta = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
-  g = at::zeros({sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+  // G packed, or in whole padded query blocks for the Hopper backward's bulk reductions.
+  dq_layout = f == Family::kSm90 && hopper_bulk_dq(call)
+                  ? sm90::bulk_dq_accum(sh.q_len, sh.head_dim)
+                  : packed_dq_accum(sh.q_len, sh.head_dim);
+  g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {
     dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
@@ -142,6 +148,7 @@ BwdParams<acc_t> BackwardCall::params() const {
   p.g_sum_p2 = ptr_or_null<acc_t>(call.g_sum_p2);
   p.delta = delta.data_ptr<acc_t>();
   p.dq_accum = g.data_ptr<acc_t>();
+  p.dq_layout = dq_layout;
   p.d_logits = call.logit_grad_arg<acc_t>();
   if (family == Family::kFallback) {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();

@@ -49,6 +49,7 @@ struct BackwardCall {
   // tensor-core family's dq, dk, dv (input type, dk and dv per key/value head) and d lambda.
   Family family = Family::kFallback;
   at::Tensor delta, g, dk, dv, dq, dlam;
+  DqAccumLayout dq_layout;  // g's (params.h), which the tensor-core families read
 
   BackwardCall(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
                const at::Tensor& value, const at::Tensor& output,

@@ -265,13 +265,17 @@ std::string hopper_obstacle(const AttentionShape& s, at::ScalarType dtype, const
   return {};
 }
 
+// Whether a capability of the Hopper family that is `by_default` on or off (family.h) is on:
+// always when the family is forced, never when another is.
+bool hopper_capability(bool by_default) {
+  const std::optional<Family> requested = requested_family();
+  return requested.has_value() ? *requested == Family::kSm90 : by_default;
+}
+
 // Whether the Hopper family takes windows, bottom-right alignment, packed documents, softcap,
 // sinks and dropout: by default once they have passed the GPU tests (family.h:
 // kHopperFeaturesByDefault), or when the family is forced.
-bool hopper_features() {
-  const std::optional<Family> requested = requested_family();
-  return requested.has_value() ? *requested == Family::kSm90 : kHopperFeaturesByDefault;
-}
+bool hopper_features() { return hopper_capability(kHopperFeaturesByDefault); }
 
 std::string hopper_forward_obstacle(const ForwardCall& c) {
   return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
@@ -452,6 +456,11 @@ Selection select_forward(const ForwardCall& c) {
     return {Family::kSm80, "sm90: split-KV (ENTROPY_ATTN_SPLIT_KV) runs on sm80"};
   }
   return chosen;
+}
+
+bool hopper_bulk_dq(const AttentionBackwardCall& call) {
+  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers.)
+  return !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
 }
 
 Selection select_backward(const BackwardCall& c) {

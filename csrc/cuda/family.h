@@ -35,6 +35,16 @@ constexpr bool kHopperFamilyByDefault = true;
 constexpr bool kTensorCoreFeaturesByDefault = true;
 // The same for the Hopper family on compute capability 9.0 (the same tests, family sm90).
 constexpr bool kHopperFeaturesByDefault = true;
+// Whether "auto" has the Hopper backward add dq's partial sums G by bulk reductions of whole
+// query-block tiles from shared memory (cp.reduce.async.bulk, FlashAttention-3's way) instead of
+// 8-byte atomics from the registers, for the calls without a mask (sm90/bwd_kernel.cuh; its
+// dq_accum is then padded: sm90/launch.h, bulk_dq_accum). Off until it has passed the CUDA tests
+// and been timed against the atomics on a GPU; it passes the CPU emulation's
+// (tests/cpp/test_sm90_emulation.cpp). A forced Hopper family (ENTROPY_ATTN_CUDA_FAMILY=sm90)
+// takes it, so that the CUDA tests run it and a benchmark compares "sm90" with "auto".
+constexpr bool kHopperBulkDqByDefault = false;
+bool hopper_bulk_dq(const AttentionBackwardCall& call);
+
 // Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
 // at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
 // memory per block: an H100, not an A100). Off until they have passed the CUDA tests on a GPU

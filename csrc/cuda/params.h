@@ -70,6 +70,24 @@ struct FwdParams : AttentionArgs<acc_t> {
   float *o_partial = nullptr, *state_partial = nullptr;
 };
 
+// How the tensor-core families' dq_accum (BwdParams) is laid out: (B, H, rows, ld) float32, query
+// row i of (batch b, head h) at element ((b H + h) rows + i) ld. Packed, (B, H, Lq, D), except for
+// the Hopper backward's bulk reductions (sm90/launch.h: bulk_dq_accum), whose padding lets one
+// copy add a whole query block's shared-memory tile into it. (The fallback reads and writes its
+// own, packed, whatever this says: a guard recomputing a tensor-core call fits in either.)
+struct DqAccumLayout {
+  int64_t rows = 0;   // rows per (batch, head), at least Lq
+  int64_t ld = 0;     // floats per row, at least D
+  bool bulk = false;  // the Hopper backward adds whole blocks (bulk reductions), not pairs
+  EA_HOST_DEVICE int64_t offset(int64_t batch_head, int64_t i) const {
+    return (batch_head * rows + i) * ld;
+  }
+};
+
+inline DqAccumLayout packed_dq_accum(int64_t q_len, int64_t head_dim) {
+  return {q_len, head_dim, false};
+}
+
 template <typename acc_t>
 struct BwdParams : AttentionArgs<acc_t> {
   View4 out, dout;  // the forward output and its gradient (B, H, Lq, Dv)
@@ -77,10 +95,12 @@ struct BwdParams : AttentionArgs<acc_t> {
   const acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *row_scale = nullptr;
   const acc_t *g_lse = nullptr, *g_entropy = nullptr, *g_sum_p2 = nullptr;
   acc_t* delta = nullptr;  // D~_i, written by the preprocess kernel
-  // Contiguous accumulators: G = sum_j dS_ij k_j (B, H, Lq, D), zero-filled by the caller (the
-  // host turns it into dq = lambda G and d lambda = q . G); dK and dV per query head (B, H, Lk, D)
-  // and (B, H, Lk, Dv), summed over GQA groups by the host.
+  // Contiguous accumulators: G = sum_j dS_ij k_j (B, H, Lq, D), for the tensor-core families as
+  // dq_layout says, zero-filled by the caller (the host, or the tensor-core families' postprocess,
+  // turns it into dq = lambda G and d lambda = q . G); dK and dV per query head (B, H, Lk, D) and
+  // (B, H, Lk, Dv), summed over GQA groups by the host.
   acc_t *dq_accum = nullptr, *dk = nullptr, *dv = nullptr;
+  DqAccumLayout dq_layout;  // the tensor-core families' dq_accum (set by whoever allocates it)
   // The tensor-core family writes the gradients itself, contiguous, in the input type: dq
   // (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group in the kernel, and
   // d lambda (B, H, Lq) in acc_t (a postprocess kernel forms dq = lambda G, d lambda = q . G from

@@ -221,15 +221,25 @@ class Barrier {
   }
   // A named barrier (bar.sync / bar.arrive id, count): `count` threads complete it, the first
   // arrival of a round setting the count; with `wait` false the thread goes on (bar.arrive).
-  void arrive_counted(int count, bool wait) {
+  // Thread `thread` arriving twice in one round is reported: the hardware would count it twice
+  // (completing the round without a thread it should wait for), and the project's kernels never
+  // mean that (a bar.arrive repeated without the bar.sync it pairs with, e.g. a consumer that
+  // skips its wait for a free buffer, shows up so).
+  void arrive_counted(int count, bool wait, int thread) {
     std::unique_lock<std::mutex> lk(d_.m);
     if (d_.deadlocked.load()) throw DeadlockAbort{};
     if (arrived_ == 0) {
       expected_ = count;
+      in_round_.assign(kMaxBlockThreads, false);
     } else if (count != expected_) {
       report_error(name_ + ": arrivals with thread counts " + std::to_string(expected_) + " and " +
                    std::to_string(count));
     }
+    if (in_round_.at(static_cast<size_t>(thread))) {
+      report_error(name_ + ": thread " + std::to_string(thread) +
+                   " arrives twice before the barrier completes");
+    }
+    in_round_[static_cast<size_t>(thread)] = true;
     const uint32_t g = gen_.load(std::memory_order_relaxed);
     if (++arrived_ >= expected_) {
       complete();
@@ -278,6 +288,7 @@ class Barrier {
   SyncDomain& d_;
   std::string name_;
   int expected_ = 0, arrived_ = 0, waiting_ = 0;  // under the domain's mutex
+  std::vector<bool> in_round_;                    // arrive_counted's arrivals this round
   std::atomic<uint32_t> gen_{0};
   std::atomic<int> completed_with_{0};
 };

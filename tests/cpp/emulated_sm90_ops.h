@@ -16,7 +16,9 @@
 //     PTX ISA's canonical layouts and swizzles, and they meet again, so that no thread of the
 //     warpgroup passes the instruction before every read of shared memory is done (a GPU's
 //     wgmma.wait). Issue is completion here: an accumulator read before its wait is not caught;
-//   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them.
+//   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
+//   * bulk reductions into global memory, checked for writes to their shared memory before the
+//     issuing thread's wait (below).
 // The shared-memory hazard check of the sm80 emulation does not apply: these kernels order their
 // accesses by mbarriers, not __syncthreads. Include before any CuTe header (sm90_emulation.h).
 #pragma once
@@ -317,10 +319,12 @@ struct NamedBarrier {
   static constexpr uint32_t kReserved =
       static_cast<uint32_t>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
   static void sync(uint32_t threads, uint32_t id) {
-    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), true);
+    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), true,
+                                                      static_cast<int>(threadIdx.x));
   }
   static void arrive(uint32_t threads, uint32_t id) {
-    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), false);
+    g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), false,
+                                                      static_cast<int>(threadIdx.x));
   }
 
  private:
@@ -431,6 +435,50 @@ inline int warpgroup_meet(const void* value, int bytes) {
   return buf;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Bulk reductions (cp.reduce.async.bulk .add.f32) and their groups, per thread. A reduction reads
+// its shared memory at issue and adds it into global memory then (the blocks run one after
+// another, so no other block adds at the same time); the thread's wait_group.read checks that the
+// memory still holds what was read: a GPU may read it as late as that wait, so a write before it
+// (a missing barrier between the consumers and the writer) would race with the reduction.
+// ---------------------------------------------------------------------------------------------
+struct BulkReduction {
+  const float* src;
+  std::vector<float> read;
+};
+inline thread_local std::vector<BulkReduction> t_bulk_open;                 // not yet committed
+inline thread_local std::vector<std::vector<BulkReduction>> t_bulk_groups;  // oldest first
+
+inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0 ||
+      __cvta_generic_to_shared(smem) % 16 != 0) {
+    report_error("bulk reduction: size or addresses not multiples of 16 bytes");
+    return;
+  }
+  const size_t n = bytes / sizeof(float);
+  BulkReduction r{smem, std::vector<float>(smem, smem + n)};
+  for (size_t e = 0; e < n; ++e) gmem[e] += r.read[e];
+  t_bulk_open.push_back(std::move(r));
+}
+
+inline void bulk_commit() {
+  t_bulk_groups.push_back(std::move(t_bulk_open));
+  t_bulk_open.clear();
+}
+
+inline void bulk_wait_read(int pending) {
+  while (static_cast<int>(t_bulk_groups.size()) > pending) {
+    for (const BulkReduction& r : t_bulk_groups.front()) {
+      if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
+        report_error("bulk reduction: its shared memory at byte " +
+                     std::to_string(__cvta_generic_to_shared(r.src)) +
+                     " was written before the issuing thread's wait_group.read");
+      }
+    }
+    t_bulk_groups.erase(t_bulk_groups.begin());
+  }
+}
+
 // The operations of sm90/ops.cuh's Sm90Ops, emulated.
 struct Ops {
   using TmaLoad = sm90::TmaLoad;
@@ -454,6 +502,15 @@ struct Ops {
   static void wgmma_commit() {}
   template <int kPending>
   static void wgmma_wait() {}
+  static void fence_view_async_shared() {}
+  static void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+    sm90::bulk_reduce_add(gmem, smem, bytes);
+  }
+  static void bulk_commit() { sm90::bulk_commit(); }
+  template <int kPending>
+  static void bulk_wait_read() {
+    sm90::bulk_wait_read(kPending);
+  }
 };
 
 }  // namespace cuda_emu::sm90

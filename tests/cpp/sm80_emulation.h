@@ -105,7 +105,7 @@ void expect_forward(const eh::Shape& s, const eh::HostCall<T>& c) {
 template <typename T>
 ec::BwdParams<float> backward_inputs(const eh::Shape& s, eh::HostCall<T>& c) {
   emulated::launch_forward<T>(eh::forward_params(s, c.b, true));
-  std::memset(c.b.dq_accum, 0, s.q_elems() * sizeof(float));
+  std::memset(c.b.dq_accum, 0, eh::dq_accum_elems(s) * sizeof(float));
   return eh::backward_params(s, c.b, true);
 }
 

@@ -81,15 +81,18 @@ void run_forward(const eh::Shape& s) {
   sm80_emulation::expect_forward<T, kStats>(s, c);
 }
 
-// One backward: the fallback forward's statistics, the Hopper backward, and its gradients against
-// the reference.
+// One backward: the fallback forward's statistics, the Hopper backward (with bulk_dq, dq's partial
+// sums added by bulk reductions: sm90/launch.h, bulk_dq_accum), and its gradients against the
+// reference.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
-void run_backward(const eh::Shape& s) {
+void run_backward(const eh::Shape& s, bool bulk_dq = false) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
   eh::HostCall<T> c(s, 11);
-  launch_backward<T, kD, kCausal, kMask>(sm80_emulation::backward_inputs(s, c));
+  ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
+  if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);
+  launch_backward<T, kD, kCausal, kMask>(p);
   sm80_emulation::expect_backward(s, c);
 }
 

@@ -58,6 +58,33 @@ TEST(EmulatedSm90Backward, D128) {
       eh::Shape{1, 2, 2, 130, 130, 128, true, false, false});
 }
 
+TEST(EmulatedSm90Backward, BulkDq) {
+  // dq's partial sums through the shared tile and the dq writer's bulk reductions (bwd_kernel.cuh:
+  // write_dq): a partial last query block (its zero rows added into the padding), GQA (the
+  // group's query heads walked by one key block), causal and full, both head dims.
+  run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 100, 150, 64, true, false, true}, true);
+  run_backward<__half, 128, false, MaskKind::kNone>(
+      eh::Shape{2, 2, 1, 90, 140, 128, false, true, true}, true);
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 130, 130, 128, true, false, false}, true);
+}
+
+TEST(EmulatedSm90Backward, BulkDqRefusedWithAMask) {
+  // The masked kernels add G by atomics only: their launcher refuses a bulk layout.
+  const eh::Shape s{1, 2, 1, 70, 150, 128, false, false, false, MaskKind::kBool};
+  eh::HostCall<__nv_bfloat16> c(s, 11);
+  ec::BwdParams<float> p = eh::backward_params(s, c.b, true);
+  EXPECT_TRUE(ec::sm90::backward_covers(p, 128, true));
+  p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, 128);
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+  p.mask.kind = MaskKind::kNone;
+  p.mask.data = nullptr;
+  EXPECT_TRUE(ec::sm90::backward_covers(p, 128, true));
+  p.dq_layout.ld = 128;  // a layout the kernels do not write
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+}
+
 TEST(EmulatedSm90Backward, Masked) {
   run_backward<__nv_bfloat16, 128, true, MaskKind::kBool>(
       eh::Shape{1, 2, 1, 70, 150, 128, false, false, true, MaskKind::kBool});

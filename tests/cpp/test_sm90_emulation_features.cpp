@@ -4,6 +4,7 @@
 // unit of its own: the two compile side by side.
 #include "sm90_emulation.h"
 
+#include "cuda/family.h"
 #include "emulated_features.h"
 
 namespace {
@@ -55,6 +56,25 @@ TEST(EmulatedSm90Features, PackedDocuments) {
   run_documents<Sm90, __nv_bfloat16, 64>({0, 1, 130, 190, 200}, {0, 1, 130, 250, 300}, true,
                                          {-1, 0});
   run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
+}
+
+// dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes where the
+// family is forced (csrc/cuda/family.h: kHopperBulkDqByDefault): BackwardCall::allocate then lays
+// dq_accum out for them (sm90/launch.h: bulk_dq_accum), for a window, dropout with sinks, and
+// packed documents (each document's last query block partial, added into the padding).
+TEST(EmulatedSm90Features, BulkDq) {
+  struct ForcedSm90 {
+    ForcedSm90() { setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90", 1); }
+    ~ForcedSm90() { unsetenv("ENTROPY_ATTN_CUDA_FAMILY"); }
+  } forced;
+  ASSERT_TRUE(ec::hopper_bulk_dq(entropy_attn::AttentionBackwardCall{}));  // (no mask)
+  Feature f;
+  f.window = {40, 0};
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.dropout_p = 0.1, f.sinks = true;
+  run_feature<Sm90, __half, 128>(f);
+  run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {-1, 0});
 }
 
 }  // namespace

@@ -1010,7 +1010,9 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
 
 // ---------------------------------------------------------------------------------------------
 // Postprocess: dq_i = lambda_i G_i (T) and d lambda_i = q_i . G_i (docs/math.md section 3:
-// s_ij = lambda_i q_i . k_j), 4 elements per thread. Grid (ceil(Lq / kPostRows), H, B).
+// s_ij = lambda_i q_i . k_j), 4 elements per thread; G in dq_accum as p.dq_layout says (the
+// Hopper family's main kernel runs between this family's pre- and postprocess). Grid (ceil(Lq /
+// kPostRows), H, B).
 template <typename Kt>
 CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   using Element = typename Kt::Element;
@@ -1020,6 +1022,9 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   const int lane = static_cast<int>(threadIdx.x) % kTpr;
   const bool valid = i < p.q_len;
   const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * p.q_len + i;
+  // G's row in dq_accum: packed from the sm80 kernels, padded from the Hopper bulk reductions
+  // (params.h: DqAccumLayout; its rows are multiples of 4 floats, so float4 loads stay aligned).
+  const int64_t g_row = p.dq_layout.offset(static_cast<int64_t>(b) * p.heads + h, i);
   float dot = 0.f;
   if (valid) {
     const float lam = p.row_scale[row];
@@ -1029,7 +1034,7 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
     CUTE_UNROLL
     for (int step = 0; step < Kt::kPostSteps; ++step) {
       const int col = (step * kTpr + lane) * 4;
-      const float4 g = *reinterpret_cast<const float4*>(p.dq_accum + row * kD + col);
+      const float4 g = *reinterpret_cast<const float4*>(p.dq_accum + g_row + col);
       const Element* q =
           static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl + col;
       Tensor rq = make_tensor<Element>(Shape<_4>{});

@@ -72,6 +72,11 @@ cudaError_t launch_tiles(const BwdParams<float>& p, cudaStream_t stream) {
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
 cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
   using Full = bwd::BwdTraits<T, kHeadDim>;
+  // (The main and dq kernels write dq_accum packed: launch.h.)
+  const DqAccumLayout packed = packed_dq_accum(p.q_len, p.head_dim);
+  if (p.dq_layout.bulk || p.dq_layout.rows != packed.rows || p.dq_layout.ld != packed.ld) {
+    return cudaErrorNotSupported;
+  }
   if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
   if constexpr (kHeadDim == 128) {
     cudaError_t err = cudaSuccess;

@@ -53,7 +53,8 @@ constexpr bool backward_compact(int head_dim, int smem_per_block) {
 }
 
 // Backward: the delta preprocess, the main kernel over key blocks, the dq postprocess. dq_accum
-// must be zero-filled (B, H, Lq, D) float32.
+// must be zero-filled (B, H, Lq, D) float32, packed (params.h: packed_dq_accum); another
+// dq_layout returns cudaErrorNotSupported, having launched nothing.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
 cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream);
 

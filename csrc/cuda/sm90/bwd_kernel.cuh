@@ -25,7 +25,11 @@
 //       P, dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
 //       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major;
 //       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
-//                                    dq_accum with 8-byte fp32 atomics;
+//                                    dq_accum with 8-byte fp32 atomics, or (a bulk_dq_accum
+//                                    layout, launch.h) stored to a shared fp32 tile that warp 1
+//                                    of the producer warpgroup adds into dq_accum with one bulk
+//                                    reduction (cp.reduce.async.bulk), FlashAttention-3's way:
+//                                    a 32 KB copy in place of 4096 atomics per block and step;
 //       dK += (lambda dS)^T Q        wgmma SS.
 //     lambda goes into dK's operand but not into the dS of G: the postprocess forms dq = lambda G
 //     and d lambda = q . G from the unscaled G (docs/math.md section 3). (FlashAttention-3 at
@@ -88,7 +92,8 @@ using namespace cute;
 // Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
 // one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
 // after every product of the one before), the row statistics (two buffers: a block's copies
-// start before that barrier): 178 KB at D = 128, 114 KB at D = 64.
+// start before that barrier), G's fp32 tile for the bulk reductions (64 x (D + 8)): 212 KB at
+// D = 128, 132 KB at D = 64.
 template <typename T, int kHeadDim_, typename Ops_ = Sm90Ops>
 struct BwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
@@ -100,6 +105,7 @@ struct BwdTraits {
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kDqThreads = kConsumerThreads + 32;  // the consumers and the dq writer
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -183,10 +189,13 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds_scaled;
     alignas(16) float rows[2][kRowStats][kBlockM];
+    // G of a query block, laid out as a block of bulk_dq_accum (launch.h).
+    alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
     typename Pipeline::SharedStorage pipeline_q, pipeline_do;
     alignas(8) uint64_t barrier_kv;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kBlockM == kBulkDqRows, "bulk_dq_accum's rows are whole query blocks");
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
@@ -233,11 +242,15 @@ dim3 grid(const BwdParams<float>& p) {
               static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
 }
 
-// Named barriers of the two consumer warpgroups (256 threads; ids after CUTLASS's reserved ones):
-// the row statistics of a query block staged (and the previous block's products done), and P and
-// dS of both warpgroups in shared memory.
+// Named barriers (ids after CUTLASS's reserved ones). Of the two consumer warpgroups (256
+// threads): the row statistics of a query block staged (and the previous block's products done),
+// and P and dS of both warpgroups in shared memory. Of the consumers and the dq writer (warp 1 of
+// the producer warpgroup; bulk reductions only): G's shared tile free (the writer's last bulk
+// reduction has read it) and full (both warpgroups' G stored).
 constexpr int kStatsBarrier = 0;
 constexpr int kdSBarrier = 1;
+constexpr int kdQEmptyBarrier = 2;
+constexpr int kdQFullBarrier = 3;
 
 // The consumer warpgroups: everything but the loads.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
@@ -323,6 +336,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // routes such calls).
   constexpr bool kDropout = kCausal && kMask == MaskKind::kNone;
   const bool dropping = kDropout && p.dropout.on();
+
+  // G by bulk reductions (a bulk_dq_accum layout) in the kernels without a mask: the masked ones
+  // spill at D = 128 with both ways of adding G compiled (launch.h: backward_covers routes them).
+  constexpr bool kBulkDq = kMask == MaskKind::kNone;
 
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
   // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
@@ -539,18 +556,36 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Ops::template wgmma_wait<1>();  // dV and G (batches complete in order)
     warpgroup_fence_operand(acc_g);
 
-    // G into dq_accum (B, H, Lq, D), fp32, pairs of adjacent columns: one 8-byte atomic each.
+    // G into dq_accum, fp32, pairs of adjacent columns (columns c and c + 1 of the fragment: the
+    // first mode of the column layout).
     Tensor g_rc = make_tensor(acc_g.data(), acc_rowcol(acc_g.layout()));
-    float* dq_accum = p.dq_accum + row0 * kD;
-    CUTE_UNROLL
-    for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
-      const int q = get<0>(cG_rc(r, 0));
-      if (i0 + q >= q_len) continue;
+    if (kBulkDq && p.dq_layout.bulk) {
+      // Into the shared tile once the writer has read the last one out, whole (the rows past
+      // q_len hold zeros: no key is allowed there, so dS = 0), for write_dq's bulk reduction.
+      Ops::NamedBarrier::sync(Kt::kDqThreads, kdQEmptyBarrier);
       CUTE_UNROLL
-      for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
-        // Columns c and c + 1 of the fragment are adjacent (the first mode of the column layout).
-        atomicAdd(reinterpret_cast<float2*>(dq_accum + q * kD + get<1>(cG_rc(r, c))),
-                  make_float2(g_rc(r, c), g_rc(r, c + 1)));
+      for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
+        float* row = ss.dq[get<0>(cG_rc(r, 0))];
+        CUTE_UNROLL
+        for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
+          *reinterpret_cast<float2*>(row + get<1>(cG_rc(r, c))) =
+              make_float2(g_rc(r, c), g_rc(r, c + 1));
+        }
+      }
+      Ops::fence_view_async_shared();  // the stores, before the bulk reduction reads them
+      Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQFullBarrier);
+    } else {
+      // Into dq_accum (packed), one 8-byte atomic per pair.
+      float* dq_accum = p.dq_accum + row0 * kD;
+      CUTE_UNROLL
+      for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
+        const int q = get<0>(cG_rc(r, 0));
+        if (i0 + q >= q_len) continue;
+        CUTE_UNROLL
+        for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
+          atomicAdd(reinterpret_cast<float2*>(dq_accum + q * kD + get<1>(cG_rc(r, c))),
+                    make_float2(g_rc(r, c), g_rc(r, c + 1)));
+        }
       }
     }
 
@@ -599,6 +634,39 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
+// The dq writer (warp 1 of the producer warpgroup, bulk_dq_accum layouts): per query block, once
+// both consumer warpgroups have stored G in the shared tile, one lane adds the whole tile into the
+// block's rows of dq_accum (a bulk reduction: the tile and those rows have the same layout) and
+// waits until it has been read before the consumers may store the next.
+template <typename Kt>
+__device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt::SharedStorage& ss,
+                                         const GridTile tile, int m_begin, int m_count, int iters) {
+  using Ops = typename Kt::Ops;
+  constexpr int kBlockM = Kt::kBlockM;
+  const int lane = threadIdx.x % 32;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
+  for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
+    ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad] = 0.f;
+  }
+  Ops::fence_view_async_shared();
+  __syncwarp();
+#pragma unroll 1
+  for (int t = 0; t < iters; ++t) {
+    Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQEmptyBarrier);  // the tile is free
+    Ops::NamedBarrier::sync(Kt::kDqThreads, kdQFullBarrier);     // ... and now full
+    if (lane == 0) {
+      const int h = tile.y * group + t / m_count, m_block = m_begin + t % m_count;
+      float* dst = p.dq_accum + p.dq_layout.offset(static_cast<int64_t>(tile.z) * p.heads + h,
+                                                   static_cast<int64_t>(m_block) * kBlockM);
+      Ops::bulk_reduce_add(dst, &ss.dq[0][0], sizeof(ss.dq));
+      Ops::bulk_commit();
+      Ops::template bulk_wait_read<0>();
+    }
+    __syncwarp();
+  }
+}
+
 // Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 __global__ void __launch_bounds__(Kt::kThreads, 1)
@@ -636,6 +704,10 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (kMask == MaskKind::kNone && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
+      write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
+      return;
+    }
     if (threadIdx.x != 0) return;
     Ops::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     Ops::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());

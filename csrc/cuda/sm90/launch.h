@@ -11,11 +11,13 @@
 // UTMALDG and mbarrier (SYNCS) instructions, setmaxnreg and no local memory. The forward implements
 // what the sm80 forward does: bf16 and fp16, head_dim == v_head_dim == kHeadDim, top-left
 // causality, no / bool / additive masks, with or without statistics, GQA, any sequence lengths; the
-// backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics (a
-// deterministic backward goes to sm80). Both directions also take sliding windows, bottom-right
-// alignment and packed documents (their causal instantiations read the call's KeyPattern), logit
-// softcapping and dropout (the backward of either not with a mask) and attention sinks, which
-// "auto" gives them since they passed the CUDA tests on an H200 (family.h:
+// backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics: pairs from
+// the registers, or, with a bulk_dq_accum layout, whole tiles by bulk reductions from shared memory
+// (FlashAttention-3's way; off by default until measured on a GPU, family.h:
+// kHopperBulkDqByDefault). A deterministic backward goes to sm80. Both directions also take sliding
+// windows, bottom-right alignment and packed documents (their causal instantiations read the call's
+// KeyPattern), logit softcapping and dropout (the backward of either not with a mask) and attention
+// sinks, which "auto" gives them since they passed the CUDA tests on an H200 (family.h:
 // kHopperFeaturesByDefault).
 #pragma once
 
@@ -71,6 +73,25 @@ inline bool needs_general(const AttentionArgs<float>& p) {
          p.dropout.on();
 }
 
+// The Hopper backward's dq_accum for bulk reductions (params.h: DqAccumLayout): rows rounded up to
+// whole query blocks of kBulkDqRows, each padded by kBulkDqPad floats. A block's G tile sits in
+// shared memory in that layout, so that one cp.reduce.async.bulk adds the whole tile (contiguous
+// in both) into dq_accum; the pad of 8 floats (32 bytes) puts the 8-byte stores of a warp's
+// accumulator pairs, 4 rows by 4 pairs per half warp, in distinct banks (bwd_kernel.cuh).
+constexpr int64_t kBulkDqRows = 64;  // the backward's query block (bwd_kernel.cuh: kBlockM)
+constexpr int64_t kBulkDqPad = 8;
+inline DqAccumLayout bulk_dq_accum(int64_t q_len, int64_t head_dim) {
+  return {(q_len + kBulkDqRows - 1) / kBulkDqRows * kBulkDqRows, head_dim + kBulkDqPad, true};
+}
+
+// Whether a backward's dq_accum is laid out as the Hopper kernels write it: packed for pairs of
+// atomics, bulk_dq_accum for bulk reductions.
+inline bool dq_layout_ok(const BwdParams<float>& p) {
+  const DqAccumLayout want =
+      p.dq_layout.bulk ? bulk_dq_accum(p.q_len, p.head_dim) : packed_dq_accum(p.q_len, p.head_dim);
+  return p.dq_layout.rows == want.rows && p.dq_layout.ld == want.ld;
+}
+
 // Whether the kernels cover a call's pattern and layout, given the instantiation's head dim and
 // causality: the call as above (a general one also plain full attention, which the selection
 // point gives it where kernels.toml lists no plain instantiation), GQA groups of equal size, and
@@ -83,11 +104,14 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// The backward also needs dq by atomics, dout that TMA can describe, and no softcap or dropout with
-// a mask (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive
-// mask shifts; the masked kernels have no registers for the cap's derivative or for dropout).
+// The backward also needs dq by atomics (pairs, or bulk reductions, which the masked kernels lack:
+// bwd_kernel.cuh), a dq_accum laid out for the one it is given, dout that TMA can describe, and
+// no softcap or dropout with a mask
+// (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive mask
+// shifts; the masked kernels have no registers for the cap's derivative or for dropout).
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
-  return covers(p, head_dim, causal) && !p.deterministic &&
+  return covers(p, head_dim, causal) && !p.deterministic && dq_layout_ok(p) &&
+         !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }

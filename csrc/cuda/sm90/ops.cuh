@@ -44,6 +44,29 @@ struct Sm90Ops {
   static __device__ __forceinline__ void wgmma_wait() {
     cute::warpgroup_wait<kPending>();
   }
+
+  // Orders a thread's shared-memory stores before the async proxy's reads of them (TMA, bulk
+  // copies, wgmma): fence.proxy.async.shared::cta.
+  static __device__ __forceinline__ void fence_view_async_shared() {
+    cutlass::arch::fence_view_async_shared();
+  }
+  // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: adds `bytes` (a multiple of 16) of
+  // floats from shared memory into global memory (both 16-byte aligned), asynchronously, in the
+  // thread's current bulk group; bulk_commit closes the group, and bulk_wait_read<N> waits until
+  // every group but the newest N has read its shared memory (cp.async.bulk.wait_group.read): only
+  // then may that memory be written again.
+  static __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem,
+                                                         uint32_t bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+        "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "r"(bytes)
+        : "memory");
+  }
+  static __device__ __forceinline__ void bulk_commit() { cute::tma_store_arrive(); }
+  template <int kPending>
+  static __device__ __forceinline__ void bulk_wait_read() {
+    cute::tma_store_wait<kPending>();
+  }
 };
 
 }  // namespace entropy_attn::cuda::sm90

@@ -151,6 +151,10 @@ constexpr int kWatchdogSeconds = 60;
 // Counts barrier completions and finished blocks, for the watchdog.
 inline std::atomic<uint64_t> g_progress{0};
 
+// Counts the blocks set up (prepare_block), so that per-thread state of emulated asynchronous
+// operations can tell a new block from the one it was left by.
+inline std::atomic<uint64_t> g_block_serial{0};
+
 // Errors found by the checks during a launch (reported by emulate_launch).
 inline std::mutex g_error_mutex;
 inline std::vector<std::string> g_errors;
@@ -678,6 +682,7 @@ class SmemGuard {
 };
 
 inline void prepare_block(int threads, unsigned char* smem, size_t smem_bytes) {
+  g_block_serial.fetch_add(1, std::memory_order_relaxed);  // (the threads meet before reading it)
   g_block.reset(threads);
   g_smem_shadow.reset(smem, smem_bytes);
   std::memset(smem, 0xff, smem_bytes);  // NaN in every floating type

@@ -15,7 +15,9 @@
 //     computes its own accumulators from the operands' shared-memory descriptors, decoded by the
 //     PTX ISA's canonical layouts and swizzles, and they meet again, so that no thread of the
 //     warpgroup passes the instruction before every read of shared memory is done (a GPU's
-//     wgmma.wait). Issue is completion here: an accumulator read before its wait is not caught;
+//     wgmma.wait). The accumulators reach the thread's registers only when its wgmma_wait retires
+//     their batch (committed batches retiring in order); until then the registers hold NaN, so an
+//     accumulator read before its wait shows up in the results;
 //   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
 //   * bulk reductions into global memory, checked for writes to their shared memory before the
 //     issuing thread's wait (below).
@@ -43,10 +45,12 @@ inline size_t __cvta_generic_to_shared(const void* p) {
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 // The tensor map CuTe's make_tma_copy encodes, recorded by the host encoder below.
@@ -449,7 +453,10 @@ struct BulkReduction {
 inline thread_local std::vector<BulkReduction> t_bulk_open;                 // not yet committed
 inline thread_local std::vector<std::vector<BulkReduction>> t_bulk_groups;  // oldest first
 
+inline void async_state_for_this_block();
+
 inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  async_state_for_this_block();
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0 ||
       __cvta_generic_to_shared(smem) % 16 != 0) {
     report_error("bulk reduction: size or addresses not multiples of 16 bytes");
@@ -462,11 +469,13 @@ inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
 }
 
 inline void bulk_commit() {
+  async_state_for_this_block();
   t_bulk_groups.push_back(std::move(t_bulk_open));
   t_bulk_open.clear();
 }
 
 inline void bulk_wait_read(int pending) {
+  async_state_for_this_block();
   while (static_cast<int>(t_bulk_groups.size()) > pending) {
     for (const BulkReduction& r : t_bulk_groups.front()) {
       if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
@@ -476,6 +485,68 @@ inline void bulk_wait_read(int pending) {
       }
     }
     t_bulk_groups.erase(t_bulk_groups.begin());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma's asynchronous completion, per thread: an issued wgmma's results wait in t_pending (the
+// latest value for each accumulator register, and the batch that writes it) while the register
+// holds NaN; wgmma_commit closes the open batch, and wgmma_wait<N> writes the values of every
+// committed batch but the newest N. A wgmma chained on a pending accumulator (the K steps of one
+// batch, ScaleOut::One) takes the pending value as its input.
+// ---------------------------------------------------------------------------------------------
+struct PendingAccumulator {
+  float value;
+  uint64_t batch;
+};
+inline thread_local std::unordered_map<float*, PendingAccumulator> t_pending;
+inline thread_local uint64_t t_open_batch = 0;          // the batch being issued
+inline thread_local std::vector<uint64_t> t_committed;  // committed, not retired, oldest first
+inline thread_local uint64_t t_async_block = 0;         // the block (g_block_serial) of that state
+
+// Starts the thread's asynchronous state afresh in a new block; reports what the last one left
+// unwaited (wgmma batches or bulk reductions whose reads were not waited for).
+inline void async_state_for_this_block() {
+  const uint64_t block = g_block_serial.load(std::memory_order_relaxed);
+  if (t_async_block == block) return;
+  if (!t_pending.empty() || !t_committed.empty() || !t_bulk_open.empty() ||
+      !t_bulk_groups.empty()) {
+    report_error("thread " + std::to_string(threadIdx.x) +
+                 " left a block with wgmma or bulk operations it did not wait for");
+  }
+  t_pending.clear(), t_committed.clear(), t_bulk_open.clear(), t_bulk_groups.clear();
+  t_open_batch = 0;
+  t_async_block = block;
+}
+
+// The input of a wgmma for accumulator register `reg`: its pending value, or the register.
+inline float accumulator_input(float* reg) {
+  const auto it = t_pending.find(reg);
+  return it != t_pending.end() ? it->second.value : *reg;
+}
+
+inline void issue_accumulator(float* reg, float value) {
+  t_pending[reg] = {value, t_open_batch};
+  *reg = std::numeric_limits<float>::quiet_NaN();
+}
+
+inline void wgmma_commit() {
+  async_state_for_this_block();
+  t_committed.push_back(t_open_batch++);
+}
+
+inline void wgmma_wait(int pending) {
+  async_state_for_this_block();
+  if (static_cast<int>(t_committed.size()) <= pending) return;
+  const uint64_t retired = t_committed[t_committed.size() - 1 - pending];
+  t_committed.erase(t_committed.begin(), t_committed.end() - pending);
+  for (auto it = t_pending.begin(); it != t_pending.end();) {
+    if (it->second.batch <= retired) {
+      *it->first = it->second.value;
+      it = t_pending.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -499,9 +570,11 @@ struct Ops {
   static int warp_group_idx() { return static_cast<int>(threadIdx.x) / 128; }
   static void prefetch_tma_descriptor(const cute::TmaDescriptor*) {}
   static void wgmma_fence() {}
-  static void wgmma_commit() {}
+  static void wgmma_commit() { sm90::wgmma_commit(); }
   template <int kPending>
-  static void wgmma_wait() {}
+  static void wgmma_wait() {
+    sm90::wgmma_wait(kPending);
+  }
   static void fence_view_async_shared() {}
   static void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
     sm90::bulk_reduce_add(gmem, smem, bytes);
@@ -564,6 +637,7 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
   static_assert(kM == 64 && size<2>(typename Traits::Shape_MNK{}) == 16);
 
   const int tid = static_cast<int>(threadIdx.x) % 128;
+  sm90::async_state_for_this_block();
   // The register A operand of every thread, gathered (RS); with SS the meeting only orders.
   uint32_t a_regs[4] = {0, 0, 0, 0};
   if constexpr (!kSsA) {
@@ -604,13 +678,13 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
   for (int v = 0; v < kN / 2; ++v) {
     const int mn = typename Traits::CLayout{}(tid, v);  // (m, n), m fastest
     const int m = mn % 64, n = mn / 64;
-    float acc = zero ? 0.f : D(v);
+    float acc = zero ? 0.f : sm90::accumulator_input(&D(v));
     for (int k = 0; k < 16; ++k) {
       Element e;
       std::memcpy(&e, g_sm90_smem + sm90::operand_address(bdesc, kKB, n, k), 2);
       acc += a[m][k] * static_cast<float>(e);
     }
-    D(v) = acc;
+    sm90::issue_accumulator(&D(v), acc);  // NaN until the wait retires the batch
   }
   // Every thread's reads of shared memory are done before any passes (the wgmma's wait).
   sm90::warpgroup_meet(nullptr, 0);

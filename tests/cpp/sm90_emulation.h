@@ -65,7 +65,8 @@ void launch_backward(const ec::BwdParams<float>& p) {
   const s9b::KernelArgs<Kt> args = s9b::make_kernel_args<Kt>(p);
   emulate_launch(
       s9b::main_kernel<T, Kt, kCausal, kMask>,
-      hopper_launch(s9b::grid<Kt>(p), Kt::kThreads, Kt::kSmemBytes, s9b::ea_sm90_bwd_smem), args);
+      hopper_launch(s9b::grid<Kt>(p), Kt::kThreads, s9b::smem_bytes<Kt>(p), s9b::ea_sm90_bwd_smem),
+      args);
   l.grid = sm80_emulation::row_grid(p.q_len, Rows::kPostRows, p.heads, p.batch);
   emulate_launch(sb::postprocess_kernel<Rows>, l, p);
 }

@@ -57,6 +57,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -92,8 +93,8 @@ using namespace cute;
 // Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
 // one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
 // after every product of the one before), the row statistics (two buffers: a block's copies
-// start before that barrier), G's fp32 tile for the bulk reductions (64 x (D + 8)): 212 KB at
-// D = 128, 132 KB at D = 64.
+// start before that barrier): 178 KB at D = 128, 114 KB at D = 64; with bulk reductions also G's
+// fp32 tile (64 x (D + 8)): 212 KB and 132 KB.
 template <typename T, int kHeadDim_, typename Ops_ = Sm90Ops>
 struct BwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
@@ -189,12 +190,14 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> ds_scaled;
     alignas(16) float rows[2][kRowStats][kBlockM];
-    // G of a query block, laid out as a block of bulk_dq_accum (launch.h).
-    alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
     typename Pipeline::SharedStorage pipeline_q, pipeline_do;
     alignas(8) uint64_t barrier_kv;
+    // G of a query block, laid out as a block of bulk_dq_accum (launch.h); last, so that a launch
+    // that adds G by atomics leaves it out (smem_bytes below).
+    alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static constexpr int kSmemBytesWithoutDq = offsetof(SharedStorage, dq);
   static_assert(kBlockM == kBulkDqRows, "bulk_dq_accum's rows are whole query blocks");
   static_assert(kSmemBytes <= 227 * 1024);
 };
@@ -233,6 +236,13 @@ KernelArgs<Kt> make_kernel_args(const BwdParams<float>& p) {
                         make_tma_copy(TmaLoad{}, tensor(dout, p.q_len, p.heads), q_box),
                         make_tma_copy(TmaLoad{}, tensor(k, p.kv_len, p.kv_heads), kv_box),
                         make_tma_copy(TmaLoad{}, tensor(v, p.kv_len, p.kv_heads), kv_box)};
+}
+
+// The main kernel's dynamic shared memory for a call: without G's tile where G is added by atomics
+// (the layout the kernels had before the bulk reductions, and its L1 carve-out).
+template <typename Kt>
+int smem_bytes(const BwdParams<float>& p) {
+  return p.dq_layout.bulk ? Kt::kSmemBytes : Kt::kSmemBytesWithoutDq;
 }
 
 // The main kernel's grid: (key blocks, kv heads, batch).

@@ -33,10 +33,9 @@ cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
 
   const bwd_impl::KernelArgs<Kt> args = bwd_impl::make_kernel_args<Kt>(p);
   const auto kernel = &bwd_impl::main_kernel<T, Kt, kCausal, kMask>;
-  constexpr int kSmem = Kt::kSmemBytes;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<bwd_impl::grid<Kt>(p), Kt::kThreads, kSmem, stream>>>(args);
+  kernel<<<bwd_impl::grid<Kt>(p), Kt::kThreads, bwd_impl::smem_bytes<Kt>(p), stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 

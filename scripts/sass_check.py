@@ -14,8 +14,9 @@ its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) com
 mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
 local memory; its masked forward kernels also copy the mask tile with asynchronous copies
 (LDGSTS); its backward main kernels use HGMMA, UTMALDG, SYNCS, USETMAXREG, MUFU.EX2 and
-accumulate dQ with reductions (RED or ATOM), those without a mask also with bulk reductions from
-shared memory (UBLKRED: sm90/bwd_kernel.cuh, write_dq).
+accumulate dQ with reductions (RED or ATOM), or, in the kernels for bulk reductions (the unmasked
+calls' second main kernel, kBulkDq: sm90/bwd_kernel.cuh), with bulk reductions from shared
+memory (UBLKRED).
 Each kernel instantiation of csrc/cuda/kernels.toml's [sm80] must be present for each architecture
 but the targets of families restricted to one (`gencode`), each of [sm90] for its target. Writes
 results/sass/report.md; exits 1 on any violation.
@@ -121,6 +122,12 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+# The sm90 backward main kernels' last template argument, kBulkDq (sm90/bwd_kernel.cuh: kernel_for):
+# dQ by bulk reductions from shared memory rather than atomics.
+SM90_BULK_DQ = re.compile(r"main_kernel<.*, (true|false), \(entropy_attn::MaskKind\)\d, true>")
+SM90_BULK_FLAG = re.compile(r"(main_kernel<.*\(entropy_attn::MaskKind\)\d), (?:true|false)>")
+
+
 def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     """Violations of one sm90-family function (local memory already counted)."""
     kind = kernel_kind(name)
@@ -130,10 +137,11 @@ def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     if kind == "forward" and re.search(r"\(entropy_attn::MaskKind\)[12]", name):  # the mask tile
         needs.append("LDGSTS")
     problems = [f"no {op}" for op in needs if not has(counts, op)]
-    if kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
+    if kind == "backward" and SM90_BULK_DQ.search(name):
+        if not has(counts, "UBLKRED"):
+            problems.append("no UBLKRED for the dQ bulk reductions")
+    elif kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
         problems.append("no RED/ATOM for the dQ accumulation")
-    if kind == "backward" and re.search(r"\(entropy_attn::MaskKind\)0", name) and not has(counts, "UBLKRED"):
-        problems.append("no UBLKRED for the dQ bulk reductions")
     return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
 
 
@@ -191,8 +199,9 @@ def main() -> int:
             kernels = [names[m] for a, m in family if a == arch and family_of(names[m]) == fam]
             fwd = [k for k in kernels if kernel_kind(k) == "forward"]
             # One instantiation may launch main kernels of several tiles: the sm80 backward's full and
-            # compact ones (BwdTraits<T, D, kCompact, Ops>; sm80/launch.h: backward_compact).
-            main_kernels = {re.sub(r"(BwdTraits<[^,<>]+, \d+), (?:true|false)\b", r"\1", k)
+            # compact ones (BwdTraits<T, D, kCompact, Ops>; sm80/launch.h: backward_compact), and the
+            # sm90 backward's with and without bulk reductions (kBulkDq).
+            main_kernels = {SM90_BULK_FLAG.sub(r"\1>", re.sub(r"(BwdTraits<[^,<>]+, \d+), (?:true|false)\b", r"\1", k))
                             for k in kernels if kernel_kind(k) == "backward"}
             n_fwd = sum(i.direction == "forward" for i in expected)
             n_bwd = sum(i.direction == "backward" for i in expected)

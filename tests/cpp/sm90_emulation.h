@@ -64,7 +64,7 @@ void launch_backward(const ec::BwdParams<float>& p) {
   emulate_launch(sb::preprocess_kernel<Rows>, l, p);
   const s9b::KernelArgs<Kt> args = s9b::make_kernel_args<Kt>(p);
   emulate_launch(
-      s9b::main_kernel<T, Kt, kCausal, kMask>,
+      s9b::kernel_for<T, Kt, kCausal, kMask>(p),
       hopper_launch(s9b::grid<Kt>(p), Kt::kThreads, s9b::smem_bytes<Kt>(p), s9b::ea_sm90_bwd_smem),
       args);
   l.grid = sm80_emulation::row_grid(p.q_len, Rows::kPostRows, p.heads, p.batch);

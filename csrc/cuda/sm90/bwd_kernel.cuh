@@ -262,8 +262,9 @@ constexpr int kdSBarrier = 1;
 constexpr int kdQEmptyBarrier = 2;
 constexpr int kdQFullBarrier = 3;
 
-// The consumer warpgroups: everything but the loads.
-template <typename T, typename Kt, bool kCausal, MaskKind kMask>
+// The consumer warpgroups: everything but the loads. kBulkDq: G goes to the shared tile for the dq
+// writer's bulk reductions (a bulk_dq_accum layout), else to dq_accum by atomics.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kBulkDq>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_q,
                                         typename Kt::Pipeline& pipeline_do, const GridTile tile,
@@ -346,10 +347,6 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // routes such calls).
   constexpr bool kDropout = kCausal && kMask == MaskKind::kNone;
   const bool dropping = kDropout && p.dropout.on();
-
-  // G by bulk reductions (a bulk_dq_accum layout) in the kernels without a mask: the masked ones
-  // spill at D = 128 with both ways of adding G compiled (launch.h: backward_covers routes them).
-  constexpr bool kBulkDq = kMask == MaskKind::kNone;
 
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
   // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
@@ -569,6 +566,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // G into dq_accum, fp32, pairs of adjacent columns (columns c and c + 1 of the fragment: the
     // first mode of the column layout).
     Tensor g_rc = make_tensor(acc_g.data(), acc_rowcol(acc_g.layout()));
+    // (The bulk kernels keep the atomics as a runtime alternative, which their launches never take:
+    // with the shared tile's stores as the only path, ptxas spills 372 bytes in the general kernel
+    // at D = 128, and with both none.)
     if (kBulkDq && p.dq_layout.bulk) {
       // Into the shared tile once the writer has read the last one out, whole (the rows past
       // q_len hold zeros: no key is allowed there, so dS = 0), for write_dq's bulk reduction.
@@ -677,8 +677,9 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
   }
 }
 
-// Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM.
-template <typename T, typename Kt, bool kCausal, MaskKind kMask>
+// Grid: (key blocks, kv heads, batch); 384 threads (three warpgroups), one block per SM. kBulkDq
+// (kernel_for below): dq by bulk reductions, the dq writer in warp 1 of the producer warpgroup.
+template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kBulkDq>
 __global__ void __launch_bounds__(Kt::kThreads, 1)
     main_kernel([[maybe_unused]] const __grid_constant__ KernelArgs<Kt> args) {
   // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target (see the forward).
@@ -714,7 +715,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    if (kMask == MaskKind::kNone && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
+    if (kBulkDq && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
       write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
       return;
     }
@@ -770,10 +771,22 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_do.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask>(args, ss, pipeline_q, pipeline_do, tile, m_begin, m_count,
-                                   iters);
+    consume<T, Kt, kCausal, kMask, kBulkDq>(args, ss, pipeline_q, pipeline_do, tile, m_begin,
+                                            m_count, iters);
   }
 #endif
+}
+
+// The main kernel for a call: with bulk reductions where dq_accum is laid out for them, a kernel of
+// their own, so that the atomics' kernels stay as they were. Only the calls without a mask have
+// them: the masked kernels spilled at D = 128 with the tile's stores beside their mask reads
+// (launch.h: backward_covers routes such calls).
+template <typename T, typename Kt, bool kCausal, MaskKind kMask>
+auto kernel_for(const BwdParams<float>& p) {
+  if constexpr (kMask == MaskKind::kNone) {
+    if (p.dq_layout.bulk) return &main_kernel<T, Kt, kCausal, kMask, true>;
+  }
+  return &main_kernel<T, Kt, kCausal, kMask, false>;
 }
 
 }  // namespace bwd_impl

@@ -32,7 +32,7 @@ cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
 
   const bwd_impl::KernelArgs<Kt> args = bwd_impl::make_kernel_args<Kt>(p);
-  const auto kernel = &bwd_impl::main_kernel<T, Kt, kCausal, kMask>;
+  const auto kernel = bwd_impl::kernel_for<T, Kt, kCausal, kMask>(p);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<bwd_impl::grid<Kt>(p), Kt::kThreads, bwd_impl::smem_bytes<Kt>(p), stream>>>(args);

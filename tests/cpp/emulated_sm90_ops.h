@@ -13,11 +13,13 @@
 //     as the PTX ISA describes; waiting threads take part in the emulation's deadlock check;
 //   * wgmma is warpgroup-wide: the 128 threads meet (a register A operand is gathered then), each
 //     computes its own accumulators from the operands' shared-memory descriptors, decoded by the
-//     PTX ISA's canonical layouts and swizzles, and they meet again, so that no thread of the
-//     warpgroup passes the instruction before every read of shared memory is done (a GPU's
-//     wgmma.wait). The accumulators reach the thread's registers only when its wgmma_wait retires
-//     their batch (committed batches retiring in order); until then the registers hold NaN, so an
-//     accumulator read before its wait shows up in the results;
+//     PTX ISA's canonical layouts and swizzles, and they meet again once every read is done. The
+//     accumulators reach the thread's registers only when its wgmma_wait retires their batch
+//     (committed batches retiring in order); until then the registers hold NaN, so an
+//     accumulator read before its wait shows up in the results. The operands' shared memory counts
+//     as read until that wait: the hazard checks below report a TMA load into it, a write to it,
+//     or the release of its pipeline stage before then, and a load into a stage that consumers
+//     have not released;
 //   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
 //   * bulk reductions into global memory, checked for writes to their shared memory before the
 //     issuing thread's wait (below).
@@ -43,10 +45,13 @@ inline size_t __cvta_generic_to_shared(const void* p) {
 
 #include <cuda.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -141,6 +146,9 @@ inline uint32_t swizzle(uint32_t a, uint32_t bytes) {
   return a ^ (((a >> 7) & mask) << 4);
 }
 
+// The granule of the hazard checks below.
+constexpr uint32_t kChunkBytes = 16;
+
 // One TMA tile load: the box of `map` at `crd` into shared memory at `dst` (an offset).
 struct TmaBox {
   TensorMap map;
@@ -171,7 +179,86 @@ struct TmaBox {
     }
     return total * m.element_bytes;
   }
+  // The 16-byte chunks of shared memory the box writes (a swizzle permutes whole chunks).
+  std::vector<uint32_t> chunks() const {
+    const TensorMap& m = map;
+    const uint32_t bytes = m.box[0] * m.box[1] * m.box[2] * m.box[3] * m.box[4] * m.element_bytes;
+    std::vector<uint32_t> out;
+    for (uint32_t a = dst; a < dst + bytes; a += kChunkBytes)
+      out.push_back(swizzle(a, m.swizzle_bytes) / kChunkBytes);
+    return out;
+  }
 };
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory hazards of the asynchronous operations. On a GPU a wgmma may read its
+// shared-memory operands at any time until the wait that retires it, and a TMA load may write its
+// box at any time until its mbarrier's phase completes; nothing orders either against other
+// accesses. The emulation does each at one instant (a wgmma's reads at issue, a load's writes at
+// the first wait for its phase), so a missing wait or release would not change its results; these
+// checks report it instead, on 16-byte chunks of shared memory:
+//   * a wgmma's operand chunks are in flight from its issue to the first wait in its warpgroup that
+//     retires it. A TMA load issued into an in-flight chunk is reported, and so is a write to one
+//     (found at that wait: the chunks no longer hold what the wgmma read);
+//   * a consumer thread of a TMA pipeline holds a stage from its consumer_wait to its
+//     consumer_release. A load issued into a held stage (a producer that did not wait for the
+//     stage's release) is reported, and so is a release while a wgmma of the releasing thread that
+//     reads the stage's chunks has not been waited for.
+// ---------------------------------------------------------------------------------------------
+struct OperandRead {
+  std::vector<uint32_t> chunks;      // sorted, distinct
+  std::vector<unsigned char> bytes;  // what the wgmma read: kChunkBytes per chunk
+  std::atomic<bool> retired{false};
+};
+
+// The in-flight operand reads of the running block, counted per chunk. Under g_block.domain.m.
+struct InFlightReads {
+  std::vector<uint16_t> count = std::vector<uint16_t>(kSmemCapacity / kChunkBytes);
+  uint64_t block = 0;  // the block (g_block_serial) they were counted in
+  std::vector<uint16_t>& of_this_block() {
+    const uint64_t serial = g_block_serial.load(std::memory_order_relaxed);
+    if (block != serial) {
+      std::fill(count.begin(), count.end(), uint16_t{0});
+      block = serial;
+    }
+    return count;
+  }
+};
+inline InFlightReads g_in_flight;
+
+// The calling thread's wgmma reads not yet retired by its waits, with the batch of each.
+inline thread_local std::vector<std::pair<uint64_t, std::shared_ptr<OperandRead>>> t_reads;
+
+// A wgmma's operands, read now from `chunks`: what they hold, counted in flight.
+inline std::shared_ptr<OperandRead> operand_read(std::vector<uint32_t> chunks) {
+  auto r = std::make_shared<OperandRead>();
+  std::sort(chunks.begin(), chunks.end());
+  chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+  r->bytes.resize(chunks.size() * kChunkBytes);
+  for (size_t i = 0; i < chunks.size(); ++i)
+    std::memcpy(&r->bytes[i * kChunkBytes], g_sm90_smem + chunks[i] * kChunkBytes, kChunkBytes);
+  r->chunks = std::move(chunks);
+  std::lock_guard<std::mutex> lk(g_block.domain.m);
+  std::vector<uint16_t>& count = g_in_flight.of_this_block();
+  for (uint32_t c : r->chunks) ++count[c];
+  return r;
+}
+
+// The first wait that retires the read: its chunks must still hold what it read.
+inline void retire_read(OperandRead& r) {
+  if (r.retired.exchange(true)) return;
+  for (size_t i = 0; i < r.chunks.size(); ++i) {
+    if (std::memcmp(&r.bytes[i * kChunkBytes], g_sm90_smem + r.chunks[i] * kChunkBytes,
+                    kChunkBytes) != 0) {
+      report_error("wgmma operand at shared byte " + std::to_string(r.chunks[i] * kChunkBytes) +
+                   " written before the wait that retires the wgmma");
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lk(g_block.domain.m);
+  std::vector<uint16_t>& count = g_in_flight.of_this_block();
+  for (uint32_t c : r.chunks) --count[c];
+}
 
 // ---------------------------------------------------------------------------------------------
 // mbarriers. The state of the block's barriers (their addresses in shared memory) lives here, under
@@ -182,6 +269,11 @@ struct Mbarrier {
   int64_t tx = 0;  // transaction bytes still to come
   uint32_t phase = 0;
   std::vector<TmaBox> loads;  // issued, not landed
+  // As the "full" barrier of a TMA pipeline's stage: the consumer threads that hold the stage
+  // (past their consumer_wait, before their consumer_release), and the shared-memory chunks its
+  // loads write (the stage's region, in 16-byte chunks: above).
+  int holders = 0;
+  std::vector<bool> region;
 };
 
 struct MbarrierTable {
@@ -224,7 +316,8 @@ struct TxBarrier {
   static void init(const uint64_t* p, uint32_t count) {
     std::lock_guard<std::mutex> lk(g_block.domain.m);
     Mbarrier& b = g_mbarriers.bars[p];
-    b = Mbarrier{static_cast<int>(count), static_cast<int>(count), 0, 0, {}};
+    b = Mbarrier{};
+    b.expected = b.pending = static_cast<int>(count);
   }
   // Waits until the phase of parity `phase` has completed (mbarrier.try_wait.parity).
   static void wait(const uint64_t* p, uint32_t phase) {
@@ -259,10 +352,53 @@ struct TxBarrier {
   }
   // A TMA load that completes its bytes on the barrier: it lands when a thread first waits for the
   // phase (so that a thread that reads the stage without waiting reads what was there before).
+  // Reported: a load into a stage that consumers hold, or into chunks a wgmma reads (above).
   static void issue(const uint64_t* p, const TmaBox& box) {
     std::lock_guard<std::mutex> lk(g_block.domain.m);
-    g_mbarriers.at(p).loads.push_back(box);
+    Mbarrier& b = g_mbarriers.at(p);
+    if (b.holders > 0) {
+      report_error("TMA load into the stage of the mbarrier at shared byte " + byte_of(p) +
+                   " while " + std::to_string(b.holders) +
+                   " consumer thread(s) hold it (its release was not waited for)");
+    }
+    const std::vector<uint16_t>& in_flight = g_in_flight.of_this_block();
+    if (b.region.empty()) b.region.resize(in_flight.size());
+    for (const uint32_t c : box.chunks()) {
+      if (in_flight[c] > 0) {
+        report_error("TMA load into shared byte " + std::to_string(c * kChunkBytes) +
+                     ", which a wgmma not yet waited for reads");
+        break;
+      }
+    }
+    for (const uint32_t c : box.chunks()) b.region[c] = true;
+    b.loads.push_back(box);
     g_mbarriers.wake_waiters();
+  }
+  // The calling consumer thread takes (+1) or gives back (-1) the stage whose "full" barrier is at
+  // `p`. Giving it back, none of its wgmma reads that are not yet waited for may touch the
+  // stage's region.
+  static void hold(const uint64_t* p, int delta) {
+    std::lock_guard<std::mutex> lk(g_block.domain.m);
+    Mbarrier& b = g_mbarriers.at(p);
+    b.holders += delta;
+    if (b.holders < 0) report_error("consumer_release of a stage not waited for");
+    if (delta > 0 || b.region.empty()) return;
+    for (const auto& [batch, read] : t_reads) {
+      for (const uint32_t c : read->chunks) {
+        if (b.region[c]) {
+          report_error("consumer thread " + std::to_string(threadIdx.x) +
+                       " releases the stage of the mbarrier at shared byte " + byte_of(p) +
+                       " while its wgmma reading shared byte " + std::to_string(c * kChunkBytes) +
+                       " has not been waited for");
+          return;
+        }
+      }
+    }
+  }
+
+ private:
+  static std::string byte_of(const uint64_t* p) {
+    return std::to_string(reinterpret_cast<const unsigned char*>(p) - g_sm90_smem);
   }
 };
 
@@ -306,8 +442,14 @@ class PipelineTmaAsync {
     for (int s = 0; s < kStages; ++s, ++state)
       TxBarrier::wait(&empty_[state.index()], state.phase());
   }
-  void consumer_wait(PipelineState state) { TxBarrier::wait(&full_[state.index()], state.phase()); }
-  void consumer_release(PipelineState state) { TxBarrier::arrive(&empty_[state.index()]); }
+  void consumer_wait(PipelineState state) {
+    TxBarrier::wait(&full_[state.index()], state.phase());
+    TxBarrier::hold(&full_[state.index()], 1);
+  }
+  void consumer_release(PipelineState state) {
+    TxBarrier::hold(&full_[state.index()], -1);
+    TxBarrier::arrive(&empty_[state.index()]);
+  }
 
  private:
   uint64_t* full_;
@@ -408,10 +550,12 @@ struct OperandMajor<cute::GMMA::smem_desc<kMajor>> {
 };
 
 // The warpgroups' slots for a register A operand (8 16-bit values per thread), double-buffered as
-// the warps' slots are.
+// the warps' slots are, and for the shared-memory chunks of a wgmma's operands (one: a warpgroup's
+// next wgmma starts after every thread has taken it).
 struct WarpgroupSlots {
   alignas(16) unsigned char slot[2][128][16];
   uint64_t seq[2][128];
+  std::shared_ptr<OperandRead> read;
 };
 inline WarpgroupSlots g_warpgroup_slots[kMaxBlockWarpgroups];
 
@@ -515,6 +659,7 @@ inline void async_state_for_this_block() {
                  " left a block with wgmma or bulk operations it did not wait for");
   }
   t_pending.clear(), t_committed.clear(), t_bulk_open.clear(), t_bulk_groups.clear();
+  t_reads.clear();
   t_open_batch = 0;
   t_async_block = block;
 }
@@ -548,6 +693,20 @@ inline void wgmma_wait(int pending) {
       ++it;
     }
   }
+  for (auto it = t_reads.begin(); it != t_reads.end();) {
+    if (it->first <= retired) {
+      retire_read(*it->second);
+      it = t_reads.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// The calling thread's wgmma of the open batch reads `read`.
+inline void note_read(std::shared_ptr<OperandRead> read) {
+  async_state_for_this_block();
+  t_reads.emplace_back(t_open_batch, std::move(read));
 }
 
 // The operations of sm90/ops.cuh's Sm90Ops, emulated.
@@ -673,6 +832,21 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
   }
   const uint64_t bdesc = static_cast<uint64_t>(*B.data());
   constexpr bool kKB = sm90::OperandMajor<typename Traits::FrgTypeB>::kK;
+  // The operands' chunks, in flight until the wait (one thread records them for the warpgroup).
+  if (tid == 0) {
+    std::vector<uint32_t> chunks;
+    for (int k = 0; k < 16; ++k) {
+      if constexpr (kSsA) {
+        const uint64_t desc = static_cast<uint64_t>(*A.data());
+        constexpr bool kK = sm90::OperandMajor<typename Traits::FrgTypeA>::kK;
+        for (int m = 0; m < 64; ++m)
+          chunks.push_back(sm90::operand_address(desc, kK, m, k) / sm90::kChunkBytes);
+      }
+      for (int n = 0; n < kN; ++n)
+        chunks.push_back(sm90::operand_address(bdesc, kKB, n, k) / sm90::kChunkBytes);
+    }
+    sm90::g_warpgroup_slots[threadIdx.x / 128].read = sm90::operand_read(std::move(chunks));
+  }
   const bool zero = traits.accumulate_ == GMMA::ScaleOut::Zero;
   static_assert(decltype(size(D))::value == kN / 2);
   for (int v = 0; v < kN / 2; ++v) {
@@ -686,8 +860,9 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
     }
     sm90::issue_accumulator(&D(v), acc);  // NaN until the wait retires the batch
   }
-  // Every thread's reads of shared memory are done before any passes (the wgmma's wait).
+  // Every thread's reads of shared memory are done before any passes; the chunks stay in flight.
   sm90::warpgroup_meet(nullptr, 0);
+  sm90::note_read(sm90::g_warpgroup_slots[threadIdx.x / 128].read);
 }
 }  // namespace cute
 

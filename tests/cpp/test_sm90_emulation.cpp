@@ -4,7 +4,9 @@
 // blocks of three warpgroups (cuda_emulation.h), with the launchers' arguments and grids
 // (sm90_emulation.h). What this checks on any machine: the kernels' TMA boxes and wgmma
 // descriptors, their pipelines' phases, the producer / consumer hand-offs and the ping-pong of the
-// consumer warpgroups, indexing, masking, statistics and gradients; not the hardware's timing.
+// consumer warpgroups, the shared-memory hazards of their asynchronous operations (reported by the
+// emulation, whose own checks are tested last), indexing, masking, statistics and gradients; not
+// the hardware's timing.
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h).
 #include "sm90_emulation.h"
 
@@ -90,6 +92,138 @@ TEST(EmulatedSm90Backward, Masked) {
       eh::Shape{1, 2, 1, 70, 150, 128, false, false, true, MaskKind::kBool});
   run_backward<__half, 64, true, MaskKind::kAdditive>(
       eh::Shape{1, 2, 2, 80, 80, 64, true, true, true, MaskKind::kAdditive});
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulation's checks of asynchronous hazards (emulated_sm90_ops.h), on a small kernel: thread 0
+// loads 64-element rows by TMA into the two stages of a pipeline; the 128 threads of warpgroup 1
+// take each stage, read it as a wgmma reads its operands, wait for the read and release the stage.
+// Each other mode makes one mistake a GPU would race on.
+// ---------------------------------------------------------------------------------------------
+
+enum class Hazard {
+  kNone,
+  kReleaseBeforeWait,  // a consumer releases the stage before the wait of the wgmma reading it
+  kWriteBeforeWait,    // a thread writes an operand before the wgmma's wait
+  kLoadIntoHeldStage,  // a TMA load into a stage that consumers have not released
+  kLoadIntoOperand,    // a TMA load (on a barrier of its own) into a wgmma's operand in flight
+};
+
+struct HazardParams {
+  const uint16_t* src;  // kIters rows of 64 16-bit values
+  Hazard mode;
+};
+
+constexpr int kHazardIters = 4;
+constexpr uint32_t kRowBytes = 64 * 2;
+constexpr uint32_t kStage0 = 1024;  // the stages' shared bytes: kStage0 + stage * kRowBytes
+using HazardPipeline = cuda_emu::sm90::PipelineTmaAsync<2>;
+
+__global__ void hazard_kernel(const HazardParams p) {
+  namespace s9 = cuda_emu::sm90;
+  using cuda_emu::g_sm90_smem;
+  auto& storage = *reinterpret_cast<HazardPipeline::SharedStorage*>(g_sm90_smem);
+  uint64_t* const other_barrier = reinterpret_cast<uint64_t*>(g_sm90_smem + 512);
+  HazardPipeline::Params params;
+  params.transaction_bytes = kRowBytes;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128;
+  HazardPipeline pipeline(storage, params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  if (threadIdx.x == 0) s9::TxBarrier::init(other_barrier, 1);
+  __syncthreads();
+  // A row's load into shared byte `dst`.
+  const auto row = [&](int it, uint32_t dst) {
+    s9::TmaBox box{};
+    box.map.address = reinterpret_cast<const unsigned char*>(p.src);
+    box.map.dims[0] = 64 * kHazardIters;
+    box.map.strides[0] = 2;
+    box.map.box[0] = 64;
+    box.map.rank = 1;
+    box.map.element_bytes = 2;
+    for (int d = 1; d < 5; ++d) box.map.dims[d] = box.map.box[d] = 1;
+    box.crd[0] = 64 * it;
+    box.dst = dst;
+    return box;
+  };
+  const bool meet = p.mode == Hazard::kLoadIntoHeldStage || p.mode == Hazard::kLoadIntoOperand;
+  if (threadIdx.x < 128) {
+    // Warp 0: thread 0 produces; the warp meets the consumers where a mode loads during their
+    // reads (all of them: a consumer that had not yet waited for the stage's first phase would wait
+    // for the wrong one after the early load of kLoadIntoHeldStage, and hang).
+    if (threadIdx.x >= 32) return;
+    auto state = cutlass::make_producer_start_state<HazardPipeline>();
+    for (int it = 0; it < kHazardIters; ++it, ++state) {
+      if (p.mode == Hazard::kLoadIntoHeldStage && it == 2) continue;  // issued at iteration 0
+      if (threadIdx.x == 0) {
+        pipeline.producer_acquire(state);
+        s9::TxBarrier::issue(pipeline.producer_get_barrier(state),
+                             row(it, kStage0 + state.index() * kRowBytes));
+      }
+      if (meet && it == 0) {
+        s9::NamedBarrier::sync(160, 0);  // the consumers hold stage 0 and read it
+        if (threadIdx.x == 0 && p.mode == Hazard::kLoadIntoHeldStage) {
+          // Iteration 2's load into stage 0 now, without waiting for the stage's release.
+          s9::TxBarrier::arrive_and_expect_tx(&storage.full_barrier_[0], kRowBytes);
+          s9::TxBarrier::issue(&storage.full_barrier_[0], row(2, kStage0));
+        } else if (threadIdx.x == 0) {
+          s9::TxBarrier::issue(other_barrier, row(1, kStage0));
+        }
+        s9::NamedBarrier::sync(160, 0);
+      }
+    }
+    if (threadIdx.x == 0) pipeline.producer_tail(state);
+    return;
+  }
+  HazardPipeline::PipelineState state;
+  for (int it = 0; it < kHazardIters; ++it, ++state) {
+    pipeline.consumer_wait(state);
+    const uint32_t first = (kStage0 + state.index() * kRowBytes) / s9::kChunkBytes;
+    std::vector<uint32_t> chunks;
+    for (uint32_t c = first; c < first + kRowBytes / s9::kChunkBytes; ++c) chunks.push_back(c);
+    s9::note_read(s9::operand_read(chunks));
+    s9::wgmma_commit();
+    if (meet && it == 0) {
+      s9::NamedBarrier::sync(160, 0);
+      s9::NamedBarrier::sync(160, 0);
+    }
+    if (p.mode == Hazard::kWriteBeforeWait && it == 1 && threadIdx.x == 200)
+      g_sm90_smem[kStage0 + kRowBytes + 3] ^= 1;
+    if (p.mode == Hazard::kReleaseBeforeWait && it == 2) pipeline.consumer_release(state);
+    s9::wgmma_wait(0);
+    if (!(p.mode == Hazard::kReleaseBeforeWait && it == 2)) pipeline.consumer_release(state);
+  }
+}
+
+// The message of the launch's first reported error ("" when none).
+std::string hazard_report(Hazard mode) {
+  std::vector<uint16_t> src(64 * kHazardIters);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i);
+  const EmulatedLaunch l =
+      hopper_launch(dim3(2), 256, kStage0 + 2 * kRowBytes, s9f::ea_sm90_fwd_smem);
+  try {
+    emulate_launch(hazard_kernel, l, HazardParams{src.data(), mode});
+  } catch (const cuda_emu::CudaEmulationError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(EmulatedSm90Checks, ReportAsynchronousHazards) {
+  EXPECT_EQ(hazard_report(Hazard::kNone), "");
+  const std::pair<Hazard, const char*> cases[] = {
+      {Hazard::kReleaseBeforeWait,
+       "releases the stage of the mbarrier at shared byte 0 while its wgmma reading shared byte "
+       "1024 has not been waited for"},
+      {Hazard::kWriteBeforeWait, "wgmma operand at shared byte 1152 written before the wait"},
+      {Hazard::kLoadIntoHeldStage,
+       "TMA load into the stage of the mbarrier at shared byte 0 while"},
+      {Hazard::kLoadIntoOperand,
+       "TMA load into shared byte 1024, which a wgmma not yet waited for reads"},
+  };
+  for (const auto& [mode, message] : cases) {
+    const std::string report = hazard_report(mode);
+    EXPECT_NE(report.find(message), std::string::npos) << report;
+  }
 }
 
 }  // namespace

@@ -215,27 +215,16 @@ struct KernelArgs {
 template <typename Kt>
 KernelArgs<Kt> make_kernel_args(const BwdParams<float>& p) {
   using Element = typename Kt::Element;
-  using namespace cute;
-  constexpr int kHeadDim = Kt::kHeadDim;
-  const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
-  const View4 dout = tma_strides(p.dout, p.q_len, p.heads, kHeadDim);
-  const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
-  const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);
-  // (rows, D, heads, batch) with the D stride 1; the batch stride of a single-entry batch is
-  // never used either: the head stride times the heads.
-  const auto tensor = [&](const View4& t, int64_t len, int64_t heads) {
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data)),
-                       ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
-                                static_cast<int32_t>(p.batch)),
-                       StrideQK(t.sl, _1{}, t.sh, p.batch == 1 ? heads * t.sh : t.sb));
-  };
+  constexpr int kD = Kt::kHeadDim;
+  using TmaLoad = typename Kt::Ops::TmaLoad;
   const auto q_box = take<0, 2>(typename Kt::SmemLayoutQ{});
   const typename Kt::SmemLayoutK kv_box{};
-  using TmaLoad = typename Kt::Ops::TmaLoad;
-  return KernelArgs<Kt>{p, make_tma_copy(TmaLoad{}, tensor(q, p.q_len, p.heads), q_box),
-                        make_tma_copy(TmaLoad{}, tensor(dout, p.q_len, p.heads), q_box),
-                        make_tma_copy(TmaLoad{}, tensor(k, p.kv_len, p.kv_heads), kv_box),
-                        make_tma_copy(TmaLoad{}, tensor(v, p.kv_len, p.kv_heads), kv_box)};
+  const auto tma = [&](const View4& t, int64_t len, int64_t heads, const auto& box) {
+    return make_tma_copy(TmaLoad{}, tma_tensor<Element, kD>(t, len, heads, p.batch), box);
+  };
+  return KernelArgs<Kt>{p, tma(p.q, p.q_len, p.heads, q_box), tma(p.dout, p.q_len, p.heads, q_box),
+                        tma(p.k, p.kv_len, p.kv_heads, kv_box),
+                        tma(p.v, p.kv_len, p.kv_heads, kv_box)};
 }
 
 // The main kernel's dynamic shared memory for a call: without G's tile where G is added by atomics

@@ -220,37 +220,16 @@ struct KernelArgs {
 template <typename Kt>
 KernelArgs<Kt> make_kernel_args(const FwdParams<float>& p) {
   using Element = typename Kt::Element;
-  using namespace cute;
-  constexpr int kHeadDim = Kt::kHeadDim;
-  const View4 q = tma_strides(p.q, p.q_len, p.heads, kHeadDim);
-  const View4 k = tma_strides(p.k, p.kv_len, p.kv_heads, kHeadDim);
-  const View4 v = tma_strides(p.v, p.kv_len, p.kv_heads, kHeadDim);
-  const auto shape = [&](int64_t len, int64_t heads) {
-    return ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
-                    static_cast<int32_t>(p.batch));
-  };
-  const auto gmem = [](const View4& t) {
-    return make_gmem_ptr(static_cast<const Element*>(t.data));
-  };
-  // Batch strides of single-entry batches are never used either: the head stride times the heads.
-  const auto batch_stride = [&](const View4& t, int64_t heads) {
-    return p.batch == 1 ? heads * t.sh : t.sb;
-  };
+  constexpr int kD = Kt::kHeadDim;
   using TmaLoad = typename Kt::Ops::TmaLoad;
+  const auto kv_box = take<0, 2>(typename Kt::SmemLayoutK{});
   return KernelArgs<Kt>{
       p,
-      make_tma_copy(TmaLoad{},
-                    make_tensor(gmem(q), shape(p.q_len, p.heads),
-                                StrideQK(q.sl, _1{}, q.sh, batch_stride(q, p.heads))),
+      make_tma_copy(TmaLoad{}, tma_tensor<Element, kD>(p.q, p.q_len, p.heads, p.batch),
                     typename Kt::SmemLayoutQ{}),
-      make_tma_copy(TmaLoad{},
-                    make_tensor(gmem(k), shape(p.kv_len, p.kv_heads),
-                                StrideQK(k.sl, _1{}, k.sh, batch_stride(k, p.kv_heads))),
-                    take<0, 2>(typename Kt::SmemLayoutK{})),
-      make_tma_copy(TmaLoad{},
-                    make_tensor(gmem(v), shape(p.kv_len, p.kv_heads),
-                                StrideQK(v.sl, _1{}, v.sh, batch_stride(v, p.kv_heads))),
-                    take<0, 2>(typename Kt::SmemLayoutK{}))};
+      make_tma_copy(TmaLoad{}, tma_tensor<Element, kD>(p.k, p.kv_len, p.kv_heads, p.batch), kv_box),
+      make_tma_copy(TmaLoad{}, tma_tensor<Element, kD>(p.v, p.kv_len, p.kv_heads, p.batch),
+                    kv_box)};
 }
 
 // One block of three warpgroups per (query tile, head, batch): a 3-D grid, so that no index is a

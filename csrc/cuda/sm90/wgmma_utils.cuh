@@ -16,6 +16,9 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "../params.h"
+#include "launch.h"
+
 namespace entropy_attn::cuda::sm90 {
 
 using namespace cute;
@@ -26,6 +29,18 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // with a unit D stride.
 using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
 using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+
+// The (len, heads, batch) view `t` of kHeadDim-wide rows as such a tensor, for make_tma_copy: its
+// strides as tma_strides (launch.h) leaves them, and the batch stride of a single-entry batch,
+// never used either but checked by the encoder, the head stride times the heads.
+template <typename Element, int kHeadDim>
+auto tma_tensor(const View4& t, int64_t len, int64_t heads, int64_t batch) {
+  const View4 v = tma_strides(t, len, heads, kHeadDim);
+  return make_tensor(make_gmem_ptr(static_cast<const Element*>(v.data)),
+                     ShapeQKV(static_cast<int32_t>(len), kHeadDim, static_cast<int32_t>(heads),
+                              static_cast<int32_t>(batch)),
+                     StrideQK(v.sl, _1{}, v.sh, batch == 1 ? heads * v.sh : v.sb));
+}
 
 // A wgmma accumulator fragment ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as (rows, cols):
 // rows ((2, MMA_M)) are the thread's rows, cols ((2, N / 8, MMA_N)) its columns of each row.

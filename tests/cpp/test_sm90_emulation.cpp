@@ -110,7 +110,7 @@ enum class Hazard {
 };
 
 struct HazardParams {
-  const uint16_t* src;  // kIters rows of 64 16-bit values
+  const uint16_t* src;  // kHazardIters rows of 64 16-bit values
   Hazard mode;
 };
 
@@ -194,7 +194,7 @@ __global__ void hazard_kernel(const HazardParams p) {
   }
 }
 
-// The message of the launch's first reported error ("" when none).
+// The launch's report of the errors found ("" when none).
 std::string hazard_report(Hazard mode) {
   std::vector<uint16_t> src(64 * kHazardIters);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i);

@@ -22,7 +22,8 @@
 //     have not released;
 //   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
 //   * bulk reductions into global memory, checked for writes to their shared memory before the
-//     issuing thread's wait (below).
+//     issuing thread's wait (below);
+//   * cp.async, whose destination holds NaN bytes until the issuing thread's wait (below).
 // The shared-memory hazard check of the sm80 emulation does not apply: these kernels order their
 // accesses by mbarriers, not __syncthreads. Include before any CuTe header (sm90_emulation.h).
 #pragma once
@@ -633,6 +634,47 @@ inline void bulk_wait_read(int pending) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// cp.async (4-byte copies: the forward's mask tile, the backward's row statistics), per thread. A
+// copy reads its source at issue but writes its destination only when the thread's cp_async_wait
+// retires its group (cp.async.commit_group / wait_group; wait<0> is CuTe's cp.async.wait_all,
+// which takes the copies not yet committed too). Until then the destination holds NaN bytes
+// (0xff), so that a read before the issuing thread's wait, by itself or by a thread that did not
+// synchronize with it after that wait, shows up in the results.
+// ---------------------------------------------------------------------------------------------
+struct PendingCopy {
+  void* dst;
+  uint32_t value;
+};
+inline thread_local std::vector<PendingCopy> t_copies_open;               // not yet committed
+inline thread_local std::vector<std::vector<PendingCopy>> t_copy_groups;  // oldest first
+
+template <typename T>
+void cp_async_issue(T* dst, T value) {
+  static_assert(sizeof(T) == 4);
+  async_state_for_this_block();
+  smem_access(dst, sizeof(T), true, "cp.async");
+  PendingCopy c{dst, 0};
+  std::memcpy(&c.value, &value, 4);
+  std::memset(dst, 0xff, 4);
+  t_copies_open.push_back(c);
+}
+
+inline void cp_async_commit() {
+  async_state_for_this_block();
+  t_copy_groups.push_back(std::move(t_copies_open));
+  t_copies_open.clear();
+}
+
+inline void cp_async_wait(int pending) {
+  async_state_for_this_block();
+  if (pending == 0) cp_async_commit();
+  while (static_cast<int>(t_copy_groups.size()) > pending) {
+    for (const PendingCopy& c : t_copy_groups.front()) std::memcpy(c.dst, &c.value, 4);
+    t_copy_groups.erase(t_copy_groups.begin());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // wgmma's asynchronous completion, per thread: an issued wgmma's results wait in t_pending (the
 // latest value for each accumulator register, and the batch that writes it) while the register
 // holds NaN; wgmma_commit closes the open batch, and wgmma_wait<N> writes the values of every
@@ -654,12 +696,12 @@ inline void async_state_for_this_block() {
   const uint64_t block = g_block_serial.load(std::memory_order_relaxed);
   if (t_async_block == block) return;
   if (!t_pending.empty() || !t_committed.empty() || !t_bulk_open.empty() ||
-      !t_bulk_groups.empty()) {
+      !t_bulk_groups.empty() || !t_copies_open.empty() || !t_copy_groups.empty()) {
     report_error("thread " + std::to_string(threadIdx.x) +
-                 " left a block with wgmma or bulk operations it did not wait for");
+                 " left a block with wgmma, bulk or cp.async operations it did not wait for");
   }
   t_pending.clear(), t_committed.clear(), t_bulk_open.clear(), t_bulk_groups.clear();
-  t_reads.clear();
+  t_reads.clear(), t_copies_open.clear(), t_copy_groups.clear();
   t_open_batch = 0;
   t_async_block = block;
 }
@@ -718,14 +760,20 @@ struct Ops {
   using Pipeline = PipelineTmaAsync<kStages>;
   using TxBarrier = sm90::TxBarrier;
   using NamedBarrier = sm90::NamedBarrier;
-  using CpAsync4 = sm80::CpAsync<uint32_t>;
+  struct CpAsync4 {
+    static void copy(uint32_t const& src, uint32_t& dst) { sm90::cp_async_issue(&dst, src); }
+  };
   // 4-byte cp.async that writes zeros where `read` is false.
   struct CpAsync4Zfill {
     static void copy(float const& src, float& dst, bool read) {
-      smem_access(&dst, sizeof(float), true, "cp.async");
-      dst = read ? src : 0.f;
+      sm90::cp_async_issue(&dst, read ? src : 0.f);
     }
   };
+  static void cp_async_fence() { sm90::cp_async_commit(); }
+  template <int kPending>
+  static void cp_async_wait() {
+    sm90::cp_async_wait(kPending);
+  }
   static int warp_group_idx() { return static_cast<int>(threadIdx.x) / 128; }
   static void prefetch_tma_descriptor(const cute::TmaDescriptor*) {}
   static void wgmma_fence() {}

@@ -370,7 +370,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // (p.lse, never null, stands in for the address of an entry not read.)
       Ops::CpAsync4Zfill::copy(*(read ? src + row0 + r : p.lse), srow[stat][r], read);
     }
-    cp_async_fence();
+    Ops::cp_async_fence();
 
     // The thread's two rows: the keys [klo, khi) each may see (none for a padding row); lambda and
     // lse log2(e) once the row statistics are staged (below).
@@ -426,7 +426,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                                acc_dp);
       if (slice == 0) {
-        cp_async_wait<0>();
+        Ops::template cp_async_wait<0>();
         Ops::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {

@@ -427,7 +427,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       Ops::NamedBarrier::sync(128, kMaskBarrier + wg);
       load_mask_rows<Kt, kMask>(s_mask, mask, b, h, m0, 64 * wg, rows, n * kBlockN,
                                 min(kBlockN, kv_len - n * kBlockN));
-      cp_async_fence();
+      Ops::cp_async_fence();
     }
     pipeline_k.consumer_wait(read_state);
     scheduler_sync<Ops>(wg);
@@ -444,7 +444,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     warpgroup_fence_operand(acc_s);
     pipeline_k.consumer_release(read_state);
     if constexpr (kHasMask) {
-      cp_async_wait<0>();
+      Ops::template cp_async_wait<0>();
       Ops::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
     }
   };

@@ -32,7 +32,10 @@
 //     waiting threads are unwound (an exception through the kernel's frames) and the launch
 //     reports the barriers' state;
 //   * a launch in which no barrier completes for kWatchdogSeconds (a thread that never reaches a
-//     barrier, e.g. an endless loop) aborts the process.
+//     barrier, e.g. an endless loop) aborts the process;
+//   * the headers of emulated asynchronous operations (emulated_cp_async.h, emulated_sm90_ops.h)
+//     check, as each thread finishes a block, that it waited for every operation it issued
+//     (block_end_checks).
 // Threads that `return` early leave the block's and their warp's barriers (the barriers then wait
 // for the remaining threads only); a warp operation or __syncthreads() after that is reported.
 #pragma once
@@ -161,6 +164,19 @@ inline std::vector<std::string> g_errors;
 inline void report_error(std::string msg) {
   std::lock_guard<std::mutex> lk(g_error_mutex);
   if (g_errors.size() < 20) g_errors.push_back(std::move(msg));
+}
+
+// Checks that each thread runs when it has finished a block (not when unwound from a deadlock):
+// the emulated asynchronous operations report there what the thread left without a wait, and
+// drop it, so that the next block starts clean and the last block of a launch is checked too. A
+// header adds its check with `inline const bool registered = cuda_emu::on_block_end(&check);`.
+inline std::vector<void (*)()>& block_end_checks() {
+  static std::vector<void (*)()> checks;
+  return checks;
+}
+inline bool on_block_end(void (*check)()) {
+  block_end_checks().push_back(check);
+  return true;
 }
 
 // Thrown inside the emulated threads of a block that deadlocked, to unwind them.
@@ -762,6 +778,7 @@ void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
         t_group_seq = 0;
         try {
           kernel(p);
+          for (void (*check)() : block_end_checks()) check();
           // Leave the block's barriers: the threads still running may synchronize without us.
           g_block.thread_exit(t);
         } catch (const DeadlockAbort&) {

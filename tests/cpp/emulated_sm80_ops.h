@@ -8,16 +8,18 @@
 //     address of its 16-byte row) through cuda_emu::warp_gather, then computes its own part of the
 //     result from the PTX ISA's fragment layouts (CuTe's ALayout, BLayout, CLayout; the ldmatrix
 //     formulas below);
-//   * cp.async copies at once;
+//   * cp.async writes its destination only at the issuing thread's wait (emulated_cp_async.h):
+//     until then it holds NaN bytes, so a read before that wait shows up in the results;
 //   * both report their shared-memory accesses (cuda_emulation.h: smem_access), so that a buffer
 //     overwritten by cp.async while another warp's ldmatrix still reads it, or read before another
 //     warp's copy into it is past a barrier, fails the launch as a hazard (what racecheck reports
-//     on a GPU). A read before the reading thread's own cp.async wait is not caught.
+//     on a GPU).
 // Include after cuda_emulation.h and before the kernel headers.
 #pragma once
 
 // clang-format off
 #include "cuda_emulation.h"  // (before CUTLASS: the CUDA built-ins)
+#include "emulated_cp_async.h"
 // clang-format on
 
 #include <cuda_fp16.h>
@@ -135,15 +137,12 @@ struct Ldmatrix4 {
   }
 };
 
-// cp.async of S-sized elements: the copy happens at once.
+// cp.async of S-sized elements (emulated_cp_async.h).
 template <typename S>
 struct CpAsync {
   using SRegisters = S[1];
   using DRegisters = S[1];
-  static void copy(S const& src, S& dst) {
-    smem_access(&dst, sizeof(S), true, "cp.async");
-    std::memcpy(&dst, &src, sizeof(S));
-  }
+  static void copy(S const& src, S& dst) { cp_async_issue(&dst, &src, sizeof(S)); }
 };
 
 // The operations of sm80/ops.cuh's Sm80Ops, emulated.
@@ -157,6 +156,12 @@ struct Ops {
   using LdsmT = Ldmatrix4<true>;
   using CpAsync16 = CpAsync<cute::uint128_t>;
   using CpAsync4 = CpAsync<uint32_t>;
+  static void cp_async_fence() { cp_async_commit(); }
+  template <int kPending>
+  static void cp_async_wait() {
+    cp_async_wait_group(kPending);
+  }
+  static void cp_async_wait_all() { cuda_emu::cp_async_wait_all(); }
 };
 
 }  // namespace cuda_emu::sm80

@@ -23,12 +23,14 @@
 //   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
 //   * bulk reductions into global memory, checked for writes to their shared memory before the
 //     issuing thread's wait (below);
-//   * cp.async, whose destination holds NaN bytes until the issuing thread's wait (below).
+//   * cp.async, whose destination holds NaN bytes until the issuing thread's wait
+//     (emulated_cp_async.h).
 // The shared-memory hazard check of the sm80 emulation does not apply: these kernels order their
 // accesses by mbarriers, not __syncthreads. Include before any CuTe header (sm90_emulation.h).
 #pragma once
 
 #include "cuda_emulation.h"  // (before CUTLASS: the CUDA built-ins)
+#include "emulated_cp_async.h"
 
 namespace cuda_emu {
 // The dynamic shared memory of the running launch: shared-memory addresses (what the kernels'
@@ -598,10 +600,7 @@ struct BulkReduction {
 inline thread_local std::vector<BulkReduction> t_bulk_open;                 // not yet committed
 inline thread_local std::vector<std::vector<BulkReduction>> t_bulk_groups;  // oldest first
 
-inline void async_state_for_this_block();
-
 inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
-  async_state_for_this_block();
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0 ||
       __cvta_generic_to_shared(smem) % 16 != 0) {
     report_error("bulk reduction: size or addresses not multiples of 16 bytes");
@@ -614,13 +613,11 @@ inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
 }
 
 inline void bulk_commit() {
-  async_state_for_this_block();
   t_bulk_groups.push_back(std::move(t_bulk_open));
   t_bulk_open.clear();
 }
 
 inline void bulk_wait_read(int pending) {
-  async_state_for_this_block();
   while (static_cast<int>(t_bulk_groups.size()) > pending) {
     for (const BulkReduction& r : t_bulk_groups.front()) {
       if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
@@ -630,47 +627,6 @@ inline void bulk_wait_read(int pending) {
       }
     }
     t_bulk_groups.erase(t_bulk_groups.begin());
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// cp.async (4-byte copies: the forward's mask tile, the backward's row statistics), per thread. A
-// copy reads its source at issue but writes its destination only when the thread's cp_async_wait
-// retires its group (cp.async.commit_group / wait_group; wait<0> is CuTe's cp.async.wait_all,
-// which takes the copies not yet committed too). Until then the destination holds NaN bytes
-// (0xff), so that a read before the issuing thread's wait, by itself or by a thread that did not
-// synchronize with it after that wait, shows up in the results.
-// ---------------------------------------------------------------------------------------------
-struct PendingCopy {
-  void* dst;
-  uint32_t value;
-};
-inline thread_local std::vector<PendingCopy> t_copies_open;               // not yet committed
-inline thread_local std::vector<std::vector<PendingCopy>> t_copy_groups;  // oldest first
-
-template <typename T>
-void cp_async_issue(T* dst, T value) {
-  static_assert(sizeof(T) == 4);
-  async_state_for_this_block();
-  smem_access(dst, sizeof(T), true, "cp.async");
-  PendingCopy c{dst, 0};
-  std::memcpy(&c.value, &value, 4);
-  std::memset(dst, 0xff, 4);
-  t_copies_open.push_back(c);
-}
-
-inline void cp_async_commit() {
-  async_state_for_this_block();
-  t_copy_groups.push_back(std::move(t_copies_open));
-  t_copies_open.clear();
-}
-
-inline void cp_async_wait(int pending) {
-  async_state_for_this_block();
-  if (pending == 0) cp_async_commit();
-  while (static_cast<int>(t_copy_groups.size()) > pending) {
-    for (const PendingCopy& c : t_copy_groups.front()) std::memcpy(c.dst, &c.value, 4);
-    t_copy_groups.erase(t_copy_groups.begin());
   }
 }
 
@@ -688,23 +644,20 @@ struct PendingAccumulator {
 inline thread_local std::unordered_map<float*, PendingAccumulator> t_pending;
 inline thread_local uint64_t t_open_batch = 0;          // the batch being issued
 inline thread_local std::vector<uint64_t> t_committed;  // committed, not retired, oldest first
-inline thread_local uint64_t t_async_block = 0;         // the block (g_block_serial) of that state
 
-// Starts the thread's asynchronous state afresh in a new block; reports what the last one left
-// unwaited (wgmma batches or bulk reductions whose reads were not waited for).
-inline void async_state_for_this_block() {
-  const uint64_t block = g_block_serial.load(std::memory_order_relaxed);
-  if (t_async_block == block) return;
+// At the end of each block (cuda_emulation.h: on_block_end): reports the wgmma batches and bulk
+// reductions the thread left without a wait, and drops them.
+inline void async_block_end() {
   if (!t_pending.empty() || !t_committed.empty() || !t_bulk_open.empty() ||
-      !t_bulk_groups.empty() || !t_copies_open.empty() || !t_copy_groups.empty()) {
+      !t_bulk_groups.empty()) {
     report_error("thread " + std::to_string(threadIdx.x) +
-                 " left a block with wgmma, bulk or cp.async operations it did not wait for");
+                 " left a block with wgmma or bulk operations it did not wait for");
   }
   t_pending.clear(), t_committed.clear(), t_bulk_open.clear(), t_bulk_groups.clear();
-  t_reads.clear(), t_copies_open.clear(), t_copy_groups.clear();
+  t_reads.clear();
   t_open_batch = 0;
-  t_async_block = block;
 }
+inline const bool g_async_checked = on_block_end(&async_block_end);
 
 // The input of a wgmma for accumulator register `reg`: its pending value, or the register.
 inline float accumulator_input(float* reg) {
@@ -717,13 +670,9 @@ inline void issue_accumulator(float* reg, float value) {
   *reg = std::numeric_limits<float>::quiet_NaN();
 }
 
-inline void wgmma_commit() {
-  async_state_for_this_block();
-  t_committed.push_back(t_open_batch++);
-}
+inline void wgmma_commit() { t_committed.push_back(t_open_batch++); }
 
 inline void wgmma_wait(int pending) {
-  async_state_for_this_block();
   if (static_cast<int>(t_committed.size()) <= pending) return;
   const uint64_t retired = t_committed[t_committed.size() - 1 - pending];
   t_committed.erase(t_committed.begin(), t_committed.end() - pending);
@@ -747,7 +696,6 @@ inline void wgmma_wait(int pending) {
 
 // The calling thread's wgmma of the open batch reads `read`.
 inline void note_read(std::shared_ptr<OperandRead> read) {
-  async_state_for_this_block();
   t_reads.emplace_back(t_open_batch, std::move(read));
 }
 
@@ -761,19 +709,17 @@ struct Ops {
   using TxBarrier = sm90::TxBarrier;
   using NamedBarrier = sm90::NamedBarrier;
   struct CpAsync4 {
-    static void copy(uint32_t const& src, uint32_t& dst) { sm90::cp_async_issue(&dst, src); }
+    static void copy(uint32_t const& src, uint32_t& dst) { cp_async_issue(&dst, &src, 4); }
   };
   // 4-byte cp.async that writes zeros where `read` is false.
   struct CpAsync4Zfill {
     static void copy(float const& src, float& dst, bool read) {
-      sm90::cp_async_issue(&dst, read ? src : 0.f);
+      const float value = read ? src : 0.f;
+      cp_async_issue(&dst, &value, 4);
     }
   };
-  static void cp_async_fence() { sm90::cp_async_commit(); }
-  template <int kPending>
-  static void cp_async_wait() {
-    sm90::cp_async_wait(kPending);
-  }
+  static void cp_async_fence() { cp_async_commit(); }
+  static void cp_async_wait_all() { cuda_emu::cp_async_wait_all(); }
   static int warp_group_idx() { return static_cast<int>(threadIdx.x) / 128; }
   static void prefetch_tma_descriptor(const cute::TmaDescriptor*) {}
   static void wgmma_fence() {}
@@ -844,7 +790,6 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
   static_assert(kM == 64 && size<2>(typename Traits::Shape_MNK{}) == 16);
 
   const int tid = static_cast<int>(threadIdx.x) % 128;
-  sm90::async_state_for_this_block();
   // The register A operand of every thread, gathered (RS); with SS the meeting only orders.
   uint32_t a_regs[4] = {0, 0, 0, 0};
   if constexpr (!kSsA) {

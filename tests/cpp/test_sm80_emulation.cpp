@@ -2,15 +2,21 @@
 // split_kv.cuh, bwd_kernel.cuh) compiled by the host compiler with emulated sm_80 instructions
 // (emulated_sm80_ops.h) on emulated thread blocks (cuda_emulation.h), with the launchers' grids
 // and shared memory (sm80_emulation.h). What this checks on any machine: the kernels' indexing,
-// tiling, masking, statistics and gradients, and the barriers between cp.async and ldmatrix (the
-// emulation reports shared-memory hazards); not the hardware's timing or its own instructions.
+// tiling, masking, statistics and gradients, the barriers between cp.async and ldmatrix (the
+// emulation reports shared-memory hazards) and the cp.async waits (a copy's destination holds NaN
+// until its wait); not the hardware's timing or its own instructions.
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h):
 //   forward:  D = 64 and 128 (and the masked 64 x 64 tiles), with and without statistics, plain
 //             full attention and the general (causal) instantiations, split-KV with its combine;
 //   backward: the full tiles and the compact ones (64 x 64, one dO buffer: GPUs with 99 KB of
 //             shared memory per block), with and without masks, the atomic and the deterministic
 //             dq. Its statistics come from the emulated fallback forward.
-// The features of the general instantiations: test_sm80_emulation_features.cpp.
+// The features of the general instantiations: test_sm80_emulation_features.cpp. Last, a test that
+// the cp.async checks catch the mistakes they are for.
+#include <cstring>
+#include <string>
+#include <vector>
+
 #include "sm80_emulation.h"
 
 namespace {
@@ -93,6 +99,87 @@ TEST(EmulatedSm80Backward, CompactOnlyWhereTheFullTilesDoNotFit) {
   EXPECT_LE(ec::sm80::backward_main_smem_bytes(128, true), 101376);
   EXPECT_LE(ec::sm80::backward_main_smem_bytes(64), 101376);
   EXPECT_GT(ec::sm80::backward_main_smem_bytes(128), 101376);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulation's checks of cp.async (emulated_cp_async.h), on a small kernel: each of 128 threads
+// copies a 16-byte row into shared memory by cp.async, and after a barrier reads the row of the
+// thread one warp further on (as ldmatrix would: a read the hazard check sees). Each mode but
+// kNone makes one mistake that a GPU would race on or hang with.
+// ---------------------------------------------------------------------------------------------
+
+enum class CpAsyncMistake {
+  kNone,
+  kReadBeforeWait,    // the rows are read after the barrier but before the wait
+  kWaitAfterBarrier,  // the wait is after the barrier: other warps read while the rows land
+  kNotCommitted,      // no commit before wait_group 0, which then waits for nothing
+  kNoWait,            // the block ends with its copies in flight
+};
+
+struct CpAsyncParams {
+  const uint32_t* src;  // 128 rows of 4 words
+  uint32_t* dst;        // 128 rows of 4 words: the rows each thread read
+  CpAsyncMistake mode;
+};
+
+__global__ void cp_async_kernel(const CpAsyncParams p) {
+  using Ops = cuda_emu::sm80::Ops;
+  auto* rows = reinterpret_cast<cute::uint128_t*>(sf::ea_sm80_fwd_smem);
+  const int t = static_cast<int>(threadIdx.x);
+  Ops::CpAsync16::copy(reinterpret_cast<const cute::uint128_t*>(p.src)[t], rows[t]);
+  if (p.mode != CpAsyncMistake::kNotCommitted) Ops::cp_async_fence();
+  const bool wait_first =
+      p.mode == CpAsyncMistake::kNone || p.mode == CpAsyncMistake::kNotCommitted;
+  if (wait_first) Ops::cp_async_wait<0>();
+  __syncthreads();
+  const int other = (t + 32) % 128;
+  cuda_emu::smem_access(&rows[other], 16, false, "the test's read");
+  std::memcpy(p.dst + 4 * t, &rows[other], 16);
+  if (p.mode == CpAsyncMistake::kReadBeforeWait || p.mode == CpAsyncMistake::kWaitAfterBarrier)
+    Ops::cp_async_wait<0>();
+}
+
+struct CpAsyncOutcome {
+  std::string report;  // "" when the launch found no error
+  bool rows_read;      // every thread read the row its neighbour copied
+};
+
+CpAsyncOutcome run_cp_async(CpAsyncMistake mode) {
+  std::vector<uint32_t> src(4 * 128), dst(4 * 128, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint32_t>(i);
+  EmulatedLaunch l;
+  l.grid = dim3(2);
+  l.smem = reinterpret_cast<unsigned char*>(sf::ea_sm80_fwd_smem);
+  l.smem_bytes = 128 * 16;
+  CpAsyncOutcome out{"", true};
+  try {
+    emulate_launch(cp_async_kernel, l, CpAsyncParams{src.data(), dst.data(), mode});
+  } catch (const cuda_emu::CudaEmulationError& e) {
+    out.report = e.what();
+  }
+  for (int t = 0; t < 128; ++t) {
+    out.rows_read &= std::memcmp(&dst[4 * t], &src[4 * ((t + 32) % 128)], 16) == 0;
+  }
+  return out;
+}
+
+TEST(EmulatedSm80Checks, ReportCpAsyncMistakes) {
+  const CpAsyncOutcome ok = run_cp_async(CpAsyncMistake::kNone);
+  EXPECT_EQ(ok.report, "");
+  EXPECT_TRUE(ok.rows_read);
+  // Read before the wait: every row still holds its NaN bytes.
+  const CpAsyncOutcome early = run_cp_async(CpAsyncMistake::kReadBeforeWait);
+  EXPECT_FALSE(early.rows_read);
+  // Whichever comes first, another warp's read and the landing share a barrier interval.
+  const CpAsyncOutcome late = run_cp_async(CpAsyncMistake::kWaitAfterBarrier);
+  EXPECT_NE(late.report.find("hazard"), std::string::npos) << late.report;
+  const CpAsyncOutcome uncommitted = run_cp_async(CpAsyncMistake::kNotCommitted);
+  EXPECT_FALSE(uncommitted.rows_read);
+  EXPECT_NE(uncommitted.report.find("left it with 1 cp.async copies it did not wait for"),
+            std::string::npos)
+      << uncommitted.report;
+  const CpAsyncOutcome unwaited = run_cp_async(CpAsyncMistake::kNoWait);
+  EXPECT_NE(unwaited.report.find("did not wait for"), std::string::npos) << unwaited.report;
 }
 
 }  // namespace

@@ -645,14 +645,14 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     copy_rows(gmem_copy, gthr.partition_S(gV), gthr.partition_D(sV), tKcK, kv_rows);
     load_q(0);
     load_do(0);
-    cp_async_fence();
+    Kt::Ops::cp_async_fence();
   }
 
   CUTE_NO_UNROLL
   for (int t = 0; t < iters; ++t) {
     const int h = head_of(t), i0 = row_of(t);
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
-    cp_async_wait<0>();
+    Kt::Ops::cp_async_wait_all();
     __syncthreads();  // Q, dO and the row statistics of t have landed; t - 1 read all it needed
     Tensor tdPsdO_t = in_do_buffer(tdPsdO, t);
     Tensor tdVsdOt_t = in_do_buffer(tdVsdOt, t);
@@ -740,7 +740,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     if (t + 1 < iters) {  // overlaps the three products below; dO of t - 1 was read before the
       load_q(t + 1);      // barrier at the top of t
       if constexpr (Kt::kDoBuffers == 2) load_do(t + 1);
-      cp_async_fence();
+      Kt::Ops::cp_async_fence();
     }
 
     // dV += P^T dO
@@ -750,7 +750,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
       if (t + 1 < iters) {  // (uniform) dV was the last reader of dO of t
         __syncthreads();
         load_do(t + 1);
-        cp_async_fence();
+        Kt::Ops::cp_async_fence();
       }
     }
 
@@ -787,7 +787,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
 
   // Epilogue: dK and dV (zero for a key block no query row sees) through shared memory (over K
   // and V, which the last products may still read: barrier) to 16-byte stores of rows < Lk.
-  cp_async_wait<0>();
+  Kt::Ops::cp_async_wait_all();
   __syncthreads();
   cute::copy(convert_fragment<Element>(acc_dk), thr_dkv.partition_C(sK));
   cute::copy(convert_fragment<Element>(acc_dv), thr_dkv.partition_C(sV));
@@ -934,9 +934,9 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   copy_rows(gmem_copy, gthr.partition_S(gdO), gthr.partition_D(sdO), tQcQ, q_rows);
   load_row_stats<Kt>(p, srow, row0, q_rows);
   if (n_end > n_begin) load_v(n_begin);
-  cp_async_fence();
+  Kt::Ops::cp_async_fence();
   if (n_end > n_begin) load_k(n_begin);
-  cp_async_fence();
+  Kt::Ops::cp_async_fence();
 
   CUTE_NO_UNROLL
   for (int n = n_begin; n < n_end; ++n) {
@@ -945,16 +945,17 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     // The tile's dropout decisions, drawn before dP and S hold registers (as the main kernel).
     uint32_t keep = 0;
     if (dropping) keep = dropout_keep_bits<false>(p.dropout, bh, i0, j0, coord_s);
-    cp_async_wait<1>();  // all but the newest group (K of n): V of n, and Q, dO at n = 0
+    // All but the newest group (K of n): V of n, and Q, dO at n = 0.
+    Kt::Ops::template cp_async_wait<1>();
     __syncthreads();
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
     gemm_smem(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp,
               thr_b_sdp);
-    cp_async_wait<0>();
+    Kt::Ops::cp_async_wait_all();
     __syncthreads();  // K of n landed; every warp is done with V of n
     if (n + 1 < n_end) load_v(n + 1);
-    cp_async_fence();  // possibly empty: keeps the group count of the waits above
+    Kt::Ops::cp_async_fence();  // possibly empty: keeps the group count of the waits above
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -984,10 +985,11 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
               thr_b_dq);
     __syncthreads();  // every warp is done with K of n and with dS
     if (n + 1 < n_end) load_k(n + 1);
-    cp_async_fence();
+    Kt::Ops::cp_async_fence();
   }
 
-  cp_async_wait<0>();  // (a block whose rows see no key ran no iteration: its copies end here)
+  // (A block whose rows see no key ran no iteration: its copies end here.)
+  Kt::Ops::cp_async_wait_all();
 
   // G of the rows < Lq, plain stores (this CTA owns them).
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));

@@ -159,14 +159,6 @@ struct FwdTraits {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Waits for all of this thread's cp.async groups (cp.async.wait_group 0; cute's cp_async_wait<0>
-// is wait_all, which commits an extra empty group first).
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(CUTE_ARCH_CP_ASYNC_SM80_ENABLED)
-  asm volatile("cp.async.wait_group 0;\n" ::);
-#endif
-}
-
 // An int the compiler cannot see through. Indices that pass through it are computed where they
 // are used: otherwise loop-invariant code motion and strength reduction turn every row of a tile
 // load into its own 64-bit pointer held across the key loop (16 registers for K and V), and
@@ -377,7 +369,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     load_rows<CpAsync16>(tKsK, tKVcKV, kv_slice(p.k, kv_head), p.k.sl, (tb.n_end - 1) * kBlockN,
                          kv_end - (tb.n_end - 1) * kBlockN);
   }
-  cp_async_fence();
+  Kt::Ops::cp_async_fence();
 
   typename Kt::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
@@ -517,22 +509,22 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     const int m0_k = opaque(m0), b_k = opaque(b);
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    cp_async_wait_all();  // K of block n (and Q)
+    Kt::Ops::template cp_async_wait<0>();  // K of block n (and Q)
     __syncthreads();      // ... visible to all; every warp done with block n + 1 (sV, mask free)
     load_rows<CpAsync16>(tVsV, tKVcKV, kv_slice(p.v, opaque(kv_head)), p.v.sl, j0, kv_end - j0);
     if constexpr (kHasMask) {
       load_mask_tile<Kt, kMask>(s_mask, mask, b_k, h, m0_k, rows, j0, min(kBlockN, kv_end - j0));
     }
-    cp_async_fence();
+    Kt::Ops::cp_async_fence();
     gemm_ss(acc_s, tSrQ, tSrK, tSrQ_view, tSrK_view, tSsQ, tSsK, tiled_mma, smem_tiled_copy_q,
             smem_tiled_copy_k);
-    cp_async_wait_all();  // V (and the mask tile) of block n
+    Kt::Ops::template cp_async_wait<0>();  // V (and the mask tile) of block n
     __syncthreads();      // ... visible to all; every warp done with Q K^T of block n (sK free)
     if (n > tb.n_begin) {
       // Prefetch the next K block behind the softmax and P V of this one.
       load_rows<CpAsync16>(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
                            kv_end - (j0 - kBlockN));
-      cp_async_fence();
+      Kt::Ops::cp_async_fence();
     }
 
     // Logit softcapping (docs/math.md section 6): the scores x become the x' whose scaled logit is
@@ -735,7 +727,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
             make_float4(row_m[r], l, t, u);
       }
     }
-    cp_async_wait_all();  // a part whose rows see no key ran no block: Q's copy may be in flight
+    // A part whose rows see no key ran no block: Q's copy may be in flight.
+    Kt::Ops::template cp_async_wait<0>();
     return;
   }
   // Add the 4 lanes' partial sums, finish each row (online_stats.h), O / l.
@@ -779,7 +772,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   // before the last P V) so that the global writes are whole 16-byte row segments. A tile whose
   // rows see no key ran no block: its Q copy may still be landing in that space.
   if (tb.n_end <= tb.n_begin) {
-    cp_async_wait_all();
+    Kt::Ops::template cp_async_wait<0>();
     __syncthreads();
   }
   Tensor rO = convert_fragment<Element>(acc_o);

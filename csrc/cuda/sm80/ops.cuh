@@ -21,6 +21,18 @@ struct Sm80Ops {
   using LdsmT = cute::SM75_U16x8_LDSM_T;                               // ldmatrix x4 .trans
   using CpAsync16 = cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>;  // 16-byte cp.async, L2 only
   using CpAsync4 = cute::SM80_CP_ASYNC_CACHEALWAYS<uint32_t>;  // 4-byte cp.async (rows, mask words)
+
+  // The thread's cp.async copies. cp.async.commit_group closes a group of them;
+  // cp.async.wait_group N waits until at most the newest N committed groups are in flight (copies
+  // not yet committed are not waited for); cp.async.wait_all commits those, then waits for all.
+  static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
+  template <int kPending>
+  static __device__ __forceinline__ void cp_async_wait() {
+#if defined(CUTE_ARCH_CP_ASYNC_SM80_ENABLED)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+  }
+  static __device__ __forceinline__ void cp_async_wait_all() { cute::cp_async_wait<0>(); }
 };
 
 }  // namespace entropy_attn::cuda::sm80

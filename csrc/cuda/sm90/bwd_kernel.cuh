@@ -426,7 +426,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                                acc_dp);
       if (slice == 0) {
-        Ops::template cp_async_wait<0>();
+        Ops::cp_async_wait_all();
         Ops::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {

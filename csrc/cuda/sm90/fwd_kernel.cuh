@@ -444,7 +444,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     warpgroup_fence_operand(acc_s);
     pipeline_k.consumer_release(read_state);
     if constexpr (kHasMask) {
-      Ops::template cp_async_wait<0>();
+      Ops::cp_async_wait_all();
       Ops::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
     }
   };

@@ -29,12 +29,10 @@ struct Sm90Ops {
   using NamedBarrier = cutlass::arch::NamedBarrier;
   using CpAsync4 = cute::SM80_CP_ASYNC_CACHEALWAYS<uint32_t>;          // 4-byte cp.async
   using CpAsync4Zfill = cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>;  // ... zero-filled
-  // cp.async.commit_group, and cp.async.wait_group (wait_all for 0): the thread's copies above.
+  // The thread's cp.async copies: cp.async.commit_group, and cp.async.wait_all (which commits the
+  // copies not yet committed, then waits for every group).
   static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
-  template <int kPending>
-  static __device__ __forceinline__ void cp_async_wait() {
-    cute::cp_async_wait<kPending>();
-  }
+  static __device__ __forceinline__ void cp_async_wait_all() { cute::cp_async_wait<0>(); }
 
   // The thread's warpgroup, known warp-uniform to the compiler.
   static __device__ __forceinline__ int warp_group_idx() {

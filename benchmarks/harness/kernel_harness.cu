@@ -431,7 +431,7 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   const FwdParams<float> pf = l.forward(c, false), ps = l.forward(c, true);
   const BwdParams<float> pb = l.backward(c, tensor_core);
   // (Only the layout's bytes, as the op allocates and zeroes them: the buffer fits either layout.)
-  const int64_t g_bytes = s.batch * s.heads * pb.dq_layout.rows * pb.dq_layout.ld * 4;
+  const int64_t g_bytes = dq_accum_elems(s, pb.dq_layout) * 4;
   if (!launched(l.fwd_stats(ps, nullptr))) return row;
   const int warmup = 2;
   if (l.fwd_plain != nullptr) {

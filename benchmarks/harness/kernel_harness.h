@@ -278,11 +278,16 @@ struct Buffers {
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the tensor-core families' (T)
 };
 
-// The floats of dq's accumulator: packed, or laid out for the Hopper backward's bulk reductions
-// (sm90/launch.h: bulk_dq_accum), whichever is larger.
+// The floats of dq's accumulator in layout `l` (params.h: DqAccumLayout).
+inline int64_t dq_accum_elems(const Shape& s, const DqAccumLayout& l) {
+  return s.batch * s.heads * l.rows * l.ld;
+}
+
+// The floats of a buffer that holds dq's accumulator in either layout: packed, or laid out for the
+// Hopper backward's bulk reductions (sm90/launch.h: bulk_dq_accum).
 inline int64_t dq_accum_elems(const Shape& s) {
-  const DqAccumLayout bulk = cuda::sm90::bulk_dq_accum(s.q_len, s.head_dim);
-  return std::max(s.q_elems(), s.batch * s.heads * bulk.rows * bulk.ld);
+  return std::max(dq_accum_elems(s, packed_dq_accum(s.q_len, s.head_dim)),
+                  dq_accum_elems(s, cuda::sm90::bulk_dq_accum(s.q_len, s.head_dim)));
 }
 
 // What each buffer holds, in bytes, for inputs of `elem` bytes: one list, so that the allocation

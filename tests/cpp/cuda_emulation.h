@@ -35,7 +35,7 @@
 //     barrier, e.g. an endless loop) aborts the process;
 //   * the headers of emulated asynchronous operations (emulated_cp_async.h, emulated_sm90_ops.h)
 //     check, as each thread finishes a block, that it waited for every operation it issued
-//     (block_end_checks).
+//     (block_end_checks), and as it synchronizes, what it must do before (thread_sync_checks).
 // Threads that `return` early leave the block's and their warp's barriers (the barriers then wait
 // for the remaining threads only); a warp operation or __syncthreads() after that is reported.
 #pragma once
@@ -177,6 +177,23 @@ inline std::vector<void (*)()>& block_end_checks() {
 inline bool on_block_end(void (*check)()) {
   block_end_checks().push_back(check);
   return true;
+}
+
+// Checks that each thread runs as it reaches a synchronization that orders its memory accesses
+// before other threads' (__syncthreads, __syncwarp here; the named barriers and mbarrier arrivals
+// of emulated_sm90_ops.h), before it arrives: what it must have done before publishing its
+// writes (emulated_sm90_ops.h: the async proxy's fence). Registered as on_block_end's are, with
+// `inline const bool registered = cuda_emu::on_thread_sync(&check);`.
+inline std::vector<void (*)()>& thread_sync_checks() {
+  static std::vector<void (*)()> checks;
+  return checks;
+}
+inline bool on_thread_sync(void (*check)()) {
+  thread_sync_checks().push_back(check);
+  return true;
+}
+inline void thread_synchronizes() {
+  for (void (*check)() : thread_sync_checks()) check();
 }
 
 // Thrown inside the emulated threads of a block that deadlocked, to unwind them.
@@ -429,6 +446,7 @@ inline thread_local dim3 gridDim{1, 1, 1};
 
 inline void __syncthreads() {
   using namespace cuda_emu;
+  thread_synchronizes();
   BlockState& b = g_block;
   const int t = static_cast<int>(threadIdx.x);
   const uint64_t seq = t_block_seq++;
@@ -554,6 +572,7 @@ inline void smem_access(const void* p, size_t bytes, bool write, const char* wha
 }  // namespace cuda_emu
 
 inline void __syncwarp(unsigned mask = cuda_emu::kFullMask) {
+  cuda_emu::thread_synchronizes();
   cuda_emu::warp_exchange(cuda_emu::WarpOp::kSyncWarp, mask, 0, nullptr, 0);
   // The next operation writes the other buffer; one barrier per operation suffices.
 }

@@ -23,6 +23,8 @@
 //   * named barriers (bar.sync / bar.arrive with a thread count) as the hardware counts them;
 //   * bulk reductions into global memory, checked for writes to their shared memory before the
 //     issuing thread's wait (below);
+//   * the async proxy's view of generic stores: a wgmma or bulk reduction that reads a store not
+//     fenced (fence.proxy.async) before the synchronization that publishes it is reported;
 //   * cp.async, whose destination holds NaN bytes until the issuing thread's wait
 //     (emulated_cp_async.h).
 // The shared-memory hazard check of the sm80 emulation does not apply: these kernels order their
@@ -139,6 +141,109 @@ inline CUresult cuda_emu_tensor_map_encode_tiled(
 namespace cuda_emu::sm90 {
 
 // ---------------------------------------------------------------------------------------------
+// The async proxy. wgmma and the bulk copies read shared memory through the async proxy, which
+// sees a thread's generic stores (st.shared) only once that thread has executed fence.proxy.async,
+// and the fence must come before the synchronization that orders the stores before the read (PTX
+// ISA, "Memory consistency model: proxies"). The emulated async reads see every store at once, so
+// a missing or late fence would change no result; the stores of what the async proxy reads go
+// through Ops::store_shared instead, which records their 4-byte words, and:
+//   * a word stored and not yet fenced counts as unfenced (per thread: t_unfenced; per word: how
+//     many threads), until the thread's fence_view_async_shared;
+//   * a thread that synchronizes (cuda_emulation.h: thread_sync_checks) with unfenced words
+//     leaves them stale: published to the other threads but not to the async proxy, until a store
+//     that is fenced in time or a TMA load writes them again;
+//   * a wgmma operand or a bulk reduction that reads an unfenced or stale word is reported.
+// (cp.async's landings, generic writes too, are not recorded: the kernels read those with generic
+// loads only.) The words carry the block (g_block_serial) their state belongs to.
+// ---------------------------------------------------------------------------------------------
+struct ProxyWord {
+  std::atomic<uint64_t> unfenced{0};  // serial << 16 | the number of threads
+  std::atomic<uint64_t> stale{0};     // the serial of the block in which it went stale, or 0
+};
+inline ProxyWord g_proxy_words[kSmemCapacity / 4];
+inline thread_local std::vector<uint32_t> t_unfenced;  // words, in block t_unfenced_serial
+inline thread_local uint64_t t_unfenced_serial = 0;
+
+inline uint64_t block_serial() { return g_block_serial.load(std::memory_order_relaxed); }
+
+// The calling thread's unfenced words, of the running block.
+inline std::vector<uint32_t>& unfenced_words() {
+  if (t_unfenced_serial != block_serial()) t_unfenced.clear(), t_unfenced_serial = block_serial();
+  return t_unfenced;
+}
+
+inline void count_unfenced(uint32_t w, int delta) {
+  const uint64_t serial = block_serial();
+  std::atomic<uint64_t>& a = g_proxy_words[w].unfenced;
+  uint64_t old = a.load(std::memory_order_relaxed), next;
+  do {
+    const uint64_t count = old >> 16 == serial ? old & 0xffffu : 0;
+    next = serial << 16 | (count + delta);
+  } while (!a.compare_exchange_weak(old, next, std::memory_order_relaxed));
+}
+
+// A generic store of `bytes` at p (Ops::store_shared).
+inline void generic_store(const void* p, size_t bytes) {
+  const auto* at = static_cast<const unsigned char*>(p);
+  if (at < g_sm90_smem || at + bytes > g_sm90_smem + kSmemCapacity) {
+    report_error("Ops::store_shared outside the launch's shared memory");
+    return;
+  }
+  const size_t off = static_cast<size_t>(at - g_sm90_smem);
+  std::vector<uint32_t>& mine = unfenced_words();
+  for (size_t w = off / 4; w <= (off + bytes - 1) / 4; ++w) {
+    if (std::find(mine.begin(), mine.end(), w) != mine.end()) continue;
+    mine.push_back(static_cast<uint32_t>(w));
+    count_unfenced(static_cast<uint32_t>(w), 1);
+  }
+}
+
+// fence.proxy.async.shared::cta by the calling thread: its stores are the async proxy's too.
+inline void fence_proxy_async() {
+  for (const uint32_t w : unfenced_words()) {
+    count_unfenced(w, -1);
+    g_proxy_words[w].stale.store(0, std::memory_order_relaxed);
+  }
+  t_unfenced.clear();
+}
+
+// The calling thread synchronizes: its unfenced words go stale.
+inline void proxy_sync() {
+  for (const uint32_t w : unfenced_words()) {
+    count_unfenced(w, -1);
+    g_proxy_words[w].stale.store(block_serial(), std::memory_order_relaxed);
+  }
+  t_unfenced.clear();
+}
+inline const bool g_proxy_sync_checked = on_thread_sync(&proxy_sync);
+
+// An async-proxy read (`what`) of the shared bytes [offset, offset + bytes): reported where one
+// of its words is unfenced or stale. Returns whether it was.
+inline bool async_read_unfenced(uint32_t offset, uint32_t bytes, const char* what) {
+  const uint64_t serial = block_serial();
+  for (uint32_t w = offset / 4; w <= (offset + bytes - 1) / 4; ++w) {
+    const ProxyWord& word = g_proxy_words[w];
+    const uint64_t u = word.unfenced.load(std::memory_order_relaxed);
+    const bool unfenced = u >> 16 == serial && (u & 0xffffu) != 0;
+    if (unfenced || word.stale.load(std::memory_order_relaxed) == serial) {
+      report_error(std::string(what) + " reads shared byte " + std::to_string(4 * w) +
+                   ", stored by the generic proxy " +
+                   (unfenced
+                        ? "and not yet fenced (fence.proxy.async: Ops::fence_view_async_shared)"
+                        : "without a fence.proxy.async before the synchronization that "
+                          "publishes it"));
+      return true;
+    }
+  }
+  return false;
+}
+
+// An async-proxy write (a TMA load) of the word holding shared byte `offset`.
+inline void async_write(uint32_t offset) {
+  g_proxy_words[offset / 4].stale.store(0, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
 // TMA boxes.
 // ---------------------------------------------------------------------------------------------
 // The byte address `a` (an offset in shared memory) under a swizzle of `bytes` (32, 64, 128): its
@@ -173,7 +278,9 @@ struct TmaBox {
         inside = inside && g >= 0 && g < static_cast<int64_t>(m.dims[d]);
         off += g * static_cast<int64_t>(m.strides[d]);
       }
-      unsigned char* to = g_sm90_smem + swizzle(dst + linear * m.element_bytes, m.swizzle_bytes);
+      const uint32_t at = swizzle(dst + linear * m.element_bytes, m.swizzle_bytes);
+      unsigned char* to = g_sm90_smem + at;
+      async_write(at);
       if (inside) {
         std::memcpy(to, m.address + off, m.element_bytes);
       } else {
@@ -237,6 +344,9 @@ inline std::shared_ptr<OperandRead> operand_read(std::vector<uint32_t> chunks) {
   auto r = std::make_shared<OperandRead>();
   std::sort(chunks.begin(), chunks.end());
   chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+  for (const uint32_t c : chunks) {
+    if (async_read_unfenced(c * kChunkBytes, kChunkBytes, "a wgmma operand")) break;
+  }
   r->bytes.resize(chunks.size() * kChunkBytes);
   for (size_t i = 0; i < chunks.size(); ++i)
     std::memcpy(&r->bytes[i * kChunkBytes], g_sm90_smem + chunks[i] * kChunkBytes, kChunkBytes);
@@ -346,6 +456,7 @@ struct TxBarrier {
   }
   static void arrive(const uint64_t* p) { arrive_and_expect_tx(p, 0); }
   static void arrive_and_expect_tx(const uint64_t* p, uint32_t bytes) {
+    thread_synchronizes();
     std::lock_guard<std::mutex> lk(g_block.domain.m);
     Mbarrier& b = g_mbarriers.at(p);
     b.tx += bytes;
@@ -468,10 +579,12 @@ struct NamedBarrier {
   static constexpr uint32_t kReserved =
       static_cast<uint32_t>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
   static void sync(uint32_t threads, uint32_t id) {
+    thread_synchronizes();
     g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), true,
                                                       static_cast<int>(threadIdx.x));
   }
   static void arrive(uint32_t threads, uint32_t id) {
+    thread_synchronizes();
     g_block.named_barrier[checked(id)].arrive_counted(static_cast<int>(threads), false,
                                                       static_cast<int>(threadIdx.x));
   }
@@ -606,6 +719,8 @@ inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
     report_error("bulk reduction: size or addresses not multiples of 16 bytes");
     return;
   }
+  async_read_unfenced(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), bytes,
+                      "a bulk reduction");
   const size_t n = bytes / sizeof(float);
   BulkReduction r{smem, std::vector<float>(smem, smem + n)};
   for (size_t e = 0; e < n; ++e) gmem[e] += r.read[e];
@@ -728,7 +843,12 @@ struct Ops {
   static void wgmma_wait() {
     sm90::wgmma_wait(kPending);
   }
-  static void fence_view_async_shared() {}
+  template <typename V>
+  static void store_shared(V* p, const V& v) {
+    *p = v;
+    generic_store(p, sizeof(V));
+  }
+  static void fence_view_async_shared() { fence_proxy_async(); }
   static void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
     sm90::bulk_reduce_add(gmem, smem, bytes);
   }

@@ -4,9 +4,9 @@
 // blocks of three warpgroups (cuda_emulation.h), with the launchers' arguments and grids
 // (sm90_emulation.h). What this checks on any machine: the kernels' TMA boxes and wgmma
 // descriptors, their pipelines' phases, the producer / consumer hand-offs and the ping-pong of the
-// consumer warpgroups, the shared-memory hazards of their asynchronous operations (reported by the
-// emulation, whose own checks are tested last), indexing, masking, statistics and gradients; not
-// the hardware's timing.
+// consumer warpgroups, the shared-memory hazards of their asynchronous operations and the async
+// proxy's fences (reported by the emulation, whose own checks are tested last), indexing, masking,
+// statistics and gradients; not the hardware's timing.
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h).
 #include "sm90_emulation.h"
 
@@ -224,6 +224,85 @@ TEST(EmulatedSm90Checks, ReportAsynchronousHazards) {
     const std::string report = hazard_report(mode);
     EXPECT_NE(report.find(message), std::string::npos) << report;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulation's check of the async proxy's fence (emulated_sm90_ops.h), on a small kernel: the
+// 128 threads of warpgroup 0 store a 512-byte tile (4 bytes each, Ops::store_shared), fence and
+// meet warpgroup 1 at a named barrier; thread 128 then reads the tile as a wgmma operand and adds
+// it into global memory by a bulk reduction. Each other mode makes one mistake after which a GPU
+// may read what the tile held before the stores.
+// ---------------------------------------------------------------------------------------------
+
+enum class Fence {
+  kBeforeBarrier,
+  kNone,          // no fence.proxy.async
+  kAfterBarrier,  // the fence after the barrier that publishes the stores
+  kReaderStores,  // thread 128 stores a word of the tile and reads it without a fence
+};
+
+struct FenceParams {
+  float* sum;  // 128 floats, the bulk reduction's destination
+  Fence mode;
+};
+
+constexpr uint32_t kFenceTile = 1024;  // the tile's shared byte
+
+__global__ void fence_kernel(const FenceParams p) {
+  namespace s9 = cuda_emu::sm90;
+  using Ops = s9::Ops;
+  float* const tile = reinterpret_cast<float*>(cuda_emu::g_sm90_smem + kFenceTile);
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < 128) {
+    Ops::store_shared(&tile[t], static_cast<float>(t));
+    if (p.mode != Fence::kNone && p.mode != Fence::kAfterBarrier) Ops::fence_view_async_shared();
+    Ops::NamedBarrier::sync(256, 0);
+    if (p.mode == Fence::kAfterBarrier) Ops::fence_view_async_shared();
+    return;
+  }
+  Ops::NamedBarrier::sync(256, 0);
+  if (t != 128) return;
+  if (p.mode == Fence::kReaderStores) Ops::store_shared(&tile[5], 5.f);
+  std::vector<uint32_t> chunks;
+  for (uint32_t c = 0; c < 512 / s9::kChunkBytes; ++c) chunks.push_back(kFenceTile / 16 + c);
+  s9::note_read(s9::operand_read(chunks));
+  Ops::wgmma_commit();
+  Ops::wgmma_wait<0>();
+  Ops::bulk_reduce_add(p.sum, tile, 512);
+  Ops::bulk_commit();
+  Ops::bulk_wait_read<0>();
+}
+
+// The launch's report of the errors found ("" when none); `sum` gets the tile.
+std::string fence_report(Fence mode, std::vector<float>& sum) {
+  sum.assign(128, 0.f);
+  const EmulatedLaunch l = hopper_launch(dim3(1), 256, kFenceTile + 512, s9f::ea_sm90_fwd_smem);
+  try {
+    emulate_launch(fence_kernel, l, FenceParams{sum.data(), mode});
+  } catch (const cuda_emu::CudaEmulationError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(EmulatedSm90Checks, ReportGenericStoresTheAsyncProxyReadsUnfenced) {
+  std::vector<float> sum;
+  ASSERT_EQ(fence_report(Fence::kBeforeBarrier, sum), "");
+  for (int i = 0; i < 128; ++i) ASSERT_EQ(sum[i], static_cast<float>(i));
+  const std::string unpublished =
+      "reads shared byte 1024, stored by the generic proxy without a fence.proxy.async before the "
+      "synchronization that publishes it";
+  for (const Fence mode : {Fence::kNone, Fence::kAfterBarrier}) {
+    const std::string report = fence_report(mode, sum);
+    EXPECT_NE(report.find("a wgmma operand " + unpublished), std::string::npos) << report;
+    EXPECT_NE(report.find("a bulk reduction " + unpublished), std::string::npos) << report;
+  }
+  const std::string report = fence_report(Fence::kReaderStores, sum);
+  EXPECT_NE(report.find("a wgmma operand reads shared byte 1044, stored by the generic proxy and "
+                        "not yet fenced"),
+            std::string::npos)
+      << report;
+  EXPECT_EQ(report.find("byte 1024"), std::string::npos) << report;
 }
 
 }  // namespace

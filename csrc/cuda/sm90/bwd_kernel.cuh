@@ -490,8 +490,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             }
           }
           // Columns c and c + 1 are adjacent keys: one 4-byte store.
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))) =
-              to_pair(cutlass::Array<float, 2>{pr[0], pr[1]});
+          const cutlass::Array<Element, 2> pair = to_pair(cutlass::Array<float, 2>{pr[0], pr[1]});
+          Ops::store_shared(
+              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))),
+              pair);
         }
       }
 
@@ -533,15 +535,17 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             }
             ds[e] = pr != 0.f ? logit_grad(pr, dp, s, delta, g) * cap_grad : 0.f;
           }
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))) =
-              to_pair(cutlass::Array<float, 2>{ds[0], ds[1]});
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))) =
-              to_pair(cutlass::Array<float, 2>{lam[r] * ds[0], lam[r] * ds[1]});
+          Ops::store_shared(
+              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))),
+              to_pair(cutlass::Array<float, 2>{ds[0], ds[1]}));
+          Ops::store_shared(
+              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))),
+              to_pair(cutlass::Array<float, 2>{lam[r] * ds[0], lam[r] * ds[1]}));
         }
       }
     }
     // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.
-    cutlass::arch::fence_view_async_shared();
+    Ops::fence_view_async_shared();
     Ops::NamedBarrier::sync(Kt::kConsumerThreads, kdSBarrier);
 
     // dV += P^T dO, G = dS K, dK += (lambda dS)^T Q.
@@ -567,8 +571,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         float* row = ss.dq[get<0>(cG_rc(r, 0))];
         CUTE_UNROLL
         for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
-          *reinterpret_cast<float2*>(row + get<1>(cG_rc(r, c))) =
-              make_float2(g_rc(r, c), g_rc(r, c + 1));
+          Ops::store_shared(reinterpret_cast<float2*>(row + get<1>(cG_rc(r, c))),
+                            make_float2(g_rc(r, c), g_rc(r, c + 1)));
         }
       }
       Ops::fence_view_async_shared();  // the stores, before the bulk reduction reads them
@@ -646,7 +650,7 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
   const int group = static_cast<int>(p.heads / p.kv_heads);
   // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
   for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
-    ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad] = 0.f;
+    Ops::store_shared(&ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad], 0.f);
   }
   Ops::fence_view_async_shared();
   __syncwarp();

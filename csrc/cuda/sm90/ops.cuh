@@ -49,8 +49,15 @@ struct Sm90Ops {
     cute::warpgroup_wait<kPending>();
   }
 
+  // A store to shared memory of what the async proxy will read (a wgmma operand, a bulk copy's
+  // source): a plain store, named so that the emulation can check its fence (below).
+  template <typename V>
+  static __device__ __forceinline__ void store_shared(V* p, V v) {
+    *p = v;
+  }
   // Orders a thread's shared-memory stores before the async proxy's reads of them (TMA, bulk
-  // copies, wgmma): fence.proxy.async.shared::cta.
+  // copies, wgmma): fence.proxy.async.shared::cta. It must come before the synchronization that
+  // orders the stores before those reads.
   static __device__ __forceinline__ void fence_view_async_shared() {
     cutlass::arch::fence_view_async_shared();
   }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "async_groups.h"
 #include "cuda_emulation.h"
 
 namespace cuda_emu {
@@ -26,8 +27,7 @@ struct PendingCopy {
   int bytes;  // 4, 8 or 16
   unsigned char value[16];
 };
-inline thread_local std::vector<PendingCopy> t_copies_open;               // not yet committed
-inline thread_local std::vector<std::vector<PendingCopy>> t_copy_groups;  // oldest first
+inline thread_local AsyncGroups<PendingCopy> t_copies;
 
 // A cp.async of `bytes` bytes from src (global memory) to dst (shared memory).
 inline void cp_async_issue(void* dst, const void* src, int bytes) {
@@ -39,22 +39,16 @@ inline void cp_async_issue(void* dst, const void* src, int bytes) {
   PendingCopy c{static_cast<unsigned char*>(dst), bytes, {}};
   std::memcpy(c.value, src, bytes);
   std::memset(dst, 0xff, bytes);
-  t_copies_open.push_back(c);
+  t_copies.issue(c);
 }
 
-inline void cp_async_commit() {
-  t_copy_groups.push_back(std::move(t_copies_open));
-  t_copies_open.clear();
-}
+inline void cp_async_commit() { t_copies.commit(); }
 
 inline void cp_async_wait_group(int pending) {
-  while (static_cast<int>(t_copy_groups.size()) > pending) {
-    for (const PendingCopy& c : t_copy_groups.front()) {
-      smem_access(c.dst, c.bytes, true, "cp.async (landing)");
-      std::memcpy(c.dst, c.value, c.bytes);
-    }
-    t_copy_groups.erase(t_copy_groups.begin());
-  }
+  t_copies.wait(pending, [](const PendingCopy& c) {
+    smem_access(c.dst, c.bytes, true, "cp.async (landing)");
+    std::memcpy(c.dst, c.value, c.bytes);
+  });
 }
 
 inline void cp_async_wait_all() {
@@ -64,16 +58,13 @@ inline void cp_async_wait_all() {
 
 // At the end of each block (cuda_emulation.h: on_block_end).
 inline void cp_async_block_end() {
-  size_t left = t_copies_open.size();
-  for (const auto& g : t_copy_groups) left += g.size();
-  if (left != 0) {
+  if (const size_t left = t_copies.outstanding(); left != 0) {
     report_error("thread " + std::to_string(threadIdx.x) + " of block (" +
                  std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
                  std::to_string(blockIdx.z) + ") left it with " + std::to_string(left) +
                  " cp.async copies it did not wait for");
   }
-  t_copies_open.clear();
-  t_copy_groups.clear();
+  t_copies.clear();
 }
 inline const bool g_cp_async_checked = on_block_end(&cp_async_block_end);
 

@@ -710,8 +710,7 @@ struct BulkReduction {
   const float* src;
   std::vector<float> read;
 };
-inline thread_local std::vector<BulkReduction> t_bulk_open;                 // not yet committed
-inline thread_local std::vector<std::vector<BulkReduction>> t_bulk_groups;  // oldest first
+inline thread_local AsyncGroups<BulkReduction> t_bulk;
 
 inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0 ||
@@ -724,25 +723,19 @@ inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
   const size_t n = bytes / sizeof(float);
   BulkReduction r{smem, std::vector<float>(smem, smem + n)};
   for (size_t e = 0; e < n; ++e) gmem[e] += r.read[e];
-  t_bulk_open.push_back(std::move(r));
+  t_bulk.issue(std::move(r));
 }
 
-inline void bulk_commit() {
-  t_bulk_groups.push_back(std::move(t_bulk_open));
-  t_bulk_open.clear();
-}
+inline void bulk_commit() { t_bulk.commit(); }
 
 inline void bulk_wait_read(int pending) {
-  while (static_cast<int>(t_bulk_groups.size()) > pending) {
-    for (const BulkReduction& r : t_bulk_groups.front()) {
-      if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
-        report_error("bulk reduction: its shared memory at byte " +
-                     std::to_string(__cvta_generic_to_shared(r.src)) +
-                     " was written before the issuing thread's wait_group.read");
-      }
+  t_bulk.wait(pending, [](const BulkReduction& r) {
+    if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
+      report_error("bulk reduction: its shared memory at byte " +
+                   std::to_string(__cvta_generic_to_shared(r.src)) +
+                   " was written before the issuing thread's wait_group.read");
     }
-    t_bulk_groups.erase(t_bulk_groups.begin());
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -763,12 +756,11 @@ inline thread_local std::vector<uint64_t> t_committed;  // committed, not retire
 // At the end of each block (cuda_emulation.h: on_block_end): reports the wgmma batches and bulk
 // reductions the thread left without a wait, and drops them.
 inline void async_block_end() {
-  if (!t_pending.empty() || !t_committed.empty() || !t_bulk_open.empty() ||
-      !t_bulk_groups.empty()) {
+  if (!t_pending.empty() || !t_committed.empty() || t_bulk.outstanding() != 0) {
     report_error("thread " + std::to_string(threadIdx.x) +
                  " left a block with wgmma or bulk operations it did not wait for");
   }
-  t_pending.clear(), t_committed.clear(), t_bulk_open.clear(), t_bulk_groups.clear();
+  t_pending.clear(), t_committed.clear(), t_bulk.clear();
   t_reads.clear();
   t_open_batch = 0;
 }

@@ -166,35 +166,43 @@ inline void report_error(std::string msg) {
   if (g_errors.size() < 20) g_errors.push_back(std::move(msg));
 }
 
+// A list of checks the emulated threads run at some point of their work, to which the headers of
+// emulated operations add theirs at static initialization (each list a function's static, so that
+// it exists whatever the order in which those headers' variables are initialized).
+class ThreadChecks {
+ public:
+  bool add(void (*check)()) {
+    checks_.push_back(check);
+    return true;
+  }
+  void run() const {
+    for (void (*check)() : checks_) check();
+  }
+
+ private:
+  std::vector<void (*)()> checks_;
+};
+
 // Checks that each thread runs when it has finished a block (not when unwound from a deadlock):
 // the emulated asynchronous operations report there what the thread left without a wait, and
 // drop it, so that the next block starts clean and the last block of a launch is checked too. A
 // header adds its check with `inline const bool registered = cuda_emu::on_block_end(&check);`.
-inline std::vector<void (*)()>& block_end_checks() {
-  static std::vector<void (*)()> checks;
+inline ThreadChecks& block_end_checks() {
+  static ThreadChecks checks;
   return checks;
 }
-inline bool on_block_end(void (*check)()) {
-  block_end_checks().push_back(check);
-  return true;
-}
+inline bool on_block_end(void (*check)()) { return block_end_checks().add(check); }
 
 // Checks that each thread runs as it reaches a synchronization that orders its memory accesses
 // before other threads' (__syncthreads, __syncwarp here; the named barriers and mbarrier arrivals
 // of emulated_sm90_ops.h), before it arrives: what it must have done before publishing its
-// writes (emulated_sm90_ops.h: the async proxy's fence). Registered as on_block_end's are, with
-// `inline const bool registered = cuda_emu::on_thread_sync(&check);`.
-inline std::vector<void (*)()>& thread_sync_checks() {
-  static std::vector<void (*)()> checks;
+// writes (emulated_sm90_ops.h: the async proxy's fence). Added with on_thread_sync, as above.
+inline ThreadChecks& thread_sync_checks() {
+  static ThreadChecks checks;
   return checks;
 }
-inline bool on_thread_sync(void (*check)()) {
-  thread_sync_checks().push_back(check);
-  return true;
-}
-inline void thread_synchronizes() {
-  for (void (*check)() : thread_sync_checks()) check();
-}
+inline bool on_thread_sync(void (*check)()) { return thread_sync_checks().add(check); }
+inline void thread_synchronizes() { thread_sync_checks().run(); }
 
 // Thrown inside the emulated threads of a block that deadlocked, to unwind them.
 struct DeadlockAbort {};
@@ -797,7 +805,7 @@ void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
         t_group_seq = 0;
         try {
           kernel(p);
-          for (void (*check)() : block_end_checks()) check();
+          block_end_checks().run();
           // Leave the block's barriers: the threads still running may synchronize without us.
           g_block.thread_exit(t);
         } catch (const DeadlockAbort&) {

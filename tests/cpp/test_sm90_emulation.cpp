@@ -194,18 +194,23 @@ __global__ void hazard_kernel(const HazardParams p) {
   }
 }
 
-// The launch's report of the errors found ("" when none).
-std::string hazard_report(Hazard mode) {
-  std::vector<uint16_t> src(64 * kHazardIters);
-  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i);
-  const EmulatedLaunch l =
-      hopper_launch(dim3(2), 256, kStage0 + 2 * kRowBytes, s9f::ea_sm90_fwd_smem);
+// The report of the errors a launch found ("" when none).
+template <typename Kernel, typename Params>
+std::string launch_report(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
   try {
-    emulate_launch(hazard_kernel, l, HazardParams{src.data(), mode});
+    emulate_launch(kernel, l, p);
   } catch (const cuda_emu::CudaEmulationError& e) {
     return e.what();
   }
   return "";
+}
+
+std::string hazard_report(Hazard mode) {
+  std::vector<uint16_t> src(64 * kHazardIters);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i);
+  return launch_report(hazard_kernel,
+                       hopper_launch(dim3(2), 256, kStage0 + 2 * kRowBytes, s9f::ea_sm90_fwd_smem),
+                       HazardParams{src.data(), mode});
 }
 
 TEST(EmulatedSm90Checks, ReportAsynchronousHazards) {
@@ -273,16 +278,12 @@ __global__ void fence_kernel(const FenceParams p) {
   Ops::bulk_wait_read<0>();
 }
 
-// The launch's report of the errors found ("" when none); `sum` gets the tile.
+// `sum` gets the tile.
 std::string fence_report(Fence mode, std::vector<float>& sum) {
   sum.assign(128, 0.f);
-  const EmulatedLaunch l = hopper_launch(dim3(1), 256, kFenceTile + 512, s9f::ea_sm90_fwd_smem);
-  try {
-    emulate_launch(fence_kernel, l, FenceParams{sum.data(), mode});
-  } catch (const cuda_emu::CudaEmulationError& e) {
-    return e.what();
-  }
-  return "";
+  return launch_report(fence_kernel,
+                       hopper_launch(dim3(1), 256, kFenceTile + 512, s9f::ea_sm90_fwd_smem),
+                       FenceParams{sum.data(), mode});
 }
 
 TEST(EmulatedSm90Checks, ReportGenericStoresTheAsyncProxyReadsUnfenced) {

@@ -241,9 +241,10 @@ TEST(EmulatedSm90Checks, ReportAsynchronousHazards) {
 
 enum class Fence {
   kBeforeBarrier,
-  kNone,          // no fence.proxy.async
-  kAfterBarrier,  // the fence after the barrier that publishes the stores
-  kReaderStores,  // thread 128 stores a word of the tile and reads it without a fence
+  kNone,             // no fence.proxy.async
+  kAfterBarrier,     // the fence after the barrier that publishes the stores
+  kNoneSyncthreads,  // no fence, and __syncthreads as the barrier (cuda_emulation.h's hook)
+  kReaderStores,     // thread 128 stores a word of the tile and reads it without a fence
 };
 
 struct FenceParams {
@@ -258,14 +259,23 @@ __global__ void fence_kernel(const FenceParams p) {
   using Ops = s9::Ops;
   float* const tile = reinterpret_cast<float*>(cuda_emu::g_sm90_smem + kFenceTile);
   const int t = static_cast<int>(threadIdx.x);
+  const auto publish = [&] {
+    if (p.mode == Fence::kNoneSyncthreads) {
+      __syncthreads();
+    } else {
+      Ops::NamedBarrier::sync(256, 0);
+    }
+  };
   if (t < 128) {
     Ops::store_shared(&tile[t], static_cast<float>(t));
-    if (p.mode != Fence::kNone && p.mode != Fence::kAfterBarrier) Ops::fence_view_async_shared();
-    Ops::NamedBarrier::sync(256, 0);
+    if (p.mode == Fence::kBeforeBarrier || p.mode == Fence::kReaderStores) {
+      Ops::fence_view_async_shared();
+    }
+    publish();
     if (p.mode == Fence::kAfterBarrier) Ops::fence_view_async_shared();
     return;
   }
-  Ops::NamedBarrier::sync(256, 0);
+  publish();
   if (t != 128) return;
   if (p.mode == Fence::kReaderStores) Ops::store_shared(&tile[5], 5.f);
   std::vector<uint32_t> chunks;
@@ -293,7 +303,7 @@ TEST(EmulatedSm90Checks, ReportGenericStoresTheAsyncProxyReadsUnfenced) {
   const std::string unpublished =
       "reads shared byte 1024, stored by the generic proxy without a fence.proxy.async before the "
       "synchronization that publishes it";
-  for (const Fence mode : {Fence::kNone, Fence::kAfterBarrier}) {
+  for (const Fence mode : {Fence::kNone, Fence::kAfterBarrier, Fence::kNoneSyncthreads}) {
     const std::string report = fence_report(mode, sum);
     EXPECT_NE(report.find("a wgmma operand " + unpublished), std::string::npos) << report;
     EXPECT_NE(report.find("a bulk reduction " + unpublished), std::string::npos) << report;

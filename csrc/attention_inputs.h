@@ -21,7 +21,8 @@ namespace entropy_attn {
 template <typename Size>
 struct BasicAttentionShape {
   Size batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim;
-  Size group() const { return heads / kv_heads; }  // query heads per key/value head
+  // Query heads per key/value head; 1 for a call without heads (H = Hkv = 0: nothing to compute).
+  Size group() const { return kv_heads == 0 ? Size(1) : heads / kv_heads; }
 };
 using AttentionShape = BasicAttentionShape<int64_t>;
 using SymAttentionShape = BasicAttentionShape<c10::SymInt>;

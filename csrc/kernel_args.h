@@ -26,13 +26,16 @@ struct MaskArg {
   EA_HOST_DEVICE int64_t row_offset(int64_t b, int64_t h, int64_t i) const {
     return b * sb + h * sh + i * si;
   }
-  EA_HOST_DEVICE const bool* bool_data() const { return static_cast<const bool*>(data); }
+  // A bool mask's bytes. torch's bool tensors hold 0 or 1, but a uint8 tensor viewed as bool may
+  // hold any nonzero byte for True (as torch's own ops read it): the kernels compare a byte with 0
+  // and never load it as a C++ bool, which the compiler may take for its lowest bit or add as is.
+  EA_HOST_DEVICE const uint8_t* bool_bytes() const { return static_cast<const uint8_t*>(data); }
   EA_HOST_DEVICE const acc_t* additive_data() const { return static_cast<const acc_t*>(data); }
 
   // Whether key j (at offset row_off + j * sj) counts toward the row's n_i: allowed by a bool mask,
   // or an additive value other than -inf.
   EA_HOST_DEVICE bool counts(int64_t row_off, int64_t j) const {
-    if (kind == MaskKind::kBool) return bool_data()[row_off + j * sj];
+    if (kind == MaskKind::kBool) return bool_bytes()[row_off + j * sj] != 0;
     if (kind == MaskKind::kAdditive) {
       return additive_data()[row_off + j * sj] != -std::numeric_limits<acc_t>::infinity();
     }
@@ -44,7 +47,7 @@ struct MaskArg {
   // a NaN key hidden by -inf must not give NaN + -inf = NaN).
   EA_HOST_DEVICE acc_t logit(int64_t row_off, int64_t j, acc_t x) const {
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-    if (kind == MaskKind::kBool) return bool_data()[row_off + j * sj] ? x : kNegInf;
+    if (kind == MaskKind::kBool) return bool_bytes()[row_off + j * sj] != 0 ? x : kNegInf;
     if (kind == MaskKind::kAdditive) {
       const acc_t m = additive_data()[row_off + j * sj];
       return m == kNegInf ? kNegInf : x + m;

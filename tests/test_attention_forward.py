@@ -642,6 +642,52 @@ def test_lk_zero(device: str, causal: bool, dtype: torch.dtype) -> None:
     assert (stats.lse == 0).all() and (stats.entropy == 0).all() and (stats.max_weight == 0).all()
 
 
+def test_zero_heads(device: str) -> None:
+    """H = Hkv = 0, as SDPA: empty outputs and statistics, forward and backward (the query heads per
+    key/value head, H / Hkv, divided by zero and killed the process), dense and packed."""
+    q, k, v = make_qkv(2, 0, 0, 5, 7, 8, 6, dtype=torch.float64, device=device)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, stats = torch_ext.attention(q, k, v, is_causal=True, return_stats=True)
+    assert out.shape == F.scaled_dot_product_attention(q, k, v, is_causal=True).shape == (2, 0, 5, 6)
+    assert stats.entropy.shape == (2, 0, 5)
+    (out.sum() + stats.entropy.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    packed = torch_ext.varlen_attention(q[0].transpose(0, 1), k[0, :, :5].transpose(0, 1),
+                                        v[0, :, :5].transpose(0, 1), cu, cu, 3, 3, is_causal=True)
+    assert packed.shape == (5, 0, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_bool_mask_of_nonzero_bytes(device: str, dtype: torch.dtype) -> None:
+    """A uint8 tensor viewed as bool may hold any nonzero byte for True, as torch's own ops read it
+    (SDPA among them): every statistic, n_i and the "logn" scale that depends on it, and the
+    gradients equal those of the 0/1 mask. n_i summed the bytes (6 keys for 3) and a byte read as
+    a C++ bool may be taken for its lowest bit."""
+    B, H, Lq, Lk, D = 2, 2, 5, 9, 8
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 4, (B, 1, Lq, Lk), dtype=torch.uint8, generator=g) * 85  # 0, 85, 170, 255
+    raw[..., 0] = 2  # every row sees a key
+    wide, plain = raw.to(device).view(torch.bool), (raw != 0).to(device)
+    for kw in ({}, {"scale": "logn", "train_length": 4}, {"is_causal": True}):
+        got = torch_ext.attention(q, k, v, wide, return_stats=True, **kw)
+        want = torch_ext.attention(q, k, v, plain, return_stats=True, **kw)
+        assert torch.equal(got[0], want[0]), kw
+        for name in ("lse", "entropy", "normalized_entropy", "effective_keys", "n_keys", "scale"):
+            assert torch.equal(getattr(got[1], name), getattr(want[1], name)), (kw, name)
+    sparsity = torch_ext.attention_sparsity(q, k, wide, kind="relu2")
+    torch.testing.assert_close(sparsity, torch_ext.attention_sparsity(q, k, plain, kind="relu2"), rtol=0, atol=0)
+    grads = []
+    for m in (wide, plain):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out, stats = torch_ext.attention(*leaves, m, scale="logn", return_stats=True)
+        grads.append(torch.autograd.grad(out.float().square().sum() + stats.entropy.sum(), leaves))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("variant", ["plain", "mask_causal", "negative"])
 def test_huge_logits(device: str, dtype: torch.dtype, variant: str) -> None:

@@ -225,3 +225,23 @@ def test_jit_trace_refuses_dropout() -> None:
         torch.jit.trace(model.train(), (x,))
     traced = torch.jit.trace(model.eval(), (x,))
     torch.testing.assert_close(traced(x), model(x))
+
+
+def test_vmap_randomness_of_dropout() -> None:
+    """vmap's randomness modes with attention dropout, as SDPA: "error" raises vmap's error,
+    "same" gives every sample the same mask, and "different" (a seed per sample, which the op's
+    one seed per call cannot carry) raises naming dropout_p instead of failing inside .item()."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g).expand(3, 1, 2, 4, 8).clone()
+    k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=g) for _ in range(2))
+
+    def f(x: Tensor) -> Tensor:
+        return torch_ext.attention(x, k, v, dropout_p=0.5)
+
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        vmap(f)(q)
+    out = vmap(f, randomness="same")(q)
+    assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
+    assert not torch.equal(out[0], torch_ext.attention(q[0], k, v))  # (some weight was dropped)
+    with pytest.raises(RuntimeError, match=r"dropout_p.*randomness='different'"):
+        vmap(f, randomness="different")(q)

@@ -47,6 +47,7 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     ModernBertConfig,
     Qwen3Config,
+    T5Config,
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
@@ -568,6 +569,32 @@ def test_monitor_cross_attention_rows_with_equal_lengths() -> None:
             model(input_ids=src, attention_mask=src_mask, decoder_input_ids=token_ids(2, length, seed=length))
         rows = {r["rows"] for r in monitor.latest if r["layer"].endswith("encoder_attn")}
         assert rows == {2 * length}, (length, rows)
+
+
+def test_monitor_cross_attention_excludes_decoder_padding_rows() -> None:
+    """Cross-attention's mask is the encoder's: it does not say which decoder tokens are padding,
+    so the decoder rows of right-padded targets counted there (10 of 7 real tokens) while the same
+    layer's self-attention left them out. Each decoder layer's cross-attention takes the rows of
+    its self-attention (BART and T5, whose layers' paths differ in their last two parts); the
+    encoder's own rows (as many tokens here) do not leak into it."""
+    bart = BartConfig(d_model=32, encoder_attention_heads=2, decoder_attention_heads=2, encoder_layers=1,
+                      decoder_layers=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB,
+                      max_position_embeddings=32)
+    t5 = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=2, num_heads=2,
+                  dropout_rate=0.0, decoder_start_token_id=0)
+    for config, cross in ((bart, "encoder_attn"), (t5, "EncDecAttention")):
+        model = build(config, PLAIN, torch.float64, cls=AutoModelForSeq2SeqLM)
+        src, tgt = token_ids(2, 5), token_ids(2, 5, seed=2)
+        src_mask, tgt_mask = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+        src_mask[1, 4:] = 0  # the encoder: 9 real tokens
+        tgt_mask[0, 2:] = 0  # the decoder: 7 real tokens
+        with torch_ext.AttentionEntropyMonitor(model) as monitor, torch.no_grad():
+            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+        rows = {r["layer"]: r["rows"] for r in monitor.latest}
+        crossed = [n for n in rows if n.endswith(cross)]
+        assert len(crossed) == 2, rows
+        assert all(rows[n] == 7 for n in crossed), rows
+        assert {rows[n] for n in rows if n.startswith(("encoder", "model.encoder"))} == {9}, rows
 
 
 # --- 15. models that refuse "sdpa" --------------------------------------------------------------

@@ -197,6 +197,59 @@ def test_names_without_model_and_auto_steps() -> None:
     assert sorted({r["layer"] for r in monitor.latest}) == ["attention.0", "attention.1"]
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sink_rows_of_one_key_have_a_normalized_entropy(varlen: bool) -> None:
+    """With a finite sink a row that sees one key is a distribution of two entries (the key and the
+    sink), normalized entropy H / ln 2: it counts in that metric's mean, minimum and maximum (they
+    had left it out, as without a sink, where it is 0 by definition). A -inf sink is no sink: its
+    head keeps the rule n_i >= 2. Dense and packed calls (one document per batch row)."""
+    torch.manual_seed(0)
+    B, H, L, D = 2, 2, 5, 8
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.float64) for _ in range(3))
+    sinks = torch.tensor([0.5, -math.inf], dtype=torch.float64)
+    policy = torch_ext.policy.AttentionPolicy()
+    _, stats = torch_ext.attention(q, k, v, is_causal=True, sinks=sinks, return_stats=True)
+    monitor = torch_ext.AttentionEntropyMonitor()
+    with monitor:
+        if varlen:
+            cu = torch.arange(0, B * L + 1, L, dtype=torch.int32)
+            packed = [x.transpose(1, 2).reshape(B * L, H, D) for x in (q, k, v)]
+            torch_ext.policy.attend_varlen(*packed, cu, cu, L, L, policy=policy, is_causal=True, sinks=sinks)
+        else:
+            torch_ext.policy.attend(q, k, v, policy=policy, is_causal=True, sinks=sinks)
+    assert len(monitor.latest) == H
+    for r in monitor.latest:
+        h = r["head"]
+        ne, n = stats.normalized_entropy[:, h], stats.n_keys[:, h]
+        rows = ne[n >= (1 if h == 0 else 2)]
+        assert r["rows"] == B * L
+        assert r["normalized_entropy_mean"] == pytest.approx(rows.mean().item(), rel=1e-12)
+        assert r["normalized_entropy_min"] == pytest.approx(rows.min().item(), rel=1e-12)
+        assert r["normalized_entropy_max"] == pytest.approx(rows.max().item(), rel=1e-12)
+
+
+def test_empty_calls_record_no_rows() -> None:
+    """A batch of 0 or 0 query rows in a recorded step (the module runs them without a monitor):
+    no row counts, and the step's other calls keep their statistics (the per-head minimum over no
+    rows raised IndexError)."""
+    torch.manual_seed(0)
+    mha = torch_ext.nn.MultiheadAttention(16, 4, batch_first=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    monitor = torch_ext.AttentionEntropyMonitor(mha)
+    with monitor:
+        mha(x, x, x, need_weights=False)
+    alone = monitor.latest
+    with monitor:
+        for empty in (x[:0], x[:, :0]):
+            mha(empty, empty, empty, need_weights=False)
+        mha(x, x, x, need_weights=False)
+    assert monitor.latest == [{**r, "step": 1} for r in alone]
+    with monitor:
+        mha(x[:0], x[:0], x[:0], need_weights=False)
+    assert [r["rows"] for r in monitor.latest] == [0] * 4
+    assert all(math.isnan(r["entropy_mean"]) for r in monitor.latest)
+
+
 def test_errors() -> None:
     with pytest.raises(ValueError, match="every"):
         torch_ext.AttentionEntropyMonitor(every=0)

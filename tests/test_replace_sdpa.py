@@ -141,6 +141,9 @@ def test_errors() -> None:
     with torch_ext.replace_sdpa():
         with pytest.raises(ValueError, match="at least 2 dims"):
             F.scaled_dot_product_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
+        # Head dim 0: the op's error, not a ZeroDivisionError from the default scale 1/sqrt(E).
+        with pytest.raises(ValueError, match="head_dim must be positive"):
+            F.scaled_dot_product_attention(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match="scale"):
         torch_ext.replace_sdpa(scale="bad")
 
@@ -157,11 +160,16 @@ def test_errors() -> None:
         ((2, 3, 4, 5, 8), (2, 3, 4, 6, 8), (3, 1, 5, 6), {}),  # 5-D: two leading dims
         ((2, 3, 4, 5, 8), (1, 3, 2, 6, 8), (2, 1, 1, 5, 6), {"enable_gqa": True}),
         ((2, 3, 4, 5, 8), (2, 3, 4, 6, 8), None, {"is_causal": True}),
+        ((5, 8), (2, 4, 6, 8), None, {}),  # a query of fewer dims than key and value
+        ((4, 5, 8), (2, 4, 6, 8), (5, 6), {}),
+        ((2, 4, 5, 8), (6, 8), None, {"is_causal": True}),  # key and value of fewer dims
+        ((2, 4, 5, 8), (4, 6, 8), None, {}),
     ],
 )
 def test_sdpa_layouts(q_shape: tuple, kv_shape: tuple, mask_shape: tuple | None, kwargs: Dict[str, Any]) -> None:
     """Every layout SDPA takes, (..., L, E) with broadcasting leading dims, gives SDPA's output
-    (shape and values, float64): 2-D, 3-D and 5-D inputs and a broadcast head were refused."""
+    (shape and values, float64): 2-D, 3-D and 5-D inputs and a broadcast head were refused, and
+    a query of fewer dims than key and value raised IndexError."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(q_shape, dtype=torch.float64, generator=g)
     k, v = (torch.randn(kv_shape, dtype=torch.float64, generator=g) for _ in range(2))

@@ -212,7 +212,16 @@ def _pattern_args(
         device = generator.device if generator is not None else "cpu"
         # .item(), not int(): under torch.export the draw is data-dependent (an unbacked SymInt the
         # schema takes), which int() would have to specialize.
-        seed = torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device).item()
+        drawn = torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(drawn):
+            # vmap(randomness="different") draws a seed per sample; the op takes one per call, which
+            # would give every sample the same mask.
+            raise RuntimeError(
+                "attention dropout (dropout_p > 0) under torch.func.vmap(randomness='different') is not supported: "
+                "the op draws one seed per call, so the samples cannot get masks of their own; use "
+                "randomness='same' (one mask for every sample) or dropout_p=0"
+            )
+        seed = drawn.item()
     return {
         "window_size": [int(left), int(right)],
         "causal_alignment": causal_alignment,

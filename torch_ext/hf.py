@@ -66,6 +66,7 @@ This module imports transformers; ``import torch_ext`` does not.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from typing import Any, Optional
@@ -285,25 +286,41 @@ def _is_cross_attention(module: Any) -> bool:
     return bool(getattr(module, "is_decoder", False)) and getattr(module, "is_causal", True) is False
 
 
+# The real-token rows of this thread's last self-attention call: (monitor step, (B, Lq), rows or
+# None). A decoder layer's cross-attention takes its rows from its own self-attention, which runs
+# just before it on the same decoder tokens (BART, T5, Whisper).
+_last_self_rows = threading.local()
+
+
 def _monitor_rows(
     module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor],
     kwargs: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
     """What the monitor needs to know of a dense call's rows, when it records: their token
-    positions (``position_ids``: right under a KV cache, where row i is not position i) and, for
-    self-attention with a mask, which rows are real tokens (a padding token's own key is masked;
-    right padding's rows still see the real keys, so n_i >= 1 does not exclude them). Not for
-    cross-attention, where key i is another sequence's token i even when the lengths match."""
+    positions (``position_ids``: right under a KV cache, where row i is not position i) and which
+    rows are real tokens. For self-attention with a mask, the rows whose own key it allows (a
+    padding token's own key is masked; right padding's rows still see the real keys, so n_i >= 1
+    does not exclude them). Cross-attention's mask is the encoder's, which says nothing of the
+    decoder's padding (and key i is another sequence's token i even when the lengths match): it
+    takes the rows of the self-attention call before it in the step, when that call had as many
+    rows of the same batch."""
     if not _monitor.is_recording():
         return {}
     found: dict[str, torch.Tensor] = {}
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] == query.shape[2]:
         found["positions"] = pos
-    square = query.shape[2] == key.shape[2] and not _is_cross_attention(module)
+    step, rows_shape = _monitor.step_token(), (query.shape[0], query.shape[2])
+    if _is_cross_attention(module):
+        last = getattr(_last_self_rows, "value", None)
+        if last is not None and last[0] is step and last[1] == rows_shape and last[2] is not None:
+            found["rows"] = last[2]
+        return found
+    square = query.shape[2] == key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and square and attention_mask.shape[-2:] == key.shape[2:3] * 2:
         own = _allowed(torch.diagonal(attention_mask, dim1=-2, dim2=-1))  # (B or 1, H or 1, L): row i, key i
         found["rows"] = own.any(dim=1).expand(query.shape[0], -1)
+    _last_self_rows.value = (step, rows_shape, found.get("rows"))
     return found
 
 

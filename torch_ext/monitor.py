@@ -37,7 +37,8 @@ METRICS = (
     "max_weight_mean",
 )
 # Sums over rows (means = sum / count): entropy, effective keys, sparsity and max weight over rows
-# with n_i >= 1; normalized entropy over rows with n_i >= 2 (it is 0 by definition below).
+# with n_i >= 1; normalized entropy over rows whose distribution has at least two entries, n_i >= 2
+# or, under a sink (one that is not -inf), n_i >= 1 (it is 0 by definition below: H / ln 1).
 _SUMS = ("entropy", "effective_keys", "sparsity", "max_weight", "normalized_entropy")
 # The columns of the per-step table (one row per layer and head): sums, row counts, minima, maxima.
 _COLUMNS = _SUMS + ("rows", "rows_n2", "entropy_min", "normalized_entropy_min", "entropy_max", "normalized_entropy_max")
@@ -52,11 +53,11 @@ class _LayerAccumulator:
     """Per-head partial reductions of one layer over the calls of one step, on the device."""
 
     sums: torch.Tensor  # (H, len(_SUMS)) float64
-    counts: torch.Tensor  # (H, 2) float64: rows with n >= 1, rows with n >= 2
+    counts: torch.Tensor  # (H, 2) float64: rows with n >= 1, rows of at least two entries
     mins: torch.Tensor  # (H, 2): entropy, normalized entropy
     maxs: torch.Tensor  # (H, 2)
     position_sum: Optional[torch.Tensor] = None  # (H, Lq): normalized entropy summed over batch
-    position_count: Optional[torch.Tensor] = None  # (H, Lq): rows with n >= 2
+    position_count: Optional[torch.Tensor] = None  # (H, Lq): rows of at least two entries
 
     def add(self, other: "_LayerAccumulator") -> None:
         if self.sums.shape != other.sums.shape:
@@ -85,25 +86,34 @@ def _reduce_call(
     positions: bool,
     row_positions: Optional[torch.Tensor] = None,
     rows: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> _LayerAccumulator:
     """Per-head reductions of one call's (B, H, Lq) statistics over batch and rows.
 
     ``row_positions`` (Lq,) or (B, Lq): the position of each row for the per-position curve, when
     it is not the row index (a packed call: the row's position inside its own document; a call
     with a KV cache: the token's position). ``rows`` (B, Lq) bool: the rows to count (False:
-    padding tokens), beside the rule that a row must see a key."""
+    padding tokens), beside the rule that a row must see a key. ``sinks`` (H,): the call's sink
+    logits; a head whose sink is not -inf (no sink) has n_i + 1 entries per row, so its
+    rows with n_i = 1 have a normalized entropy, H_i / ln 2."""
     n = stats.n_keys
     valid = n >= 1
     if rows is not None:
         valid = valid & rows.to(valid.device).unsqueeze(1)
-    valid2 = valid & (n >= 2)
+    entries = n
+    if sinks is not None:
+        entries = n + (~torch.isneginf(sinks.detach())).to(device=n.device, dtype=n.dtype).view(1, -1, 1)
+    valid2 = valid & (entries >= 2)
     f64 = torch.float64
 
     def masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return torch.where(m, x.to(f64), 0).sum(dim=(0, 2))
 
     def masked_extreme(x: torch.Tensor, m: torch.Tensor, fill: float, op: Callable) -> torch.Tensor:
-        return op(torch.where(m, x.to(f64), fill).transpose(0, 1).flatten(1), dim=1)
+        per_head = torch.where(m, x.to(f64), fill).transpose(0, 1).flatten(1)
+        if per_head.shape[1] == 0:  # an empty call (no batch or no rows): no row qualifies
+            return per_head.new_full((per_head.shape[0],), fill)
+        return op(per_head, dim=1)
 
     sums = torch.stack(
         [
@@ -275,6 +285,13 @@ def is_recording() -> bool:
     return not _in_backward()
 
 
+def step_token() -> Optional[object]:
+    """An object that identifies the step the monitor of this thread is recording (None when none
+    records): what a wrapper keeps from one call for a later call of the same step."""
+    m = _active()
+    return m._layers if m is not None and is_recording() else None
+
+
 def _in_backward() -> bool:
     """Whether this call runs inside the autograd engine: activation checkpointing re-running a
     forward in backward, whose rows the forward recorded (or chose not to) already."""
@@ -286,6 +303,7 @@ def record(
     module: Optional[torch.nn.Module] = None,
     positions: Optional[torch.Tensor] = None,
     rows: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """Adds one attention call's statistics to the recording monitor (no-op when none records).
 
@@ -293,10 +311,12 @@ def record(
     of the model that is running, else the call's order in the step. ``positions`` (Lq,) or
     (B, Lq): each row's position for the per-position curves when it is not the row index (packed
     documents, KV caches). ``rows`` (B, Lq) bool: which rows count (False: padding tokens).
+    ``sinks`` (H,): the call's sink logits, if it had any (a row that sees one key and a sink
+    that is not -inf has a normalized entropy: it counts in that metric's mean, minimum and maximum).
     """
     m = _active()
     if m is not None and is_recording():
-        m._add(stats, module, positions, rows)
+        m._add(stats, module, positions, rows, sinks)
 
 
 def _running_module(names: Dict[int, str]) -> Optional[str]:
@@ -467,10 +487,11 @@ class AttentionEntropyMonitor:
         module: Optional[torch.nn.Module],
         positions: Optional[torch.Tensor] = None,
         rows: Optional[torch.Tensor] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> None:
         name = self._layer_name(module)
         with torch.no_grad():  # the reductions must not join the model's autograd graph
-            acc = _reduce_call(stats, self.positions, positions, rows)
+            acc = _reduce_call(stats, self.positions, positions, rows, sinks)
         if name in self._layers:
             self._layers[name].add(acc)
         else:

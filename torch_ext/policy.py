@@ -46,9 +46,9 @@ class AttentionPolicy:
         ``base_scale`` (None: 1/sqrt(head_dim)), times an optional learnable ``multiplier``
         broadcastable to (B, H, Lq)."""
         base = self.scale if isinstance(self.scale, (int, float)) else base_scale
-        if base is None:
+        if base is None and head_dim > 0:  # (head dim 0: the op refuses the call, naming it)
             base = 1.0 / math.sqrt(head_dim)
-        c: float | torch.Tensor = base if multiplier is None else multiplier * base
+        c: float | torch.Tensor | None = base if multiplier is None or base is None else multiplier * base
         kwargs: dict[str, Any] = {"temperature": self.temperature, "train_length": self.train_length}
         if self.uses_length:
             return {**kwargs, "scale": self.scale, "scale_factor": c}
@@ -127,7 +127,7 @@ def attend(
     out, stats = attention(
         query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs
     )
-    _monitor.record(stats, module, positions, rows)
+    _monitor.record(stats, module, positions, rows, features.get("sinks"))
     return (out, stats) if return_stats else out
 
 
@@ -159,5 +159,6 @@ def attend_varlen(
     # (T, H) -> (1, H, T), the layout of a dense call, and the in-document position of each row.
     dense = AttentionStats(*(x.t().unsqueeze(0) for x in stats))
     starts = torch.repeat_interleave(cu_seq_q[:-1].long(), (cu_seq_q[1:] - cu_seq_q[:-1]).long())
-    _monitor.record(dense, module, positions=torch.arange(query.shape[0], device=query.device) - starts)
+    _monitor.record(dense, module, positions=torch.arange(query.shape[0], device=query.device) - starts,
+                    sinks=features.get("sinks"))
     return out

@@ -50,11 +50,12 @@ def _routed_sdpa(
         if attn_mask is not None and attn_mask.dim() >= 3:
             attn_mask = attn_mask.unsqueeze(-3)
     full = max(query.dim(), key.dim(), value.dim())
+    # (Inputs of fewer dims than the others broadcast against them: ones in front.)
     tensors = [t.reshape((1,) * (full - t.dim()) + t.shape) for t in (query, key, value)]
     try:
         outer = torch.broadcast_shapes(*(t.shape[:-3] for t in tensors))
-        kv_heads = torch.broadcast_shapes(key.shape[-3:-2], value.shape[-3:-2])[0]
-        q_heads = query.shape[-3]
+        kv_heads = torch.broadcast_shapes(tensors[1].shape[-3:-2], tensors[2].shape[-3:-2])[0]
+        q_heads = tensors[0].shape[-3]
         if not (enable_gqa and kv_heads != q_heads):  # without GQA the heads broadcast too
             q_heads = kv_heads = torch.broadcast_shapes((q_heads,), (kv_heads,))[0]
     except RuntimeError:

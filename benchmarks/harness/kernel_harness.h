@@ -41,6 +41,12 @@ inline bool mask_allows(int64_t i, int64_t j) { return j == 0 || (i + 2 * j) % 3
 inline float mask_bias(int64_t i, int64_t j) {
   return mask_allows(i, j) ? 0.25f * static_cast<float>((i + j) % 5) - 0.5f : -INFINITY;
 }
+// The byte of an allowed key in a bool mask: any of 1 ... 255, as a uint8 tensor viewed as bool
+// may hold (kernel_args.h: bool_bytes), half of them even, so that a kernel reading the byte as a
+// C++ bool (its lowest bit, or its value as a count) fails.
+inline uint8_t mask_true_byte(int64_t i, int64_t j) {
+  return static_cast<uint8_t>(1 + (7 * i + 13 * j) % 255);
+}
 
 // A call: (B, H, L, D) queries, (B, Hkv, Lk, D) keys and values.
 struct Shape {
@@ -133,7 +139,7 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
     for (int64_t i = 0; i < s.q_len; ++i) {
       for (int64_t j = 0; j < s.kv_len; ++j) {
         if (s.mask == MaskKind::kBool) {
-          in.mask_bool.push_back(mask_allows(i, j) ? 1 : 0);
+          in.mask_bool.push_back(mask_allows(i, j) ? mask_true_byte(i, j) : 0);
         } else {
           in.mask_add.push_back(mask_bias(i, j));
         }

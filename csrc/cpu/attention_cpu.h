@@ -75,14 +75,14 @@ at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype);
 template <typename acc_t>
 struct MaskRow {
   MaskKind kind;
-  const bool* b;
+  const uint8_t* b;  // a bool mask's bytes (kernel_args.h: bool_bytes)
   const acc_t* a;
   int64_t sj;
 
   MaskRow(const MaskArg<acc_t>& m, int64_t b_idx, int64_t h, int64_t i)
       : kind(m.kind), b(nullptr), a(nullptr), sj(m.sj) {
     const int64_t off = m.row_offset(b_idx, h, i);
-    if (kind == MaskKind::kBool) b = m.bool_data() + off;
+    if (kind == MaskKind::kBool) b = m.bool_bytes() + off;
     if (kind == MaskKind::kAdditive) a = m.additive_data() + off;
   }
 };
@@ -204,10 +204,10 @@ EA_ALWAYS_INLINE acc_t scaled_logits(acc_t* r, int64_t n, int64_t j0, const Logi
       mx = x > mx ? x : mx;
     }
   } else if (m.kind == MaskKind::kBool) {
-    const bool* mb = m.b + j0 * m.sj;
+    const uint8_t* mb = m.b + j0 * m.sj;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = begin; j < end; ++j) {
-      const acc_t x = mb[j * m.sj] ? lam * r[j] : kNegInf;
+      const acc_t x = mb[j * m.sj] != 0 ? lam * r[j] : kNegInf;
       r[j] = x;
       mx = x > mx ? x : mx;
     }

@@ -17,7 +17,7 @@ namespace entropy_attn::cuda {
 template <MaskKind kMask>
 __device__ __forceinline__ const uint32_t* mask_word(const MaskArg<float>& mask, int64_t off) {
   if constexpr (kMask == MaskKind::kBool) {
-    return reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(mask.bool_data() + off) &
+    return reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(mask.bool_bytes() + off) &
                                              ~uintptr_t{3});
   } else {
     return reinterpret_cast<const uint32_t*>(mask.additive_data() + off);

@@ -214,7 +214,10 @@ Inputs make_inputs(const Case& c) {
                           at::full_like(values, -std::numeric_limits<double>::infinity()))
                     .to(c.dtype);
     } else {
-      in.mask = allow;
+      // True as any nonzero byte, as a uint8 tensor viewed as bool may hold (kernel_args.h:
+      // bool_bytes): half of them even, whose lowest bit a C++ bool read may take.
+      const at::Tensor bytes = at::randint(1, 256, mshape, at::TensorOptions().dtype(at::kByte));
+      in.mask = at::where(allow, bytes, at::zeros_like(bytes)).view(at::kBool);
     }
     if (c.mask_transposed) in.mask = in.mask->transpose(-1, -2).contiguous().transpose(-1, -2);
   }
@@ -291,7 +294,7 @@ RefLogits reference_logits(const Case& c, const Inputs& in, bool grads) {
   if (in.mask.has_value()) {
     const at::Tensor m = in.mask->expand({c.B, c.H, c.Lq, c.Lk});
     if (m.scalar_type() == at::kBool) {
-      L.allowed = L.allowed.logical_and(m);
+      L.allowed = L.allowed.logical_and(m.view(at::kByte).ne(0));  // (bytes other than 0 / 1)
     } else {
       L.mask = in.mask->to(at::kDouble).detach().requires_grad_(grads);
       const at::Tensor md = L.mask.expand({c.B, c.H, c.Lq, c.Lk});

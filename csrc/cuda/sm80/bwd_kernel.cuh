@@ -270,7 +270,7 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   if constexpr (kMask != MaskKind::kNone) {
     const int64_t off = p.mask.row_offset(b, h, i0) + j0 * p.mask.sj;
     t.mask = kMask == MaskKind::kBool
-                 ? static_cast<const void*>(static_cast<const bool*>(p.mask.data) + off)
+                 ? static_cast<const void*>(p.mask.bool_bytes() + off)
                  : static_cast<const void*>(static_cast<const float*>(p.mask.data) + off);
   }
   return t;
@@ -351,7 +351,7 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
         const float x = acc(mi, ni);
         const int64_t off = mrow + (c - c0) * t.msj;
         if constexpr (kMask == MaskKind::kBool) {
-          if (static_cast<const bool*>(t.mask)[off]) s = lam * x;
+          if (static_cast<const uint8_t*>(t.mask)[off] != 0) s = lam * x;
         } else if constexpr (kMask == MaskKind::kAdditive) {
           // -inf hides the key whatever its score (a NaN key must not give NaN + -inf = NaN).
           const float m = static_cast<const float*>(t.mask)[off];

@@ -473,7 +473,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                 if (allowed) {  // the mask is read only inside [0, Lq) x [0, Lk)
                   const int64_t off = mask_row + j * mask.sj;
                   if constexpr (kMask == MaskKind::kBool) {
-                    allowed = mask.bool_data()[off];
+                    allowed = mask.bool_bytes()[off] != 0;
                   } else {
                     // -inf hides the key whatever its score (NaN + -inf would be NaN).
                     const float m = mask.additive_data()[off];

@@ -44,20 +44,27 @@ AttentionOptions saved_options(AutogradContext* ctx) {
   return o;
 }
 
+// The outputs that are not differentiable: max_weight, n_keys, row_scale and length_factor.
+using NonDifferentiable = std::array<at::Tensor, 4>;
+
+// The function's outputs are the differentiable ones (output, lse, entropy, sum_p2 and the derived
+// statistics); the others leave the forward through `plain`, made with autograd off, so they do
+// not require grad. Marked non-differentiable as outputs, they stopped compiled autograd, which
+// asserts that a C++ function marked none (CppNode::compiled_args).
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const OptTensor& attn_mask,
                                const OptTensor& scale, const OptTensor& sinks,
                                const OptTensor& cu_seq_q, const OptTensor& cu_seq_k,
-                               const AttentionOptions& options) {
+                               const AttentionOptions& options, NonDifferentiable* plain) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
           normalized_entropy, sparsity, effective_keys] =
         call_attention(query, key, value, attn_mask, scale, sinks,
                        {cu_seq_q, cu_seq_k, std::nullopt}, options);
     ctx->set_materialize_grads(false);
-    ctx->mark_non_differentiable({max_weight, n_keys, row_scale, length_factor});
+    *plain = {max_weight, n_keys, row_scale, length_factor};
     // Without statistics, entropy and sum_p2 are saved as zeros of their full shape (a broadcast
     // scalar, no memory), not as the empty outputs: the saved tensors' shapes then do not depend on
     // return_stats, so that activation checkpointing may re-run a forward that returned them
@@ -71,10 +78,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                             scale.value_or(at::Tensor()), n_keys, sinks.value_or(at::Tensor()),
                             cu_seq_q.value_or(at::Tensor()), cu_seq_k.value_or(at::Tensor())});
     save_options(ctx, options);
-    return {out,       lse,           entropy,
-            sum_p2,    max_weight,    n_keys,
-            row_scale, length_factor, normalized_entropy,
-            sparsity,  effective_keys};
+    return {out, lse, entropy, sum_p2, normalized_entropy, sparsity, effective_keys};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -90,14 +94,14 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         sinks.defined() && ctx->needs_input_grad(scale_input + (scale.defined() ? 1 : 0))};
     auto [dq, dk, dv, dmask, dscale, dsink] = attention_grad(
         defined_or_null(grads[0]), defined_or_null(grads[1]), defined_or_null(grads[2]),
-        defined_or_null(grads[3]), defined_or_null(grads[8]), defined_or_null(grads[9]),
-        defined_or_null(grads[10]), saved[0], saved[1], saved[2], defined_or_null(mask),
+        defined_or_null(grads[3]), defined_or_null(grads[4]), defined_or_null(grads[5]),
+        defined_or_null(grads[6]), saved[0], saved[1], saved[2], defined_or_null(mask),
         defined_or_null(scale), defined_or_null(sinks), saved[4], saved[5], saved[6], saved[7],
         saved[11], saved[8], saved[9], o.causal, o.return_stats, o.window_size(),
         o.causal_alignment_name(), o.softcap, o.dropout_p, o.dropout_seed,
         defined_or_null(saved[13]), defined_or_null(saved[14]), output_mask);
-    const at::Tensor none;  // cu_seq_q, cu_seq_k and the options have no gradient
-    return {dq, dk, dv, dmask, dscale, dsink, none, none, none};
+    const at::Tensor none;  // cu_seq_q, cu_seq_k, the options and `plain` have no gradient
+    return {dq, dk, dv, dmask, dscale, dsink, none, none, none, none};
   }
 };
 
@@ -138,9 +142,10 @@ AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
     return call_attention(query, key, value, attn_mask, scale, sinks,
                           {cu_seq_q, cu_seq_k, seqused_k}, EA_ATTENTION_OPTIONS);
   }
-  const variable_list r = AttentionFunction::apply(query, key, value, attn_mask, scale, sinks,
-                                                   cu_seq_q, cu_seq_k, EA_ATTENTION_OPTIONS);
-  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]};
+  NonDifferentiable plain;
+  const variable_list r = AttentionFunction::apply(
+      query, key, value, attn_mask, scale, sinks, cu_seq_q, cu_seq_k, EA_ATTENTION_OPTIONS, &plain);
+  return {r[0], r[1], r[2], r[3], plain[0], plain[1], plain[2], plain[3], r[4], r[5], r[6]};
 }
 
 // A row reduction with its backward op (attention_grad.h).
@@ -172,17 +177,26 @@ at::Tensor sparsity_autograd(const at::Tensor& a, int64_t dim) {
   return RowReductionFunction<sparsity_backward>::apply(a, dim, op)[0];
 }
 
+// A metric that is not differentiable, as torch's argmax: the op below autograd, whose outputs do
+// not require grad (torch.library.opcheck's advice for such ops). A training step that logs it on
+// activations then compiles; with the not-implemented fallback AOTAutograd traced its backward
+// and failed even when no loss used it.
+void non_differentiable(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.callBoxed(stack);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(entropy_attn, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("entropy", &entropy_autograd);
   m.impl("sparsity", &sparsity_autograd);
-  // Not differentiable (attention_backward: no double backward; attention_sparsity: documented as
-  // such): a backward that reaches them raises "the derivative ... is not implemented" instead of
-  // torch's default for unregistered ops, a warning and silently zero or missing gradients.
+  // No double backward: a backward that reaches attention_backward raises "the derivative ... is
+  // not implemented" instead of torch's default for unregistered ops, a warning and silently zero
+  // or missing gradients.
   m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
-  m.impl("attention_sparsity", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_sparsity", torch::CppFunction::makeFromBoxedFunction<&non_differentiable>());
 }
 
 }  // namespace entropy_attn

@@ -130,6 +130,10 @@ EA_HOST_DEVICE void accumulate(acc_t& l, acc_t& t, acc_t& u, acc_t x, acc_t e) {
 // The statistics of a finished row, in natural units whatever the Unit of m and t.
 template <typename acc_t, typename Unit = NaturalLog>
 EA_HOST_DEVICE RowResult<acc_t> finalize(const RowStats<acc_t>& st) {
+  // A NaN max is a NaN sink (NaN logits make l NaN too): a NaN entry of the row's denominator, so
+  // the row is NaN even when it saw no key and its state is still the sink's lone entry (l = 1),
+  // whether the row had no key to see or skipped every key (docs/math.md section 6).
+  if (st.m != st.m) return {st.m, st.m, st.m, st.m, st.m};
   if (!(st.l > acc_t(0))) {
     // Fully masked row, or NaN inputs: NaN must propagate, an empty row gives zeros.
     const acc_t z = st.l == acc_t(0) ? acc_t(0) : st.l;

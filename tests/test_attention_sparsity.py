@@ -126,11 +126,34 @@ def test_limits(device: str) -> None:
 def test_opcheck(device: str, kind: str) -> None:
     """Schema, fake tensor and AOT dispatch of the op."""
     q, k = torch.randn(1, 2, 9, 4, device=device), torch.randn(1, 2, 11, 4, device=device)
-    torch.library.opcheck(
-        torch.ops.entropy_attn.attention_sparsity,
-        (q, k, torch.rand(9, 11, device=device) > 0.5, None),
-        {"kind": kind, "is_causal": True, "scale_mode": "logn", "log_base": 8.0},
-    )
+    for requires_grad in (False, True):  # (not differentiable: its Autograd kernel runs below autograd)
+        torch.library.opcheck(
+            torch.ops.entropy_attn.attention_sparsity,
+            (q.requires_grad_(requires_grad), k, torch.rand(9, 11, device=device) > 0.5, None),
+            {"kind": kind, "is_causal": True, "scale_mode": "logn", "log_base": 8.0},
+        )
+
+
+def test_logged_in_a_compiled_training_step() -> None:
+    """A compiled training step that logs the sparsity of its activations, which require grad,
+    compiles (its backward was traced, and raised, though no loss used it) and gives eager's
+    values and gradients."""
+    lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = lin(x).view(1, 2, 5, 8)
+        loss = torch_ext.attention(h, h, h).square().sum()
+        return loss, torch_ext.attention_sparsity(h, h, kind="relu2")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    (loss, sparsity), (loss_eager, sparsity_eager) = compiled(x), step(x)
+    torch.testing.assert_close(sparsity, sparsity_eager)
+    assert not sparsity.requires_grad
+    (grad,) = torch.autograd.grad(loss, lin.weight)
+    (grad_eager,) = torch.autograd.grad(loss_eager, lin.weight)
+    torch.testing.assert_close(grad, grad_eager)
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,39 @@ def test_compile_float_arguments_from_sizes_and_attributes() -> None:
     torch.testing.assert_close(compiled(x), mha(x, x, x, need_weights=False)[0], **TOL)
 
 
+def test_export_names_the_dim_a_float_argument_ties() -> None:
+    """A float argument computed from a dynamic dim is specialized by the schema's float, which
+    torch.export reports as a violated constraint on that dim (the wrapper said the SymFloat was
+    no number: a TypeError)."""
+
+    class M(torch.nn.Module):
+        def forward(self, q: Tensor) -> Tensor:
+            return torch_ext.attention(q, q, q, softcap=q.shape[2] / 2)
+
+    with pytest.raises(torch._dynamo.exc.UserError, match=r"Constraints violated \(L\)"):
+        torch.export.export(M(), (rand(1, 2, 6, 4),), dynamic_shapes=({2: torch.export.Dim("L", min=2, max=64)},), strict=False)
+
+
+def test_compiled_autograd() -> None:
+    """Compiled autograd (which FSDP2 with torch.compile uses) runs the op's C++ backward and
+    gives eager's gradients, through the output and a statistic (it stopped at an internal assert:
+    the autograd function marked its non-differentiable outputs so). Compiled autograd calls a C++
+    autograd function's backward eagerly, a break in the compiled backward graph."""
+    q, k, v = (rand(1, 2, L, 8, seed=s).requires_grad_() for s, L in ((1, 6), (2, 9), (3, 9)))
+
+    def loss() -> Tensor:
+        out, stats = torch_ext.attention(q, k, v, is_causal=True, scale="logn", return_stats=True)
+        assert not stats.max_weight.requires_grad and not stats.scale.requires_grad
+        return out.square().sum() + stats.entropy.sum()
+
+    eager = torch.autograd.grad(loss(), (q, k, v))
+    torch._dynamo.reset()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss().backward()
+    for x, g in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, g, **TOL)
+
+
 def test_export_with_dropout_draws_a_seed_per_call() -> None:
     """torch.export (non-strict, its default) of a module with attention dropout works, as with
     SDPA and torch.nn.MultiheadAttention (int() of the drawn seed was a data-dependent guard),

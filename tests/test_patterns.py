@@ -409,6 +409,29 @@ def test_nan_sink_reaches_its_head(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nan_sink_reaches_rows_that_see_no_key(device: str) -> None:
+    """A row that sees no key is NaN under a NaN sink too, as the n×n formula's softmax over its
+    masked keys and the NaN entry is, whether a mask hides its keys, a window leaves it none (Lq >
+    Lk, bottom-right) or there are no keys at all: its state is the sink's lone entry, which gave
+    output 0 and entropy 0 when the row skipped every key and NaN when it saw masked ones."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (rand(1, 2, L, 8, gen=g, device=device) for L in (5, 3, 3))
+    sinks = torch.tensor([float("nan"), 0.5], dtype=F64, device=device)
+    mask = torch.ones(5, 3, dtype=torch.bool, device=device)
+    mask[1] = False
+    calls = {
+        "masked row": dict(key=k, value=v, attn_mask=mask),
+        "window": dict(key=k, value=v, is_causal=True, causal_alignment="bottom_right"),
+        "no keys": dict(key=k[:, :, :0], value=v[:, :, :0]),
+    }
+    for name, kw in calls.items():
+        res = ops.attention(q, sinks=sinks, return_stats=True, **kw)
+        for i in (0, 1, 2, 3, 4, 9, 10):  # output, lse, entropy, sum_p2, max_weight, the derived
+            assert torch.isnan(res[i][:, 0]).all(), f"{name}: {OUT_NAMES[i]}"
+            assert not torch.isnan(res[i][:, 1]).any(), f"{name}: {OUT_NAMES[i]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_huge_window_bounds_are_unbounded(device: str) -> None:
     """Window bounds of 2^62 or more (sys.maxsize) mean unbounded: they overflowed the range
     arithmetic and left rows with no key (output 0) where they see every key."""

@@ -39,8 +39,17 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    """Whether ``x`` is a real number and not a bool (a float or an int first, as _is_int)."""
-    return type(x) in (float, int) or (not isinstance(x, bool) and isinstance(x, numbers.Real))
+    """Whether ``x`` is a real number and not a bool (a float or an int first, as _is_int).
+
+    A float computed from a size is a ``torch.SymFloat`` under ``torch.export`` with dynamic
+    dims, which is no ``numbers.Real``: it is a number, and the schema's ``float`` specializes it
+    (export then names the dim it ties to a value), rather than a TypeError saying it is none.
+    """
+    return (
+        type(x) in (float, int)
+        or (not isinstance(x, bool) and isinstance(x, numbers.Real))
+        or isinstance(x, (torch.SymFloat, torch.SymInt))
+    )
 
 
 class AttentionStats(NamedTuple):

@@ -58,6 +58,13 @@ void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
                     "batch * heads * ceil(max(q_len, kv_len) / 16) = ", blocks,
                     " exceeds the CUDA kernels' grid limit of 2^31 - 1 thread blocks: split the "
                     "batch");
+  // The per-row kernels (the backward's preprocess, split-KV's combine) give each query row a
+  // warp, four to a block.
+  const int64_t row_blocks = (s.batch * s.heads * s.q_len + 3) / 4;
+  TORCH_CHECK_VALUE(row_blocks < std::numeric_limits<int32_t>::max(),
+                    "batch * heads * ceil(q_len / 4) = ", row_blocks,
+                    " exceeds the CUDA kernels' grid limit of 2^31 - 1 thread blocks: split the "
+                    "batch");
 }
 
 LogitsInputs::LogitsInputs(const at::Tensor& query, const at::Tensor& key,

@@ -134,9 +134,14 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
     if (!rows_16b_aligned(*t)) return "a tensor's rows are not 16-byte aligned";
   }
   if (s.heads > 65535 || s.batch > 65535) return "more than 65535 heads or batches";
-  // The kernels keep lengths and key indices in 32 bits (their offsets are 64-bit); an expanded
-  // (stride 0) key/value of 2^31 rows or more costs no memory, so the length itself is checked.
-  if (s.q_len > INT32_MAX || s.kv_len > INT32_MAX) return "a sequence of 2^31 rows or more";
+  // The kernels keep lengths and key indices in 32 bits (their offsets are 64-bit), and step them
+  // past the length by up to a block (a lane's j += 32, j0 + kBlockN, L + kBlockM - 1): lengths
+  // stay kLengthMargin under 2^31 so that no step overflows. An expanded (stride 0) key/value of
+  // 2^31 rows costs no memory, so the length itself is checked.
+  constexpr int64_t kLengthMargin = 1024;
+  if (s.q_len > INT32_MAX - kLengthMargin || s.kv_len > INT32_MAX - kLengthMargin) {
+    return "a sequence of 2^31 - 1024 rows or more";
+  }
   return {};
 }
 
@@ -417,7 +422,9 @@ int forward_splits(const ForwardCall& c) {
   TORCH_CHECK_VALUE(n >= 1 && n <= kMaxSplits,
                     "ENTROPY_ATTN_SPLIT_KV must be 'auto', 'off' or a count from 1 to ", kMaxSplits,
                     ", got '", std::string(v), "'");
-  return n;
+  // The split grid's x is the query tiles (of at least 64 rows) times the parts: at most 2^31 - 1.
+  const int64_t tiles = std::max<int64_t>((s.q_len + 63) / 64, 1);
+  return static_cast<int>(std::min<int64_t>(n, INT32_MAX / tiles));
 }
 
 int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, int64_t element_size,

@@ -121,4 +121,15 @@ TEST(OnlineStats, MergePropagatesNaN) {
   EXPECT_TRUE(std::isnan(entropy_attn::merge<double, Log2>(b, a).l));
 }
 
+// A NaN sink is a NaN entry of the row's softmax: a row that sees no key, whose state stays the
+// sink's lone entry (m = NaN, l = 1), finishes NaN, as rows that see keys do.
+TEST(OnlineStats, NaNSinkRowWithoutKeysIsNaN) {
+  const RowStats<double> alone = entropy_attn::initial_state<double>(true, std::nan(""));
+  const RowResult<double> r = entropy_attn::finalize<double, NaturalLog>(alone);
+  for (double x : {r.inv_l, r.lse, r.entropy, r.sum_p2, r.max_weight}) EXPECT_TRUE(std::isnan(x));
+  const RowResult<double> seen =
+      entropy_attn::finalize<double, Log2>(one_pass<Log2>({0.5, -1.0}, alone));
+  EXPECT_TRUE(std::isnan(seen.lse) && std::isnan(seen.entropy));
+}
+
 }  // namespace

@@ -429,6 +429,9 @@ def test_nan_sink_reaches_rows_that_see_no_key(device: str) -> None:
         for i in (0, 1, 2, 3, 4, 9, 10):  # output, lse, entropy, sum_p2, max_weight, the derived
             assert torch.isnan(res[i][:, 0]).all(), f"{name}: {OUT_NAMES[i]}"
             assert not torch.isnan(res[i][:, 1]).any(), f"{name}: {OUT_NAMES[i]}"
+        # (normalized entropy is 0 by definition on a row of one entry, the sink alone)
+        empty = res[5][:, 0] == 0
+        assert empty.any() and (res[8][:, 0][empty] == 0).all(), name
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,7 +12,11 @@
 # The library has the CUDA sources when the top-level CMakeLists.txt resolved its CUDA switch
 # (ENTROPY_ATTN_CUDA = AUTO/ON/OFF) to _ea_cuda = ON, with the CUDA language enabled: CMake then
 # knows the toolkit's include directories.
-if(_ea_cuda)
+if(_ea_cuda AND ENTROPY_ATTN_SANITIZE MATCHES "thread")
+  # The emulation's own hazard check takes ThreadSanitizer's instrumentation with hooks in place of
+  # its runtime (plain_smem_access.cpp), which would replace the runtime's.
+  message(STATUS "entropy_attn: the CUDA emulation tests are left out under ThreadSanitizer")
+elseif(_ea_cuda)
   find_package(Threads REQUIRED)
   # The emulated kernel launches, one translation unit per input type (emulated_launches.h): the
   # four compile in parallel. file(CONFIGURE) rewrites a unit only when its text changes, so a
@@ -66,7 +70,21 @@ if(_ea_cuda)
       VISIBILITY_INLINES_HIDDEN ON)
   endfunction()
 
-  # The fallback's emulated launches, compiled once for both executables.
+  # The plain shared-memory loads and stores of the sm80 kernels, for the hazard check
+  # (plain_smem_access.cpp): a unit built this way calls that file's hooks before every load and
+  # store (ThreadSanitizer's instrumentation without its runtime, so never with AddressSanitizer's:
+  # the sm80 units have neither's otherwise, below). Not the fallback's: its flags of non-finite
+  # rows are bytes that several warps set to 1 between two barriers (the same bytes in any order),
+  # and a hook, called before the store, cannot tell such a write from a race.
+  add_library(ea_plain_smem_access OBJECT "${CMAKE_CURRENT_LIST_DIR}/plain_smem_access.cpp")
+  _ea_emulation_settings(ea_plain_smem_access)
+  target_link_libraries(ea_plain_smem_access PRIVATE entropy_attn)
+  function(_ea_plain_access_hooks target)
+    target_compile_options(${target} PRIVATE -fsanitize=thread
+                           --param=tsan-instrument-func-entry-exit=0)
+  endfunction()
+
+  # The fallback's emulated launches, compiled once for the three executables.
   add_library(ea_emulated_launches OBJECT ${_ea_emulated_units})
   _ea_emulation_settings(ea_emulated_launches)
   target_link_libraries(ea_emulated_launches PRIVATE entropy_attn ${_ea_gtest_main})
@@ -90,6 +108,12 @@ if(_ea_cuda)
     # CUTLASS's own punning of arrays (cutlass/array_subbyte.h), which CUDA code does by design.
     if(ENTROPY_ATTN_SANITIZE AND NOT _ea_test STREQUAL "test_cuda_emulation")
       target_compile_options(${_ea_test} PRIVATE -fno-sanitize=all)
+    endif()
+    # (The sm90 kernels order their shared memory by mbarriers and named barriers, which the
+    # barrier-interval check does not model: emulated_sm90_ops.h has its own checks.)
+    if(_ea_test STREQUAL "test_sm80_emulation")
+      target_sources(${_ea_test} PRIVATE $<TARGET_OBJECTS:ea_plain_smem_access>)
+      _ea_plain_access_hooks(${_ea_test})
     endif()
     if(ENTROPY_ATTN_CTEST_PER_CASE)
       gtest_discover_tests(${_ea_test}

@@ -420,24 +420,30 @@ inline thread_local uint64_t t_block_seq = 0;  // __syncthreads done in this blo
 inline thread_local uint64_t t_group_seq = 0;  // warpgroup operations done in this block
 
 // Shared-memory hazards between the warps of a block, as compute-sanitizer's racecheck finds them:
-// two warps touch a 4-byte word between the same two __syncthreads (the same epoch: the number of
-// barriers each has passed), at least one of them writing. Only the accesses that emulated
-// instructions report are seen (emulated_sm80_ops.h: cp.async writes, taken to land at issue, and
-// ldmatrix reads); plain loads and stores are not. Reset for every block.
+// two warps touch the same byte between the same two __syncthreads (the same epoch: the number of
+// barriers each has passed), at least one of them writing. Bytes, as racecheck tracks them: warps
+// may write neighbouring bytes of one word (the fallback's flags of non-finite rows). The accesses
+// seen are those emulated instructions report (emulated_sm80_ops.h: cp.async writes, at issue and
+// at landing, and ldmatrix reads) and, in the units built with plain_smem_access.cpp's hooks, every
+// plain load and store. Reset for every block.
 struct SmemShadow {
-  struct Word {
+  struct Byte {
     uint64_t write_epoch = 0, read_epoch = 0;  // epoch + 1 of the last write and reads; 0: none
     int writer = -1;                           // warp of the last write
     uint32_t readers = 0;                      // warps that read in read_epoch
   };
   std::mutex m;
   const unsigned char* base = nullptr;
-  std::vector<Word> words;  // one per 4 bytes of the launch's dynamic shared memory
+  std::vector<Byte> bytes;  // one per byte of the launch's dynamic shared memory
+  // [lo, hi): the addresses tracked, read without the mutex by plain_smem_access.cpp's hooks.
+  std::atomic<uintptr_t> lo{0}, hi{0};
 
-  void reset(const unsigned char* smem, size_t bytes) {
+  void reset(const unsigned char* smem, size_t size) {
     std::lock_guard<std::mutex> lk(m);
     base = smem;
-    words.assign((bytes + 3) / 4, Word{});
+    bytes.assign(size, Byte{});
+    lo.store(reinterpret_cast<uintptr_t>(smem), std::memory_order_relaxed);
+    hi.store(reinterpret_cast<uintptr_t>(smem) + size, std::memory_order_relaxed);
   }
 };
 inline SmemShadow g_smem_shadow;
@@ -545,34 +551,34 @@ inline void smem_access(const void* p, size_t bytes, bool write, const char* wha
   SmemShadow& sh = g_smem_shadow;
   const auto* at = static_cast<const unsigned char*>(p);
   std::lock_guard<std::mutex> lk(sh.m);
-  if (sh.base == nullptr || at < sh.base || at + bytes > sh.base + 4 * sh.words.size()) return;
+  if (sh.base == nullptr || at < sh.base || at + bytes > sh.base + sh.bytes.size()) return;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const uint64_t epoch = t_block_seq + 1;
-  const size_t first = static_cast<size_t>(at - sh.base) / 4;
-  const size_t last = (static_cast<size_t>(at - sh.base) + bytes - 1) / 4;
+  const size_t first = static_cast<size_t>(at - sh.base);
+  const size_t last = first + bytes - 1;
   bool reported = false;
-  auto hazard = [&](const char* kind, int other, size_t w) {
+  auto hazard = [&](const char* kind, int other, size_t byte) {
     if (reported) return;
     reported = true;
     report_error(std::string("shared-memory ") + kind + " hazard in block (" +
                  std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
                  std::to_string(blockIdx.z) + "): " + what + " by warp " + std::to_string(warp) +
-                 " at byte " + std::to_string(4 * w) + ", which warp " + std::to_string(other) +
+                 " at byte " + std::to_string(byte) + ", which warp " + std::to_string(other) +
                  " accessed after the same __syncthreads (#" + std::to_string(epoch - 1) + ")");
   };
-  for (size_t w = first; w <= last; ++w) {
-    SmemShadow::Word& word = sh.words[w];
-    if (word.write_epoch == epoch && word.writer != warp) {
-      hazard(write ? "write-after-write" : "read-after-write", word.writer, w);
+  for (size_t at_byte = first; at_byte <= last; ++at_byte) {
+    SmemShadow::Byte& state = sh.bytes[at_byte];
+    if (state.write_epoch == epoch && state.writer != warp) {
+      hazard(write ? "write-after-write" : "read-after-write", state.writer, at_byte);
     }
     if (write) {
-      const uint32_t others = word.read_epoch == epoch ? word.readers & ~(1u << warp) : 0u;
-      if (others != 0) hazard("write-after-read", __builtin_ctz(others), w);
-      word.write_epoch = epoch;
-      word.writer = warp;
+      const uint32_t others = state.read_epoch == epoch ? state.readers & ~(1u << warp) : 0u;
+      if (others != 0) hazard("write-after-read", __builtin_ctz(others), at_byte);
+      state.write_epoch = epoch;
+      state.writer = warp;
     } else {
-      if (word.read_epoch != epoch) word.read_epoch = epoch, word.readers = 0;
-      word.readers |= 1u << warp;
+      if (state.read_epoch != epoch) state.read_epoch = epoch, state.readers = 0;
+      state.readers |= 1u << warp;
     }
   }
 }

@@ -182,4 +182,46 @@ TEST(EmulatedSm80Checks, ReportCpAsyncMistakes) {
   EXPECT_NE(unwaited.report.find("did not wait for"), std::string::npos) << unwaited.report;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The hazard check sees plain loads and stores too (plain_smem_access.cpp: this unit is built with
+// its hooks): each of 128 threads stores a word into shared memory and reads the word of the
+// thread one warp further on, with or without the barrier between.
+// ---------------------------------------------------------------------------------------------
+
+struct PlainSmemParams {
+  float* out;  // 128 words: what each thread read
+  bool barrier;
+};
+
+__global__ void plain_smem_kernel(const PlainSmemParams p) {
+  auto* words = reinterpret_cast<float*>(sf::ea_sm80_fwd_smem);
+  const int t = static_cast<int>(threadIdx.x);
+  words[t] = static_cast<float>(t);
+  if (p.barrier) __syncthreads();
+  p.out[t] = words[(t + 32) % 128];
+}
+
+std::string run_plain_smem(bool barrier) {
+  std::vector<float> out(128, -1.f);
+  EmulatedLaunch l;
+  l.grid = dim3(2);
+  l.smem = reinterpret_cast<unsigned char*>(sf::ea_sm80_fwd_smem);
+  l.smem_bytes = 128 * sizeof(float);
+  try {
+    emulate_launch(plain_smem_kernel, l, PlainSmemParams{out.data(), barrier});
+  } catch (const cuda_emu::CudaEmulationError& e) {
+    return e.what();
+  }
+  for (int t = 0; t < 128; ++t) EXPECT_EQ(out[t], static_cast<float>((t + 32) % 128));
+  return "";
+}
+
+TEST(EmulatedSm80Checks, ReportPlainSharedMemoryHazards) {
+  EXPECT_EQ(run_plain_smem(true), "");
+  // Whichever warp runs first, a store and another warp's load share a barrier interval.
+  const std::string report = run_plain_smem(false);
+  EXPECT_NE(report.find("hazard"), std::string::npos) << report;
+  EXPECT_NE(report.find("a plain"), std::string::npos) << report;
+}
+
 }  // namespace

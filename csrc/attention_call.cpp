@@ -135,12 +135,36 @@ AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionSha
   return outputs;
 }
 
+namespace {
+
+// Whether the query (B, H, Lq, D) holds its heads inside its rows (stride(1) < stride(2), more
+// than one of each): a transposed (B, Lq, H, D), as models split a projection into heads.
+bool heads_inside_rows(const at::Tensor& query) {
+  const c10::SymIntArrayRef size = query.sym_sizes(), stride = query.sym_strides();
+  return TORCH_GUARD_OR_FALSE(size[1] > 1) && TORCH_GUARD_OR_FALSE(size[2] > 1) &&
+         TORCH_GUARD_OR_FALSE(stride[1] < stride[2]);
+}
+
+// The output (B, H, Lq, Dv) in the query's layout, as SDPA's cuDNN backend allocates it: a query
+// made by splitting a projection's (B, L, H * D) gives an output whose transpose(1, 2) is
+// contiguous, so that merging the heads back (Hugging Face's attention interface, nn.py) is a view
+// rather than a copy of the whole output; any other query gives a contiguous output.
+at::Tensor allocate_output(const SymAttentionShape& s, const at::Tensor& query) {
+  if (!heads_inside_rows(query)) {
+    return at::empty_symint({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options());
+  }
+  return at::empty_symint({s.batch, s.q_len, s.heads, s.v_head_dim}, query.options())
+      .transpose(1, 2);
+}
+
+}  // namespace
+
 AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
                                             at::ScalarType acc, bool return_stats) {
   const auto stat = query.options().dtype(acc);
   auto row = [&] { return at::empty_symint({s.batch, s.heads, s.q_len}, stat); };
   auto stat_row = [&] { return return_stats ? row() : at::empty({0}, stat); };
-  return {at::empty_symint({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
+  return {allocate_output(s, query),
           row(),
           stat_row(),
           stat_row(),

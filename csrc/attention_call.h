@@ -80,8 +80,9 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
                                        const DocumentArgs& docs, const AttentionOptions& options);
 
 // The outputs of `attention` for sizes `s`, allocated (uninitialized) on `query`'s device: output
-// (B, H, Lq, Dv) in the input dtype, the row statistics (B, H, Lq) in `acc` (the statistics empty
-// without return_stats: never written), n_keys in int64.
+// (B, H, Lq, Dv) in the input dtype, in the query's layout (heads_inside_rows: the transpose of a
+// contiguous (B, Lq, H, Dv), else contiguous), the row statistics (B, H, Lq) in `acc` (the
+// statistics empty without return_stats: never written), n_keys in int64.
 AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
                                             at::ScalarType acc, bool return_stats);
 

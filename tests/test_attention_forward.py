@@ -578,6 +578,45 @@ def test_strided_inputs(device: str, dtype: torch.dtype) -> None:
     compare(q, k1, v1, mask)
 
 
+@pytest.mark.parametrize("layout", ["projection", "contiguous", "one_row", "one_head", "expanded_heads"])
+def test_output_follows_the_query_layout(device: str, layout: str) -> None:
+    """The output is allocated in the query's layout, as SDPA's cuDNN backend allocates it: a
+    query split from a (B, L, H * D) projection gives an output whose heads merge back by a view
+    (no copy of the output), any other query a contiguous output; the values, statistics and
+    gradients are those of contiguous inputs."""
+    B, H, L, Lk, D, Dv = 2, 3, 9, 11, 8, 5
+    g = torch.Generator().manual_seed(7)
+    if layout == "projection":
+        q = torch.randn(B, L, H * D, generator=g).unflatten(-1, (H, D)).transpose(1, 2)
+    elif layout == "one_row":
+        q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    elif layout == "one_head":
+        q = torch.randn(B, L, 1, D, generator=g).transpose(1, 2)
+    elif layout == "expanded_heads":  # stride 0 over the heads: inside the rows, by the strides
+        q = torch.randn(B, 1, L, D, generator=g).expand(B, H, L, D)
+    else:
+        q = torch.randn(B, H, L, D, generator=g)
+    H = q.shape[1]
+    k, v = torch.randn(B, H, Lk, D, generator=g), torch.randn(B, H, Lk, Dv, generator=g)
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    out, stats = torch_ext.attention(q, k, v, is_causal=True, return_stats=True)
+    heads_inside = layout in ("projection", "expanded_heads")
+    assert out.shape == (B, H, q.shape[2], Dv)
+    assert out.transpose(1, 2).is_contiguous() if heads_inside else out.is_contiguous(), out.stride()
+    if layout == "projection":
+        merged = out.transpose(1, 2).reshape(B, L, H * Dv)
+        assert merged.data_ptr() == out.data_ptr() and merged._base is not None, "merging the heads copied"
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    ref_out, ref_stats = torch_ext.attention(qc, kc, vc, is_causal=True, return_stats=True)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(stats.entropy, ref_stats.entropy, rtol=0, atol=0)
+    go = torch.randn(out.shape, generator=g).to(device)
+    grads = torch.autograd.grad((out * go).sum() + stats.entropy.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref_out * go).sum() + ref_stats.entropy.sum(), (qc, kc, vc))
+    for name, a, e in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("Lq", [1, 3, 8, 9, 17, 32])
 def test_short_query_blocks_against_a_cache(device: str, dtype: torch.dtype, Lq: int) -> None:

@@ -687,6 +687,9 @@ def test_strided_inputs(dtype: torch.dtype, layout: str) -> None:
     contig = OP(qc.contiguous(), kc.contiguous(), vc.contiguous(), maskc.contiguous(), scalec.contiguous(), is_causal=True)
     ref = reference_attention_raw(q, k, v, mask, scale.unsqueeze(0), is_causal=True)
     compare_forward(cu, cpu, ref, dtype)
+    # the output follows the query's layout on both devices (contiguous for the other layouts)
+    for out in (cpu[0], cu[0]):
+        assert (out.transpose(1, 2) if layout == "blhd" else out).is_contiguous(), out.stride()
     for i, (name, a, b) in enumerate(zip(OUT_NAMES, cu, contig)):
         tol = OUT_TOL[dtype] if i == 0 else STAT_TOL[dtype]
         assert_close64(a, b, *tol, f"{name}: strided vs contiguous")

@@ -85,6 +85,14 @@ def attention_samples() -> List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]:
                 {"dropout_p": 0.2, "dropout_seed": 42, "window_size": [2, 2]},
             )
         )
+        # a query split from a (B, L, H * D) projection: the output in its layout
+        out.append(
+            (
+                "query_heads_inside_rows" + sfx,
+                (_r(2, 5, 3, 8).transpose(1, 2).requires_grad_(rg), _r(2, 3, 7, 8, rg=rg), _r(2, 3, 7, 4, rg=rg)),
+                {"is_causal": True},
+            )
+        )
         out.append(
             (
                 "lk_zero" + sfx,

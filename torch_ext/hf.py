@@ -236,6 +236,8 @@ def attention_forward(
         query, key, value, attention_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa,
         base_scale=scaling, module=module, **features, **_monitor_rows(module, query, key, attention_mask, kwargs),
     )
+    # (no copy when the query was a transposed (B, L, H, D) view, as transformers' layers pass it:
+    # the output then follows that layout)
     return out.transpose(1, 2).contiguous(), None
 
 

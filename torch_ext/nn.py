@@ -183,6 +183,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 dropout_p=dropout_p,
             )
             weights = None
+        # (a view: the output follows q's layout, split from the projection above)
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
         if not batched:
             return out.squeeze(0), None if weights is None else weights.squeeze(0)

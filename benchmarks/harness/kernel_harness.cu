@@ -331,14 +331,15 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
     }
     EA_CHECK_CUDA(cudaDeviceSynchronize());
     r.has_plain = true;
-    r.plain.out = widen(c.download<T>(c.b.out)), r.plain.lse = rows(c.b.lse);
+    r.plain.out = output_in_head_order(s, widen(c.download<T>(c.b.out))),
+    r.plain.lse = rows(c.b.lse);
   }
   if (!launched(l.fwd_stats(l.forward(c, true), nullptr))) {
     r.missing = "forward+stats";
     return r;
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
-  r.stats.out = widen(c.download<T>(c.b.out)), r.stats.lse = rows(c.b.lse);
+  r.stats.out = output_in_head_order(s, widen(c.download<T>(c.b.out))), r.stats.lse = rows(c.b.lse);
   r.stats.entropy = rows(c.b.entropy), r.stats.sum_p2 = rows(c.b.sum_p2);
   if (!l.bwd_skip.empty()) {
     r.skipped = l.bwd_skip;
@@ -592,7 +593,8 @@ int main(int argc, char** argv) {
            {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kBool},
-            Shape{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive}}) {
+            Shape{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive},
+            Shape{2, 4, 2, 200, 200, d, causal, false, false, MaskKind::kNone, true}}) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);
       }

@@ -57,6 +57,9 @@ struct Shape {
   // regularizer sends), not only the output's.
   bool stat_grads = false;
   MaskKind mask = MaskKind::kNone;  // a bool or additive mask (mask_allows, mask_bias)
+  // The output in (B, Lq, H, D) memory, as the op allocates it for a query split from a projection
+  // (attention_call.cpp: allocate_output), rather than in (B, H, Lq, D).
+  bool heads_inside_rows = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
@@ -268,6 +271,31 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
   return g;
 }
 
+// The output's view (B, H, Lq, D) over `data`, in the memory order of s.heads_inside_rows.
+template <typename Pointer>
+cuda::BasicView4<Pointer> output_view(const Shape& s, Pointer data) {
+  const int64_t d = s.head_dim;
+  if (s.heads_inside_rows) return {data, s.q_len * s.heads * d, d, s.heads * d};
+  return {data, s.heads * s.q_len * d, s.q_len * d, d};
+}
+
+// An output as stored (output_view), in (B, H, Lq, D) order, as the reference gives it.
+inline std::vector<double> output_in_head_order(const Shape& s, const std::vector<double>& stored) {
+  const auto view = output_view(s, static_cast<const void*>(nullptr));
+  std::vector<double> out(stored.size());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        const int64_t row = (b * s.heads + h) * s.q_len + i;
+        for (int64_t c = 0; c < s.head_dim; ++c) {
+          out[row * s.head_dim + c] = stored[view.offset(b, h, i) + c];
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // The addresses of a call's buffers: device memory on a GPU, host memory under the emulation.
 // Inputs and 16-bit outputs in T; row values, dq's accumulator and the fallback's per-query-head
 // dK and dV in float32.
@@ -375,7 +403,8 @@ inline FwdParams<float> forward_params(const Shape& s, const Buffers& b, bool st
   p.scale.constant = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   p.scale.mode = s.logn ? ScaleMode::kLogN : ScaleMode::kFixed;
   p.scale.inv_log_base = s.logn ? static_cast<float>(1.0 / std::log(kLogBase)) : 0.f;
-  p.out = b.out, p.lse = b.lse, p.row_scale = b.row_scale, p.length_factor = b.length_factor;
+  p.out = output_view(s, b.out), p.lse = b.lse, p.row_scale = b.row_scale,
+  p.length_factor = b.length_factor;
   p.n_keys = b.n_keys;
   if (stats) {
     p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.max_weight = b.max_weight;
@@ -394,7 +423,7 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   fill_args(p, s, b);
   p.dq_layout = packed_dq_accum(s.q_len, s.head_dim);
   const int64_t d = s.head_dim;
-  p.out = {b.out, s.heads * s.q_len * d, s.q_len * d, d};
+  p.out = output_view(s, static_cast<const void*>(b.out));
   p.dout = {b.dout, s.heads * s.q_len * d, s.q_len * d, d};
   p.lse = b.lse, p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.row_scale = b.row_scale;
   p.delta = b.delta, p.dq_accum = b.dq_accum;

@@ -83,8 +83,10 @@ struct FwdArgs {
   Softcap<acc_t> softcap;
   const acc_t* sinks;  // (H,), or null
   Dropout<acc_t> dropout;
-  // Outputs, contiguous: out (B, H, Lq, Dv); the rest (B, H, Lq).
-  acc_t *out, *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
+  // Outputs: out (B, H, Lq, Dv), in the query's layout (allocate_attention_outputs); the rest
+  // (B, H, Lq), contiguous.
+  Strided4<acc_t> out;
+  acc_t *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
   // The statistics (null without return_stats): entropy, sum_p2, max_weight above and these.
   acc_t *normalized_entropy, *sparsity, *effective_keys;
@@ -287,7 +289,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   for (int64_t r = 0; r < rows; ++r) {
     const RowResult<acc_t> res = finalize(stats[r]);
     const acc_t* o = o_buf.data() + r * Dv;
-    acc_t* out = a.out + (row0 + r) * Dv;
+    acc_t* out = a.out.at(b, h, i0 + r);
 #pragma omp simd
     for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * res.inv_l;
     a.lse[row0 + r] = res.lse;
@@ -367,7 +369,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.softcap = call.options.logit_softcap<scalar_t>();
     a.sinks = call.sink_data<scalar_t>();
     a.dropout = call.dropout<scalar_t>();
-    a.out = out.data_ptr<scalar_t>(), a.lse = lse.data_ptr<scalar_t>();
+    a.out = Strided4<scalar_t>::of(out), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();

@@ -19,6 +19,9 @@ namespace {
 View4 view_of(const at::Tensor& t) {
   return {t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
 }
+OutView4 out_view_of(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
 
 // The pattern's pointers (documents, sinks) are those of the call's tensors, on the device.
 template <typename acc_t>
@@ -92,7 +95,7 @@ FwdParams<acc_t> ForwardCall::params() const {
   fill(p, p.scale);
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
                normalized_entropy, sparsity, effective_keys] = outputs;
-  p.out = out.data_ptr();
+  p.out = out_view_of(out);
   p.lse = lse.data_ptr<acc_t>();
   p.row_scale = row_scale.data_ptr<acc_t>(), p.length_factor = length_factor.data_ptr<acc_t>();
   p.n_keys = n_keys.data_ptr<int64_t>();

@@ -19,10 +19,17 @@ template <typename T>
 using AccType = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // A (B, heads, L, dim) tensor with a unit last stride: a pointer and its three outer strides.
-struct View4 {
-  const void* data = nullptr;
+template <typename Pointer>
+struct BasicView4 {
+  Pointer data = nullptr;
   int64_t sb = 0, sh = 0, sl = 0;
+  // The offset, in elements, of row l of (b, h).
+  EA_HOST_DEVICE int64_t offset(int64_t b, int64_t h, int64_t l) const {
+    return b * sb + h * sh + l * sl;
+  }
 };
+using View4 = BasicView4<const void*>;  // an input
+using OutView4 = BasicView4<void*>;     // an output
 
 // What the forward and the backward both read: the inputs and the attention pattern.
 template <typename acc_t>
@@ -51,8 +58,10 @@ struct AttentionArgs {
 template <typename acc_t>
 struct FwdParams : AttentionArgs<acc_t> {
   ScalePolicy<acc_t> scale;
-  // Outputs, contiguous: out (B, H, Lq, Dv) in the input type; the rest (B, H, Lq).
-  void* out = nullptr;
+  // Outputs: out (B, H, Lq, Dv) in the input type, strided as the host allocated it (in the query's
+  // layout: attention_call.cpp, allocate_attention_outputs), rows 16-byte aligned for the
+  // tensor-core families; the rest (B, H, Lq), contiguous.
+  OutView4 out;
   acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   acc_t *row_scale = nullptr, *length_factor = nullptr;
   int64_t* n_keys = nullptr;

@@ -39,7 +39,22 @@ struct Feature {
   bool sinks = false;
   double dropout_p = 0;
   int64_t q_len = 150, kv_len = 150;
+  // q and dout as views of (B, Lq, H, D) (a projection split into heads), which the op's output
+  // follows (attention_call.cpp: allocate_output).
+  bool heads_inside_rows = false;
 };
+
+// (B, H, L, D) random values, as a view of (B, L, H, D) memory or contiguous.
+at::Tensor random_bhld(int64_t b, int64_t h, int64_t l, int64_t d, const at::TensorOptions& opt,
+                       bool heads_inside_rows) {
+  return heads_inside_rows ? at::randn({b, l, h, d}, opt).transpose(1, 2)
+                           : at::randn({b, h, l, d}, opt);
+}
+
+// Whether an output (B, H, L, D) lies in (B, L, H, D) memory.
+bool heads_inside_rows(const at::Tensor& out) {
+  return out.transpose(1, 2).is_contiguous() && !out.is_contiguous();
+}
 
 // ||a - e|| / ||e|| in float64.
 double rel_norm(const at::Tensor& a, const at::Tensor& e) {
@@ -52,10 +67,10 @@ void run_feature(const Feature& f) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(21);
   const auto opt = at::TensorOptions().dtype(dtype);
-  const at::Tensor q = at::randn({1, 4, f.q_len, kD}, opt),
+  const at::Tensor q = random_bhld(1, 4, f.q_len, kD, opt, f.heads_inside_rows),
                    k = at::randn({1, 2, f.kv_len, kD}, opt),
                    v = at::randn({1, 2, f.kv_len, kD}, opt),
-                   dout = at::randn({1, 4, f.q_len, kD}, opt);
+                   dout = random_bhld(1, 4, f.q_len, kD, opt, f.heads_inside_rows);
   const at::Tensor g_entropy = at::randn({1, 4, f.q_len});
   const std::optional<at::Tensor> sinks =
       f.sinks ? std::optional<at::Tensor>(at::randn({4}, opt)) : std::nullopt;
@@ -81,6 +96,7 @@ void run_feature(const Feature& f) {
   EXPECT_LT(rel_norm(entropy, r.entropy), tol.rtol) << "entropy";
   EXPECT_LT(rel_norm(sum_p2, r.sum_p2), tol.rtol) << "sum_p2";
   EXPECT_TRUE(at::equal(n_keys, r.n_keys)) << "n_keys";
+  EXPECT_EQ(heads_inside_rows(out), f.heads_inside_rows) << "the output's layout";
 
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, out, lse, entropy, sum_p2,
@@ -98,9 +114,10 @@ void run_feature(const Feature& f) {
   EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
 }
 
-// Packed documents: q (1, H, cu_q.back(), D) and k, v (1, Hkv, cu_k.back(), D) cut into documents
-// by cu_q and cu_k (causality and windows bottom-right aligned within each: key_ranges.cuh), one
-// call's parameters launched through the family and the fallback.
+// Packed documents: q (1, H, cu_q.back(), D), a view of (T, H, D) as the varlen op passes it, and
+// k, v (1, Hkv, cu_k.back(), D) cut into documents by cu_q and cu_k (causality and windows
+// bottom-right aligned within each: key_ranges.cuh), one call's parameters launched through the
+// family and the fallback.
 template <typename Family, typename T, int kD>
 void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
                    std::array<int64_t, 2> window) {
@@ -108,8 +125,8 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   at::manual_seed(22);
   const auto opt = at::TensorOptions().dtype(dtype);
   const int64_t lq = cu_q.back(), lk = cu_k.back();
-  const at::Tensor q = at::randn({1, 4, lq, kD}, opt), k = at::randn({1, 2, lk, kD}, opt),
-                   v = at::randn({1, 2, lk, kD}, opt), dout = at::randn({1, 4, lq, kD}, opt);
+  const at::Tensor q = random_bhld(1, 4, lq, kD, opt, true), k = at::randn({1, 2, lk, kD}, opt),
+                   v = at::randn({1, 2, lk, kD}, opt), dout = random_bhld(1, 4, lq, kD, opt, true);
   const at::Tensor g_entropy = at::randn({1, 4, lq});
   const auto int32 = [](const std::vector<int32_t>& x) {
     return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
@@ -130,6 +147,7 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   EXPECT_LT(rel_norm(std::get<2>(tc.outputs), std::get<2>(fb.outputs)), tol.rtol) << names[2];
   EXPECT_LT(rel_norm(std::get<3>(tc.outputs), std::get<3>(fb.outputs)), tol.rtol) << names[3];
   EXPECT_TRUE(at::equal(std::get<5>(tc.outputs), std::get<5>(fb.outputs))) << "n_keys";
+  EXPECT_TRUE(heads_inside_rows(std::get<0>(tc.outputs))) << "the output's layout";
 
   const auto& f = fb.outputs;  // (both backwards from the fallback's forward)
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(

@@ -93,7 +93,8 @@ template <typename T, bool kStats>
 void expect_forward(const eh::Shape& s, const eh::HostCall<T>& c) {
   const eh::Forward ref = eh::reference_forward(s, c.in);
   const eh::Tolerance tol = eh::tolerance<T>();
-  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
+  expect_ok(eh::elementwise("out", eh::output_in_head_order(s, c.widen(c.b.out, s.q_elems())),
+                            ref.out, tol));
   expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
   if constexpr (kStats) {
     expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));

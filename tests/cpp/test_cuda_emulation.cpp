@@ -1108,7 +1108,8 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
   };
 
   launch_forward<T>(eh::forward_params(s, c.b, true));
-  expect_ok(eh::elementwise("out", c.widen(c.b.out, s.q_elems()), ref.out, tol));
+  expect_ok(eh::elementwise("out", eh::output_in_head_order(s, c.widen(c.b.out, s.q_elems())),
+                            ref.out, tol));
   expect_ok(eh::elementwise("lse", c.rows(c.b.lse), ref.lse, tol));
   expect_ok(eh::elementwise("entropy", c.rows(c.b.entropy), ref.entropy, tol));
   expect_ok(eh::elementwise("sum_p2", c.rows(c.b.sum_p2), ref.sum_p2, tol));
@@ -1130,9 +1131,9 @@ void run_harness_case(const entropy_attn::harness::Shape& s) {
 TEST(KernelHarness, FallbackMatchesTheHarnessReference) {
   // GQA with partial tiles, causal; Lq != Lk with "logn" row scales and the statistics'
   // gradients (the reference's term-by-term derivative against the kernels' collected form); both
-  // 16-bit types.
+  // 16-bit types. The first writes its output in (B, Lq, H, D) memory.
   namespace eh = entropy_attn::harness;
-  const eh::Shape gqa{1, 4, 2, 70, 70, 64, true, false};
+  const eh::Shape gqa{1, 4, 2, 70, 70, 64, true, false, false, entropy_attn::MaskKind::kNone, true};
   const eh::Shape logn{1, 2, 2, 40, 90, 128, false, true, true};
   run_harness_case<__nv_bfloat16>(gqa);
   run_harness_case<__half>(logn);

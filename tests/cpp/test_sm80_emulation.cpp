@@ -23,15 +23,16 @@ namespace {
 
 using namespace sm80_emulation;
 
-// Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask}.
+// Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask,
+// heads_inside_rows}.
 
 TEST(EmulatedSm80Forward, FullAttention) {
   // GQA, partial query tiles and key blocks, Lq != Lk with logn row scales; with and without
-  // statistics (lse only).
+  // statistics (lse only); an output in (B, Lq, H, D) memory.
   run_forward<__nv_bfloat16, 64, false, MaskKind::kNone, true>(
       eh::Shape{1, 4, 2, 150, 200, 64, false, true});
   run_forward<__half, 128, false, MaskKind::kNone, true>(
-      eh::Shape{2, 2, 1, 130, 90, 128, false, false});
+      eh::Shape{2, 2, 1, 130, 90, 128, false, false, false, MaskKind::kNone, true});
   run_forward<__half, 128, false, MaskKind::kNone, false>(
       eh::Shape{1, 2, 2, 70, 100, 128, false, true});
 }
@@ -49,11 +50,12 @@ TEST(EmulatedSm80Forward, CausalAndMasked) {
 }
 
 TEST(EmulatedSm80Forward, SplitKv) {
-  // A few query rows against many keys in 3 parts (one of them over a partial block), combined.
+  // A few query rows against many keys in 3 parts (one of them over a partial block), combined
+  // (the second into an output in (B, Lq, H, D) memory).
   run_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(
       eh::Shape{1, 4, 2, 5, 300, 128, false, true}, 3);
   run_forward<__half, 64, true, MaskKind::kNone, false>(
-      eh::Shape{2, 2, 2, 3, 260, 64, false, false}, 2);
+      eh::Shape{2, 2, 2, 3, 260, 64, false, false, false, MaskKind::kNone, true}, 2);
 }
 
 TEST(EmulatedSm80Backward, FullTilesD64) {

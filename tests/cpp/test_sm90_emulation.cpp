@@ -14,24 +14,26 @@ namespace {
 
 using namespace sm90_emulation;
 
-// Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask}.
+// Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask,
+// heads_inside_rows}.
 
 TEST(EmulatedSm90Forward, FullAttention) {
   // GQA, a partial query tile and key block, Lq != Lk with logn row scales; with and without
-  // statistics (the plain instantiations: the scale folded into the exponent).
+  // statistics (the plain instantiations: the scale folded into the exponent), the latter's output
+  // in (B, Lq, H, D) memory.
   run_forward<__nv_bfloat16, 64, false, MaskKind::kNone, true>(
       eh::Shape{1, 2, 1, 150, 200, 64, false, true});
   run_forward<__half, 128, false, MaskKind::kNone, false>(
-      eh::Shape{2, 2, 2, 70, 300, 128, false, false});
+      eh::Shape{2, 2, 2, 70, 300, 128, false, false, false, MaskKind::kNone, true});
 }
 
 TEST(EmulatedSm90Forward, Causal) {
   // The general instantiations: the predicated blocks on the diagonal, causal block skipping, two
-  // query tiles of different lengths.
+  // query tiles of different lengths (the second with its output in (B, Lq, H, D) memory).
   run_forward<__half, 64, true, MaskKind::kNone, true>(
       eh::Shape{1, 2, 1, 200, 200, 64, true, true});
   run_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(
-      eh::Shape{1, 2, 2, 130, 260, 128, true, false});
+      eh::Shape{1, 2, 2, 130, 260, 128, true, false, false, MaskKind::kNone, true});
 }
 
 TEST(EmulatedSm90Forward, Masked) {

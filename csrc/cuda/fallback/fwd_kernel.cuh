@@ -286,12 +286,12 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
 
   // Finish each row: O / l and the statistics (online_stats.h: finalize).
   const int lane = threadIdx.x % 32;
-  T* out = static_cast<T*>(p.out);
   for (int r = warp; r < rows; r += kWarps) {
     const RowResult<Acc> res = finalize(tr.stats[r]);
     const int64_t row = blk.bh * p.q_len + i0 + r;
+    T* out = static_cast<T*>(p.out.data) + p.out.offset(b, h, i0 + r);
     for (int64_t d = lane; d < p.v_head_dim; d += 32) {
-      out[row * p.v_head_dim + d] = from_acc<T>(sO[r * L::kLdO + d] * res.inv_l);
+      out[d] = from_acc<T>(sO[r * L::kLdO + d] * res.inv_l);
     }
     if (lane == 0) {
       p.n_keys[row] = tr.n[r];

@@ -782,9 +782,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   copy(smem_tiled_copy_o, smem_thr_copy_o.retile_S(rO), smem_thr_copy_o.partition_D(sO));
   __syncthreads();
 
-  Element* out_ptr = static_cast<Element*>(p.out) + row0 * kHeadDim;
+  Element* out_ptr = static_cast<Element*>(p.out.data) + p.out.offset(b, h, m0);
   Tensor gO = make_tensor(make_gmem_ptr(out_ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                          Stride<Int<kHeadDim>, _1>{});
+                          make_stride(p.out.sl, _1{}));
   typename Kt::GmemTiledCopyO gmem_tiled_copy_o;
   auto gmem_thr_copy_o = gmem_tiled_copy_o.get_thread_slice(tid_e);
   Tensor tOsO = gmem_thr_copy_o.partition_S(sO);

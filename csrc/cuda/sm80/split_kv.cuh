@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   bool nonfinite = !is_finite(res.lse) || (kStats && !is_finite(res.entropy)) ||
                    (st.l == 0.f && p.n_keys[row] > 0);
-  T* out = static_cast<T*>(p.out) + row * kHeadDim + lane * kCols;
+  const int64_t i = row % p.q_len, bh = row / p.q_len;
+  T* out = static_cast<T*>(p.out.data) + p.out.offset(bh / p.heads, bh % p.heads, i) + lane * kCols;
   CUTE_UNROLL
   for (int c = 0; c < kCols; ++c) {
     nonfinite |= !is_finite(o[c]);
@@ -90,8 +91,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (lane != 0) return;
   p.lse[row] = res.lse;
   if constexpr (kStats) {
-    const int64_t h = row / p.q_len % p.heads;
-    store_row_statistics(p, row, res, p.n_keys[row], has_sink_entry(p.sinks, h));
+    store_row_statistics(p, row, res, p.n_keys[row], has_sink_entry(p.sinks, bh % p.heads));
   }
 }
 

@@ -640,7 +640,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
-  uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row0 * kHeadDim);
+  T* const out = static_cast<T*>(p.out.data) + p.out.offset(b, h, m0);
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
@@ -676,7 +676,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const int col = get<1>(cO_rc(r, d));
       const float o0 = o_rc(r, d) * o_row_scale, o1 = o_rc(r, d + 1) * o_row_scale;
       nonfinite |= !is_finite(o0) || !is_finite(o1);
-      out[(static_cast<int64_t>(i) * kHeadDim + col) / 2] = pack2<T>(o0, o1);
+      *reinterpret_cast<uint32_t*>(out + i * p.out.sl + col) = pack2<T>(o0, o1);
     }
     if (lane % 4 == 0) {
       const int64_t row_idx = row0 + i;

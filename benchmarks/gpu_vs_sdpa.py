@@ -86,6 +86,8 @@ class Shape:
     seq_len: int
     causal: bool
     dropout_p: float = 0.0
+    layout: str = "bhld"  # LAYOUTS
+
 
     @property
     def gqa(self) -> bool:
@@ -93,9 +95,17 @@ class Shape:
         return self.heads != self.kv_heads
 
 
+#: How the timed calls take their inputs and give their output: "bhld", contiguous (B, H, L, D)
+#: tensors in and the output as returned; "projection", as a model's attention layer calls it: q, k
+#: and v split from (B, L, H * D) projections (transposed views) and the output merged back into
+#: (B, L, H * Dv), which copies an output that is not laid out as (B, L, H, Dv).
+LAYOUTS = ("bhld", "projection")
+
+
 @dataclass
 class Inputs:
-    """The tensors of one point: q, k, v (requiring grad) and the output gradient."""
+    """The tensors of one point: q, k, v (requiring grad) and the output gradient (of the merged
+    output with the "projection" layout)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -136,6 +146,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"sets {LAUNCH_ORDER_ENV}: auto, heads or a number of sections (default auto)")
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip fwd_bwd")
     p.add_argument("--dropout-p", type=float, default=0.0, help="attention dropout of both (default 0)")
+    p.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["bhld"],
+                   help="inputs and output: contiguous (B, H, L, D), or split from and merged into projections")
     p.add_argument("--check", action="store_true", help="compare output (and grads) with SDPA's first")
     p.add_argument("--min-run-time", type=float, help="seconds per measurement (default 0.5, --quick 0.1)")
     p.add_argument("--out-md", default=DEFAULT_MD, help="Markdown file ('' to skip)")
@@ -157,8 +169,9 @@ def expand_grid(args: argparse.Namespace) -> List[Shape]:
     """The shapes of the grid (families apart), in table order."""
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     return [
-        Shape(dt, args.batch, h, hkv, d, seq, c, args.dropout_p)
+        Shape(dt, args.batch, h, hkv, d, seq, c, args.dropout_p, layout)
         for dt in args.dtype for h, hkv in args.heads_kv for d in args.head_dim for c in causal for seq in args.seq
+        for layout in args.layout
     ]  # fmt: skip
 
 
@@ -195,8 +208,8 @@ def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], 
     fwd_name, fwd_ms = fastest(by_backend, "fwd")
     bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
     point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
-    point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, family=family,
-                 launch_order=launch_order, sdpa_backend=fwd_name)  # fmt: skip
+    point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, layout=shape.layout,
+                 family=family, launch_order=launch_order, sdpa_backend=fwd_name)  # fmt: skip
     against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
     for kind, (name, ms) in against.items():
         point[kind] = {"ours_ms": ours.get(kind), "sdpa_ms": ms, "ratio": ratio(ours.get(kind), ms), "sdpa_backend": name}
@@ -226,6 +239,7 @@ def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
     elems = (2 * nq + 2 * nkv) * (2 if backward else 1)
     if check:
         elems += (2 * nq + 2 * nkv if backward else nq) + (2 * nq * (2 if backward else 1) if shape.gqa else 0)
+    elems += nq if shape.layout == "projection" else 0  # a merge that copies the output
     workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
     return elems * DTYPES[shape.dtype].itemsize + workspace
 
@@ -289,14 +303,38 @@ def try_time(fn: Callable[[], object], run: Run, errors: Optional[List[str]], la
 
 
 def make_inputs(shape: Shape, device: str) -> Inputs:
-    """Seeded standard-normal q and dout (B, H, L, D), k and v (B, Hkv, L, D)."""
+    """Seeded standard-normal q (B, H, L, D), k and v (B, Hkv, L, D), in the shape's layout, and
+    dout: (B, H, L, D), or (B, L, H * D) with the "projection" layout."""
     gen = torch.Generator(device=device).manual_seed(0)
+    projection = shape.layout == "projection"
 
     def rand(heads: int, grad: bool = True) -> torch.Tensor:
-        size = (shape.batch, heads, shape.seq_len, shape.head_dim)
-        return torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen).requires_grad_(grad)
+        b, l, d = shape.batch, shape.seq_len, shape.head_dim
+        size = (b, l, heads, d) if projection else (b, heads, l, d)
+        x = torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen)
+        return (x.transpose(1, 2) if projection else x).requires_grad_(grad)
 
-    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), rand(shape.heads, False))
+    dout = rand(shape.heads, False)
+    dout = merged_heads(dout) if projection else dout
+    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), dout)
+
+
+def merged_heads(out: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, Dv) -> (B, L, H * Dv), as a model's attention layer hands it to its output projection."""
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def in_layout(shape: Shape, attn: Callable[..., Any]) -> Callable[..., Any]:
+    """attn(q, k, v), its output (or the output of an (output, stats) pair) merged into
+    (B, L, H * Dv) with the "projection" layout."""
+    if shape.layout == "bhld":
+        return attn
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        res = attn(q, k, v)
+        return (merged_heads(res[0]), *res[1:]) if isinstance(res, tuple) else merged_heads(res)
+
+    return call
 
 
 def timed_calls(attn: Callable[..., Any], x: Inputs) -> Tuple[Callable[[], object], Callable[[], object]]:
@@ -313,20 +351,20 @@ def timed_calls(attn: Callable[..., Any], x: Inputs) -> Tuple[Callable[[], objec
 
 
 def ours_fn(ext: Any, shape: Shape, stats: bool = False) -> Callable[..., Any]:
-    """ours(q, k, v) for a shape."""
-    return lambda q, k, v: ext.attention(
+    """ours(q, k, v) for a shape (in_layout)."""
+    return in_layout(shape, lambda q, k, v: ext.attention(
         q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, return_stats=stats, dropout_p=shape.dropout_p
-    )
+    ))  # fmt: skip
 
 
 def measure_sdpa(x: Inputs, shape: Shape, run: Run) -> Dict[str, Times]:
     """SDPA's times by backend name and kind; None where the backend refuses the point."""
     fwd, fwd_bwd = timed_calls(
-        lambda q, k, v: F.scaled_dot_product_attention(
+        in_layout(shape, lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, dropout_p=shape.dropout_p
-        ),
+        )),
         x,
-    )
+    )  # fmt: skip
     times: Dict[str, Times] = {}
     for name, backend in SDPA_BACKENDS.items():
         with warnings.catch_warnings(), sdpa_kernel(backend):
@@ -363,7 +401,7 @@ def check_point(x: Inputs, shape: Shape, run: Run) -> Tuple[Times, bool]:
         with sdpa_kernel(list(SDPA_BACKENDS.values())):
             return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
 
-    ref = outputs_and_grads(reference)
+    ref = outputs_and_grads(in_layout(shape, reference))
     ours = outputs_and_grads(ours_fn(run.ext, shape))
     errs = {k: None if a is None else (a.float() - b.float()).abs().max().item() for k, a, b in zip(ERR_KEYS, ours, ref)}
     scales = {k: 0.0 if b is None else b.float().abs().max().item() for k, b in zip(ERR_KEYS, ref)}
@@ -490,8 +528,9 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
     def table(title: str, cols: List[str], cells: Callable[[Dict[str, Any]], List[str]]) -> None:
         lines.extend(["", f"## {title}", "", "| " + " | ".join(keys + cols) + " |", "|" + "---|" * (len(keys) + len(cols))])  # fmt: skip
         for p in result["points"]:
-            order = p.get("launch_order", "auto")
+            order, layout = p.get("launch_order", "auto"), p.get("layout", "bhld")
             family = p["family"] if order == "auto" else f"{p['family']}, order {order}"
+            family += "" if layout == "bhld" else f", {layout} layout"
             key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", family]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in key + cells(p)) + " |")
 

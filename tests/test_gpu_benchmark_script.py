@@ -241,6 +241,37 @@ def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
         assert exc.value.code == 2 and "--dropout-p" in capsys.readouterr().err
 
 
+def test_projection_layout_calls_both_as_a_model_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--layout projection gives ours and SDPA q, k, v split from (B, L, H * D) projections and
+    times the merge of their outputs into (B, L, H * Dv) with them (the point and the table say
+    so); ours' output then merges without a copy, and the check still compares the two."""
+    import torch_ext
+
+    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
+    args = bench.parse_args(["--quick", "--layout", "bhld", "projection"])
+    assert [s.layout for s in bench.expand_grid(args)][:2] == ["bhld", "projection"]
+    seen: List[Any] = []
+
+    class Recording:  # the CPU op, noting its query's strides and its output
+        def attention(self, *a: Any, **kw: Any) -> Any:
+            res = torch_ext.attention(*a, **kw)
+            out = res[0] if isinstance(res, tuple) else res
+            seen.append((a[0].transpose(1, 2).is_contiguous(), bench.merged_heads(out)._base is not None))
+            return res
+
+    s = shape(seq_len=32, causal=True, layout="projection")
+    x = bench.make_inputs(s, "cpu")
+    assert x.q.shape == (2, 4, 32, 16) and x.q.transpose(1, 2).is_contiguous() and x.dout.shape == (2, 32, 64)
+    (p,) = bench.measure_shape(s, ["auto"], cpu_run(Recording(), check=True), None, None)
+    assert p["layout"] == "projection" and p["errors"] == [] and p["mismatch"] is False
+    assert seen and all(split and view for split, view in seen)
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {}, "points": [p]}, True)  # fmt: skip
+    assert "| auto, projection layout |" in text
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layout", "blhd"])
+
+
 def test_failures_and_out_of_memory_do_not_stop_the_run() -> None:
     s = shape(seq_len=32)
     failed = bench.measure_shape(s, ["auto"], cpu_run(FailingExt(RuntimeError("no kernel\nmore"))), None, None)

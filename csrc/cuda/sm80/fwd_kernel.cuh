@@ -685,14 +685,16 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     for (; n >= 0; --n) plain_block(n, std::false_type{});
   }
 
-  // Epilogue. Its indices are recomputed from an opaque copy of the thread index (and n_i is
-  // re-read from the output this thread wrote): values carried from the prologue across the loop
-  // would hold registers that the loop does not have.
+  // Epilogue. Its indices are recomputed from opaque copies of the thread and tile indices (and
+  // n_i is re-read from the output this thread wrote): values carried from the prologue across the
+  // loop (such as the output's offset, which ptxas otherwise hoists there) would hold registers
+  // that the loop does not have.
   const int tid_e = opaque(tid);
   Tensor tOcO = tiled_mma.get_thread_slice(tid_e).partition_C(
       make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
+  const int b_e = opaque(b), h_e = opaque(h), m0_e = opaque(m0);
+  const int64_t row0 = (static_cast<int64_t>(b_e) * heads + h_e) * q_len + m0_e;
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
@@ -782,7 +784,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   copy(smem_tiled_copy_o, smem_thr_copy_o.retile_S(rO), smem_thr_copy_o.partition_D(sO));
   __syncthreads();
 
-  Element* out_ptr = static_cast<Element*>(p.out.data) + p.out.offset(b, h, m0);
+  Element* out_ptr = static_cast<Element*>(p.out.data) + p.out.offset(b_e, h_e, m0_e);
   Tensor gO = make_tensor(make_gmem_ptr(out_ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                           make_stride(p.out.sl, _1{}));
   typename Kt::GmemTiledCopyO gmem_tiled_copy_o;

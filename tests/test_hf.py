@@ -257,6 +257,26 @@ def test_function_matches_sdpa_attention_forward(case: str) -> None:
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
 
 
+def test_projection_split_heads_merge_without_a_copy() -> None:
+    """Queries, keys and values split from projections, as transformers' layers pass them (a
+    transposed (B, L, H, D) view, through the rotary embedding): the op's output follows that layout,
+    so the backend's (B, L, H, Dv) result is the op's output itself, not a copy; the values are
+    those of transformers' own sdpa_attention_forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    module = _Attn(is_causal=True, groups=2)
+    B, L, D = 2, 6, 8
+    q, k, v = (torch.randn(B, L, h * D).view(B, L, h, D).transpose(1, 2) for h in (4, 2, 2))
+    cos, sin = torch.randn(B, L, D), torch.randn(B, L, D)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    out, _ = transformers.AttentionInterface()[PLAIN](module, q, k, v, None, scaling=0.3)
+    assert out.shape == (B, L, 4, D) and out.is_contiguous()
+    assert out._base is not None, "the backend copied the output to merge the heads"
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+
+
 def test_zero_softcap_is_no_softcap() -> None:
     """softcap=0.0 means no capping in transformers' flash-attention path, and "sdpa" ignores the
     argument: the backend attends uncapped (the op itself refuses a cap of 0)."""

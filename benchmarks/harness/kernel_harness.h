@@ -7,8 +7,8 @@
 //
 // The calls it covers: bf16 or fp16, head_dim == v_head_dim, full or top-left causal attention,
 // GQA, the default scale 1 / sqrt(D) or "logn" (a per-row lambda_i), a bool or additive mask shared
-// by the heads, with and without statistics; the backward with the output's gradient and the
-// statistics' upstream gradients.
+// by the heads, with and without statistics, the output in (B, H, Lq, D) or (B, Lq, H, D) memory;
+// the backward with the output's gradient and the statistics' upstream gradients.
 #pragma once
 
 #include <cuda_bf16.h>

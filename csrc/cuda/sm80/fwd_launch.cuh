@@ -16,7 +16,8 @@ namespace entropy_attn::cuda::sm80 {
 // (p.num_splits > 1, which only the general, kCausal, instantiations take) one per (split, query
 // tile, head, batch), followed by the combine kernel (split_kv.cuh). The host has checked the
 // family's preconditions: head_dim == v_head_dim == kHeadDim, 16-byte aligned bases, row/head/batch
-// strides that are multiples of 8 elements, contiguous outputs, and allocated the split workspace.
+// strides that are multiples of 8 elements (the output's too: the host allocates it, with strides
+// that are multiples of Dv), contiguous row statistics, and allocated the split workspace.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
   using Traits = fwd_impl::FwdTraits<T, kHeadDim, kMask, kStats>;

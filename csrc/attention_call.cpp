@@ -137,34 +137,34 @@ AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionSha
 
 namespace {
 
-// Whether the query (B, H, Lq, D) holds its heads inside its rows (stride(1) < stride(2), more
-// than one of each): a transposed (B, Lq, H, D), as models split a projection into heads.
-bool heads_inside_rows(const at::Tensor& query) {
-  const c10::SymIntArrayRef size = query.sym_sizes(), stride = query.sym_strides();
+// Whether a (B, H, L, D) input holds its heads inside its rows (stride(1) < stride(2), more than
+// one of each): a transposed (B, L, H, D), as models split a projection into heads.
+bool heads_inside_rows(const at::Tensor& input) {
+  const c10::SymIntArrayRef size = input.sym_sizes(), stride = input.sym_strides();
   return TORCH_GUARD_OR_FALSE(size[1] > 1) && TORCH_GUARD_OR_FALSE(size[2] > 1) &&
          TORCH_GUARD_OR_FALSE(stride[1] < stride[2]);
 }
 
-// The output (B, H, Lq, Dv) in the query's layout, as SDPA's cuDNN backend allocates it: a query
-// made by splitting a projection's (B, L, H * D) gives an output whose transpose(1, 2) is
-// contiguous, so that merging the heads back (Hugging Face's attention interface, nn.py) is a view
-// rather than a copy of the whole output; any other query gives a contiguous output.
-at::Tensor allocate_output(const SymAttentionShape& s, const at::Tensor& query) {
-  if (!heads_inside_rows(query)) {
-    return at::empty_symint({s.batch, s.heads, s.q_len, s.v_head_dim}, query.options());
-  }
-  return at::empty_symint({s.batch, s.q_len, s.heads, s.v_head_dim}, query.options())
-      .transpose(1, 2);
+}  // namespace
+
+at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes,
+                              const at::TensorOptions& options) {
+  if (!heads_inside_rows(input)) return at::empty_symint(sizes, options);
+  return at::empty_symint({sizes[0], sizes[2], sizes[1], sizes[3]}, options).transpose(1, 2);
 }
 
-}  // namespace
+at::Tensor in_layout_of(const at::Tensor& input, const at::Tensor& grad, at::ScalarType dtype) {
+  if (!heads_inside_rows(input)) return grad.to(dtype).contiguous();
+  if (grad.scalar_type() == dtype && grad.transpose(1, 2).is_contiguous()) return grad;
+  return empty_in_layout_of(input, grad.sym_sizes(), grad.options().dtype(dtype)).copy_(grad);
+}
 
 AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
                                             at::ScalarType acc, bool return_stats) {
   const auto stat = query.options().dtype(acc);
   auto row = [&] { return at::empty_symint({s.batch, s.heads, s.q_len}, stat); };
   auto stat_row = [&] { return return_stats ? row() : at::empty({0}, stat); };
-  return {allocate_output(s, query),
+  return {empty_in_layout_of(query, {s.batch, s.heads, s.q_len, s.v_head_dim}, query.options()),
           row(),
           stat_row(),
           stat_row(),

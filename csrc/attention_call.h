@@ -79,10 +79,24 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
                                        const std::optional<at::Tensor>& sinks,
                                        const DocumentArgs& docs, const AttentionOptions& options);
 
+// An uninitialized (B, H, L, D) tensor of `sizes` in the layout of the (B, H, L', D') `input`, as
+// SDPA's fused backends lay out their output and gradients: the transpose of a contiguous
+// (B, L, H, D) when `input` holds its heads inside its rows (stride(1) < stride(2), more than one
+// of each: a model's query, key or value split from a projection), so that merging the heads back
+// is a view rather than a copy; else contiguous. The output follows the query, each gradient its
+// input. The decision reads the symbolic sizes and strides (TORCH_GUARD_OR_FALSE), so the Meta
+// kernels and the device kernels allocate the same strides.
+at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes,
+                              const at::TensorOptions& options);
+
+// `grad`, a (B, H, L, D) gradient of `input` computed in any layout, converted to `dtype` in
+// input's layout (empty_in_layout_of), dense: one pass, or none where it already is.
+at::Tensor in_layout_of(const at::Tensor& input, const at::Tensor& grad, at::ScalarType dtype);
+
 // The outputs of `attention` for sizes `s`, allocated (uninitialized) on `query`'s device: output
-// (B, H, Lq, Dv) in the input dtype, in the query's layout (heads_inside_rows: the transpose of a
-// contiguous (B, Lq, H, Dv), else contiguous), the row statistics (B, H, Lq) in `acc` (the
-// statistics empty without return_stats: never written), n_keys in int64.
+// (B, H, Lq, Dv) in the input dtype, in the query's layout (empty_in_layout_of), the row
+// statistics (B, H, Lq) in `acc` (the statistics empty without return_stats: never written), n_keys
+// in int64.
 AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at::Tensor& query,
                                             at::ScalarType acc, bool return_stats);
 

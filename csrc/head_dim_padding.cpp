@@ -41,11 +41,12 @@ AttentionOutputs unpad_outputs(AttentionOutputs padded, const at::Tensor& output
   return padded;
 }
 
-AttentionGrads unpad_grads(const AttentionGrads& padded, const AttentionShape& shape) {
+AttentionGrads unpad_grads(const AttentionGrads& padded, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value) {
   const auto& [dq, dk, dv, dlam] = padded;
-  return {dq.narrow(-1, 0, shape.head_dim).contiguous(),
-          dk.narrow(-1, 0, shape.head_dim).contiguous(),
-          dv.narrow(-1, 0, shape.v_head_dim).contiguous(), dlam};
+  return {in_layout_of(query, dq.narrow(-1, 0, query.size(-1)), query.scalar_type()),
+          in_layout_of(key, dk.narrow(-1, 0, key.size(-1)), key.scalar_type()),
+          in_layout_of(value, dv.narrow(-1, 0, value.size(-1)), value.scalar_type()), dlam};
 }
 
 }  // namespace entropy_attn

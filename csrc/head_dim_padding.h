@@ -39,9 +39,10 @@ AttentionBackwardCall with_head_dim(AttentionBackwardCall call, int64_t dim);
 // call's.
 AttentionOutputs unpad_outputs(AttentionOutputs padded, const at::Tensor& output);
 
-// The gradients of a padded backward cut to the call's own head dims, contiguous:
-// (grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :v_head_dim],
-// grad_row_scale).
-AttentionGrads unpad_grads(const AttentionGrads& padded, const AttentionShape& shape);
+// The gradients of a padded backward cut to the head dims of the call's query, key and value, each
+// in its input's dtype and layout (attention_call.h: in_layout_of): (grad_query[..., :head_dim],
+// grad_key[..., :head_dim], grad_value[..., :v_head_dim], grad_row_scale).
+AttentionGrads unpad_grads(const AttentionGrads& padded, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value);
 
 }  // namespace entropy_attn

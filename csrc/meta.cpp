@@ -75,9 +75,9 @@ AttentionBackwardOutputs attention_backward_meta(
   }
   const at::ScalarType acc = accumulate_type(query.scalar_type());
   check_grad_mask(attn_mask, grad_mask);
-  return {at::empty_like(query, at::MemoryFormat::Contiguous),
-          at::empty_like(key, at::MemoryFormat::Contiguous),
-          at::empty_like(value, at::MemoryFormat::Contiguous),
+  return {empty_in_layout_of(query, query.sym_sizes(), query.options()),
+          empty_in_layout_of(key, key.sym_sizes(), key.options()),
+          empty_in_layout_of(value, value.sym_sizes(), value.options()),
           at::empty_like(row_scale, at::MemoryFormat::Contiguous),
           sinks.has_value() ? at::empty_symint(sinks->sym_sizes(), sinks->options().dtype(acc))
                             : at::empty({0}, query.options().dtype(acc)),

@@ -322,6 +322,97 @@ def test_grads_strided_inputs(device: str) -> None:
         assert rel_err(a, e) < GRAD_TOL[torch.float32], name
 
 
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, L, heads * D) -> (B, heads, L, D), a view, as a model splits a projection into heads."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _heads_inside_rows(t: Tensor) -> bool:
+    """Whether a (B, H, L, D) tensor lies in (B, L, H, D) memory, densely (and not contiguously)."""
+    return t.transpose(1, 2).is_contiguous() and not t.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "layout", ["projection", "fused_qkv", "gqa_projection", "mixed", "contiguous", "one_row", "one_head", "key_chunks"]
+)
+def test_gradients_follow_the_inputs_layouts(device: str, dtype: torch.dtype, layout: str) -> None:
+    """dq, dk and dv come out in their inputs' layouts, as SDPA's flash backend returns them: an
+    input split from a projection (heads inside its rows, dense or not) gets the transpose of a
+    contiguous (B, L, H, D) gradient, so that the split's own backward (merging the heads back)
+    is a view rather than a copy of the gradient; any other input a contiguous one. The values
+    are those of contiguous inputs. (key_chunks: one (batch, kv head) pair and long keys, which
+    the CPU backward cuts into key chunks whose partial dq are summed, on 3 threads.)"""
+    B, H, Hkv, L, Lk, D = 2, 3, 3, 9, 11, 8
+    if layout == "gqa_projection":
+        H, Hkv = 4, 2
+    elif layout == "key_chunks":
+        B, H, Hkv, Lk = 1, 2, 1, 1100
+    g = torch.Generator().manual_seed(11)
+
+    def proj(L_: int, heads: int) -> Tensor:
+        return _split_heads(torch.randn(B, L_, heads * D, generator=g), heads)
+
+    if layout == "fused_qkv":  # one (B, L, 3 H D) projection: views that are not dense
+        q, k, v = torch.randn(B, L, 3 * H * D, generator=g).split(H * D, -1)
+        q, k, v = _split_heads(q, H), _split_heads(k, H), _split_heads(v, H)
+        Lk = L
+    elif layout in ("projection", "gqa_projection", "key_chunks"):
+        q, k, v = proj(L, H), proj(Lk, Hkv), proj(Lk, Hkv)
+    elif layout == "mixed":  # q and v split from projections, k contiguous
+        q, k, v = proj(L, H), torch.randn(B, Hkv, Lk, D, generator=g), proj(Lk, Hkv)
+    elif layout == "one_row":
+        q, k, v = proj(1, H), proj(Lk, Hkv), proj(Lk, Hkv)
+    elif layout == "one_head":
+        q, k, v = proj(L, 1), proj(Lk, 1), proj(Lk, 1)
+    else:
+        q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (Hkv, Lk), (Hkv, Lk)))
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    go = torch.randn(q.shape[:-1] + (D,), generator=g).to(device=device, dtype=dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3 if layout == "key_chunks" else previous)
+    try:
+        out, st = torch_ext.attention(q, k, v, is_causal=True, enable_gqa=True, return_stats=True)
+        grads = torch.autograd.grad((out * go).sum() + st.entropy.sum(), (q, k, v))
+    finally:
+        torch.set_num_threads(previous)
+    for name, x, gx in zip("qkv", (q, k, v), grads):
+        assert gx.shape == x.shape and gx.dtype == x.dtype, name
+        inside = x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2)
+        assert (_heads_inside_rows(gx) if inside else gx.is_contiguous()), (name, layout, gx.stride())
+        if inside:  # the split's backward: (B, L, H * D) without a copy
+            merged = gx.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+            assert merged.data_ptr() == gx.data_ptr() and merged._base is not None, name
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    ref_out, ref_st = torch_ext.attention(qc, kc, vc, is_causal=True, enable_gqa=True, return_stats=True)
+    ref_grads = torch.autograd.grad((ref_out * go).sum() + ref_st.entropy.sum(), (qc, kc, vc))
+    tol = GRAD_TOL[dtype]
+    for name, a, e in zip("qkv", grads, ref_grads):
+        assert rel_err(a, e) < tol, f"grad {name}: relative error {rel_err(a, e):.3g}"
+
+
+def test_attention_backward_fake_strides_match(device: str) -> None:
+    """The Meta kernel of attention_backward gives each gradient the strides the device kernel
+    gives it (one function decides both): under torch.compile the graph's gradients have the
+    layout of the eager ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, H, Hkv, L, Lk, D = 2, 4, 2, 7, 9, 8
+    g = torch.Generator().manual_seed(3)
+    q = _split_heads(torch.randn(B, L, H * D, generator=g), H).to(device)
+    k = torch.randn(B, Hkv, Lk, D, generator=g).to(device)  # contiguous
+    v = _split_heads(torch.randn(B, Lk, Hkv * D, generator=g), Hkv).to(device)
+    res = OP(q, k, v, None, None, is_causal=True, enable_gqa=True)
+    args = (torch.randn_like(res[0]), None, None, None, q, k, v, None, res[0], res[1], res[2], res[3], res[6], True)
+    real = torch.ops.entropy_attn.attention_backward(*args)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, Tensor) else a for a in args)
+        fake = torch.ops.entropy_attn.attention_backward(*fake_args)
+    for name, r, f in zip(("grad_query", "grad_key", "grad_value"), real[:3], fake[:3]):
+        assert r.shape == f.shape and r.stride() == f.stride(), (name, r.stride(), f.stride())
+    assert _heads_inside_rows(real[0]) and real[1].is_contiguous() and _heads_inside_rows(real[2])
+
+
 def test_grads_huge_logits(device: str) -> None:
     """|s| ~ 1e4 in float64: finite gradients that match the reference."""
     q, k, v = rand(1, 2, 9, 8, device=device), rand(1, 2, 15, 8, device=device), rand(1, 2, 15, 8, device=device)

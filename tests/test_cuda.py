@@ -633,9 +633,10 @@ def test_attention_sparsity(dtype: torch.dtype, kind: str, D: int, variant: str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("layout", ["blhd", "sliced_last_dim", "expanded_kv", "odd_row_stride", "offset_by_one"])
 def test_strided_inputs(dtype: torch.dtype, layout: str) -> None:
-    """Non-contiguous inputs give the contiguous result (forward and gradients): (B, L, H, D)
-    transposed, stride-2 last dim, stride-0 batch, rows of odd stride, storage offset of one
-    element (rows not aligned to 16 bytes), with a transposed / expanded mask and scale."""
+    """Non-contiguous inputs give the contiguous inputs' result (forward and gradients), the
+    output in the query's layout and each gradient in its input's: (B, L, H, D) transposed,
+    stride-2 last dim, stride-0 batch, rows of odd stride, storage offset of one element (rows
+    not aligned to 16 bytes), with a transposed / expanded mask and scale."""
     B, H, Lq, Lk, D = 2, 3, 65, 130, 64
 
     def build(shape: Tuple[int, ...], device: Any, seed: int) -> Tensor:
@@ -698,6 +699,8 @@ def test_strided_inputs(dtype: torch.dtype, layout: str) -> None:
     g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], upstream, rin)
     for name, a, b, e, x in zip(("query", "key", "value"), g_cu, g_cpu, g_ref, (qc, kc, vc)):
         assert a.shape == x.shape, name
+        for grad in (a, b):  # each gradient in its input's layout, on both devices
+            assert (grad.transpose(1, 2) if layout == "blhd" else grad).is_contiguous(), (name, grad.stride())
         assert rel_err(a, e) < GRAD_TOL[dtype], f"grad {name}: {rel_err(a, e):.3g} vs reference"
         assert rel_err(a, b) < 2 * GRAD_TOL[dtype], f"grad {name}: {rel_err(a, b):.3g} vs CPU"
 

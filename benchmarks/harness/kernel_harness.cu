@@ -353,8 +353,9 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   }
   EA_CHECK_CUDA(cudaDeviceSynchronize());
   if (tensor_core) {
-    r.grads = {widen(c.download<T>(c.b.dq)), widen(c.download<T>(c.b.dk)),
-               widen(c.download<T>(c.b.dv)), rows(c.b.d_row_scale)};
+    r.grads = {output_in_head_order(s, widen(c.download<T>(c.b.dq))),
+               kv_in_head_order(s, widen(c.download<T>(c.b.dk))),
+               kv_in_head_order(s, widen(c.download<T>(c.b.dv))), rows(c.b.d_row_scale)};
   } else {
     r.grads = finish_fallback(s, widen(in.q), c.download<float>(c.b.dq_accum),
                               c.download<float>(c.b.row_scale), c.download<float>(c.b.dk_heads),

@@ -57,8 +57,8 @@ struct Shape {
   // regularizer sends), not only the output's.
   bool stat_grads = false;
   MaskKind mask = MaskKind::kNone;  // a bool or additive mask (mask_allows, mask_bias)
-  // The output in (B, Lq, H, D) memory, as the op allocates it for a query split from a projection
-  // (attention_call.cpp: allocate_output), rather than in (B, H, Lq, D).
+  // The output and the gradients in (B, L, heads, D) memory, as the op allocates them for inputs
+  // split from projections (attention_call.h: empty_in_layout_of), rather than in (B, heads, L, D).
   bool heads_inside_rows = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
@@ -271,22 +271,33 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
   return g;
 }
 
-// The output's view (B, H, Lq, D) over `data`, in the memory order of s.heads_inside_rows.
+// A (B, heads, len, D) output's view over `data`: in (B, len, heads, D) memory when
+// s.heads_inside_rows, else in (B, heads, len, D).
+template <typename Pointer>
+cuda::BasicView4<Pointer> bhld_view(const Shape& s, int64_t heads, int64_t len, Pointer data) {
+  const int64_t d = s.head_dim;
+  if (s.heads_inside_rows) return {data, len * heads * d, d, heads * d};
+  return {data, heads * len * d, len * d, d};
+}
+// The views of the output and dq (B, H, Lq, D), and of dk and dv (B, Hkv, Lk, D).
 template <typename Pointer>
 cuda::BasicView4<Pointer> output_view(const Shape& s, Pointer data) {
-  const int64_t d = s.head_dim;
-  if (s.heads_inside_rows) return {data, s.q_len * s.heads * d, d, s.heads * d};
-  return {data, s.heads * s.q_len * d, s.q_len * d, d};
+  return bhld_view(s, s.heads, s.q_len, data);
+}
+template <typename Pointer>
+cuda::BasicView4<Pointer> kv_view(const Shape& s, Pointer data) {
+  return bhld_view(s, s.kv_heads, s.kv_len, data);
 }
 
-// An output as stored (output_view), in (B, H, Lq, D) order, as the reference gives it.
-inline std::vector<double> output_in_head_order(const Shape& s, const std::vector<double>& stored) {
-  const auto view = output_view(s, static_cast<const void*>(nullptr));
+// An output as stored (bhld_view), in (B, heads, len, D) order, as the reference gives it.
+inline std::vector<double> in_head_order(const Shape& s, int64_t heads, int64_t len,
+                                         const std::vector<double>& stored) {
+  const auto view = bhld_view(s, heads, len, static_cast<const void*>(nullptr));
   std::vector<double> out(stored.size());
   for (int64_t b = 0; b < s.batch; ++b) {
-    for (int64_t h = 0; h < s.heads; ++h) {
-      for (int64_t i = 0; i < s.q_len; ++i) {
-        const int64_t row = (b * s.heads + h) * s.q_len + i;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t row = (b * heads + h) * len + i;
         for (int64_t c = 0; c < s.head_dim; ++c) {
           out[row * s.head_dim + c] = stored[view.offset(b, h, i) + c];
         }
@@ -294,6 +305,12 @@ inline std::vector<double> output_in_head_order(const Shape& s, const std::vecto
     }
   }
   return out;
+}
+inline std::vector<double> output_in_head_order(const Shape& s, const std::vector<double>& stored) {
+  return in_head_order(s, s.heads, s.q_len, stored);
+}
+inline std::vector<double> kv_in_head_order(const Shape& s, const std::vector<double>& stored) {
+  return in_head_order(s, s.kv_heads, s.kv_len, stored);
 }
 
 // The addresses of a call's buffers: device memory on a GPU, host memory under the emulation.
@@ -429,7 +446,8 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   p.delta = b.delta, p.dq_accum = b.dq_accum;
   if (s.stat_grads) p.g_lse = b.g_lse, p.g_entropy = b.g_entropy, p.g_sum_p2 = b.g_sum_p2;
   if (tensor_core) {
-    p.dq_out = b.dq, p.dk_out = b.dk, p.dv_out = b.dv, p.d_row_scale = b.d_row_scale;
+    p.dq_out = output_view(s, b.dq), p.dk_out = kv_view(s, b.dk), p.dv_out = kv_view(s, b.dv);
+    p.d_row_scale = b.d_row_scale;
   } else {
     p.dk = b.dk_heads, p.dv = b.dv_heads;
   }

@@ -397,7 +397,10 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
   const TaskSplit split = TaskSplit::of(call);
   const int64_t chunk_keys = backward_chunk_keys(sh, split);
   const int64_t chunks = std::max<int64_t>(1, (sh.kv_len + chunk_keys - 1) / chunk_keys);
-  at::Tensor dq = at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
+  // dq in the query's layout when the kernel's own (one key chunk, the input type) is the result.
+  at::Tensor dq = chunks == 1 && query.scalar_type() == acc
+                      ? empty_in_layout_of(query, query.sym_sizes(), opts)
+                      : at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
   at::Tensor dkt = at::zeros({sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
   at::Tensor dvt = at::zeros({sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
   at::Tensor dlam = at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts);
@@ -442,8 +445,11 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
   } else {
     dlam = dlam.squeeze(0);
   }
-  return {dq.to(query.scalar_type()), transposed_copy(dkt, key.scalar_type()),
-          transposed_copy(dvt, value.scalar_type()), dlam.to(call.row_scale_dtype)};
+  // Each gradient in its input's layout (attention_call.h: empty_in_layout_of).
+  return {in_layout_of(query, dq, query.scalar_type()),
+          transposed_copy_into(dkt, empty_in_layout_of(key, key.sym_sizes(), key.options())),
+          transposed_copy_into(dvt, empty_in_layout_of(value, value.sym_sizes(), value.options())),
+          dlam.to(call.row_scale_dtype)};
 }
 
 }  // namespace

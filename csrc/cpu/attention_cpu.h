@@ -70,6 +70,8 @@ struct Raw16 {
 // row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is,
 // and the backward's dK^T, dV^T back in their layout. (transposed_copy.cpp)
 at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype);
+// The same into y, (B, heads, dim, L) in any strides (a gradient in its input's layout); returns y.
+at::Tensor transposed_copy_into(const at::Tensor& x, at::Tensor y);
 
 // One row of the mask, positioned at key 0.
 template <typename acc_t>

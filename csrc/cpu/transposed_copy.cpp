@@ -22,8 +22,9 @@ void transpose_heads(const at::Tensor& x, at::Tensor& y) {
         scalar_t* dst = y.mutable_data_ptr<scalar_t>();
         at::parallel_for(0, x.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
           for (int64_t bh = begin; bh < end; ++bh) {
-            transpose_block(rows, cols, src + bh / heads * x.stride(0) + bh % heads * x.stride(1),
-                            x.stride(2), dst + bh * rows * cols, rows);
+            const int64_t b = bh / heads, h = bh % heads;
+            transpose_block(rows, cols, src + b * x.stride(0) + h * x.stride(1), x.stride(2),
+                            dst + b * y.stride(0) + h * y.stride(1), y.stride(2));
           }
         });
       });
@@ -32,10 +33,14 @@ void transpose_heads(const at::Tensor& x, at::Tensor& y) {
 }  // namespace
 
 at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype) {
-  at::Tensor y = at::empty({x.size(0), x.size(1), x.size(3), x.size(2)}, x.options().dtype(dtype));
-  if (x.size(3) > 1 && x.stride(3) != 1) {  // rows not contiguous: ATen's strided copy
-    // (Tensor::to with a memory format would alias: a transposed view "suggests" the contiguous
-    // format.)
+  return transposed_copy_into(
+      x, at::empty({x.size(0), x.size(1), x.size(3), x.size(2)}, x.options().dtype(dtype)));
+}
+
+at::Tensor transposed_copy_into(const at::Tensor& x, at::Tensor y) {
+  if ((x.size(3) > 1 && x.stride(3) != 1) || (y.size(3) > 1 && y.stride(3) != 1)) {
+    // Rows not contiguous: ATen's strided copy. (Tensor::to with a memory format would alias: a
+    // transposed view "suggests" the contiguous format.)
     return y.copy_(x.transpose(2, 3));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),

@@ -117,7 +117,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
       padded.allocate(padded_family);
       check_shared_memory(backward_smem_bytes(padded), "attention backward", sh, call.call.dtype);
       C10_CUDA_CHECK(launch_backward(padded, padded_family, c10::cuda::getCurrentCUDAStream()));
-      return unpad_grads(padded.finish(), sh);
+      return unpad_grads(padded.finish(), query, key, value);
     }
   }
   // The fallback accumulates G = dS K with atomics in an unspecified order: under

@@ -112,9 +112,9 @@ template FwdParams<float> ForwardCall::params<float>() const;
 template FwdParams<double> ForwardCall::params<double>() const;
 
 BackwardCall::BackwardCall(const at::Tensor& grad_output, const at::Tensor& query,
-                           const at::Tensor& key, const at::Tensor& value,
-                           const at::Tensor& output, const AttentionBackwardCall& c)
-    : call(c) {
+                           const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
+                           const AttentionBackwardCall& c)
+    : call(c), given_query(query), given_key(key), given_value(value) {
   const AttentionShape& sh = call.shape;
   check_cuda_limits(sh, call.dtype);
   q = with_unit_last_stride(query, call.dtype);
@@ -139,9 +139,12 @@ void BackwardCall::allocate(Family f) {
     dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
     dv = at::empty({sh.batch, sh.heads, sh.kv_len, sh.v_head_dim}, opts);
   } else {
-    dq = at::empty({sh.batch, sh.heads, sh.q_len, sh.head_dim}, q.options());
-    dk = at::empty({sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, q.options());
-    dv = at::empty({sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim}, q.options());
+    // (Their rows stay 16-byte aligned: strides are multiples of the head dim, a compiled bucket.)
+    dq = empty_in_layout_of(given_query, {sh.batch, sh.heads, sh.q_len, sh.head_dim}, q.options());
+    dk =
+        empty_in_layout_of(given_key, {sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, q.options());
+    dv = empty_in_layout_of(given_value, {sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim},
+                            q.options());
     dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
   }
 }
@@ -163,7 +166,7 @@ BwdParams<acc_t> BackwardCall::params() const {
   if (family == Family::kFallback) {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   } else {
-    p.dq_out = dq.data_ptr(), p.dk_out = dk.data_ptr(), p.dv_out = dv.data_ptr();
+    p.dq_out = out_view_of(dq), p.dk_out = out_view_of(dk), p.dv_out = out_view_of(dv);
     p.d_row_scale = dlam.data_ptr<acc_t>();
     p.deterministic = at::globalContext().deterministicAlgorithms();
   }
@@ -183,8 +186,8 @@ AttentionGrads BackwardCall::finish() const {
     dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);
     dv_sum = dv.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.v_head_dim}).sum(2);
   }
-  return {dq.to(call.dtype), dk_sum.to(call.dtype), dv_sum.to(call.dtype),
-          dlam.to(call.row_scale_dtype)};
+  return {in_layout_of(given_query, dq, call.dtype), in_layout_of(given_key, dk_sum, call.dtype),
+          in_layout_of(given_value, dv_sum, call.dtype), dlam.to(call.row_scale_dtype)};
 }
 
 SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind_,

@@ -44,9 +44,12 @@ struct ForwardCall : LogitsInputs {
 struct BackwardCall {
   AttentionBackwardCall call;
   at::Tensor q, k, v, out, dout;  // input dtype, unit last stride
+  // As given: each gradient comes out in its input's layout.
+  at::Tensor given_query, given_key, given_value;
   // Kernel outputs, allocated by allocate() for the family that runs: D~ and G = sum_j dS_ij k_j
   // (accumulate type) for both; the fallback's dK, dV per query head (accumulate type), or the
-  // tensor-core family's dq, dk, dv (input type, dk and dv per key/value head) and d lambda.
+  // tensor-core family's dq, dk, dv (input type, dk and dv per key/value head, each in its input's
+  // layout: attention_call.h, empty_in_layout_of) and d lambda.
   Family family = Family::kFallback;
   at::Tensor delta, g, dk, dv, dq, dlam;
   DqAccumLayout dq_layout;  // g's (params.h), which the tensor-core families read

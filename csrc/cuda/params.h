@@ -110,11 +110,12 @@ struct BwdParams : AttentionArgs<acc_t> {
   // (B, H, Lk, Dv), summed over GQA groups by the host.
   acc_t *dq_accum = nullptr, *dk = nullptr, *dv = nullptr;
   DqAccumLayout dq_layout;  // the tensor-core families' dq_accum (set by whoever allocates it)
-  // The tensor-core family writes the gradients itself, contiguous, in the input type: dq
-  // (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group in the kernel, and
-  // d lambda (B, H, Lq) in acc_t (a postprocess kernel forms dq = lambda G, d lambda = q . G from
-  // dq_accum). `deterministic` asks for a dq computed without atomics.
-  void *dq_out = nullptr, *dk_out = nullptr, *dv_out = nullptr;
+  // The tensor-core family writes the gradients itself, in the input type and strided as the host
+  // allocated them (each in its input's layout: attention_call.h, empty_in_layout_of), rows
+  // 16-byte aligned: dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group in the
+  // kernel; and d lambda (B, H, Lq) in acc_t, contiguous (a postprocess kernel forms dq = lambda G,
+  // d lambda = q . G from dq_accum). `deterministic` asks for a dq computed without atomics.
+  OutView4 dq_out, dk_out, dv_out;
   acc_t* d_row_scale = nullptr;
   bool deterministic = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the

@@ -39,8 +39,8 @@ struct Feature {
   bool sinks = false;
   double dropout_p = 0;
   int64_t q_len = 150, kv_len = 150;
-  // q and dout as views of (B, Lq, H, D) (a projection split into heads), which the op's output
-  // follows (attention_call.cpp: allocate_output).
+  // q, k, v and dout as views of (B, L, H, D) (projections split into heads), which the op's
+  // output and gradients follow (attention_call.h: empty_in_layout_of).
   bool heads_inside_rows = false;
 };
 
@@ -68,8 +68,8 @@ void run_feature(const Feature& f) {
   at::manual_seed(21);
   const auto opt = at::TensorOptions().dtype(dtype);
   const at::Tensor q = random_bhld(1, 4, f.q_len, kD, opt, f.heads_inside_rows),
-                   k = at::randn({1, 2, f.kv_len, kD}, opt),
-                   v = at::randn({1, 2, f.kv_len, kD}, opt),
+                   k = random_bhld(1, 2, f.kv_len, kD, opt, f.heads_inside_rows),
+                   v = random_bhld(1, 2, f.kv_len, kD, opt, f.heads_inside_rows),
                    dout = random_bhld(1, 4, f.q_len, kD, opt, f.heads_inside_rows);
   const at::Tensor g_entropy = at::randn({1, 4, f.q_len});
   const std::optional<at::Tensor> sinks =
@@ -112,12 +112,15 @@ void run_feature(const Feature& f) {
   EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol.grad) << "grad_key";
   EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol.grad) << "grad_value";
   EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
+  EXPECT_EQ(heads_inside_rows(std::get<0>(got)), f.heads_inside_rows) << "grad_query's layout";
+  EXPECT_EQ(heads_inside_rows(std::get<1>(got)), f.heads_inside_rows) << "grad_key's layout";
+  EXPECT_EQ(heads_inside_rows(std::get<2>(got)), f.heads_inside_rows) << "grad_value's layout";
 }
 
-// Packed documents: q (1, H, cu_q.back(), D), a view of (T, H, D) as the varlen op passes it, and
-// k, v (1, Hkv, cu_k.back(), D) cut into documents by cu_q and cu_k (causality and windows
-// bottom-right aligned within each: key_ranges.cuh), one call's parameters launched through the
-// family and the fallback.
+// Packed documents: q (1, H, cu_q.back(), D) and k, v (1, Hkv, cu_k.back(), D), views of (T, H, D)
+// as the varlen op passes them (so are the gradients), cut into documents by cu_q and cu_k
+// (causality and windows bottom-right aligned within each: key_ranges.cuh), one call's parameters
+// launched through the family and the fallback.
 template <typename Family, typename T, int kD>
 void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
                    std::array<int64_t, 2> window) {
@@ -125,8 +128,10 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   at::manual_seed(22);
   const auto opt = at::TensorOptions().dtype(dtype);
   const int64_t lq = cu_q.back(), lk = cu_k.back();
-  const at::Tensor q = random_bhld(1, 4, lq, kD, opt, true), k = at::randn({1, 2, lk, kD}, opt),
-                   v = at::randn({1, 2, lk, kD}, opt), dout = random_bhld(1, 4, lq, kD, opt, true);
+  const at::Tensor q = random_bhld(1, 4, lq, kD, opt, true),
+                   k = random_bhld(1, 2, lk, kD, opt, true),
+                   v = random_bhld(1, 2, lk, kD, opt, true),
+                   dout = random_bhld(1, 4, lq, kD, opt, true);
   const at::Tensor g_entropy = at::randn({1, 4, lq});
   const auto int32 = [](const std::vector<int32_t>& x) {
     return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
@@ -165,6 +170,13 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol.grad) << "grad_key";
   EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol.grad) << "grad_value";
   EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol.grad) << "grad_row_scale";
+  const char* layouts[] = {"grad_query's layout", "grad_key's layout", "grad_value's layout"};
+  EXPECT_TRUE(heads_inside_rows(std::get<0>(got))) << layouts[0];
+  EXPECT_TRUE(heads_inside_rows(std::get<1>(got))) << layouts[1];
+  EXPECT_TRUE(heads_inside_rows(std::get<2>(got))) << layouts[2];
+  EXPECT_TRUE(heads_inside_rows(std::get<0>(want))) << layouts[0] << " (fallback)";
+  EXPECT_TRUE(heads_inside_rows(std::get<1>(want))) << layouts[1] << " (fallback)";
+  EXPECT_TRUE(heads_inside_rows(std::get<2>(want))) << layouts[2] << " (fallback)";
 }
 
 }  // namespace emulated_features

@@ -850,7 +850,9 @@ void expect_grads_close(const entropy_attn::AttentionGrads& got,
 
 // With the flag set the guard writes dk, dv summed over a GQA group by one block and dq, d lambda
 // by its postprocess, from a G it zero-fills itself: equal to a plain fallback call's gradients
-// and to the CPU op's, hidden non-finite inputs kept to what sees them.
+// and to the CPU op's, hidden non-finite inputs kept to what sees them. The inputs are views of
+// (B, L, H, D) memory, as projections split into heads give, so the guard writes the gradients in
+// that layout (attention_call.h: empty_in_layout_of).
 TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   Case c = mk("bf16_guard_bwd_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
   c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kBool;
@@ -860,9 +862,16 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   // back from head 3's rows, making column 2 of dV infinite exactly for the keys row 30 sees.
   in.dout.select(0, 0).select(0, 3).select(0, 30).select(0, 2).fill_(
       std::numeric_limits<double>::infinity());
+  for (at::Tensor* t : {&in.q, &in.k, &in.v, &in.dout}) {
+    *t = t->transpose(1, 2).contiguous().transpose(1, 2);
+  }
   const GuardRun run = run_backward_guard(c, in);
   const Tolerances tol = tolerances(c.dtype);
   expect_grads_close(run.guarded, run.plain, tol.grad, "plain fallback");
+  for (const at::Tensor& g : {std::get<0>(run.guarded), std::get<1>(run.guarded),
+                              std::get<2>(run.guarded), std::get<0>(run.plain)}) {
+    EXPECT_TRUE(g.transpose(1, 2).is_contiguous() && !g.is_contiguous()) << "a gradient's layout";
+  }
   expect_matches_cpu_op(c, in, run.fwd, run.guarded, at::Tensor(), tol);
   EXPECT_GT(std::get<2>(run.guarded).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
       << "no infinite dV entry from head 3's dO";

@@ -135,7 +135,7 @@ TEST_P(HeadDimPaddingIdentity, OutputsAndGradientsMatchTheUnpaddedCall) {
       entropy_attn::pad_head_dim(out, dim), lse, ent, p2, lam, std::nullopt, {},
       padded_call.options);
   const auto& [pdq, pdk, pdv, pdlam, pdsinks, pdmask] = padded_grads;
-  const auto cut = entropy_attn::unpad_grads({pdq, pdk, pdv, pdlam}, call.shape);
+  const auto cut = entropy_attn::unpad_grads({pdq, pdk, pdv, pdlam}, q, k, v);
   check(std::get<0>(cut), std::get<0>(grads), "grad_query");
   check(std::get<1>(cut), std::get<1>(grads), "grad_key");
   check(std::get<2>(cut), std::get<2>(grads), "grad_value");

@@ -65,18 +65,20 @@ TEST(EmulatedSm80Backward, FullTilesD64) {
 }
 
 TEST(EmulatedSm80Backward, FullTilesD128) {
-  // Plain full attention, Lq != Lk with logn row scales over two key blocks.
+  // Plain full attention, Lq != Lk with logn row scales over two key blocks; dq, dk and dv in
+  // (B, L, H, D) memory.
   run_case<__half, 128, false, false, MaskKind::kNone>(
-      eh::Shape{1, 2, 2, 40, 150, 128, false, true, true});
+      eh::Shape{1, 2, 2, 40, 150, 128, false, true, true, MaskKind::kNone, true});
 }
 
 TEST(EmulatedSm80Backward, CompactTilesD128) {
   // The same call over three 64-key blocks, and a GQA causal one whose key blocks walk two query
-  // heads' blocks each (the single dO buffer reloaded at every step).
+  // heads' blocks each (the single dO buffer reloaded at every step), its gradients in
+  // (B, L, H, D) memory.
   run_case<__half, 128, true, false, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 40, 150, 128, false, true, true});
   run_case<__nv_bfloat16, 128, true, true, MaskKind::kNone>(
-      eh::Shape{1, 4, 2, 130, 100, 128, true, false, true});
+      eh::Shape{1, 4, 2, 130, 100, 128, true, false, true, MaskKind::kNone, true});
 }
 
 TEST(EmulatedSm80Backward, CompactTilesMasked) {
@@ -87,8 +89,9 @@ TEST(EmulatedSm80Backward, CompactTilesMasked) {
 }
 
 TEST(EmulatedSm80Backward, DeterministicDq) {
+  // (The first with its gradients in (B, L, H, D) memory.)
   run_case<__half, 128, true, true, MaskKind::kNone>(
-      eh::Shape{1, 2, 1, 100, 130, 128, true, true, true}, true);
+      eh::Shape{1, 2, 1, 100, 130, 128, true, true, true, MaskKind::kNone, true}, true);
   run_case<__nv_bfloat16, 64, false, false, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 70, 140, 64, false, false, false}, true);
 }

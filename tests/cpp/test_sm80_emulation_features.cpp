@@ -36,7 +36,7 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 
 TEST(EmulatedSm80Features, WindowsAndAlignment) {
   Feature f;
-  f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output with it)
+  f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output and gradients with it)
   run_feature<__nv_bfloat16, 64, false>(f);
   f = Feature{};
   f.alignment = "bottom_right", f.q_len = 70, f.kv_len = 200;

@@ -47,9 +47,10 @@ TEST(EmulatedSm90Forward, Masked) {
 
 TEST(EmulatedSm90Backward, D64) {
   // One 64 x 64 slice per warpgroup (BwdTraits::kSlices = 1), GQA, causal, the statistics'
-  // gradients; and full attention with logn over two key blocks.
+  // gradients, the gradients in (B, L, H, D) memory; and full attention with logn over two key
+  // blocks.
   run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
-      eh::Shape{1, 4, 2, 100, 150, 64, true, false, true});
+      eh::Shape{1, 4, 2, 100, 150, 64, true, false, true, MaskKind::kNone, true});
   run_backward<__half, 64, false, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 70, 200, 64, false, true, true});
 }
@@ -65,11 +66,12 @@ TEST(EmulatedSm90Backward, D128) {
 TEST(EmulatedSm90Backward, BulkDq) {
   // dq's partial sums through the shared tile and the dq writer's bulk reductions (bwd_kernel.cuh:
   // write_dq): a partial last query block (its zero rows added into the padding), GQA (the
-  // group's query heads walked by one key block), causal and full, both head dims.
+  // group's query heads walked by one key block), causal and full, both head dims; gradients in
+  // (B, L, H, D) memory (the second).
   run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
       eh::Shape{1, 4, 2, 100, 150, 64, true, false, true}, true);
   run_backward<__half, 128, false, MaskKind::kNone>(
-      eh::Shape{2, 2, 1, 90, 140, 128, false, true, true}, true);
+      eh::Shape{2, 2, 1, 90, 140, 128, false, true, true, MaskKind::kNone, true}, true);
   run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 130, 130, 128, true, false, false}, true);
 }

@@ -29,7 +29,7 @@ struct Sm90 {
 
 TEST(EmulatedSm90Features, WindowsAndAlignment) {
   Feature f;
-  f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output with it)
+  f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output and gradients with it)
   run_feature<Sm90, __nv_bfloat16, 64>(f);
   f = Feature{};
   f.alignment = "bottom_right", f.q_len = 70, f.kv_len = 200;

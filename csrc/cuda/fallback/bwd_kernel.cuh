@@ -26,7 +26,7 @@ namespace entropy_attn::cuda::fallback {
 // block of a key tile (no per-query-head buffer), dq and d lambda by the postprocess.
 template <typename acc_t>
 __host__ __device__ __forceinline__ bool grouped(const BwdParams<acc_t>& p) {
-  return p.dk_out != nullptr;
+  return p.dk_out.data != nullptr;
 }
 
 // The query and key tiles' rows (kBM = kBN) per input type and head-dim bucket.
@@ -390,15 +390,21 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
   __syncthreads();  // the last tile's add-backs before dK and dV are written
 
   // dK, dV of this query head (the host sums them over the heads of a GQA group), or as a guard
-  // of this key/value head, in the input type.
+  // of this key/value head, in the input type and the outputs' strides.
   for (int it = 0; it < kBN * kD / kThreads; ++it) {
     const int e = threadIdx.x + it * kThreads;
     const int c = e / kD, d = e % kD;
     if (c >= cols) continue;
     const int64_t key_row = blk.bh * p.kv_len + j0 + c;
-    if constexpr (kGrouped) {
-      if (d < D) static_cast<T*>(p.dk_out)[key_row * D + d] = from_acc<T>(sdK[c * L::kLdA + d]);
-      if (d < Dv) static_cast<T*>(p.dv_out)[key_row * Dv + d] = from_acc<T>(sdV[c * L::kLdA + d]);
+    if constexpr (kGrouped) {  // (blk.h is the key/value head: the grid has Hkv heads)
+      if (d < D) {
+        static_cast<T*>(p.dk_out.data)[p.dk_out.offset(b, kvh, j0 + c) + d] =
+            from_acc<T>(sdK[c * L::kLdA + d]);
+      }
+      if (d < Dv) {
+        static_cast<T*>(p.dv_out.data)[p.dv_out.offset(b, kvh, j0 + c) + d] =
+            from_acc<T>(sdV[c * L::kLdA + d]);
+      }
     } else {
       if (d < D) p.dk[key_row * D + d] = sdK[c * L::kLdA + d];
       if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
@@ -432,13 +438,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
        row < p.batch * p.heads * p.q_len; row += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
-    const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl;
+    const T* q = static_cast<const T*>(p.q.data) + p.q.offset(b, h, i);
+    T* dq = static_cast<T*>(p.dq_out.data) + p.dq_out.offset(b, h, i);
     const Acc* g = p.dq_accum + row * p.head_dim;
     const Acc lam = p.row_scale[row];
     Acc dot = 0;
     for (int64_t d = lane; d < p.head_dim; d += 32) {
       dot += to_acc(q[d]) * g[d];
-      static_cast<T*>(p.dq_out)[row * p.head_dim + d] = from_acc<T>(lam * g[d]);
+      dq[d] = from_acc<T>(lam * g[d]);
     }
     dot = warp_sum(dot);
     if (lane == 0) p.d_row_scale[row] = dot;

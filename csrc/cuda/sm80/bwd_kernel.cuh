@@ -794,11 +794,13 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
   __syncthreads();
   typename Kt::VecTiledCopy vec_copy;
   auto vthr = vec_copy.get_thread_slice(tid);
-  const int64_t dkv_off = ((static_cast<int64_t>(b) * p.kv_heads + kvh) * kv_len + j0) * kD;
-  Tensor gdK = make_tensor(make_gmem_ptr(static_cast<Element*>(p.dk_out) + dkv_off),
-                           Shape<Int<kBlockN>, Int<kD>>{}, Stride<Int<kD>, _1>{});
-  Tensor gdV = make_tensor(make_gmem_ptr(static_cast<Element*>(p.dv_out) + dkv_off),
-                           Shape<Int<kBlockN>, Int<kD>>{}, Stride<Int<kD>, _1>{});
+  // (dk and dv in the host's strides: each in its input's layout, rows 16-byte aligned.)
+  Tensor gdK =
+      make_tensor(make_gmem_ptr(static_cast<Element*>(p.dk_out.data) + p.dk_out.offset(b, kvh, j0)),
+                  Shape<Int<kBlockN>, Int<kD>>{}, make_stride(p.dk_out.sl, _1{}));
+  Tensor gdV =
+      make_tensor(make_gmem_ptr(static_cast<Element*>(p.dv_out.data) + p.dv_out.offset(b, kvh, j0)),
+                  Shape<Int<kBlockN>, Int<kD>>{}, make_stride(p.dv_out.sl, _1{}));
   Tensor tdKsdK = vthr.partition_S(sK);
   Tensor tdVsdV = vthr.partition_S(sV);
   Tensor tdKgdK = vthr.partition_D(gdK);
@@ -1018,7 +1020,7 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
 template <typename Kt>
 CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   using Element = typename Kt::Element;
-  constexpr int kTpr = Kt::kPostThreadsPerRow, kD = Kt::kHeadDim;
+  constexpr int kTpr = Kt::kPostThreadsPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
   const int i = static_cast<int>(blockIdx.x) * Kt::kPostRows + static_cast<int>(threadIdx.x) / kTpr;
   const int lane = static_cast<int>(threadIdx.x) % kTpr;
@@ -1050,7 +1052,8 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
       rdq(2) = static_cast<Element>(lam * g.z);
       rdq(3) = static_cast<Element>(lam * g.w);
       cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{}, rdq,
-                 make_tensor(make_gmem_ptr(static_cast<Element*>(p.dq_out) + row * kD + col),
+                 make_tensor(make_gmem_ptr(static_cast<Element*>(p.dq_out.data) +
+                                           p.dq_out.offset(b, h, i) + col),
                              Shape<_4>{}));
       CUTE_UNROLL
       for (int e = 0; e < 4; ++e) nonfinite |= !is_finite(static_cast<float>(rdq(e)));

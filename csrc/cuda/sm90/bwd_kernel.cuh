@@ -610,14 +610,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   }
 
   // Epilogue: dK and dV, rows j0 + r < Lk, as 4-byte pairs of adjacent columns from the
-  // registers, into (B, Hkv, Lk, D).
+  // registers, into (B, Hkv, Lk, D) in the host's strides (each in its input's layout).
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));
   Tensor cKV_rc = make_tensor(cKV.data(), acc_rowcol(cKV.layout()));
   Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol(acc_dk.layout()));
   Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol(acc_dv.layout()));
-  const int64_t kv_row0 = (static_cast<int64_t>(b) * p.kv_heads + kvh) * kv_len + j0;
-  uint32_t* dk_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk_out) + kv_row0 * kD);
-  uint32_t* dv_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv_out) + kv_row0 * kD);
+  T* const dk_out = static_cast<T*>(p.dk_out.data) + p.dk_out.offset(b, kvh, j0);
+  T* const dv_out = static_cast<T*>(p.dv_out.data) + p.dv_out.offset(b, kvh, j0);
   // Whether a key row came out non-finite: the block products form 0 * NaN for a hidden row's
   // NaN, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
@@ -627,11 +626,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     if (j0 + j >= kv_len) continue;
     CUTE_UNROLL
     for (int c = 0; c < decltype(size<1>(dk_rc))::value; c += 2) {
-      const int64_t at = (static_cast<int64_t>(j) * kD + get<1>(cKV_rc(r, c))) / 2;
+      const int col = get<1>(cKV_rc(r, c));
       nonfinite |= !is_finite(dk_rc(r, c)) || !is_finite(dk_rc(r, c + 1)) ||
                    !is_finite(dv_rc(r, c)) || !is_finite(dv_rc(r, c + 1));
-      dk_out[at] = pack2<T>(dk_rc(r, c), dk_rc(r, c + 1));
-      dv_out[at] = pack2<T>(dv_rc(r, c), dv_rc(r, c + 1));
+      *reinterpret_cast<uint32_t*>(dk_out + j * p.dk_out.sl + col) =
+          pack2<T>(dk_rc(r, c), dk_rc(r, c + 1));
+      *reinterpret_cast<uint32_t*>(dv_out + j * p.dv_out.sl + col) =
+          pack2<T>(dv_rc(r, c), dv_rc(r, c + 1));
     }
   }
   if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)

@@ -61,6 +61,22 @@ def test_build_records_the_hash_of_its_sources() -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", _build_info.SOURCES_SHA256), _build_info.SOURCES_SHA256
 
 
+def test_compile_caches_tell_builds_apart() -> None:
+    """Importing torch_ext adds its build's source hash to torch.compiler.config.cache_key_tag,
+    which torch.compile's caches put in every key: a graph compiled against another build of the
+    operators (whose Meta kernels may lay out the gradients otherwise) is not replayed from a
+    warm Inductor cache. A tag the user set stays, in front; importing again adds nothing."""
+    from torch_ext import _build_info
+
+    tag = f"torch_ext-{_build_info.SOURCES_SHA256[:16]}"
+    assert tag in torch.compiler.config.cache_key_tag.split("+")
+    code = ("import torch, torch_ext\ntorch_ext._tag_compile_caches()\n"
+            "print(torch.compiler.config.cache_key_tag)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "TORCH_COMPILE_CACHE_KEY_TAG": "mine"})
+    assert out.stdout.strip().splitlines()[-1] == f"mine+{tag}", out.stdout + out.stderr
+
+
 def test_import_with_another_torch_is_one_clear_error() -> None:
     """Importing torch_ext under a torch of another minor version raises ImportError naming both
     versions (instead of an undefined-symbol error from the library)."""

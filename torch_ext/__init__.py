@@ -34,6 +34,28 @@ def _check_torch() -> None:
 _check_torch()
 
 from torch_ext import _C  # noqa: E402, F401  (loading it registers the operators)
+
+
+def _tag_compile_caches() -> None:
+    """Adds this build's source hash to ``torch.compiler.config.cache_key_tag``, which every
+    torch.compile cache (Inductor's FX graph cache, AOTAutograd's) puts in its keys. Those caches
+    key a graph by its own code and by torch's, not by the extensions whose operators it calls,
+    and the graph Dynamo traces holds only the forward operator: a backward compiled against
+    another build of torch_ext would replay that build's Meta kernels (the layouts of its
+    gradients, for one) and fail Inductor's stride checks, or worse. The tag keeps graphs compiled
+    with different builds apart; a tag the user set stays in front of it."""
+    try:
+        from torch_ext._build_info import SOURCES_SHA256
+    except ImportError:  # a tree setup.py never built (no build info): nothing to tell apart
+        return
+    config = getattr(torch.compiler, "config", None)
+    tag = f"torch_ext-{SOURCES_SHA256[:16]}"
+    if config is None or not hasattr(config, "cache_key_tag") or tag in config.cache_key_tag:
+        return
+    config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
+
+
+_tag_compile_caches()
 from torch_ext import nn  # noqa: E402
 from torch_ext.attention import AttentionStats, attention, attention_sparsity, length_factor
 from torch_ext.merge import merge_attention_states

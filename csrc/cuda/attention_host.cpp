@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -179,14 +180,16 @@ AttentionGrads BackwardCall::finish() const {
   if (family != Family::kFallback) return {dq, dk, dv, dlam.to(call.row_scale_dtype)};
   const AttentionShape& sh = call.shape;
   // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
-  const at::Tensor dq = g * call.row_scale.unsqueeze(-1);
+  // dq is formed in the input type and the query's layout in the same pass.
+  at::Tensor grad_q = empty_in_layout_of(given_query, g.sym_sizes(), g.options().dtype(call.dtype));
+  at::mul_out(grad_q, g, call.row_scale.unsqueeze(-1));
   const at::Tensor dlam = (q.to(g.scalar_type()) * g).sum(-1);
   at::Tensor dk_sum = dk, dv_sum = dv;
   if (sh.heads != sh.kv_heads) {  // GQA: sum the per-query-head dK, dV over each group
     dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);
     dv_sum = dv.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.v_head_dim}).sum(2);
   }
-  return {in_layout_of(given_query, dq, call.dtype), in_layout_of(given_key, dk_sum, call.dtype),
+  return {grad_q, in_layout_of(given_key, dk_sum, call.dtype),
           in_layout_of(given_value, dv_sum, call.dtype), dlam.to(call.row_scale_dtype)};
 }
 

@@ -96,16 +96,17 @@ class Shape:
 
 
 #: How the timed calls take their inputs and give their output: "bhld", contiguous (B, H, L, D)
-#: tensors in and the output as returned; "projection", as a model's attention layer calls it: q, k
-#: and v split from (B, L, H * D) projections (transposed views) and the output merged back into
-#: (B, L, H * Dv), which copies an output that is not laid out as (B, L, H, Dv).
+#: tensors in and the output as returned; "projection", as a model's attention layer calls it:
+#: (B, L, H * D) projections in, split into heads inside the call (transposed views), and the
+#: output merged back into (B, L, H * Dv). The merge copies an output that is not laid out as
+#: (B, L, H, Dv), and the split's backward a gradient that is not laid out as (B, L, H, D).
 LAYOUTS = ("bhld", "projection")
 
 
 @dataclass
 class Inputs:
-    """The tensors of one point: q, k, v (requiring grad) and the output gradient (of the merged
-    output with the "projection" layout)."""
+    """The tensors of one point: q, k, v (requiring grad) and the output gradient; with the
+    "projection" layout, the (B, L, heads * D) projections and the merged output's gradient."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -239,7 +240,8 @@ def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
     elems = (2 * nq + 2 * nkv) * (2 if backward else 1)
     if check:
         elems += (2 * nq + 2 * nkv if backward else nq) + (2 * nq * (2 if backward else 1) if shape.gqa else 0)
-    elems += nq if shape.layout == "projection" else 0  # a merge that copies the output
+    if shape.layout == "projection":  # a merge that copies the output, a split's backward each gradient
+        elems += nq + ((nq + 2 * nkv) if backward else 0)
     workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
     return elems * DTYPES[shape.dtype].itemsize + workspace
 
@@ -303,20 +305,18 @@ def try_time(fn: Callable[[], object], run: Run, errors: Optional[List[str]], la
 
 
 def make_inputs(shape: Shape, device: str) -> Inputs:
-    """Seeded standard-normal q (B, H, L, D), k and v (B, Hkv, L, D), in the shape's layout, and
-    dout: (B, H, L, D), or (B, L, H * D) with the "projection" layout."""
+    """Seeded standard-normal q (B, H, L, D), k and v (B, Hkv, L, D) and dout (B, H, L, D); with
+    the "projection" layout the same values as (B, L, heads * D) projections (in_layout splits
+    them)."""
     gen = torch.Generator(device=device).manual_seed(0)
     projection = shape.layout == "projection"
 
     def rand(heads: int, grad: bool = True) -> torch.Tensor:
         b, l, d = shape.batch, shape.seq_len, shape.head_dim
-        size = (b, l, heads, d) if projection else (b, heads, l, d)
-        x = torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen)
-        return (x.transpose(1, 2) if projection else x).requires_grad_(grad)
+        size = (b, l, heads * d) if projection else (b, heads, l, d)
+        return torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen).requires_grad_(grad)
 
-    dout = rand(shape.heads, False)
-    dout = merged_heads(dout) if projection else dout
-    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), dout)
+    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), rand(shape.heads, False))
 
 
 def merged_heads(out: torch.Tensor) -> torch.Tensor:
@@ -324,14 +324,19 @@ def merged_heads(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
 
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, L, heads * D) -> (B, heads, L, D), a view, as a model's attention layer splits a projection."""
+    return x.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+
 def in_layout(shape: Shape, attn: Callable[..., Any]) -> Callable[..., Any]:
-    """attn(q, k, v), its output (or the output of an (output, stats) pair) merged into
-    (B, L, H * Dv) with the "projection" layout."""
+    """attn(q, k, v); with the "projection" layout, called on projections that it splits into heads,
+    its output (or the output of an (output, stats) pair) merged into (B, L, H * Dv)."""
     if shape.layout == "bhld":
         return attn
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        res = attn(q, k, v)
+        res = attn(*(split_heads(t, shape.head_dim) for t in (q, k, v)))
         return (merged_heads(res[0]), *res[1:]) if isinstance(res, tuple) else merged_heads(res)
 
     return call

@@ -242,9 +242,10 @@ def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_projection_layout_calls_both_as_a_model_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--layout projection gives ours and SDPA q, k, v split from (B, L, H * D) projections and
-    times the merge of their outputs into (B, L, H * Dv) with them (the point and the table say
-    so); ours' output then merges without a copy, and the check still compares the two."""
+    """--layout projection gives ours and SDPA (B, L, H * D) projections, split into heads inside
+    the timed call (so fwd_bwd's gradients go back through the split), and times the merge of their
+    outputs into (B, L, H * Dv) with them (the point and the table say so); ours' output then merges
+    without a copy, and the check still compares the two."""
     import torch_ext
 
     monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
@@ -261,7 +262,8 @@ def test_projection_layout_calls_both_as_a_model_layer(monkeypatch: pytest.Monke
 
     s = shape(seq_len=32, causal=True, layout="projection")
     x = bench.make_inputs(s, "cpu")
-    assert x.q.shape == (2, 4, 32, 16) and x.q.transpose(1, 2).is_contiguous() and x.dout.shape == (2, 32, 64)
+    assert x.q.shape == (2, 32, 64) and x.q.is_contiguous() and x.q.requires_grad and x.dout.shape == (2, 32, 64)
+    assert bench.split_heads(x.q, 16).shape == (2, 4, 32, 16)
     (p,) = bench.measure_shape(s, ["auto"], cpu_run(Recording(), check=True), None, None)
     assert p["layout"] == "projection" and p["errors"] == [] and p["mismatch"] is False
     assert seen and all(split and view for split, view in seen)

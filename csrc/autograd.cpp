@@ -9,6 +9,7 @@
 
 #include <array>
 #include <initializer_list>
+#include <string>
 
 #include "attention_call.h"
 #include "attention_grad.h"
@@ -31,15 +32,26 @@ void save_options(AutogradContext* ctx, const AttentionOptions& o) {
   ctx->saved_data["dropout_seed"] = o.dropout_seed;
 }
 
+// Compiled autograd traces the backward (the functions below are traceable) with the saved ints
+// and floats lifted to its graph's inputs, symbolic where it made them so: they are read through
+// SymInt/SymFloat and guarded to the values of the call (a new value compiles once more), the
+// dropout seed excepted, which stays symbolic so that every step's mask shares one graph.
+int64_t saved_int(AutogradContext* ctx, const std::string& name) {
+  return ctx->saved_data[name].toSymInt().guard_int(__FILE__, __LINE__);
+}
+double saved_double(AutogradContext* ctx, const std::string& name) {
+  return ctx->saved_data[name].toSymFloat().guard_float(__FILE__, __LINE__);
+}
+
 AttentionOptions saved_options(AutogradContext* ctx) {
   AttentionOptions o;
   o.return_stats = ctx->saved_data["return_stats"].toBool();
   o.causal = ctx->saved_data["is_causal"].toBool();
-  o.window_left = ctx->saved_data["window_left"].toInt();
-  o.window_right = ctx->saved_data["window_right"].toInt();
+  o.window_left = saved_int(ctx, "window_left");
+  o.window_right = saved_int(ctx, "window_right");
   o.bottom_right = ctx->saved_data["bottom_right"].toBool();
-  o.softcap = ctx->saved_data["softcap"].toDouble();
-  o.dropout_p = ctx->saved_data["dropout_p"].toDouble();
+  o.softcap = saved_double(ctx, "softcap");
+  o.dropout_p = saved_double(ctx, "dropout_p");
   o.dropout_seed = ctx->saved_data["dropout_seed"].toSymInt();
   return o;
 }
@@ -53,6 +65,9 @@ using NonDifferentiable = std::array<at::Tensor, 4>;
 // asserts that a C++ function marked none (CppNode::compiled_args).
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
+  // Compiled autograd puts the backward in its graph (its ops have fake kernels) instead of
+  // calling it eagerly between two graphs.
+  static constexpr bool is_traceable = true;
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const OptTensor& attn_mask,
                                const OptTensor& scale, const OptTensor& sinks,
@@ -152,6 +167,7 @@ AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
 template <at::Tensor (*Backward)(const at::Tensor&, const at::Tensor&, int64_t)>
 class RowReductionFunction : public torch::autograd::Function<RowReductionFunction<Backward>> {
  public:
+  static constexpr bool is_traceable = true;  // as AttentionFunction's
   static variable_list forward(
       AutogradContext* ctx, const at::Tensor& x, int64_t dim,
       const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)>& op) {
@@ -163,8 +179,8 @@ class RowReductionFunction : public torch::autograd::Function<RowReductionFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {Backward(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["dim"].toInt()),
-            at::Tensor(), at::Tensor()};
+    return {Backward(grads[0], ctx->get_saved_variables()[0], saved_int(ctx, "dim")), at::Tensor(),
+            at::Tensor()};
   }
 };
 

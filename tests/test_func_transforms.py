@@ -211,24 +211,79 @@ def test_export_names_the_dim_a_float_argument_ties() -> None:
         torch.export.export(M(), (rand(1, 2, 6, 4),), dynamic_shapes=({2: torch.export.Dim("L", min=2, max=64)},), strict=False)
 
 
+def _compiled_autograd_graph_ops(backward: Callable[[], None]) -> List[str]:
+    """Runs `backward` under compiled autograd (aot_eager) and returns the targets of the call
+    nodes of every graph it compiled (Dynamo's and AOTAutograd's)."""
+    targets: List[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Callable[..., Any]:
+        def record(inner: torch.fx.GraphModule, inner_inputs: List[Tensor]) -> Callable[..., Any]:
+            targets.extend(str(n.target) for n in inner.graph.nodes if n.op == "call_function")
+            return inner.forward
+
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=record)(gm, example_inputs)
+
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=backend)):
+        backward()
+    return targets
+
+
 def test_compiled_autograd() -> None:
-    """Compiled autograd (which FSDP2 with torch.compile uses) runs the op's C++ backward and
-    gives eager's gradients, through the output and a statistic (it stopped at an internal assert:
-    the autograd function marked its non-differentiable outputs so). Compiled autograd calls a C++
-    autograd function's backward eagerly, a break in the compiled backward graph."""
+    """Compiled autograd (which FSDP2 with torch.compile uses) puts the op's C++ backward in its
+    graph (the autograd functions are traceable: no eager call between two graphs) and gives
+    eager's gradients, through the output, a statistic, and the entropy and sparsity ops. It first
+    stopped at an internal assert (the function marked its non-differentiable outputs), then ran
+    the backward eagerly, a break in the compiled backward graph."""
     q, k, v = (rand(1, 2, L, 8, seed=s).requires_grad_() for s, L in ((1, 6), (2, 9), (3, 9)))
 
     def loss() -> Tensor:
-        out, stats = torch_ext.attention(q, k, v, is_causal=True, scale="logn", return_stats=True)
+        out, stats = torch_ext.attention(q, k, v, is_causal=True, scale="logn", window_size=(4, -1),
+                                         softcap=5.0, return_stats=True)
         assert not stats.max_weight.requires_grad and not stats.scale.requires_grad
-        return out.square().sum() + stats.entropy.sum()
+        return (out.square().sum() + stats.entropy.sum() + torch_ext.entropy(out.softmax(-1)).sum()
+                + torch_ext.sparsity(out, dim=2).sum())
 
     eager = torch.autograd.grad(loss(), (q, k, v))
     torch._dynamo.reset()
-    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
-        loss().backward()
+    ops = _compiled_autograd_graph_ops(lambda: loss().backward())
     for x, g in zip((q, k, v), eager):
         torch.testing.assert_close(x.grad, g, **TOL)
+    assert not any("run_non_traceable" in t for t in ops), ops
+    # The three C++ nodes in Dynamo's graph, and the attention backward op in AOTAutograd's (the
+    # row reductions' backward ops are composite: ATen ops there).
+    nodes = {t for t in ops if "CppNode" in t}
+    for name in ("AttentionFunction", "entropy_backward", "sparsity_backward"):
+        assert sum(name in t for t in nodes) == 1, (name, nodes)
+    assert "entropy_attn.attention_backward.default" in ops, ops
+
+
+def test_compiled_autograd_one_graph_for_every_dropout_mask() -> None:
+    """Under compiled autograd the backward's dropout seed is a graph input, not a constant: steps
+    with fresh masks (and new lengths, dynamic after the first change) reuse the compiled graphs
+    and each gives the gradients of its own mask (those of an eager step drawing the same seed)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for step, L in enumerate((6, 9, 9, 12, 12)):
+        q, k, v = (rand(2, 2, L, 8, seed=s).requires_grad_() for s in (1, 2, 3))
+
+        def loss() -> Tensor:
+            out = torch_ext.attention(q, k, v, is_causal=True, dropout_p=0.3)
+            return out.square().sum()
+
+        torch.manual_seed(step)
+        eager = torch.autograd.grad(loss(), (q, k, v))
+        torch.manual_seed(step)
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss().backward()
+        for x, g in zip((q, k, v), eager):
+            torch.testing.assert_close(x.grad, g, **TOL)
+    # One capture by compiled autograd; Dynamo compiles its graph for the first length and once
+    # more when the length changes (then dynamic), not once per seed.
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
 def test_export_with_dropout_draws_a_seed_per_call() -> None:

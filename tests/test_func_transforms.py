@@ -211,6 +211,29 @@ def test_export_names_the_dim_a_float_argument_ties() -> None:
         torch.export.export(M(), (rand(1, 2, 6, 4),), dynamic_shapes=({2: torch.export.Dim("L", min=2, max=64)},), strict=False)
 
 
+def test_compile_of_a_transform() -> None:
+    """torch.compile of grad and vmap(grad) through the op gives the eager gradients (the ops'
+    Python autograd functions run eagerly there, a graph break); with fullgraph=True Dynamo raises
+    (the op's C++ autograd refuses the transform's tensors inside its trace), as the README says.
+    vmap alone compiles in one graph."""
+    q = rand(3, 1, 2, 5, 4, seed=1)
+
+    def f(x: Tensor) -> Tensor:
+        return loss_of(torch_ext.attention(x, x, x, is_causal=True, scale="logn", return_stats=True))
+
+    per_sample = vmap(grad(f))
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(grad(f), backend="aot_eager")(q[0]), grad(f)(q[0]), **TOL)
+    torch.testing.assert_close(torch.compile(per_sample, backend="aot_eager")(q), per_sample(q), **TOL)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(vmap(lambda x: torch_ext.attention(x, x, x)), backend="aot_eager",
+                                             fullgraph=True)(q), vmap(lambda x: torch_ext.attention(x, x, x))(q),
+                               **TOL)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(grad(f), backend="aot_eager", fullgraph=True)(q[0])
+
+
 def _compiled_autograd_graph_ops(backward: Callable[[], None]) -> List[str]:
     """Runs `backward` under compiled autograd (aot_eager) and returns the targets of the call
     nodes of every graph it compiled (Dynamo's and AOTAutograd's)."""

@@ -139,10 +139,16 @@ namespace {
 
 // Whether a (B, H, L, D) input holds its heads inside its rows (stride(1) < stride(2), more than
 // one of each): a transposed (B, L, H, D), as models split a projection into heads.
+//
+// Sizes unbacked under torch.compile (a length from data: unpadding by a boolean mask) are taken
+// to be above 1. Where one is 0 or 1 at run time, the two layouts differ only in the stride of
+// that dimension, which no index uses and Inductor's stride checks skip; deciding "no" instead
+// would give the Meta kernel contiguous strides for a call that returns transposed ones. The
+// comparisons are SymBools: `SymInt > int` would guard, and fail on an unbacked size.
 bool heads_inside_rows(const at::Tensor& input) {
   const c10::SymIntArrayRef size = input.sym_sizes(), stride = input.sym_strides();
-  return TORCH_GUARD_OR_FALSE(size[1] > 1) && TORCH_GUARD_OR_FALSE(size[2] > 1) &&
-         TORCH_GUARD_OR_FALSE(stride[1] < stride[2]);
+  return TORCH_GUARD_OR_TRUE(size[1].sym_gt(1)) && TORCH_GUARD_OR_TRUE(size[2].sym_gt(1)) &&
+         TORCH_GUARD_OR_FALSE(stride[1].sym_lt(stride[2]));
 }
 
 }  // namespace

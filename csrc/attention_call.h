@@ -84,9 +84,9 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
 // (B, L, H, D) when `input` holds its heads inside its rows (stride(1) < stride(2), more than one
 // of each: a model's query, key or value split from a projection), so that merging the heads back
 // is a view rather than a copy; else contiguous. The output follows the query, each gradient its
-// input. The decision reads the symbolic sizes and strides (TORCH_GUARD_OR_FALSE), so the Meta
-// kernels and the device kernels allocate the same strides (except for sizes or strides unbacked
-// under torch.compile, which the Meta kernel takes for a contiguous input's).
+// input. The decision reads the symbolic sizes and strides, so the Meta kernels and the device
+// kernels allocate the same strides, also for sizes unbacked under torch.compile (up to the
+// strides of dimensions of size 1).
 at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes,
                               const at::TensorOptions& options);
 

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
+import torch._dynamo.testing
+
 import torch_ext
 
 F64 = torch.float64
@@ -232,6 +234,45 @@ def test_compile_of_a_transform() -> None:
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(grad(f), backend="aot_eager", fullgraph=True)(q[0])
+
+
+def test_compile_lengths_from_data() -> None:
+    """Query rows selected by a boolean mask (unpadding: x[keep], a length unbacked while traced)
+    compile with fullgraph=True under Inductor, dense and packed, forward and backward, and one
+    graph serves every count, 0 and 1 included. The layout rule took an unbacked length for 0
+    (the guard `SymInt > 1` failed), and the Meta kernel's strides must then match the
+    transposed output the kernels return."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    H, D = 2, 8
+
+    def dense(x: Tensor, keep: Tensor) -> Tensor:
+        t = x[keep].view(-1, H, D).transpose(0, 1).unsqueeze(0)  # (1, H, T, D), heads inside rows
+        out, stats = torch_ext.attention(t, t, t, is_causal=True, return_stats=True)
+        return out.transpose(1, 2).flatten(2) * stats.entropy.sum(1)[..., None]
+
+    def packed(x: Tensor, keep: Tensor, cu: Tensor) -> Tensor:
+        t = x[keep].view(-1, H, D)
+        return torch_ext.varlen_attention(t, t, t, cu, cu, 12, 12, is_causal=True).flatten(1)
+
+    try:
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        compiled_dense = torch.compile(dense, backend=counter, fullgraph=True)
+        compiled_packed = torch.compile(packed, backend=counter, fullgraph=True)
+        for kept in (10, 1, 0):
+            x = rand(12, H * D, seed=kept).requires_grad_()
+            keep = torch.zeros(12, dtype=torch.bool)
+            keep[torch.randperm(12, generator=torch.Generator().manual_seed(kept))[:kept]] = True
+            cu = torch.tensor([0, kept // 2, kept], dtype=torch.int32)
+            for fn, compiled, args in ((dense, compiled_dense, (x, keep)), (packed, compiled_packed, (x, keep, cu))):
+                got, want = compiled(*args), fn(*args)
+                torch.testing.assert_close(got, want, **TOL)
+                torch.testing.assert_close(torch.autograd.grad(got.square().sum(), x),
+                                           torch.autograd.grad(want.square().sum(), x), **TOL)
+        assert counter.frame_count == 2
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = False
+        torch._dynamo.reset()
 
 
 def _compiled_autograd_graph_ops(backward: Callable[[], None]) -> List[str]:

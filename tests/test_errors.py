@@ -180,6 +180,13 @@ def test_other_entry_points_name_bad_arguments() -> None:
             torch_ext.varlen_attention(t, t, t, cu, cu, m, 5)
     with torch_ext.replace_sdpa(), pytest.raises(ValueError, match="attn_mask"):
         torch.nn.functional.scaled_dot_product_attention(q, k, k, torch.zeros(B + 1, H, Lq, Lk))
+    with torch_ext.replace_sdpa(), pytest.raises(ValueError, match="leading dims"):
+        torch.nn.functional.scaled_dot_product_attention(q[0], k[0], k[0], torch.zeros(2, 1, Lq, Lk))
+    mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    for name in ("attn_mask", "key_padding_mask"):
+        with pytest.raises(TypeError, match=f"^{name} must be a tensor or None, got list"):
+            mha(x, x, x, **{name: [[True, True, False]]})
 
 
 def test_float64_mask_values_beyond_float32_are_offsets() -> None:
@@ -216,6 +223,15 @@ def test_stats_ops_bad_inputs(device: str, name: str, fn: Callable[..., Tensor])
         fn(torch.rand(3, 4, device=device), dim=2)
     with pytest.raises((ValueError, TypeError, IndexError), match="dim|[Dd]imension"):
         fn(torch.rand(3, 4, device=device), dim=-3)
+    # Non-tensors and dims that are not ints: a TypeError naming the argument (the op's parser
+    # raised a RuntimeError, and None "does not have a device").
+    arg = "p" if name == "entropy" else "a"
+    for bad in (None, [0.5, 0.5]):
+        with pytest.raises(TypeError, match=f"^{arg} must be a torch.Tensor"):
+            fn(bad)
+    for dim in (1.5, None, True):
+        with pytest.raises(TypeError, match="^dim must be an int"):
+            fn(torch.rand(3, 4, device=device), dim=dim)
 
 
 def _backward_args() -> Dict[str, Any]:

@@ -164,12 +164,15 @@ def test_errors() -> None:
         ((4, 5, 8), (2, 4, 6, 8), (5, 6), {}),
         ((2, 4, 5, 8), (6, 8), None, {"is_causal": True}),  # key and value of fewer dims
         ((2, 4, 5, 8), (4, 6, 8), None, {}),
+        ((3, 5, 8), (3, 6, 8), (1, 1, 5, 6), {}),  # a mask of more dims than the inputs, leading 1s
+        ((3, 5, 8), (3, 6, 8), (1, 3, 5, 6), {}),
     ],
 )
 def test_sdpa_layouts(q_shape: tuple, kv_shape: tuple, mask_shape: tuple | None, kwargs: Dict[str, Any]) -> None:
     """Every layout SDPA takes, (..., L, E) with broadcasting leading dims, gives SDPA's output
-    (shape and values, float64): 2-D, 3-D and 5-D inputs and a broadcast head were refused, and
-    a query of fewer dims than key and value raised IndexError."""
+    (shape and values, float64): 2-D, 3-D and 5-D inputs and a broadcast head were refused, a
+    query of fewer dims than key and value raised IndexError, and a mask of more dims than the
+    inputs (its extra leading dims 1, which SDPA takes) raised ValueError."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(q_shape, dtype=torch.float64, generator=g)
     k, v = (torch.randn(kv_shape, dtype=torch.float64, generator=g) for _ in range(2))

@@ -210,6 +210,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         broadcastable to (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
         masks = []
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if m is not None and not isinstance(m, Tensor):
+                raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
             if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
                 # (as torch.nn.MultiheadAttention: an integer mask is neither convention)
                 raise TypeError(f"{name} must be a bool or floating-point tensor, got {m.dtype}")

@@ -5,11 +5,21 @@ import torch
 from torch_ext import _functorch
 
 
+def _check_args(name: str, x: object, dim: object) -> None:
+    """The errors of torch_ext's other functions for a non-tensor input or a dim that is not an
+    int: a TypeError naming the argument (the op's parser raises a RuntimeError)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, (bool, torch.Tensor)) or not hasattr(type(dim), "__index__"):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+
+
 def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Shannon entropy ``-sum(p * ln p)`` of normalized weights along ``dim`` (0 ln 0 = 0).
 
     Differentiable; the gradient at entries with ``p == 0`` is taken as 0.
     """
+    _check_args("p", p, dim)
     if _functorch.transforms_active():
         return _functorch.row_reduction("entropy", p, dim)
     return torch.ops.entropy_attn.entropy(p, dim)
@@ -21,6 +31,7 @@ def sparsity(a: torch.Tensor, dim: int = -1) -> torch.Tensor:
     1 for a uniform row, ``1/sqrt(n)`` for a one-hot row; any attention matrix, signed or not.
     An all-zero slice gives 0. Differentiable.
     """
+    _check_args("a", a, dim)
     if _functorch.transforms_active():
         return _functorch.row_reduction("sparsity", a, dim)
     return torch.ops.entropy_attn.sparsity(a, dim)

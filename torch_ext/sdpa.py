@@ -41,10 +41,16 @@ def _routed_sdpa(
         )
     nd = max(query.dim(), key.dim(), value.dim())
     if attn_mask is not None and attn_mask.dim() > nd:
-        raise ValueError(
-            f"replace_sdpa: attn_mask has {attn_mask.dim()} dims, more than query, key and value ({nd}): "
-            "pass a mask broadcastable to the output (..., L, S)"
-        )
+        # SDPA's fused kernels take leading dims of 1 beyond the inputs' (a (1, 1, L, S) mask
+        # with (N, L, E) inputs); the output keeps the inputs' shape.
+        extra = attn_mask.dim() - nd
+        if any(n != 1 for n in attn_mask.shape[:extra]):
+            raise ValueError(
+                f"replace_sdpa: attn_mask has {attn_mask.dim()} dims, more than query, key and value ({nd}), "
+                f"and its leading dims {tuple(attn_mask.shape[:extra])} are not 1: pass a mask broadcastable to "
+                "the output (..., L, S)"
+            )
+        attn_mask = attn_mask.reshape(attn_mask.shape[extra:])
     if nd < 4:  # one head: a heads dim of 1 in front of (L, E), and in front of a mask's (L, S)
         query, key, value = (t.unsqueeze(-3) for t in (query, key, value))
         if attn_mask is not None and attn_mask.dim() >= 3:

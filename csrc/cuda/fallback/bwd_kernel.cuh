@@ -395,7 +395,6 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
     const int e = threadIdx.x + it * kThreads;
     const int c = e / kD, d = e % kD;
     if (c >= cols) continue;
-    const int64_t key_row = blk.bh * p.kv_len + j0 + c;
     if constexpr (kGrouped) {  // (blk.h is the key/value head: the grid has Hkv heads)
       if (d < D) {
         static_cast<T*>(p.dk_out.data)[p.dk_out.offset(b, kvh, j0 + c) + d] =
@@ -406,6 +405,7 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
             from_acc<T>(sdV[c * L::kLdA + d]);
       }
     } else {
+      const int64_t key_row = blk.bh * p.kv_len + j0 + c;
       if (d < D) p.dk[key_row * D + d] = sdK[c * L::kLdA + d];
       if (d < Dv) p.dv[key_row * Dv + d] = sdV[c * L::kLdA + d];
     }

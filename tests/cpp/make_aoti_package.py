@@ -1,0 +1,50 @@
+"""Writes the AOTInductor package that tests/cpp/test_aoti.cpp loads from LibTorch (CTest runs it
+as that test's fixture; tests/test_aoti.py checks it from Python): `Statistics`, the op with its
+statistics, exported with dynamic query and key lengths and compiled ahead of time for the CPU.
+
+    python3 tests/cpp/make_aoti_package.py OUT.pt2
+
+Exits with 77 (CTest's skip code for this fixture) where torch_ext cannot be imported: a C++ build
+without the Python package has nothing to export with.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_ext
+except ImportError as e:  # (only as a script: tests/test_aoti.py imports it with torch_ext present)
+    if __name__ == "__main__":
+        print(f"make_aoti_package: torch_ext is not importable ({e}): no package", file=sys.stderr)
+        sys.exit(77)
+    raise
+
+
+class Statistics(torch.nn.Module):
+    """Causal attention with grouped queries (4 query heads, 2 key/value heads) and the log-n
+    scale, returning the output, lse, entropy and n_keys. test_aoti.cpp calls the op with these
+    arguments through its C++ API and compares."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        out, stats = torch_ext.attention(q, k, v, is_causal=True, scale="logn", train_length=16, enable_gqa=True,
+                                         return_stats=True)
+        return out, stats.lse, stats.entropy, stats.n_keys
+
+
+def main(path: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 9), (2, 12), (2, 12)))
+    lq, lk = torch.export.Dim("Lq", min=2, max=4096), torch.export.Dim("Lk", min=2, max=4096)
+    exported = torch.export.export(Statistics(), (q, k, v), dynamic_shapes=({2: lq}, {2: lk}, {2: lk}))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    print(torch._inductor.aoti_compile_and_package(exported, package_path=path))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])

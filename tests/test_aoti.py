@@ -1,0 +1,89 @@
+"""Ahead-of-time compilation: a model calling the ops, exported (torch.export) with a dynamic
+length and compiled by AOTInductor into a `.pt2` package, loads and runs without retracing, with
+the outputs and statistics of eager calls at lengths other than the traced one. The package calls
+the ops by name, so the process that runs it must have loaded them (`import torch_ext` in Python;
+linking the C++ library in LibTorch: tests/cpp/test_aoti.cpp runs the package that
+tests/cpp/make_aoti_package.py writes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_ext
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "cpp"))
+from make_aoti_package import Statistics  # noqa: E402  (the module the C++ test runs)
+# (Inductor generates Triton kernels for CUDA packages.)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs CUDA and Triton"))]
+
+
+def _compile(model: torch.nn.Module, example: tuple, dynamic: tuple, path: Path) -> str:
+    exported = torch.export.export(model, example, dynamic_shapes=dynamic)
+    return torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multihead_attention_package_matches_eager(device: str, tmp_path: Path) -> None:
+    """torch_ext.nn.MultiheadAttention (causal, log-n scale: lambda_i from each row's n_i inside
+    the op) in a package compiled for one length runs at others, as eager does (float32)."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch_ext.nn.MultiheadAttention(32, 4, batch_first=True, scale="logn", train_length=8)
+            self.ff = torch.nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, _ = self.attn(x, x, x, need_weights=False, is_causal=True)
+            return self.ff(y)
+
+    model = Block().to(device).eval()
+    length = torch.export.Dim("L", min=2, max=4096)
+    path = _compile(model, (torch.randn(2, 10, 32, device=device),), ({1: length},), tmp_path / "block.pt2")
+    runner = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        for L in (10, 37, 3):
+            x = torch.randn(2, L, 32, device=device)
+            torch.testing.assert_close(runner(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_package_matches_eager(device: str, tmp_path: Path) -> None:
+    """The op's outputs and statistics through a package (GQA, causal, log-n), float64, at lengths
+    of queries and keys other than the traced ones, equal the op's."""
+    g = torch.Generator().manual_seed(1)
+
+    def inputs(lq: int, lk: int) -> tuple:
+        return tuple(torch.randn(2, h, n, 16, dtype=torch.float64, generator=g).to(device)
+                     for h, n in ((4, lq), (2, lk), (2, lk)))
+
+    lq, lk = torch.export.Dim("Lq", min=2, max=4096), torch.export.Dim("Lk", min=2, max=4096)
+    path = _compile(Statistics(), inputs(9, 12), ({2: lq}, {2: lk}, {2: lk}), tmp_path / "stats.pt2")
+    runner = torch._inductor.aoti_load_package(path)
+    for shape in ((9, 12), (5, 40), (33, 7)):
+        args = inputs(*shape)
+        got, want = runner(*args), Statistics()(*args)
+        assert len(got) == len(want) == 4
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_package_generator_for_the_cpp_test(tmp_path: Path) -> None:
+    """tests/cpp/make_aoti_package.py (CTest's fixture for test_aoti.cpp) writes a package that
+    loads here and runs Statistics at a new length."""
+    path = tmp_path / "model.pt2"
+    subprocess.run([sys.executable, str(HERE / "cpp" / "make_aoti_package.py"), str(path)], check=True)
+    runner = torch._inductor.aoti_load_package(str(path))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 6), (2, 21), (2, 21)))
+    for a, b in zip(runner(q, k, v), Statistics()(q, k, v)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

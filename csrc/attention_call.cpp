@@ -142,8 +142,10 @@ namespace {
 //
 // Sizes unbacked under torch.compile (a length from data: unpadding by a boolean mask) are taken
 // to be above 1. Where one is 0 or 1 at run time, the two layouts differ only in the stride of
-// that dimension, which no index uses and Inductor's stride checks skip; deciding "no" instead
-// would give the Meta kernel contiguous strides for a call that returns transposed ones. The
+// that dimension (or the tensor is empty), which no index uses and Inductor's stride checks skip;
+// deciding "no" instead would give the Meta kernel contiguous strides for a call that returns
+// transposed ones. An undecidable stride comparison counts as "no": right for an unbacked length,
+// wrong for an unbacked head count (transposed at run time; not a case models produce). The
 // comparisons are SymBools: `SymInt > int` would guard, and fail on an unbacked size.
 bool heads_inside_rows(const at::Tensor& input) {
   const c10::SymIntArrayRef size = input.sym_sizes(), stride = input.sym_strides();

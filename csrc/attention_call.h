@@ -85,8 +85,8 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
 // of each: a model's query, key or value split from a projection), so that merging the heads back
 // is a view rather than a copy; else contiguous. The output follows the query, each gradient its
 // input. The decision reads the symbolic sizes and strides, so the Meta kernels and the device
-// kernels allocate the same strides, also for sizes unbacked under torch.compile (up to the
-// strides of dimensions of size 1).
+// kernels allocate the same strides, also for lengths unbacked under torch.compile (up to the
+// strides of dimensions of size 0 or 1).
 at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes,
                               const at::TensorOptions& options);
 

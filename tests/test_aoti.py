@@ -8,6 +8,7 @@ tests/cpp/make_aoti_package.py writes)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,9 @@ def test_package_generator_for_the_cpp_test(tmp_path: Path) -> None:
     """tests/cpp/make_aoti_package.py (CTest's fixture for test_aoti.cpp) writes a package that
     loads here and runs Statistics at a new length."""
     path = tmp_path / "model.pt2"
-    subprocess.run([sys.executable, str(HERE / "cpp" / "make_aoti_package.py"), str(path)], check=True)
+    # (This checkout's torch_ext, as CTest runs it: the source tree first on the path.)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE.parent), os.environ.get("PYTHONPATH"))))}
+    subprocess.run([sys.executable, str(HERE / "cpp" / "make_aoti_package.py"), str(path)], check=True, env=env)
     runner = torch._inductor.aoti_load_package(str(path))
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 6), (2, 21), (2, 21)))

@@ -185,8 +185,9 @@ def test_other_entry_points_name_bad_arguments() -> None:
     mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(1, 3, 8)
     for name in ("attn_mask", "key_padding_mask"):
-        with pytest.raises(TypeError, match=f"^{name} must be a tensor or None, got list"):
-            mha(x, x, x, **{name: [[True, True, False]]})
+        for inputs in (x, x[0]):  # batched and unbatched
+            with pytest.raises(TypeError, match=f"^{name} must be a tensor or None, got list"):
+                mha(inputs, inputs, inputs, **{name: [[True, True, False]]})
 
 
 def test_float64_mask_values_beyond_float32_are_offsets() -> None:

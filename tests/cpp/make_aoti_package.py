@@ -4,8 +4,9 @@ statistics, exported with dynamic query and key lengths and compiled ahead of ti
 
     python3 tests/cpp/make_aoti_package.py OUT.pt2
 
-Exits with 77 (CTest's skip code for this fixture) where torch_ext cannot be imported: a C++ build
-without the Python package has nothing to export with.
+Exits with 77 (CTest's skip code for this fixture), removing OUT.pt2, where torch or torch_ext cannot
+be imported: a C++ build without the Python package has nothing to export with. CTest puts the
+source tree first on PYTHONPATH, so that it exports with this checkout's torch_ext (built in place).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 try:
+    import torch
+
     import torch_ext
 except ImportError as e:  # (only as a script: tests/test_aoti.py imports it with torch_ext present)
     if __name__ == "__main__":
-        print(f"make_aoti_package: torch_ext is not importable ({e}): no package", file=sys.stderr)
+        Path(sys.argv[-1]).unlink(missing_ok=True)  # no stale package for test_aoti.cpp to load
+        print(f"make_aoti_package: torch or torch_ext is not importable ({e}): no package", file=sys.stderr)
         sys.exit(77)
     raise
 

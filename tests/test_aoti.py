@@ -90,3 +90,27 @@ def test_package_generator_for_the_cpp_test(tmp_path: Path) -> None:
     q, k, v = (torch.randn(1, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 6), (2, 21), (2, 21)))
     for a, b in zip(runner(q, k, v), Statistics()(q, k, v)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_documents_package_matches_eager(tmp_path: Path) -> None:
+    """varlen_attention in a package: the token count, the number of documents and the longest
+    document (given by a tensor's length, as max_q/max_k must be sizes to stay symbolic) are
+    dynamic, so packings other than the traced one run, n_i restarting with each document."""
+
+    class Packed(torch.nn.Module):
+        def forward(self, q: torch.Tensor, cu: torch.Tensor, longest: torch.Tensor) -> torch.Tensor:
+            n = longest.shape[0]
+            return torch_ext.varlen_attention(q, q, q, cu, cu, n, n, is_causal=True, scale="logn", train_length=8)
+
+    def packing(bounds: list) -> tuple:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        q = torch.randn(bounds[-1], 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(len(bounds)))
+        return q, cu, torch.empty(int((cu[1:] - cu[:-1]).max()))
+
+    dims = ({0: torch.export.Dim("T", min=2, max=4096)}, {0: torch.export.Dim("N", min=2, max=64)},
+            {0: torch.export.Dim("longest", min=2, max=4096)})
+    path = _compile(Packed(), packing([0, 5, 12, 15]), dims, tmp_path / "packed.pt2")
+    runner = torch._inductor.aoti_load_package(path)
+    for bounds in ([0, 5, 12, 15], [0, 3, 4, 20, 30], [0, 9]):
+        args = packing(bounds)
+        torch.testing.assert_close(runner(*args), Packed()(*args), rtol=1e-12, atol=1e-12)

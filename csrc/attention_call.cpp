@@ -162,7 +162,9 @@ at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes
 }
 
 at::Tensor in_layout_of(const at::Tensor& input, const at::Tensor& grad, at::ScalarType dtype) {
-  if (!heads_inside_rows(input)) return grad.to(dtype).contiguous();
+  if (!heads_inside_rows(input)) {
+    return grad.to(dtype, /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
+  }
   // (An empty tensor counts as contiguous in any strides: it is allocated anew, as the Meta
   // kernel's.)
   if (grad.scalar_type() == dtype && grad.numel() > 0 && grad.transpose(1, 2).is_contiguous()) {

@@ -20,7 +20,7 @@ import torch_ext
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "cpp"))
-from make_aoti_package import Statistics  # noqa: E402  (the module the C++ test runs)
+from make_aoti_package import Statistics, inputs, package  # noqa: E402  (what the C++ test runs)
 # (Inductor generates Triton kernels for CUDA packages.)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs CUDA and Triton"))]
@@ -61,17 +61,9 @@ def test_multihead_attention_package_matches_eager(device: str, tmp_path: Path) 
 def test_statistics_package_matches_eager(device: str, tmp_path: Path) -> None:
     """The op's outputs and statistics through a package (GQA, causal, log-n), float64, at lengths
     of queries and keys other than the traced ones, equal the op's."""
-    g = torch.Generator().manual_seed(1)
-
-    def inputs(lq: int, lk: int) -> tuple:
-        return tuple(torch.randn(2, h, n, 16, dtype=torch.float64, generator=g).to(device)
-                     for h, n in ((4, lq), (2, lk), (2, lk)))
-
-    lq, lk = torch.export.Dim("Lq", min=2, max=4096), torch.export.Dim("Lk", min=2, max=4096)
-    path = _compile(Statistics(), inputs(9, 12), ({2: lq}, {2: lk}, {2: lk}), tmp_path / "stats.pt2")
-    runner = torch._inductor.aoti_load_package(path)
+    runner = torch._inductor.aoti_load_package(package(str(tmp_path / "stats.pt2"), device))
     for shape in ((9, 12), (5, 40), (33, 7)):
-        args = inputs(*shape)
+        args = inputs(*shape, device=device, seed=1)
         got, want = runner(*args), Statistics()(*args)
         assert len(got) == len(want) == 4
         for a, b in zip(got, want):
@@ -86,8 +78,7 @@ def test_package_generator_for_the_cpp_test(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE.parent), os.environ.get("PYTHONPATH"))))}
     subprocess.run([sys.executable, str(HERE / "cpp" / "make_aoti_package.py"), str(path)], check=True, env=env)
     runner = torch._inductor.aoti_load_package(str(path))
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 6), (2, 21), (2, 21)))
+    q, k, v = inputs(6, 21, seed=2)
     for a, b in zip(runner(q, k, v), Statistics()(q, k, v)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 

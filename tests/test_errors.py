@@ -186,7 +186,7 @@ def test_other_entry_points_name_bad_arguments() -> None:
     x = torch.randn(1, 3, 8)
     for name in ("attn_mask", "key_padding_mask"):
         for inputs in (x, x[0]):  # batched and unbatched
-            with pytest.raises(TypeError, match=f"^{name} must be a tensor or None, got list"):
+            with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor or None, got list"):
                 mha(inputs, inputs, inputs, **{name: [[True, True, False]]})
 
 

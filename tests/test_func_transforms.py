@@ -14,10 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import Tensor
 from torch.func import functional_call, grad, jacrev, vjp, vmap
-
-import torch._dynamo.testing
 
 import torch_ext
 

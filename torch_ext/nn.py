@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_ext.attention import length_factor
+from torch_ext.attention import _check_tensors, length_factor
 from torch_ext.policy import AttentionPolicy, attend, hide_masked
 
 
@@ -132,9 +132,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Optional[Tensor]]:
         """As :meth:`torch.nn.MultiheadAttention.forward`. ``is_causal=True`` applies the causal
         mask (top-left aligned) and ignores ``attn_mask``, which it declares to be that mask."""
-        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
-            if m is not None and not isinstance(m, Tensor):
-                raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
+        _check_tensors(attn_mask=(attn_mask, True), key_padding_mask=(key_padding_mask, True))
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError(
                 "torch_ext.nn.MultiheadAttention does not take nested tensors: build "

@@ -3,13 +3,13 @@
 import torch
 
 from torch_ext import _functorch
+from torch_ext.attention import _check_tensors
 
 
 def _check_args(name: str, x: object, dim: object) -> None:
-    """The errors of torch_ext's other functions for a non-tensor input or a dim that is not an
-    int: a TypeError naming the argument (the op's parser raises a RuntimeError)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    """A TypeError naming the argument for a non-tensor input or a dim that is not an int (the
+    op's parser raises a RuntimeError)."""
+    _check_tensors(**{name: x})
     if isinstance(dim, (bool, torch.Tensor)) or not hasattr(type(dim), "__index__"):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
 

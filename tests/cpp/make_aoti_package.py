@@ -37,13 +37,23 @@ class Statistics(torch.nn.Module):
         return out, stats.lse, stats.entropy, stats.n_keys
 
 
-def main(path: str) -> None:
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, n, 16, dtype=torch.float64, generator=g) for h, n in ((4, 9), (2, 12), (2, 12)))
+def inputs(lq: int, lk: int, device: str = "cpu", seed: int = 0) -> tuple:
+    """Seeded float64 q (2, 4, lq, 16), k and v (2, 2, lk, 16)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, h, n, 16, dtype=torch.float64, generator=g).to(device)
+                 for h, n in ((4, lq), (2, lk), (2, lk)))
+
+
+def package(path: str, device: str = "cpu") -> str:
+    """Statistics exported with dynamic Lq and Lk (traced at 9 and 12) and compiled into `path`."""
     lq, lk = torch.export.Dim("Lq", min=2, max=4096), torch.export.Dim("Lk", min=2, max=4096)
-    exported = torch.export.export(Statistics(), (q, k, v), dynamic_shapes=({2: lq}, {2: lk}, {2: lk}))
+    exported = torch.export.export(Statistics(), inputs(9, 12, device), dynamic_shapes=({2: lq}, {2: lk}, {2: lk}))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    print(torch._inductor.aoti_compile_and_package(exported, package_path=path))
+    return torch._inductor.aoti_compile_and_package(exported, package_path=path)
+
+
+def main(path: str) -> None:
+    print(package(path))
 
 
 if __name__ == "__main__":

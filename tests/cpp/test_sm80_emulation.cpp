@@ -8,9 +8,11 @@
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h):
 //   forward:  D = 64 and 128 (and the masked 64 x 64 tiles), with and without statistics, plain
 //             full attention and the general (causal) instantiations, split-KV with its combine;
+//             D = 256 (64 x 32 tiles, the general instantiations alone) with each mask kind;
 //   backward: the full tiles and the compact ones (64 x 64, one dO buffer: GPUs with 99 KB of
 //             shared memory per block), with and without masks, the atomic and the deterministic
-//             dq. Its statistics come from the emulated fallback forward.
+//             dq; D = 256 (64 x 64 tiles, G = dS K in two column halves). Its statistics come
+//             from the emulated fallback forward.
 // The features of the general instantiations: test_sm80_emulation_features.cpp. Last, a test that
 // the cp.async checks catch the mistakes they are for.
 #include <cstring>
@@ -58,6 +60,22 @@ TEST(EmulatedSm80Forward, SplitKv) {
       eh::Shape{2, 2, 2, 3, 260, 64, false, false, false, MaskKind::kNone, true}, 2);
 }
 
+TEST(EmulatedSm80Forward, HeadDim256) {
+  // Gemma's head dim, which has the general (causal) instantiations alone, in 64 x 32 tiles: causal
+  // GQA with logn row scales, plain full attention without statistics (an output in (B, Lq, H, D)
+  // memory), both mask kinds, and split-KV decoding rows.
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(
+      eh::Shape{1, 4, 2, 100, 100, 256, true, true});
+  run_forward<__half, 256, true, MaskKind::kNone, false>(
+      eh::Shape{1, 2, 2, 70, 90, 256, false, false, false, MaskKind::kNone, true});
+  run_forward<__half, 256, true, MaskKind::kBool, true>(
+      eh::Shape{1, 2, 1, 50, 70, 256, false, true, false, MaskKind::kBool});
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, true>(
+      eh::Shape{1, 2, 2, 60, 60, 256, true, false, false, MaskKind::kAdditive});
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(
+      eh::Shape{1, 2, 1, 3, 150, 256, false, true}, 3);
+}
+
 TEST(EmulatedSm80Backward, FullTilesD64) {
   // GQA with partial blocks, causal (the general instantiation), the statistics' gradients.
   run_case<__nv_bfloat16, 64, false, true, MaskKind::kNone>(
@@ -69,6 +87,22 @@ TEST(EmulatedSm80Backward, FullTilesD128) {
   // (B, L, H, D) memory.
   run_case<__half, 128, false, false, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 40, 150, 128, false, true, true, MaskKind::kNone, true});
+}
+
+TEST(EmulatedSm80Backward, FullTilesD256) {
+  // 64 x 64 tiles, G = dS K in two halves of 128 columns and the postprocess in two steps a row:
+  // GQA causal with the statistics' gradients over three key blocks, a plain call with its
+  // gradients in (B, L, H, D) memory, both mask kinds, and the deterministic dq.
+  run_case<__nv_bfloat16, 256, false, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 90, 150, 256, true, true, true});
+  run_case<__half, 256, false, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 70, 70, 256, false, false, true, MaskKind::kNone, true});
+  run_case<__half, 256, false, true, MaskKind::kBool>(
+      eh::Shape{1, 2, 1, 60, 80, 256, false, true, true, MaskKind::kBool});
+  run_case<__nv_bfloat16, 256, false, true, MaskKind::kAdditive>(
+      eh::Shape{1, 2, 2, 50, 50, 256, true, false, true, MaskKind::kAdditive});
+  run_case<__half, 256, false, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 1, 80, 100, 256, true, true, true}, true);
 }
 
 TEST(EmulatedSm80Backward, CompactTilesD128) {

@@ -65,4 +65,16 @@ TEST(EmulatedSm80Features, PackedDocuments) {
   run_documents<__nv_bfloat16, 128, true>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
 }
 
+TEST(EmulatedSm80Features, HeadDim256) {
+  // Gemma 2's pattern (softcap over a sliding window), sinks with dropout, and packed documents,
+  // at the head dim whose kernels are off by default until tested on a GPU.
+  Feature f;
+  f.softcap = 50.0, f.window = {63, 0}, f.q_len = 130, f.kv_len = 130;
+  run_feature<__nv_bfloat16, 256, false>(f);
+  f = Feature{};
+  f.dropout_p = 0.1, f.sinks = true, f.q_len = 80, f.kv_len = 100, f.alignment = "bottom_right";
+  run_feature<__half, 256, false>(f);
+  run_documents<__nv_bfloat16, 256, false>({0, 1, 70, 100}, {0, 1, 90, 130}, true, {40, 0});
+}
+
 }  // namespace

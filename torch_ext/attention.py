@@ -11,6 +11,9 @@ from torch_ext import _functorch
 
 _SCALE_MODES = ("logn", "logn_sharpen")
 _MIN_SOFTCAP = torch.finfo(torch.float32).tiny  # the ops' bound (csrc/attention_inputs.cpp: check_pattern_options)
+# attention's default window_size, which _plain_call recognizes by identity: a tuple the caller
+# built is checked element by element (its -1.0s are not ints).
+_NO_WINDOW = (-1, -1)
 
 
 def _schema_defaults(packet: torch._ops.OpOverloadPacket) -> dict[str, object]:
@@ -240,6 +243,7 @@ def _pattern_args(
     }
 
 
+_ATTENTION = torch.ops.entropy_attn.attention.default
 _ATTENTION_DEFAULTS = _schema_defaults(torch.ops.entropy_attn.attention)
 
 
@@ -256,7 +260,7 @@ def attention(
     train_length: int = 512,
     scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = _NO_WINDOW,
     causal_alignment: str = "top_left",
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -310,21 +314,107 @@ def attention(
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0 (with sinks: the whole weight on the sink).
     """
-    _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
-    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
-    pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
+    if not (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
+        and (sinks is None or isinstance(sinks, torch.Tensor))
+    ):
+        _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
     return_stats = _flag(return_stats, "return_stats")
-    # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
-    options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=_flag(enable_gqa, "enable_gqa"),
-                   return_stats=return_stats, **policy, **pattern)
-    if _functorch.transforms_active():
-        res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
+    is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
+    if _plain_call(scale, temperature, train_length, scale_factor, window_size, causal_alignment, softcap,
+                   dropout_p, generator):
+        options = _plain_options(scale, scale_factor, train_length, is_causal, enable_gqa, return_stats, sinks)
+        res = _ATTENTION(query, key, value, attn_mask, None, **options)
     else:
-        options = _explicit(options, _ATTENTION_DEFAULTS)
-        res = torch.ops.entropy_attn.attention(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
+        scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+        pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
+        # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
+        options = dict(is_causal=is_causal, enable_gqa=enable_gqa, return_stats=return_stats, **policy, **pattern)
+        if _functorch.transforms_active():
+            res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
+        else:
+            options = _explicit(options, _ATTENTION_DEFAULTS)
+            res = _ATTENTION(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
     if not return_stats:
         return res[0]
     return res[0], _stats(res)
+
+
+def _plain_call(
+    scale: object,
+    temperature: object,
+    train_length: object,
+    scale_factor: object,
+    window_size: object,
+    causal_alignment: object,
+    softcap: object,
+    dropout_p: object,
+    generator: object,
+) -> bool:
+    """Whether a call of :func:`attention` may skip _policy_args, _pattern_args and _explicit: in
+    eager mode outside torch.func transforms, with a scale that is None, a finite float or a "logn"
+    policy (with no scale_factor or a finite float one), an int train_length that is valid, and
+    every other policy and pattern argument at its default (exact types, so that nothing the checks
+    would refuse passes, and window_size by identity). _plain_options then gives the op what the
+    general path would, and a short call (a decoding step) saves most of that path's Python time:
+    the wrapper took 9 us of a tiny call, now 2 (README: The fixed cost of a call).
+    tests/test_call_mapping.py checks the mapping and the refusals."""
+    return (
+        (
+            scale is None
+            or (type(scale) is float and -math.inf < scale < math.inf)
+            or (type(scale) is str and scale in _SCALE_MODES)
+        )
+        and (
+            scale_factor is None
+            or (type(scale_factor) is float and -math.inf < scale_factor < math.inf and type(scale) is str)
+        )
+        and type(temperature) is float
+        and temperature == 1.0
+        and type(train_length) is int
+        and 1 < train_length < 2**53
+        and window_size is _NO_WINDOW
+        and type(causal_alignment) is str
+        and causal_alignment == "top_left"
+        and softcap is None
+        and type(dropout_p) is float
+        and dropout_p == 0.0
+        and generator is None
+        and not torch.compiler.is_compiling()
+        and not _functorch.transforms_active()
+    )
+
+
+def _plain_options(
+    scale: float | str | None,
+    scale_factor: float | None,
+    train_length: int,
+    is_causal: bool,
+    enable_gqa: bool,
+    return_stats: bool,
+    sinks: torch.Tensor | None,
+) -> dict[str, object]:
+    """The op's keyword arguments of a call _plain_call accepts, as _explicit leaves them: those
+    that differ from the schema's defaults (which have return_stats on)."""
+    options: dict[str, object] = {} if return_stats else {"return_stats": False}
+    if isinstance(scale, str):  # a "logn" policy: its base and its base scale
+        options["scale_mode"] = scale
+        if train_length != 512:
+            options["log_base"] = float(train_length)
+        if scale_factor is not None:
+            options["scale_factor"] = scale_factor
+    elif scale is not None:
+        options["scale_factor"] = scale
+    if is_causal:
+        options["is_causal"] = True
+    if enable_gqa:
+        options["enable_gqa"] = True
+    if sinks is not None:
+        options["sinks"] = sinks
+    return options
 
 
 def length_factor(

@@ -9,7 +9,7 @@ them); an invalid one must raise a clear exception. A crash of the worker fails 
 caused it, which is reported, and the worker is restarted.
 
 FUZZ_EXAMPLES sets the number of cases (default 150, the short profile CI runs); the long run is
-``FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz.py -q`` (scripts/fuzz.sh).
+``FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz.py -q``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
-"""Packaging: the metadata of pyproject.toml, one version, the torch pin of a build, and the clear
-errors of a mismatched torch (at import) and of a missing torch (at build)."""
+"""Packaging: the metadata of pyproject.toml, one version, the torch pin of a build, the source
+distribution, and the clear errors of a mismatched torch (at import) and of a missing torch (at
+build)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 
 import torch_ext
@@ -97,3 +101,36 @@ def test_setup_without_torch_says_what_to_do() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0
     assert "--no-build-isolation" in out.stderr and "Install torch" in out.stderr, out.stderr
+
+
+def test_source_distribution_holds_what_the_build_reads(tmp_path: Path) -> None:
+    """The sdist (MANIFEST.in) of the tracked files holds every file scripts/sources_hash.sh lists,
+    what setup.py compiles and reads (it had no header and not the helpers setup.py imports, so
+    that building it failed at once), and no build output: the hash of its sources is the tree's."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout (the tracked files)")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    src = tmp_path / "src"
+    for name in tracked.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    env = {**os.environ, "ENTROPY_ATTN_CPU_ONLY": "1"}
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=src,
+                   capture_output=True, check=True, env=env)
+    (archive,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    files = {p.relative_to(unpacked).as_posix() for p in unpacked.rglob("*") if p.is_file()}
+    csrc = {n for n in tracked.decode().split("\0") if n.startswith("csrc/")}
+    assert csrc <= files, sorted(csrc - files)[:10]
+    for name in ("setup.py", "pyproject.toml", "scripts/kernel_list.py", "scripts/cuda_home.py", "LICENSE"):
+        assert name in files, name
+    assert not any(n.endswith((".so", ".o")) or n.endswith("_build_info.py") for n in files), sorted(files)
+
+    def sources_hash(tree: Path) -> str:
+        return subprocess.run(["bash", str(tree / "scripts" / "sources_hash.sh")], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert sources_hash(unpacked) == sources_hash(src)

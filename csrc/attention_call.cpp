@@ -163,7 +163,10 @@ at::Tensor empty_in_layout_of(const at::Tensor& input, c10::SymIntArrayRef sizes
 
 at::Tensor in_layout_of(const at::Tensor& input, const at::Tensor& grad, at::ScalarType dtype) {
   if (!heads_inside_rows(input)) {
-    return grad.to(dtype, /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
+    // (Not to(dtype, ..., MemoryFormat::Contiguous): where the dtype already matches it returns a
+    // strided grad as it is, a view of the padded buffer of head_dim_padding.cpp's unpad_grads.)
+    if (grad.scalar_type() == dtype) return grad.contiguous();
+    return at::empty_symint(grad.sym_sizes(), grad.options().dtype(dtype)).copy_(grad);
   }
   // (An empty tensor counts as contiguous in any strides: it is allocated anew, as the Meta
   // kernel's.)

@@ -1730,6 +1730,33 @@ def test_gpu_of_99KB_per_block(monkeypatch: pytest.MonkeyPatch, case: str) -> No
             o.sum().backward()
 
 
+#: Values of the CUDA path's environment variables that are no setting: (variable, value).
+BAD_CUDA_SETTINGS = [
+    ("ENTROPY_ATTN_CUDA_FAMILY", "sm70"),
+    ("ENTROPY_ATTN_SPLIT_KV", "many"),
+    ("ENTROPY_ATTN_SPLIT_KV", "0"),
+    ("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", "-3"),
+    ("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", "0"),
+    ("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", " +4096"),
+    ("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", "99999999999999999999"),  # (strtol: LONG_MAX, no cap)
+    ("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", "96KB"),
+]
+
+
+@real_cuda
+@pytest.mark.parametrize("name,value", BAD_CUDA_SETTINGS, ids=[f"{n}={v!r}" for n, v in BAD_CUDA_SETTINGS])
+def test_bad_environment_settings_raise(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    """A CUDA call under a malformed setting raises a ValueError naming the variable, rather than
+    running as if it were unset or something else (the CPU op reads none of them)."""
+    tensor_core_only = name in ("ENTROPY_ATTN_SPLIT_KV", "ENTROPY_ATTN_CUDA_LAUNCH_ORDER")
+    if tensor_core_only and torch.cuda.get_device_capability(DEV) < (8, 0):
+        pytest.skip(f"{name} is read by the tensor-core families (sm_80 and newer) only")
+    monkeypatch.setenv(name, value)
+    q, k, v = make_qkv(1, 4, 4, 3, 300, 64, dtype=torch.bfloat16)  # (a call split-KV would split)
+    with pytest.raises(ValueError, match=name):
+        OP(cuda(q), cuda(k), cuda(v), None, None, is_causal=True)
+
+
 #: Calls at head dim 128 as a GPU of 99 KB per block runs their backward in the sm80 family's compact
 #: tiles (64 x 64, one dO buffer): (dtype, Hkv, Lq, Lk, the op's keyword arguments as TC_FEATURES,
 #: deterministic). Partial key blocks, GQA groups whose key blocks walk several query heads' blocks

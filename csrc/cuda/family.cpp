@@ -46,6 +46,15 @@ int fallback_bucket(const AttentionShape& s) {
   return head_dim_bucket(std::max(s.head_dim, s.v_head_dim));
 }
 
+// The number an environment variable's value spells with at most `max_digits` decimal digits, or 0
+// when it spells none (the callers name the variable in their error).
+int env_count(std::string_view v, size_t max_digits) {
+  const bool digits =
+      !v.empty() && v.size() <= max_digits &&
+      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  return digits ? std::atoi(std::string(v).c_str()) : 0;
+}
+
 }  // namespace
 
 int device_sm() {
@@ -58,9 +67,14 @@ int device_sm() {
 
 int device_smem_optin() {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK");
-  TORCH_CHECK_VALUE(env == nullptr || *env == '\0' || smem_cap_from_env() > 0,
-                    "ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK must be a positive number of bytes, got '",
-                    env, "'");
+  // Digits only (smem_cap_from_env's strtol would also take " +4096", and a number past long's
+  // range as no cap at all), checked here: every forward and backward asks before its launch
+  // (attention_cuda.cpp: check_shared_memory).
+  TORCH_CHECK_VALUE(
+      env == nullptr || *env == '\0' || env_count(env, 9) > 0,
+      "ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK must be a positive number of bytes (at most 9 "
+      "digits), got '",
+      env, "'");
   cudaError_t err = cudaSuccess;
   const int bytes = smem_per_block(err);
   C10_CUDA_CHECK(err);
@@ -391,18 +405,6 @@ int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType 
   return padded_head_dim(shape, {64, 128, 256});
 }
 
-namespace {
-
-// The number an environment variable's value spells with at most `max_digits` decimal digits, or 0
-// when it spells none (the callers name the variable in their error).
-int env_count(std::string_view v, size_t max_digits) {
-  const bool digits =
-      !v.empty() && v.size() <= max_digits &&
-      std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-  return digits ? std::atoi(std::string(v).c_str()) : 0;
-}
-
-}  // namespace
 
 int forward_splits(const ForwardCall& c) {
   const char* env = std::getenv("ENTROPY_ATTN_SPLIT_KV");

@@ -405,7 +405,6 @@ int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType 
   return padded_head_dim(shape, {64, 128, 256});
 }
 
-
 int forward_splits(const ForwardCall& c) {
   const char* env = std::getenv("ENTROPY_ATTN_SPLIT_KV");
   const std::string_view v = env ? env : "";

@@ -286,6 +286,40 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="nested"):
         nt = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
         m(nt, nt, nt)
+    # (torch raises too: no broadcasting of a batch of 1, as SDPA would do; attend() does it)
+    for q, kv in ((x, x[:1]), (x[:1], x)):
+        with pytest.raises(ValueError, match="same batch size"):
+            m(q, kv, kv)
+    with pytest.raises(ValueError, match="same sequence length"):
+        m(x, x, x[:, :-1])
+    with pytest.raises(ValueError, match="kdim=16 and vdim=16"):
+        m(x, torch.randn(B, L, E + 1), x)
+    with pytest.raises(ValueError, match="unbatched inputs must be 1-D"):
+        m(x[0], x[0], x[0], key_padding_mask=torch.zeros(1, L, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_is_causal_keeps_what_the_mask_adds(extra: Dict[str, Any], need_weights: bool) -> None:
+    """is_causal applies causality on top of attn_mask: with a causal mask that also carries a bias
+    (ALiBi-like) or hides more keys, and with a padding mask, the output is torch's from the same
+    mask (its need_weights=True path, which reads the mask: its other path would drop the bias);
+    the keys add_bias_kv and add_zero_attn append stay visible to every row. (It discarded the mask
+    before: the bias was lost.)"""
+    torch.manual_seed(3)
+    ref, ours = pair(batch_first=True, **extra)
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    bias = torch.randn(L, L, dtype=torch.float64).masked_fill(causal, float("-inf"))
+    more = causal.clone()
+    more[2:, 1] = True  # also hides key 1 from rows 2 and later
+    padding = torch.zeros(B, L, dtype=torch.bool)
+    padding[1, -1] = True
+    for mask in (causal, bias, more):
+        for kpm in (None, padding):
+            r_out, _ = ref(x, x, x, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+            o_out, _ = ours(x, x, x, attn_mask=mask, key_padding_mask=kpm, is_causal=True, need_weights=need_weights)
+            assert_close(o_out, r_out)
 
 
 @pytest.mark.parametrize("device", DEVICES)

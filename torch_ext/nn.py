@@ -43,9 +43,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     those before dropout (torch returns them after). ``need_weights=True`` (torch's default) materializes the (L, S) weights, as torch does: pass
     ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` does) to keep memory linear in L.
     A row with no allowed key attends to nothing: its attention output is 0, so the module returns
-    ``out_proj``'s bias there (torch gives the same with ``need_weights=False`` and NaN with
-    ``need_weights=True``). Nested-tensor inputs are not supported
-    (build ``nn.TransformerEncoder`` with ``enable_nested_tensor=False``).
+    ``out_proj``'s bias there (torch gives the same on its SDPA path with ``need_weights=False``
+    and gradients enabled, and NaN with ``need_weights=True`` or on its fused inference path).
+    Nested-tensor inputs are not supported (build ``nn.TransformerEncoder`` with
+    ``enable_nested_tensor=False``: in eval mode with a padding mask its default would pass them).
     """
 
     def __init__(
@@ -130,8 +131,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """As :meth:`torch.nn.MultiheadAttention.forward`. ``is_causal=True`` applies the causal
-        mask (top-left aligned) and ignores ``attn_mask``, which it declares to be that mask."""
+        """As :meth:`torch.nn.MultiheadAttention.forward`. ``is_causal=True`` applies causality
+        (top-left aligned) on top of ``attn_mask``: torch's module reads it as a hint that
+        ``attn_mask`` is the causal mask, and where it is the two agree; a mask that also carries a
+        bias or padding keeps them, as torch's ``need_weights=True`` path keeps them. Unlike torch's
+        module, ``is_causal`` needs no ``attn_mask``."""
         _check_tensors(attn_mask=(attn_mask, True), key_padding_mask=(key_padding_mask, True))
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError(
@@ -146,6 +150,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"{query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
             )
         if not batched:
+            if key_padding_mask is not None and key_padding_mask.dim() != 1:
+                raise ValueError(
+                    "key_padding_mask of unbatched inputs must be 1-D (S,), got shape "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
@@ -156,6 +165,18 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         S, H = key.shape[1], self.num_heads
         if E != self.embed_dim:
             raise ValueError(f"query's embedding dim must be embed_dim={self.embed_dim}, got {E}")
+        # (As torch's module: no broadcasting of a batch of 1, which attend() would do for SDPA.)
+        if key.shape[0] != B or value.shape[0] != B:
+            raise ValueError(
+                f"query, key and value must have the same batch size, got {B}, {key.shape[0]} and {value.shape[0]}"
+            )
+        if value.shape[1] != S:
+            raise ValueError(f"key and value must have the same sequence length, got {S} and {value.shape[1]}")
+        if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
+            raise ValueError(
+                f"key's and value's embedding dims must be kdim={self.kdim} and vdim={self.vdim}, got "
+                f"{key.shape[2]} and {value.shape[2]}"
+            )
 
         q, k, v = self._project(query, key, value)
         if self.bias_k is not None and self.bias_v is not None:
@@ -167,12 +188,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             v = torch.cat([v, v.new_zeros(B, H, 1, self.head_dim)], dim=2)
         extra = k.shape[2] - S  # appended keys, visible to every row
 
-        if is_causal and extra:  # the appended keys fall outside a top-left causal band
-            attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1)
-            is_causal = False
-        elif is_causal:
-            attn_mask = None
-        mask = self._merged_mask(attn_mask, key_padding_mask, B, L, S, extra, q.dtype)
+        # The appended keys fall outside a top-left causal band over the longer key list: there
+        # causality is a mask over the S keys, which leaves them visible to every row.
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1) if is_causal and extra else None
+        is_causal = is_causal and causal is None
+        mask = self._merged_mask(attn_mask, key_padding_mask, B, L, S, extra, q.dtype, causal)
 
         multiplier = None if self.head_scale is None else self.head_scale.view(H, 1)
         if need_weights:
@@ -205,10 +225,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     def _merged_mask(
         self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], B: int, L: int, S: int,
-        extra: int, dtype: torch.dtype,
+        extra: int, dtype: torch.dtype, causal: Optional[Tensor] = None,
     ) -> Optional[Tensor]:
-        """attn_mask and key_padding_mask in the op's convention (bool True = attend, or additive),
-        broadcastable to (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
+        """attn_mask, key_padding_mask and ``causal`` (an (L, S) bool mask in torch's convention,
+        True = masked) in the op's convention (bool True = attend, or additive), broadcastable to
+        (B, H, L, S + extra); the ``extra`` appended keys are allowed."""
         masks = []
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
@@ -231,6 +252,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if key_padding_mask.shape != (B, S):
                 raise ValueError(f"key_padding_mask must have shape {(B, S)}, got {tuple(key_padding_mask.shape)}")
             masks.append(key_padding_mask.view(B, 1, 1, S))
+        if causal is not None:
+            masks.append(causal)
         if not masks:
             return None
         if all(m.dtype == torch.bool for m in masks):

@@ -287,3 +287,37 @@ def test_multihead_attention_warns_it_is_not_routed() -> None:
     with torch_ext.replace_sdpa(scale="logn"):
         with pytest.warns(UserWarning, match="torch_ext.nn.MultiheadAttention"):
             mha(x, x, x, need_weights=False)
+
+
+@pytest.mark.parametrize(
+    "q_shape,kv_shape,mask_shape",
+    [
+        ((1, 2, 3, 4), (1, 2, 0, 4), (1, 1, 3, 0)),  # an empty cache with a padding mask
+        ((2, 2, 0, 4), (2, 2, 5, 4), (2, 1, 0, 5)),  # no query rows
+        ((2, 3, 4), (2, 0, 4), (2, 3, 0)),  # 3-D inputs
+        ((2, 1, 2, 3, 4), (2, 1, 2, 0, 4), (2, 1, 1, 3, 0)),  # 5-D inputs
+    ],
+)
+def test_empty_rows_or_keys_with_a_mask(q_shape: tuple, kv_shape: tuple, mask_shape: tuple) -> None:
+    """Lq = 0 or Lk = 0 with a mask of 3 or more dims gives SDPA's zeros (the mask's reshape to the
+    op's batch divided 0 elements by -1 and raised), and zero gradients."""
+    q = torch.randn(q_shape, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(kv_shape, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(kv_shape, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(mask_shape, dtype=torch.float64)
+    expected = F.scaled_dot_product_attention(q, k, v, mask)
+    with torch_ext.replace_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, mask)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert q.grad is not None and not q.grad.any()
+
+
+def test_mask_with_is_causal_raises_as_sdpa() -> None:
+    """SDPA refuses an explicit mask with is_causal=True: so does the mode, with SDPA's words."""
+    q = torch.randn(1, 2, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+        F.scaled_dot_product_attention(q, q, q, mask, is_causal=True)
+    with torch_ext.replace_sdpa(), pytest.raises(RuntimeError, match="Explicit attn_mask should not be set"):
+        F.scaled_dot_product_attention(q, q, q, mask, is_causal=True)

@@ -34,6 +34,9 @@ def _routed_sdpa(
     2-D: one sequence). They are flattened to the op's (B, H, L, E), expanded where they
     broadcast (as SDPA's math does), and the output is given the broadcast shape back.
     """
+    if is_causal and attn_mask is not None:
+        # As SDPA (with its words): code that ran under the mode must not fail without it.
+        raise RuntimeError("replace_sdpa: Explicit attn_mask should not be set when is_causal=True")
     if min(query.dim(), key.dim(), value.dim()) < 2:
         raise ValueError(
             "replace_sdpa: query, key and value must have at least 2 dims (..., L, E), got "
@@ -85,7 +88,10 @@ def _routed_sdpa(
             )
         if any(n != 1 for n in m.shape[:-3]):
             m = m.expand(*outer, *m.shape[-3:])
-        attn_mask = m.reshape(-1 if m.shape[:-3] else 1, *m.shape[-3:])
+        lead = 1  # (not -1: a mask with no keys or no rows has 0 elements, which -1 cannot divide)
+        for n in m.shape[:-3]:
+            lead *= n
+        attn_mask = m.reshape(lead, *m.shape[-3:])
     out = attend(
         q, k, v, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=bool(q_heads != kv_heads), base_scale=scale,
         dropout_p=dropout_p,

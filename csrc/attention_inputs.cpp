@@ -100,7 +100,9 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
   if (s.heads != s.kv_heads) {
     TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "the number of query heads (",
                       s.heads, ") must be a multiple of the number of key/value heads (",
-                      s.kv_heads, ")");
+                      s.kv_heads,
+                      ") for grouped-query attention (enable_gqa); heads are not broadcast: expand "
+                      "a tensor of one head to the others' heads");
     TORCH_CHECK_VALUE(options.enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
                       ": pass enable_gqa=True for grouped-query attention");
   }

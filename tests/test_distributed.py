@@ -211,6 +211,12 @@ def _bad_calls_rank(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(q, q, q, scale="logn", train_length=64 if rank == 1 else 32),
         lambda: cp.context_parallel_attention(q, q.double(), q.double()),  # invalid on every rank
         lambda: cp.context_parallel_attention(q, q, q, is_causal="False"),
+        # an option of torch_ext.attention it lacks, on one rank (the others hung)
+        lambda: cp.context_parallel_attention(q, q, q, **({"window_size": (2, 0)} if rank == 1 else {})),
+        # inputs that require grad on one rank only: the others would wait in its backward
+        lambda: cp.context_parallel_attention(q.clone().requires_grad_(rank == 0), q, q),
+        lambda: cp.context_parallel_attention(q, q, q, enable_gqa="yes"),
+        lambda: cp.context_parallel_attention(q, q, q, scale=torch.ones(2, 1, dtype=torch.int64)),
         lambda: cp.context_parallel_attention(q, q, q, is_causal=True),
     ]
     results = []
@@ -241,7 +247,31 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
         assert "calls differ (train_length: rank 0: 32.0, rank 1: 64.0)" in results[3], results[3]
         assert results[4].startswith("TypeError: query, key and value must have the same dtype"), results[4]
         assert results[5] == "TypeError: is_causal must be a bool, got str", results[5]
-        assert results[6] == "ok: finite True", results[6]
+        assert results[6].startswith("TypeError: context_parallel_attention got unsupported keyword arguments "
+                                     "['window_size']" if rank == 1 else invalid_elsewhere), results[6]
+        assert "calls differ (requires grad: rank 0: 1, rank 1: 0)" in results[7], results[7]
+        assert results[8] == "TypeError: enable_gqa must be a bool, got str", results[8]
+        assert results[9] == "TypeError: the scale tensor must be floating point, got torch.int64", results[9]
+        assert results[10] == "ok: finite True", results[10]
+
+
+def _create_graph_rank(rank: int, world: int) -> list[float]:
+    """First-order gradients with create_graph=True (a gradient penalty's first step), against the
+    same call's without it."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grads = []
+    for create_graph in (False, True):
+        out = cp.context_parallel_attention(q, k, v, is_causal=True)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=create_graph))
+    return [float((a - b).abs().max()) for a, b in zip(*grads)]
+
+
+def test_create_graph_gives_first_order_gradients() -> None:
+    """The ring's backward under create_graph=True gives the gradients without it (it failed on
+    its accumulators, in-place views that autograd refuses in grad mode)."""
+    for diffs in run_ranks(2, _create_graph_rank):
+        assert diffs == [0.0, 0.0, 0.0], diffs
 
 
 def test_shard_and_unshard_are_inverse_and_balance_causal_work() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_ext
+from torch_ext import AttentionStats
 from torch_ext.merge import derived_stats, merge_attention_states
 
 F64 = torch.float64
@@ -188,3 +189,41 @@ def test_merge_rejects_statistics_that_are_not_the_rows() -> None:
     for error, message, outputs, stats in cases:
         with pytest.raises(error, match=message):
             merge_attention_states(outputs, stats)
+
+
+def test_merge_stays_exact_where_the_lse_is_large() -> None:
+    """float32 rows with lses of 40-200 and nearly one-hot weights: the merged entropy is as close
+    to the float64 truth as the single call's and never negative (L - sum w (l - H) cancelled to
+    -7.6e-6 and off by 7.7e-5); rows whose every key carries a large finite mask (-1e9) merge to the
+    single call's output and statistics (the weights summed to 2: a doubled output). (Halves of
+    equal size: at -1e9 a float32 lse cannot tell ln 7 from ln 9, so unequal shards of a uniform
+    row merge as equal ones: docs/math.md section 7.)"""
+    torch.manual_seed(4)
+    halves = [slice(0, 8), slice(8, 16)]
+    keys, values = torch.randn(1, 2, 16, 16) * 4, torch.randn(1, 2, 16, 16)
+    # (At -1e9 the logits' own rounding (float32's ulp there is 64) decides the row where they
+    # spread by more than 32: small queries, so that every key rounds to the same logit.)
+    for mask_value, q_std in ((0.0, 4.0), (-1e9, 0.1)):
+        q = torch.randn(1, 2, 6, 16) * q_std
+        mask = torch.full((6, 16), mask_value)
+        single = torch_ext.attention(q, keys, values, mask, return_stats=True)
+        exact = torch_ext.attention(q.double(), keys.double(), values.double(), mask.double(), return_stats=True)
+        shards = [torch_ext.attention(q, keys[:, :, h], values[:, :, h], mask[:, h], scale=single[1].scale,
+                                      return_stats=True) for h in halves]
+        out, stats = torch_ext.merge_attention_states([o for o, _ in shards], [st for _, st in shards])
+        torch.testing.assert_close(out, single[0], rtol=1e-5, atol=1e-5)
+        assert (stats.entropy >= 0).all()
+        err_merged = (stats.entropy.double() - exact[1].entropy).abs().max()
+        err_single = (single[1].entropy.double() - exact[1].entropy).abs().max()
+        assert err_merged <= 4 * err_single + 1e-6, (mask_value, float(err_merged), float(err_single))
+        torch.testing.assert_close(stats.effective_keys, single[1].effective_keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stats.max_weight, single[1].max_weight, rtol=1e-4, atol=1e-4)
+
+
+def test_merge_keeps_nan_in_the_max_weight() -> None:
+    """A NaN row merges to NaN in every statistic, max_weight included (a `w > 0` filter gave 0)."""
+    stats = AttentionStats(*(torch.full((1, 1, 1), float("nan")) for _ in range(6)),
+                           n_keys=torch.full((1, 1, 1), 3), scale=torch.ones(1, 1, 1))
+    out = torch.full((1, 1, 1, 2), float("nan"))
+    merged_out, merged = torch_ext.merge_attention_states([out, out], [stats, stats])
+    assert merged_out.isnan().all() and merged.max_weight.isnan().all() and merged.entropy.isnan().all()

@@ -79,6 +79,8 @@ def global_positions(local_len: int, group: dist.ProcessGroup | None = None, *,
     """The global sequence positions (int64) of this rank's ``local_len`` rows."""
     rank, world = _world(group)
     chunks = _chunks(rank, world, load_balance)
+    if local_len % len(chunks) != 0:
+        raise ValueError(f"with load_balance the local length must be even (two chunks), got {local_len}")
     size = local_len // len(chunks)
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
 
@@ -205,8 +207,12 @@ class _RingAttention(torch.autograd.Function):
         return out, lse, ent, sum_p2, max_w, n
 
     @staticmethod
+    @torch.no_grad()
     def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, g_ent: torch.Tensor | None,
                  g_sum_p2: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        # (Without a graph of its own, also under create_graph=True: the first-order gradients are
+        # those of the single call, which has no second order either; the accumulators below are
+        # views updated in place, which autograd would refuse there.)
         q, k, v, lam, out, lse, ent, sum_p2 = ctx.saved_tensors
         group, load_balance = ctx.group, ctx.load_balance
         rank, world = _world(group)
@@ -272,6 +278,7 @@ def context_parallel_attention(
     return_stats: bool = False,
     load_balance: bool = True,
     module: torch.nn.Module | None = None,
+    **unsupported: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """:func:`torch_ext.attention` over a sequence sharded across the ranks of ``group``.
 
@@ -294,6 +301,14 @@ def context_parallel_attention(
         module: names the layer for an :class:`~torch_ext.AttentionEntropyMonitor` that is
             recording (as :func:`torch_ext.policy.attend`); the rows are reported with their global
             positions, and the monitor's end-of-step all-reduce merges the ranks.
+        unsupported: :func:`torch_ext.attention`'s other arguments (masks, windows, softcap, sinks,
+            dropout) are not supported: any keyword argument here raises a TypeError, on every rank
+            (a rank that alone passed one would otherwise leave the others waiting).
+
+    The backward is collective too: every rank must differentiate the call when one does (the
+    ranks check that their inputs agree on requiring grad; a rank whose loss does not use the
+    output leaves the others waiting in the backward's transfers until the group's timeout, as
+    DDP's all-reduce would).
 
     Returns:
         This rank's output rows (B, H, L/P, Dv), or ``(output, stats)``; equal to the rows of the
@@ -303,6 +318,9 @@ def context_parallel_attention(
     error: BaseException | None = None
     signature = [0] * _SIGNATURE_LEN
     try:
+        if unsupported:
+            raise TypeError(f"context_parallel_attention got unsupported keyword arguments {sorted(unsupported)}: it "
+                            "takes no masks, windows, softcap, sinks or dropout")
         is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
         signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,
                                 enable_gqa, load_balance)
@@ -341,6 +359,7 @@ _SIGNATURE = (
     "query dtype", "key dtype", "value dtype", "device", "is_causal", "load_balance",
     "scale mode", "temperature", "train_length", "float scale or scale_factor",
     *(f"scale tensor shape[{d}]" for d in range(3)),
+    "requires grad",
 )
 _FLOAT_FIELDS = ("temperature", "train_length", "float scale or scale_factor")
 _SIGNATURE_LEN = len(_SIGNATURE)
@@ -359,6 +378,7 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
                          f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")
     if query.shape[1] != key.shape[1] and not _flag(enable_gqa, "enable_gqa"):
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
+    _flag(enable_gqa, "enable_gqa")  # (where the heads match too, as the single call checks it)
     if load_balance and query.shape[2] % 2 != 0:
         raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
@@ -372,8 +392,13 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
         _float_bits(policy["log_base"]),
         -1 if factor is None else _float_bits(factor),  # a float scale or scale_factor
     ]
+    if scale_tensor is not None and not scale_tensor.is_floating_point():
+        raise TypeError(f"the scale tensor must be floating point, got {scale_tensor.dtype}")
+    # (A rank whose inputs need no gradient runs no backward: the others would wait for it there.)
+    differentiable = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, scale_tensor))
     return [*query.shape, *key.shape, *value.shape, *codes, int(is_causal), int(load_balance), *policy_codes,
-            *_row_tensor_shape(scale_tensor, query)]
+            *_row_tensor_shape(scale_tensor, query), int(differentiable)]
 
 
 def _row_tensor_shape(t: torch.Tensor | None, query: torch.Tensor) -> list[int]:

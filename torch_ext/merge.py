@@ -7,7 +7,7 @@ section 7): with shard lse l_s, L = logsumexp_s l_s and w_s = exp(l_s - L) (the 
 s), the merged row has
 
     output   O = sum_s w_s O_s
-    entropy  H = L - sum_s w_s (l_s - H_s)
+    entropy  H = sum_s w_s (H_s + L - l_s)
     sum p^2  U = sum_s w_s^2 U_s
     max      M = max_s w_s M_s
     n_keys   n = sum_s n_s
@@ -61,33 +61,44 @@ def merge_row_states(states: Sequence[RowState]) -> RowState:
     """The exact merge of row states over disjoint key sets (module docstring), differentiable in
     every shard's output, lse, entropy and sum p^2. A shard with no key for a row (n = 0, or an lse of
     -inf) has weight 0; a row with no key in any shard gets output 0 and statistics 0, as the op
-    gives such a row."""
+    gives such a row. NaN in a shard's row makes the merged row NaN.
+
+    Computed relative to the largest lse m: d_s = l_s - m, z = sum_s e^{d_s}, w_s = e^{d_s} / z
+    and L - l_s = ln z - d_s >= 0. The weights sum to 1 also where L rounds to m (rows whose every
+    key carries a large additive mask: -1e9 or finfo.min, where exp(l_s - L) gave 1 for every
+    shard), and the entropy is a sum of non-negative terms: L - sum_s w_s (l_s - H_s) cancels, off
+    by the weights' rounding times |L| (negative entropies of float32 rows with an lse of 46)."""
     if not states:
         raise ValueError("merge needs at least one shard")
     # Empty shards (n = 0: the op reports lse 0 for them) weigh nothing: lse -inf.
     lses = torch.stack([torch.where(s.n_keys > 0, s.lse, torch.full_like(s.lse, -torch.inf)) for s in states])
-    total = torch.logsumexp(lses, dim=0)
-    empty = torch.isneginf(total)
-    total_safe = torch.where(empty, torch.zeros_like(total), total)
-    w = torch.exp(lses - total_safe)  # 0 for empty shards; rows empty everywhere: all 0
+    top = lses.amax(0)
+    empty = torch.isneginf(top)
+    top_safe = torch.where(empty, torch.zeros_like(top), top)
+    mass = torch.exp(lses - top_safe)  # 0 for empty shards, 1 for the largest
+    z = mass.sum(0)
+    z_safe = torch.where(empty, torch.ones_like(z), z)
+    w = mass / z_safe  # rows empty everywhere: all 0
+    log_z = torch.log(z_safe)
     # Terms of empty shards are replaced by 0 before the product, not multiplied by w = 0: their
-    # values may be anything (NaN, inf), which would reach the gradient of w through 0 * NaN.
+    # values may be anything (NaN, inf), which would reach the gradient of w through 0 * NaN. (A NaN
+    # weight keeps its term: NaN.)
 
     def weighted(values: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         stacked = torch.stack(values)
-        return (weights * torch.where(weights > 0, stacked, torch.zeros_like(stacked))).sum(0)
+        return (weights * torch.where(weights != 0, stacked, torch.zeros_like(stacked))).sum(0)
 
     out_dtype = states[0].output.dtype
     output = weighted([s.output.to(w.dtype) for s in states], w[..., None])
-    entropy = total_safe - weighted([s.lse - s.entropy for s in states], w)
+    entropy = weighted([s.entropy + (log_z - (l - top_safe)) for s, l in zip(states, lses)], w)
     sum_p2 = weighted([s.sum_p2 for s in states], w * w)
     maxima = torch.stack([s.max_weight for s in states])
-    max_weight = torch.where(w > 0, w * maxima, torch.zeros_like(maxima)).amax(0)  # not differentiated
+    max_weight = torch.where(w != 0, w * maxima, torch.zeros_like(maxima)).amax(0)  # not differentiated
     n_keys = torch.stack([s.n_keys for s in states]).sum(0)
-    zero = torch.zeros_like(total)
+    zero = torch.zeros_like(top)
     return RowState(
         output=output.to(out_dtype),
-        lse=torch.where(empty, zero, total),
+        lse=torch.where(empty, zero, top_safe + log_z),
         entropy=torch.where(empty, zero, entropy),
         sum_p2=torch.where(empty, zero, sum_p2),
         max_weight=torch.where(empty, zero, max_weight),

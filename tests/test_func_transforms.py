@@ -310,6 +310,7 @@ def test_compiled_autograd() -> None:
     ops = _compiled_autograd_graph_ops(lambda: loss().backward())
     for x, g in zip((q, k, v), eager):
         torch.testing.assert_close(x.grad, g, **TOL)
+    assert not any("run_non_traceable" in t for t in ops), ops
     # The three C++ nodes in Dynamo's graph, and the attention backward op in AOTAutograd's (the
     # row reductions' backward ops are composite: ATen ops there).
     nodes = {t for t in ops if "CppNode" in t}

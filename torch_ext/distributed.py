@@ -376,9 +376,9 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
     if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
         raise ValueError("query, key and value must hold the same rows of one sequence (self attention), got "
                          f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")
-    if query.shape[1] != key.shape[1] and not _flag(enable_gqa, "enable_gqa"):
+    enable_gqa = _flag(enable_gqa, "enable_gqa")  # (where the heads match too, as the single call)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
-    _flag(enable_gqa, "enable_gqa")  # (where the heads match too, as the single call checks it)
     if load_balance and query.shape[2] % 2 != 0:
         raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)

@@ -165,14 +165,15 @@ struct BwdTraits {
   static_assert(kPreThreadsPerRow <= 32, "a row's preprocess threads are lanes of one warp");
 };
 
-// Adds a pair of adjacent floats (8-byte aligned) to global memory: one vector reduction on sm_90.
+// Adds a pair of adjacent floats to global memory, two scalar reductions (as FlashAttention-2's
+// dq). sm_90 has one vector reduction for the pair (atomicAdd on float2), but using it would make
+// the backward's device code differ at sm_90, which costs a second PTX per unit (cicc ran 71-74 s
+// of a unit's 170 per architecture, nvcc --time, 2026-12-01); on sm_90 this family's backward runs
+// only the calls the Hopper family does not take (csrc/cuda/family.cpp), so the shared PTX is
+// chosen.
 CUTE_DEVICE void atomic_add_pair(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
-#else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
-#endif
 }
 
 // (MMA=4, MMA_M, MMA_N) accumulator layout -> ((2, MMA_M), (2, MMA_N)): rows and columns. The 4

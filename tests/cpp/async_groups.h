@@ -40,6 +40,12 @@ class AsyncGroups {
     open_.clear();
     committed_.clear();
   }
+  // Without allocating (std::swap would move through a temporary, and moving a std::deque
+  // allocates): the fiber scheduler swaps a thread's groups in and out at every switch (fibers.h).
+  friend void swap(AsyncGroups& a, AsyncGroups& b) noexcept {
+    a.open_.swap(b.open_);
+    a.committed_.swap(b.committed_);
+  }
 
  private:
   std::vector<Op> open_;

@@ -89,16 +89,16 @@ elseif(_ea_cuda)
   _ea_emulation_settings(ea_emulated_launches)
   target_link_libraries(ea_emulated_launches PRIVATE entropy_attn ${_ea_gtest_main})
 
-  # test_cuda_emulation: the fallback family; test_sm80_emulation: the sm80 family (its own test,
-  # so that the two run side by side and each has its time limit; two units, which compile side by
-  # side).
-  set(_ea_sources_test_cuda_emulation "${CMAKE_CURRENT_LIST_DIR}/test_cuda_emulation.cpp")
-  set(_ea_sources_test_sm80_emulation "${CMAKE_CURRENT_LIST_DIR}/test_sm80_emulation.cpp"
-                                      "${CMAKE_CURRENT_LIST_DIR}/test_sm80_emulation_features.cpp")
-  set(_ea_sources_test_sm90_emulation "${CMAKE_CURRENT_LIST_DIR}/test_sm90_emulation.cpp"
-                                      "${CMAKE_CURRENT_LIST_DIR}/test_sm90_emulation_features.cpp")
-  foreach(_ea_test test_cuda_emulation test_sm80_emulation test_sm90_emulation)
-    add_executable(${_ea_test} ${_ea_sources_${_ea_test}} $<TARGET_OBJECTS:ea_emulated_launches>)
+  # test_cuda_emulation: the fallback family; test_sm80_emulation and test_sm90_emulation: the
+  # tensor-core families, each with the features of its general instantiations in a test of its
+  # own (_features): five executables, which compile side by side and run side by side (the
+  # emulated threads of a launch are fibers of one host thread: ctest --parallel spreads the tests
+  # over the cores), each with its time limit.
+  set(_ea_emulation_tests test_cuda_emulation test_sm80_emulation test_sm80_emulation_features
+                          test_sm90_emulation test_sm90_emulation_features)
+  foreach(_ea_test IN LISTS _ea_emulation_tests)
+    add_executable(${_ea_test} "${CMAKE_CURRENT_LIST_DIR}/${_ea_test}.cpp"
+                               $<TARGET_OBJECTS:ea_emulated_launches>)
     target_link_libraries(${_ea_test} PRIVATE entropy_attn ${_ea_gtest_main} Threads::Threads)
     _ea_emulation_settings(${_ea_test})
     set_target_properties(${_ea_test} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/bin")
@@ -111,7 +111,7 @@ elseif(_ea_cuda)
     endif()
     # (The sm90 kernels order their shared memory by mbarriers and named barriers, which the
     # barrier-interval check does not model: emulated_sm90_ops.h has its own checks.)
-    if(_ea_test STREQUAL "test_sm80_emulation")
+    if(_ea_test MATCHES "^test_sm80_emulation")
       target_sources(${_ea_test} PRIVATE $<TARGET_OBJECTS:ea_plain_smem_access>)
       _ea_plain_access_hooks(${_ea_test})
     endif()

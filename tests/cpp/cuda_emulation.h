@@ -4,9 +4,10 @@
 //   emulate_launch(attention_fwd_kernel<float, 64>, blocks, FwdLayout<float, 64>::kBytes, params);
 //
 // The model:
-//   * a block is blockDim.x std::threads, 128 by default, up to 256 (threadIdx, blockIdx are
-//     thread_local); the blocks of a launch (a 1-D count or a 3-D grid, x fastest) run one after
-//     another on the same threads;
+//   * a block is blockDim.x threads, 128 by default, up to 384, each a fiber of the launching
+//     thread (fibers.h: they switch only where a CUDA thread can wait; threadIdx, blockIdx and the
+//     other per-thread variables are swapped in with the fiber); the blocks of a launch (a 1-D
+//     count or a 3-D grid, x fastest) run one after another on the same fibers;
 //   * __syncthreads() is a barrier of the block's threads, __syncwarp() one of the warp's 32;
 //   * __shfl_xor_sync exchanges values through a per-warp slot array at a warp barrier, and so do
 //     the emulated warp-wide instructions of other headers (warp_gather: emulated_sm80_ops.h);
@@ -68,6 +69,8 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include "fibers.h"
 
 // ---------------------------------------------------------------------------------------------
 // Execution-space qualifiers. For a non-nvcc compiler crt/host_defines.h (pulled in by cuda_fp16.h)
@@ -230,8 +233,8 @@ struct SyncDomain {
 };
 
 // A barrier whose participant count can shrink (drop_locked, for exited threads): the
-// bookkeeping under the domain's mutex, the waiting on an atomic generation counter (futex, no
-// mutex convoy on wake-up).
+// bookkeeping under the domain's mutex (never held across a wait), the waiting on a generation
+// counter (the fiber yields until it changes).
 class Barrier {
  public:
   Barrier(SyncDomain& d, std::string name) : d_(d), name_(std::move(name)) {
@@ -259,7 +262,7 @@ class Barrier {
     ++d_.blocked;
     d_.check_deadlock();
     lk.unlock();
-    while (gen_.load(std::memory_order_acquire) == g) gen_.wait(g, std::memory_order_acquire);
+    fibers::wait_while(gen_, g);
     if (d_.deadlocked.load(std::memory_order_acquire)) throw DeadlockAbort{};
     // Stable until this thread arrives again: the next completion needs it.
     return completed_with_.load(std::memory_order_relaxed);
@@ -300,9 +303,7 @@ class Barrier {
   }
   // The completions so far, and a wait for the next (wake_all also ends it).
   uint32_t generation() const { return gen_.load(std::memory_order_acquire); }
-  void wait_past(uint32_t g) {
-    while (gen_.load(std::memory_order_acquire) == g) gen_.wait(g, std::memory_order_acquire);
-  }
+  void wait_past(uint32_t g) { fibers::wait_while(gen_, g); }
   // A thread leaves the barrier for good (under the domain's mutex).
   void drop_locked() {
     --expected_;
@@ -315,10 +316,7 @@ class Barrier {
            " arrived";
   }
   // Wakes the waiting threads without completing (deadlock).
-  void wake_all() {
-    gen_.fetch_add(1, std::memory_order_release);
-    gen_.notify_all();
-  }
+  void wake_all() { gen_.fetch_add(1, std::memory_order_release); }
 
  private:
   void complete() {  // under the domain's mutex
@@ -327,7 +325,6 @@ class Barrier {
     arrived_ = 0;
     completed_with_.store(expected_, std::memory_order_relaxed);
     gen_.fetch_add(1, std::memory_order_release);
-    gen_.notify_all();
     g_progress.fetch_add(1, std::memory_order_relaxed);
   }
   SyncDomain& d_;
@@ -414,10 +411,13 @@ struct BlockState {
 
 inline BlockState g_block;  // the running block (blocks run one after another)
 
-// Per emulated thread.
-inline thread_local uint64_t t_warp_seq = 0;   // warp operations done in this block
-inline thread_local uint64_t t_block_seq = 0;  // __syncthreads done in this block
-inline thread_local uint64_t t_group_seq = 0;  // warpgroup operations done in this block
+// Per emulated thread (fibers.h: fiber_local).
+inline uint64_t t_warp_seq = 0;   // warp operations done in this block
+inline uint64_t t_block_seq = 0;  // __syncthreads done in this block
+inline uint64_t t_group_seq = 0;  // warpgroup operations done in this block
+inline const bool t_seq_fiber_local = fibers::fiber_local(t_warp_seq) &&
+                                      fibers::fiber_local(t_block_seq) &&
+                                      fibers::fiber_local(t_group_seq);
 
 // Shared-memory hazards between the warps of a block, as compute-sanitizer's racecheck finds them:
 // two warps touch the same byte between the same two __syncthreads (the same epoch: the number of
@@ -453,10 +453,14 @@ inline SmemShadow g_smem_shadow;
 // ---------------------------------------------------------------------------------------------
 // Built-in variables and device functions (global namespace, as in CUDA).
 // ---------------------------------------------------------------------------------------------
-inline thread_local uint3 threadIdx{0, 0, 0};
-inline thread_local uint3 blockIdx{0, 0, 0};
-inline thread_local dim3 blockDim{cuda_emu::kBlockThreads, 1, 1};
-inline thread_local dim3 gridDim{1, 1, 1};
+// Per emulated thread (fibers.h: fiber_local; set by emulate_launch).
+inline uint3 threadIdx{0, 0, 0};
+inline uint3 blockIdx{0, 0, 0};
+inline dim3 blockDim{cuda_emu::kBlockThreads, 1, 1};
+inline dim3 gridDim{1, 1, 1};
+inline const bool cuda_builtins_fiber_local =
+    cuda_emu::fibers::fiber_local(threadIdx) && cuda_emu::fibers::fiber_local(blockIdx) &&
+    cuda_emu::fibers::fiber_local(blockDim) && cuda_emu::fibers::fiber_local(gridDim);
 
 inline void __syncthreads() {
   using namespace cuda_emu;
@@ -794,49 +798,44 @@ void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
   prepare_block(threads_per_block, l.smem, smem_bytes);
   std::atomic<bool> aborted{false};
 
-  std::vector<std::thread> threads;
-  threads.reserve(threads_per_block);
-  for (int t = 0; t < threads_per_block; ++t) {
-    threads.emplace_back([&, t] {
-      threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
-      blockDim = dim3(threads_per_block, 1, 1);
-      gridDim = l.grid;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t xy = static_cast<int64_t>(l.grid.x) * l.grid.y;
-        blockIdx =
-            uint3{static_cast<unsigned>(b % l.grid.x),
-                  static_cast<unsigned>(b / l.grid.x % l.grid.y), static_cast<unsigned>(b / xy)};
-        t_warp_seq = 0;
-        t_block_seq = 0;
-        t_group_seq = 0;
-        try {
-          kernel(p);
-          block_end_checks().run();
-          // Leave the block's barriers: the threads still running may synchronize without us.
-          g_block.thread_exit(t);
-        } catch (const DeadlockAbort&) {
-          aborted.store(true);  // unwound from a barrier of a deadlocked block
-        }
-        between_blocks.arrive_and_wait();  // every thread finished block b
-        if (t == 0) {
-          if (g_block.domain.deadlocked.load()) {
-            std::lock_guard<std::mutex> lk(g_block.domain.m);
-            report_error("deadlock in block " + std::to_string(b) +
-                         ": every running thread waits at a barrier that the others do not "
-                         "reach (" + g_block.domain.deadlock_state + ")");
-            aborted.store(true);
-          }
-          Watchdog::current_block.store(b + 1);
-          g_progress.fetch_add(1, std::memory_order_relaxed);
-          if (b + 1 < blocks && !aborted.load())
-            prepare_block(threads_per_block, l.smem, smem_bytes);
-        }
-        between_blocks.arrive_and_wait();  // block b + 1 is set up
-        if (aborted.load()) break;
+  fibers::run(threads_per_block, [&](int t) {
+    threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
+    blockDim = dim3(threads_per_block, 1, 1);
+    gridDim = l.grid;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t xy = static_cast<int64_t>(l.grid.x) * l.grid.y;
+      blockIdx =
+          uint3{static_cast<unsigned>(b % l.grid.x), static_cast<unsigned>(b / l.grid.x % l.grid.y),
+                static_cast<unsigned>(b / xy)};
+      t_warp_seq = 0;
+      t_block_seq = 0;
+      t_group_seq = 0;
+      try {
+        kernel(p);
+        block_end_checks().run();
+        // Leave the block's barriers: the threads still running may synchronize without us.
+        g_block.thread_exit(t);
+      } catch (const DeadlockAbort&) {
+        aborted.store(true);  // unwound from a barrier of a deadlocked block
       }
-    });
-  }
-  for (auto& th : threads) th.join();
+      between_blocks.arrive_and_wait();  // every thread finished block b
+      if (t == 0) {
+        if (g_block.domain.deadlocked.load()) {
+          std::lock_guard<std::mutex> lk(g_block.domain.m);
+          report_error("deadlock in block " + std::to_string(b) +
+                       ": every running thread waits at a barrier that the others do not "
+                       "reach (" +
+                       g_block.domain.deadlock_state + ")");
+          aborted.store(true);
+        }
+        Watchdog::current_block.store(b + 1);
+        g_progress.fetch_add(1, std::memory_order_relaxed);
+        if (b + 1 < blocks && !aborted.load()) prepare_block(threads_per_block, l.smem, smem_bytes);
+      }
+      between_blocks.arrive_and_wait();  // block b + 1 is set up
+      if (aborted.load()) break;
+    }
+  });
 
   std::lock_guard<std::mutex> lk(g_error_mutex);
   if (!g_errors.empty()) {

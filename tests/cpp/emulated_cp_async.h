@@ -27,7 +27,8 @@ struct PendingCopy {
   int bytes;  // 4, 8 or 16
   unsigned char value[16];
 };
-inline thread_local AsyncGroups<PendingCopy> t_copies;
+inline AsyncGroups<PendingCopy> t_copies;  // per emulated thread (fibers.h)
+inline const bool t_copies_fiber_local = fibers::fiber_local(t_copies);
 
 // A cp.async of `bytes` bytes from src (global memory) to dst (shared memory).
 inline void cp_async_issue(void* dst, const void* src, int bytes) {

@@ -161,8 +161,11 @@ struct ProxyWord {
   std::atomic<uint64_t> stale{0};     // the serial of the block in which it went stale, or 0
 };
 inline ProxyWord g_proxy_words[kSmemCapacity / 4];
-inline thread_local std::vector<uint32_t> t_unfenced;  // words, in block t_unfenced_serial
-inline thread_local uint64_t t_unfenced_serial = 0;
+// (Per emulated thread, as the t_ variables below: fibers.h.)
+inline std::vector<uint32_t> t_unfenced;  // words, in block t_unfenced_serial
+inline uint64_t t_unfenced_serial = 0;
+inline const bool t_unfenced_fiber_local =
+    fibers::fiber_local(t_unfenced) && fibers::fiber_local(t_unfenced_serial);
 
 inline uint64_t block_serial() { return g_block_serial.load(std::memory_order_relaxed); }
 
@@ -337,7 +340,8 @@ struct InFlightReads {
 inline InFlightReads g_in_flight;
 
 // The calling thread's wgmma reads not yet retired by its waits, with the batch of each.
-inline thread_local std::vector<std::pair<uint64_t, std::shared_ptr<OperandRead>>> t_reads;
+inline std::vector<std::pair<uint64_t, std::shared_ptr<OperandRead>>> t_reads;
+inline const bool t_reads_fiber_local = fibers::fiber_local(t_reads);
 
 // A wgmma's operands, read now from `chunks`: what they hold, counted in flight.
 inline std::shared_ptr<OperandRead> operand_read(std::vector<uint32_t> chunks) {
@@ -710,7 +714,8 @@ struct BulkReduction {
   const float* src;
   std::vector<float> read;
 };
-inline thread_local AsyncGroups<BulkReduction> t_bulk;
+inline AsyncGroups<BulkReduction> t_bulk;
+inline const bool t_bulk_fiber_local = fibers::fiber_local(t_bulk);
 
 inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0 ||
@@ -749,9 +754,12 @@ struct PendingAccumulator {
   float value;
   uint64_t batch;
 };
-inline thread_local std::unordered_map<float*, PendingAccumulator> t_pending;
-inline thread_local uint64_t t_open_batch = 0;          // the batch being issued
-inline thread_local std::vector<uint64_t> t_committed;  // committed, not retired, oldest first
+inline std::unordered_map<float*, PendingAccumulator> t_pending;
+inline uint64_t t_open_batch = 0;          // the batch being issued
+inline std::vector<uint64_t> t_committed;  // committed, not retired, oldest first
+inline const bool t_wgmma_fiber_local = fibers::fiber_local(t_pending) &&
+                                        fibers::fiber_local(t_open_batch) &&
+                                        fibers::fiber_local(t_committed);
 
 // At the end of each block (cuda_emulation.h: on_block_end): reports the wgmma batches and bulk
 // reductions the thread left without a wait, and drops them.

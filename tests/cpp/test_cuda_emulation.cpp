@@ -1,7 +1,8 @@
 // The CUDA kernels (csrc/cuda/*_kernel.cuh) run on the CPU through an emulation of the CUDA
-// execution model (cuda_emulation.h: 128 std::threads per block, barriers for __syncthreads and
-// __syncwarp, shuffles through per-warp slots, std::atomic_ref atomics), so that their index
-// arithmetic, masking, tiling, synchronization and statistics are tested on machines without a GPU.
+// execution model (cuda_emulation.h: 128 threads per block, fibers of one host thread, barriers
+// for __syncthreads and __syncwarp, shuffles through per-warp slots, std::atomic_ref atomics), so
+// that their index arithmetic, masking, tiling, synchronization and statistics are tested on
+// machines without a GPU.
 // The host halves (attention_host.h: prepare_forward / prepare_backward / prepare_row_reduction)
 // allocate on the CPU here; the results are compared with an independent float64 reference written
 // with plain ATen ops over the full (B, H, Lq, Lk) matrix, its gradients by autograd. Calls with

@@ -161,6 +161,9 @@ inline std::atomic<uint64_t> g_progress{0};
 // operations can tell a new block from the one it was left by.
 inline std::atomic<uint64_t> g_block_serial{0};
 
+// Taken by every launch (emulate_launch).
+inline std::mutex g_launch_mutex;
+
 // Errors found by the checks during a launch (reported by emulate_launch).
 inline std::mutex g_error_mutex;
 inline std::vector<std::string> g_errors;
@@ -787,8 +790,9 @@ void emulate_launch(Kernel kernel, const EmulatedLaunch& l, const Params& p) {
   }
   if (blocks == 0) return;  // a GPU rejects an empty grid: the launchers skip it
 
-  static std::mutex launch_mutex;  // one launch at a time (one shared-memory array)
-  std::lock_guard<std::mutex> launch_lock(launch_mutex);
+  // One launch at a time, whatever its kernel: one shared-memory array, one block state, one
+  // fiber scheduler.
+  std::lock_guard<std::mutex> launch_lock(g_launch_mutex);
   SmemGuard guard(l.smem, smem_bytes);
   Watchdog watchdog;
   SyncDomain launch_domain;  // the launch's threads between blocks (never deadlocks)

@@ -15,7 +15,9 @@
 // cuda_emulation.h, sees a block's deadlocks first and unwinds its threads). Variables that a CUDA
 // thread would have one of (threadIdx, a thread's pending asynchronous copies) are ordinary globals
 // registered with fiber_local: the scheduler swaps the running fiber's copies in and out, and gives
-// every fiber a value-initialized copy at the start of a run.
+// every fiber a value-initialized copy at the start of a run. (It swaps contents, not objects: a
+// reference to such a variable taken before a wait refers to whichever fiber's copy is swapped in
+// after it. Take it again after a wait.)
 //
 // AddressSanitizer is told of every switch (its fiber annotations), so that it tracks the fiber's
 // stack and not the launching thread's.
@@ -109,33 +111,31 @@ bool fiber_local(T& var) {
 // Stacks and the switch.
 // ---------------------------------------------------------------------------------------------
 // As a std::thread's default stack: the host compilation of the kernels keeps their register tiles
-// on it. Reserved, not committed (MAP_NORESERVE), with a guard page below, so that an overflow
-// faults.
+// on it. Reserved, not committed (MAP_NORESERVE), with an inaccessible guard region below, so that
+// an overflow faults (64 KB: a frame larger than a page could step over a single one).
 constexpr size_t kStackBytes = size_t{8} << 20;
+constexpr size_t kGuardBytes = size_t{64} << 10;
 // The top of a stack that a new run unpoisons (Scheduler::start).
 constexpr size_t kTopUnpoisoned = size_t{64} << 10;
 
 struct Stack {
-  unsigned char* base = nullptr;  // the guard page; the usable stack is above it
-  size_t page = 0;
+  unsigned char* base = nullptr;  // the guard region; the usable stack is above it
 
   Stack() {
-    page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    void* p = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
+    void* p = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
-    if (p == MAP_FAILED) {
+    if (p == MAP_FAILED || mprotect(p, kGuardBytes, PROT_NONE) != 0) {
       std::fprintf(stderr, "cuda_emulation: cannot map a fiber stack of %zu bytes\n", kStackBytes);
       std::abort();
     }
     base = static_cast<unsigned char*>(p);
-    mprotect(base, page, PROT_NONE);
   }
-  ~Stack() { munmap(base, kStackBytes + page); }
+  ~Stack() { munmap(base, kGuardBytes + kStackBytes); }
   Stack(const Stack&) = delete;
   Stack& operator=(const Stack&) = delete;
 
-  unsigned char* bottom() const { return base + page; }  // lowest usable address
-  unsigned char* top() const { return base + page + kStackBytes; }
+  unsigned char* bottom() const { return base + kGuardBytes; }  // lowest usable address
+  unsigned char* top() const { return base + kGuardBytes + kStackBytes; }
 };
 
 #if defined(__x86_64__)
@@ -179,9 +179,14 @@ struct Context {
 // ---------------------------------------------------------------------------------------------
 class Scheduler {
  public:
-  // Runs body(i) for i in [0, n) on n fibers of this thread until every one returns. Not
-  // re-entrant (one run at a time: the emulation's launches take a mutex).
+  // Runs body(i) for i in [0, n) on n fibers of this thread until every one returns. One run at a
+  // time (the emulation's launches take a mutex: cuda_emulation.h, g_launch_mutex); a run from a
+  // fiber aborts.
   void run(int n, const std::function<void(int)>& body) {
+    if (body_ != nullptr) {
+      std::fprintf(stderr, "cuda_emulation: a launch while another one runs\n");
+      std::abort();
+    }
     while (static_cast<int>(stacks_.size()) < n) stacks_.push_back(std::make_unique<Stack>());
     fibers_.assign(static_cast<size_t>(n), Fiber{});
     body_ = &body;
@@ -252,13 +257,17 @@ class Scheduler {
 #if defined(__x86_64__)
     // From the top: trampoline's (never used) return address at an address that is 8 mod 16, as
     // after a call; below it the address switch_stack's `ret` jumps to, six registers and the
-    // control words (MXCSR's default 0x1f80, x87's 0x037f: what a new thread starts with).
+    // control words, the launching thread's (as a new thread inherits its creator's).
+    uint32_t mxcsr = 0;
+    uint16_t x87_control = 0;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(x87_control));
     auto* top = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(s.top()) & ~uintptr_t{15});
     uint64_t* sp = top - 1;
     *sp = 0;
     *--sp = reinterpret_cast<uint64_t>(&Scheduler::trampoline);
     for (int r = 0; r < 6; ++r) *--sp = 0;
-    *--sp = 0x1f80u | (uint64_t{0x037f} << 32);
+    *--sp = mxcsr | (uint64_t{x87_control} << 32);
     f.ctx.sp = sp;
 #else
     getcontext(&f.ctx.uc);

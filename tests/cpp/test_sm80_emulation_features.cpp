@@ -1,6 +1,6 @@
 // The features the sm80 family's general (causal) instantiations take (emulated_features.h), run
-// on the CPU as test_sm80_emulation.cpp runs the family (sm80_emulation.h). A unit of its own: the
-// two compile side by side.
+// on the CPU as test_sm80_emulation.cpp runs the family (sm80_emulation.h). An executable of its
+// own (cuda_emulation.cmake): the two compile and run side by side.
 #include "sm80_emulation.h"
 
 #include "emulated_features.h"

@@ -1,7 +1,7 @@
 // The features the Hopper family's general (causal) instantiations take (emulated_features.h),
 // run on the CPU as test_sm90_emulation.cpp runs the family (sm90_emulation.h): windows,
-// bottom-right alignment, softcap, sinks, dropout and packed documents, forward and backward. A
-// unit of its own: the two compile side by side.
+// bottom-right alignment, softcap, sinks, dropout and packed documents, forward and backward. An
+// executable of its own (cuda_emulation.cmake): the two compile and run side by side.
 #include "sm90_emulation.h"
 
 #include "cuda/family.h"

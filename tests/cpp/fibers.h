@@ -36,7 +36,11 @@
 #include <utility>
 #include <vector>
 
-#if !defined(__x86_64__)
+// The stack switch: x86-64 assembly, or ucontext elsewhere (CUDA_EMU_FIBERS_UCONTEXT takes
+// ucontext on x86-64 too, to test that path).
+#if defined(__x86_64__) && !defined(CUDA_EMU_FIBERS_UCONTEXT)
+#define CUDA_EMU_FIBERS_X86_64 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -138,7 +142,7 @@ struct Stack {
   unsigned char* top() const { return base + kGuardBytes + kStackBytes; }
 };
 
-#if defined(__x86_64__)
+#if defined(CUDA_EMU_FIBERS_X86_64)
 // Pushes the callee-saved registers and the floating-point control words (SysV x86-64 ABI) on the
 // current stack, stores the stack pointer to *from, switches to `to` and pops what was pushed
 // there.
@@ -233,8 +237,6 @@ class Scheduler {
     }
   }
 
-  bool in_fiber() const { return current_ >= 0; }
-
  private:
   struct Fiber {
     Context ctx;
@@ -254,7 +256,7 @@ class Scheduler {
     if (__asan_unpoison_memory_region != nullptr)
       __asan_unpoison_memory_region(s.top() - kTopUnpoisoned, kTopUnpoisoned);
     Fiber& f = fibers_[static_cast<size_t>(i)];
-#if defined(__x86_64__)
+#if defined(CUDA_EMU_FIBERS_X86_64)
     // From the top: trampoline's (never used) return address at an address that is 8 mod 16, as
     // after a call; below it the address switch_stack's `ret` jumps to, six registers and the
     // control words, the launching thread's (as a new thread inherits its creator's).
@@ -305,7 +307,7 @@ class Scheduler {
   }
 
   static void switch_to(Context* from, Context* to) {
-#if defined(__x86_64__)
+#if defined(CUDA_EMU_FIBERS_X86_64)
     switch_stack(&from->sp, to->sp);
 #else
     swapcontext(&from->uc, &to->uc);

@@ -11,6 +11,9 @@
 #                                           # these sources for this torch, else a build there;
 #                                           # and build/kernel_harness, which needs no torch
 #   bash scripts/device_bundle.sh check     # CI: the sources still build against DEVICE_TORCH
+#   bash scripts/device_bundle.sh copy      # only check's copy of the working tree: CI copies it,
+#                                           # then runs `DEVICE_CHECK_COPIED=1 ... check` beside
+#                                           # the tests, which write in the tree
 #   bash scripts/device_bundle.sh venv      # only the virtual environment of make and check (CI
 #                                           # makes it while setup compiles)
 #
@@ -120,7 +123,7 @@ check_build() {
   local start unit include_flags
   start=$(date +%s)
   device_venv
-  copy_tree
+  [[ ${DEVICE_CHECK_COPIED:-0} == 1 && -d $SRC ]] || copy_tree
   note "CPU-only build against torch ${DEVICE_TORCH}"
   build_copy ENTROPY_ATTN_CPU_ONLY=1
   note "the CUDA host sources against torch ${DEVICE_TORCH}'s headers, C++17"
@@ -189,10 +192,11 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyf
 case ${1:-} in
   make) make_bundle ;;
   check) check_build ;;
+  copy) copy_tree ;;
   install) install_bundle ;;
   venv) device_venv ;;
   *)
-    echo "usage: $0 make|check|install|venv" >&2
+    echo "usage: $0 make|check|copy|install|venv" >&2
     exit 2
     ;;
 esac

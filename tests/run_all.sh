@@ -8,6 +8,12 @@
 # forbidden local memory) and the SASS check of the tensor-core family (scripts/sass_check.py).
 # All three decide the exit code.
 #
+# pytest leaves a third of the machine idle (one Python process, with torch's threads in short
+# bursts): the C++ suite compiles beside it and the ptxas report and SASS check, which only read
+# the built extension, run beside everything, both at a lower priority (nice 10) so that the
+# foreground step keeps the cores it can use. Their output is kept in build/run_all/ and printed
+# when they are waited for. RUN_BESIDE=0 runs every step in turn, as written below.
+#
 #   bash tests/run_all.sh               # everything
 #   RUN_CPP=0 bash tests/run_all.sh     # no C++ suite      RUN_PY=0: no pytest, RUN_PTXAS=0: no report
 #                                       # RUN_CUDA_DRY_RUN=0: not the CUDA tests' logic on the CPU
@@ -32,13 +38,42 @@ ptxas_rc=skipped
 declare -a timings=()
 t0=$(date +%s)
 step_start=$t0
-step_done() {  # step_done NAME
+step_done() {  # step_done NAME: the foreground step since the last one ended
   local now
   now=$(date +%s)
   timings+=("$(printf '%-22s %5ds' "$1" $((now - step_start)))")
   echo ">>> $1: $((now - step_start))s"
   step_start=$now
 }
+
+# Steps beside the foreground (RUN_BESIDE=1): beside NAME FUNCTION starts one, beside_wait NAME
+# waits for it, prints its output and returns its exit code.
+LOGS=build/run_all
+declare -A beside_pid=()
+beside() {  # beside NAME FUNCTION
+  local name=$1 fn=$2
+  mkdir -p "$LOGS"
+  (
+    renice -n 10 -p "$BASHPID" >/dev/null
+    start=$(date +%s)
+    rc=0
+    "$fn" >"$LOGS/$name.log" 2>&1 || rc=$?
+    echo "$(($(date +%s) - start))" >"$LOGS/$name.seconds"
+    exit "$rc"
+  ) &
+  beside_pid[$name]=$!
+}
+beside_wait() {  # beside_wait NAME
+  local name=$1 rc=0
+  wait "${beside_pid[$name]}" || rc=$?
+  cat "$LOGS/$name.log"
+  local seconds
+  seconds=$(cat "$LOGS/$name.seconds" 2>/dev/null || echo "?")
+  timings+=("$(printf '%-22s %5ss (beside)' "$name" "$seconds")")
+  echo ">>> ${name}: ${seconds}s, beside the other steps (exit code ${rc})"
+  return "$rc"
+}
+BESIDE=${RUN_BESIDE:-1}
 
 # The C++ suite: configure and build (CMake + LibTorch + GoogleTest) in $BUILD_DIR.
 cpp_build() {
@@ -70,6 +105,32 @@ cpp_build() {
   return "$rc"
 }
 
+# The resource report of the CUDA kernels and the SASS check of the built extension.
+ptxas_and_sass() {
+  local rc=0
+  echo ">>> ptxas report"
+  "$PYTHON" scripts/ptxas_report.py || rc=$?
+  if git rev-parse --git-dir >/dev/null 2>&1 && ! git diff --quiet -- results/ptxas 2>/dev/null; then
+    echo ">>> note: results/ptxas/ differs from the committed report: commit it"
+  fi
+  # The machine code of the built extension: the tensor-core family uses HMMA, LDSM, LDGSTS, ...
+  echo ">>> SASS check"
+  "$PYTHON" scripts/sass_check.py || rc=$?
+  return "$rc"
+}
+
+run_ptxas=0
+if [[ ${RUN_PTXAS:-1} != 0 && ${ENTROPY_ATTN_CPU_ONLY:-0} != 1 ]] && command -v nvcc >/dev/null; then
+  run_ptxas=1
+  ptxas_rc=0
+  ((BESIDE)) && beside "ptxas report + SASS" ptxas_and_sass
+fi
+cpp_beside=0
+if [[ ${RUN_CPP:-1} != 0 && ${RUN_PY:-1} != 0 ]] && ((BESIDE)); then
+  cpp_beside=1
+  beside "C++ configure and build" cpp_build
+fi
+
 if [[ ${RUN_PY:-1} != 0 ]]; then
   echo ">>> pytest"
   "$PYTHON" -m pytest tests -q "$@"
@@ -88,11 +149,14 @@ if [[ ${RUN_PY:-1} != 0 ]]; then
 fi
 
 if [[ ${RUN_CPP:-1} != 0 ]]; then
-  # (Built after pytest, not beside it: tried in CI, the overlap saved 20 s of 570, both halves
-  # slowing down on the two cores, pytest from 140 s to 260.)
   cpp_rc=0
-  cpp_build || cpp_rc=$?
-  step_done "C++ configure and build"
+  if ((cpp_beside)); then
+    beside_wait "C++ configure and build" || cpp_rc=$?
+    step_start=$(date +%s)
+  else
+    cpp_build || cpp_rc=$?
+    step_done "C++ configure and build"
+  fi
   if ((cpp_rc == 0)); then
     echo ">>> ctest"
     ctest --test-dir "$BUILD_DIR" --output-on-failure --parallel "$JOBS" || cpp_rc=$?
@@ -100,18 +164,13 @@ if [[ ${RUN_CPP:-1} != 0 ]]; then
   fi
 fi
 
-if [[ ${RUN_PTXAS:-1} != 0 && ${ENTROPY_ATTN_CPU_ONLY:-0} != 1 ]] && command -v nvcc >/dev/null; then
-  echo ">>> ptxas report"
-  ptxas_rc=0
-  "$PYTHON" scripts/ptxas_report.py || ptxas_rc=$?
-  if git rev-parse --git-dir >/dev/null 2>&1 && ! git diff --quiet -- results/ptxas 2>/dev/null; then
-    echo ">>> note: results/ptxas/ differs from the committed report: commit it"
+if ((run_ptxas)); then
+  if ((BESIDE)); then
+    beside_wait "ptxas report + SASS" || ptxas_rc=$?
+  else
+    ptxas_and_sass || ptxas_rc=$?
+    step_done "ptxas report + SASS"
   fi
-  step_done "ptxas report"
-  # The machine code of the built extension: the tensor-core family uses HMMA, LDSM, LDGSTS, ...
-  echo ">>> SASS check"
-  "$PYTHON" scripts/sass_check.py || ptxas_rc=$?
-  step_done "SASS check"
 fi
 
 echo ">>> timings"

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <deque>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -15,41 +16,43 @@ template <typename Op>
 class AsyncGroups {
  public:
   // An operation issued: in the open group until the next commit.
-  void issue(Op op) { open_.push_back(std::move(op)); }
+  void issue(Op op) { s_->open.push_back(std::move(op)); }
   // commit_group: the open operations become the newest group (an empty one when none are open).
   void commit() {
-    committed_.push_back(std::move(open_));
-    open_.clear();
+    s_->committed.push_back(std::move(s_->open));
+    s_->open.clear();
   }
   // wait_group N: every committed group but the newest `pending` completes, oldest first, each of
   // its operations through `complete`; the open operations do not.
   template <typename F>
   void wait(int pending, F&& complete) {
-    while (static_cast<int>(committed_.size()) > pending) {
-      for (Op& op : committed_.front()) complete(op);
-      committed_.pop_front();
+    while (static_cast<int>(s_->committed.size()) > pending) {
+      for (Op& op : s_->committed.front()) complete(op);
+      s_->committed.pop_front();
     }
   }
   // The operations not completed, committed or not.
   size_t outstanding() const {
-    size_t n = open_.size();
-    for (const std::vector<Op>& g : committed_) n += g.size();
+    size_t n = s_->open.size();
+    for (const std::vector<Op>& g : s_->committed) n += g.size();
     return n;
   }
   void clear() {
-    open_.clear();
-    committed_.clear();
+    s_->open.clear();
+    s_->committed.clear();
   }
-  // Without allocating (std::swap would move through a temporary, and moving a std::deque
-  // allocates): the fiber scheduler swaps a thread's groups in and out at every switch (fibers.h).
-  friend void swap(AsyncGroups& a, AsyncGroups& b) noexcept {
-    a.open_.swap(b.open_);
-    a.committed_.swap(b.committed_);
-  }
+  // The fiber scheduler swaps a thread's groups in and out at every switch (fibers.h): the state
+  // lives behind a pointer, so that a swap exchanges one word and allocates nothing. (Swapping the
+  // containers themselves took some 60 loads and stores, each a call of the hazard check's hook in
+  // the units compiled with it, cuda_emulation.cmake: a sixth of test_sm80_emulation's time.)
+  friend void swap(AsyncGroups& a, AsyncGroups& b) noexcept { a.s_.swap(b.s_); }
 
  private:
-  std::vector<Op> open_;
-  std::deque<std::vector<Op>> committed_;  // oldest first
+  struct State {
+    std::vector<Op> open;
+    std::deque<std::vector<Op>> committed;  // oldest first
+  };
+  std::unique_ptr<State> s_ = std::make_unique<State>();
 };
 
 }  // namespace cuda_emu

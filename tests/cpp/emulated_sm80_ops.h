@@ -24,6 +24,7 @@
 
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -61,46 +62,77 @@ struct Mma16x8x16 {
   using BRegisters = uint32_t[2];
   using CRegisters = float[4];
 
-  static void fma(float& d0, float& d1, float& d2, float& d3, uint32_t const& a0,
-                  uint32_t const& a1, uint32_t const& a2, uint32_t const& a3, uint32_t const& b0,
-                  uint32_t const& b1, float const& c0, float const& c1, float const& c2,
-                  float const& c3) {
-    using Traits = cute::MMA_Traits<Real>;
-    struct Operands {
-      uint32_t a[4], b[2];
-    };
-    static_assert(sizeof(Operands) <= kSlotBytes);
+  CUDA_EMU_NO_HOOKS static void fma(float& d0, float& d1, float& d2, float& d3, uint32_t const& a0,
+                                    uint32_t const& a1, uint32_t const& a2, uint32_t const& a3,
+                                    uint32_t const& b0, uint32_t const& b1, float const& c0,
+                                    float const& c1, float const& c2, float const& c3) {
     const Operands mine{{a0, a1, a2, a3}, {b0, b1}};
     const unsigned char* all = warp_gather(WarpOp::kMma, &mine, sizeof(mine));
-    // A (16 x 16) and B (8 x 16: n, k) from every lane's fragments: value v of a lane is the 16-bit
-    // half v % 2 (low first) of register v / 2.
-    float a[16][16], b[8][16];
-    for (int lane = 0; lane < kWarpSize; ++lane) {
-      Operands o;
-      std::memcpy(&o, all + lane * kSlotBytes, sizeof(o));
-      for (int v = 0; v < 8; ++v) {
-        const int mk = typename Traits::ALayout{}(lane, v);  // (m, k), m fastest
-        a[mk % 16][mk / 16] = half_of(o.a[v / 2], v % 2);
-      }
-      for (int v = 0; v < 4; ++v) {
-        const int nk = typename Traits::BLayout{}(lane, v);  // (n, k), n fastest
-        b[nk % 8][nk / 8] = half_of(o.b[v / 2], v % 2);
-      }
-    }
+    // This lane's four results, each a row of A times a column of B read straight from the lanes
+    // that hold them (a lane decoding the whole warp's fragments took a quarter of the sm80
+    // emulation tests' time).
+    const Fragments& f = fragments();
     const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
     const float c[4] = {c0, c1, c2, c3};
     float* d[4] = {&d0, &d1, &d2, &d3};
     for (int v = 0; v < 4; ++v) {
-      const int mn = typename Traits::CLayout{}(lane, v);  // (m, n), m fastest
+      const typename Fragments::Where* a = f.a[f.c_m[lane][v]];
+      const typename Fragments::Where* b = f.b[f.c_n[lane][v]];
       float acc = c[v];
-      for (int k = 0; k < 16; ++k) acc += a[mn % 16][k] * b[mn / 16][k];
+      for (int k = 0; k < 16; ++k) acc += element(all, a[k]) * element(all, b[k]);
       *d[v] = acc;
     }
   }
 
  private:
-  static float half_of(uint32_t reg, int which) {
-    const uint16_t bits = static_cast<uint16_t>(which ? reg >> 16 : reg & 0xffffu);
+  struct Operands {
+    uint32_t a[4], b[2];
+  };
+  static_assert(sizeof(Operands) <= kSlotBytes);
+
+  // The PTX ISA's fragment layouts (CuTe's ALayout, BLayout, CLayout), inverted once: which lane
+  // holds A(m, k) and B(n, k), and where in its Operands; and the (m, n) of each lane's
+  // accumulator values. Value v of a lane's A or B fragment is the 16-bit half v % 2 (low first)
+  // of register v / 2.
+  struct Fragments {
+    struct Where {
+      uint8_t lane, offset, high;  // offset: the register's byte offset in Operands
+    };
+    Where a[16][16];  // [m][k]
+    Where b[8][16];   // [n][k]
+    uint8_t c_m[kWarpSize][4], c_n[kWarpSize][4];
+  };
+  CUDA_EMU_NO_HOOKS static const Fragments& fragments() {
+    using Traits = cute::MMA_Traits<Real>;
+    static const Fragments table = [] {
+      Fragments t{};
+      for (int lane = 0; lane < kWarpSize; ++lane) {
+        const auto l = static_cast<uint8_t>(lane);
+        for (int v = 0; v < 8; ++v) {
+          const int mk = typename Traits::ALayout{}(lane, v);  // (m, k), m fastest
+          t.a[mk % 16][mk / 16] = {l, static_cast<uint8_t>(offsetof(Operands, a) + 4 * (v / 2)),
+                                   static_cast<uint8_t>(v % 2)};
+        }
+        for (int v = 0; v < 4; ++v) {
+          const int nk = typename Traits::BLayout{}(lane, v);  // (n, k), n fastest
+          t.b[nk % 8][nk / 8] = {l, static_cast<uint8_t>(offsetof(Operands, b) + 4 * (v / 2)),
+                                 static_cast<uint8_t>(v % 2)};
+        }
+        for (int v = 0; v < 4; ++v) {
+          const int mn = typename Traits::CLayout{}(lane, v);  // (m, n), m fastest
+          t.c_m[lane][v] = static_cast<uint8_t>(mn % 16);
+          t.c_n[lane][v] = static_cast<uint8_t>(mn / 16);
+        }
+      }
+      return t;
+    }();
+    return table;
+  }
+
+  CUDA_EMU_NO_HOOKS static float element(const unsigned char* all, typename Fragments::Where w) {
+    uint32_t reg;
+    std::memcpy(&reg, all + w.lane * kSlotBytes + w.offset, sizeof(reg));
+    const uint16_t bits = static_cast<uint16_t>(w.high ? reg >> 16 : reg & 0xffffu);
     return static_cast<float>(Element::bitcast(bits));
   }
 };

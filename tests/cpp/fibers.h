@@ -31,8 +31,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,6 +57,14 @@ void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_
                                      size_t* size_old) __attribute__((weak));
 void __asan_unpoison_memory_region(void const volatile* addr, size_t size) __attribute__((weak));
 }
+
+// The emulator's own code, where the units of the shared-memory hazard check are compiled with
+// ThreadSanitizer's instrumentation as hooks (cuda_emulation.cmake: _ea_plain_access_hooks): left
+// uninstrumented, its loads and stores being its bookkeeping (an emulated instruction reports the
+// shared memory it touches itself). The hook calls of the emulated mma.sync alone took a third of
+// test_sm80_emulation_features' time (perf). (g++ inlines no function across a difference of this
+// attribute: such a function calls only what has it too, always-inline functions, or builtins.)
+#define CUDA_EMU_NO_HOOKS __attribute__((no_sanitize("thread")))
 
 namespace cuda_emu::fibers {
 
@@ -89,13 +99,24 @@ class Locals {
     void reset(int n) override {
       saved.clear();
       saved.resize(static_cast<size_t>(n));
+      saved_data = saved.data();
     }
-    void swap(int i) override {
-      using std::swap;
-      swap(var, saved[static_cast<size_t>(i)]);
+    CUDA_EMU_NO_HOOKS void swap(int i) override {
+      T& mine = saved_data[i];
+      if constexpr (std::is_trivially_copyable_v<T>) {
+        // By bytes: std::swap would be a call, instrumented (above).
+        unsigned char bytes[sizeof(T)];
+        std::memcpy(bytes, &var, sizeof(T));
+        std::memcpy(static_cast<void*>(&var), &mine, sizeof(T));
+        std::memcpy(static_cast<void*>(&mine), bytes, sizeof(T));
+      } else {
+        using std::swap;
+        swap(var, mine);
+      }
     }
     T& var;
     std::vector<T> saved;
+    T* saved_data = nullptr;  // saved.data(), read by swap without a call
   };
   std::vector<std::unique_ptr<Slot>> vars_;
 };

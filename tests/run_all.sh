@@ -9,7 +9,7 @@
 # All three decide the exit code.
 #
 # pytest leaves a third of the machine idle (one Python process, with torch's threads in short
-# bursts): the C++ suite compiles beside it and the ptxas report and SASS check, which only read
+# bursts): the C++ suite compiles beside it and the ptxas report and SASS check, which need only
 # the built extension, run beside everything, both at a lower priority (nice 10) so that the
 # foreground step keeps the cores it can use. Their output is kept in build/run_all/ and printed
 # when they are waited for. RUN_BESIDE=0 runs every step in turn, as written below.
@@ -54,7 +54,7 @@ beside() {  # beside NAME FUNCTION
   local name=$1 fn=$2
   mkdir -p "$LOGS"
   (
-    renice -n 10 -p "$BASHPID" >/dev/null
+    renice -n 10 -p "$BASHPID" >/dev/null 2>&1
     start=$(date +%s)
     rc=0
     "$fn" >"$LOGS/$name.log" 2>&1 || rc=$?
@@ -73,7 +73,8 @@ beside_wait() {  # beside_wait NAME
   echo ">>> ${name}: ${seconds}s, beside the other steps (exit code ${rc})"
   return "$rc"
 }
-BESIDE=${RUN_BESIDE:-1}
+BESIDE=1
+[[ ${RUN_BESIDE:-1} != 0 ]] || BESIDE=0
 
 # The C++ suite: configure and build (CMake + LibTorch + GoogleTest) in $BUILD_DIR.
 cpp_build() {

@@ -119,7 +119,7 @@ elseif(_ea_cuda)
       gtest_discover_tests(${_ea_test}
         DISCOVERY_MODE PRE_TEST
         DISCOVERY_TIMEOUT 120
-        PROPERTIES TIMEOUT 600 LABELS "cpp;cuda_emulation")
+        PROPERTIES TIMEOUT 600 LABELS "cpp;cuda_emulation" COST 100)
     else()
       add_test(NAME ${_ea_test} COMMAND ${_ea_test} --gtest_color=no)
       # COST: the longest tests of the suite, started first by `ctest --parallel` (which otherwise

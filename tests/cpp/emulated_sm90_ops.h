@@ -51,6 +51,7 @@ inline size_t __cvta_generic_to_shared(const void* p) {
 #include <cuda.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -922,27 +923,48 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
     }
   }
   const int buf = sm90::warpgroup_meet(a_regs, kSsA ? 0 : 16);
+  // The rows of A this thread's results need (two of the 64), each decoded once: every one of the
+  // 128 threads decoding all of A was most of the emulated wgmma's time.
   float a[64][16];
-  if constexpr (kSsA) {
-    const uint64_t desc = static_cast<uint64_t>(*A.data());
-    constexpr bool kK = sm90::OperandMajor<typename Traits::FrgTypeA>::kK;
-    for (int m = 0; m < 64; ++m)
-      for (int k = 0; k < 16; ++k) {
-        Element e;
-        std::memcpy(&e, g_sm90_smem + sm90::operand_address(desc, kK, m, k), 2);
-        a[m][k] = static_cast<float>(e);
+  bool have_row[64] = {};
+  const auto a_row = [&](int m) -> const float* {
+    if (!have_row[m]) {
+      have_row[m] = true;
+      if constexpr (kSsA) {
+        const uint64_t desc = static_cast<uint64_t>(*A.data());
+        constexpr bool kK = sm90::OperandMajor<typename Traits::FrgTypeA>::kK;
+        for (int k = 0; k < 16; ++k) {
+          Element e;
+          std::memcpy(&e, g_sm90_smem + sm90::operand_address(desc, kK, m, k), 2);
+          a[m][k] = static_cast<float>(e);
+        }
+      } else {
+        // Which thread holds A(m, k), and as which of its values: ALayout inverted, once. Value v
+        // of a thread is the 16-bit half v % 2 (low first) of its register v / 2.
+        struct Holder {
+          uint8_t thread, value;
+        };
+        static const auto holders = [] {
+          std::array<std::array<Holder, 16>, 64> h{};
+          for (int t = 0; t < 128; ++t)
+            for (int v = 0; v < 8; ++v) {
+              const int mk = typename Traits::ALayout{}(t, v);  // (m, k), m fastest
+              h[mk % 64][mk / 64] = {static_cast<uint8_t>(t), static_cast<uint8_t>(v)};
+            }
+          return h;
+        }();
+        const auto& slots = sm90::g_warpgroup_slots[threadIdx.x / 128].slot[buf];
+        for (int k = 0; k < 16; ++k) {
+          const Holder w = holders[m][k];
+          uint32_t reg;
+          std::memcpy(&reg, slots[w.thread] + 4 * (w.value / 2), 4);
+          const uint16_t bits = static_cast<uint16_t>(w.value % 2 ? reg >> 16 : reg & 0xffffu);
+          a[m][k] = static_cast<float>(Element::bitcast(bits));
+        }
       }
-  } else {
-    const auto& slots = sm90::g_warpgroup_slots[threadIdx.x / 128].slot[buf];
-    for (int t = 0; t < 128; ++t)
-      for (int v = 0; v < 8; ++v) {
-        uint32_t reg;
-        std::memcpy(&reg, slots[t] + 4 * (v / 2), 4);
-        const uint16_t bits = static_cast<uint16_t>(v % 2 ? reg >> 16 : reg & 0xffffu);
-        const int mk = typename Traits::ALayout{}(t, v);  // (m, k), m fastest
-        a[mk % 64][mk / 64] = static_cast<float>(Element::bitcast(bits));
-      }
-  }
+    }
+    return a[m];
+  };
   const uint64_t bdesc = static_cast<uint64_t>(*B.data());
   constexpr bool kKB = sm90::OperandMajor<typename Traits::FrgTypeB>::kK;
   // The operands' chunks, in flight until the wait (one thread records them for the warpgroup).
@@ -965,11 +987,12 @@ void mma_unpack(MMA_Traits<cuda_emu::sm90::Gmma<Real>> const& traits, Tensor<TD,
   for (int v = 0; v < kN / 2; ++v) {
     const int mn = typename Traits::CLayout{}(tid, v);  // (m, n), m fastest
     const int m = mn % 64, n = mn / 64;
+    const float* a_m = a_row(m);
     float acc = zero ? 0.f : sm90::accumulator_input(&D(v));
     for (int k = 0; k < 16; ++k) {
       Element e;
       std::memcpy(&e, g_sm90_smem + sm90::operand_address(bdesc, kKB, n, k), 2);
-      acc += a[m][k] * static_cast<float>(e);
+      acc += a_m[k] * static_cast<float>(e);
     }
     sm90::issue_accumulator(&D(v), acc);  // NaN until the wait retires the batch
   }

@@ -63,7 +63,8 @@ void __asan_unpoison_memory_region(void const volatile* addr, size_t size) __att
 // uninstrumented, its loads and stores being its bookkeeping (an emulated instruction reports the
 // shared memory it touches itself). The hook calls of the emulated mma.sync alone took a third of
 // test_sm80_emulation_features' time (perf). (g++ inlines no function across a difference of this
-// attribute: such a function calls only what has it too, always-inline functions, or builtins.)
+// attribute, so what such a function calls stays a call, instrumented where it has no attribute:
+// the attribute goes where the loads and stores are.)
 #define CUDA_EMU_NO_HOOKS __attribute__((no_sanitize("thread")))
 
 namespace cuda_emu::fibers {

@@ -29,7 +29,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 
 // Device intrinsics that CUTLASS's numeric_conversion.h names outside templates: a host compiler
 // needs their declarations. __byte_perm is emulated (a conversion the kernels use calls it); the
@@ -80,7 +79,7 @@ struct Mma16x8x16 {
       const typename Fragments::Where* a = f.a[f.c_m[lane][v]];
       const typename Fragments::Where* b = f.b[f.c_n[lane][v]];
       float acc = c[v];
-      for (int k = 0; k < 16; ++k) acc += f.element(all, a[k]) * f.element(all, b[k]);
+      for (int k = 0; k < 16; ++k) acc += element(all, a[k]) * element(all, b[k]);
       *d[v] = acc;
     }
   }
@@ -94,8 +93,7 @@ struct Mma16x8x16 {
   // The PTX ISA's fragment layouts (CuTe's ALayout, BLayout, CLayout), inverted once: which lane
   // holds A(m, k) and B(n, k), and where in its Operands; and the (m, n) of each lane's
   // accumulator values. Value v of a lane's A or B fragment is the 16-bit half v % 2 (low first)
-  // of register v / 2. With the value of every 16-bit pattern: CUTLASS's conversion is a call in
-  // a host compilation, instrumented (CUDA_EMU_NO_HOOKS).
+  // of register v / 2.
   struct Fragments {
     struct Where {
       uint8_t lane, offset, high;  // offset: the register's byte offset in Operands
@@ -103,41 +101,39 @@ struct Mma16x8x16 {
     Where a[16][16];  // [m][k]
     Where b[8][16];   // [n][k]
     uint8_t c_m[kWarpSize][4], c_n[kWarpSize][4];
-    float value[1 << 16];
-
-    CUDA_EMU_NO_HOOKS float element(const unsigned char* all, Where w) const {
-      uint32_t reg;
-      std::memcpy(&reg, all + w.lane * kSlotBytes + w.offset, sizeof(reg));
-      return value[w.high ? reg >> 16 : reg & 0xffffu];
-    }
   };
   CUDA_EMU_NO_HOOKS static const Fragments& fragments() {
     using Traits = cute::MMA_Traits<Real>;
-    static const std::unique_ptr<const Fragments> table = [] {
-      auto t = std::make_unique<Fragments>();
-      for (uint32_t bits = 0; bits < (1u << 16); ++bits)
-        t->value[bits] = static_cast<float>(Element::bitcast(static_cast<uint16_t>(bits)));
+    static const Fragments table = [] {
+      Fragments t{};
       for (int lane = 0; lane < kWarpSize; ++lane) {
         const auto l = static_cast<uint8_t>(lane);
         for (int v = 0; v < 8; ++v) {
           const int mk = typename Traits::ALayout{}(lane, v);  // (m, k), m fastest
-          t->a[mk % 16][mk / 16] = {l, static_cast<uint8_t>(offsetof(Operands, a) + 4 * (v / 2)),
-                                    static_cast<uint8_t>(v % 2)};
+          t.a[mk % 16][mk / 16] = {l, static_cast<uint8_t>(offsetof(Operands, a) + 4 * (v / 2)),
+                                   static_cast<uint8_t>(v % 2)};
         }
         for (int v = 0; v < 4; ++v) {
           const int nk = typename Traits::BLayout{}(lane, v);  // (n, k), n fastest
-          t->b[nk % 8][nk / 8] = {l, static_cast<uint8_t>(offsetof(Operands, b) + 4 * (v / 2)),
-                                  static_cast<uint8_t>(v % 2)};
+          t.b[nk % 8][nk / 8] = {l, static_cast<uint8_t>(offsetof(Operands, b) + 4 * (v / 2)),
+                                 static_cast<uint8_t>(v % 2)};
         }
         for (int v = 0; v < 4; ++v) {
           const int mn = typename Traits::CLayout{}(lane, v);  // (m, n), m fastest
-          t->c_m[lane][v] = static_cast<uint8_t>(mn % 16);
-          t->c_n[lane][v] = static_cast<uint8_t>(mn / 16);
+          t.c_m[lane][v] = static_cast<uint8_t>(mn % 16);
+          t.c_n[lane][v] = static_cast<uint8_t>(mn / 16);
         }
       }
       return t;
     }();
-    return *table;
+    return table;
+  }
+
+  CUDA_EMU_NO_HOOKS static float element(const unsigned char* all, typename Fragments::Where w) {
+    uint32_t reg;
+    std::memcpy(&reg, all + w.lane * kSlotBytes + w.offset, sizeof(reg));
+    const uint16_t bits = static_cast<uint16_t>(w.high ? reg >> 16 : reg & 0xffffu);
+    return static_cast<float>(Element::bitcast(bits));
   }
 };
 

@@ -9,6 +9,10 @@ sm_90a) has its translation units compiled for that target alone, and one that d
 device code changes with the architecture (`ptx_changes_at`) compiles one PTX for the architectures
 between two changes (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
+ENTROPY_ATTN_UNTESTED_KERNELS=1 also compiles the kernels of the capabilities that are off by default
+until tested on a GPU (csrc/cuda/untested_kernels.h: head dim 256 in the tensor-core family, and
+two backward variants), which "auto" never selects; scripts/device_bundle.sh builds so for GPU
+sessions, whose tests force them.
 
 Packaging (pyproject.toml holds the static metadata): the version is torch_ext/_version.py's; the
 package requires the torch major.minor it is compiled against, and records the exact torch version
@@ -76,11 +80,14 @@ def write_build_info() -> None:
         f.write('"""Written by setup.py at build time: the torch this build of torch_ext is compiled against,\n'
                 'and the hash of the sources it was built from (scripts/sources_hash.sh)."""\n\n'
                 f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n"
-                f"SOURCES_SHA256 = {sources_sha256()!r}\n")
+                f"SOURCES_SHA256 = {sources_sha256()!r}\n"
+                "# Whether the kernels compiled on request are in (ENTROPY_ATTN_UNTESTED_KERNELS=1).\n"
+                f"UNTESTED_KERNELS = {UNTESTED_KERNELS!r}\n")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import kernel_list  # noqa: E402
 from cuda_home import cuda_home  # noqa: E402
 WERROR = os.environ.get("ENTROPY_ATTN_WERROR") == "1"
+UNTESTED_KERNELS = os.environ.get("ENTROPY_ATTN_UNTESTED_KERNELS") == "1"
 
 
 CUDA_HOME = cuda_home() if os.environ.get("ENTROPY_ATTN_CPU_ONLY") != "1" and torch.version.cuda else None
@@ -97,9 +104,13 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 
 def sources() -> list[str]:
-    """Sources of the extension, relative to the project root, in a stable order."""
+    """Sources of the extension, relative to the project root, in a stable order: without
+    ENTROPY_ATTN_UNTESTED_KERNELS=1, less the kernel units that hold only instantiations compiled on
+    request (they would compile empty)."""
     patterns = ["csrc/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/**/*.cu", "csrc/cuda/*.cpp"] if WITH_CUDA else [])
-    return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT, recursive=True))
+    skipped = set() if UNTESTED_KERNELS else {str(p.relative_to(ROOT)) for p in kernel_list.on_request_units()}
+    return sorted(f for pattern in patterns for f in glob.glob(pattern, root_dir=ROOT, recursive=True)
+                  if f not in skipped)
 
 
 def cutlass_include() -> str:
@@ -131,14 +142,15 @@ def cutlass_include() -> str:
 # (ATen/ATen.h, whose parsing took a quarter of a typical file's compile time), and including all
 # of them is an error. (CMakeLists.txt and scripts/device_bundle.sh's check define them as well.)
 ATEN_DEFINES = ["-DAT_PER_OPERATOR_HEADERS", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"]
-CXX_FLAGS = (["-O3", "-g1", "-fopenmp", "-Wall", "-Wextra", *ATEN_DEFINES]
+UNTESTED_DEFINES = [f"-D{kernel_list.UNTESTED_MACRO}"] if UNTESTED_KERNELS else []
+CXX_FLAGS = (["-O3", "-g1", "-fopenmp", "-Wall", "-Wextra", *ATEN_DEFINES, *UNTESTED_DEFINES]
              + [flag for path in include_paths() for flag in ("-isystem", path)]
              + (["-Werror"] if WERROR else []))
 # The .cu files include no torch header: every host-compiler warning is ours. torch adds -std=c++20,
 # -D__CUDA_NO_HALF_OPERATORS__ & co. and the -gencode flags of TORCH_CUDA_ARCH_LIST.
 # CuTe's headers as system headers (their warnings are not ours); -DNDEBUG drops CuTe's device
 # asserts from the kernels.
-NVCC_FLAGS = (["-O3", "-lineinfo", "-DNDEBUG", "-Xcompiler=-Wall,-Wextra"]
+NVCC_FLAGS = (["-O3", "-lineinfo", "-DNDEBUG", "-Xcompiler=-Wall,-Wextra", *UNTESTED_DEFINES]
               + (["-isystem", cutlass_include()] if WITH_CUDA else [])
               + (["-Werror=all-warnings", "-Xcompiler=-Werror", "-Xptxas=-Werror"] if WERROR else []))
 

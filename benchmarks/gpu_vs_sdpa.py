@@ -484,8 +484,9 @@ def environment(command: str) -> Dict[str, Any]:
         from torch_ext import _build_info
 
         sources = getattr(_build_info, "SOURCES_SHA256", "unknown")
+        untested = bool(getattr(_build_info, "UNTESTED_KERNELS", False))
     except ImportError:
-        sources = "unknown"
+        sources, untested = "unknown", False
     return {
         "device": f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
         "driver": driver[0] if driver else "unknown",
@@ -495,6 +496,9 @@ def environment(command: str) -> Dict[str, Any]:
         "dirty": bool(run_quiet(["git", "--no-optional-locks", "status", "--porcelain", "--", "csrc/"])),
         # The kernels measured, exactly: scripts/sources_hash.sh gives the same at their commit.
         "sources_sha256": sources,
+        # Whether the kernels compiled on request were in (csrc/cuda/untested_kernels.h): without
+        # them head dim 256 runs in the fallback.
+        "untested_kernels": untested,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }

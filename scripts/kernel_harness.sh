@@ -18,11 +18,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=build/kernel_harness
 
 build() {
-  local objects=() cuda_home nvcc temp
+  local objects=() cuda_home nvcc temp defines=()
   # The object of every instantiation unit kernels.toml lists (csrc/cuda/<family>/instantiations/
   # *.cu), as setup.py compiled it, all from one build directory (the newest build/temp.*): a
   # missing one (no build, or a partial one) stops the build here rather than linking an
-  # executable without its launchers.
+  # executable without its launchers. Those compiled on request only if that build has them
+  # (torch_ext/_build_info.py: UNTESTED_KERNELS; csrc/cuda/untested_kernels.h), and then the
+  # harness with them too.
   temp=$(ls -dt build/temp.* 2>/dev/null | head -1)
   if [[ -z $temp ]]; then
     echo "kernel_harness: no build/temp.* (run scripts/setup.sh first)" >&2
@@ -33,11 +35,18 @@ import sys
 from pathlib import Path
 sys.path.insert(0, "scripts")
 import kernel_list
-for unit in kernel_list.translation_units():
+untested = kernel_list.built_with_untested_kernels(Path("torch_ext/_build_info.py"))
+if untested:
+    print(f"-D{kernel_list.UNTESTED_MACRO}")
+for unit in kernel_list.translation_units(untested):
     obj = Path(sys.argv[1]) / unit.relative_to(kernel_list.ROOT).with_suffix(".o")
     print(obj if obj.exists() else f"MISSING {obj}")
 PY
   )
+  if [[ ${objects[0]:-} == -D* ]]; then
+    defines=("${objects[0]}")
+    objects=("${objects[@]:1}")
+  fi
   if ((${#objects[@]} == 0)) || printf '%s\n' "${objects[@]}" | grep -q '^MISSING\|^FAILED'; then
     printf '%s\n' "${objects[@]}" | grep '^MISSING\|^FAILED' | head -3 >&2
     echo "kernel_harness: kernel objects missing under ${temp} (run scripts/setup.sh first)" >&2
@@ -50,7 +59,7 @@ PY
   "$nvcc" -std=c++17 -O2 -Icsrc -Ibenchmarks/harness -I"${cuda_home}/include" \
     -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
     -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
-    -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror \
+    -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror "${defines[@]}" \
     benchmarks/harness/kernel_harness.cu "${objects[@]}" -cudart static -o "$OUT"
   echo "kernel_harness: built ${OUT} from ${#objects[@]} kernel objects (${temp})"
 }

@@ -44,6 +44,13 @@ PTX_CHANGES_AT = "ptx_changes_at"
 # "7.5;8.0;8.6" once built sm_80's and sm_86's machine code of every sm80 forward from compute_75,
 # all traps).
 MIN_ARCH = "min_arch"
+# `on_request = [{ head_dim = 256 }]`: the instantiations (matched as `exclude` matches them) of a
+# capability that is off by default until tested on a GPU (csrc/cuda/family.h), which "auto" never
+# selects: compiled only when the build asks for them (ENTROPY_ATTN_UNTESTED_KERNELS=1;
+# csrc/cuda/untested_kernels.h). Their units compile empty otherwise, and setup.py leaves out a unit
+# that holds nothing else.
+ON_REQUEST = "on_request"
+UNTESTED_MACRO = "ENTROPY_ATTN_UNTESTED_KERNELS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Instantiation:
     causal: bool | None = None
     mask: str | None = None
     stats: bool | None = None
+    on_request: bool = False  # compiled only with ENTROPY_ATTN_UNTESTED_KERNELS=1 (ON_REQUEST)
 
     @property
     def cuda_type(self) -> str:
@@ -95,20 +103,22 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
     spec = _spec(path)
     families: dict[str, list[Instantiation]] = {}
     for family, entry in spec.items():
-        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", GENCODE, PTX_CHANGES_AT, MIN_ARCH,
-                                *FLAGS}
+        unknown = set(entry) - {"directions", "dtypes", "head_dims", "exclude", ON_REQUEST, GENCODE, PTX_CHANGES_AT,
+                                MIN_ARCH, *FLAGS}
         if unknown:
             raise ValueError(f"{path}: [{family}] has unknown keys {sorted(unknown)}")
         for dtype in entry["dtypes"]:
             if dtype not in DTYPES:
                 raise ValueError(f"{path}: [{family}] unknown dtype {dtype!r}")
         # An `exclude` entry drops the instantiations that match all of its keys (any of direction,
-        # dtype, head_dim and the flags: `mask` for the masks list).
+        # dtype, head_dim and the flags: `mask` for the masks list); an `on_request` entry marks them.
         excluded = entry.get("exclude", [])
+        requested = entry.get(ON_REQUEST, [])
         keys = {"direction", "dtype", "head_dim", "causal", "mask", "stats"}
-        for ex in excluded:
-            if not ex or set(ex) - keys:
-                raise ValueError(f"{path}: [{family}] exclude entry {ex!r}: keys must be among {sorted(keys)}")
+        for name, entries in (("exclude", excluded), (ON_REQUEST, requested)):
+            for ex in entries:
+                if not ex or set(ex) - keys:
+                    raise ValueError(f"{path}: [{family}] {name} entry {ex!r}: keys must be among {sorted(keys)}")
         insts = []
         for direction, dtype, head_dim in itertools.product(entry["directions"], entry["dtypes"], entry["head_dims"]):
             causal = entry.get("causal", [None])
@@ -117,7 +127,8 @@ def load(path: Path = LIST) -> dict[str, list[Instantiation]]:
             for c, m, s in itertools.product(causal, masks, stats):
                 inst = Instantiation(family, direction, dtype, head_dim, c, m, s)
                 if not any(all(getattr(inst, k) == v for k, v in ex.items()) for ex in excluded):
-                    insts.append(inst)
+                    on_request = any(all(getattr(inst, k) == v for k, v in ex.items()) for ex in requested)
+                    insts.append(dataclasses.replace(inst, on_request=on_request))
         families[family] = insts
     return families
 
@@ -163,27 +174,55 @@ def generated_files(families: dict[str, list[Instantiation]] | None = None, root
         for name, members in units.items():
             lines = [GENERATED_NOTE, f'#include "{launch_header(members[0].direction)}"', "",
                      f"namespace entropy_attn::cuda::{family} {{"]
-            for inst in members:
-                lines += DECLARATIONS[family](inst)
+            for on_request in (False, True):  # (the on-request ones compiled on request alone)
+                group = [line for inst in members if inst.on_request == on_request
+                         for line in DECLARATIONS[family](inst)]
+                if group and on_request:
+                    group = [f"#ifdef {UNTESTED_MACRO}  // kernels.toml: {ON_REQUEST}", *group, "#endif"]
+                lines += group
             lines += [f"}}  // namespace entropy_attn::cuda::{family}", ""]
             files[folder / f"{name}.cu"] = "\n".join(lines)
         macro = family.upper()
         lines = [GENERATED_NOTE,
                  f"// X(template arguments of launch_<direction>) for each {family} instantiation: the",
                  "// launch switch of the selection point (csrc/cuda/family.cpp) expands these lists.",
-                 "#pragma once", ""]
+                 f"// EA_UNTESTED(...): those compiled on request ({ON_REQUEST}; ../../untested_kernels.h).",
+                 "#pragma once", "", '#include "../../untested_kernels.h"', ""]
         for direction in ("forward", "backward"):
-            entries = [inst.template_args() for inst in insts if inst.direction == direction]
+            entries = [(inst.template_args(), inst.on_request) for inst in insts if inst.direction == direction]
             lines.append(f"#define EA_{macro}_{direction.upper()}_KERNELS(X) \\")
-            lines += [f"  X({args}) \\" for args in entries]
+            lines += [f"  EA_UNTESTED(X({args})) \\" if on_request else f"  X({args}) \\" for args, on_request in entries]
             lines += ["  /* end of list */", ""]
         files[folder / "dispatch.h"] = "\n".join(lines)
     return files
 
 
-def translation_units() -> list[Path]:
-    """The generated translation units, sorted."""
-    return sorted(p for p in generated_files() if p.suffix == ".cu")
+def translation_units(untested: bool = True) -> list[Path]:
+    """The generated translation units, sorted; without `untested`, less those that hold only
+    instantiations compiled on request (ON_REQUEST), which a build without them leaves out."""
+    skipped = set() if untested else on_request_units()
+    return sorted(p for p in generated_files() if p.suffix == ".cu" and p not in skipped)
+
+
+def on_request_units() -> set[Path]:
+    """The generated translation units all of whose instantiations are compiled on request."""
+    units: dict[Path, bool] = {}
+    for insts in load().values():
+        for inst in insts:
+            path = unit_path(inst)
+            units[path] = units.get(path, True) and inst.on_request
+    return {path for path, only in units.items() if only}
+
+
+def built_with_untested_kernels(build_info: Path) -> bool:
+    """Whether the build that wrote `build_info` (torch_ext/_build_info.py, next to the library)
+    compiled the kernels on request (ENTROPY_ATTN_UNTESTED_KERNELS=1); False for a build that
+    does not say."""
+    try:
+        text = build_info.read_text()
+    except OSError:
+        return False
+    return re.search(r"^UNTESTED_KERNELS = True$", text, re.MULTILINE) is not None
 
 
 def gencodes(path: Path = LIST) -> dict[str, str]:

@@ -100,7 +100,8 @@ stamp_file=build/extension.stamp
 werror=${ENTROPY_ATTN_WERROR:-0}
 stamp=$( { bash scripts/sources_hash.sh
            "$PYTHON" -c 'import torch; print(torch.__version__)'
-           echo "cpu_only=${ENTROPY_ATTN_CPU_ONLY:-0} arch=${TORCH_CUDA_ARCH_LIST:-} nvcc=$(command -v nvcc || true)"
+           echo "cpu_only=${ENTROPY_ATTN_CPU_ONLY:-0} arch=${TORCH_CUDA_ARCH_LIST:-} nvcc=$(command -v nvcc || true)" \
+                "untested=${ENTROPY_ATTN_UNTESTED_KERNELS:-0}"
          } | sha256sum | cut -d' ' -f1)
 built=$(cat "$stamp_file" 2>/dev/null || true)
 # The installed package must be this tree's: an editable install made from another clone also
@@ -119,6 +120,7 @@ else
   env "${build_env[@]}" "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
   mkdir -p build && echo "$stamp $werror" >"$stamp_file"
   echo "extension built in $(($(date +%s) - build_start))s ($(find csrc/cuda -name '*.cu' | wc -l) CUDA" \
-       "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0})"
+       "sources, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}, ENTROPY_ATTN_CPU_ONLY=${ENTROPY_ATTN_CPU_ONLY:-0}," \
+       "ENTROPY_ATTN_UNTESTED_KERNELS=${ENTROPY_ATTN_UNTESTED_KERNELS:-0})"
   if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -Ei "hit|miss" || true; fi
 fi

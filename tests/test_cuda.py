@@ -62,6 +62,20 @@ OUT_NAMES = (
     "normalized_entropy", "sparsity", "effective_keys",
 )
 GRAD_NAMES = ("grad_query", "grad_key", "grad_value", "grad_row_scale")
+
+
+def skip_without_untested_kernels(what: str) -> None:
+    """Skips a test of `what` on a GPU when the build lacks the kernels compiled on request
+    (ENTROPY_ATTN_UNTESTED_KERNELS=1, csrc/cuda/untested_kernels.h: head dim 256 in the sm80
+    family, the sm80 backward's compact tiles), which the test forces; a dry run tests its logic on
+    the CPU regardless."""
+    from torch_ext import _build_info
+
+    if not DRY_RUN and not getattr(_build_info, "UNTESTED_KERNELS", False):
+        pytest.skip(f"{what}: not in this build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles it, as "
+                    "scripts/gpu_suite.sh and scripts/device_bundle.sh do)")
+
+
 #: The CUDA kernels' documented limits.
 CUDA_MAX_HEAD_DIM = 256
 CUDA_MAX_HEAD_DIM_F64 = 128
@@ -1249,6 +1263,8 @@ def test_families_agree(
     no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
     blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
     loss."""
+    if D == 256:
+        skip_without_untested_kernels("the sm80 family at head dim 256")
     torch.manual_seed(0)
     Lq, Lk = 177, 293
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, Lq, Lk, D, dtype=dtype))
@@ -1620,6 +1636,7 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     matches the float64 reference: output, lse and n_i, with statistics the entropy, sum p^2, max
     weight and derived statistics, and the gradients of q, k, v (and the sinks) through the output
     and, with statistics, the entropy. (Dry run: the CPU op against the same reference.)"""
+    skip_without_untested_kernels("the sm80 family at head dim 256")
     Lq, Lk, spec = HEAD_DIM_256_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask", "split")}
     H, Hkv, D = 4, 2, 256
@@ -1781,6 +1798,7 @@ def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, cas
     and the entropy match the float64 reference; under "auto" the compact tiles do not run while they
     are off by default (family.h: kTensorCoreCompactBackwardByDefault; the fallback takes such a
     call, or the sm90 family on an H100). (Dry run: the CPU op against the same reference.)"""
+    skip_without_untested_kernels("the sm80 backward's compact tiles")
     dtype, Hkv, Lq, Lk, spec, deterministic = COMPACT_BACKWARD_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", str(SMALL_GPU_SMEM))
@@ -1841,6 +1859,8 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     q, k, v through the output and the entropy. (Dry run: the CPU op against the same
     reference.)"""
     D, Dv, Lq, Lk, spec = PADDED_HEAD_DIM_CASES[case]
+    if max(D, Dv) > 128:
+        skip_without_untested_kernels("the sm80 family at head dim 256 (the padded head dim)")
     kw = {key: val for key, val in spec.items() if key != "mask"}
     torch.manual_seed(9)
     q, k, v = make_qkv(2, 4, 2, Lq, Lk, D, Dv, dtype=torch.bfloat16)

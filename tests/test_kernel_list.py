@@ -91,18 +91,58 @@ def test_dispatch_table_lists_every_instantiation() -> None:
         table = files[ROOT / "csrc" / "cuda" / family / "instantiations" / "dispatch.h"]
         for direction in ("forward", "backward"):
             section = table.split(f"EA_{family.upper()}_{direction.upper()}_KERNELS(X)")[1].split("#define")[0]
-            listed = sorted(line.strip()[2:-3] for line in section.splitlines() if line.strip().startswith("X("))
-            assert listed == sorted(i.template_args() for i in insts if i.direction == direction)
+            entries = [re.fullmatch(r"(EA_UNTESTED\()?X\((.*)\)(?(1)\)) \\", line.strip())
+                       for line in section.splitlines() if "X(" in line]
+            assert all(entries), section
+            listed = sorted((m[2], m[1] is not None) for m in entries)
+            assert listed == sorted((i.template_args(), i.on_request) for i in insts if i.direction == direction)
 
 
 @pytest.mark.parametrize("builder", ["setup.py", "CMakeLists.txt"])
 def test_builds_compile_the_generated_units(builder: str) -> None:
     """setup.py and CMake take every .cu under csrc/cuda recursively, so the generated units are
-    built; scripts/ptxas_report.py checks that the built library holds code from each."""
+    built (setup.py less those of instantiations compiled on request, unless asked for);
+    scripts/ptxas_report.py checks that the built library holds code from each."""
     text = (ROOT / builder).read_text()
     assert "csrc/cuda/**/*.cu" in text or "GLOB_RECURSE ENTROPY_ATTN_CUDA_SOURCES" in text
     on_disk = {p for p in (ROOT / "csrc" / "cuda").rglob("*.cu") if p.parent.name == "instantiations"}
     assert on_disk == set(kernel_list.translation_units())
+    assert "kernel_list.on_request_units()" in text or builder == "CMakeLists.txt"
+
+
+def test_untested_instantiations_are_compiled_on_request(tmp_path: Path) -> None:
+    """kernels.toml's `on_request` marks the sm80 family's head dim 256 (off by default until tested
+    on a GPU: csrc/cuda/family.h): its units compile their instantiations only under
+    ENTROPY_ATTN_UNTESTED_KERNELS, the dispatch lists wrap them in EA_UNTESTED, a build without them
+    leaves those units out, and the build info tells the reports which build they read."""
+    insts = kernel_list.load()
+    requested = {i for fam in insts.values() for i in fam if i.on_request}
+    assert requested and all(i.family == "sm80" and i.head_dim == 256 for i in requested)
+    assert all(i.on_request for i in insts["sm80"] if i.head_dim == 256)
+    units = kernel_list.on_request_units()
+    assert units == {kernel_list.unit_path(i) for i in requested}
+    files = kernel_list.generated_files()
+    for unit in units:
+        text = files[unit]
+        assert f"#ifdef {kernel_list.UNTESTED_MACRO}" in text and text.count("template ") >= 3, text
+    assert set(kernel_list.translation_units()) - set(kernel_list.translation_units(untested=False)) == units
+    header = (ROOT / "csrc" / "cuda" / "untested_kernels.h").read_text()
+    assert f"#ifdef {kernel_list.UNTESTED_MACRO}" in header and "#define EA_UNTESTED(...)" in header
+    info = tmp_path / "_build_info.py"
+    assert not kernel_list.built_with_untested_kernels(info), "no build info: a build without them"
+    info.write_text("TORCH_VERSION = '2.14.1'\nUNTESTED_KERNELS = False\n")
+    assert not kernel_list.built_with_untested_kernels(info)
+    info.write_text("TORCH_VERSION = '2.14.1'\nUNTESTED_KERNELS = True\n")
+    assert kernel_list.built_with_untested_kernels(info)
+
+
+def test_on_request_entries_are_checked(tmp_path: Path) -> None:
+    """An `on_request` entry with an unknown key is an error naming it, as an `exclude` entry."""
+    spec = tmp_path / "kernels.toml"
+    spec.write_text('[sm80]\ndirections = ["forward"]\ndtypes = ["bfloat16"]\nhead_dims = [64]\n'
+                    'on_request = [{ head = 64 }]\n')
+    with pytest.raises(ValueError, match="on_request entry"):
+        kernel_list.load(spec)
 
 
 def test_tensor_core_families_compile_head_dim_256() -> None:

@@ -46,6 +46,7 @@
 #include "cuda/sm90/instantiations/dispatch.h"
 #include "cuda/sm90/launch.h"
 #include "cuda/split_kv.h"
+#include "cuda/untested_kernels.h"
 #include "kernel_harness.h"
 
 namespace {
@@ -258,11 +259,17 @@ struct OpLaunch {
     l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
     l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
     l.bulk_dq = f == Family::kSm90 && dev.sm90_bulk_dq && !masked;
-    // (The launcher takes the compact tiles where the full ones do not fit: launch.h.)
-    const int need = sm80::backward_main_smem_bytes(d, sm80::backward_compact(d, dev.smem_optin));
+    // (The launcher takes the compact tiles where the full ones do not fit, if the build has them:
+    // launch.h, untested_kernels.h.)
+    const bool compact = sm80::backward_compact(d, dev.smem_optin);
+    const int need = sm80::backward_main_smem_bytes(d, compact);
     if (f == Family::kSm80 && need > dev.smem_optin) {
       l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
+    } else if (f == Family::kSm80 && compact && !kUntestedKernels) {
+      l.bwd_skip =
+          "backward: not run (its compact tiles are not in this build: "
+          "ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)";
     }
     if (f != Family::kFallback) {
       const RuleShape r{s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.head_dim};
@@ -505,6 +512,12 @@ int main(int argc, char** argv) {
     } else if (arg == "--checks-only") {
       o.checks_only = true;
     } else if (arg == "--sm90-bulk-dq") {
+      if (!kUntestedKernels) {
+        std::fprintf(stderr,
+                     "kernel_harness: --sm90-bulk-dq: the bulk-reduction kernels are not in this "
+                     "build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)\n");
+        return 2;
+      }
       o.sm90_bulk_dq = true;
     } else if (arg == "--json" && has_value) {
       o.json = argv[++a];

@@ -23,6 +23,7 @@
 #include "sm90/instantiations/dispatch.h"
 #include "sm90/launch.h"
 #include "split_kv.h"
+#include "untested_kernels.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -139,7 +140,10 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
   if (std::string features = pattern_obstacle(call, extended); !features.empty()) return features;
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
-  if (!has) return "no instantiation for this head_dim and flags in csrc/cuda/kernels.toml";
+  if (!has) {
+    return "no instantiation for this head_dim and flags in this build (csrc/cuda/kernels.toml; "
+           "those on request need ENTROPY_ATTN_UNTESTED_KERNELS=1)";
+  }
   if (s.head_dim == 256 && !tensor_core_capability(kTensorCoreHeadDim256ByDefault)) {
     return "head_dim 256, off by default until tested on a GPU (kTensorCoreHeadDim256ByDefault)";
   }
@@ -322,7 +326,7 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
 // The tensor-core backward also needs no mask gradient, and its shared memory, which at D = 128 is
 // more than some GPUs of sm_80 and newer offer a block (sm80/launch.h): there its launcher takes
 // the compact tiles, which need less, when they are on (family.h:
-// kTensorCoreCompactBackwardByDefault).
+// kTensorCoreCompactBackwardByDefault) and compiled (untested_kernels.h).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
@@ -338,6 +342,10 @@ std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   if (compact && !tensor_core_capability(kTensorCoreCompactBackwardByDefault)) {
     return "the backward's compact tiles (the GPU offers a block less shared memory than the full "
            "ones need), off by default until tested on a GPU (kTensorCoreCompactBackwardByDefault)";
+  }
+  if (compact && !kUntestedKernels) {
+    return "the backward's compact tiles (the GPU offers a block less shared memory than the full "
+           "ones need), not in this build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)";
   }
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const int need = std::max(sm80::backward_main_smem_bytes(d, compact),
@@ -467,8 +475,9 @@ Selection select_forward(const ForwardCall& c) {
 }
 
 bool hopper_bulk_dq(const AttentionBackwardCall& call) {
-  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers.)
-  return !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
+  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers; and a build without
+  // the kernels on request has no bulk kernels: untested_kernels.h.)
+  return kUntestedKernels && !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
 }
 
 Selection select_backward(const BackwardCall& c) {

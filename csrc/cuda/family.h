@@ -12,6 +12,9 @@
 //   "sm90"             the Hopper family wherever it applies, else as "sm80".
 // "auto" picks both specialized families where they apply (kTensorCoreFamilyByDefault,
 // kHopperFamilyByDefault): the CUDA tests pass with each forced on an H100 (results/gpu/tests.md).
+// The kernels of the capabilities below that are off by default (head dim 256, the compact
+// backward, the bulk dq reductions) are compiled on request (untested_kernels.h): turning one on
+// by default means compiling its kernels by default as well.
 #pragma once
 
 #include <cuda_runtime_api.h>

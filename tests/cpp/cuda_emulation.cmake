@@ -49,6 +49,13 @@ elseif(_ea_cuda)
                                ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES} ${_ea_cccl_dirs}
                                "${ENTROPY_ATTN_CUTLASS_INCLUDE}")
     target_compile_features(${target} PRIVATE cxx_std_20)  # std::barrier-era atomics
+    # The emulation tests the kernels that a GPU has not tested yet as well (the sm80 backward's
+    # compact tiles, the Hopper backward's bulk dq: csrc/cuda/untested_kernels.h), whatever the
+    # library compiles; the tests that go through the library's selection (BulkDq: its backward
+    # lays dq out for the bulk reductions) need a library built with them (tests/run_all.sh
+    # configures so) and say whether it is.
+    target_compile_definitions(${target} PRIVATE ENTROPY_ATTN_UNTESTED_KERNELS
+      EA_LIBRARY_UNTESTED_KERNELS=$<BOOL:${ENTROPY_ATTN_UNTESTED_KERNELS}>)
     # As the .cu files are compiled (CMakeLists.txt, setup.py): the kernels must not rely on the
     # implicit __half / __nv_bfloat16 conversions and operators.
     target_compile_definitions(${target} PRIVATE
@@ -90,15 +97,23 @@ elseif(_ea_cuda)
   target_link_libraries(ea_emulated_launches PRIVATE entropy_attn ${_ea_gtest_main})
 
   # test_cuda_emulation: the fallback family; test_sm80_emulation and test_sm90_emulation: the
-  # tensor-core families, each with the features of its general instantiations in a test of its
-  # own (_features): five executables, which compile side by side and run side by side (the
-  # emulated threads of a launch are fibers of one host thread: ctest --parallel spreads the tests
-  # over the cores), each with its time limit.
-  set(_ea_emulation_tests test_cuda_emulation test_sm80_emulation test_sm80_emulation_features
-                          test_sm90_emulation test_sm90_emulation_features)
+  # tensor-core families, each with the features of its general instantiations in a file of its
+  # own (_features.cpp). A family's two files compile as one translation unit (UNITY_BUILD): they
+  # launch the same kernel instantiations (23 of the sm80 features file's 24, 15 of the sm90 one's
+  # 16), which two units instantiated and compiled twice. Each executable is two CTest tests
+  # (the features' suite and the rest, by --gtest_filter), which run side by side (the emulated
+  # threads of a launch are fibers of one host thread: ctest --parallel spreads the tests over the
+  # cores), each with its time limit.
+  set(_ea_emulation_tests test_cuda_emulation test_sm80_emulation test_sm90_emulation)
   foreach(_ea_test IN LISTS _ea_emulation_tests)
     add_executable(${_ea_test} "${CMAKE_CURRENT_LIST_DIR}/${_ea_test}.cpp"
                                $<TARGET_OBJECTS:ea_emulated_launches>)
+    set(_ea_suites ${_ea_test})
+    if(NOT _ea_test STREQUAL "test_cuda_emulation")
+      target_sources(${_ea_test} PRIVATE "${CMAKE_CURRENT_LIST_DIR}/${_ea_test}_features.cpp")
+      set_target_properties(${_ea_test} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
+      list(APPEND _ea_suites ${_ea_test}_features)
+    endif()
     target_link_libraries(${_ea_test} PRIVATE entropy_attn ${_ea_gtest_main} Threads::Threads)
     _ea_emulation_settings(${_ea_test})
     set_target_properties(${_ea_test} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/bin")
@@ -111,7 +126,7 @@ elseif(_ea_cuda)
     endif()
     # (The sm90 kernels order their shared memory by mbarriers and named barriers, which the
     # barrier-interval check does not model: emulated_sm90_ops.h has its own checks.)
-    if(_ea_test MATCHES "^test_sm80_emulation")
+    if(_ea_test STREQUAL "test_sm80_emulation")
       target_sources(${_ea_test} PRIVATE $<TARGET_OBJECTS:ea_plain_smem_access>)
       _ea_plain_access_hooks(${_ea_test})
     endif()
@@ -121,14 +136,24 @@ elseif(_ea_cuda)
         DISCOVERY_TIMEOUT 120
         PROPERTIES TIMEOUT 600 LABELS "cpp;cuda_emulation" COST 100)
     else()
-      add_test(NAME ${_ea_test} COMMAND ${_ea_test} --gtest_color=no)
-      # COST: the longest tests of the suite, started first by `ctest --parallel` (which otherwise
-      # runs them in the order added, the last one alone on the machine at the end) until CTest has
-      # timed them itself (CTestCostData.txt).
-      set_tests_properties(${_ea_test} PROPERTIES TIMEOUT 900 LABELS "cpp;cuda_emulation" COST 100)
-      if(ENTROPY_ATTN_SANITIZE)
-        set_property(TEST ${_ea_test} APPEND PROPERTY ENVIRONMENT ${_ea_sanitizer_env})
-      endif()
+      foreach(_ea_suite IN LISTS _ea_suites)
+        # (The features' tests are the suites EmulatedSm80Features and EmulatedSm90Features.)
+        if(_ea_suite MATCHES "_features$")
+          set(_ea_filter "--gtest_filter=*Features.*")
+        elseif(_ea_suite STREQUAL _ea_test AND NOT _ea_test STREQUAL "test_cuda_emulation")
+          set(_ea_filter "--gtest_filter=-*Features.*")
+        else()
+          set(_ea_filter "")
+        endif()
+        add_test(NAME ${_ea_suite} COMMAND ${_ea_test} --gtest_color=no ${_ea_filter})
+        # COST: the longest tests of the suite, started first by `ctest --parallel` (which
+        # otherwise runs them in the order added, the last one alone on the machine at the end)
+        # until CTest has timed them itself (CTestCostData.txt).
+        set_tests_properties(${_ea_suite} PROPERTIES TIMEOUT 900 LABELS "cpp;cuda_emulation" COST 100)
+        if(ENTROPY_ATTN_SANITIZE)
+          set_property(TEST ${_ea_suite} APPEND PROPERTY ENVIRONMENT ${_ea_sanitizer_env})
+        endif()
+      endforeach()
     endif()
   endforeach()
 endif()

@@ -1,6 +1,7 @@
 // The features the sm80 family's general (causal) instantiations take (emulated_features.h), run
-// on the CPU as test_sm80_emulation.cpp runs the family (sm80_emulation.h). An executable of its
-// own (cuda_emulation.cmake): the two compile and run side by side.
+// on the CPU as test_sm80_emulation.cpp runs the family (sm80_emulation.h). A file of its own,
+// compiled with that one as one unit (cuda_emulation.cmake: they launch the same kernels) and run
+// as a CTest test of its own.
 #include "sm80_emulation.h"
 
 #include "emulated_features.h"

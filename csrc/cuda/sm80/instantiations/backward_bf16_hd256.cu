@@ -2,7 +2,9 @@
 #include "../bwd_launch.cuh"
 
 namespace entropy_attn::cuda::sm80 {
+#ifdef ENTROPY_ATTN_UNTESTED_KERNELS  // kernels.toml: on_request
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);
+#endif
 }  // namespace entropy_attn::cuda::sm80

@@ -2,10 +2,12 @@
 #include "../fwd_launch.cuh"
 
 namespace entropy_attn::cuda::sm80 {
+#ifdef ENTROPY_ATTN_UNTESTED_KERNELS  // kernels.toml: on_request
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
+#endif
 }  // namespace entropy_attn::cuda::sm80

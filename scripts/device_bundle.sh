@@ -88,7 +88,7 @@ build_copy() {
   local build_env=(PATH="$venv/bin:$PATH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" ENTROPY_ATTN_WERROR=1 "$@")
   if command -v ccache >/dev/null; then
     [[ -d /usr/lib/ccache ]] && build_env[0]=PATH="$venv/bin:/usr/lib/ccache:$PATH"
-    build_env+=(PYTORCH_NVCC="ccache nvcc" CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD/$SRC")
+    build_env+=(PYTORCH_NVCC="ccache nvcc" CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD/$SRC" CCACHE_DEPEND=true)
   fi
   (cd "$SRC" && env "${build_env[@]}" python setup.py build_ext --inplace >../build.log 2>&1) || build_failed
 }
@@ -100,6 +100,13 @@ make_bundle() {
   copy_tree
   note "build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}, with the untested kernels"
   build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH" ENTROPY_ATTN_UNTESTED_KERNELS=1
+  # The resource report and the SASS check of these kernels (scripts/ptxas_report.py,
+  # scripts/sass_check.py), which CI runs on its build, without the kernels compiled on request:
+  # here with them, so that a spill or a missing tensor-core instruction in those shows before a
+  # GPU session (reports in build/device/ptxas and build/device/sass).
+  note "ptxas report and SASS check of this build"
+  (cd "$SRC" && python3 scripts/ptxas_report.py --out ../ptxas && python3 scripts/sass_check.py --out ../sass) ||
+    { echo "the ptxas report or the SASS check failed on the device build" >&2; exit 1; }
   note "pack ${BUNDLE}/"
   rm -rf "$BUNDLE"
   mkdir -p "$BUNDLE/wheels"

@@ -171,17 +171,20 @@ def generated_files(families: dict[str, list[Instantiation]] | None = None, root
         units: dict[str, list[Instantiation]] = {}
         for inst in insts:
             units.setdefault(inst.unit_name(), []).append(inst)
+        guard = [f"#ifdef {UNTESTED_MACRO}  // kernels.toml: {ON_REQUEST}"]
         for name, members in units.items():
-            lines = [GENERATED_NOTE, f'#include "{launch_header(members[0].direction)}"', "",
+            lines = [f'#include "{launch_header(members[0].direction)}"', "",
                      f"namespace entropy_attn::cuda::{family} {{"]
             for on_request in (False, True):  # (the on-request ones compiled on request alone)
                 group = [line for inst in members if inst.on_request == on_request
                          for line in DECLARATIONS[family](inst)]
-                if group and on_request:
-                    group = [f"#ifdef {UNTESTED_MACRO}  // kernels.toml: {ON_REQUEST}", *group, "#endif"]
+                if group and on_request and not all(inst.on_request for inst in members):
+                    group = [*guard, *group, "#endif"]
                 lines += group
-            lines += [f"}}  // namespace entropy_attn::cuda::{family}", ""]
-            files[folder / f"{name}.cu"] = "\n".join(lines)
+            lines += [f"}}  // namespace entropy_attn::cuda::{family}"]
+            if all(inst.on_request for inst in members):  # (empty without them, the headers too)
+                lines = [*guard, *lines, "#endif"]
+            files[folder / f"{name}.cu"] = "\n".join([GENERATED_NOTE, *lines, ""])
         macro = family.upper()
         lines = [GENERATED_NOTE,
                  f"// X(template arguments of launch_<direction>) for each {family} instantiation: the",

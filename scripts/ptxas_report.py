@@ -248,6 +248,7 @@ def main() -> int:
             k.dynamic_smem = smem.get(k.name)
     kernels.sort(key=lambda k: (k.arch, k.file, k.name))
     source = f"`torch_ext/{lib.name}`" if lib.parent == ROOT / "torch_ext" else f"`{lib}`"
+    source += f" ({'with' if untested else 'without'} the kernels compiled on request: csrc/cuda/untested_kernels.h)"
     write_report(kernels, archs, source, args.out)
     spilling = [k for k in kernels if k.spills and k.must_not_spill]
     for k in spilling:

@@ -214,7 +214,8 @@ def main() -> int:
     cols = ["HMMA", "LDSM", "LDGSTS", "HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "RED", "ATOM",
             "UBLKRED", "LDL", "STL"]
     lines = [f"SASS of the tensor-core families in `{lib.relative_to(ROOT) if lib.is_relative_to(ROOT) else lib}` "
-             f"({', '.join(archs)}): instruction counts per kernel (`scripts/sass_check.py`).", "",
+             f"({', '.join(archs)}; {'with' if untested else 'without'} the kernels compiled on request: "
+             "csrc/cuda/untested_kernels.h): instruction counts per kernel (`scripts/sass_check.py`).", "",
              "| arch | kernel | " + " | ".join(cols) + " | verdict |", "|---" * (len(cols) + 3) + "|"]
     for arch, name, counts, problems in rows:
         short = re.sub(r"cute::|entropy_attn::cuda::(sm[89]0::)?", "", name)

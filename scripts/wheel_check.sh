@@ -19,7 +19,7 @@ build_env=(MAX_JOBS="${MAX_JOBS:-$(nproc)}")
 if command -v ccache >/dev/null; then
   [[ -d /usr/lib/ccache ]] && build_env+=(PATH="/usr/lib/ccache:$PATH") || build_env+=(CC="ccache gcc" CXX="ccache g++")
   command -v nvcc >/dev/null && build_env+=(PYTORCH_NVCC="ccache nvcc")
-  build_env+=(CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD")
+  build_env+=(CCACHE_NOHASHDIR=true CCACHE_BASEDIR="$PWD" CCACHE_DEPEND=true)  # (as scripts/setup.sh)
 fi
 rm -rf "$OUT"
 env "${build_env[@]}" "$PYTHON" -m build --wheel --no-isolation --outdir "$OUT" >"$OUT.log" 2>&1 ||

@@ -85,8 +85,8 @@ cpp_build() {
   if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
   # Without a GPU nothing can run the tensor-core family's kernels here, and the Python build
   # (scripts/setup.sh) compiled them already, with warnings as errors, and scripts/ptxas_report.py
-  # and scripts/sass_check.py check them: the C++ library leaves their device code out, so that
-  # CI compiles it once. With a GPU (nvidia-smi answers) it builds them too. For the same reason
+  # and scripts/sass_check.py check them (those compiled on request: scripts/device_bundle.sh make):
+  # the C++ library leaves their device code out, so that CI compiles it once. With a GPU (nvidia-smi answers) it builds them too. For the same reason
   # the fallback's device code is compiled here for one architecture only (sm_80: the Python
   # build covers every architecture), unless TORCH_CUDA_ARCH_LIST says otherwise.
   arch=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}")
@@ -104,8 +104,10 @@ cpp_build() {
     -DENTROPY_ATTN_PYTHON="$(command -v "$PYTHON")" || return 1
   echo ">>> cmake build"
   # (CMake runs ccache as the compiler launcher: paths under the tree enter its hash relative to
-  # it, so that another clone of the project, CI's, hits the same entries.)
-  CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true cmake --build "$BUILD_DIR" --parallel "$JOBS" || rc=$?
+  # it, so that another clone of the project, CI's, hits the same entries; depend mode as
+  # scripts/setup.sh explains.)
+  CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true CCACHE_DEPEND=true cmake --build "$BUILD_DIR" --parallel "$JOBS" ||
+    rc=$?
   return "$rc"
 }
 

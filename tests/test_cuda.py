@@ -1702,8 +1702,8 @@ SMALL_GPU_SMEM = 101376
 #: Calls as such a GPU runs them with the sm80 family forced (dtype, head_dim, v_head_dim, Lq, Lk,
 #: the op's keyword arguments as TC_FEATURES): the 16-bit backward at head dims 129-256 in the
 #: fallback's compact tiles (Gemma's 256 with softcap + window, DeepSeek's 192 / 128), at 128 in the
-#: sm80 backward's compact tiles (its full ones' 161 KB do not fit: test_compact_backward_...), at
-#: 64 in the sm80 backward (97 KB).
+#: sm80 backward's compact tiles where the build has them (its full ones' 161 KB do not fit:
+#: test_compact_backward_...; the fallback's otherwise), at 64 in the sm80 backward (97 KB).
 SMALL_GPU_CASES: Dict[str, Tuple[torch.dtype, int, int, int, int, Dict[str, Any]]] = {
     "bf16_d256_softcap_window": (torch.bfloat16, 256, 256, 150, 150,
                                  {"is_causal": True, "softcap": 30.0, "window_size": (60, 0)}),

@@ -589,8 +589,9 @@ int main(int argc, char** argv) {
   if (sm80::backward_compact(128, dev.smem_optin)) {
     std::printf(
         "%d bytes of shared memory per block: the sm80 backward at D = 128 runs its compact "
-        "tiles (64 x 64, one dO buffer).\n\n",
-        dev.smem_optin);
+        "tiles (64 x 64, one dO buffer)%s.\n\n",
+        dev.smem_optin,
+        kUntestedKernels ? "" : ", which this build lacks (ENTROPY_ATTN_UNTESTED_KERNELS=1)");
   }
 
   // 1. Checks, every family the device runs (the fallback included: it anchors the others).

@@ -28,6 +28,16 @@
 namespace entropy_attn::cuda {
 namespace {
 
+// A capability "auto" takes needs its kernels in every build: turning one of these on means
+// compiling its kernels by default too (their gating in untested_kernels.h's users, and for head
+// dim 256 its `on_request` entry in kernels.toml), and dropping its check here.
+static_assert(!kTensorCoreHeadDim256ByDefault || kUntestedKernels,
+              "head dim 256 is on by default: compile its kernels by default (kernels.toml)");
+static_assert(!kTensorCoreCompactBackwardByDefault || kUntestedKernels,
+              "the compact backward is on by default: compile it by default (sm80/bwd_launch.cuh)");
+static_assert(!kHopperBulkDqByDefault || kUntestedKernels,
+              "bulk dq is on by default: compile its kernels by default (sm90/bwd_kernel.cuh)");
+
 template <typename T>
 bool is_dtype(at::ScalarType t) {
   if constexpr (std::is_same_v<T, float>) return t == at::kFloat;
@@ -410,7 +420,9 @@ std::optional<Family> requested_family() {
 int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype) {
   const bool on = tensor_core_capability(kTensorCorePaddedHeadDimsByDefault);
   if (!on || (dtype != at::kBFloat16 && dtype != at::kHalf)) return 0;
-  return padded_head_dim(shape, {64, 128, 256});
+  // (Head dim 256 only where the build has its kernels: untested_kernels.h.)
+  return kUntestedKernels ? padded_head_dim(shape, {64, 128, 256})
+                          : padded_head_dim(shape, {64, 128});
 }
 
 int forward_splits(const ForwardCall& c) {

@@ -43,16 +43,17 @@ constexpr bool kHopperFeaturesByDefault = true;
 // 8-byte atomics from the registers, for the calls without a mask (sm90/bwd_kernel.cuh; its
 // dq_accum is then padded: sm90/launch.h, bulk_dq_accum). Off until it has passed the CUDA tests
 // and been timed against the atomics on a GPU; it passes the CPU emulation's
-// (tests/cpp/test_sm90_emulation.cpp). A forced Hopper family (ENTROPY_ATTN_CUDA_FAMILY=sm90)
-// takes it, so that the CUDA tests run it and a benchmark compares "sm90" with "auto".
+// (tests/cpp/test_sm90_emulation.cpp). In a build with its kernels (untested_kernels.h) a forced
+// Hopper family (ENTROPY_ATTN_CUDA_FAMILY=sm90) takes it, so that the CUDA tests run it and a
+// benchmark compares "sm90" with "auto".
 constexpr bool kHopperBulkDqByDefault = false;
 bool hopper_bulk_dq(const AttentionBackwardCall& call);
 
 // Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
 // at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
 // memory per block: an H100, not an A100). Off until they have passed the CUDA tests on a GPU
-// (tests/test_cuda.py: test_head_dim_256_matches_reference); a forced tensor-core family takes
-// them.
+// (tests/test_cuda.py: test_head_dim_256_matches_reference); in a build with their kernels
+// (untested_kernels.h) a forced tensor-core family takes them.
 constexpr bool kTensorCoreHeadDim256ByDefault = false;
 
 // Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
@@ -61,7 +62,8 @@ constexpr bool kTensorCoreHeadDim256ByDefault = false;
 // compact tiles (64 x 64, one dO buffer: 97 KB; sm80/launch.h: backward_compact). Off until they
 // have passed the CUDA tests on a GPU (tests/test_cuda.py:
 // test_compact_backward_matches_reference); they pass the CPU emulation's
-// (tests/cpp/test_sm80_emulation.cpp). A forced tensor-core family takes them.
+// (tests/cpp/test_sm80_emulation.cpp). In a build with them (untested_kernels.h) a forced
+// tensor-core family takes them.
 constexpr bool kTensorCoreCompactBackwardByDefault = false;
 
 // Whether "auto" runs the calls whose head dims the tensor-core families do not compile (80, 96,
@@ -72,7 +74,8 @@ constexpr bool kTensorCorePaddedHeadDimsByDefault = false;
 
 // The head dim (64, 128 or 256) at which the tensor-core families would run a call of this shape
 // and dtype with zero-padded inputs, or 0: padding is off, the dtype is not bfloat16 or float16, or
-// the head dims need none or exceed 256. The selection point then decides on the padded call.
+// the head dims need none or exceed 256 (128 in a build without head dim 256's kernels:
+// untested_kernels.h). The selection point then decides on the padded call.
 int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype);
 
 // Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU

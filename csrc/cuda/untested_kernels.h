@@ -4,8 +4,9 @@
 // `pip install`, CI) leaves them out and saves their compile time: about 430 of the 2,000
 // compiler-seconds of the CUDA build. ENTROPY_ATTN_UNTESTED_KERNELS=1 at build time (setup.py,
 // CMakeLists.txt) compiles them, as scripts/device_bundle.sh does for a GPU session, which tests
-// them by forcing a family (ENTROPY_ATTN_CUDA_FAMILY); a build without them runs such calls in the
-// next family that covers them. The CPU emulation tests (tests/cpp) always compile them.
+// them by forcing a family (ENTROPY_ATTN_CUDA_FAMILY); a build without them runs such calls as
+// "auto" does (head dim 256 and the compact tiles' calls in the fallback, dq by atomics). The CPU
+// emulation tests (tests/cpp) always compile them.
 //
 // Which instantiations: kernels.toml's `on_request` entries (generated dispatch lists wrap them in
 // EA_UNTESTED), and the launch-time variants guarded by kUntestedKernels (sm80/bwd_launch.cuh,

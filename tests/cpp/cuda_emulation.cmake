@@ -91,7 +91,7 @@ elseif(_ea_cuda)
                            --param=tsan-instrument-func-entry-exit=0)
   endfunction()
 
-  # The fallback's emulated launches, compiled once for the five executables.
+  # The fallback's emulated launches, compiled once for the three executables.
   add_library(ea_emulated_launches OBJECT ${_ea_emulated_units})
   _ea_emulation_settings(ea_emulated_launches)
   target_link_libraries(ea_emulated_launches PRIVATE entropy_attn ${_ea_gtest_main})

@@ -48,7 +48,9 @@ at::Tensor packed(const at::Tensor& x) {
   return x.squeeze(0).transpose(0, 1).contiguous();
 }
 
-AttentionOutputs varlen_attention(const at::Tensor& query, const at::Tensor& key,
+// (Not named varlen_attention: the C++ API's entropy_attn::varlen_attention, entropy_attn.h, is in
+// the same translation unit when the build compiles this directory's files as one.)
+AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key,
                                   const at::Tensor& value, const at::Tensor& cu_seq_q,
                                   const at::Tensor& cu_seq_k, c10::SymInt max_q, c10::SymInt max_k,
                                   const std::optional<at::Tensor>& scale,
@@ -87,7 +89,7 @@ AttentionOutputs varlen_attention(const at::Tensor& query, const at::Tensor& key
 }  // namespace
 
 TORCH_LIBRARY_IMPL(entropy_attn, CompositeImplicitAutograd, m) {
-  m.impl("varlen_attention", &varlen_attention);
+  m.impl("varlen_attention", &packed_attention);
 }
 
 }  // namespace entropy_attn

@@ -150,12 +150,12 @@ for path in cpp_extension.include_paths(device_type="cuda"):
     print("-isystem"); print(path)
 PY
   )
-  for unit in "$SRC"/csrc/cuda/*.cpp; do
+  # (As one translation unit, as setup.py compiles them: setup.py's unity_sources.)
+  for unit in "$SRC"/csrc/cuda/*.cpp; do echo "#include \"${unit#"$SRC"/csrc/}\""; done |
     g++ -std=c++17 -fsyntax-only -fopenmp -Wall -Wextra -Werror -I"$SRC/csrc" "${include_flags[@]}" \
       -DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=_C \
-      -DAT_PER_OPERATOR_HEADERS -DTORCH_ASSERT_ONLY_METHOD_OPERATORS -DENTROPY_ATTN_UNTESTED_KERNELS "$unit"
-    echo "  ok ${unit#"$SRC"/}"
-  done
+      -DAT_PER_OPERATOR_HEADERS -DTORCH_ASSERT_ONLY_METHOD_OPERATORS -DENTROPY_ATTN_UNTESTED_KERNELS -x c++ -
+  echo "  ok $(cd "$SRC" && echo csrc/cuda/*.cpp)"
   note "tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
   # (Less test_large_grid: on the CPU its 70,000 heads only time the CPU op against the reference,
   # 21 of these tests' 90 s, under this torch as under any.)

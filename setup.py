@@ -126,10 +126,13 @@ def unity_sources(files: list[str]) -> list[str]:
     build/unity/<directory>.cpp, which includes them (their paths relative to csrc/, an include
     directory). Torch's headers are then parsed, and the inline functions of theirs that we call
     compiled, once per directory rather than once per file, which were most of each file's time:
-    the host code's compile went from 210 to 61 CPU-seconds (-O3, 2.14). A name with internal
-    linkage must therefore be unique within its directory. A unit is rewritten only when its list
-    changes, so that ninja and ccache find it unchanged; the CUDA sources and STANDALONE_SOURCES
-    stay as they are."""
+    the host code's compile went from 210 to 61 CPU-seconds (-O3, torch 2.14). What it costs: a
+    name with internal linkage must be unique within its directory, an edit recompiles the whole
+    directory's unit (~27 s for csrc/), and since no build compiles a file alone, an include that a
+    file lacks can hide behind an earlier file of its unit. The CUDA sources and STANDALONE_SOURCES
+    stay as they are. build/unity/ holds this build's units alone (another's are removed, so that
+    tests/test_build.py reads what was built); a unit is rewritten only when its text changes,
+    so that ninja and ccache find it unchanged, and by a rename, never half-written."""
     groups: dict[str, list[str]] = {}
     kept = []
     for f in files:
@@ -137,6 +140,8 @@ def unity_sources(files: list[str]) -> list[str]:
             groups.setdefault(os.path.dirname(f), []).append(f)
         else:
             kept.append(f)
+    unity_dir = os.path.join(ROOT, "build", "unity")
+    os.makedirs(unity_dir, exist_ok=True)
     units = []
     for directory, members in sorted(groups.items()):
         unit = os.path.join("build", "unity", directory.replace("/", "_") + ".cpp")
@@ -149,10 +154,12 @@ def unity_sources(files: list[str]) -> list[str]:
         except OSError:
             unchanged = False
         if not unchanged:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
+            with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as f:
                 f.write(text)
+            os.replace(f"{path}.{os.getpid()}", path)
         units.append(unit)
+    for stale in set(glob.glob("*.cpp", root_dir=unity_dir)) - {os.path.basename(u) for u in units}:
+        os.remove(os.path.join(unity_dir, stale))
     return units + kept
 
 

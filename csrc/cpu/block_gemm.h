@@ -18,6 +18,15 @@ namespace entropy_attn::cpu {
 template <typename T>
 void block_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                 T* C, int64_t ldc, bool accumulate);
+// Its two definitions (block_gemm.cpp), explicit specializations: declared before any use, as the
+// language asks (the kernels that call them come before block_gemm.cpp in their directory's
+// translation unit).
+template <>
+void block_gemm<float>(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                       int64_t ldb, float* C, int64_t ldc, bool accumulate);
+template <>
+void block_gemm<double>(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
+                        const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate);
 
 // dst (cols x rows, row stride ld_dst) = src^T, src being (rows x cols, row stride ld_src),
 // converted to Dst (a 16-bit key block is widened to float32 as it is transposed). Tiles of

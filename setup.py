@@ -136,8 +136,9 @@ def unity_sources(files: list[str]) -> list[str]:
     groups: dict[str, list[str]] = {}
     kept = []
     for f in files:
-        if f.endswith(".cpp") and f not in STANDALONE_SOURCES:
-            groups.setdefault(os.path.dirname(f), []).append(f)
+        relative = os.path.relpath(os.path.join(ROOT, f), ROOT)  # (the build may pass absolute paths)
+        if relative.endswith(".cpp") and relative not in STANDALONE_SOURCES:
+            groups.setdefault(os.path.dirname(relative), []).append(relative)
         else:
             kept.append(f)
     unity_dir = os.path.join(ROOT, "build", "unity")
@@ -255,7 +256,8 @@ class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
     editable install (pip install -e, which setuptools points at a fresh temporary directory),
     `setup.py build_ext --inplace` and a wheel build (python -m build) share their objects, so
     that ninja recompiles only what changed between them (CI builds the wheel after the editable
-    install without compiling anything again)."""
+    install without compiling anything again). The host C++ sources compile as one unit per
+    directory (unity_sources)."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -263,6 +265,9 @@ class BuildExtensionPerUnitTarget(BuildExtension.with_options(use_ninja=True)):
         self.build_temp = os.path.join(ROOT, "build", f"temp.{tag}")
 
     def build_extension(self, ext):
+        # (Here, not in the sources given to setup(): `setup.py --version`, egg_info and sdist
+        # write nothing under build/.)
+        ext.sources = unity_sources(ext.sources)
         by_flags: dict[tuple[str, ...], list[str]] = {}
         if WITH_CUDA:
             units = {str(path.relative_to(ROOT)): (flag,) for path, flag in kernel_list.gencode_units().items()}
@@ -287,7 +292,7 @@ setup(
     ext_modules=[
         extension(
             "torch_ext._C",
-            unity_sources(sources()),
+            sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
             extra_link_args=LINK_FLAGS,

@@ -85,11 +85,14 @@ class Instantiation:
         return ", ".join(args)
 
     def unit_name(self) -> str:
-        """The stem of the translation unit that holds this instantiation: one unit per direction,
-        dtype and head dim, whatever the flags. The flags' instantiations share their tile types,
-        which cicc instantiates once a unit: a unit of the sm80 backward's four (full, causal x 3
-        masks) spends 52 s in cicc where the full one alone took 31 and the causal three 47."""
-        return f"{self.direction}_{DTYPES[self.dtype][1]}_hd{self.head_dim}"
+        """The stem of the translation unit that holds this instantiation: one unit per direction
+        and head dim, whatever the dtype and the flags. The flags' instantiations share their tile
+        types, which cicc instantiates once a unit (a unit of the sm80 backward's four, full and
+        causal x 3 masks, spent 52 s in cicc where the full one alone took 31 and the causal three
+        47); the dtypes share less, but each unit also pays nvcc's fixed costs once (the
+        preprocessor twice, cudafe++, the host compiler, cicc's parse: ~10 s a CuTe unit, ~3 s a
+        fallback one, in setup's build and for the fallback in the C++ suite's again)."""
+        return f"{self.direction}_hd{self.head_dim}"
 
 
 def _spec(path: Path) -> dict:

@@ -7,6 +7,7 @@ every rank instead of hanging."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import queue as queue_module
 import socket
@@ -158,15 +159,43 @@ def _check_against_single_process(results: list[dict], c: dict, dtype: torch.dty
                                        msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
 
 
+def _cp_cases_rank(rank: int, world: int, dtype: torch.dtype) -> dict[str, dict | str]:
+    """One rank of every case of CASES in turn: case -> _cp_rank's result, or the traceback of the
+    error it raised. A rank whose case failed runs no further case (the ranks' collectives would
+    be out of step: the next case of one rank would meet the failed case of another)."""
+    results: dict[str, dict | str] = {}
+    failed = None
+    for name in sorted(CASES):
+        if failed is not None:
+            results[name] = f"not run: case {failed} failed on this rank before it"
+            continue
+        try:
+            results[name] = _cp_rank(rank, world, CASES[name], dtype)
+        except Exception:  # noqa: BLE001 (that case's test reports it)
+            results[name] = traceback.format_exc()
+            failed = name
+    return results
+
+
+@functools.cache
+def _cp_results(world: int) -> dict[str, list[dict | str]]:
+    """Case -> each rank's result, from one process group of `world` ranks for all the cases: the
+    ranks' start (each a Python that imports torch, ~3 CPU-seconds) costs more than a case, and
+    a process group per case and world size made 35 of them instead of 7."""
+    ranks = run_ranks(world, _cp_cases_rank, torch.float64)
+    return {name: [rank[name] for rank in ranks] for name in CASES}
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_context_parallel_matches_single_process(world: int, case: str) -> None:
     """Every rank's rows, gathered, equal the single-process op's: output, the statistics, and the
     gradients of q, k, v under a loss with entropy and effective-keys terms (float64: to 1e-10)."""
-    c = CASES[case]
-    dtype = torch.float64
-    results = run_ranks(world, _cp_rank, c, dtype)
-    _check_against_single_process(results, c, dtype)
+    results = _cp_results(world)[case]
+    errors = [f"rank {rank}:\n{result}" for rank, result in enumerate(results) if isinstance(result, str)]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    _check_against_single_process(results, CASES[case], torch.float64)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one CUDA device per rank: needs 2 CUDA devices")

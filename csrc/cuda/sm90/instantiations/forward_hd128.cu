@@ -10,4 +10,12 @@ template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kBool, f
 template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, false, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 128, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm90

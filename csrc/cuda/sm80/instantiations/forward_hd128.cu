@@ -2,6 +2,14 @@
 #include "../fwd_launch.cuh"
 
 namespace entropy_attn::cuda::sm80 {
+template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 128, false, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 128, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 128, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);

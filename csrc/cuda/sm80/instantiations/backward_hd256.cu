@@ -6,5 +6,8 @@ namespace entropy_attn::cuda::sm80 {
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
 template cudaError_t launch_backward<__nv_bfloat16, 256, true, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);
+template cudaError_t launch_backward<__half, 256, true, MaskKind::kNone>(const BwdParams<float>&, cudaStream_t);
+template cudaError_t launch_backward<__half, 256, true, MaskKind::kBool>(const BwdParams<float>&, cudaStream_t);
+template cudaError_t launch_backward<__half, 256, true, MaskKind::kAdditive>(const BwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm80
 #endif

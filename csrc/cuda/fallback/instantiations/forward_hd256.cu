@@ -2,6 +2,10 @@
 #include "../fwd_launch.cuh"
 
 namespace entropy_attn::cuda::fallback {
+template size_t forward_smem_bytes<float, 256>();
+template cudaError_t launch_forward<float, 256>(const FwdParams<AccType<float>>&, cudaStream_t);
+template size_t forward_smem_bytes<__half, 256>();
+template cudaError_t launch_forward<__half, 256>(const FwdParams<AccType<__half>>&, cudaStream_t);
 template size_t forward_smem_bytes<__nv_bfloat16, 256>();
 template cudaError_t launch_forward<__nv_bfloat16, 256>(const FwdParams<AccType<__nv_bfloat16>>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::fallback

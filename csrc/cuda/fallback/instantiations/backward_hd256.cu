@@ -2,6 +2,10 @@
 #include "../bwd_launch.cuh"
 
 namespace entropy_attn::cuda::fallback {
+template size_t backward_smem_bytes<float, 256>();
+template cudaError_t launch_backward<float, 256>(const BwdParams<AccType<float>>&, cudaStream_t);
+template size_t backward_smem_bytes<__half, 256>();
+template cudaError_t launch_backward<__half, 256>(const BwdParams<AccType<__half>>&, cudaStream_t);
 template size_t backward_smem_bytes<__nv_bfloat16, 256>();
 template cudaError_t launch_backward<__nv_bfloat16, 256>(const BwdParams<AccType<__nv_bfloat16>>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::fallback

@@ -161,8 +161,8 @@ PY
   # 21 of these tests' 90 s, under this torch as under any.) On one thread: CI runs this check
   # beside the tests at a lower priority, where a torch op split over two threads waits at each
   # parallel region for the one the scheduler holds back, spinning meanwhile (measured with the
-  # other core busy: 407 CPU-seconds in 423 s in a cold CI run, and over 14 minutes with a busy
-  # loop beside it; 76 s on one thread).
+  # other core busy: 407 CPU-seconds in 471 s in a cold CI run; tests/test_cuda.py beside a busy
+  # loop not done after 14 minutes, 76 s on one thread).
   (cd "$SRC" && OMP_NUM_THREADS=1 ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$venv/bin/python" -m pytest -q -p no:cacheprovider \
      tests/test_build.py tests/test_cuda.py tests/test_gpu_benchmark_script.py tests/test_hf.py \
      -k "not test_large_grid")

@@ -89,9 +89,10 @@ class Instantiation:
         and head dim, whatever the dtype and the flags. The flags' instantiations share their tile
         types, which cicc instantiates once a unit (a unit of the sm80 backward's four, full and
         causal x 3 masks, spent 52 s in cicc where the full one alone took 31 and the causal three
-        47); the dtypes share less, but each unit also pays nvcc's fixed costs once (the
-        preprocessor twice, cudafe++, the host compiler, cicc's parse: ~10 s a CuTe unit, ~3 s a
-        fallback one, in setup's build and for the fallback in the C++ suite's again)."""
+        47); the dtypes' instantiations share front-end work as well, and each unit pays nvcc's
+        fixed costs once (the preprocessor twice, cudafe++, the host compiler, cicc's parse: ~10 s
+        a CuTe unit, ~3 s a fallback one, whose units the C++ suite compiles again): one unit per
+        dtype too took setup's build 1,508 CPU-seconds cold, this 986 (results/sass/merged_units.md)."""
         return f"{self.direction}_hd{self.head_dim}"
 
 

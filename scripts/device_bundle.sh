@@ -158,12 +158,8 @@ PY
   echo "  ok $(cd "$SRC" && echo csrc/cuda/*.cpp)"
   note "tests under torch ${DEVICE_TORCH} (the CUDA tests' logic on the CPU)"
   # (Less test_large_grid: on the CPU its 70,000 heads only time the CPU op against the reference,
-  # 21 of these tests' 90 s, under this torch as under any.) On one thread: CI runs this check
-  # beside the tests at a lower priority, where a torch op split over two threads waits at each
-  # parallel region for the one the scheduler holds back, spinning meanwhile (measured with the
-  # other core busy: 407 CPU-seconds in 471 s in a cold CI run; tests/test_cuda.py beside a busy
-  # loop not done after 14 minutes, 76 s on one thread).
-  (cd "$SRC" && OMP_NUM_THREADS=1 ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  # 21 of these tests' 90 s, under this torch as under any.)
+  (cd "$SRC" && ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu "$venv/bin/python" -m pytest -q -p no:cacheprovider \
      tests/test_build.py tests/test_cuda.py tests/test_gpu_benchmark_script.py tests/test_hf.py \
      -k "not test_large_grid")
   note "the build against torch ${DEVICE_TORCH} checked in $(($(date +%s) - start))s"

@@ -157,6 +157,9 @@ AttentionInputGrads attention_grad(
           (sinks->dim() == 1 && lse.dim() == 3 && sinks->sym_size(0) == lse.sym_size(1)),
       "sinks must have shape (heads,), one per head of lse (of shape ", lse.sym_sizes(), "), got ",
       sinks.has_value() ? sinks->sym_sizes() : c10::SymIntArrayRef{});
+  TORCH_CHECK_VALUE(!sinks.has_value() || sinks->device() == lse.device(),
+                    "sinks must be on lse's device (", lse.device(), "), got ",
+                    sinks.has_value() ? sinks->device() : lse.device());
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, return_stats, window_size,
       causal_alignment, softcap, dropout_p, std::move(dropout_seed));

@@ -120,14 +120,16 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
                       s.heads, ", ", s.q_len, ", ", s.kv_len, ")");
   }
   if (scale.has_value()) {
+    // (The Python API passes a scale tensor as `scale`, or as `scale_factor` under a length
+    // policy.)
+    constexpr const char* kName = "scale tensor (scale, or scale_factor with a length policy)";
     const at::Tensor& c = *scale;
-    TORCH_CHECK_TYPE(is_supported_dtype(c.scalar_type()),
-                     "scale tensor must be float32, float64, bfloat16 or float16, got ",
-                     c.scalar_type());
-    TORCH_CHECK_VALUE(c.device() == query.device(), "scale tensor must be on query's device (",
+    TORCH_CHECK_TYPE(is_supported_dtype(c.scalar_type()), kName,
+                     " must be float32, float64, bfloat16 or float16, got ", c.scalar_type());
+    TORCH_CHECK_VALUE(c.device() == query.device(), kName, " must be on query's device (",
                       query.device(), "), got ", c.device());
-    TORCH_CHECK_VALUE(broadcasts_to(c.sym_sizes(), {s.batch, s.heads, s.q_len}),
-                      "scale tensor of shape ", c.sym_sizes(),
+    TORCH_CHECK_VALUE(broadcasts_to(c.sym_sizes(), {s.batch, s.heads, s.q_len}), kName,
+                      " of shape ", c.sym_sizes(),
                       " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ", s.heads,
                       ", ", s.q_len, ")");
     TORCH_CHECK_VALUE(!options.scale_factor.has_value(),
@@ -157,7 +159,8 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
     // They also form 1 / softcap there: above 2^126 it is subnormal (0 where the GPU flushes
     // subnormals), and above FLT_MAX the cap itself overflows (NaN or 0 logits).
     constexpr double kMaxSoftcap = 1 / static_cast<double>(std::numeric_limits<float>::min());
-    TORCH_CHECK_VALUE(options.softcap <= kMaxSoftcap, "softcap must be at most 2^126 (1 / the ",
+    // (NaN passes here: check_pattern_options names it)
+    TORCH_CHECK_VALUE(!(options.softcap > kMaxSoftcap), "softcap must be at most 2^126 (1 / the ",
                       "smallest normal float32) for ", query.scalar_type(),
                       " inputs (their kernels compute in float32), got ", options.softcap,
                       "; pass softcap=None for no cap");

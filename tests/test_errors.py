@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Tuple
 
 import pytest
@@ -81,6 +82,8 @@ CASES: Tuple[Tuple[str, Dict[str, Any], str], ...] = (
     ("scale_object", dict(scale=object()), "scale"),
     ("scale_complex", dict(scale=1j), "scale"),
     ("scale_tensor_int", dict(scale=torch.ones(H, 1, dtype=torch.int64)), "scale"),
+    ("scale_factor_str", dict(scale="logn", scale_factor="a"), r"^scale_factor must be None, a float or a Tensor, got str$"),
+    ("scale_factor_tensor_int", dict(scale="logn", scale_factor=torch.ones(H, 1, dtype=torch.int64)), "scale_factor"),
     # temperature
     ("temperature_zero", dict(temperature=0.0), "temperature"),
     ("temperature_negative", dict(temperature=-1.0), "temperature"),
@@ -173,6 +176,9 @@ def test_other_entry_points_name_bad_arguments() -> None:
     for kw, name in ((dict(temperature="a"), "temperature"), (dict(train_length=None), "train_length"), (dict(scale=3), "scale")):
         with pytest.raises(ERR, match=name):
             torch_ext.length_factor(n, **kw)
+    # (the float32 range check of the raw op leaves a NaN softcap to the check that names it)
+    with pytest.raises(ValueError, match=r"^softcap must be 0 \(none\) or a finite number"):
+        torch.ops.entropy_attn.attention(q, k, k, softcap=math.nan)
     t = torch.randn(5, H, D)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     for m in (2**70, -1):
@@ -272,6 +278,7 @@ def test_backward_ops_name_bad_arguments() -> None:
         (ValueError, "length_factor must have lse's shape", lambda: grad(lf=a["lf"][:, :1])),
         (ValueError, "scale tensor of shape .* does not broadcast", lambda: grad(scale=torch.ones(7))),
         (ValueError, r"sinks must have shape \(heads,\)", lambda: grad(sinks=torch.zeros(2, 3))),
+        (ValueError, "sinks must be on lse's device", lambda: grad(sinks=torch.zeros(2, device="meta"))),
         (ValueError, r"grad must have shape \[2\]", lambda: ops.entropy_backward(torch.ones(1), torch.rand(2, 3), 1)),
         (ValueError, "grad must be on p's device", lambda: ops.entropy_backward(torch.ones(2, device="meta"),
                                                                               torch.rand(2, 3), 1)),

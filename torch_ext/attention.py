@@ -116,8 +116,11 @@ def _policy_args(
         kwargs = {**kwargs, "scale_mode": scale, "log_base": _as_float(train_length, "train_length", "a finite number > 1")}
         if scale_factor is None or isinstance(scale_factor, torch.Tensor):
             return scale_factor, kwargs
-        return None, {**kwargs, "scale_factor": _finite_float(scale_factor, "scale_factor")}
-    return None, {**kwargs, "scale_factor": _finite_float(scale, "scale")}
+        return None, {**kwargs, "scale_factor": _finite_float(scale_factor, "scale_factor", "None, a float or a Tensor")}
+    return None, {
+        **kwargs,
+        "scale_factor": _finite_float(scale, "scale", f"None, a float, a Tensor or one of {_SCALE_MODES}"),
+    }
 
 
 def _flag(x: object, name: str) -> bool:
@@ -151,14 +154,14 @@ def _as_float(x: object, name: str, requirement: str) -> float:
         raise ValueError(f"{name} must be {requirement}, got an int beyond float's range") from None
 
 
-def _finite_float(x: object, name: str) -> float:
-    """``x`` as a float, or a TypeError/ValueError naming ``name``."""
+def _finite_float(x: object, name: str, accepted: str) -> float:
+    """``x`` as a float, or a TypeError/ValueError naming ``name`` (and what it ``accepted``)."""
     if _is_real(x):
         value = _as_float(x, name, "finite")
         if not -math.inf < value < math.inf:  # (not math.isfinite: a SymFloat under torch.compile)
             raise ValueError(f"{name} must be finite, got {x}")
         return value
-    raise TypeError(f"{name} must be None, a float, a Tensor or one of {_SCALE_MODES}, got {type(x).__name__}")
+    raise TypeError(f"{name} must be {accepted}, got {type(x).__name__}")
 
 
 def _pattern_args(

@@ -6,7 +6,8 @@ bug found in review: each fails on the code before its fix.
 2. A bidirectional sliding window W mapped to (W, W) instead of transformers' (W - 1, W - 1).
 3. A one-row batch whose position_ids restart read as packed documents although the mask
    attends across them (a 2-D mask with a hole in generate(), an all-ones mask, a KV cache).
-4. torch.compile(fullgraph=True) of a batch of one (data-dependent ops on position_ids).
+4. torch.compile(fullgraph=True) of a batch of one (data-dependent ops on position_ids; dynamo's
+   warning of the lru_cache that chose the masks).
 5. The monitor with gradient checkpointing (CheckpointError; rows counted twice).
 6. The monitor's per-position curves under a KV cache (rows pooled at their row index).
 7. The monitor counting right-padding rows.
@@ -27,6 +28,7 @@ is tight, float32 elsewhere.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -255,12 +257,18 @@ def test_compile_fullgraph_batch_of_one() -> None:
     try:
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         model.zero_grad(set_to_none=True)
-        out = compiled(input_ids=ids, use_cache=False).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = compiled(input_ids=ids, use_cache=False).logits
         (out * w).sum().backward()
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(out.detach(), ref.detach(), rtol=RTOL, atol=RTOL * ref.abs().max().item())
     assert_close_grads(grads_of(model), ref_grads, RTOL)
+    # The backend's mask choice is a constant to dynamo, not a traced lru_cache (a warning on
+    # every compile of a model that uses the backend).
+    ours = [str(c.message) for c in caught if "torch_ext" in c.filename or "torch_ext" in str(c.message)]
+    assert not ours, ours
 
 
 # --- 5. the monitor with gradient checkpointing ------------------------------------------------

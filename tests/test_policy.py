@@ -58,5 +58,11 @@ def test_policy_kwargs() -> None:
         AttentionPolicy(temperature=-1.0)
     with pytest.raises(ValueError, match="train_length"):
         AttentionPolicy(scale="logn", train_length=1)
-    with pytest.raises(TypeError, match="Tensor"):
+    # A policy's scale takes no Tensor (attention's does): its messages say what it takes.
+    accepted = r"^AttentionPolicy.scale must be None, a float or one of \('logn', 'logn_sharpen'\), got "
+    with pytest.raises(TypeError, match=accepted + "Tensor$"):
         AttentionPolicy(scale=torch.ones(1))
+    with pytest.raises(ValueError, match=accepted + "'log'$"):
+        AttentionPolicy(scale="log")
+    with pytest.raises(TypeError, match=accepted + "list$"):
+        AttentionPolicy(scale=[0.5])

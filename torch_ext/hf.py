@@ -535,14 +535,24 @@ def _model_classes() -> list[type]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+_EAGER_MASKS: dict[type, bool] = {}
+
+
+@torch.compiler.assume_constant_result
 def _eager_masks(config_type: type) -> bool:
     """Whether a model class built from ``config_type`` needs eager's masks (:func:`_needs_eager_masks`).
 
     Keyed on the config's class, which the model classes name (``config_class``), so sub-configs
-    (BLIP's text decoder, CLVP's) and remote code resolve as well as top-level model types.
+    (BLIP's text decoder, CLVP's) and remote code resolve as well as top-level model types. A
+    constant to torch.compile, which calls it once while tracing instead of tracing the walk over
+    the model classes (and, were it an ``lru_cache``, warned of that on every compile).
     """
-    return any(_needs_eager_masks(c) for c in _model_classes() if getattr(c, "config_class", None) is config_type)
+    known = _EAGER_MASKS.get(config_type)
+    if known is None:
+        known = _EAGER_MASKS[config_type] = any(
+            _needs_eager_masks(c) for c in _model_classes() if getattr(c, "config_class", None) is config_type
+        )
+    return known
 
 
 def _mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from torch_ext import monitor as _monitor
-from torch_ext.attention import AttentionStats, _policy_args, attention
+from torch_ext.attention import _SCALE_MODES, AttentionStats, _is_real, _policy_args, attention
 from torch_ext.varlen import varlen_attention
 
 
@@ -30,8 +30,12 @@ class AttentionPolicy:
     train_length: float = 512
 
     def __post_init__(self) -> None:
-        if isinstance(self.scale, torch.Tensor):
-            raise TypeError("AttentionPolicy.scale must be None, a float, 'logn' or 'logn_sharpen', not a Tensor")
+        # (its own message: :func:`torch_ext.attention`'s scale also takes a Tensor, a policy's not)
+        accepted = f"None, a float or one of {_SCALE_MODES}"
+        if isinstance(self.scale, str) and self.scale not in _SCALE_MODES:
+            raise ValueError(f"AttentionPolicy.scale must be {accepted}, got {self.scale!r}")
+        if not (self.scale is None or isinstance(self.scale, str) or _is_real(self.scale)):
+            raise TypeError(f"AttentionPolicy.scale must be {accepted}, got {type(self.scale).__name__}")
         _policy_args(self.scale, self.temperature, self.train_length)
 
     @property

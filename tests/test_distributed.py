@@ -252,6 +252,9 @@ def _bad_calls_rank(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(q.clone().requires_grad_(rank == 0), q, q),
         lambda: cp.context_parallel_attention(q, q, q, enable_gqa="yes"),
         lambda: cp.context_parallel_attention(q, q, q, scale=torch.ones(2, 1, dtype=torch.int64)),
+        # differences printed by name (they were the codes sent)
+        lambda: cp.context_parallel_attention(*((q.double(),) * 3 if rank == 1 else (q, q, q))),
+        lambda: cp.context_parallel_attention(q, q, q, scale="logn" if rank == 1 else None),
         lambda: cp.context_parallel_attention(q, q, q, is_causal=True),
     ]
     results = []
@@ -284,10 +287,14 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
         assert results[5] == "TypeError: is_causal must be a bool, got str", results[5]
         assert results[6].startswith("TypeError: context_parallel_attention got unsupported keyword arguments "
                                      "['window_size']" if rank == 1 else invalid_elsewhere), results[6]
-        assert "calls differ (requires grad: rank 0: 1, rank 1: 0)" in results[7], results[7]
+        assert "calls differ (requires grad: rank 0: True, rank 1: False)" in results[7], results[7]
         assert results[8] == "TypeError: enable_gqa must be a bool, got str", results[8]
         assert results[9] == "TypeError: the scale tensor must be floating point, got torch.int64", results[9]
-        assert results[10] == "ok: finite True", results[10]
+        assert ("calls differ (query dtype: rank 0: torch.float32, rank 1: torch.float64; key dtype: rank 0: "
+                "torch.float32, rank 1: torch.float64; value dtype: rank 0: torch.float32, rank 1: torch.float64)"
+                in results[10]), results[10]
+        assert "calls differ (scale mode: rank 0: fixed, rank 1: logn)" in results[11], results[11]
+        assert results[12] == "ok: finite True", results[12]
 
 
 def _create_graph_rank(rank: int, world: int) -> list[float]:

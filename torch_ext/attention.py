@@ -224,10 +224,14 @@ def _pattern_args(
                 "the graph: every replay would drop the same weights): capture with dropout_p=0 (the module in eval "
                 "mode), or run the training step uncaptured"
             )
-        device = generator.device if generator is not None else "cpu"
         # .item(), not int(): under torch.export the draw is data-dependent (an unbacked SymInt the
-        # schema takes), which int() would have to specialize.
-        drawn = torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=device)
+        # schema takes), which int() would have to specialize. Without a generator the draw names
+        # none: AOTInductor compiles randint's generator overload, passed None, to a call that fails
+        # when the package runs (a plain torch module fails the same way).
+        if generator is None:
+            drawn = torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu")
+        else:
+            drawn = torch.randint(0, 2**62, (), generator=generator, dtype=torch.int64, device=generator.device)
         if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(drawn):
             # vmap(randomness="different") draws a seed per sample; the op takes one per call, which
             # would give every sample the same mask.

@@ -125,7 +125,12 @@ def _check_same_call(error: BaseException | None, signature: Sequence[int], grou
     differ = [i for i in range(len(_SIGNATURE)) if any(row[i] != rows[0][i] for row in rows)]
     if differ:
         def show(i: int, v: int) -> object:
-            return _from_bits(v) if _SIGNATURE[i] in _FLOAT_FIELDS and v != -1 else v
+            name = _SIGNATURE[i]
+            if name in _NAMED_CODES:
+                return _NAMED_CODES[name][v] if v != -1 else "other"
+            if name in _BOOL_FIELDS:
+                return bool(v)
+            return _from_bits(v) if name in _FLOAT_FIELDS and v != -1 else v
 
         table = "; ".join(f"{_SIGNATURE[i]}: " + ", ".join(f"rank {r}: {show(i, row[i])}" for r, row in enumerate(rows))
                           for i in differ)
@@ -362,6 +367,14 @@ _SIGNATURE = (
     "requires grad",
 )
 _FLOAT_FIELDS = ("temperature", "train_length", "float scale or scale_factor")
+_BOOL_FIELDS = ("is_causal", "load_balance", "requires grad")
+_DEVICE_CODES = ("cpu", "cuda")
+_SCALE_MODE_CODES = ("fixed", "logn", "logn_sharpen")
+# The fields sent as an index of a tuple, printed by name where the ranks differ.
+_NAMED_CODES: dict[str, tuple[object, ...]] = {
+    "query dtype": _DTYPES, "key dtype": _DTYPES, "value dtype": _DTYPES,
+    "device": _DEVICE_CODES, "scale mode": _SCALE_MODE_CODES,
+}
 _SIGNATURE_LEN = len(_SIGNATURE)
 
 
@@ -384,10 +397,10 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     codes = [_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1 for t in (query, key, value)]
     device = query.device.type
-    codes.append(["cpu", "cuda"].index(device) if device in ("cpu", "cuda") else -1)
+    codes.append(_DEVICE_CODES.index(device) if device in _DEVICE_CODES else -1)
     factor = policy["scale_factor"]
     policy_codes = [
-        ("fixed", "logn", "logn_sharpen").index(policy["scale_mode"]),
+        _SCALE_MODE_CODES.index(policy["scale_mode"]),
         _float_bits(policy["temperature"]),
         _float_bits(policy["log_base"]),
         -1 if factor is None else _float_bits(factor),  # a float scale or scale_factor

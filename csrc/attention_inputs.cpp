@@ -120,15 +120,12 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
                       s.heads, ", ", s.q_len, ", ", s.kv_len, ")");
   }
   if (scale.has_value()) {
-    // (The Python API passes a scale tensor as `scale`, or as `scale_factor` under a length
-    // policy.)
-    constexpr const char* kName = "scale tensor (scale, or scale_factor with a length policy)";
     const at::Tensor& c = *scale;
-    TORCH_CHECK_TYPE(is_supported_dtype(c.scalar_type()), kName,
+    TORCH_CHECK_TYPE(is_supported_dtype(c.scalar_type()), kScaleTensorName,
                      " must be float32, float64, bfloat16 or float16, got ", c.scalar_type());
-    TORCH_CHECK_VALUE(c.device() == query.device(), kName, " must be on query's device (",
-                      query.device(), "), got ", c.device());
-    TORCH_CHECK_VALUE(broadcasts_to(c.sym_sizes(), {s.batch, s.heads, s.q_len}), kName,
+    TORCH_CHECK_VALUE(c.device() == query.device(), kScaleTensorName,
+                      " must be on query's device (", query.device(), "), got ", c.device());
+    TORCH_CHECK_VALUE(broadcasts_to(c.sym_sizes(), {s.batch, s.heads, s.q_len}), kScaleTensorName,
                       " of shape ", c.sym_sizes(),
                       " does not broadcast to (batch, heads, q_len) = (", s.batch, ", ", s.heads,
                       ", ", s.q_len, ")");

@@ -31,6 +31,11 @@ using SymAttentionShape = BasicAttentionShape<c10::SymInt>;
 AttentionShape concrete(const SymAttentionShape& s);
 SymAttentionShape symbolic(const AttentionShape& s);
 
+// The scale tensor in messages: the Python API passes it as `scale`, or as `scale_factor` under a
+// length policy.
+inline constexpr const char* kScaleTensorName =
+    "scale tensor (scale, or scale_factor with a length policy)";
+
 // Raises ValueError/TypeError naming the argument for anything the op does not accept.
 SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& value,

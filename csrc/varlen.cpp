@@ -72,7 +72,7 @@ AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key
     TORCH_CHECK_VALUE(c.dim() <= 2 &&
                           (c.dim() < 2 || c.sym_size(0) == 1 || c.sym_size(0) == total) &&
                           (c.dim() < 1 || c.sym_size(-1) == 1 || c.sym_size(-1) == heads),
-                      "scale tensor of shape ", c.sym_sizes(),
+                      kScaleTensorName, " of shape ", c.sym_sizes(),
                       " does not broadcast to (total_q, heads) = (", total, ", ", heads, ")");
     dense_scale = c.expand_symint({total, heads}).transpose(0, 1).unsqueeze(0);
   }

@@ -289,7 +289,8 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
                                      "['window_size']" if rank == 1 else invalid_elsewhere), results[6]
         assert "calls differ (requires grad: rank 0: True, rank 1: False)" in results[7], results[7]
         assert results[8] == "TypeError: enable_gqa must be a bool, got str", results[8]
-        assert results[9] == "TypeError: the scale tensor must be floating point, got torch.int64", results[9]
+        assert results[9] == ("TypeError: the scale tensor (scale, or scale_factor with a length policy) must be "
+                              "floating point, got torch.int64"), results[9]
         assert ("calls differ (query dtype: rank 0: torch.float32, rank 1: torch.float64; key dtype: rank 0: "
                 "torch.float32, rank 1: torch.float64; value dtype: rank 0: torch.float32, rank 1: torch.float64)"
                 in results[10]), results[10]

@@ -227,7 +227,8 @@ def _pattern_args(
         # .item(), not int(): under torch.export the draw is data-dependent (an unbacked SymInt the
         # schema takes), which int() would have to specialize. Without a generator the draw names
         # none: AOTInductor compiles randint's generator overload, passed None, to a call that fails
-        # when the package runs (a plain torch module fails the same way).
+        # when the package runs (an exported plain nn.Module calling torch.randint(...,
+        # generator=None) fails the same way: a PyTorch issue).
         if generator is None:
             drawn = torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu")
         else:

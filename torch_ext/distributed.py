@@ -357,8 +357,8 @@ def context_parallel_attention(
     return (out, stats) if return_stats else out
 
 
-# What _local_call returns, by name (dtypes as indices of _DTYPES, the device type 0 cpu / 1 cuda,
-# the scale mode an index of fixed / logn / logn_sharpen; floats by their bits, -1 none).
+# What _local_call returns, by name (the dtypes, the device type and the scale mode as indices of
+# the tuples of _NAMED_CODES, flags as 0 / 1, floats by their bits; -1 none).
 _SIGNATURE = (
     *(f"{t}.shape[{d}]" for t in ("query", "key", "value") for d in range(4)),
     "query dtype", "key dtype", "value dtype", "device", "is_causal", "load_balance",
@@ -368,6 +368,7 @@ _SIGNATURE = (
 )
 _FLOAT_FIELDS = ("temperature", "train_length", "float scale or scale_factor")
 _BOOL_FIELDS = ("is_causal", "load_balance", "requires grad")
+_SCALE_TENSOR = "scale tensor (scale, or scale_factor with a length policy)"  # (as the op's messages)
 _DEVICE_CODES = ("cpu", "cuda")
 _SCALE_MODE_CODES = ("fixed", "logn", "logn_sharpen")
 # The fields sent as an index of a tuple, printed by name where the ranks differ.
@@ -406,7 +407,7 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
         -1 if factor is None else _float_bits(factor),  # a float scale or scale_factor
     ]
     if scale_tensor is not None and not scale_tensor.is_floating_point():
-        raise TypeError(f"the scale tensor must be floating point, got {scale_tensor.dtype}")
+        raise TypeError(f"the {_SCALE_TENSOR} must be floating point, got {scale_tensor.dtype}")
     # (A rank whose inputs need no gradient runs no backward: the others would wait for it there.)
     differentiable = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, scale_tensor))
@@ -421,7 +422,7 @@ def _row_tensor_shape(t: torch.Tensor | None, query: torch.Tensor) -> list[int]:
     if t is None:
         return [-1, -1, -1]
     if t.dim() > 3:
-        raise ValueError(f"the scale tensor of shape {tuple(t.shape)} does not broadcast to (B, H, L/P) = "
+        raise ValueError(f"the {_SCALE_TENSOR} of shape {tuple(t.shape)} does not broadcast to (B, H, L/P) = "
                          f"{tuple(query.shape[:3])}")
     return [1] * (3 - t.dim()) + list(t.shape)
 

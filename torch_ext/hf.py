@@ -58,7 +58,8 @@ causality alone applies) to models that support "sdpa" or run flash attention th
 interface (Gemma 2, gpt-oss), and what "eager" gets (``eager_mask``: additive float masks, never
 skipped) to the models that support neither (PEGASUS-X, NLLB-MoE, GIT, TrOCR, BLIP's text decoder,
 Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks: their outputs equal
-"eager"'s.
+"eager"'s on every row that sees a key (a row that sees none, such as a left-padding row, gives
+0, as with "sdpa", where "eager" averages the values).
 
 This module imports transformers; ``import torch_ext`` does not.
 """

@@ -54,6 +54,23 @@ EA_HOST_DEVICE void rescale_power_sums(RowStats<acc_t>& st, acc_t block_bmax, bo
   st.m = block_bmax;
 }
 
+// The factors that take a base b of the running max m = max |b| (> 0) to b / m as (b * up) * inv:
+// 1 / m overflows for a subnormal m (1 / 2e-39 in float32: infinite sums, a NaN S where the math
+// has a value), so such an m and its bases are first scaled up by 1 / epsilon, a power of two
+// (exact), which makes the smallest subnormal the smallest normal number.
+template <typename acc_t>
+struct PowerScale {
+  acc_t up, inv;
+};
+
+template <typename acc_t>
+EA_HOST_DEVICE PowerScale<acc_t> power_scale(acc_t m) {
+  const acc_t up = m < std::numeric_limits<acc_t>::min()
+                       ? acc_t(1) / std::numeric_limits<acc_t>::epsilon()
+                       : acc_t(1);
+  return {up, acc_t(1) / (m * up)};
+}
+
 // S_i = l1 / sqrt(n_i l2) of attention_sparsity, at most 1 as sparsity_value; an empty or all-zero
 // row has no direction: 0, as the attention op's statistics (NaN propagates).
 template <typename acc_t>

@@ -198,6 +198,20 @@ def test_float32_extreme_magnitudes(device: str, kind: str, magnitude: float) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["relu2", "identity"])
+def test_float32_subnormal_logits(device: str, kind: str) -> None:
+    """Logits below float32's smallest normal number (a tiny scale, or tiny q . k) give the float64
+    answer: the sums are taken relative to the row's largest |b|, whose reciprocal overflowed when
+    it was subnormal (S was NaN)."""
+    q = torch.tensor([[[[1.0, 0.0]]]], device=device)
+    k = torch.tensor([[[[1.0, 0.0], [2.0, 0.0], [0.5, 0.0]]]], device=device)
+    for q_, k_, scale in ((q, k, 1e-39), (q, k, 1e-41), (q * 1e-20, k * 1e-19, None)):
+        got = torch_ext.attention_sparsity(q_, k_, kind=kind, scale=scale)
+        want = torch_ext.attention_sparsity(q_.double(), k_.double(), kind=kind, scale=scale)
+        assert got.item() == pytest.approx(want.item(), rel=1e-3), (scale, got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_nan_propagates(device: str, kind: str) -> None:
     """A NaN key makes every row that sees it NaN, for every kind."""

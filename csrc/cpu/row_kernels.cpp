@@ -99,11 +99,11 @@ EA_ALWAYS_INLINE void power_sums_row_impl(SparsityKind kind, acc_t* s, int64_t n
   }
   rescale_power_sums(st, bmax, relu2);
   if (!(st.m > acc_t(0))) return;  // every weight so far is 0
-  const acc_t inv = acc_t(1) / st.m;
+  const PowerScale<acc_t> ps = power_scale(st.m);
   acc_t a1 = 0, a2 = 0;
 #pragma omp simd reduction(+ : a1, a2)
   for (int64_t j = 0; j < n; ++j) {
-    const acc_t x = power_base(relu2, s[j]) * inv;
+    const acc_t x = power_base(relu2, s[j]) * ps.up * ps.inv;
     const acc_t a = relu2 ? x * x : x;
     a1 += a < acc_t(0) ? -a : a;
     a2 += a * a;

@@ -35,10 +35,10 @@ __device__ __forceinline__ void power_sums_row(bool relu2, const RowLogits<Acc>&
   if (mx != mx) st.l = mx;  // a NaN logit makes the row NaN, as softmax does
   rescale_power_sums(st, bmax, relu2);
   if (st.m > Acc(0)) {  // else every weight so far is 0
-    const Acc inv = Acc(1) / st.m;
+    const PowerScale<Acc> ps = power_scale(st.m);
     Acc a1 = 0, a2 = 0;
     for (int c = lane; c < kBN; c += 32) {
-      const Acc x = power_base(relu2, s[c]) * inv;
+      const Acc x = power_base(relu2, s[c]) * ps.up * ps.inv;
       const Acc a = relu2 ? x * x : x;
       a1 += a < Acc(0) ? -a : a;
       a2 += a * a;

@@ -160,6 +160,34 @@ def test_sparsity_closed_forms_against_quadrature() -> None:
             assert abs(quad - float(closed)) < 1e-10, (beta, gamma, quad, float(closed))
 
 
+def test_sparsity_closed_forms_at_extreme_arguments() -> None:
+    """Finite and right at every argument, in float64 and float32: relu^2 against 80-digit
+    arithmetic (mpmath) where its moments overflow (a ~ 1e77), where erfcx's branch cancels
+    (a <= -10: NaN from a = -200 on, 1e-5 off at -40) and at the infinities; identity where
+    1 + (beta / gamma)^2 overflowed (S was 0 where it tends to 1)."""
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 80
+
+    def relu2(a: float) -> float:
+        x = mp.mpf(a)
+        phi, cdf = mp.npdf(x), mp.ncdf(x)
+        m2 = (x * x + 1) * cdf + x * phi
+        m4 = (x**4 + 6 * x * x + 3) * cdf + (x**3 + 5 * x) * phi
+        return float(m2 / mp.sqrt(m4))
+
+    for a in [-38.0, -30.0, -20.0, -10.0, -9.9, -5.0, -1.0, 0.0, 0.999, 1.0, 4.0, 1e3]:
+        got, want = float(theory.sparsity_relu2(a)), relu2(a)
+        assert abs(got - want) <= 1e-9 * want, (a, got, want)
+    for dtype in (torch.float64, torch.float32):
+        a = torch.tensor([-1e4, -200.0, -math.inf, 1e100, math.inf], dtype=dtype)
+        s = theory.sparsity_relu2(a)
+        assert s.dtype == dtype and torch.equal(s, torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0], dtype=dtype)), s
+        s = theory.sparsity_identity(torch.tensor([1.0, 1e30, -1e-5, 1.0], dtype=dtype),
+                                     torch.tensor([1e-30, 1e-30, 1e-38, 0.0], dtype=dtype))
+        assert torch.equal(s, torch.ones(4, dtype=dtype)), s
+    assert float(theory.sparsity_identity(1e200, 1e-200)) == 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # sparsity: Monte Carlo with torch_ext.attention_sparsity
 # --------------------------------------------------------------------------------------------

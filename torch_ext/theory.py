@@ -77,7 +77,11 @@ def sparsity_identity(beta: Tensor | float, gamma: Tensor | float) -> Tensor:
     degenerate = g_abs == 0
     safe_g = torch.where(degenerate, torch.ones_like(g_abs), g_abs)
     a = b / safe_g  # divide by gamma: S depends on beta / gamma only
-    s = (_SQRT_2_OVER_PI * torch.exp(-0.5 * a * a) + a * torch.special.erf(a / _SQRT_2)) / torch.sqrt(1.0 + a * a)
+    # (hypot: sqrt(1 + a^2) overflowed for |a| > 1e154, giving 0 where S -> 1; an infinite a is 1)
+    s = (_SQRT_2_OVER_PI * torch.exp(-0.5 * a * a) + a * torch.special.erf(a / _SQRT_2)) / torch.hypot(
+        torch.ones_like(a), a
+    )
+    s = torch.where(a.isinf(), torch.ones_like(s), s)
     return torch.where(degenerate, (b != 0).to(s.dtype), s)
 
 
@@ -114,12 +118,43 @@ def sparsity_relu2(a: Tensor | float) -> Tensor:
     (``E[(a+eps)_+^2]`` and ``E[(a+eps)_+^4]``) and ``S = M2 / sqrt(M4)``.
 
     ``S(0) = 1/sqrt(6) ~ 0.408``; tends to 1 as ``a -> +inf`` and to 0 only as ``a -> -inf``
-    (a negative bias ``beta``). Stable for very negative ``a`` (computed with ``erfcx``).
+    (a negative bias ``beta``). Finite at every ``a`` (1 at ``+inf``, 0 at ``-inf``): for
+    ``a >= 1`` from the moments over ``a^2`` and ``a^4`` (which overflow past ``a ~ 1e77``), for
+    ``-10 < a < 0`` with ``erfcx``, and for ``a <= -10``, where ``M4``'s terms cancel, from the
+    asymptotic series of the Mills ratio; computed in float64 (relative error below 1e-9 against
+    80-digit arithmetic, worst near ``a = -10``) and returned in ``a``'s dtype.
     """
-    a_t = _as_tensor(a)
+    a_in = _as_tensor(a)
+    # (in float64 whatever a's dtype: the erfcx branch cancels, and the series' coefficients pass
+    # float32's range)
+    a_t = a_in.to(torch.float64)
     log_c, b2, b4 = _relu_moments_scaled(a_t)
     # S = c B2 / sqrt(c B4) = sqrt(c) B2 / sqrt(B4)
-    return torch.exp(0.5 * log_c) * b2 / torch.sqrt(b4)
+    s = torch.exp(0.5 * log_c) * b2 / torch.sqrt(b4)
+    # a >= 1: M2 / a^2 = (1 + 1/a^2) Phi + phi / a and M4 / a^4 = (1 + 6/a^2 + 3/a^4) Phi + (1/a + 5/a^3) phi.
+    big = a_t.clamp(min=1.0)
+    inv = 1.0 / big
+    cdf, pdf = torch.special.ndtr(big), torch.exp(-0.5 * big * big - 0.5 * _LOG_2PI)
+    m2 = (1.0 + inv * inv) * cdf + inv * pdf
+    m4 = (1.0 + 6.0 * inv * inv + 3.0 * inv**4) * cdf + (inv + 5.0 * inv**3) * pdf
+    s = torch.where(a_t >= 1.0, m2 / torch.sqrt(m4), s)
+    # a <= -10, t = -a: with the Mills ratio's series sum_k (-1)^k (2k-1)!! / t^(2k+1),
+    # B2 = (2 / t^3) p2 and B4 = (24 / t^5) p4 with p2 = sum_{m>=1} (-1)^(m+1) m (2m-1)!! / t^(2m-2) and
+    # p4 = sum_{m>=2} (-1)^m m (m-1) (2m-1)!! / 6 / t^(2m-4); 30 terms leave < 1e-16 at t = 10.
+    t = (-a_t).clamp(min=10.0)
+    u = 1.0 / (t * t)
+    p2, p4 = torch.zeros_like(t), torch.zeros_like(t)
+    for m in range(30, 0, -1):  # (Horner, smallest terms first)
+        p2 = p2 * u + float((-1) ** (m + 1) * m * _double_factorial(2 * m - 1))
+    for m in range(31, 1, -1):
+        p4 = p4 * u + (-1) ** m * m * (m - 1) * _double_factorial(2 * m - 1) / 6
+    tail = torch.exp(-0.25 * t * t - 0.25 * _LOG_2PI) * (2.0 / math.sqrt(24.0)) / torch.sqrt(t) * p2 / torch.sqrt(p4)
+    return torch.where(a_t <= -10.0, tail, s).to(a_in.dtype)
+
+
+def _double_factorial(n: int) -> int:
+    """``n!! = n (n - 2) (n - 4) ...`` (1 for ``n <= 0``)."""
+    return math.prod(range(n, 0, -2))
 
 
 def sparsity_relu2_beta_gamma(beta: Tensor | float, gamma: Tensor | float) -> Tensor:

@@ -255,6 +255,15 @@ def test_errors() -> None:
         torch_ext.AttentionEntropyMonitor(every=0)
     with pytest.raises(TypeError, match="writers"):
         torch_ext.AttentionEntropyMonitor(writers=[42])
+    # Checked when the monitor is made (they failed at the first recorded call, naming nothing).
+    with pytest.raises(TypeError, match="^model must be a torch.nn.Module or None, got str$"):
+        torch_ext.AttentionEntropyMonitor("abc")
+    with pytest.raises(TypeError, match="^writers must be a sequence of writers"):
+        torch_ext.AttentionEntropyMonitor(writers=5)
+    for step in ("a", 2.5, True):
+        with pytest.raises(TypeError, match="^step must be an int or None"):
+            with torch_ext.AttentionEntropyMonitor().step(step):
+                pass
     m1, m2 = torch_ext.AttentionEntropyMonitor(), torch_ext.AttentionEntropyMonitor()
     with m1:
         with pytest.raises(RuntimeError, match="already recording"):

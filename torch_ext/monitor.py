@@ -14,9 +14,11 @@ import contextlib
 import csv
 import json
 import math
+import numbers
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -390,6 +392,11 @@ class AttentionEntropyMonitor:
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
+        # (checked here: a wrong model or writers failed only at the first recorded call)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        if not isinstance(writers, Iterable) or isinstance(writers, (str, bytes)):
+            raise TypeError(f"writers must be a sequence of writers (a list of one for one), got {type(writers).__name__}")
         self.model = model
         self.every = every
         self.writers = [_as_writer(w) for w in writers]
@@ -418,6 +425,10 @@ class AttentionEntropyMonitor:
     def step(self, step: Optional[int] = None) -> Iterator[bool]:
         """Context for one training step; records if ``step % every == 0``. Yields whether it
         records. Without ``step``, counts the steps itself (0, 1, 2, ...)."""
+        if step is not None:  # (an int, numpy's included: a float or str step failed later or counted wrong)
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+                raise TypeError(f"step must be an int or None, got {type(step).__name__}")
+            step = int(step)
         if step is None:
             step = self._step_counter
         self._step_counter = step + 1

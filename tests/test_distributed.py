@@ -310,6 +310,20 @@ def _create_graph_rank(rank: int, world: int) -> list[float]:
     return [float((a - b).abs().max()) for a, b in zip(*grads)]
 
 
+def test_helpers_name_bad_arguments() -> None:
+    """shard_sequence and global_positions check their arguments before the process group (an
+    AttributeError, torch.arange's "upper bound and lower bound inconsistent", a float tensor of
+    positions); length_factor names its scale (the op's message named scale_mode)."""
+    with pytest.raises(TypeError, match="^x must be a torch.Tensor, got list$"):
+        cp.shard_sequence([1, 2])
+    with pytest.raises(TypeError, match="^local_len must be an int, got float$"):
+        cp.global_positions(4.0)
+    with pytest.raises(ValueError, match="^local_len must be >= 0, got -2$"):
+        cp.global_positions(-2)
+    with pytest.raises(ValueError, match="^scale must be 'fixed', 'logn' or 'logn_sharpen', got 'log'$"):
+        torch_ext.length_factor(torch.arange(4), "log")
+
+
 def test_create_graph_gives_first_order_gradients() -> None:
     """The ring's backward under create_graph=True gives the gradients without it (it failed on
     its accumulators, in-place views that autograd refuses in grad mode)."""

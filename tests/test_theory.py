@@ -186,6 +186,9 @@ def test_sparsity_closed_forms_at_extreme_arguments() -> None:
                                      torch.tensor([1e-30, 1e-30, 1e-38, 0.0], dtype=dtype))
         assert torch.equal(s, torch.ones(4, dtype=dtype)), s
     assert float(theory.sparsity_identity(1e200, 1e-200)) == 1.0
+    # A decay just below 1 rounds to a quotient just above 1: held at the bound.
+    assert float(theory.sparsity_decay(torch.tensor(1 - 1e-7), 100)) <= 1.0
+    assert float(theory.sparsity_decay(1 - 1e-12, 1000)) <= 1.0
 
 
 # --------------------------------------------------------------------------------------------

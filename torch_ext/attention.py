@@ -451,6 +451,8 @@ def length_factor(
     policy = _policy_args(None, temperature, train_length)[1]  # (checks both, naming them)
     if not isinstance(scale, str):
         raise TypeError(f"scale must be 'fixed', 'logn' or 'logn_sharpen', got {type(scale).__name__}")
+    if scale not in ("fixed", *_SCALE_MODES):  # (the op's own message names its scale_mode)
+        raise ValueError(f"scale must be 'fixed', 'logn' or 'logn_sharpen', got {scale!r}")
     log_base = _as_float(train_length, "train_length", "a finite number > 1")
     return torch.ops.entropy_attn.length_factor(n_keys, scale, policy["temperature"], log_base, dtype=dtype)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import struct
 from typing import Any, Iterator, Sequence
 
@@ -51,6 +52,8 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, d
                    load_balance: bool = True) -> torch.Tensor:
     """This rank's part of a full ``x`` along ``dim`` (the sequence): chunks r and 2P - 1 - r of 2P
     equal chunks, concatenated (``load_balance=False``: chunk r of P)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     rank, world = _world(group)
     parts = 2 * world if load_balance else world
     if x.shape[dim] % parts != 0:
@@ -77,6 +80,10 @@ def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
 def global_positions(local_len: int, group: dist.ProcessGroup | None = None, *,
                      load_balance: bool = True, device: torch.device | str = "cpu") -> torch.Tensor:
     """The global sequence positions (int64) of this rank's ``local_len`` rows."""
+    if isinstance(local_len, bool) or not isinstance(local_len, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"local_len must be an int, got {type(local_len).__name__}")
+    if local_len < 0:
+        raise ValueError(f"local_len must be >= 0, got {local_len}")
     rank, world = _world(group)
     chunks = _chunks(rank, world, load_balance)
     if local_len % len(chunks) != 0:

@@ -188,7 +188,8 @@ def sparsity_decay(lam: Tensor | float, n: Tensor | int) -> Tensor:
     log_lam = torch.log(safe)  # -inf at lam = 0: expm1(-inf) = -1, as it should
     l1 = -torch.expm1(n_t * log_lam) / (1.0 - safe)  # sum_k lam^k, k < n
     l2 = -torch.expm1(2.0 * n_t * log_lam) / (1.0 - safe * safe)  # sum_k lam^(2k)
-    s = l1 / torch.sqrt(n_t * l2)
+    # (at most 1, as every S: near lam = 1 the quotient's rounding passed it, 1 + 1e-7 in float32)
+    s = (l1 / torch.sqrt(n_t * l2)).clamp(max=1.0)
     return torch.where(one, torch.ones_like(s), s)
 
 

@@ -86,27 +86,54 @@ def sparsity_identity(beta: Tensor | float, gamma: Tensor | float) -> Tensor:
 
 
 def _relu_moments_scaled(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(log c, B2, B4)`` with ``E[(a+eps)_+^2] = c * B2`` and ``E[(a+eps)_+^4] = c * B4``.
+    """``(log c, B2, B4)`` with ``M2 = E[(a+eps)_+^2] = c x B2`` and ``M4 = E[(a+eps)_+^4] = c x^2 B4``
+    for some ``x > 0``, so that ``S = M2 / sqrt(M4) = sqrt(c) B2 / sqrt(B4)``, each factor finite
+    where ``M2`` and ``M4`` overflow, underflow or cancel (float64 ``a``):
 
-    For ``a >= 0`` uses ``c = 1`` and the plain formulas (every term is non-negative); for
-    ``a < 0`` uses ``c = phi(a)`` and the Mills ratio ``Phi(a) / phi(a) = sqrt(pi/2) erfcx(-a/sqrt 2)``,
-    which avoids the underflow of ``Phi(a)`` and ``phi(a)`` for very negative ``a``.
+    - ``a >= 0``: ``c = 1``, ``x = d^2`` with ``d = max(a, 1)`` (``M4 ~ a^4`` overflows past
+      ``a ~ 1e77``): the plain formulas over ``d^2`` and ``d^4`` (every term is non-negative);
+    - ``-10 < a < 0``: ``c = phi(a)``, ``x = 1``, with the Mills ratio ``Phi(a) / phi(a) = sqrt(pi/2)
+      erfcx(-a/sqrt 2)``, which avoids the underflow of ``Phi(a)`` and ``phi(a)``;
+    - ``a <= -10`` (``t = -a``), where that form cancels (``M4``'s terms agree to ``t^9 / 24``):
+      the Mills ratio's asymptotic series ``sum_k (-1)^k (2k-1)!! / t^(2k+1)`` gives
+      ``M2 = phi (2 / t^3) p2`` and ``M4 = phi (24 / t^5) p4``, with ``p2 = sum_{m>=1} (-1)^(m+1) m
+      (2m-1)!! / t^(2m-2)`` and ``p4 = sum_{m>=2} (-1)^m m (m-1) (2m-1)!! / 6 / t^(2m-4)`` (30 terms
+      leave < 1e-16 at t = 10): ``c = phi / t``, ``x = 1 / t^2``, ``B2 = 2 p2``, ``B4 = 24 p4``.
     """
+    # a >= 0, over d^2 and d^4: M2 = (a^2+1) Phi(a) + a phi(a), M4 = (a^4+6a^2+3) Phi(a) + (a^3+5a) phi(a).
     a_pos = a.clamp(min=0.0)
-    a_neg = a.clamp(max=0.0)
-    # a >= 0: M2 = (a^2+1) Phi(a) + a phi(a), M4 = (a^4+6a^2+3) Phi(a) + (a^3+5a) phi(a).
+    r = a_pos.clamp(max=1.0)  # a / d
+    inv = 1.0 / a_pos.clamp(min=1.0)  # 1 / d
     cdf = torch.special.ndtr(a_pos)
     pdf = torch.exp(-0.5 * a_pos * a_pos - 0.5 * _LOG_2PI)
-    m2_pos = (a_pos * a_pos + 1.0) * cdf + a_pos * pdf
-    m4_pos = (a_pos**4 + 6.0 * a_pos * a_pos + 3.0) * cdf + (a_pos**3 + 5.0 * a_pos) * pdf
-    # a < 0: the same with Phi(a) = phi(a) * mills, and phi(a) factored out.
-    mills = _SQRT_PI_OVER_2 * torch.special.erfcx(-a_neg / _SQRT_2)
-    b2_neg = (a_neg * a_neg + 1.0) * mills + a_neg
-    b4_neg = (a_neg**4 + 6.0 * a_neg * a_neg + 3.0) * mills + (a_neg**3 + 5.0 * a_neg)
-    log_c_neg = -0.5 * a_neg * a_neg - 0.5 * _LOG_2PI
-    neg = a < 0
-    log_c = torch.where(neg, log_c_neg, torch.zeros_like(a))
-    return log_c, torch.where(neg, b2_neg, m2_pos), torch.where(neg, b4_neg, m4_pos)
+    b2_pos = (r * r + inv * inv) * cdf + r * inv * pdf
+    b4_pos = (r**4 + 6.0 * r * r * inv * inv + 3.0 * inv**4) * cdf + (r**3 * inv + 5.0 * r * inv**3) * pdf
+    # -10 < a < 0: the same with Phi(a) = phi(a) * mills, and phi(a) factored out.
+    a_mid = a.clamp(min=-10.0, max=0.0)
+    mills = _SQRT_PI_OVER_2 * torch.special.erfcx(-a_mid / _SQRT_2)
+    b2_mid = (a_mid * a_mid + 1.0) * mills + a_mid
+    b4_mid = (a_mid**4 + 6.0 * a_mid * a_mid + 3.0) * mills + (a_mid**3 + 5.0 * a_mid)
+    log_c_mid = -0.5 * a_mid * a_mid - 0.5 * _LOG_2PI
+    # a <= -10: the series (Horner, smallest terms first).
+    t = (-a).clamp(min=10.0)
+    u = 1.0 / (t * t)
+    p2, p4 = torch.zeros_like(t), torch.zeros_like(t)
+    for m in range(30, 0, -1):
+        p2 = p2 * u + float((-1) ** (m + 1) * m * _double_factorial(2 * m - 1))
+    for m in range(31, 1, -1):
+        p4 = p4 * u + (-1) ** m * m * (m - 1) * _double_factorial(2 * m - 1) / 6
+    log_c_tail = -0.5 * t * t - 0.5 * _LOG_2PI - torch.log(t)
+
+    tail, mid = a <= -10.0, a < 0
+    log_c = torch.where(tail, log_c_tail, torch.where(mid, log_c_mid, torch.zeros_like(a)))
+    b2 = torch.where(tail, 2.0 * p2, torch.where(mid, b2_mid, b2_pos))
+    b4 = torch.where(tail, 24.0 * p4, torch.where(mid, b4_mid, b4_pos))
+    return log_c, b2, b4
+
+
+def _double_factorial(n: int) -> int:
+    """``n!! = n (n - 2) (n - 4) ...`` (1 for ``n <= 0``)."""
+    return math.prod(range(n, 0, -2))
 
 
 def sparsity_relu2(a: Tensor | float) -> Tensor:
@@ -118,43 +145,15 @@ def sparsity_relu2(a: Tensor | float) -> Tensor:
     (``E[(a+eps)_+^2]`` and ``E[(a+eps)_+^4]``) and ``S = M2 / sqrt(M4)``.
 
     ``S(0) = 1/sqrt(6) ~ 0.408``; tends to 1 as ``a -> +inf`` and to 0 only as ``a -> -inf``
-    (a negative bias ``beta``). Finite at every ``a`` (1 at ``+inf``, 0 at ``-inf``): for
-    ``a >= 1`` from the moments over ``a^2`` and ``a^4`` (which overflow past ``a ~ 1e77``), for
-    ``-10 < a < 0`` with ``erfcx``, and for ``a <= -10``, where ``M4``'s terms cancel, from the
-    asymptotic series of the Mills ratio; computed in float64 (relative error below 1e-9 against
-    80-digit arithmetic, worst near ``a = -10``) and returned in ``a``'s dtype.
+    (a negative bias ``beta``). Finite at every ``a`` (1 at ``+inf``, 0 at ``-inf``): the moments
+    are taken in a scaled form that neither overflows nor cancels (:func:`_relu_moments_scaled`),
+    in float64 whatever ``a``'s dtype (relative error below 1e-9 against 80-digit arithmetic,
+    worst near ``a = -10``), and ``S`` is returned in ``a``'s dtype.
     """
     a_in = _as_tensor(a)
-    # (in float64 whatever a's dtype: the erfcx branch cancels, and the series' coefficients pass
-    # float32's range)
-    a_t = a_in.to(torch.float64)
-    log_c, b2, b4 = _relu_moments_scaled(a_t)
-    # S = c B2 / sqrt(c B4) = sqrt(c) B2 / sqrt(B4)
-    s = torch.exp(0.5 * log_c) * b2 / torch.sqrt(b4)
-    # a >= 1: M2 / a^2 = (1 + 1/a^2) Phi + phi / a and M4 / a^4 = (1 + 6/a^2 + 3/a^4) Phi + (1/a + 5/a^3) phi.
-    big = a_t.clamp(min=1.0)
-    inv = 1.0 / big
-    cdf, pdf = torch.special.ndtr(big), torch.exp(-0.5 * big * big - 0.5 * _LOG_2PI)
-    m2 = (1.0 + inv * inv) * cdf + inv * pdf
-    m4 = (1.0 + 6.0 * inv * inv + 3.0 * inv**4) * cdf + (inv + 5.0 * inv**3) * pdf
-    s = torch.where(a_t >= 1.0, m2 / torch.sqrt(m4), s)
-    # a <= -10, t = -a: with the Mills ratio's series sum_k (-1)^k (2k-1)!! / t^(2k+1),
-    # B2 = (2 / t^3) p2 and B4 = (24 / t^5) p4 with p2 = sum_{m>=1} (-1)^(m+1) m (2m-1)!! / t^(2m-2) and
-    # p4 = sum_{m>=2} (-1)^m m (m-1) (2m-1)!! / 6 / t^(2m-4); 30 terms leave < 1e-16 at t = 10.
-    t = (-a_t).clamp(min=10.0)
-    u = 1.0 / (t * t)
-    p2, p4 = torch.zeros_like(t), torch.zeros_like(t)
-    for m in range(30, 0, -1):  # (Horner, smallest terms first)
-        p2 = p2 * u + float((-1) ** (m + 1) * m * _double_factorial(2 * m - 1))
-    for m in range(31, 1, -1):
-        p4 = p4 * u + (-1) ** m * m * (m - 1) * _double_factorial(2 * m - 1) / 6
-    tail = torch.exp(-0.25 * t * t - 0.25 * _LOG_2PI) * (2.0 / math.sqrt(24.0)) / torch.sqrt(t) * p2 / torch.sqrt(p4)
-    return torch.where(a_t <= -10.0, tail, s).to(a_in.dtype)
-
-
-def _double_factorial(n: int) -> int:
-    """``n!! = n (n - 2) (n - 4) ...`` (1 for ``n <= 0``)."""
-    return math.prod(range(n, 0, -2))
+    log_c, b2, b4 = _relu_moments_scaled(a_in.to(torch.float64))
+    # S = sqrt(c) B2 / sqrt(B4)
+    return (torch.exp(0.5 * log_c) * b2 / torch.sqrt(b4)).to(a_in.dtype)
 
 
 def sparsity_relu2_beta_gamma(beta: Tensor | float, gamma: Tensor | float) -> Tensor:

@@ -781,8 +781,9 @@ TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
   const at::Tensor q = at::randn({10, 2, 8}, at::kDouble), k = at::randn({10, 2, 8}, at::kDouble);
   const at::Tensor v = at::randn({10, 2, 8}, at::kDouble);
   const at::Tensor cu = at::tensor({0, 4, 10}, at::kInt);
-  const AttentionResult r = entropy_attn::varlen_attention(
-      q, k, v, cu, cu, 6, 6, /*is_causal=*/true, {-1, -1}, "logn", 3.0);
+  const AttentionResult r =
+      entropy_attn::varlen_attention(q, k, v, cu, cu, 6, 6, std::nullopt, std::nullopt,
+                                     /*is_causal=*/true, std::nullopt, "logn", 1.0, 3.0);
   const int64_t bounds[3] = {0, 4, 10};
   for (int d = 0; d < 2; ++d) {
     auto doc = [&](const at::Tensor& x) {
@@ -794,6 +795,51 @@ TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
     EXPECT_TRUE(
         at::equal(r.n_keys.slice(0, bounds[d], bounds[d + 1]).t().unsqueeze(0), alone.n_keys));
   }
+}
+
+TEST(AttentionPatterns, VarlenTakesEveryOptionOfTheSchema) {
+  // The C++ varlen_attention passes the schema's scale tensor, scale_factor, temperature,
+  // seqused_k and dropout through (it once fixed them): each document against its dense call.
+  at::manual_seed(13);
+  const at::Tensor q = at::randn({9, 2, 8}, at::kDouble), k = at::randn({12, 2, 8}, at::kDouble);
+  const at::Tensor v = at::randn({12, 2, 8}, at::kDouble);
+  const at::Tensor cu_q = at::tensor({0, 4, 9}, at::kInt), cu_k = at::tensor({0, 5, 12}, at::kInt);
+  const at::Tensor used = at::tensor({3, 7}, at::kInt);          // the first keys of each slot
+  const at::Tensor scale = at::rand({9, 2}, at::kDouble) + 0.5;  // per (row, head)
+  const AttentionResult r = entropy_attn::varlen_attention(
+      q, k, v, cu_q, cu_k, 5, 7, scale, used, /*is_causal=*/true, std::nullopt, "logn", 2.0, 3.0);
+  const int64_t rows[3] = {0, 4, 9}, keys[3] = {0, 5, 12}, n_used[2] = {3, 7};
+  for (int d = 0; d < 2; ++d) {
+    auto doc = [](const at::Tensor& x, int64_t a, int64_t b) {
+      return x.slice(0, a, b).transpose(0, 1).unsqueeze(0);
+    };
+    const at::Tensor kd = doc(k, keys[d], keys[d] + n_used[d]);
+    const at::Tensor vd = doc(v, keys[d], keys[d] + n_used[d]);
+    const AttentionResult alone = entropy_attn::attention(
+        doc(q, rows[d], rows[d + 1]), kd, vd, std::nullopt, doc(scale, rows[d], rows[d + 1]), true,
+        std::nullopt, "logn", 2.0, 3.0, false, true, {-1, -1}, "bottom_right");
+    EXPECT_TRUE(all_close(doc(r.output, rows[d], rows[d + 1]), alone.output, {1e-12, 1e-12}))
+        << "document " << d;
+    EXPECT_TRUE(all_close(doc(r.row_scale, rows[d], rows[d + 1]), alone.row_scale, {1e-15, 1e-15}));
+  }
+  // scale_factor with a log-n policy is the base scale: a float c equals the tensor c.
+  const AttentionResult f = entropy_attn::varlen_attention(q, k, v, cu_q, cu_k, 5, 7, std::nullopt,
+                                                           std::nullopt, false, 0.25, "logn");
+  const AttentionResult t =
+      entropy_attn::varlen_attention(q, k, v, cu_q, cu_k, 5, 7, at::full({1}, 0.25, at::kDouble),
+                                     std::nullopt, false, std::nullopt, "logn");
+  EXPECT_TRUE(all_close(f.output, t.output, {1e-15, 1e-15}));
+  // Dropout: reproducible under its seed, changes the output, not the statistics.
+  auto dropped = [&](int64_t seed) {
+    return entropy_attn::varlen_attention(q, k, v, cu_q, cu_k, 5, 7, std::nullopt, std::nullopt,
+                                          false, std::nullopt, "fixed", 1.0, 512.0, false, true,
+                                          {-1, -1}, 0.0, std::nullopt, 0.5, seed);
+  };
+  const AttentionResult d1 = dropped(7), d2 = dropped(7);
+  const AttentionResult plain = entropy_attn::varlen_attention(q, k, v, cu_q, cu_k, 5, 7);
+  EXPECT_TRUE(at::equal(d1.output, d2.output));
+  EXPECT_FALSE(all_close(d1.output, plain.output, {1e-6, 1e-6}));
+  EXPECT_TRUE(all_close(d1.entropy, plain.entropy, {1e-15, 1e-15}));
 }
 
 // ---- Meta kernels ------------------------------------------------------------------------------

@@ -527,6 +527,19 @@ def test_raw_op_length_factor(device: str, dtype: torch.dtype) -> None:
     assert_close64(rs, c.double() * lf.double(), 1e-6, 1e-5, "row_scale = c * length_factor")
 
 
+@pytest.mark.parametrize("scale", ["fixed", "logn", "logn_sharpen"])
+def test_public_length_factor(device: str, scale: str) -> None:
+    """torch_ext.length_factor = g(n)/temperature for every count, a count <= 0 (no key) giving 0
+    for the log-n policies as its docstring says (negative counts are not checked)."""
+    n = torch.tensor([-3, 0, 1, 2, 7, 64, 1000], device=device)
+    got = torch_ext.length_factor(n, scale, temperature=2.0, train_length=64, dtype=torch.float64)
+    log_b = torch.log(n.clamp_min(1).double()) / math.log(64.0)
+    g = {"fixed": torch.ones_like(log_b), "logn": log_b, "logn_sharpen": log_b.clamp_min(1.0)}[scale]
+    if scale != "fixed":
+        g = torch.where(n > 0, g, torch.zeros_like(g))
+    assert_close64(got, g / 2.0, 1e-15, 1e-15, "length_factor")
+
+
 # ----------------------------------------------------------------------------------------
 # dtypes
 # ----------------------------------------------------------------------------------------

@@ -167,6 +167,13 @@ def test_merge_rejects_malformed_arguments() -> None:
         merge_attention_states([o], [(z,)])
     with pytest.raises(ValueError, match=r"outputs\[1\]"):
         merge_attention_states([o, torch.zeros(1, 1, 3, 4)], [st, st])
+    with pytest.raises(TypeError, match="outputs must be a list"):
+        merge_attention_states(o, [st])  # one tensor, not a list of shards
+    with pytest.raises(TypeError, match="stats must be a list"):
+        merge_attention_states([o], st)
+    # Any iterable of shards: generators (len() failed on them) give what lists give.
+    out, merged = merge_attention_states((x for x in [o, o]), (s for s in [st, st]))
+    assert torch.equal(out, merge_attention_states([o, o], [st, st])[0]) and merged.n_keys.shape == (1, 1, 2)
 
 
 def test_merge_rejects_statistics_that_are_not_the_rows() -> None:

@@ -56,7 +56,8 @@ def _is_real(x: object) -> bool:
 
 
 class AttentionStats(NamedTuple):
-    """Per-row statistics of the attention weights, each of shape (B, H, Lq).
+    """Per-row statistics of the attention weights, each of shape (B, H, Lq) ((T, H) from
+    :func:`varlen_attention`).
 
     Float32 (float64 for float64 inputs); ``n_keys`` is int64. Rows with no allowed key give 0
     (``scale`` still holds their lambda_i). With ``sinks`` the distribution has n_i + 1 entries
@@ -72,7 +73,7 @@ class AttentionStats(NamedTuple):
     normalized_entropy: torch.Tensor
     """H_i / ln n_i in [0, 1]; 0 where n_i < 2."""
     sparsity: torch.Tensor
-    """l1/l2 sparsity 1 / sqrt(n_i * sum_j p_ij^2), in (0, 1]."""
+    """l1/l2 sparsity 1 / sqrt(n_i * sum_j p_ij^2), in (0, 1] (0 for a row without keys)."""
     effective_keys: torch.Tensor
     """1 / sum_j p_ij^2, in [1, n_i]."""
     max_weight: torch.Tensor
@@ -265,7 +266,7 @@ def attention(
     scale: float | str | torch.Tensor | None = None,
     temperature: float = 1.0,
     enable_gqa: bool = False,
-    train_length: int = 512,
+    train_length: float = 512,
     scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
     window_size: tuple[int, int] = _NO_WINDOW,
@@ -399,7 +400,7 @@ def _plain_call(
 def _plain_options(
     scale: float | str | None,
     scale_factor: float | None,
-    train_length: int,
+    train_length: float,
     is_causal: bool,
     enable_gqa: bool,
     return_stats: bool,
@@ -430,7 +431,7 @@ def length_factor(
     scale: str = "logn",
     *,
     temperature: float = 1.0,
-    train_length: int = 512,
+    train_length: float = 512,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The length factor g(n_i) / temperature of a scale policy for given key counts.
@@ -442,7 +443,8 @@ def length_factor(
     policy code, bit for bit the kernels' value in ``dtype``).
 
     Args:
-        n_keys: integer tensor of key counts (0 gives 0 for the log-n policies).
+        n_keys: integer tensor of key counts (a count <= 0, a row without keys, gives 0 for the
+            log-n policies; the values are not checked, which would cost a device sync).
         scale: ``"fixed"`` (g = 1), ``"logn"`` (log_b n) or ``"logn_sharpen"`` (max(1, log_b n)).
         temperature: tau > 0. train_length: the log base b > 1.
         dtype: torch.float32 (the float32 / 16-bit kernels') or torch.float64.
@@ -482,7 +484,7 @@ def attention_sparsity(
     scale: float | str | torch.Tensor | None = None,
     temperature: float = 1.0,
     enable_gqa: bool = False,
-    train_length: int = 512,
+    train_length: float = 512,
     scale_factor: float | torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     causal_alignment: str = "top_left",
@@ -494,7 +496,7 @@ def attention_sparsity(
     of :func:`attention` (same ``attn_mask``, ``is_causal``, ``scale``, ``temperature``,
     ``enable_gqa``, ``train_length``, ``scale_factor``, ``window_size``, ``causal_alignment`` and
     ``softcap``), returns S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of
-    shape (B, H, Lq), in (0, 1]: 1 for uniform weights, 1/sqrt(n_i) for one-hot (seed 003).
+    shape (B, H, Lq), in [0, 1]: 1 for uniform weights, 1/sqrt(n_i) for one-hot (seed 003).
 
     Args:
         kind: f: ``"exp"`` (softmax attention; equals ``stats.sparsity`` of :func:`attention`),

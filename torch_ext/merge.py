@@ -18,6 +18,7 @@ whole row (for the log-n policies, from the whole row's n_i: :func:`torch_ext.le
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple, Sequence, Union
 
 import torch
@@ -107,12 +108,12 @@ def merge_row_states(states: Sequence[RowState]) -> RowState:
 
 
 def merge_attention_states(
-    outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStats]
+    outputs: Iterable[torch.Tensor], stats: Iterable[AttentionStats]
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Merges :func:`torch_ext.attention` results over disjoint key sets of the same query rows.
 
     Args:
-        outputs: the shards' outputs, each (B, H, Lq, Dv).
+        outputs: the shards' outputs, each (B, H, Lq, Dv) (a list, tuple or other iterable).
         stats: their :class:`AttentionStats` (``return_stats=True``), computed with the same
             lambda_i (pass the whole row's scale as a tensor, e.g. from
             :func:`torch_ext.length_factor` for the log-n policies). Shards without sinks.
@@ -123,6 +124,7 @@ def merge_attention_states(
         differentiable with respect to every shard's output and statistics. ``scale`` is the
         first shard's.
     """
+    outputs, stats = _as_list(outputs, "outputs"), _as_list(stats, "stats")  # (generators too)
     if len(outputs) != len(stats):
         raise ValueError(f"outputs and stats must have the same length, got {len(outputs)} and {len(stats)}")
     if not outputs:
@@ -147,6 +149,14 @@ def merge_attention_states(
 
 # The per-row fields of AttentionStats that the merge reads (scale is passed through).
 _ROW_FIELDS = ("lse", "entropy", "effective_keys", "max_weight", "n_keys")
+
+
+def _as_list(shards: Iterable, name: str) -> list:
+    """The shards of ``name`` as a list: any iterable but a single tensor or AttentionStats (whose
+    iteration would give its rows or fields, not shards)."""
+    if isinstance(shards, (torch.Tensor, AttentionStats)) or not isinstance(shards, Iterable):
+        raise TypeError(f"{name} must be a list of the shards' results, got {type(shards).__name__}")
+    return list(shards)
 
 
 def _check_shards(outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStats]) -> None:

@@ -6,7 +6,10 @@ this package wraps them with a ``scaled_dot_product_attention``-like interface
 (:class:`replace_sdpa`), a Hugging Face transformers backend (:mod:`torch_ext.hf`, imported on
 demand), a training monitor (:class:`AttentionEntropyMonitor`), the exact merge of attention
 computed over key shards (:func:`merge_attention_states`) and context-parallel attention over a
-process group (:mod:`torch_ext.distributed`, imported on demand).
+process group (:mod:`torch_ext.distributed`, imported on demand). Beside them: the scale policies'
+length factor (:func:`length_factor`, :class:`AttentionPolicy`), the statistics of a given
+attention matrix (:func:`entropy`, :func:`sparsity`), the fused sparsity of non-softmax attention
+(:func:`attention_sparsity`) and the closed forms of the theory (:mod:`torch_ext.theory`).
 """
 
 import torch  # noqa: F401  (loads libtorch, which the compiled library links against)

@@ -285,7 +285,7 @@ def context_parallel_attention(
     scale: float | str | torch.Tensor | None = None,
     temperature: float = 1.0,
     enable_gqa: bool = False,
-    train_length: int = 512,
+    train_length: float = 512,
     scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
     load_balance: bool = True,

@@ -170,10 +170,11 @@ class _Writer:
     """What a writer implements: ``write(step, records)`` once per recorded step; ``close()``."""
 
     def write(self, step: int, records: List[Record]) -> None:  # pragma: no cover - interface
+        """Receives the records of one recorded step: one per (layer, head)."""
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """Flushes and releases what the writer holds (called by the monitor's ``close``)."""
 
 
 class CallbackWriter(_Writer):
@@ -183,6 +184,7 @@ class CallbackWriter(_Writer):
         self.fn = fn
 
     def write(self, step: int, records: List[Record]) -> None:
+        """Calls ``fn(step, records)``."""
         self.fn(step, records)
 
 
@@ -195,6 +197,7 @@ class TensorBoardWriter(_Writer):
         self.summary_writer, self.prefix, self.per_head, self.metrics = summary_writer, prefix, per_head, metrics
 
     def write(self, step: int, records: List[Record]) -> None:
+        """Adds the step's scalars (NaN metrics, of rows that had none, are left out)."""
         by_layer: Dict[str, List[Record]] = {}
         for r in records:
             by_layer.setdefault(r["layer"], []).append(r)
@@ -209,6 +212,7 @@ class TensorBoardWriter(_Writer):
                             self.summary_writer.add_scalar(f"{self.prefix}/{layer}/head_{r['head']}/{m}", r[m], step)
 
     def close(self) -> None:
+        """Flushes the SummaryWriter (which stays open: it is the caller's)."""
         self.summary_writer.flush()
 
 
@@ -226,10 +230,12 @@ class CSVWriter(_Writer):
             self._csv.writeheader()
 
     def write(self, step: int, records: List[Record]) -> None:
+        """Appends one row per record and flushes."""
         self._csv.writerows(records)
         self._file.flush()
 
     def close(self) -> None:
+        """Closes the file."""
         self._file.close()
 
 
@@ -240,12 +246,14 @@ class JSONLWriter(_Writer):
         self._file = open(os.fspath(path), "a")
 
     def write(self, step: int, records: List[Record]) -> None:
+        """Appends one line per record and flushes."""
         for r in records:
             clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
             self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
     def close(self) -> None:
+        """Closes the file."""
         self._file.close()
 
 
@@ -439,6 +447,8 @@ class AttentionEntropyMonitor:
             yield True
 
     def __enter__(self) -> "AttentionEntropyMonitor":
+        """Records every call until ``__exit__`` as one step (the monitor's next step number),
+        whatever ``every`` says."""
         _ensure_idle()  # before replacing self._cm, which an outer `with self` still needs
         step = self._step_counter
         self._step_counter += 1

@@ -26,7 +26,7 @@ def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def sparsity(a: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """l1/l2 sparsity ``mean|a| / sqrt(mean a^2)`` along ``dim``, in (0, 1] (seed 003).
+    """l1/l2 sparsity ``mean|a| / sqrt(mean a^2)`` along ``dim``, in [0, 1] (seed 003).
 
     1 for a uniform row, ``1/sqrt(n)`` for a one-hot row; any attention matrix, signed or not.
     An all-zero slice gives 0. Differentiable.

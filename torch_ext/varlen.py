@@ -37,7 +37,7 @@ def varlen_attention(
     seqused_k: torch.Tensor | None = None,
     scale: float | str | torch.Tensor | None = None,
     temperature: float = 1.0,
-    train_length: int = 512,
+    train_length: float = 512,
     scale_factor: float | torch.Tensor | None = None,
     return_stats: bool = False,
     softcap: float | None = None,

@@ -145,7 +145,9 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
     // The kernels of float32 and 16-bit inputs form lambda_i = c g(n_i) / tau in float32 from c
     // and 1 / tau: a finite double there may overflow it (every logit infinite, the output NaN).
     constexpr double kMax = std::numeric_limits<float>::max();
-    const double c = base_scale(options.scale_factor, s.head_dim.guard_int(__FILE__, __LINE__));
+    // Without scale_factor c = 1/sqrt(head_dim) <= 1 (head_dim >= 1, checked above), so 1 bounds
+    // it without reading the size, which a trace would then specialize to (one graph per D).
+    const double c = options.scale_factor.value_or(1.0);
     TORCH_CHECK_VALUE(1 / options.temperature <= kMax,
                       "temperature must be at least 1 / FLT_MAX for ", query.scalar_type(),
                       " inputs (their kernels compute in float32), got ", options.temperature);

@@ -46,7 +46,8 @@ at::Tensor length_factor_op(const at::Tensor& n_keys, c10::string_view scale_mod
   TORCH_CHECK_VALUE(std::isfinite(log_base) && log_base > 1,
                     "log_base must be a finite number > 1, got ", log_base);
   const auto opts = n_keys.options().dtype(dtype);
-  if (n_keys.is_meta()) return at::empty(n_keys.sizes(), opts);
+  // (sym_sizes: a traced size stays symbolic; sizes() fixed it, one graph per sequence length)
+  if (n_keys.is_meta()) return at::empty_symint(n_keys.sym_sizes(), opts);
   const at::Tensor n = n_keys.to(at::kCPU, at::kLong).contiguous();
   at::Tensor out = at::empty(n.sizes(), n.options().dtype(dtype));
   if (dtype == at::kDouble) {

@@ -181,6 +181,48 @@ def test_row_reductions_compile_dynamic_sizes(name: str) -> None:
     torch.testing.assert_close(ep.module()(p), fn(p))
 
 
+def test_length_factor_and_head_dim_stay_symbolic() -> None:
+    """length_factor's Meta kernel keeps its size symbolic (it fixed it: a graph per sequence
+    length for code that builds a whole row's lambda, e.g. the module's need_weights path), and
+    float32 inputs do not specialize the head dim (the float32 range check of the base scale read
+    it even with scale_factor given)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    lf = torch.compile(lambda n: torch_ext.length_factor(n, "logn", train_length=8), fullgraph=True,
+                       dynamic=True, backend=counter)
+    frames = []
+    for length in (5, 9, 12):
+        n = torch.arange(1, length + 1)
+        torch.testing.assert_close(lf(n), torch_ext.length_factor(n, "logn", train_length=8))
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], frames  # (the first call may count 2: dynamo restarts once)
+
+    class M(torch.nn.Module):
+        def forward(self, q: Tensor, n: Tensor) -> Tensor:
+            lam = torch_ext.length_factor(n, "logn", train_length=8)[None, None]  # (a per-row scale)
+            return torch_ext.attention(q, q, q, scale=lam, is_causal=True)
+
+    q32, n = torch.randn(1, 2, 7, 8), torch.arange(1, 8)
+    L, D = torch.export.Dim("L", min=2, max=64), torch.export.Dim("D", min=2, max=64)
+    ep = torch.export.export(M(), (q32, n), dynamic_shapes=({2: L, 3: D}, {0: L}))
+    q, n = torch.randn(1, 2, 11, 16), torch.arange(1, 12)
+    torch.testing.assert_close(ep.module()(q, n), M()(q, n))
+
+
+def test_fake_mode_without_shape_env_and_dropout() -> None:
+    """A plain FakeTensorMode (shape inference, memory estimation: no ShapeEnv) runs a call with
+    dropout as it runs SDPA's; drawing the seed's value raised DataDependentOutputException."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.randn(2, 4, 9, 16, requires_grad=True)
+        out, stats = torch_ext.attention(q, q, q, dropout_p=0.2, return_stats=True)
+        out.sum().backward()
+    assert out.shape == (2, 4, 9, 16) and stats.entropy.shape == (2, 4, 9) and q.grad.shape == q.shape
+
+
 def test_compile_float_arguments_from_sizes_and_attributes() -> None:
     """A float scale or softcap computed from a size or read from a module attribute (a SymFloat
     under dynamic=True) compiles with fullgraph=True, as SDPA's scale does (math.isfinite refused

@@ -6,6 +6,7 @@ import numbers
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from torch_ext import _functorch
 
@@ -242,7 +243,10 @@ def _pattern_args(
                 "the op draws one seed per call, so the samples cannot get masks of their own; use "
                 "randomness='same' (one mask for every sample) or dropout_p=0"
             )
-        seed = drawn.item()
+        # A FakeTensorMode without a ShapeEnv (shape inference, memory estimation) cannot give a
+        # data-dependent value, and no output's shape, dtype or stride depends on the seed.
+        fake = isinstance(drawn, FakeTensor) and drawn.fake_mode.shape_env is None
+        seed = 0 if fake else drawn.item()
     return {
         "window_size": [int(left), int(right)],
         "causal_alignment": causal_alignment,

@@ -341,8 +341,9 @@ def test_gradients_follow_the_inputs_layouts(device: str, dtype: torch.dtype, la
     input split from a projection (heads inside its rows, dense or not) gets the transpose of a
     contiguous (B, L, H, D) gradient, so that the split's own backward (merging the heads back)
     is a view rather than a copy of the gradient; any other input a contiguous one. The values
-    are those of contiguous inputs. (key_chunks: one (batch, kv head) pair and long keys, which
-    the CPU backward cuts into key chunks whose partial dq are summed, on 3 threads.)"""
+    are those of contiguous inputs. (key_chunks: one (batch, kv head) pair of 2 query heads and long
+    keys, which the CPU backward splits on 3 threads into head parts and key chunks, whose partial
+    dk/dv and dq are summed.)"""
     B, H, Hkv, L, Lk, D = 2, 3, 3, 9, 11, 8
     if layout == "gqa_projection":
         H, Hkv = 4, 2
@@ -478,26 +479,32 @@ def test_double_backward_raises(device: str) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("threads", [1, 3, 4])
-def test_grads_key_chunks(causal: bool, threads: int) -> None:
-    """With fewer (batch, kv head) pairs than threads, the CPU backward splits the keys into chunks
-    with partial dQ/dlambda (1 pair, 3 key blocks: 1, 3 and 3 chunks); all must match the reference."""
-    B, H, Hkv, Lq, Lk, D, Dv = 1, 2, 1, 70, 1100, 8, 8
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [None, "per_head", "shared"])
+def test_grads_key_chunks(causal: bool, threads: int, bias: Optional[str]) -> None:
+    """With fewer (batch, kv head) pairs than threads, the CPU backward splits the query heads of
+    a kv head into parts with partial dK/dV, then the keys into chunks with partial dQ/dlambda
+    (csrc/cpu/backward_tasks.h; 1 pair of 3 query heads and 3 key blocks: on 2, 3 and 4 threads
+    2 uneven parts, 3 parts, 3 parts of 2 chunks); all must match the reference, with a learned
+    bias whose gradient is per head or shared by the heads (then the heads are not split)."""
+    B, H, Hkv, Lq, Lk, D, Dv = 1, 3, 1, 70, 1100, 8, 8
     q, k, v = rand(B, H, Lq, D), rand(B, Hkv, Lk, D), rand(B, Hkv, Lk, Dv)
     scale = (0.1 + 0.2 * torch.rand(B, H, Lq, dtype=F64)).requires_grad_()
+    mask = None if bias is None else rand(1, H if bias == "per_head" else 1, Lq, Lk)
     kw: Dict[str, Any] = {"is_causal": causal, "enable_gqa": True}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        outs = raw_diff_outputs(q, k, v, None, scale, **kw)
+        outs = raw_diff_outputs(q, k, v, mask, scale, **kw)
         upstream = [torch.randn(o.shape, dtype=F64) for o in outs]
-        g_op = grads_of(outs, upstream, [q, k, v, scale])
+        leaves = [q, k, v, scale] + ([] if mask is None else [mask])
+        g_op = grads_of(outs, upstream, leaves)
     finally:
         torch.set_num_threads(previous)
-    ref_inputs = [leaf64(x) for x in (q, k, v, scale)]
-    outs_ref = ref_diff_outputs(*ref_inputs[:3], None, ref_inputs[3], **kw)
+    ref_inputs = [leaf64(x) for x in leaves]
+    outs_ref = ref_diff_outputs(*ref_inputs[:3], None if mask is None else ref_inputs[4], ref_inputs[3], **kw)
     g_ref = grads_of(outs_ref, upstream, ref_inputs)
-    for name, a, e in zip(["query", "key", "value", "scale"], g_op, g_ref):
+    for name, a, e in zip(["query", "key", "value", "scale", "mask"], g_op, g_ref):
         assert rel_err(a, e) < 1e-10, f"grad {name}: relative error {rel_err(a, e):.3g}"
 
 

@@ -1,12 +1,11 @@
 // CPU backward of the fused attention (FlashAttention-2 form with a per-row scale, docs/math.md
-// section 3). Tasks are (batch, key/value head, key chunk): a task owns dK and dV of its head's
-// chunk of keys and a partial dQ (and dlambda) of the query heads that share it, in its chunk's own
-// buffer, so tasks never write the same memory; the partials are summed afterwards. Keys are split
-// into chunks only when there are fewer (batch, key/value head) pairs than threads (e.g. MQA with
-// one sequence), else each task takes all keys and there is nothing to sum. p is recomputed from
-// lse. The additive mask's gradient has the mask's sizes: along a dim the mask broadcasts over
-// (batch or key/value heads) one task walks every index, and keys are not chunked when it
-// broadcasts over them, so that each of its entries is summed by one task, in a fixed order.
+// section 3). Tasks are (batch, key/value head, head part, key chunk), which never write the same
+// memory (backward_tasks.h: parts and chunks only when there are fewer (batch, key/value head)
+// pairs than threads, e.g. MQA with one sequence; their partial dK / dV and dQ are summed
+// afterwards). p is recomputed from lse. The additive mask's gradient has the mask's sizes: along
+// a dim the mask broadcasts over (batch or heads) one task walks every index, and the keys or the
+// heads are not split when it broadcasts over them, so that each of its entries is summed by one
+// task, in a fixed order.
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
 // and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
 #include <ATen/Dispatch.h>
@@ -23,6 +22,7 @@
 
 #include "../attention_call.h"
 #include "attention_cpu.h"
+#include "backward_tasks.h"
 #include "bf16_products.h"
 #include "block_gemm.h"
 #include "hidden_nonfinite.h"
@@ -49,7 +49,8 @@ struct BwdArgs {
   BwdPairs pairs;
   Strided4<acc_t> q, k, out, dout;
   Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
-  Strided4<acc_t> kt, vt, dkt, dvt;  // transposed: (B, Hkv, D or Dv, Lk)
+  Strided4<acc_t> kt, vt;            // transposed: (B, Hkv, D or Dv, Lk)
+  Strided4<acc_t> dkt, dvt;          // (parts * B, Hkv, D or Dv, Lk): head part p's at p * B + b
   NonFiniteRows k_nonfinite;         // the key rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
   KeyPattern pattern;
@@ -59,7 +60,8 @@ struct BwdArgs {
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
   acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
   LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
-  int64_t chunk_keys;  // keys per chunk, a multiple of kKvBlock
+  int64_t chunk_keys;            // keys per chunk, a multiple of kKvBlock
+  int64_t heads_per_part;        // query heads of a key/value head per head part
 };
 
 template <typename acc_t>
@@ -183,7 +185,8 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
   // (K^T and V^T in float only without bfloat16 products)
   const acc_t* kt = a.pairs.on ? nullptr : a.kt.at(b, kvh);
   const acc_t* vt = a.pairs.on ? nullptr : a.vt.at(b, kvh);
-  acc_t *dkt = a.dkt.at(b, kvh), *dvt = a.dvt.at(b, kvh);
+  const int64_t part = h % sh.group() / a.heads_per_part;
+  acc_t *dkt = a.dkt.at(part * sh.batch + b, kvh), *dvt = a.dvt.at(part * sh.batch + b, kvh);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
@@ -309,48 +312,49 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
 
 // Which of a task's indices (batch, key/value head) it walks itself instead of owning one: those
 // along which the mask's gradient is shared (size 1), so that no two tasks add into the same
-// entry; and whether the keys may be split into chunks (not when that gradient is shared along
-// the keys). Without a mask gradient a task owns one of each.
+// entry; and whether the query heads of a key/value head and the keys may be split (not when that
+// gradient is shared along them). Without a mask gradient a task owns one of each.
 struct TaskSplit {
-  bool all_batches = false, all_kv_heads = false, whole_keys = false;
+  bool all_batches = false, all_kv_heads = false, whole_heads = false, whole_keys = false;
 
   static TaskSplit of(const AttentionBackwardCall& call) {
     const at::Tensor& g = call.grad_logits;  // (B or 1, H or 1, Lq or 1, Lk or 1)
     const AttentionShape& sh = call.shape;
     if (!g.defined()) return {};
-    return {g.size(0) == 1 && sh.batch > 1, g.size(1) == 1 && sh.kv_heads > 1, g.size(3) == 1};
+    return {g.size(0) == 1 && sh.batch > 1, g.size(1) == 1 && sh.kv_heads > 1, g.size(1) == 1,
+            g.size(3) == 1};
   }
   int64_t batches(const AttentionShape& sh) const { return all_batches ? 1 : sh.batch; }
   int64_t kv_heads(const AttentionShape& sh) const { return all_kv_heads ? 1 : sh.kv_heads; }
 };
 
-// Keys per task: all of them, unless there are fewer (batch, key/value head) pairs than threads;
-// then as many chunks of whole key blocks as it takes to give every thread a task.
-inline int64_t backward_chunk_keys(const AttentionShape& sh, const TaskSplit& split) {
-  const int64_t pairs = split.batches(sh) * split.kv_heads(sh), threads = at::get_num_threads();
-  const int64_t kv_blocks = std::max<int64_t>(1, (sh.kv_len + kKvBlock - 1) / kKvBlock);
-  if (pairs == 0 || pairs >= threads || kv_blocks == 1 || split.whole_keys) {
-    return kv_blocks * kKvBlock;
-  }
-  const int64_t chunks = std::min(kv_blocks, (threads + pairs - 1) / pairs);
-  return (kv_blocks + chunks - 1) / chunks * kKvBlock;
+// The tasks of a call (backward_tasks.h), for its dQ in the accumulation type.
+BackwardTasks plan_tasks(const AttentionShape& sh, const TaskSplit& split, int64_t acc_bytes) {
+  const int64_t dq_bytes = sh.batch * sh.heads * sh.q_len * sh.head_dim * acc_bytes;
+  return BackwardTasks::plan(split.batches(sh) * split.kv_heads(sh), sh.group(), sh.kv_len,
+                             kKvBlock, at::get_num_threads(), split.whole_heads, split.whole_keys,
+                             dq_bytes);
 }
 
 template <typename acc_t>
-void backward_kernel(const BwdArgs<acc_t>& a, int64_t chunks, const TaskSplit& split) {
+void backward_kernel(const BwdArgs<acc_t>& a, const BackwardTasks& t, const TaskSplit& split) {
   const AttentionShape& sh = a.shape;
   const int64_t qb = q_block_size(sh.q_len, a.pattern.banded());
   const int64_t nb = split.batches(sh), nkv = split.kv_heads(sh);
-  at::parallel_for(0, nb * nkv * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nb * nkv * t.parts * t.chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(std::min(qb, sh.q_len), sh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task % chunks, tkv = task / chunks % nkv, tb = task / chunks / nkv;
-      // The task's batch and the query heads of its key/value head, or every one it walks.
+      const int64_t chunk = task % t.chunks, part = task / t.chunks % t.parts;
+      const int64_t tkv = task / t.chunks / t.parts % nkv, tb = task / t.chunks / t.parts / nkv;
+      // The task's batch and the query heads of its key/value head's part, or every one it walks.
       const int64_t b_end = split.all_batches ? sh.batch : tb + 1;
-      const int64_t h_end = (split.all_kv_heads ? sh.kv_heads : tkv + 1) * sh.group();
+      const int64_t h_begin = tkv * sh.group() + part * t.heads_per_part;
+      const int64_t h_end = split.all_kv_heads
+                                ? sh.heads
+                                : std::min(h_begin + t.heads_per_part, (tkv + 1) * sh.group());
       for (int64_t b = tb; b < b_end; ++b) {
-        for (int64_t h = tkv * sh.group(); h < h_end; ++h) {
+        for (int64_t h = h_begin; h < h_end; ++h) {
           for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
             backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
           }
@@ -395,14 +399,14 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
 
   const auto opts = query.options().dtype(acc);
   const TaskSplit split = TaskSplit::of(call);
-  const int64_t chunk_keys = backward_chunk_keys(sh, split);
-  const int64_t chunks = std::max<int64_t>(1, (sh.kv_len + chunk_keys - 1) / chunk_keys);
+  const BackwardTasks tasks = plan_tasks(sh, split, at::elementSize(acc));
+  const int64_t chunks = tasks.chunks, parts = tasks.parts;
   // dq in the query's layout when the kernel's own (one key chunk, the input type) is the result.
   at::Tensor dq = chunks == 1 && query.scalar_type() == acc
                       ? empty_in_layout_of(query, query.sym_sizes(), opts)
                       : at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
-  at::Tensor dkt = at::zeros({sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
-  at::Tensor dvt = at::zeros({sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
+  at::Tensor dkt = at::zeros({parts * sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
+  at::Tensor dvt = at::zeros({parts * sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
   at::Tensor dlam = at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts);
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
@@ -436,14 +440,19 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
     a.d_logits = call.logit_grad_arg<scalar_t>();
-    a.chunk_keys = chunk_keys;
-    backward_kernel(a, chunks, split);
+    a.chunk_keys = tasks.chunk_keys;
+    a.heads_per_part = tasks.heads_per_part;
+    backward_kernel(a, tasks, split);
   });
   if (chunks > 1) {  // the key chunks' partial dQ and dlambda
     dq = dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0);
     dlam = dlam.sum(0);
   } else {
     dlam = dlam.squeeze(0);
+  }
+  if (parts > 1) {  // the head parts' partial dK and dV
+    dkt = dkt.view({parts, sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}).sum(0);
+    dvt = dvt.view({parts, sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}).sum(0);
   }
   // Each gradient in its input's layout (attention_call.h: empty_in_layout_of).
   return {in_layout_of(query, dq, query.scalar_type()),

@@ -292,6 +292,16 @@ def test_decaying_rnn_sparsity(lam: float) -> None:
         assert float(theory.sparsity_decay(lam, 10**6)) == 1.0
 
 
+@pytest.mark.parametrize("lam", [-0.5, -0.99, -1.0, 1.5, -3.0])
+def test_decaying_rnn_sparsity_outside_the_unit_interval(lam: float) -> None:
+    """S depends on |a| only: a negative lam (alternating signs; NaN from its logarithm before)
+    equals the explicit weights' sparsity, and so does lam > 1 (the reversed row of 1 / lam)."""
+    for n in [1, 2, 7, 40]:
+        a = lam ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
+        got, want = float(theory.sparsity_decay(lam, n)), float(torch_ext.sparsity(a))
+        assert abs(got - want) <= 1e-12, (lam, n, got, want)
+
+
 # --------------------------------------------------------------------------------------------
 # entropy floor of softmax(cos / tau)
 # --------------------------------------------------------------------------------------------

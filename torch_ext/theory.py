@@ -11,6 +11,10 @@ and ``n -> infinity``, the l1/l2 sparsity of a row is ``S = E|f(x)| / sqrt(E f(x
 
 Entropy (seeds 000 and 002): the mean-field approximation ``H ~ ln n - lam (s_max - s_mean)`` and
 the ``n -> infinity`` floor of ``H - ln n`` for softmax of ``cos(theta_j) / tau``.
+
+Like torch's elementwise functions, these do not check that tensor arguments lie in the domain
+each docstring states (that would read them on the host: a device sync): outside it a result is
+NaN or a number without meaning (a negative ``gamma``, a ``rho`` outside ``[0, 1]``).
 """
 
 from __future__ import annotations
@@ -177,9 +181,11 @@ def sparsity_decay(lam: Tensor | float, n: Tensor | int) -> Tensor:
 
     ``S = [(1 - lam^n) / (1 - lam)] / sqrt(n (1 - lam^(2n)) / (1 - lam^2))`` for ``0 <= lam < 1``
     (``lam = 1`` gives 1, a uniform row). Tends to 0 like ``sqrt((1 + lam) / ((1 - lam) n))`` as
-    ``n -> infinity``: sparse, but only as a fixed decay with distance.
+    ``n -> infinity``: sparse, but only as a fixed decay with distance. ``S`` depends on the
+    weights' magnitudes only, so a negative ``lam`` (alternating signs) gives that of ``|lam|``
+    (the logarithm below gave NaN), and ``lam > 1`` that of the reversed row, ``1 / lam``.
     """
-    lam_t = _as_tensor(lam)
+    lam_t = _as_tensor(lam).abs()
     n_t = torch.as_tensor(n, dtype=lam_t.dtype, device=lam_t.device)
     lam_t, n_t = torch.broadcast_tensors(lam_t, n_t)
     one = lam_t == 1

@@ -385,8 +385,12 @@ def test_gradients_follow_the_inputs_layouts(device: str, dtype: torch.dtype, la
             merged = gx.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
             assert merged.data_ptr() == gx.data_ptr() and merged._base is not None, name
     qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
-    ref_out, ref_st = torch_ext.attention(qc, kc, vc, is_causal=True, enable_gqa=True, return_stats=True)
-    ref_grads = torch.autograd.grad((ref_out * go).sum() + ref_st.entropy.sum(), (qc, kc, vc))
+    torch.set_num_threads(1)  # (the reference of key_chunks without parts or chunks)
+    try:
+        ref_out, ref_st = torch_ext.attention(qc, kc, vc, is_causal=True, enable_gqa=True, return_stats=True)
+        ref_grads = torch.autograd.grad((ref_out * go).sum() + ref_st.entropy.sum(), (qc, kc, vc))
+    finally:
+        torch.set_num_threads(previous)
     tol = GRAD_TOL[dtype]
     for name, a, e in zip("qkv", grads, ref_grads):
         assert rel_err(a, e) < tol, f"grad {name}: relative error {rel_err(a, e):.3g}"
@@ -478,19 +482,27 @@ def test_double_backward_raises(device: str) -> None:
         sparsity.sum().backward()
 
 
+# (query heads, Lq, Lk) of one (batch, kv head) pair, and what the plan (csrc/cpu/backward_tasks.h)
+# makes of them in float64 on 2, 3 and 4 threads: key chunks only; 2 uneven head parts (2 + 1
+# heads), then 3 parts; head parts, then 2 parts of 2 key chunks each.
+CHUNK_SHAPES = {"chunks": (3, 70, 1100), "uneven_parts": (3, 1100, 1100), "parts_and_chunks": (6, 600, 1600)}
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize("bias", [None, "per_head", "shared"])
-def test_grads_key_chunks(causal: bool, threads: int, bias: Optional[str]) -> None:
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("shape", list(CHUNK_SHAPES))
+@pytest.mark.parametrize("bias", [None, "per_head", "shared", "batch_shared"])
+def test_grads_key_chunks(causal: bool, threads: int, shape: str, bias: Optional[str]) -> None:
     """With fewer (batch, kv head) pairs than threads, the CPU backward splits the query heads of
-    a kv head into parts with partial dK/dV, then the keys into chunks with partial dQ/dlambda
-    (csrc/cpu/backward_tasks.h; 1 pair of 3 query heads and 3 key blocks: on 2, 3 and 4 threads
-    2 uneven parts, 3 parts, 3 parts of 2 chunks); all must match the reference, with a learned
-    bias whose gradient is per head or shared by the heads (then the heads are not split)."""
-    B, H, Hkv, Lq, Lk, D, Dv = 1, 3, 1, 70, 1100, 8, 8
+    a kv head into parts with partial dK/dV and the keys into chunks with partial dQ/dlambda
+    (CHUNK_SHAPES); all must match the reference, with a learned bias whose gradient is per head,
+    shared by the heads (which are then not split), or per head and shared by a batch of 2 (one
+    task walks both sequences)."""
+    H, Lq, Lk = CHUNK_SHAPES[shape]
+    B, Hkv, D, Dv = (2 if bias == "batch_shared" else 1), 1, 8, 8
     q, k, v = rand(B, H, Lq, D), rand(B, Hkv, Lk, D), rand(B, Hkv, Lk, Dv)
     scale = (0.1 + 0.2 * torch.rand(B, H, Lq, dtype=F64)).requires_grad_()
-    mask = None if bias is None else rand(1, H if bias == "per_head" else 1, Lq, Lk)
+    mask = None if bias is None else rand(1, 1 if bias == "shared" else H, Lq, Lk)
     kw: Dict[str, Any] = {"is_causal": causal, "enable_gqa": True}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -300,6 +300,9 @@ def test_decaying_rnn_sparsity_outside_the_unit_interval(lam: float) -> None:
         a = lam ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
         got, want = float(theory.sparsity_decay(lam, n)), float(torch_ext.sparsity(a))
         assert abs(got - want) <= 1e-12, (lam, n, got, want)
+    # Past where lam^(2n) overflows: the closed form of 1 / |lam| (it was inf / inf there).
+    far = theory.sparsity_decay(lam, 10_000)
+    assert bool(torch.isfinite(far)) and float(far) == float(theory.sparsity_decay(1 / abs(lam), 10_000))
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,6 +186,8 @@ def sparsity_decay(lam: Tensor | float, n: Tensor | int) -> Tensor:
     (the logarithm below gave NaN), and ``lam > 1`` that of the reversed row, ``1 / lam``.
     """
     lam_t = _as_tensor(lam).abs()
+    # (the reversed row of 1 / lam: lam^(2n) overflowed for lam > 1, inf / inf)
+    lam_t = torch.where(lam_t > 1, 1 / lam_t, lam_t)
     n_t = torch.as_tensor(n, dtype=lam_t.dtype, device=lam_t.device)
     lam_t, n_t = torch.broadcast_tensors(lam_t, n_t)
     one = lam_t == 1

@@ -328,12 +328,14 @@ struct TaskSplit {
   int64_t kv_heads(const AttentionShape& sh) const { return all_kv_heads ? 1 : sh.kv_heads; }
 };
 
-// The tasks of a call (backward_tasks.h), for its dQ in the accumulation type.
+// The tasks of a call (backward_tasks.h), for gradients in the accumulation type.
 BackwardTasks plan_tasks(const AttentionShape& sh, const TaskSplit& split, int64_t acc_bytes) {
   const int64_t dq_bytes = sh.batch * sh.heads * sh.q_len * sh.head_dim * acc_bytes;
+  const int64_t dkv_bytes =
+      sh.batch * sh.kv_heads * sh.kv_len * (sh.head_dim + sh.v_head_dim) * acc_bytes;
   return BackwardTasks::plan(split.batches(sh) * split.kv_heads(sh), sh.group(), sh.kv_len,
                              kKvBlock, at::get_num_threads(), split.whole_heads, split.whole_keys,
-                             dq_bytes);
+                             dq_bytes, dkv_bytes);
 }
 
 template <typename acc_t>

@@ -5,11 +5,13 @@
 // within its chunk and the dK / dV rows of its keys within its part, so head parts need partial
 // dK / dV and key chunks partial dQ (and dlambda), summed after the kernel.
 //
-// The partials are what a thread count can make large: every key chunk holds a whole dQ, B H Lq D
-// in float (for MQA with 32 threads that was 32 dQ, 600 MiB at L = 16384 where SDPA needs 60). So
-// head parts come first (a dK / dV partial is B Hkv Lk (D + Dv): 1 / group of a dQ for Dv = D),
-// and key chunks only within a fixed budget: past it a backward keeps fewer threads busy rather
-// than grow its memory with the thread count.
+// The partials are what a thread count can make large: with key chunks alone, MQA on 32 threads
+// kept 32 dQ (B H Lq D floats each; 512 MiB for H = 4, L = 16384, D = 64). A head part's partial
+// dK and dV are B Hkv Lk D floats each, 1 / group of a dQ each when Lk = Lq and Dv = D. The plan
+// takes the split with the shortest slowest thread (at::parallel_for gives each thread a run of
+// ceil(tasks / threads) consecutive tasks; a task's work counted in query heads x key blocks),
+// the one with the smaller partials among equals, within a budget for all partials together: past
+// it a backward keeps fewer threads busy rather than grow its memory with the thread count.
 #pragma once
 
 #include <algorithm>
@@ -17,8 +19,8 @@
 
 namespace entropy_attn::cpu {
 
-// Bytes all key chunks' partial dQ may take together beyond one dQ.
-constexpr int64_t kKeyChunkBudgetBytes = int64_t{256} << 20;
+// Bytes the partial dQ of key chunks and the partial dK / dV of head parts may take together.
+constexpr int64_t kPartialsBudgetBytes = int64_t{256} << 20;
 
 struct BackwardTasks {
   int64_t heads_per_part = 1;  // query heads of one key/value head in one task
@@ -26,29 +28,51 @@ struct BackwardTasks {
   int64_t chunk_keys = 0;      // keys per chunk, a multiple of the key block
   int64_t chunks = 1;          // key chunks (each with a partial dQ and dlambda)
 
+  // The bytes of the partials: `parts` dK / dV and `chunks` dQ, where there is more than one.
+  int64_t partial_bytes(int64_t dq_bytes, int64_t dkv_bytes) const {
+    return (parts > 1 ? parts * dkv_bytes : 0) + (chunks > 1 ? chunks * dq_bytes : 0);
+  }
+
   // pairs: the (batch, key/value head) pairs that tasks own (fewer when the mask's gradient is
   // shared along an index: one task walks it); group: query heads per key/value head;
   // whole_heads / whole_keys: the mask's gradient is shared along the query heads / the keys, so
-  // they may not be split; dq_bytes: the size of one dQ in the accumulation type.
+  // they may not be split; dq_bytes and dkv_bytes: one dQ, and one dK and dV together, in the
+  // accumulation type.
   static BackwardTasks plan(int64_t pairs, int64_t group, int64_t kv_len, int64_t kv_block,
-                            int64_t threads, bool whole_heads, bool whole_keys, int64_t dq_bytes) {
+                            int64_t threads, bool whole_heads, bool whole_keys, int64_t dq_bytes,
+                            int64_t dkv_bytes) {
     const int64_t kv_blocks = std::max<int64_t>(1, (kv_len + kv_block - 1) / kv_block);
-    BackwardTasks t;
-    t.heads_per_part = std::max<int64_t>(1, group);
-    t.chunk_keys = kv_blocks * kv_block;
-    if (pairs == 0 || pairs >= threads) return t;
-    if (!whole_heads && group > 1) {
-      const int64_t want = std::min(group, (threads + pairs - 1) / pairs);
-      t.heads_per_part = (group + want - 1) / want;
-      t.parts = (group + t.heads_per_part - 1) / t.heads_per_part;
+    group = std::max<int64_t>(1, group);
+    BackwardTasks best;
+    best.heads_per_part = group;
+    best.chunk_keys = kv_blocks * kv_block;
+    if (pairs <= 0 || pairs >= threads) return best;
+    const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+    // The slowest thread's work, in query heads x key blocks.
+    const auto slowest = [&](int64_t parts, int64_t heads, int64_t chunks, int64_t blocks) {
+      return ceil_div(pairs * parts * chunks, threads) * heads * blocks;
+    };
+    int64_t best_work = slowest(1, group, 1, kv_blocks), best_bytes = 0;
+    const int64_t max_parts = whole_heads ? 1 : std::min(group, threads);
+    const int64_t max_chunks = whole_keys ? 1 : std::min(kv_blocks, threads);
+    for (int64_t parts = 1; parts <= max_parts; ++parts) {
+      const int64_t heads = ceil_div(group, parts);
+      if (ceil_div(group, heads) != parts) continue;  // (the split of fewer parts)
+      for (int64_t chunks = 1; chunks <= max_chunks; ++chunks) {
+        const int64_t blocks = ceil_div(kv_blocks, chunks);
+        if (ceil_div(kv_blocks, blocks) != chunks) continue;
+        BackwardTasks t;
+        t.heads_per_part = heads, t.parts = parts, t.chunk_keys = blocks * kv_block;
+        t.chunks = chunks;
+        const int64_t bytes = t.partial_bytes(dq_bytes, dkv_bytes);
+        const int64_t work = slowest(parts, heads, chunks, blocks);
+        if (bytes <= kPartialsBudgetBytes &&
+            (work < best_work || (work == best_work && bytes < best_bytes))) {
+          best = t, best_work = work, best_bytes = bytes;
+        }
+      }
     }
-    const int64_t tasks = pairs * t.parts;
-    if (whole_keys || kv_blocks == 1 || tasks >= threads) return t;
-    const int64_t affordable = 1 + kKeyChunkBudgetBytes / std::max<int64_t>(1, dq_bytes);
-    const int64_t chunks = std::min({kv_blocks, (threads + tasks - 1) / tasks, affordable});
-    t.chunk_keys = (kv_blocks + chunks - 1) / chunks * kv_block;
-    t.chunks = (kv_blocks * kv_block + t.chunk_keys - 1) / t.chunk_keys;
-    return t;
+    return best;
   }
 };
 

@@ -838,6 +838,7 @@ TEST(AttentionPatterns, VarlenTakesEveryOptionOfTheSchema) {
   const AttentionResult d1 = dropped(7), d2 = dropped(7);
   const AttentionResult plain = entropy_attn::varlen_attention(q, k, v, cu_q, cu_k, 5, 7);
   EXPECT_TRUE(at::equal(d1.output, d2.output));
+  EXPECT_FALSE(at::equal(d1.output, dropped(8).output));  // the seed reaches the op
   EXPECT_FALSE(all_close(d1.output, plain.output, {1e-6, 1e-6}));
   EXPECT_TRUE(all_close(d1.entropy, plain.entropy, {1e-15, 1e-15}));
 }

@@ -483,9 +483,10 @@ def test_double_backward_raises(device: str) -> None:
 
 
 # (query heads, Lq, Lk) of one (batch, kv head) pair, and what the plan (csrc/cpu/backward_tasks.h)
-# makes of them in float64 on 2, 3 and 4 threads: key chunks only; 2 uneven head parts (2 + 1
-# heads), then 3 parts; head parts, then 2 parts of 2 key chunks each.
-CHUNK_SHAPES = {"chunks": (3, 70, 1100), "uneven_parts": (3, 1100, 1100), "parts_and_chunks": (6, 600, 1600)}
+# makes of them in float64 without causality on 2, 3 and 4 threads: 2 head parts, 3 key chunks,
+# 2 parts of 2 chunks; 2 uneven parts (2 + 1 heads), 3 parts, 3 parts; 2 parts, 2 parts, 2 parts
+# of 2 chunks (the last two also under causality).
+CHUNK_SHAPES = {"chunks": (2, 600, 2100), "uneven_parts": (3, 300, 1100), "parts_and_chunks": (2, 1600, 1600)}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -328,14 +328,50 @@ struct TaskSplit {
   int64_t kv_heads(const AttentionShape& sh) const { return all_kv_heads ? 1 : sh.kv_heads; }
 };
 
+// Per key block, the (row, key) pairs of one query head that the key pattern lets the products
+// see: each row's key range (the mask's holes are not looked at), whole blocks by a difference
+// array, so that it takes one pass over the rows.
+std::vector<int64_t> block_work(const KeyPattern& pattern, const AttentionShape& sh) {
+  const int64_t blocks = (sh.kv_len + kKvBlock - 1) / kKvBlock;
+  std::vector<int64_t> work(blocks, 0), whole(blocks + 1, 0);
+  for (int64_t i = 0; i < sh.q_len; ++i) {
+    const KeyRange r = pattern.keys(i, sh.q_len, sh.kv_len);
+    if (r.hi <= r.lo) continue;
+    const int64_t first = r.lo / kKvBlock, last = (r.hi - 1) / kKvBlock;
+    if (first == last) {
+      work[first] += r.hi - r.lo;
+      continue;
+    }
+    work[first] += (first + 1) * kKvBlock - r.lo;
+    work[last] += r.hi - last * kKvBlock;
+    ++whole[first + 1];
+    --whole[last];
+  }
+  int64_t covering = 0;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    covering += whole[kb];
+    work[kb] += covering * kKvBlock;
+  }
+  return work;
+}
+
 // The tasks of a call (backward_tasks.h), for gradients in the accumulation type.
-BackwardTasks plan_tasks(const AttentionShape& sh, const TaskSplit& split, int64_t acc_bytes) {
-  const int64_t dq_bytes = sh.batch * sh.heads * sh.q_len * sh.head_dim * acc_bytes;
-  const int64_t dkv_bytes =
-      sh.batch * sh.kv_heads * sh.kv_len * (sh.head_dim + sh.v_head_dim) * acc_bytes;
-  return BackwardTasks::plan(split.batches(sh) * split.kv_heads(sh), sh.group(), sh.kv_len,
-                             kKvBlock, at::get_num_threads(), split.whole_heads, split.whole_keys,
-                             dq_bytes, dkv_bytes);
+BackwardTasks plan_tasks(const AttentionShape& sh, const KeyPattern& pattern,
+                         const TaskSplit& split, int64_t acc_bytes) {
+  const int64_t pairs = split.batches(sh) * split.kv_heads(sh), threads = at::get_num_threads();
+  BackwardSizes sizes;
+  sizes.dq_elems = sh.batch * sh.heads * sh.q_len * sh.head_dim;
+  sizes.dkv_elems = sh.batch * sh.kv_heads * sh.kv_len * (sh.head_dim + sh.v_head_dim);
+  sizes.acc_bytes = acc_bytes;
+  // (a task that walks every batch or key/value head does their work in turn)
+  const int64_t walked =
+      (split.all_batches ? sh.batch : 1) * (split.all_kv_heads ? sh.kv_heads : 1);
+  sizes.fma_per_row_key = (3 * sh.head_dim + 2 * sh.v_head_dim) * walked;
+  // (the pattern's work only where the plan may split: one pass over the rows)
+  const std::vector<int64_t> work =
+      pairs < threads ? block_work(pattern, sh) : std::vector<int64_t>{};
+  return BackwardTasks::plan(pairs, sh.group(), sh.kv_len, work, kKvBlock, threads,
+                             split.whole_heads, split.whole_keys, sizes);
 }
 
 template <typename acc_t>
@@ -401,7 +437,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
 
   const auto opts = query.options().dtype(acc);
   const TaskSplit split = TaskSplit::of(call);
-  const BackwardTasks tasks = plan_tasks(sh, split, at::elementSize(acc));
+  const BackwardTasks tasks = plan_tasks(sh, call.key_pattern(), split, at::elementSize(acc));
   const int64_t chunks = tasks.chunks, parts = tasks.parts;
   // dq in the query's layout when the kernel's own (one key chunk, the input type) is the result.
   at::Tensor dq = chunks == 1 && query.scalar_type() == acc
@@ -452,9 +488,15 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
   } else {
     dlam = dlam.squeeze(0);
   }
-  if (parts > 1) {  // the head parts' partial dK and dV
-    dkt = dkt.view({parts, sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}).sum(0);
-    dvt = dvt.view({parts, sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}).sum(0);
+  if (parts > 1) {  // the head parts' partial dK and dV, summed into the first (no new buffer)
+    const at::Tensor dk_parts = dkt.view({parts, sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len});
+    const at::Tensor dv_parts = dvt.view({parts, sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len});
+    dkt = dk_parts[0];
+    dvt = dv_parts[0];
+    for (int64_t p = 1; p < parts; ++p) {
+      dkt.add_(dk_parts[p]);
+      dvt.add_(dv_parts[p]);
+    }
   }
   // Each gradient in its input's layout (attention_call.h: empty_in_layout_of).
   return {in_layout_of(query, dq, query.scalar_type()),

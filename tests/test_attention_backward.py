@@ -485,8 +485,14 @@ def test_double_backward_raises(device: str) -> None:
 # (query heads, Lq, Lk) of one (batch, kv head) pair, and what the plan (csrc/cpu/backward_tasks.h)
 # makes of them in float64 without causality on 2, 3 and 4 threads: 2 head parts, 3 key chunks,
 # 2 parts of 2 chunks; 2 uneven parts (2 + 1 heads), 3 parts, 3 parts; 2 parts, 2 parts, 2 parts
-# of 2 chunks (the last two also under causality).
-CHUNK_SHAPES = {"chunks": (2, 600, 2100), "uneven_parts": (3, 300, 1100), "parts_and_chunks": (2, 1600, 1600)}
+# of 2 chunks (the last two also under causality); 2 parts of 3 heads, 3 parts, 2 parts of 3 heads
+# in 2 chunks.
+CHUNK_SHAPES = {
+    "chunks": (2, 600, 2100),
+    "uneven_parts": (3, 300, 1100),
+    "parts_and_chunks": (2, 1600, 1600),
+    "part_heads_and_chunks": (6, 600, 1600),
+}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -23,8 +23,9 @@ namespace entropy_attn::cpu {
 
 // Bytes all partials may take where the gradients themselves take less.
 constexpr int64_t kPartialsBudgetBytes = int64_t{256} << 20;
-// Multiply-adds a product kernel does in the time it zeroes and sums one partial element (a
-// few GEMM FMA lanes per cycle and core against about one float of memory traffic).
+// Multiply-adds a product kernel does in the time it zeroes (dK / dV) or writes (dQ) and then sums
+// one partial element: an estimate (a few GEMM FMA lanes per cycle and core against about one
+// float of memory traffic), not fitted.
 constexpr int64_t kPartialElementCost = 16;
 
 // The sizes the plan weighs, for one call: one dQ and one dK and dV together (elements), the

@@ -22,13 +22,16 @@ constexpr int64_t kBlock = 512;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A call of B = 1, Lq = Lk = len, D = Dv = 64 in float, full or causal (top-left).
+// A call of B = 1, Lk = len keys, D = Dv = 64 in float, full or causal (top-left, Lq = Lk), with
+// Lq = rows (len where 0).
 struct Call {
   int64_t kv_heads, group, len, threads;
   bool causal = false;
+  int64_t rows = 0;
 
+  int64_t q_len() const { return rows > 0 ? rows : len; }
   BackwardSizes sizes() const {
-    return {kv_heads * group * len * 64, kv_heads * len * 128, 4, 3 * 64 + 2 * 64};
+    return {kv_heads * group * q_len() * 64, kv_heads * len * 128, 4, 3 * 64 + 2 * 64};
   }
   // Per key block [a, b), the (row, key) pairs of one head: row i sees all keys, or [0, i + 1):
   // then rows a .. b - 1 see 1 .. b - a of the block's keys and the len - b rows after it all.
@@ -36,7 +39,7 @@ struct Call {
     std::vector<int64_t> w;
     for (int64_t a = 0; a < len; a += kBlock) {
       const int64_t n = std::min(len, a + kBlock) - a;
-      w.push_back(causal ? n * (n + 1) / 2 + (len - a - n) * n : len * n);
+      w.push_back(causal ? n * (n + 1) / 2 + (len - a - n) * n : q_len() * n);
     }
     return w;
   }
@@ -77,6 +80,15 @@ TEST(BackwardTasks, HeadsOrKeysWhicheverIsFaster) {
   const BackwardTasks c = Call{1, 8, 16384, 3, true}.plan();
   EXPECT_EQ(c.parts, 3);
   EXPECT_EQ(c.chunks, 1);
+}
+
+TEST(BackwardTasks, PartialsCostTheirTraffic) {
+  // One query row against 4096 keys, 8 heads on 32 threads: 8 key chunks of 2 parts of 4 heads.
+  // Each task's products are small, so more parts (4, were their zeroing and summing free) would
+  // cost more in partial dK / dV than they save.
+  const BackwardTasks t = Call{1, 8, 4096, 32, false, /*rows=*/1}.plan();
+  EXPECT_EQ(t.chunks, 8);
+  EXPECT_EQ(t.parts, 2);
 }
 
 TEST(BackwardTasks, PartialsStayWithinTheBudget) {

@@ -328,33 +328,6 @@ struct TaskSplit {
   int64_t kv_heads(const AttentionShape& sh) const { return all_kv_heads ? 1 : sh.kv_heads; }
 };
 
-// Per key block, the (row, key) pairs of one query head that the key pattern lets the products
-// see: each row's key range (the mask's holes are not looked at), whole blocks by a difference
-// array, so that it takes one pass over the rows.
-std::vector<int64_t> block_work(const KeyPattern& pattern, const AttentionShape& sh) {
-  const int64_t blocks = (sh.kv_len + kKvBlock - 1) / kKvBlock;
-  std::vector<int64_t> work(blocks, 0), whole(blocks + 1, 0);
-  for (int64_t i = 0; i < sh.q_len; ++i) {
-    const KeyRange r = pattern.keys(i, sh.q_len, sh.kv_len);
-    if (r.hi <= r.lo) continue;
-    const int64_t first = r.lo / kKvBlock, last = (r.hi - 1) / kKvBlock;
-    if (first == last) {
-      work[first] += r.hi - r.lo;
-      continue;
-    }
-    work[first] += (first + 1) * kKvBlock - r.lo;
-    work[last] += r.hi - last * kKvBlock;
-    ++whole[first + 1];
-    --whole[last];
-  }
-  int64_t covering = 0;
-  for (int64_t kb = 0; kb < blocks; ++kb) {
-    covering += whole[kb];
-    work[kb] += covering * kKvBlock;
-  }
-  return work;
-}
-
 // The tasks of a call (backward_tasks.h), for gradients in the accumulation type.
 BackwardTasks plan_tasks(const AttentionShape& sh, const KeyPattern& pattern,
                          const TaskSplit& split, int64_t acc_bytes) {
@@ -369,7 +342,7 @@ BackwardTasks plan_tasks(const AttentionShape& sh, const KeyPattern& pattern,
   sizes.fma_per_row_key = (3 * sh.head_dim + 2 * sh.v_head_dim) * walked;
   // (the pattern's work only where the plan may split: one pass over the rows)
   const std::vector<int64_t> work =
-      pairs < threads ? block_work(pattern, sh) : std::vector<int64_t>{};
+      pairs < threads ? block_work(pattern, sh.q_len, sh.kv_len, kKvBlock) : std::vector<int64_t>{};
   return BackwardTasks::plan(pairs, sh.group(), sh.kv_len, work, kKvBlock, threads,
                              split.whole_heads, split.whole_keys, sizes);
 }

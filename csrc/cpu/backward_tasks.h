@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernel_args.h"
+
 namespace entropy_attn::cpu {
 
 // Bytes all partials may take where the gradients themselves take less.
@@ -33,6 +35,34 @@ constexpr int64_t kPartialElementCost = 16;
 struct BackwardSizes {
   int64_t dq_elems = 0, dkv_elems = 0, acc_bytes = 4, fma_per_row_key = 1;
 };
+
+// Per key block of kv_block keys, the (row, key) pairs of one query head that the key pattern lets
+// the products see: each row's key range (the mask's holes are not looked at), whole blocks by a
+// difference array, so that it takes one pass over the rows.
+inline std::vector<int64_t> block_work(const KeyPattern& pattern, int64_t q_len, int64_t kv_len,
+                                       int64_t kv_block) {
+  const int64_t blocks = (kv_len + kv_block - 1) / kv_block;
+  std::vector<int64_t> work(blocks, 0), whole(blocks + 1, 0);
+  for (int64_t i = 0; i < q_len; ++i) {
+    const KeyRange r = pattern.keys(i, q_len, kv_len);
+    if (r.hi <= r.lo) continue;
+    const int64_t first = r.lo / kv_block, last = (r.hi - 1) / kv_block;
+    if (first == last) {
+      work[first] += r.hi - r.lo;
+      continue;
+    }
+    work[first] += (first + 1) * kv_block - r.lo;
+    work[last] += r.hi - last * kv_block;
+    ++whole[first + 1];
+    --whole[last];
+  }
+  int64_t covering = 0;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    covering += whole[kb];
+    work[kb] += covering * kv_block;
+  }
+  return work;
+}
 
 struct BackwardTasks {
   int64_t heads_per_part = 1;  // query heads of one key/value head in one task

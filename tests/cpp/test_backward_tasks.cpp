@@ -14,8 +14,11 @@
 
 namespace {
 
+using entropy_attn::KeyPattern;
+using entropy_attn::KeyRange;
 using entropy_attn::cpu::BackwardSizes;
 using entropy_attn::cpu::BackwardTasks;
+using entropy_attn::cpu::block_work;
 using entropy_attn::cpu::kPartialsBudgetBytes;
 
 constexpr int64_t kBlock = 512;
@@ -53,6 +56,44 @@ struct Call {
                                whole_keys, sizes());
   }
 };
+
+// The per-block work of a pattern counted key by key.
+std::vector<int64_t> counted_work(const KeyPattern& p, int64_t q_len, int64_t kv_len) {
+  std::vector<int64_t> w(ceil_div(kv_len, kBlock), 0);
+  for (int64_t i = 0; i < q_len; ++i) {
+    const KeyRange r = p.keys(i, q_len, kv_len);
+    for (int64_t j = r.lo; j < r.hi; ++j) ++w[j / kBlock];
+  }
+  return w;
+}
+
+TEST(BackwardTasks, BlockWorkCountsEveryRowsKeys) {
+  // Windows, causality, both alignments, Lq above and below Lk, lengths around a block.
+  for (const int64_t left : {-1, 0, 3, 700}) {
+    for (const int64_t right : {-1, 0, 5}) {
+      for (const bool bottom_right : {false, true}) {
+        for (const int64_t q_len : {1, 511, 513, 1300}) {
+          for (const int64_t kv_len : {0, 1, 512, 513, 1300}) {
+            KeyPattern p;
+            p.left = left, p.right = right, p.bottom_right = bottom_right;
+            EXPECT_EQ(block_work(p, q_len, kv_len, kBlock), counted_work(p, q_len, kv_len))
+                << left << " " << right << " " << bottom_right << " " << q_len << " " << kv_len;
+          }
+        }
+      }
+    }
+  }
+  // Packed documents (one empty), with a causal window and with the keys each document uses.
+  const int32_t cu_q[] = {0, 300, 300, 1100, 1500}, cu_k[] = {0, 600, 700, 1300, 2000};
+  const int32_t used[] = {600, 0, 550, 9};
+  for (const bool with_used : {false, true}) {
+    KeyPattern p;
+    p.left = 200, p.right = 0, p.bottom_right = true;
+    p.cu_q = cu_q, p.cu_k = cu_k, p.documents = 4;
+    p.seqused_k = with_used ? used : nullptr;
+    EXPECT_EQ(block_work(p, 1500, 2000, kBlock), counted_work(p, 1500, 2000)) << with_used;
+  }
+}
 
 TEST(BackwardTasks, EnoughPairsAreNotSplit) {
   const BackwardTasks t = Call{16, 4, 8192, 16}.plan();

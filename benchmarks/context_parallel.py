@@ -105,6 +105,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         result = run_rank(rank, world, args)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
+        dist.barrier()  # (as examples/context_parallel.py: no rank tears down while a peer is in gloo)
     finally:
         dist.destroy_process_group()
 

@@ -154,6 +154,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         result = train(rank, world, args)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
+        # Every rank past its last collective before any tears its connections down: gloo aborted
+        # a process (std::terminate, about 1 run in 12 here) whose peer destroyed the group first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

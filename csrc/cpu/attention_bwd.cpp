@@ -7,7 +7,10 @@
 // heads are not split when it broadcasts over them, so that each of its entries is summed by one
 // task, in a fixed order.
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
-// and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands.
+// and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands. No
+// input is copied whole: a task converts its keys' K^T, V^T and K once into its thread's buffers
+// and keeps their dK^T, dV^T there (BwdUnit), and each query block converts its rows of Q, O and dO
+// (with head parts, whose tasks would each convert the same keys, they share whole copies).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,26 +35,40 @@ namespace entropy_attn::cpu {
 namespace {
 
 // Where the backward's products run in bfloat16 (bf16_products.h; docs/math.md section 9): Q and
-// dO as given, and whole operands in pairs: K^T and V^T for the scores and dP, K as rows for
-// G = dS K. The products that sum over query rows (dV^T += dO^T P, dK^T += Q^T (lambda dS)) take
-// Q^T and dO^T of each query block, and P and lambda dS in pairs along their rows. P and dS are
-// rounded to bfloat16 for them, as FlashAttention does; blocks where a non-finite operand row must
-// be kept from the rows (keys) that do not see it take the float products.
-struct BwdPairs {
-  bool on = false;
-  Raw16 q, dout;
-  PairedOperand kt, vt, k;
+// dO as given, and K^T and V^T for the scores and dP and K as rows for G = dS K in pairs (BwdUnit).
+// The products that sum over query rows (dV^T += dO^T P, dK^T += Q^T (lambda dS)) take Q^T and
+// dO^T of each query block, and P and lambda dS in pairs along their rows. P and dS are rounded to
+// bfloat16 for them, as FlashAttention does; blocks where a non-finite operand row must be kept
+// from the rows (keys) that do not see it take the float products.
+// The key and value operands converted once for all tasks, where there are head parts: the parts
+// of a key/value head would each convert its keys again, and a thread each hold them (MQA on many
+// threads). K^T and V^T (B, Hkv, D or Dv, Lk) and K in acc_t, or K^T, V^T and K packed whole in
+// pairs (with K in acc_t as well where one of its rows is not finite).
+struct WholeOperands {
+  at::Tensor kt, vt, k;
+  PairedOperand kt16, vt16, k16;
 };
 
 template <typename acc_t>
 struct BwdArgs {
   AttentionShape shape;
-  BwdPairs pairs;
-  Strided4<acc_t> q, k, out, dout;
-  Strided4<acc_t> dq;                // (chunks * B, H, Lq, D): chunk c's partial at batch c * B + b
-  Strided4<acc_t> kt, vt;            // transposed: (B, Hkv, D or Dv, Lk)
-  Strided4<acc_t> dkt, dvt;          // (parts * B, Hkv, D or Dv, Lk): head part p's at p * B + b
-  NonFiniteRows k_nonfinite;         // the key rows holding a NaN or an infinity
+  bool pairs;  // bfloat16 products
+  // Q, O, dO, K and V as given (a unit last stride, any input type): Q, O and dO read a query
+  // block at a time, K and V a task's keys at a time (BwdUnit), converted to acc_t or packed in
+  // pairs; no widened copy of a whole 16-bit input.
+  RawOperand q, out, dout, key, value;
+  // Where the tasks share whole operands instead (WholeOperands), or null.
+  const WholeOperands* whole;
+  // dQ: with one key chunk the result, in the query's type and layout; with more, the chunks'
+  // partials (chunks * B, H, Lq, D) in acc_t, chunk c's at batch c * B + b.
+  RawOperand dq;
+  // dK and dV: with one head part, each task accumulates its (batch, key/value head, key chunk)
+  // transposed in its thread's buffers and writes it into these results (the inputs' types and
+  // layouts) when that head's query heads are done; with more, dkt and dvt hold the parts'
+  // partials, (parts * B, Hkv, D or Dv, Lk) in acc_t, part p's at batch p * B + b.
+  RawOperand dk, dv;
+  Strided4<acc_t> dkt, dvt;
+  NonFiniteRows k_nonfinite;  // the key rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
   KeyPattern pattern;
   Softcap<acc_t> softcap;
@@ -60,8 +77,22 @@ struct BwdArgs {
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
   acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
   LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
-  int64_t chunk_keys;            // keys per chunk, a multiple of kKvBlock
-  int64_t heads_per_part;        // query heads of a key/value head per head part
+};
+
+// The keys [first, first + keys) of one (batch, key/value head) that a task works on, with their
+// operands and where its query blocks add their dK^T and dV^T: key j at column (or row) j - first
+// of each. The operands are in the thread's buffers (prepare_unit), converted once for all the
+// task's query blocks, or in WholeOperands.
+template <typename acc_t>
+struct BwdUnit {
+  int64_t b = 0, kvh = 0, first = 0, keys = 0;
+  const acc_t *kt = nullptr, *vt = nullptr;  // K^T, V^T (D or Dv x keys): float products
+  const acc_t* k = nullptr;                  // K (keys x D): float products (with pairs: or null)
+  int64_t ld_kt = 0, ld_vt = 0, ld_k = 0;
+  const c10::BFloat16 *kt16 = nullptr, *vt16 = nullptr, *k16 = nullptr;  // in pairs
+  int64_t ld_kt16 = 0, ld_vt16 = 0, ld_k16 = 0;
+  acc_t *dkt = nullptr, *dvt = nullptr;  // D or Dv x keys
+  int64_t ld_dkt = 0, ld_dvt = 0;
 };
 
 template <typename acc_t>
@@ -69,7 +100,8 @@ struct BwdBuffers {
   std::vector<acc_t> s, p, dp;    // logits, weights, dP then dS (rows x block)
   std::vector<acc_t> dcap;        // the softcap's derivative (rows x block), when on
   std::vector<acc_t> keep, pd;    // dropout factors and the weights dropped out, when on
-  std::vector<acc_t> g;           // G = sum_j dS_ij k_j (rows x D)
+  std::vector<acc_t> g;           // G = sum_j dS_ij k_j (rows x D), then dQ
+  std::vector<acc_t> q, o, dout;  // the block's rows of Q (rows x D), O and dO (rows x Dv)
   std::vector<acc_t> qs_t, do_t;  // (lambda_i q_i)^T (D x rows) and dO^T (Dv x rows)
   std::vector<acc_t> delta;       // D~_i per row
   // Rows of lambda Q and dO holding a NaN or an infinity, and scratch for the products that keep
@@ -77,6 +109,11 @@ struct BwdBuffers {
   std::vector<uint8_t> qs_flags, do_flags;
   std::vector<acc_t> scratch;
   std::vector<RowGrads<acc_t>> grads;
+  // A task's keys (BwdUnit): K^T, V^T, K and dK^T, dV^T in acc_t, K^T, V^T and K in pairs (and
+  // the flags pack_row_pairs leaves, unused: BwdArgs::k_nonfinite has them).
+  std::vector<acc_t> unit_kt, unit_vt, unit_k, unit_dkt, unit_dvt;
+  std::vector<c10::BFloat16> unit_kt16, unit_vt16, unit_k16;
+  std::vector<uint8_t> unit_flags;
   // With bfloat16 products: Q^T and dO^T (D or Dv x rows rounded up to even), a block of P or
   // lambda dS in pairs along its rows, and dS in bfloat16 (rows x keys rounded up to even).
   std::vector<c10::BFloat16> q_t16, do_t16, pairs16, ds16;
@@ -88,6 +125,9 @@ struct BwdBuffers {
         keep(rows * key_block_capacity(sh)),
         pd(rows * key_block_capacity(sh)),
         g(rows * sh.head_dim),
+        q(rows * sh.head_dim),
+        o(rows * sh.v_head_dim),
+        dout(rows * sh.v_head_dim),
         qs_t(rows * sh.head_dim),
         do_t(rows * sh.v_head_dim),
         delta(rows),
@@ -116,8 +156,8 @@ void prepare_pair_rows(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t 
     buf.q_t16.resize(D * cap), buf.do_t16.resize(Dv * cap);
     buf.pairs16.resize(cap * keys), buf.ds16.resize(buf.delta.size() * keys);
   }
-  for (auto [x, dst, dim] : {std::tuple{a.pairs.q, buf.q_t16.data(), D},
-                             std::tuple{a.pairs.dout, buf.do_t16.data(), Dv}}) {
+  for (auto [x, dst, dim] :
+       {std::tuple{a.q, buf.q_t16.data(), D}, std::tuple{a.dout, buf.do_t16.data(), Dv}}) {
     transpose_block(rows, dim, x.template row<c10::BFloat16>(b, h, i0), x.sl, dst, rows2);
     if (rows2 > rows) {
       for (int64_t d = 0; d < dim; ++d) dst[d * rows2 + rows] = c10::BFloat16(0.f);
@@ -125,15 +165,13 @@ void prepare_pair_rows(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t 
   }
 }
 
-// C (rows x n, row stride n) = X (rows of (b, h) from i0, as given) . B's keys [j0, j0 + n), B a
-// whole operand transposed in pairs (K^T or V^T of (b, kvh)): the scores, or dP.
+// C (rows x n, row stride n) = X (rows of (b, h) from i0, as given) . B (dim x n, transposed in
+// pairs from its first key: K^T or V^T of a unit's block): the scores, or dP.
 template <typename acc_t>
-void pair_product(int64_t b, int64_t kvh, int64_t i0, int64_t h, const Raw16& x,
-                  const PairedOperand& bt, int64_t j0, int64_t rows, int64_t n, int64_t dim,
-                  acc_t* c) {
+void pair_product(int64_t b, int64_t h, int64_t i0, const RawOperand& x, const c10::BFloat16* bt,
+                  int64_t ldb, int64_t rows, int64_t n, int64_t dim, acc_t* c) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    bf16_gemm(rows, n, dim, x.row<c10::BFloat16>(b, h, i0), x.sl, bt.at(b, kvh) + 2 * j0, bt.ld, c,
-              n, false);
+    bf16_gemm(rows, n, dim, x.row<c10::BFloat16>(b, h, i0), x.sl, bt, ldb, c, n, false);
   } else {
     TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
   }
@@ -154,39 +192,98 @@ void pair_rows_product(BwdBuffers<acc_t>& buf, const c10::BFloat16* xt, int64_t 
   }
 }
 
-// G (rows x D) += dS (in buf.dp, rounded to bfloat16) . K's keys [j0, j0 + n) of (b, kvh), K
-// packed whole as rows in pairs (j0 even; an odd n is paired with a zero weight).
+// G (rows x D) += dS (in buf.dp, rounded to bfloat16) . K's n keys from k16 (as rows in pairs from
+// an even key; an odd n is paired with a zero weight).
 template <typename acc_t>
-void pair_keys_product(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t b, int64_t kvh,
-                       int64_t rows, int64_t j0, int64_t n) {
+void pair_keys_product(BwdBuffers<acc_t>& buf, const c10::BFloat16* k16, int64_t ldk, int64_t D,
+                       int64_t rows, int64_t n) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    const int64_t n2 = n + n % 2, D = a.shape.head_dim;
+    const int64_t n2 = n + n % 2;
     round_rows_to_pairs(rows, n, buf.dp.data(), n, buf.ds16.data());
-    const PairedOperand& k = a.pairs.k;
-    bf16_gemm(rows, D, n2, buf.ds16.data(), n2, k.at(b, kvh) + j0 * k.ld, k.ld, buf.g.data(), D,
-              true);
+    bf16_gemm(rows, D, n2, buf.ds16.data(), n2, k16, ldk, buf.g.data(), D, true);
   } else {
     TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
   }
 }
 
-// One query block of one query head against the keys it may see in key chunk `chunk`.
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(n);
+}
+
+// The unit of keys [first, first + keys) of (b, kvh) for head part `part`: its operands converted
+// into the thread's buffers, or in the whole operands; its dK^T and dV^T zeroed in the thread's
+// buffers (one head part), or the part's partials.
 template <typename acc_t>
-void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                      int64_t chunk, BwdBuffers<acc_t>& buf) {
+BwdUnit<acc_t> prepare_unit(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int64_t b, int64_t kvh,
+                            int64_t first, int64_t keys, int64_t part) {
+  const int64_t D = a.shape.head_dim, Dv = a.shape.v_head_dim;
+  BwdUnit<acc_t> u;
+  u.b = b, u.kvh = kvh, u.first = first, u.keys = keys;
+  const uint8_t* flags = a.k_nonfinite.at(b, kvh);
+  // (K in acc_t with bfloat16 products only for the float products of non-finite keys)
+  const bool k_float = !a.pairs || any_flagged(flags ? flags + first : nullptr, keys);
+  if (const WholeOperands* w = a.whole) {
+    if (a.pairs) {
+      u.kt16 = w->kt16.at(b, kvh) + 2 * first, u.ld_kt16 = w->kt16.ld;
+      u.vt16 = w->vt16.at(b, kvh) + 2 * first, u.ld_vt16 = w->vt16.ld;
+      u.k16 = w->k16.at(b, kvh) + first * w->k16.ld, u.ld_k16 = w->k16.ld;
+    } else {
+      const auto kt = Strided4<acc_t>::of(w->kt), vt = Strided4<acc_t>::of(w->vt);
+      u.kt = kt.at(b, kvh) + first, u.ld_kt = kt.sl;
+      u.vt = vt.at(b, kvh) + first, u.ld_vt = vt.sl;
+    }
+    if (k_float) {
+      const auto k = Strided4<acc_t>::of(w->k);
+      u.k = k.at(b, kvh, first), u.ld_k = k.sl;
+    }
+    u.dkt = a.dkt.at(part * a.shape.batch + b, kvh) + first, u.ld_dkt = a.dkt.sl;
+    u.dvt = a.dvt.at(part * a.shape.batch + b, kvh) + first, u.ld_dvt = a.dvt.sl;
+    return u;
+  }
+  if (a.pairs) {
+    const int64_t keys2 = keys + keys % 2;
+    u.ld_kt16 = u.ld_vt16 = pair_row_length(keys), u.ld_k16 = pair_row_length(D);
+    grow(buf.unit_kt16, D * u.ld_kt16), grow(buf.unit_vt16, Dv * u.ld_vt16);
+    grow(buf.unit_k16, keys2 * u.ld_k16), grow(buf.unit_flags, keys2);
+    const auto* k_rows = a.key.template row<c10::BFloat16>(b, kvh, first);
+    const auto* v_rows = a.value.template row<c10::BFloat16>(b, kvh, first);
+    pack_transposed_pairs(keys, D, k_rows, a.key.sl, buf.unit_kt16.data(), u.ld_kt16);
+    pack_transposed_pairs(keys, Dv, v_rows, a.value.sl, buf.unit_vt16.data(), u.ld_vt16);
+    pack_row_pairs(keys, D, k_rows, a.key.sl, buf.unit_k16.data(), u.ld_k16, buf.unit_flags.data());
+    u.kt16 = buf.unit_kt16.data(), u.vt16 = buf.unit_vt16.data(), u.k16 = buf.unit_k16.data();
+  } else {
+    grow(buf.unit_kt, D * keys), grow(buf.unit_vt, Dv * keys);
+    load_rows(a.key, b, kvh, first, keys, D, buf.unit_kt.data(), keys, /*transposed=*/true);
+    load_rows(a.value, b, kvh, first, keys, Dv, buf.unit_vt.data(), keys, /*transposed=*/true);
+    u.kt = buf.unit_kt.data(), u.vt = buf.unit_vt.data(), u.ld_kt = u.ld_vt = keys;
+  }
+  if (k_float) {
+    grow(buf.unit_k, keys * D);
+    load_rows(a.key, b, kvh, first, keys, D, buf.unit_k.data(), D, /*transposed=*/false);
+    u.k = buf.unit_k.data(), u.ld_k = D;
+  }
+  grow(buf.unit_dkt, D * keys), grow(buf.unit_dvt, Dv * keys);
+  std::fill(buf.unit_dkt.begin(), buf.unit_dkt.begin() + D * keys, acc_t(0));
+  std::fill(buf.unit_dvt.begin(), buf.unit_dvt.begin() + Dv * keys, acc_t(0));
+  u.dkt = buf.unit_dkt.data(), u.dvt = buf.unit_dvt.data(), u.ld_dkt = u.ld_dvt = keys;
+  return u;
+}
+
+// One query block of query head h (of the unit's key/value head) against the keys of the unit it
+// may see, adding its dK^T and dV^T into the unit's.
+template <typename acc_t>
+void backward_q_block(const BwdArgs<acc_t>& a, const BwdUnit<acc_t>& u, int64_t h, int64_t i0,
+                      int64_t rows, int64_t chunk, BwdBuffers<acc_t>& buf) {
   const AttentionShape& sh = a.shape;
-  const int64_t kvh = h / sh.group();
+  const int64_t b = u.b, kvh = u.kvh;
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
   const int64_t row0 = (b * sh.heads + h) * sh.q_len + i0;
-  const acc_t* q = a.q.at(b, h, i0);
-  const acc_t* dout = a.dout.at(b, h, i0);
-  const acc_t* k = a.k.at(b, kvh);
+  load_rows(a.q, b, h, i0, rows, D, buf.q.data(), D, /*transposed=*/false);
+  load_rows(a.dout, b, h, i0, rows, Dv, buf.dout.data(), Dv, /*transposed=*/false);
+  load_rows(a.out, b, h, i0, rows, Dv, buf.o.data(), Dv, /*transposed=*/false);
+  const acc_t *q = buf.q.data(), *dout = buf.dout.data();
   const uint8_t* k_flags = a.k_nonfinite.at(b, kvh);
-  // (K^T and V^T in float only without bfloat16 products)
-  const acc_t* kt = a.pairs.on ? nullptr : a.kt.at(b, kvh);
-  const acc_t* vt = a.pairs.on ? nullptr : a.vt.at(b, kvh);
-  const int64_t part = h % sh.group() / a.heads_per_part;
-  acc_t *dkt = a.dkt.at(part * sh.batch + b, kvh), *dvt = a.dvt.at(part * sh.batch + b, kvh);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
@@ -195,38 +292,38 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     g.g_entropy = a.g_entropy ? a.g_entropy[row] : 0;
     g.g_sum_p2 = a.g_sum_p2 ? a.g_sum_p2[row] : 0;
     // (lse is the reference: weights_row leaves x = s - lse for dlogits_row)
-    buf.delta[r] = row_delta(dot(dout + r * a.dout.sl, a.out.at(b, h, i0 + r), Dv), g, a.lse[row],
+    buf.delta[r] = row_delta(dot(dout + r * Dv, buf.o.data() + r * Dv, Dv), g, a.lse[row],
                              a.entropy[row], a.sum_p2[row], a.lse[row]);
   }
   std::fill(buf.g.begin(), buf.g.begin() + rows * D, acc_t(0));
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t lam = a.row_scale[row0 + r];
-    const acc_t* qr = q + r * a.q.sl;
+    const acc_t* qr = q + r * D;
     for (int64_t d = 0; d < D; ++d) buf.qs_t[d * rows + r] = lam * qr[d];
     buf.qs_flags[r] = has_nonfinite(buf.qs_t.data() + r, D, rows);  // column r of (lambda Q)^T
-    buf.do_flags[r] = has_nonfinite(dout + r * a.dout.sl, Dv);
+    buf.do_flags[r] = has_nonfinite(dout + r * Dv, Dv);
   }
-  const bool pairs = a.pairs.on;
+  const bool pairs = a.pairs;
   // (dO^T in float: the float products', which bfloat16 products take only for a non-finite row)
   if (!pairs || any_flagged(buf.do_flags.data(), rows)) {
-    transpose_block(rows, Dv, dout, a.dout.sl, buf.do_t.data(), rows);
+    transpose_block(rows, Dv, dout, Dv, buf.do_t.data(), rows);
   }
   if (pairs) prepare_pair_rows(a, buf, b, h, i0, rows);
 
-  // The keys of this chunk that some row of the block may see.
+  // The keys of the unit that some row of the block may see.
   const KeyRange tile = tile_keys(a.pattern, sh, i0, rows);
-  const int64_t kv_begin = std::max(chunk * a.chunk_keys, tile.lo);
-  const int64_t kv_end = std::min(tile.hi, (chunk + 1) * a.chunk_keys);
+  const int64_t kv_begin = std::max(u.first, tile.lo);
+  const int64_t kv_end = std::min(tile.hi, u.first + u.keys);
   const bool dropout = a.dropout.on(), softcap = a.softcap.on();
   // With bfloat16 products the blocks start at even keys, where K's pairs start (a key before the
-  // tile's first is one no row sees, in the same chunk: chunks start at multiples of kKvBlock).
+  // tile's first is one no row sees, in the same unit: units start at multiples of kKvBlock).
   const int64_t first = pairs ? kv_begin - kv_begin % 2 : kv_begin;
   for (int64_t j0 = first; j0 < kv_end; j0 += kKvBlock) {
-    const int64_t n = std::min(kKvBlock, kv_end - j0);
+    const int64_t n = std::min(kKvBlock, kv_end - j0), ju = j0 - u.first;  // ju: in the unit
     if (pairs) {
-      pair_product(b, kvh, i0, h, a.pairs.q, a.pairs.kt, j0, rows, n, D, buf.s.data());
+      pair_product(b, h, i0, a.q, u.kt16 + 2 * ju, u.ld_kt16, rows, n, D, buf.s.data());
     } else {
-      block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, buf.s.data(), n, false);
+      block_gemm<acc_t>(rows, n, D, q, D, u.kt + ju, u.ld_kt, buf.s.data(), n, false);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
@@ -251,15 +348,15 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     const acc_t* weights = (dropout ? buf.pd : buf.p).data();
     if (pairs && !any_flagged(buf.do_flags.data(), rows)) {
       pair_rows_product(buf, buf.do_t16.data(), Dv, weights, static_cast<const acc_t*>(nullptr),
-                        rows, n, dvt + j0, a.dvt.sl);
+                        rows, n, u.dvt + ju, u.ld_dvt);
     } else {
-      product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows, weights, n, dvt + j0,
-                                     a.dvt.sl, buf.do_flags.data(), buf.scratch, sees);
+      product_seen_cols_of_bt<acc_t>(Dv, n, rows, buf.do_t.data(), rows, weights, n, u.dvt + ju,
+                                     u.ld_dvt, buf.do_flags.data(), buf.scratch, sees);
     }
     if (pairs) {
-      pair_product(b, kvh, i0, h, a.pairs.dout, a.pairs.vt, j0, rows, n, Dv, buf.dp.data());
+      pair_product(b, h, i0, a.dout, u.vt16 + 2 * ju, u.ld_vt16, rows, n, Dv, buf.dp.data());
     } else {
-      block_gemm<acc_t>(rows, n, Dv, dout, a.dout.sl, vt + j0, a.vt.sl, buf.dp.data(), n, false);
+      block_gemm<acc_t>(rows, n, Dv, dout, Dv, u.vt + ju, u.ld_vt, buf.dp.data(), n, false);
     }
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* dp = buf.dp.data() + r * n;
@@ -284,30 +381,31 @@ void backward_q_block(const BwdArgs<acc_t>& a, int64_t b, int64_t h, int64_t i0,
     // block's last: its dS is 0, but 0 * inf is not.)
     const int64_t paired = std::min(n + n % 2, sh.kv_len - j0);
     if (pairs && !any_flagged(k_flags ? k_flags + j0 : nullptr, paired)) {
-      pair_keys_product(a, buf, b, kvh, rows, j0, n);
+      pair_keys_product(buf, u.k16 + ju * u.ld_k16, u.ld_k16, D, rows, n);
     } else {
-      product_seen_rows_of_b<acc_t>(rows, D, n, buf.dp.data(), n, k + j0 * a.k.sl, a.k.sl,
+      product_seen_rows_of_b<acc_t>(rows, D, n, buf.dp.data(), n, u.k + ju * u.ld_k, u.ld_k,
                                     buf.g.data(), D, true, k_flags ? k_flags + j0 : nullptr,
                                     buf.scratch, sees);
     }
     if (pairs && !any_flagged(buf.qs_flags.data(), rows)) {
       pair_rows_product(buf, buf.q_t16.data(), D, buf.dp.data(), a.row_scale + row0, rows, n,
-                        dkt + j0, a.dkt.sl);
+                        u.dkt + ju, u.ld_dkt);
     } else {
-      product_seen_cols_of_bt<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n, dkt + j0,
-                                     a.dkt.sl, buf.qs_flags.data(), buf.scratch, sees);
+      product_seen_cols_of_bt<acc_t>(D, n, rows, buf.qs_t.data(), rows, buf.dp.data(), n,
+                                     u.dkt + ju, u.ld_dkt, buf.qs_flags.data(), buf.scratch, sees);
     }
   }
   if (pairs) release_bf16_products();
 
+  // dlambda_i = q_i . G_i, then dQ = lambda G in place of G.
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t* g = buf.g.data() + r * D;
+    acc_t* g = buf.g.data() + r * D;
     const acc_t lam = a.row_scale[row0 + r];
-    a.d_row_scale[chunk * sh.batch * sh.heads * sh.q_len + row0 + r] = dot(q + r * a.q.sl, g, D);
-    acc_t* dq = a.dq.at(chunk * sh.batch + b, h, i0 + r);
+    a.d_row_scale[chunk * sh.batch * sh.heads * sh.q_len + row0 + r] = dot(q + r * D, g, D);
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dq[d] = lam * g[d];
+    for (int64_t d = 0; d < D; ++d) g[d] *= lam;
   }
+  store_rows(buf.g.data(), D, a.dq, chunk * sh.batch + b, h, i0, rows, D);
 }
 
 // Which of a task's indices (batch, key/value head) it walks itself instead of owning one: those
@@ -347,11 +445,21 @@ BackwardTasks plan_tasks(const AttentionShape& sh, const KeyPattern& pattern,
                              split.whole_heads, split.whole_keys, sizes);
 }
 
+// x^T (dim x n, row stride ld) into keys j0 .. j0 + n of (b, h) of y, in y's type.
+template <typename acc_t>
+void store_transposed(const acc_t* x, int64_t ld, int64_t dim, int64_t n, const RawOperand& y,
+                      int64_t b, int64_t h, int64_t j0) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, y.dtype, "entropy_attn_store_key_grads",
+      [&] { transpose_block(dim, n, x, ld, y.row<scalar_t>(b, h, j0), y.sl); });
+}
+
 template <typename acc_t>
 void backward_kernel(const BwdArgs<acc_t>& a, const BackwardTasks& t, const TaskSplit& split) {
   const AttentionShape& sh = a.shape;
   const int64_t qb = q_block_size(sh.q_len, a.pattern.banded());
   const int64_t nb = split.batches(sh), nkv = split.kv_heads(sh);
+  const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
   at::parallel_for(0, nb * nkv * t.parts * t.chunks, 1, [&](int64_t begin, int64_t end) {
     SerialBlasScope serial_blas;
     BwdBuffers<acc_t> buf(std::min(qb, sh.q_len), sh);
@@ -364,10 +472,24 @@ void backward_kernel(const BwdArgs<acc_t>& a, const BackwardTasks& t, const Task
       const int64_t h_end = split.all_kv_heads
                                 ? sh.heads
                                 : std::min(h_begin + t.heads_per_part, (tkv + 1) * sh.group());
+      // The chunk's keys, [first, first + keys).
+      const int64_t first = std::min(sh.kv_len, chunk * t.chunk_keys);
+      const int64_t keys = std::min(sh.kv_len - first, t.chunk_keys);
       for (int64_t b = tb; b < b_end; ++b) {
+        BwdUnit<acc_t> unit;
         for (int64_t h = h_begin; h < h_end; ++h) {
+          const int64_t kvh = h / sh.group();
+          // (a unit per key/value head: the first of the task's query heads of each)
+          if (h == h_begin || h % sh.group() == 0) {
+            unit = prepare_unit(a, buf, b, kvh, first, keys, part);
+          }
           for (int64_t i0 = 0; i0 < sh.q_len; i0 += qb) {
-            backward_q_block(a, b, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
+            backward_q_block(a, unit, h, i0, std::min(qb, sh.q_len - i0), chunk, buf);
+          }
+          // (the thread's dK^T and dV^T after the last)
+          if (!a.whole && (h + 1 == h_end || (h + 1) % sh.group() == 0)) {
+            store_transposed(unit.dkt, keys, D, keys, a.dk, b, kvh, first);
+            store_transposed(unit.dvt, keys, Dv, keys, a.dv, b, kvh, first);
           }
         }
       }
@@ -384,61 +506,79 @@ bool backward_uses_bf16_products(const at::Tensor& grad_output, const at::Tensor
          rows_pair_up(key) && rows_pair_up(value) && bf16_products_available();
 }
 
+// output or grad_output as the tasks read it (a unit last stride): as given in an input type, or
+// converted to acc from any other floating type the op accepts for them.
+at::Tensor as_read(const at::Tensor& t, at::ScalarType acc) {
+  const at::ScalarType dt = t.scalar_type();
+  const bool input_type =
+      dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf;
+  return gemm_operand(t, input_type ? dt : acc);
+}
+
 AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
                                      const at::Tensor& key, const at::Tensor& value,
                                      const at::Tensor& output, const AttentionBackwardCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
   const bool pairs = backward_uses_bf16_products(grad_output, query, key, value);
-  const at::Tensor q = gemm_operand(query, acc), k = gemm_operand(key, acc);
-  const at::Tensor out = gemm_operand(output, acc);
-  const at::Tensor dout = gemm_operand(grad_output, acc);
-  // The right operands of the products with K^T and V^T: in float, or packed in pairs.
-  at::Tensor kt, vt, q16, dout16;
-  BwdPairs bwd_pairs;
-  if (pairs) {
-    q16 = gemm_operand(query, at::kBFloat16), dout16 = gemm_operand(grad_output, at::kBFloat16);
-    bwd_pairs.on = true;
-    bwd_pairs.q = Raw16::of(q16), bwd_pairs.dout = Raw16::of(dout16);
-    const at::Tensor k16 = with_unit_last_stride(key, at::kBFloat16);
-    bwd_pairs.kt = pack_whole_pairs(k16, /*transposed=*/true);
-    bwd_pairs.vt = pack_whole_pairs(with_unit_last_stride(value, at::kBFloat16), true);
-    bwd_pairs.k = pack_whole_pairs(k16, /*transposed=*/false);
-  } else {
-    kt = transposed_copy(key, acc), vt = transposed_copy(value, acc);
-  }
+  // The inputs as given (a unit last stride), converted by the tasks (BwdArgs).
+  const at::Tensor q = gemm_operand(query, query.scalar_type());
+  const at::Tensor out = as_read(output, acc), dout = as_read(grad_output, acc);
+  const at::Tensor k = with_unit_last_stride(key, key.scalar_type());
+  const at::Tensor v = with_unit_last_stride(value, value.scalar_type());
+  NonFiniteRows k_nonfinite;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, k.scalar_type(), "entropy_attn_keys", [&] {
+        k_nonfinite = NonFiniteRows::of(Strided4<scalar_t>::of(k), sh.batch, sh.kv_heads, sh.kv_len,
+                                        sh.head_dim);
+      });
 
   const auto opts = query.options().dtype(acc);
   const TaskSplit split = TaskSplit::of(call);
   const BackwardTasks tasks = plan_tasks(sh, call.key_pattern(), split, at::elementSize(acc));
   const int64_t chunks = tasks.chunks, parts = tasks.parts;
-  // dq in the query's layout when the kernel's own (one key chunk, the input type) is the result.
-  at::Tensor dq = chunks == 1 && query.scalar_type() == acc
-                      ? empty_in_layout_of(query, query.sym_sizes(), opts)
+  // With head parts the tasks share whole operands and add into the parts' partial dK^T, dV^T
+  // (BwdArgs, WholeOperands).
+  WholeOperands whole;
+  at::Tensor dkt, dvt;
+  if (parts > 1) {
+    if (pairs) {
+      whole.kt16 = pack_whole_pairs(k, /*transposed=*/true);
+      whole.vt16 = pack_whole_pairs(v, /*transposed=*/true);
+      whole.k16 = pack_whole_pairs(k, /*transposed=*/false);
+    } else {
+      whole.kt = transposed_copy(k, acc), whole.vt = transposed_copy(v, acc);
+    }
+    if (!pairs || k_nonfinite.any()) whole.k = gemm_operand(k, acc);
+    dkt = at::zeros({parts * sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
+    dvt = at::zeros({parts * sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
+  }
+  // dQ written by the kernel in the query's type and layout where there is one key chunk, else the
+  // chunks' partials; dK and dV by the tasks where there is one head part.
+  at::Tensor dq = chunks == 1
+                      ? empty_in_layout_of(query, query.sym_sizes(), query.options())
                       : at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
-  at::Tensor dkt = at::zeros({parts * sh.batch, sh.kv_heads, sh.head_dim, sh.kv_len}, opts);
-  at::Tensor dvt = at::zeros({parts * sh.batch, sh.kv_heads, sh.v_head_dim, sh.kv_len}, opts);
+  at::Tensor dk = empty_in_layout_of(key, key.sym_sizes(), key.options());
+  at::Tensor dv = empty_in_layout_of(value, value.sym_sizes(), value.options());
   at::Tensor dlam = at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts);
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
     auto opt_ptr = [](const at::Tensor& t) {
       return t.defined() ? t.const_data_ptr<scalar_t>() : nullptr;
     };
+    auto opt_strided = [](const at::Tensor& t) {
+      return t.defined() ? Strided4<scalar_t>::of(t) : Strided4<scalar_t>{};
+    };
     BwdArgs<scalar_t> a{};
     a.shape = sh;
-    a.q = Strided4<scalar_t>::of(q), a.k = Strided4<scalar_t>::of(k);
-    // (found where K was packed in pairs, else here)
-    a.k_nonfinite = pairs ? NonFiniteRows::from(std::move(bwd_pairs.k.flags), sh.kv_heads,
-                                                sh.kv_len + sh.kv_len % 2)
-                          : NonFiniteRows::of(a.k, sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim);
-    a.out = Strided4<scalar_t>::of(out), a.dout = Strided4<scalar_t>::of(dout);
-    a.dq = Strided4<scalar_t>::of(dq);
-    if (pairs) {
-      a.pairs = bwd_pairs;
-    } else {
-      a.kt = Strided4<scalar_t>::of(kt), a.vt = Strided4<scalar_t>::of(vt);
-    }
-    a.dkt = Strided4<scalar_t>::of(dkt), a.dvt = Strided4<scalar_t>::of(dvt);
+    a.pairs = pairs;
+    a.q = RawOperand::of(q), a.out = RawOperand::of(out), a.dout = RawOperand::of(dout);
+    a.key = RawOperand::of(k), a.value = RawOperand::of(v);
+    a.whole = parts > 1 ? &whole : nullptr;
+    a.k_nonfinite = std::move(k_nonfinite);
+    a.dq = RawOperand::of(dq);
+    a.dk = RawOperand::of(dk), a.dv = RawOperand::of(dv);
+    a.dkt = opt_strided(dkt), a.dvt = opt_strided(dvt);
     a.mask = make_mask_arg<scalar_t>(call.mask);
     a.pattern = call.key_pattern();
     a.softcap = call.options.logit_softcap<scalar_t>();
@@ -451,12 +591,11 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.data_ptr<scalar_t>();
     a.d_logits = call.logit_grad_arg<scalar_t>();
-    a.chunk_keys = tasks.chunk_keys;
-    a.heads_per_part = tasks.heads_per_part;
     backward_kernel(a, tasks, split);
   });
   if (chunks > 1) {  // the key chunks' partial dQ and dlambda
-    dq = dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0);
+    dq = in_layout_of(query, dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0),
+                      query.scalar_type());
     dlam = dlam.sum(0);
   } else {
     dlam = dlam.squeeze(0);
@@ -470,12 +609,10 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
       dkt.add_(dk_parts[p]);
       dvt.add_(dv_parts[p]);
     }
+    transposed_copy_into(dkt, dk);
+    transposed_copy_into(dvt, dv);
   }
-  // Each gradient in its input's layout (attention_call.h: empty_in_layout_of).
-  return {in_layout_of(query, dq, query.scalar_type()),
-          transposed_copy_into(dkt, empty_in_layout_of(key, key.sym_sizes(), key.options())),
-          transposed_copy_into(dvt, empty_in_layout_of(value, value.sym_sizes(), value.options())),
-          dlam.to(call.row_scale_dtype)};
+  return {dq, dk, dv, dlam.to(call.row_scale_dtype)};
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // one row of raw scores q_i.k_j becomes scaled, masked logits.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,20 +52,52 @@ inline at::Tensor gemm_operand(const at::Tensor& x, at::ScalarType dtype) {
   return span > std::numeric_limits<int32_t>::max() ? y.contiguous() : y;
 }
 
-// A 16-bit (B, heads, L, dim) operand as given: its data, type and strides (unit last stride).
-struct Raw16 {
-  const void* data = nullptr;
+// A (B, heads, L, dim) operand as given, in any of the four input types (float, double, bfloat16,
+// half): its data, type and strides (unit last stride). The kernels read 16-bit operands through
+// it without a widened copy of the whole tensor, and write the backward's dQ in the query's type.
+struct RawOperand {
+  void* data = nullptr;
   at::ScalarType dtype = at::kBFloat16;
   int64_t sb = 0, sh = 0, sl = 0;
-  static Raw16 of(const at::Tensor& t) {
-    return {t.const_data_ptr(), t.scalar_type(), t.stride(0), t.stride(1), t.stride(2)};
+  static RawOperand of(const at::Tensor& t) {
+    return {const_cast<void*>(t.const_data_ptr()), t.scalar_type(), t.stride(0), t.stride(1),
+            t.stride(2)};
   }
   // Row l of (b, h), read as T (the operand's own type).
   template <typename T>
-  const T* row(int64_t b, int64_t h, int64_t l) const {
-    return static_cast<const T*>(data) + b * sb + h * sh + l * sl;
+  T* row(int64_t b, int64_t h, int64_t l) const {
+    return static_cast<T*>(data) + b * sb + h * sh + l * sl;
   }
 };
+
+// Rows j0 .. j0 + n of (b, h) of x converted to acc_t: dst[j * ld + d], or transposed,
+// dst[d * ld + j].
+template <typename acc_t>
+void load_rows(const RawOperand& x, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t dim,
+               acc_t* dst, int64_t ld, bool transposed) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.dtype, "entropy_attn_load_rows", [&] {
+    const scalar_t* src = x.row<scalar_t>(b, h, j0);
+    if (transposed) return transpose_block(n, dim, src, x.sl, dst, ld);
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* row = src + j * x.sl;
+      for (int64_t d = 0; d < dim; ++d) dst[j * ld + d] = static_cast<acc_t>(row[d]);
+    }
+  });
+}
+
+// Rows i0 .. i0 + n of (b, h) of y = src (n x dim, row stride ld) converted to y's type.
+template <typename acc_t>
+void store_rows(const acc_t* src, int64_t ld, const RawOperand& y, int64_t b, int64_t h, int64_t i0,
+                int64_t n, int64_t dim) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.dtype, "entropy_attn_store_rows",
+                                  [&] {
+                                    for (int64_t i = 0; i < n; ++i) {
+                                      scalar_t* row = y.row<scalar_t>(b, h, i0 + i);
+                                      for (int64_t d = 0; d < dim; ++d)
+                                        row[d] = static_cast<scalar_t>(src[i * ld + d]);
+                                    }
+                                  });
+}
 
 // x (B, heads, L, dim) as a contiguous (B, heads, dim, L) tensor in `dtype`, in one copy: the
 // row-major right operand of the products with x^T (Q K^T, dO V^T), which block_gemm takes as is,

@@ -40,41 +40,27 @@ inline bool transposes_key_blocks(const AttentionShape& sh, const KeyPattern& pa
 // rows the block product was faster, 7.8 ms against 9-11 for the dot products).
 constexpr int64_t kKeyRowScoreRows = 8;
 
-// Rows j0 .. j0 + n of (b, h) of a 16-bit operand in acc_t: dst[j * ld + d], or transposed,
-// dst[d * ld + j].
-template <typename acc_t>
-void load_rows(const Raw16& x, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t dim, acc_t* dst,
-               int64_t ld, bool transposed) {
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.dtype, "entropy_attn_load_rows", [&] {
-    const scalar_t* src = static_cast<const scalar_t*>(x.data) + b * x.sb + h * x.sh + j0 * x.sl;
-    if (transposed) return transpose_block(n, dim, src, x.sl, dst, ld);
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* row = src + j * x.sl;
-      for (int64_t d = 0; d < dim; ++d) dst[j * ld + d] = static_cast<acc_t>(row[d]);
-    }
-  });
-}
-
-// Where the forward multiplies bfloat16 operands as they are (bf16_products.h): Q as given, K^T
-// and V in pairs, either whole (packed once before the tasks, shared by a head's query tiles) or,
-// where key_blocks_transposed, block by block from k16 and v16.
+// Where the forward multiplies bfloat16 operands as they are (bf16_products.h): Q as given
+// (FwdArgs), K^T and V in pairs, either whole (packed once before the tasks, shared by a head's
+// query tiles) or, where key_blocks_transposed, block by block from k16 and v16.
 struct PairOperands {
   bool on = false;
-  Raw16 q;
   PairedOperand kt, v;  // whole
 };
 
 template <typename acc_t>
 struct FwdArgs {
   AttentionShape shape;
+  // Q as given, read a query block at a time (converted to acc_t without bfloat16 products).
+  RawOperand q;
   // kt: K transposed, (B, Hkv, D, Lk); or, where key_blocks_transposed (transposes_key_blocks),
   // k: K as given.
-  Strided4<acc_t> q, kt, k, v;
+  Strided4<acc_t> kt, k, v;
   bool key_blocks_transposed;
   // Where key_blocks_transposed and the inputs are 16-bit: K and V as given (k and v unused), each
   // block converted as it streams, since a conversion of the whole cache is as costly as the copy
   // it replaces (bfloat16 decoding took 3.8x SDPA's time with it).
-  Raw16 k16, v16;
+  RawOperand k16, v16;
   PairOperands pairs;
   NonFiniteRows v_nonfinite;  // the value rows holding a NaN or an infinity
   MaskArg<acc_t> mask;
@@ -83,9 +69,10 @@ struct FwdArgs {
   Softcap<acc_t> softcap;
   const acc_t* sinks;  // (H,), or null
   Dropout<acc_t> dropout;
-  // Outputs: out (B, H, Lq, Dv), in the query's layout (allocate_attention_outputs); the rest
+  // Outputs: out (B, H, Lq, Dv), in the input type and the query's layout
+  // (allocate_attention_outputs), each row accumulated in acc_t and rounded once; the rest
   // (B, H, Lq), contiguous.
-  Strided4<acc_t> out;
+  RawOperand out;
   acc_t *lse, *entropy, *sum_p2, *max_weight, *row_scale, *length_factor;
   int64_t* n_keys;
   // The statistics (null without return_stats): entropy, sum_p2, max_weight above and these.
@@ -100,6 +87,7 @@ struct FwdArgs {
 template <typename acc_t>
 struct FwdBuffers {
   std::vector<acc_t> s, o, scratch, kt, v;  // v: a value block converted from 16 bits
+  std::vector<acc_t> q;                     // the block's query rows (rows x D), in acc_t
   std::vector<uint8_t> v_flags;             // its non-finite rows
   // With bfloat16 products: P in pairs' order (rows x an even number of keys), and where
   // transposes_key_blocks the block's K^T and V in pairs.
@@ -124,7 +112,7 @@ void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
     const AttentionShape& sh = a.shape;
     const int64_t kvh = h / sh.group(), D = sh.head_dim;
     const PairOperands& po = a.pairs;
-    const auto* q = po.q.row<c10::BFloat16>(b, h, i0);
+    const auto* q = a.q.template row<c10::BFloat16>(b, h, i0);
     const c10::BFloat16* kt = nullptr;
     int64_t ldb = 0;
     if (a.key_blocks_transposed) {
@@ -135,7 +123,7 @@ void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
     } else {
       kt = po.kt.at(b, kvh) + 2 * j0, ldb = po.kt.ld;  // key j0's first pair
     }
-    bf16_gemm(rows, n, D, q, po.q.sl, kt, ldb, buf.s.data(), n, false);
+    bf16_gemm(rows, n, D, q, a.q.sl, kt, ldb, buf.s.data(), n, false);
   } else {
     TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
   }
@@ -188,7 +176,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const int64_t kvh = h / sh.group();
   const int64_t D = sh.head_dim, Dv = sh.v_head_dim;
   const bool pairs = a.pairs.on;
-  const acc_t* q = pairs ? nullptr : a.q.at(b, h, i0);
+  if (!pairs && buf.q.empty()) buf.q.resize(buf.rows * D);
+  if (!pairs) load_rows(a.q, b, h, i0, rows, D, buf.q.data(), D, /*transposed=*/false);
+  const acc_t* q = pairs ? nullptr : buf.q.data();
   const bool per_block = a.key_blocks_transposed;
   const acc_t* kt = per_block || pairs ? nullptr : a.kt.at(b, kvh);
   const bool convert = !pairs && a.k16.data != nullptr;
@@ -237,16 +227,16 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
       // (16-bit keys converted as stored, unit column stride: D apart)
       if (convert) load_rows(a.k16, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false);
       const acc_t* k_rows = convert ? buf.kt.data() : k + j0 * a.k.sl;
-      key_row_scores(rows, n, D, q, a.q.sl, k_rows, convert ? D : a.k.sl, s_buf.data(), n);
+      key_row_scores(rows, n, D, q, D, k_rows, convert ? D : a.k.sl, s_buf.data(), n);
     } else if (per_block) {
       if (convert) {
         load_rows(a.k16, b, kvh, j0, n, D, buf.kt.data(), n, /*transposed=*/true);
       } else {
         transpose_block(n, D, k + j0 * a.k.sl, a.k.sl, buf.kt.data(), n);
       }
-      block_gemm<acc_t>(rows, n, D, q, a.q.sl, buf.kt.data(), n, s_buf.data(), n, false);
+      block_gemm<acc_t>(rows, n, D, q, D, buf.kt.data(), n, s_buf.data(), n, false);
     } else {
-      block_gemm<acc_t>(rows, n, D, q, a.q.sl, kt + j0, a.kt.sl, s_buf.data(), n, false);
+      block_gemm<acc_t>(rows, n, D, q, D, kt + j0, a.kt.sl, s_buf.data(), n, false);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const RowSetup<acc_t>& row = buf.setup[r];
@@ -288,10 +278,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
 
   for (int64_t r = 0; r < rows; ++r) {
     const RowResult<acc_t> res = finalize(stats[r]);
-    const acc_t* o = o_buf.data() + r * Dv;
-    acc_t* out = a.out.at(b, h, i0 + r);
+    acc_t* o = o_buf.data() + r * Dv;
 #pragma omp simd
-    for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * res.inv_l;
+    for (int64_t d = 0; d < Dv; ++d) o[d] *= res.inv_l;
     a.lse[row0 + r] = res.lse;
     if (!a.with_stats) continue;
     // With a sink the distribution has one more entry than the n_i keys.
@@ -304,6 +293,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     a.sparsity[row0 + r] = d.sparsity;
     a.effective_keys[row0 + r] = d.effective_keys;
   }
+  store_rows(o_buf.data(), Dv, a.out, b, h, i0, rows, Dv);
 }
 
 // Whether the call's products run in bfloat16 (bf16_products.h): bfloat16 inputs where the CPU has
@@ -315,11 +305,10 @@ bool uses_bf16_products(const AttentionCall& call, const at::Tensor& key) {
 
 // The operands of bfloat16 products: Q as given, and unless the tasks pack each block
 // (per_block), K^T and V packed whole, with the flags of V's non-finite rows.
-PairOperands pair_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           bool per_block, NonFiniteRows& v_nonfinite) {
+PairOperands pair_operands(const at::Tensor& k, const at::Tensor& v, bool per_block,
+                           NonFiniteRows& v_nonfinite) {
   PairOperands po;
   po.on = true;
-  po.q = Raw16::of(q);
   if (per_block) return po;
   po.kt = pack_whole_pairs(k, /*transposed=*/true);
   po.v = pack_whole_pairs(v, /*transposed=*/false);
@@ -333,7 +322,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const at::ScalarType acc = call.acc;
   const bool per_block = transposes_key_blocks(sh, call.key_pattern());
   const bool pairs = uses_bf16_products(call, key);
-  const at::Tensor q = gemm_operand(query, pairs ? call.dtype : acc);
+  const at::Tensor q = gemm_operand(query, call.dtype);
   // 16-bit K and V converted per block, or taken as they are by bfloat16 products
   const bool raw16 = (per_block && call.dtype != acc) || pairs;
   const at::Tensor k = raw16       ? with_unit_last_stride(key, call.dtype)
@@ -343,21 +332,19 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   AttentionOutputs outputs = call.allocate_outputs(query);
   auto& [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
          normalized_entropy, sparsity, effective_keys] = outputs;
-  // The kernel accumulates the output in `acc`; 16-bit inputs round once at the end.
-  at::Tensor out = out_t.scalar_type() == acc ? out_t : at::empty_like(out_t, out_t.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_forward_cpu", [&] {
     FwdArgs<scalar_t> a{};
     a.shape = sh;
-    if (!pairs) a.q = Strided4<scalar_t>::of(q);
+    a.q = RawOperand::of(q);
     a.key_blocks_transposed = per_block;
     if (pairs) {
-      a.k16 = Raw16::of(k);
-      a.v16 = Raw16::of(v);
-      a.pairs = pair_operands(q, k, v, per_block, a.v_nonfinite);
+      a.k16 = RawOperand::of(k);
+      a.v16 = RawOperand::of(v);
+      a.pairs = pair_operands(k, v, per_block, a.v_nonfinite);
     } else if (raw16) {  // (the value blocks' non-finite rows are found as they load)
-      a.k16 = Raw16::of(k);
-      a.v16 = Raw16::of(v);
+      a.k16 = RawOperand::of(k);
+      a.v16 = RawOperand::of(v);
     } else {
       (per_block ? a.k : a.kt) = Strided4<scalar_t>::of(k);
       a.v = Strided4<scalar_t>::of(v);
@@ -369,7 +356,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.softcap = call.options.logit_softcap<scalar_t>();
     a.sinks = call.sink_data<scalar_t>();
     a.dropout = call.dropout<scalar_t>();
-    a.out = Strided4<scalar_t>::of(out), a.lse = lse.data_ptr<scalar_t>();
+    a.out = RawOperand::of(out_t), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();
@@ -389,7 +376,6 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
           forward_task(a, buf, b, h, i0, rows);
         });
   });
-  if (!out.is_same(out_t)) out_t.copy_(out);
   return outputs;
 }
 

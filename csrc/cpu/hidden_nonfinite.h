@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "attention_cpu.h"
@@ -21,11 +22,16 @@ namespace entropy_attn::cpu {
 
 // Whether x[0], x[stride], ..., x[(n - 1) stride] holds a NaN or an infinity: x - x is 0 for
 // finite x and NaN otherwise, and the sum of those vectorizes where a branch per element would not.
+// (16-bit inputs are widened to float, exactly.)
 template <typename T>
 EA_ALWAYS_INLINE bool has_nonfinite(const T* x, int64_t n, int64_t stride = 1) {
-  T acc = 0;
+  using A = std::conditional_t<std::is_floating_point_v<T>, T, float>;
+  A acc = 0;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += x[d * stride] - x[d * stride];
+  for (int64_t d = 0; d < n; ++d) {
+    const A v = static_cast<A>(x[d * stride]);
+    acc += v - v;
+  }
   return acc != acc;
 }
 
@@ -68,6 +74,9 @@ class NonFiniteRows {
       r.flags_ = std::move(flags);
     return r;
   }
+
+  // Whether some row of the operand is flagged.
+  bool any() const { return !flags_.empty(); }
 
   // The flags of (b, h)'s rows, or null when no row of the operand is flagged.
   const uint8_t* at(int64_t b, int64_t h) const {

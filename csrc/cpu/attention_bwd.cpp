@@ -9,8 +9,9 @@
 // Every product is row-major without transposes (block_gemm): K and V are also read transposed,
 // and dK, dV are accumulated transposed, (D, Lk), from the transposed query-block operands. No
 // input is copied whole: a task converts its keys' K^T, V^T and K once into its thread's buffers
-// and keeps their dK^T, dV^T there (BwdUnit), and each query block converts its rows of Q, O and dO
-// (with head parts, whose tasks would each convert the same keys, they share whole copies).
+// (in float, or in bfloat16 pairs with K in float only where a key is not finite) and keeps their
+// dK^T, dV^T there (BwdUnit), and each query block converts its rows of Q, O and dO (with head
+// parts, whose tasks would each convert the same keys, they share whole copies).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -244,7 +245,9 @@ BwdUnit<acc_t> prepare_unit(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int
   if (a.pairs) {
     const int64_t keys2 = keys + keys % 2;
     u.ld_kt16 = u.ld_vt16 = pair_row_length(keys), u.ld_k16 = pair_row_length(D);
-    grow(buf.unit_kt16, D * u.ld_kt16), grow(buf.unit_vt16, Dv * u.ld_vt16);
+    // (and a tile of 16 pairs beyond the last row: a product from an offset not a multiple of 16
+    // stays inside the buffer whatever the width the kernel reads its last columns in)
+    grow(buf.unit_kt16, D * u.ld_kt16 + 32), grow(buf.unit_vt16, Dv * u.ld_vt16 + 32);
     grow(buf.unit_k16, keys2 * u.ld_k16), grow(buf.unit_flags, keys2);
     const auto* k_rows = a.key.template row<c10::BFloat16>(b, kvh, first);
     const auto* v_rows = a.value.template row<c10::BFloat16>(b, kvh, first);
@@ -576,8 +579,8 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.key = RawOperand::of(k), a.value = RawOperand::of(v);
     a.whole = parts > 1 ? &whole : nullptr;
     a.k_nonfinite = std::move(k_nonfinite);
-    a.dq = RawOperand::of(dq);
-    a.dk = RawOperand::of(dk), a.dv = RawOperand::of(dv);
+    a.dq = RawOperand::output(dq);
+    a.dk = RawOperand::output(dk), a.dv = RawOperand::output(dv);
     a.dkt = opt_strided(dkt), a.dvt = opt_strided(dvt);
     a.mask = make_mask_arg<scalar_t>(call.mask);
     a.pattern = call.key_pattern();

@@ -59,9 +59,15 @@ struct RawOperand {
   void* data = nullptr;
   at::ScalarType dtype = at::kBFloat16;
   int64_t sb = 0, sh = 0, sl = 0;
+  // An input, read only.
   static RawOperand of(const at::Tensor& t) {
     return {const_cast<void*>(t.const_data_ptr()), t.scalar_type(), t.stride(0), t.stride(1),
             t.stride(2)};
+  }
+  // An output, written (mutable_data_ptr: a tensor whose storage is shared copy-on-write gets its
+  // own first).
+  static RawOperand output(const at::Tensor& t) {
+    return {t.mutable_data_ptr(), t.scalar_type(), t.stride(0), t.stride(1), t.stride(2)};
   }
   // Row l of (b, h), read as T (the operand's own type).
   template <typename T>

@@ -356,7 +356,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.softcap = call.options.logit_softcap<scalar_t>();
     a.sinks = call.sink_data<scalar_t>();
     a.dropout = call.dropout<scalar_t>();
-    a.out = RawOperand::of(out_t), a.lse = lse.data_ptr<scalar_t>();
+    a.out = RawOperand::output(out_t), a.lse = lse.data_ptr<scalar_t>();
     a.entropy = entropy.data_ptr<scalar_t>(), a.sum_p2 = sum_p2.data_ptr<scalar_t>();
     a.max_weight = max_weight.data_ptr<scalar_t>(), a.row_scale = row_scale.data_ptr<scalar_t>();
     a.length_factor = length_factor.data_ptr<scalar_t>();

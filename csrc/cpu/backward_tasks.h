@@ -13,6 +13,11 @@
 // ceil(tasks / threads) consecutive tasks, costed at the heaviest chunk's work, as under
 // causality the first chunks hold most of it) plus the partials' memory traffic shared by all
 // threads; among equals, the smaller partials, then the fewer chunks.
+//
+// Besides the partials, each running task holds its keys' operands and dK / dV in its thread's
+// buffers where there is one head part (attention_bwd.cpp: BwdUnit), (3 D + 2 Dv) floats per key
+// of its chunk: the running tasks' keys are distinct, so together they hold no more than whole
+// copies would.
 #pragma once
 
 #include <algorithm>

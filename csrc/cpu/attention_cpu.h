@@ -54,7 +54,8 @@ inline at::Tensor gemm_operand(const at::Tensor& x, at::ScalarType dtype) {
 
 // A (B, heads, L, dim) operand as given, in any of the four input types (float, double, bfloat16,
 // half): its data, type and strides (unit last stride). The kernels read 16-bit operands through
-// it without a widened copy of the whole tensor, and write the backward's dQ in the query's type.
+// it without a widened copy of the whole tensor, and write outputs in their own types (the
+// forward's output, the backward's gradients).
 struct RawOperand {
   void* data = nullptr;
   at::ScalarType dtype = at::kBFloat16;

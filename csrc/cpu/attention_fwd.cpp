@@ -303,7 +303,7 @@ bool uses_bf16_products(const AttentionCall& call, const at::Tensor& key) {
   return call.dtype == at::kBFloat16 && rows_pair_up(key) && bf16_products_available();
 }
 
-// The operands of bfloat16 products: Q as given, and unless the tasks pack each block
+// The operands of bfloat16 products besides Q (read as given): unless the tasks pack each block
 // (per_block), K^T and V packed whole, with the flags of V's non-finite rows.
 PairOperands pair_operands(const at::Tensor& k, const at::Tensor& v, bool per_block,
                            NonFiniteRows& v_nonfinite) {

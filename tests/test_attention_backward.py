@@ -262,6 +262,28 @@ def test_attention_backward_op(device: str, with_stats_grads: bool, gqa: bool) -
         assert rel_err(a, e) < 1e-9, f"{name}: {rel_err(a, e):.3g}"
 
 
+@pytest.mark.parametrize("upstream", [torch.float64, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_attention_backward_op_upstream_in_another_dtype(upstream: torch.dtype) -> None:
+    """The CPU backward reads grad_output and output in their own floating dtype (the four input
+    dtypes as given, any other, e.g. float8, converted first): with float32 inputs the gradients
+    equal, bit for bit, those of the same values converted to float32 (exactly: each of these
+    dtypes' values is a float32, or rounds to one as the conversion does), which
+    test_attention_backward_op holds to the float64 reference."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 9, 11, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, D, generator=g) for b, h, n in ((B, H, Lq), (B, Hkv, Lk), (B, Hkv, Lk)))
+    out, lse, ent, sp2, _, _, rs = OP(q, k, v, None, None, is_causal=True, enable_gqa=True)[:7]
+    go, o = torch.randn(out.shape, generator=g).to(upstream), out.to(upstream)
+
+    def grads(go: Tensor, o: Tensor) -> Tuple[Tensor, ...]:
+        return torch.ops.entropy_attn.attention_backward(
+            go, None, None, None, q, k, v, None, o, lse, ent, sp2, rs, True
+        )[:3]
+
+    for name, a, e in zip(["query", "key", "value"], grads(go, o), grads(go.float(), o.float())):
+        assert a.dtype == torch.float32 and torch.equal(a, e), name
+
+
 # ----------------------------------------------------------------------------------------
 # fully masked rows, Lk = 0, edge cases
 # ----------------------------------------------------------------------------------------

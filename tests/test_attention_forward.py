@@ -648,6 +648,47 @@ def test_short_query_blocks_against_a_cache(device: str, dtype: torch.dtype, Lq:
     compare(q, k, v, mask, causal_alignment="bottom_right", is_causal=True)
 
 
+KEY_SOURCE_CASES = {  # B, H, Hkv, Lq, Lk, keyword arguments
+    # 9 heads on 2 or 4 threads: a thread's run of tasks starts inside a head and goes on to the
+    # next head of the same group, whose first tiles reach keys below those it converted first
+    "gqa_window": (1, 9, 3, 700, 700, {"is_causal": True, "window_size": (40, 0)}),
+    "gqa_window_bottom_right": (2, 6, 3, 300, 521, {"window_size": (60, 30), "causal_alignment": "bottom_right"}),
+    # one (batch, kv head) pair: K and V converted whole before the tasks on 2 or more threads
+    "mqa_causal": (1, 4, 1, 600, 600, {"is_causal": True}),
+    "batch_of_heads": (3, 4, 4, 130, 1100, {}),
+}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", list(KEY_SOURCE_CASES))
+def test_cpu_forward_key_sources(dtype: torch.dtype, threads: int, case: str) -> None:
+    """The CPU forward's tasks read K transposed (and 16-bit K and V converted, or packed in bfloat16
+    pairs) from their thread's buffers, converted once per run of tasks, where there are at least as
+    many (batch, kv head) pairs as threads, and from whole copies where there are fewer
+    (csrc/cpu/attention_fwd.cpp, KeySource): both against the reference on 1-4 threads, with a
+    value row of NaN and one of infinity in keys that no row sees (their flags are found as the
+    keys are converted), an odd key count and ragged tiles."""
+    B, H, Hkv, Lq, Lk, kw = KEY_SOURCE_CASES[case]
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 16, dtype=dtype, device="cpu")
+    mask = torch.ones(1, 1, 1, Lk, dtype=torch.bool)
+    hidden = [3, Lk - 2]  # keys no row sees: in the first block and the last
+    mask[..., hidden] = False
+    v_bad = v.clone()
+    v_bad[:, :, hidden[0]] = float("nan")
+    v_bad[:, :, hidden[1]] = float("inf")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, stats = run_api(q, k, v_bad, mask, enable_gqa=True, **kw)
+    finally:
+        torch.set_num_threads(previous)
+    # (the reference with those values at 0: a key that no row sees takes no part in any row)
+    v_ref = v.clone()
+    v_ref[:, :, hidden] = 0
+    check_against_reference(out, stats, reference_attention(q, k, v_ref, mask, enable_gqa=True, **kw), dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # edge cases: empty rows, Lk = 0, huge logits, NaN
 # ----------------------------------------------------------------------------------------

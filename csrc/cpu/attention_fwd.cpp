@@ -1,6 +1,12 @@
 // CPU forward of the fused attention with per-row statistics (FlashAttention-2 structure):
 // tasks are (batch, head, query block); each streams key/value blocks of kKvBlock keys, keeping the
 // online statistics of online_stats.h per row. No L_q x L_k buffer is ever formed.
+// The products read K transposed (and 16-bit K and V converted to float, or packed in bfloat16
+// pairs): each thread converts the keys of the (batch, key/value head) its tasks read into its own
+// buffers, once for the run of tasks it is handed (KeySource::kThread), so that no input is copied
+// whole; where there are fewer (batch, key/value head) pairs than threads, whose buffers would hold
+// more than one copy, they are converted whole before the tasks (kWhole); and decoding-like calls
+// whose keys are read by one task each convert block by block (kPerBlock).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -40,9 +46,16 @@ inline bool transposes_key_blocks(const AttentionShape& sh, const KeyPattern& pa
 // rows the block product was faster, 7.8 ms against 9-11 for the dot products).
 constexpr int64_t kKeyRowScoreRows = 8;
 
+// Where the forward's tasks find K^T and V (and with bfloat16 products, K^T and V in pairs).
+enum class KeySource {
+  kWhole,     // converted whole before the tasks (FwdArgs: kt, v, pairs)
+  kThread,    // converted by each thread into its buffers (ThreadKeys), from FwdArgs::key, value
+  kPerBlock,  // converted a key block at a time (transposes_key_blocks)
+};
+
 // Where the forward multiplies bfloat16 operands as they are (bf16_products.h): Q as given
-// (FwdArgs), K^T and V in pairs, either whole (packed once before the tasks, shared by a head's
-// query tiles) or, where key_blocks_transposed, block by block from k16 and v16.
+// (FwdArgs), K^T and V in pairs: whole (KeySource::kWhole), or packed by the tasks from
+// FwdArgs::key, value.
 struct PairOperands {
   bool on = false;
   PairedOperand kt, v;  // whole
@@ -53,16 +66,20 @@ struct FwdArgs {
   AttentionShape shape;
   // Q as given, read a query block at a time (converted to acc_t without bfloat16 products).
   RawOperand q;
-  // kt: K transposed, (B, Hkv, D, Lk); or, where key_blocks_transposed (transposes_key_blocks),
-  // k: K as given.
-  Strided4<acc_t> kt, k, v;
-  bool key_blocks_transposed;
-  // Where key_blocks_transposed and the inputs are 16-bit: K and V as given (k and v unused), each
-  // block converted as it streams, since a conversion of the whole cache is as costly as the copy
-  // it replaces (bfloat16 decoding took 3.8x SDPA's time with it).
-  RawOperand k16, v16;
+  KeySource keys;
+  // 16-bit inputs on float products: K and V converted to acc_t (whole, or by the tasks).
+  bool widen;
+  // K and V as given (a unit last stride) where the tasks convert them: K with kThread, and with
+  // kPerBlock for 16-bit inputs; V where it is 16-bit and not converted whole; both with bfloat16
+  // products. (Decoding converts its blocks as they stream: a conversion of the whole cache costs
+  // as much as the copy the per-block path avoids; bfloat16 decoding took 3.8x SDPA's time.)
+  RawOperand key, value;
+  // kt: K^T (B, Hkv, D, Lk) in acc_t (kWhole); k: K as given (kPerBlock, float inputs).
+  Strided4<acc_t> kt, k;
+  // V in acc_t: as given for float inputs, converted whole for 16-bit ones with kWhole.
+  Strided4<acc_t> v;
   PairOperands pairs;
-  NonFiniteRows v_nonfinite;  // the value rows holding a NaN or an infinity
+  NonFiniteRows v_nonfinite;  // the rows of `v`, or of pairs.v, holding a NaN or an infinity
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   KeyPattern pattern;
@@ -80,10 +97,37 @@ struct FwdArgs {
   bool with_stats;
 };
 
+// The keys of one (batch, key/value head) converted by a thread (KeySource::kThread), key j at
+// column j of K^T and row j of V, whatever the range [lo, hi) converted so far: K^T (D x Lk) and,
+// for 16-bit inputs, V (Lk x Dv) in acc_t with the flags of its non-finite rows; or K^T and V in
+// bfloat16 pairs (lo even, hi even or Lk) with V's flags. Each thread is handed a contiguous run
+// of tasks (at::parallel_for), ordered by (batch, head, query tile), so it converts each (batch,
+// key/value head) it meets once, widening the range as its tiles reach further keys.
+template <typename acc_t>
+struct ThreadKeys {
+  int64_t b = -1, kvh = -1, lo = 0, hi = 0;
+  std::vector<acc_t> kt, v;
+  std::vector<c10::BFloat16> kt16, v16;
+  std::vector<uint8_t> v_flags;
+  int64_t ld_kt16 = 0, ld_v16 = 0;
+};
+
+// One (batch, key/value head)'s keys as a task reads them: key j at column j of K^T (kt, or kt16
+// in pairs) and row j of V (v or v16), with the flags of V's non-finite rows (null: none).
+template <typename acc_t>
+struct TaskKeys {
+  const acc_t *kt = nullptr, *v = nullptr;
+  int64_t ld_kt = 0, ld_v = 0;
+  const c10::BFloat16 *kt16 = nullptr, *v16 = nullptr;
+  int64_t ld_kt16 = 0, ld_v16 = 0;
+  const uint8_t* v_flags = nullptr;
+};
+
 // A thread's buffers: scores of one block (rows x key_block_capacity), the output accumulator
-// (rows x Dv), the per-row state, scratch for a value block with non-finite rows, and (allocated
-// at first use) where transposes_key_blocks a key block transposed (D x key_block_capacity), or
-// for few rows of 16-bit keys converted as stored (key_block_capacity x D).
+// (rows x Dv), the per-row state, scratch for a value block with non-finite rows, its keys
+// (ThreadKeys), and (allocated at first use) where transposes_key_blocks a key block transposed
+// (D x key_block_capacity), or for few rows of 16-bit keys converted as stored
+// (key_block_capacity x D).
 template <typename acc_t>
 struct FwdBuffers {
   std::vector<acc_t> s, o, scratch, kt, v;  // v: a value block converted from 16 bits
@@ -94,6 +138,7 @@ struct FwdBuffers {
   std::vector<c10::BFloat16> p16, kt16, v16;
   std::vector<RowSetup<acc_t>> setup;
   std::vector<RowStats<acc_t>> stats;
+  ThreadKeys<acc_t> keys;
   int64_t rows;  // the most rows a task has
   FwdBuffers(int64_t rows, const AttentionShape& sh)
       : s(rows * key_block_capacity(sh)),
@@ -104,24 +149,23 @@ struct FwdBuffers {
 };
 
 // The scores of key block [j0, j0 + n) by a bfloat16 product (PairOperands): S = Q K^T into buf.s
-// (rows x n), K^T's block taken from the whole packed operand, or packed here.
+// (rows x n), K^T's block taken from the packed operand (whole, or the thread's), or packed here.
 template <typename acc_t>
-void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h, int64_t i0,
-                 int64_t rows, int64_t j0, int64_t n) {
+void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, const TaskKeys<acc_t>& keys,
+                 int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t n) {
   if constexpr (std::is_same_v<acc_t, float>) {
     const AttentionShape& sh = a.shape;
     const int64_t kvh = h / sh.group(), D = sh.head_dim;
-    const PairOperands& po = a.pairs;
     const auto* q = a.q.template row<c10::BFloat16>(b, h, i0);
     const c10::BFloat16* kt = nullptr;
     int64_t ldb = 0;
-    if (a.key_blocks_transposed) {
-      const auto* k = a.k16.template row<c10::BFloat16>(b, kvh, j0);
+    if (a.keys == KeySource::kPerBlock) {
+      const auto* k = a.key.template row<c10::BFloat16>(b, kvh, j0);
       ldb = pair_row_length(n);
-      pack_transposed_pairs(n, D, k, a.k16.sl, buf.kt16.data(), ldb);
+      pack_transposed_pairs(n, D, k, a.key.sl, buf.kt16.data(), ldb);
       kt = buf.kt16.data();
     } else {
-      kt = po.kt.at(b, kvh) + 2 * j0, ldb = po.kt.ld;  // key j0's first pair
+      kt = keys.kt16 + 2 * j0, ldb = keys.ld_kt16;  // key j0's first pair
     }
     bf16_gemm(rows, n, D, q, a.q.sl, kt, ldb, buf.s.data(), n, false);
   } else {
@@ -130,12 +174,12 @@ void pair_scores(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
 }
 
 // O += P V for key block [j0, j0 + n) by a bfloat16 product, P (buf.s) rounded to bfloat16 in
-// pairs' order and V's block taken from the whole packed operand, or packed here. A block whose
-// values hold a NaN or an infinity goes through the float product that adds them to the rows that
-// see them only (hidden_nonfinite.h), its values widened.
+// pairs' order and V's block taken from the packed operand (whole, or the thread's), or packed
+// here. A block whose values hold a NaN or an infinity goes through the float product that adds
+// them to the rows that see them only (hidden_nonfinite.h), its values widened.
 template <typename acc_t, typename Sees>
-void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int64_t h,
-                 int64_t rows, int64_t j0, int64_t n, const Sees& sees) {
+void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, const TaskKeys<acc_t>& keys,
+                 int64_t b, int64_t h, int64_t rows, int64_t j0, int64_t n, const Sees& sees) {
   if constexpr (std::is_same_v<acc_t, float>) {
     const AttentionShape& sh = a.shape;
     const int64_t kvh = h / sh.group(), Dv = sh.v_head_dim;
@@ -144,20 +188,19 @@ void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
     const int64_t ldb = pair_row_length(Dv);
     const uint8_t* flags = nullptr;
     int64_t checked = n;  // the keys whose values the product reads with a weight
-    if (a.key_blocks_transposed) {
-      const auto* rows16 = a.v16.template row<c10::BFloat16>(b, kvh, j0);
-      pack_row_pairs(n, Dv, rows16, a.v16.sl, buf.v16.data(), ldb, buf.v_flags.data());
+    if (a.keys == KeySource::kPerBlock) {
+      const auto* rows16 = a.value.template row<c10::BFloat16>(b, kvh, j0);
+      pack_row_pairs(n, Dv, rows16, a.value.sl, buf.v16.data(), ldb, buf.v_flags.data());
       v = buf.v16.data(), flags = buf.v_flags.data();
     } else {
-      // The whole operand pairs key j0 + n with an odd block's last key: its weight is 0, but
-      // 0 * inf is not.
-      v = a.pairs.v.at(b, kvh) + j0 * ldb;
-      const uint8_t* all = a.v_nonfinite.at(b, kvh);
-      flags = all ? all + j0 : nullptr;
+      // The operand pairs key j0 + n with an odd block's last key: its weight is 0, but 0 * inf
+      // is not.
+      v = keys.v16 + j0 * keys.ld_v16;
+      flags = keys.v_flags ? keys.v_flags + j0 : nullptr;
       checked = std::min(n2, sh.kv_len - j0);
     }
     if (any_flagged(flags, checked)) {
-      load_rows(a.v16, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
+      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
       product_seen_rows_of_b<float>(rows, Dv, n, buf.s.data(), n, buf.v.data(), Dv, buf.o.data(),
                                     Dv, true, flags, buf.scratch, sees);
       return;
@@ -167,6 +210,86 @@ void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, int
   } else {
     TORCH_INTERNAL_ASSERT(false, "bfloat16 products accumulate in float");
   }
+}
+
+// Keys [from, to) of the thread's (batch, key/value head) converted into its buffers
+// (ThreadKeys; with pairs from even, to even or Lk).
+template <typename acc_t>
+void convert_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t from, int64_t to) {
+  const int64_t D = a.shape.head_dim, Dv = a.shape.v_head_dim, n = to - from;
+  if (n <= 0) return;
+  if (a.pairs.on) {
+    transpose_pairs(n, D, a.key.template row<c10::BFloat16>(t.b, t.kvh, from), a.key.sl,
+                    t.kt16.data() + 2 * from, t.ld_kt16);
+    pack_row_pairs(n, Dv, a.value.template row<c10::BFloat16>(t.b, t.kvh, from), a.value.sl,
+                   t.v16.data() + from * t.ld_v16, t.ld_v16, t.v_flags.data() + from);
+    return;
+  }
+  load_rows(a.key, t.b, t.kvh, from, n, D, t.kt.data() + from, a.shape.kv_len,
+            /*transposed=*/true);
+  if (a.widen) {
+    acc_t* v = t.v.data() + from * Dv;
+    load_rows(a.value, t.b, t.kvh, from, n, Dv, v, Dv, /*transposed=*/false);
+    for (int64_t j = 0; j < n; ++j) t.v_flags[from + j] = has_nonfinite(v + j * Dv, Dv);
+  }
+}
+
+// The keys of (b, kvh) for a task that reads keys [lo, hi) of them (lo even with pairs): from the
+// whole operands, or converted into the thread's buffers as far as they are not there yet.
+template <typename acc_t>
+TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t b, int64_t kvh,
+                          int64_t lo, int64_t hi) {
+  const AttentionShape& sh = a.shape;
+  const int64_t D = sh.head_dim, Dv = sh.v_head_dim, Lk = sh.kv_len;
+  TaskKeys<acc_t> k;
+  const bool pairs = a.pairs.on;
+  if (a.keys == KeySource::kPerBlock) {  // (only float values are read as given)
+    if (!pairs && !a.widen)
+      k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.v_flags = a.v_nonfinite.at(b, kvh);
+    return k;
+  }
+  if (a.keys == KeySource::kWhole) {
+    if (pairs) {
+      k.kt16 = a.pairs.kt.at(b, kvh), k.ld_kt16 = a.pairs.kt.ld;
+      k.v16 = a.pairs.v.at(b, kvh), k.ld_v16 = a.pairs.v.ld;
+    } else {
+      k.kt = a.kt.at(b, kvh), k.ld_kt = a.kt.sl, k.v = a.v.at(b, kvh), k.ld_v = a.v.sl;
+    }
+    k.v_flags = a.v_nonfinite.at(b, kvh);
+    return k;
+  }
+  if (t.kt.empty() && t.kt16.empty()) {  // (sized for all Lk keys, which every unit reuses)
+    const int64_t L2 = Lk + Lk % 2;
+    if (pairs) {
+      // (and a tile of 16 pairs beyond the last row: a product from an offset not a multiple of 16
+      // stays inside the buffer whatever the width the kernel reads its last columns in)
+      t.ld_kt16 = pair_row_length(Lk), t.ld_v16 = pair_row_length(Dv);
+      t.kt16.resize(D * t.ld_kt16 + 32), t.v16.resize(L2 * t.ld_v16 + 32);
+      t.v_flags.resize(L2);
+    } else {
+      t.kt.resize(std::max<int64_t>(D * Lk, 1));
+      if (a.widen) t.v.resize(Lk * Dv), t.v_flags.resize(Lk);
+    }
+  }
+  if (t.b != b || t.kvh != kvh) t.b = b, t.kvh = kvh, t.lo = t.hi = lo;
+  if (hi > lo) {
+    // (one range: a task reaching below it or beyond converts the keys in between too)
+    const int64_t end = pairs ? std::min(Lk, hi + hi % 2) : hi;
+    if (lo < t.lo) convert_keys(a, t, lo, t.lo), t.lo = lo;
+    if (end > t.hi) convert_keys(a, t, t.hi, end), t.hi = end;
+  }
+  if (pairs) {
+    k.kt16 = t.kt16.data(), k.ld_kt16 = t.ld_kt16, k.v16 = t.v16.data(), k.ld_v16 = t.ld_v16;
+    k.v_flags = t.v_flags.data();
+  } else {
+    k.kt = t.kt.data(), k.ld_kt = Lk;
+    if (a.widen) {
+      k.v = t.v.data(), k.ld_v = Dv, k.v_flags = t.v_flags.data();
+    } else {
+      k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.v_flags = a.v_nonfinite.at(b, kvh);
+    }
+  }
+  return k;
 }
 
 template <typename acc_t>
@@ -179,12 +302,10 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   if (!pairs && buf.q.empty()) buf.q.resize(buf.rows * D);
   if (!pairs) load_rows(a.q, b, h, i0, rows, D, buf.q.data(), D, /*transposed=*/false);
   const acc_t* q = pairs ? nullptr : buf.q.data();
-  const bool per_block = a.key_blocks_transposed;
-  const acc_t* kt = per_block || pairs ? nullptr : a.kt.at(b, kvh);
-  const bool convert = !pairs && a.k16.data != nullptr;
-  const acc_t* k = per_block && !convert ? a.k.at(b, kvh) : nullptr;
-  const acc_t* v = convert || pairs ? nullptr : a.v.at(b, kvh);
-  const uint8_t* v_flags = a.v_nonfinite.at(b, kvh);
+  const bool per_block = a.keys == KeySource::kPerBlock;
+  // (16-bit blocks converted as they stream, or float keys read as given)
+  const bool convert = per_block && a.widen;
+  const acc_t* k = per_block && !pairs && !convert ? a.k.at(b, kvh) : nullptr;
   // (kt only where a block is transposed or converted: float rows read as stored need none)
   if (per_block && !pairs && (convert || rows > kKeyRowScoreRows) && buf.kt.empty()) {
     buf.kt.resize(D * key_block_capacity(sh));
@@ -219,24 +340,25 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   // With bfloat16 products the blocks start at even keys, where V's pairs start (a key before the
   // tile's first is one no row sees: weight 0).
   const int64_t first = pairs ? tile.lo - tile.lo % 2 : tile.lo;
+  const TaskKeys<acc_t> keys = task_keys(a, buf.keys, b, kvh, first, tile.hi);
   for (int64_t j0 = first; j0 < tile.hi; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, tile.hi - j0);
     if (pairs) {
-      pair_scores(a, buf, b, h, i0, rows, j0, n);
+      pair_scores(a, buf, keys, b, h, i0, rows, j0, n);
     } else if (per_block && rows <= kKeyRowScoreRows) {
       // (16-bit keys converted as stored, unit column stride: D apart)
-      if (convert) load_rows(a.k16, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false);
+      if (convert) load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false);
       const acc_t* k_rows = convert ? buf.kt.data() : k + j0 * a.k.sl;
       key_row_scores(rows, n, D, q, D, k_rows, convert ? D : a.k.sl, s_buf.data(), n);
     } else if (per_block) {
       if (convert) {
-        load_rows(a.k16, b, kvh, j0, n, D, buf.kt.data(), n, /*transposed=*/true);
+        load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), n, /*transposed=*/true);
       } else {
         transpose_block(n, D, k + j0 * a.k.sl, a.k.sl, buf.kt.data(), n);
       }
       block_gemm<acc_t>(rows, n, D, q, D, buf.kt.data(), n, s_buf.data(), n, false);
     } else {
-      block_gemm<acc_t>(rows, n, D, q, D, kt + j0, a.kt.sl, s_buf.data(), n, false);
+      block_gemm<acc_t>(rows, n, D, q, D, keys.kt + j0, keys.ld_kt, s_buf.data(), n, false);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const RowSetup<acc_t>& row = buf.setup[r];
@@ -259,15 +381,15 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
       return row_sees(a.mask, a.pattern, sh, b, h, i0 + r, j0 + j);
     };
     if (pairs) {
-      pair_values(a, buf, b, h, rows, j0, n, sees);
+      pair_values(a, buf, keys, b, h, rows, j0, n, sees);
       continue;
     }
     // O += P V, a non-finite value reaching only the rows that see its key.
-    const acc_t* v_block = convert ? buf.v.data() : v + j0 * a.v.sl;
-    const int64_t ld_v = convert ? Dv : a.v.sl;
-    const uint8_t* block_flags = v_flags ? v_flags + j0 : nullptr;
+    const acc_t* v_block = convert ? buf.v.data() : keys.v + j0 * keys.ld_v;
+    const int64_t ld_v = convert ? Dv : keys.ld_v;
+    const uint8_t* block_flags = keys.v_flags ? keys.v_flags + j0 : nullptr;
     if (convert) {
-      load_rows(a.v16, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
+      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
       for (int64_t j = 0; j < n; ++j) buf.v_flags[j] = has_nonfinite(buf.v.data() + j * Dv, Dv);
       block_flags = any_flagged(buf.v_flags.data(), n) ? buf.v_flags.data() : nullptr;
     }
@@ -303,13 +425,13 @@ bool uses_bf16_products(const AttentionCall& call, const at::Tensor& key) {
   return call.dtype == at::kBFloat16 && rows_pair_up(key) && bf16_products_available();
 }
 
-// The operands of bfloat16 products besides Q (read as given): unless the tasks pack each block
-// (per_block), K^T and V packed whole, with the flags of V's non-finite rows.
-PairOperands pair_operands(const at::Tensor& k, const at::Tensor& v, bool per_block,
+// The operands of bfloat16 products besides Q (read as given): where the tasks do not pack them
+// (KeySource::kWhole), K^T and V packed whole, with the flags of V's non-finite rows.
+PairOperands pair_operands(const at::Tensor& k, const at::Tensor& v, KeySource keys,
                            NonFiniteRows& v_nonfinite) {
   PairOperands po;
   po.on = true;
-  if (per_block) return po;
+  if (keys != KeySource::kWhole) return po;
   po.kt = pack_whole_pairs(k, /*transposed=*/true);
   po.v = pack_whole_pairs(v, /*transposed=*/false);
   v_nonfinite = NonFiniteRows::from(std::move(po.v.flags), v.size(1), v.size(2) + v.size(2) % 2);
@@ -320,15 +442,24 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const bool per_block = transposes_key_blocks(sh, call.key_pattern());
   const bool pairs = uses_bf16_products(call, key);
+  const bool widen = call.dtype != acc && !pairs;
+  // Each thread converts its keys where the threads together hold no more than whole copies.
+  const KeySource keys = transposes_key_blocks(sh, call.key_pattern())     ? KeySource::kPerBlock
+                         : sh.batch * sh.kv_heads >= at::get_num_threads() ? KeySource::kThread
+                                                                           : KeySource::kWhole;
   const at::Tensor q = gemm_operand(query, call.dtype);
-  // 16-bit K and V converted per block, or taken as they are by bfloat16 products
-  const bool raw16 = (per_block && call.dtype != acc) || pairs;
-  const at::Tensor k = raw16       ? with_unit_last_stride(key, call.dtype)
-                       : per_block ? gemm_operand(key, acc)
-                                   : transposed_copy(key, acc);
-  const at::Tensor v = raw16 ? with_unit_last_stride(value, call.dtype) : gemm_operand(value, acc);
+  // K as given where the tasks convert it (or pack it in pairs), else K^T converted whole, or float
+  // K read per block as a row-major operand. 16-bit V as given where the tasks convert it, else V
+  // in acc_t, as given for float inputs (a row-major operand).
+  const bool raw_key =
+      keys == KeySource::kThread || pairs || (keys == KeySource::kPerBlock && widen);
+  const bool raw_value = pairs || (widen && keys != KeySource::kWhole);
+  const at::Tensor k = raw_key                        ? with_unit_last_stride(key, call.dtype)
+                       : keys == KeySource::kPerBlock ? gemm_operand(key, acc)
+                                                      : transposed_copy(key, acc);
+  const at::Tensor v =
+      raw_value ? with_unit_last_stride(value, call.dtype) : gemm_operand(value, acc);
   AttentionOutputs outputs = call.allocate_outputs(query);
   auto& [out_t, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
          normalized_entropy, sparsity, effective_keys] = outputs;
@@ -337,19 +468,20 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     FwdArgs<scalar_t> a{};
     a.shape = sh;
     a.q = RawOperand::of(q);
-    a.key_blocks_transposed = per_block;
-    if (pairs) {
-      a.k16 = RawOperand::of(k);
-      a.v16 = RawOperand::of(v);
-      a.pairs = pair_operands(k, v, per_block, a.v_nonfinite);
-    } else if (raw16) {  // (the value blocks' non-finite rows are found as they load)
-      a.k16 = RawOperand::of(k);
-      a.v16 = RawOperand::of(v);
+    a.keys = keys;
+    a.widen = widen;
+    if (raw_key) {
+      a.key = RawOperand::of(k);
     } else {
-      (per_block ? a.k : a.kt) = Strided4<scalar_t>::of(k);
+      (keys == KeySource::kPerBlock ? a.k : a.kt) = Strided4<scalar_t>::of(k);
+    }
+    if (raw_value) {  // (the non-finite rows are found as the tasks convert them, or pack whole)
+      a.value = RawOperand::of(v);
+    } else {
       a.v = Strided4<scalar_t>::of(v);
       a.v_nonfinite = NonFiniteRows::of(a.v, sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim);
     }
+    if (pairs) a.pairs = pair_operands(k, v, keys, a.v_nonfinite);
     a.mask = call.mask_arg<scalar_t>();
     a.scale = call.scale_policy<scalar_t>();
     a.pattern = call.key_pattern();

@@ -81,11 +81,17 @@ void bf16_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t 
 
 void release_bf16_products() { at::native::cpublas::brgemm_release(true); }
 
+void transpose_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t ld,
+                     c10::BFloat16* dst, int64_t ldb) {
+  // Row j's pair p (entries 2p, 2p + 1) goes to B's pair row p, column j.
+  transpose_block(n, dim / 2, reinterpret_cast<const Pair*>(rows), ld / 2,
+                  reinterpret_cast<Pair*>(dst), ldb);
+}
+
 void pack_transposed_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t ld,
                            c10::BFloat16* dst, int64_t ldb) {
-  // Row j's pair p (entries 2p, 2p + 1) goes to B's pair row p, column j.
+  transpose_pairs(n, dim, rows, ld, dst, ldb);
   Pair* out = reinterpret_cast<Pair*>(dst);
-  transpose_block(n, dim / 2, reinterpret_cast<const Pair*>(rows), ld / 2, out, ldb);
   if (ldb > n) {
     for (int64_t p = 0; p < dim / 2; ++p) std::fill(out + p * ldb + n, out + (p + 1) * ldb, Pair{});
   }

@@ -42,6 +42,10 @@ inline int64_t pair_row_length(int64_t n) { return (n + 15) / 16 * 16; }
 // so this is a transpose of 32-bit units.
 void pack_transposed_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t ld,
                            c10::BFloat16* dst, int64_t ldb);
+// The same without the zeros: only B's columns 0 .. n are written (keys added to an operand
+// packed in parts, whose padding is already in place).
+void transpose_pairs(int64_t n, int64_t dim, const c10::BFloat16* rows, int64_t ld,
+                     c10::BFloat16* dst, int64_t ldb);
 
 // n rows of `dim` entries, row stride ld, in pairs: dst holds B = rows (n x dim, row length
 // ldb >= dim, zeros after column dim), rows 2p and 2p + 1 interleaved, and a zero row after an odd

@@ -337,7 +337,7 @@ at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::Sc
 
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype) {
   at::Tensor y = x.to(dtype);
-  return (y.size(-1) <= 1 || y.stride(-1) == 1) ? y : y.contiguous();
+  return has_unit_last_stride(y) ? y : y.contiguous();
 }
 
 }  // namespace entropy_attn

@@ -648,15 +648,18 @@ def test_short_query_blocks_against_a_cache(device: str, dtype: torch.dtype, Lq:
     compare(q, k, v, mask, causal_alignment="bottom_right", is_causal=True)
 
 
-KEY_SOURCE_CASES = {  # B, H, Hkv, Lq, Lk, keyword arguments
+KEY_SOURCE_CASES = {  # B, H, Hkv, Lq, Lk, keyword arguments, K stored transposed
     # 9 heads on 2 or 4 threads: a thread's run of tasks starts inside a head and goes on to the
     # next head of the same group, whose first tiles reach keys below those it converted first
-    "gqa_window": (1, 9, 3, 700, 700, {"is_causal": True, "window_size": (40, 0)}),
-    "gqa_window_bottom_right": (2, 6, 3, 300, 521, {"window_size": (60, 30), "causal_alignment": "bottom_right"}),
+    "gqa_window": (1, 9, 3, 700, 700, {"is_causal": True, "window_size": (40, 0)}, False),
+    "gqa_window_bottom_right": (
+        2, 6, 3, 300, 521, {"window_size": (60, 30), "causal_alignment": "bottom_right"}, False),
     # one (batch, kv head) pair: K and V converted whole before the tasks on 2 or more threads
-    "mqa_causal": (1, 4, 1, 600, 600, {"is_causal": True}),
-    "batch_of_heads": (3, 4, 4, 130, 1100, {}),
-}
+    "mqa_causal": (1, 4, 1, 600, 600, {"is_causal": True}, False),
+    "batch_of_heads": (3, 4, 4, 130, 1100, {}, False),
+    # K's rows not contiguous: transposed whole from K as given (bfloat16 products: copied to rows)
+    "key_stored_transposed": (2, 4, 2, 200, 333, {"is_causal": True}, True),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -669,8 +672,10 @@ def test_cpu_forward_key_sources(dtype: torch.dtype, threads: int, case: str) ->
     (csrc/cpu/attention_fwd.cpp, KeySource): both against the reference on 1-4 threads, with a
     value row of NaN and one of infinity in keys that no row sees (their flags are found as the
     keys are converted), an odd key count and ragged tiles."""
-    B, H, Hkv, Lq, Lk, kw = KEY_SOURCE_CASES[case]
+    B, H, Hkv, Lq, Lk, kw, key_transposed = KEY_SOURCE_CASES[case]
     q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 16, dtype=dtype, device="cpu")
+    if key_transposed:
+        k = k.transpose(2, 3).contiguous().transpose(2, 3)
     mask = torch.ones(1, 1, 1, Lk, dtype=torch.bool)
     hidden = [3, Lk - 2]  # keys no row sees: in the first block and the last
     mask[..., hidden] = False
@@ -687,6 +692,34 @@ def test_cpu_forward_key_sources(dtype: torch.dtype, threads: int, case: str) ->
     v_ref = v.clone()
     v_ref[:, :, hidden] = 0
     check_against_reference(out, stats, reference_attention(q, k, v_ref, mask, enable_gqa=True, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_forward_nan_value_seen_by_later_tiles(dtype: torch.dtype, threads: int) -> None:
+    """A NaN value of the key just past the first query tile's last (bottom-right causal, 221 more
+    keys than queries: rows 0-63 see keys 0-284, the NaN is key 285), which bfloat16 products pair
+    with key 284 in the first tile's product: the first tile's rows stay finite and equal the
+    reference without it, and every later row, which sees it, is NaN."""
+    B, H, Hkv, Lq, Lk, nan_key = 1, 4, 2, 300, 521, 285
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, 16, dtype=dtype, device="cpu")
+    kw: Dict[str, Any] = {"is_causal": True, "causal_alignment": "bottom_right", "enable_gqa": True}
+    v_bad = v.clone()
+    v_bad[:, :, nan_key] = float("nan")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _ = run_api(q, k, v_bad, **kw)
+    finally:
+        torch.set_num_threads(previous)
+    v_ref = v.clone()
+    v_ref[:, :, nan_key] = 0
+    ref = reference_attention(q, k, v_ref, **kw)
+    first = nan_key - (Lk - Lq)  # the rows that do not see the key
+    assert first == 64
+    oat, ort = OUT_TOL[dtype]
+    assert_close64(out[:, :, :first], ref.output[:, :, :first], oat, ort, "rows before the NaN key")
+    assert out[:, :, first:].isnan().all(), "a row that sees a NaN value has a NaN output"
 
 
 # ----------------------------------------------------------------------------------------

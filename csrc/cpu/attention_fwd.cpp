@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -102,13 +103,15 @@ struct FwdArgs {
 // for 16-bit inputs, V (Lk x Dv) in acc_t with the flags of its non-finite rows; or K^T and V in
 // bfloat16 pairs (lo even, hi even or Lk) with V's flags. Each thread is handed a contiguous run
 // of tasks (at::parallel_for), ordered by (batch, head, query tile), so it converts each (batch,
-// key/value head) it meets once, widening the range as its tiles reach further keys.
+// key/value head) it meets once, widening the range as its tiles reach further keys. The buffers
+// are sized for all Lk keys but left uninitialized (a window reads a few of a long cache's keys:
+// only those are written, and only their pages touched), except for the zeros after K^T's pairs.
 template <typename acc_t>
 struct ThreadKeys {
   int64_t b = -1, kvh = -1, lo = 0, hi = 0;
-  std::vector<acc_t> kt, v;
-  std::vector<c10::BFloat16> kt16, v16;
-  std::vector<uint8_t> v_flags;
+  std::unique_ptr<acc_t[]> kt, v;
+  std::unique_ptr<c10::BFloat16[]> kt16, v16;
+  std::unique_ptr<uint8_t[]> v_flags;
   int64_t ld_kt16 = 0, ld_v16 = 0;
 };
 
@@ -220,15 +223,15 @@ void convert_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t from, i
   if (n <= 0) return;
   if (a.pairs.on) {
     transpose_pairs(n, D, a.key.template row<c10::BFloat16>(t.b, t.kvh, from), a.key.sl,
-                    t.kt16.data() + 2 * from, t.ld_kt16);
+                    t.kt16.get() + 2 * from, t.ld_kt16);
     pack_row_pairs(n, Dv, a.value.template row<c10::BFloat16>(t.b, t.kvh, from), a.value.sl,
-                   t.v16.data() + from * t.ld_v16, t.ld_v16, t.v_flags.data() + from);
+                   t.v16.get() + from * t.ld_v16, t.ld_v16, t.v_flags.get() + from);
     return;
   }
-  load_rows(a.key, t.b, t.kvh, from, n, D, t.kt.data() + from, a.shape.kv_len,
+  load_rows(a.key, t.b, t.kvh, from, n, D, t.kt.get() + from, a.shape.kv_len,
             /*transposed=*/true);
   if (a.widen) {
-    acc_t* v = t.v.data() + from * Dv;
+    acc_t* v = t.v.get() + from * Dv;
     load_rows(a.value, t.b, t.kvh, from, n, Dv, v, Dv, /*transposed=*/false);
     for (int64_t j = 0; j < n; ++j) t.v_flags[from + j] = has_nonfinite(v + j * Dv, Dv);
   }
@@ -258,17 +261,27 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
     k.v_flags = a.v_nonfinite.at(b, kvh);
     return k;
   }
-  if (t.kt.empty() && t.kt16.empty()) {  // (sized for all Lk keys, which every unit reuses)
+  if (!t.kt && !t.kt16) {  // (the thread's first task: every unit reuses them)
     const int64_t L2 = Lk + Lk % 2;
     if (pairs) {
-      // (and a tile of 16 pairs beyond the last row: a product from an offset not a multiple of 16
-      // stays inside the buffer whatever the width the kernel reads its last columns in)
       t.ld_kt16 = pair_row_length(Lk), t.ld_v16 = pair_row_length(Dv);
-      t.kt16.resize(D * t.ld_kt16 + 32), t.v16.resize(L2 * t.ld_v16 + 32);
-      t.v_flags.resize(L2);
+      t.kt16 = std::make_unique_for_overwrite<c10::BFloat16[]>(D * t.ld_kt16 + kPairSlack);
+      t.v16 = std::make_unique_for_overwrite<c10::BFloat16[]>(L2 * t.ld_v16 + kPairSlack);
+      t.v_flags = std::make_unique_for_overwrite<uint8_t[]>(L2);
+      // (K^T's columns after the last key, which no conversion writes, and the slack: zeros;
+      // pack_row_pairs writes V's padding with its rows)
+      c10::BFloat16* kt16 = t.kt16.get();
+      for (int64_t d = 0; d < D; d += 2) {
+        std::fill(kt16 + d * t.ld_kt16 + 2 * Lk, kt16 + (d + 2) * t.ld_kt16, c10::BFloat16(0.f));
+      }
+      std::fill_n(kt16 + D * t.ld_kt16, kPairSlack, c10::BFloat16(0.f));
+      std::fill_n(t.v16.get() + L2 * t.ld_v16, kPairSlack, c10::BFloat16(0.f));
     } else {
-      t.kt.resize(std::max<int64_t>(D * Lk, 1));
-      if (a.widen) t.v.resize(Lk * Dv), t.v_flags.resize(Lk);
+      t.kt = std::make_unique_for_overwrite<acc_t[]>(D * Lk);
+      if (a.widen) {
+        t.v = std::make_unique_for_overwrite<acc_t[]>(Lk * Dv);
+        t.v_flags = std::make_unique_for_overwrite<uint8_t[]>(Lk);
+      }
     }
   }
   if (t.b != b || t.kvh != kvh) t.b = b, t.kvh = kvh, t.lo = t.hi = lo;
@@ -279,12 +292,12 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
     if (end > t.hi) convert_keys(a, t, t.hi, end), t.hi = end;
   }
   if (pairs) {
-    k.kt16 = t.kt16.data(), k.ld_kt16 = t.ld_kt16, k.v16 = t.v16.data(), k.ld_v16 = t.ld_v16;
-    k.v_flags = t.v_flags.data();
+    k.kt16 = t.kt16.get(), k.ld_kt16 = t.ld_kt16, k.v16 = t.v16.get(), k.ld_v16 = t.ld_v16;
+    k.v_flags = t.v_flags.get();
   } else {
-    k.kt = t.kt.data(), k.ld_kt = Lk;
+    k.kt = t.kt.get(), k.ld_kt = Lk;
     if (a.widen) {
-      k.v = t.v.data(), k.ld_v = Dv, k.v_flags = t.v_flags.data();
+      k.v = t.v.get(), k.ld_v = Dv, k.v_flags = t.v_flags.get();
     } else {
       k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.v_flags = a.v_nonfinite.at(b, kvh);
     }
@@ -444,10 +457,16 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const at::ScalarType acc = call.acc;
   const bool pairs = uses_bf16_products(call, key);
   const bool widen = call.dtype != acc && !pairs;
-  // Each thread converts its keys where the threads together hold no more than whole copies.
-  const KeySource keys = transposes_key_blocks(sh, call.key_pattern())     ? KeySource::kPerBlock
-                         : sh.batch * sh.kv_heads >= at::get_num_threads() ? KeySource::kThread
-                                                                           : KeySource::kWhole;
+  // Each thread converts its keys where the threads together hold no more than whole copies, and
+  // the tasks can read K (and 16-bit V, which they convert too) as given: rows with a unit last
+  // stride, or bfloat16 products, which take them so in any case (a transposed copy from other
+  // strides is one whole copy, and copying them to rows first would add another).
+  const bool rows_as_given =
+      pairs || (has_unit_last_stride(key) && (!widen || has_unit_last_stride(value)));
+  const KeySource keys = transposes_key_blocks(sh, call.key_pattern()) ? KeySource::kPerBlock
+                         : sh.batch * sh.kv_heads >= at::get_num_threads() && rows_as_given
+                             ? KeySource::kThread
+                             : KeySource::kWhole;
   const at::Tensor q = gemm_operand(query, call.dtype);
   // K as given where the tasks convert it (or pack it in pairs), else K^T converted whole, or float
   // K read per block as a row-major operand. 16-bit V as given where the tasks convert it, else V

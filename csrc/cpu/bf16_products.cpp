@@ -162,10 +162,11 @@ PairedOperand pack_whole_pairs(const at::Tensor& x, bool transposed) {
   po.heads = H;
   po.ld = pair_row_length(transposed ? L : dim);
   po.size = transposed ? dim * po.ld : L2 * po.ld;
-  po.data = at::empty({B, H, po.size}, x.options());
+  po.data = at::empty({B * H * po.size + kPairSlack}, x.options());
   if (!transposed) po.flags.assign(B * H * L2, 0);
   const auto* src = x.const_data_ptr<c10::BFloat16>();
   auto* dst = po.data.mutable_data_ptr<c10::BFloat16>();
+  std::fill(dst + B * H * po.size, dst + B * H * po.size + kPairSlack, c10::BFloat16(0.f));
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const c10::BFloat16* rows = src + bh / H * x.stride(0) + bh % H * x.stride(1);

@@ -36,6 +36,11 @@ void release_bf16_products();
 // packs B in blocks of 64 columns for AMX), padded with zeros.
 inline int64_t pair_row_length(int64_t n) { return (n + 15) / 16 * 16; }
 
+// Zeros kept after the last row of every buffer of pairs that a product reads as B: a product from
+// a column not a multiple of 16 then stays inside the buffer whatever the width the JIT kernel
+// reads its last columns in.
+constexpr int64_t kPairSlack = 32;
+
 // The transpose of n rows of `dim` (even) entries, row stride ld (even), in pairs: dst holds
 // B = rows^T (dim x n, row length ldb >= n, zeros after column n), B's (d, j) being row j's entry
 // d (the keys of a block as the right operand of Q K^T). Pairs of adjacent entries move together,
@@ -80,7 +85,7 @@ void pack_float_row_pairs(int64_t rows, int64_t n, const float* src, int64_t ld,
 // (L rounded up to even per (batch, head); the last of an odd L is a zero row). In parallel over
 // (batch, head).
 struct PairedOperand {
-  at::Tensor data;  // owns the memory
+  at::Tensor data;  // owns the memory (and kPairSlack zeros after it)
   int64_t ld = 0, size = 0, heads = 0;
   std::vector<uint8_t> flags;  // as rows only
   // The first pair of (b, h), and of its key j0 (even where as rows).

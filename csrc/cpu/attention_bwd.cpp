@@ -245,8 +245,8 @@ BwdUnit<acc_t> prepare_unit(const BwdArgs<acc_t>& a, BwdBuffers<acc_t>& buf, int
   if (a.pairs) {
     const int64_t keys2 = keys + keys % 2;
     u.ld_kt16 = u.ld_vt16 = pair_row_length(keys), u.ld_k16 = pair_row_length(D);
-    grow(buf.unit_kt16, D * u.ld_kt16 + kPairSlack),
-        grow(buf.unit_vt16, Dv * u.ld_vt16 + kPairSlack);
+    grow(buf.unit_kt16, D * u.ld_kt16 + kPairSlack);
+    grow(buf.unit_vt16, Dv * u.ld_vt16 + kPairSlack);
     grow(buf.unit_k16, keys2 * u.ld_k16), grow(buf.unit_flags, keys2);
     const auto* k_rows = a.key.template row<c10::BFloat16>(b, kvh, first);
     const auto* v_rows = a.value.template row<c10::BFloat16>(b, kvh, first);

@@ -115,6 +115,13 @@ struct ThreadKeys {
   int64_t ld_kt16 = 0, ld_v16 = 0;
 };
 
+// n values of T left uninitialized (std::make_unique would zero them; make_unique_for_overwrite
+// is C++20, and the extension also builds as C++17 against older torch releases).
+template <typename T>
+std::unique_ptr<T[]> uninitialized(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
 // One (batch, key/value head)'s keys as a task reads them: key j at column j of K^T (kt, or kt16
 // in pairs) and row j of V (v or v16), with the flags of V's non-finite rows (null: none).
 template <typename acc_t>
@@ -265,9 +272,9 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
     const int64_t L2 = Lk + Lk % 2;
     if (pairs) {
       t.ld_kt16 = pair_row_length(Lk), t.ld_v16 = pair_row_length(Dv);
-      t.kt16 = std::make_unique_for_overwrite<c10::BFloat16[]>(D * t.ld_kt16 + kPairSlack);
-      t.v16 = std::make_unique_for_overwrite<c10::BFloat16[]>(L2 * t.ld_v16 + kPairSlack);
-      t.v_flags = std::make_unique_for_overwrite<uint8_t[]>(L2);
+      t.kt16 = uninitialized<c10::BFloat16>(D * t.ld_kt16 + kPairSlack);
+      t.v16 = uninitialized<c10::BFloat16>(L2 * t.ld_v16 + kPairSlack);
+      t.v_flags = uninitialized<uint8_t>(L2);
       // (K^T's columns after the last key, which no conversion writes, and the slack: zeros;
       // pack_row_pairs writes V's padding with its rows)
       c10::BFloat16* kt16 = t.kt16.get();
@@ -277,10 +284,10 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
       std::fill_n(kt16 + D * t.ld_kt16, kPairSlack, c10::BFloat16(0.f));
       std::fill_n(t.v16.get() + L2 * t.ld_v16, kPairSlack, c10::BFloat16(0.f));
     } else {
-      t.kt = std::make_unique_for_overwrite<acc_t[]>(D * Lk);
+      t.kt = uninitialized<acc_t>(D * Lk);
       if (a.widen) {
-        t.v = std::make_unique_for_overwrite<acc_t[]>(Lk * Dv);
-        t.v_flags = std::make_unique_for_overwrite<uint8_t[]>(Lk);
+        t.v = uninitialized<acc_t>(Lk * Dv);
+        t.v_flags = uninitialized<uint8_t>(Lk);
       }
     }
   }

@@ -657,7 +657,8 @@ KEY_SOURCE_CASES = {  # B, H, Hkv, Lq, Lk, keyword arguments, K stored transpose
     # one (batch, kv head) pair: K and V converted whole before the tasks on 2 or more threads
     "mqa_causal": (1, 4, 1, 600, 600, {"is_causal": True}, False),
     "batch_of_heads": (3, 4, 4, 130, 1100, {}, False),
-    # K's rows not contiguous: transposed whole from K as given (bfloat16 products: copied to rows)
+    # K's rows not contiguous: K^T read in place (float32, float64), or converted whole from K as
+    # given (16-bit; bfloat16 products: copied to rows)
     "key_stored_transposed": (2, 4, 2, 200, 333, {"is_causal": True}, True),
 }  # fmt: skip
 

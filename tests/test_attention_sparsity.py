@@ -230,3 +230,55 @@ def test_nan_query_row_propagates(device: str, kind: str) -> None:
     got = torch_ext.attention_sparsity(q.to(device), torch.rand(1, 1, 50, 4).to(device), kind=kind).cpu()
     assert torch.isnan(got[0, 0, 1])
     assert torch.isfinite(got[0, 0, [0, 2]]).all()
+
+
+KEY_SOURCE_CASES = {  # B, H, Hkv, Lq, Lk, causal, left window (or None), K stored transposed
+    # 9 heads on 2 or 3 threads: a thread's run of tasks starts inside a head and goes on to the
+    # next head of the same group, whose first tiles reach keys below those it converted first
+    "gqa_window": (1, 9, 3, 700, 700, True, 40, False),
+    "batch_of_heads": (3, 4, 4, 130, 1100, False, None, False),
+    # one (batch, kv head) pair: K^T converted whole before the tasks on 2 or more threads
+    "mqa_causal": (1, 4, 1, 600, 600, True, None, False),
+    # K's rows not contiguous: K^T read in place (float32, float64) or converted whole (16-bit)
+    "key_stored_transposed": (2, 4, 2, 200, 333, True, None, True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", list(KEY_SOURCE_CASES))
+def test_cpu_key_sources(dtype: torch.dtype, threads: int, case: str) -> None:
+    """The CPU kernel's tasks read their query rows as given and K^T from their thread's buffers,
+    converted once per run of tasks, where there are at least as many (batch, kv head) pairs as
+    threads, and from one whole K^T (read in place where K is stored transposed in the
+    accumulation type) where there are fewer (csrc/cpu/attention_sparsity.cpp, thread_keys.h):
+    every kind against the reference on 1-4 threads, with a NaN in a key that no row sees, which
+    the conversion reads but no row's sums may."""
+    B, H, Hkv, Lq, Lk, causal, left, key_transposed = KEY_SOURCE_CASES[case]
+    g = torch.Generator().manual_seed(Lq + Lk)
+    q = torch.randn(B, H, Lq, 16, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, Lk, 16, generator=g, dtype=torch.float64).to(dtype)
+    if key_transposed:
+        k = k.transpose(2, 3).contiguous().transpose(2, 3)
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
+    if left is not None:  # (the window as the reference's mask; causality is passed to both)
+        allowed &= torch.ones(Lq, Lk, dtype=torch.bool).triu(-left)
+    hidden = 5  # a key no row sees, in the first block
+    allowed[:, hidden] = False
+    k_bad = k.clone()
+    k_bad[:, :, hidden] = float("nan")
+    mask = torch.ones(1, 1, 1, Lk, dtype=torch.bool)
+    mask[..., hidden] = False
+    window = (-1, -1) if left is None else (left, 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = {kind: torch_ext.attention_sparsity(q, k_bad, mask, kind=kind, is_causal=causal,
+                                                  window_size=window, enable_gqa=True)
+               for kind in KINDS}  # fmt: skip
+    finally:
+        torch.set_num_threads(previous)
+    atol, rtol = STAT_TOL[dtype] if dtype != torch.float64 else (1e-10, 1e-10)
+    for kind in KINDS:
+        want = reference_sparsity(q, k, allowed, kind, causal, 0.25, group=H // Hkv)
+        assert_close64(got[kind], want, atol, rtol, name=f"{case} {kind}")

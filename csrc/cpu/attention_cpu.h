@@ -112,6 +112,10 @@ void store_rows(const acc_t* src, int64_t ld, const RawOperand& y, int64_t b, in
 at::Tensor transposed_copy(const at::Tensor& x, at::ScalarType dtype);
 // The same into y, (B, heads, dim, L) in any strides (a gradient in its input's layout); returns y.
 at::Tensor transposed_copy_into(const at::Tensor& x, at::Tensor y);
+// x^T (B, heads, dim, L) in `dtype` as a row-major operand: x itself, read in place, where it is
+// stored transposed in that type (a unit stride along L, rows of dim apart by at least L), else
+// transposed_copy. (transposed_copy.cpp)
+at::Tensor transposed_operand(const at::Tensor& x, at::ScalarType dtype);
 
 // One row of the mask, positioned at key 0.
 template <typename acc_t>

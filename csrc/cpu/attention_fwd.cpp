@@ -23,6 +23,7 @@
 #include "block_gemm.h"
 #include "hidden_nonfinite.h"
 #include "row_kernels.h"
+#include "thread_keys.h"
 
 namespace entropy_attn::cpu {
 namespace {
@@ -98,29 +99,19 @@ struct FwdArgs {
   bool with_stats;
 };
 
-// The keys of one (batch, key/value head) converted by a thread (KeySource::kThread), key j at
-// column j of K^T and row j of V, whatever the range [lo, hi) converted so far: K^T (D x Lk) and,
-// for 16-bit inputs, V (Lk x Dv) in acc_t with the flags of its non-finite rows; or K^T and V in
-// bfloat16 pairs (lo even, hi even or Lk) with V's flags. Each thread is handed a contiguous run
-// of tasks (at::parallel_for), ordered by (batch, head, query tile), so it converts each (batch,
-// key/value head) it meets once, widening the range as its tiles reach further keys. The buffers
-// are sized for all Lk keys but left uninitialized (a window reads a few of a long cache's keys:
-// only those are written, and only their pages touched), except for the zeros after K^T's pairs.
+// The keys of one (batch, key/value head) converted by a thread (KeySource::kThread; which keys:
+// `held`, thread_keys.h), key j at column j of K^T and row j of V: K^T (D x Lk) and, for 16-bit
+// inputs, V (Lk x Dv) in acc_t with the flags of its non-finite rows; or K^T and V in bfloat16
+// pairs (held from an even key to an even one, or Lk) with V's flags. The buffers are sized for
+// all Lk keys, left uninitialized but for the zeros after K^T's pairs.
 template <typename acc_t>
 struct ThreadKeys {
-  int64_t b = -1, kvh = -1, lo = 0, hi = 0;
+  ConvertedKeys held;
   std::unique_ptr<acc_t[]> kt, v;
   std::unique_ptr<c10::BFloat16[]> kt16, v16;
   std::unique_ptr<uint8_t[]> v_flags;
   int64_t ld_kt16 = 0, ld_v16 = 0;
 };
-
-// n values of T left uninitialized (std::make_unique would zero them; make_unique_for_overwrite
-// is C++20, and the extension also builds as C++17 against older torch releases).
-template <typename T>
-std::unique_ptr<T[]> uninitialized(int64_t n) {
-  return std::unique_ptr<T[]>(new T[n]);
-}
 
 // One (batch, key/value head)'s keys as a task reads them: key j at column j of K^T (kt, or kt16
 // in pairs) and row j of V (v or v16), with the flags of V's non-finite rows (null: none).
@@ -225,21 +216,21 @@ void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, const TaskKeys
 // Keys [from, to) of the thread's (batch, key/value head) converted into its buffers
 // (ThreadKeys; with pairs from even, to even or Lk).
 template <typename acc_t>
-void convert_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t from, int64_t to) {
+void convert_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t b, int64_t kvh,
+                  int64_t from, int64_t to) {
   const int64_t D = a.shape.head_dim, Dv = a.shape.v_head_dim, n = to - from;
-  if (n <= 0) return;
   if (a.pairs.on) {
-    transpose_pairs(n, D, a.key.template row<c10::BFloat16>(t.b, t.kvh, from), a.key.sl,
+    transpose_pairs(n, D, a.key.template row<c10::BFloat16>(b, kvh, from), a.key.sl,
                     t.kt16.get() + 2 * from, t.ld_kt16);
-    pack_row_pairs(n, Dv, a.value.template row<c10::BFloat16>(t.b, t.kvh, from), a.value.sl,
+    pack_row_pairs(n, Dv, a.value.template row<c10::BFloat16>(b, kvh, from), a.value.sl,
                    t.v16.get() + from * t.ld_v16, t.ld_v16, t.v_flags.get() + from);
     return;
   }
-  load_rows(a.key, t.b, t.kvh, from, n, D, t.kt.get() + from, a.shape.kv_len,
+  load_rows(a.key, b, kvh, from, n, D, t.kt.get() + from, a.shape.kv_len,
             /*transposed=*/true);
   if (a.widen) {
     acc_t* v = t.v.get() + from * Dv;
-    load_rows(a.value, t.b, t.kvh, from, n, Dv, v, Dv, /*transposed=*/false);
+    load_rows(a.value, b, kvh, from, n, Dv, v, Dv, /*transposed=*/false);
     for (int64_t j = 0; j < n; ++j) t.v_flags[from + j] = has_nonfinite(v + j * Dv, Dv);
   }
 }
@@ -291,13 +282,8 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
       }
     }
   }
-  if (t.b != b || t.kvh != kvh) t.b = b, t.kvh = kvh, t.lo = t.hi = lo;
-  if (hi > lo) {
-    // (one range: a task reaching below it or beyond converts the keys in between too)
-    const int64_t end = pairs ? std::min(Lk, hi + hi % 2) : hi;
-    if (lo < t.lo) convert_keys(a, t, lo, t.lo), t.lo = lo;
-    if (end > t.hi) convert_keys(a, t, t.hi, end), t.hi = end;
-  }
+  t.held.cover(b, kvh, lo, pairs ? std::min(Lk, hi + hi % 2) : hi,
+               [&](int64_t from, int64_t to) { convert_keys(a, t, b, kvh, from, to); });
   if (pairs) {
     k.kt16 = t.kt16.get(), k.ld_kt16 = t.ld_kt16, k.v16 = t.v16.get(), k.ld_v16 = t.ld_v16;
     k.v_flags = t.v_flags.get();
@@ -466,24 +452,25 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const bool widen = call.dtype != acc && !pairs;
   // Each thread converts its keys where the threads together hold no more than whole copies, and
   // the tasks can read K (and 16-bit V, which they convert too) as given: rows with a unit last
-  // stride, or bfloat16 products, which take them so in any case (a transposed copy from other
-  // strides is one whole copy, and copying them to rows first would add another).
+  // stride, or bfloat16 products, which take them so in any case (from other strides K^T is one
+  // whole copy, or none where K is stored transposed, and copying them to rows first would add
+  // another).
   const bool rows_as_given =
       pairs || (has_unit_last_stride(key) && (!widen || has_unit_last_stride(value)));
   const KeySource keys = transposes_key_blocks(sh, call.key_pattern()) ? KeySource::kPerBlock
-                         : sh.batch * sh.kv_heads >= at::get_num_threads() && rows_as_given
-                             ? KeySource::kThread
-                             : KeySource::kWhole;
+                         : threads_convert_keys(sh) && rows_as_given   ? KeySource::kThread
+                                                                       : KeySource::kWhole;
   const at::Tensor q = gemm_operand(query, call.dtype);
-  // K as given where the tasks convert it (or pack it in pairs), else K^T converted whole, or float
-  // K read per block as a row-major operand. 16-bit V as given where the tasks convert it, else V
-  // in acc_t, as given for float inputs (a row-major operand).
+  // K as given where the tasks convert it (or pack it in pairs), else K^T converted whole (read in
+  // place where K is stored transposed in acc_t), or float K read per block as a row-major operand.
+  // 16-bit V as given where the tasks convert it, else V in acc_t, as given for float inputs (a
+  // row-major operand).
   const bool raw_key =
       keys == KeySource::kThread || pairs || (keys == KeySource::kPerBlock && widen);
   const bool raw_value = pairs || (widen && keys != KeySource::kWhole);
   const at::Tensor k = raw_key                        ? with_unit_last_stride(key, call.dtype)
                        : keys == KeySource::kPerBlock ? gemm_operand(key, acc)
-                                                      : transposed_copy(key, acc);
+                                                      : transposed_operand(key, acc);
   const at::Tensor v =
       raw_value ? with_unit_last_stride(value, call.dtype) : gemm_operand(value, acc);
   AttentionOutputs outputs = call.allocate_outputs(query);

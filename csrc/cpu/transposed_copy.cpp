@@ -50,4 +50,12 @@ at::Tensor transposed_copy_into(const at::Tensor& x, at::Tensor y) {
   return y;
 }
 
+at::Tensor transposed_operand(const at::Tensor& x, at::ScalarType dtype) {
+  // (the operand's leading dimension, x's stride along dim, may not be less than its rows' L)
+  if (x.scalar_type() == dtype && x.size(2) > 1 && x.stride(2) == 1 && x.stride(3) >= x.size(2)) {
+    return gemm_operand(x.transpose(2, 3), dtype);
+  }
+  return transposed_copy(x, dtype);
+}
+
 }  // namespace entropy_attn::cpu

@@ -53,3 +53,23 @@ def test_offsets_past_2_31(where: str) -> None:
     torch.testing.assert_close(st.entropy, ref_st.entropy, rtol=0, atol=0)
     for a, b in zip(leaves, ref_leaves):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # (on 2 threads: keys converted by each thread, or whole)
+def test_sparsity_offsets_past_2_31(kv_heads: int) -> None:
+    """attention_sparsity reads query rows 2^27 elements apart (rows past 2^31) and keys whose second
+    batch entry starts past 2^31 as it reads them stored compactly."""
+    g = torch.Generator().manual_seed(1)
+    B, H, L, D = 2, 2, 24, 16
+    q, k = torch.randn(B, H, L, D, generator=g), torch.randn(B, kv_heads, L, D, generator=g)
+    q_far = spread(q, (H * L * D, L * D, 2**27, 1))
+    k_far = spread(k, (BIG, L * D, D, 1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kind in ("exp", "relu2", "identity"):
+            got = torch_ext.attention_sparsity(q_far, k_far, kind=kind, is_causal=True, enable_gqa=True)
+            want = torch_ext.attention_sparsity(q, k, kind=kind, is_causal=True, enable_gqa=True)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(previous)

@@ -107,7 +107,8 @@ at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
   const bool convert = threads_convert_keys(sh) && has_unit_last_stride(key);
-  const at::Tensor q = gemm_operand(query, call.dtype);
+  // (Q's rows are only read by load_rows: any row stride)
+  const at::Tensor q = with_unit_last_stride(query, call.dtype);
   const at::Tensor k =
       convert ? with_unit_last_stride(key, call.dtype) : transposed_operand(key, acc);
   at::Tensor out = at::empty({sh.batch, sh.heads, sh.q_len}, query.options().dtype(acc));

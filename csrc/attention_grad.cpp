@@ -145,6 +145,9 @@ AttentionInputGrads attention_grad(
   check_saved_rows(lse, n_keys, length_factor, return_stats, grad_normalized_entropy, grad_sparsity,
                    grad_effective_keys);
   if (scale.has_value()) {
+    // (the forward's check: an integer or bool scale would get a truncated gradient)
+    TORCH_CHECK_TYPE(is_supported_dtype(scale->scalar_type()), kScaleTensorName,
+                     " must be float32, float64, bfloat16 or float16, got ", scale->scalar_type());
     TORCH_CHECK_VALUE(at::is_expandable_to(scale->sym_sizes(), lse.sym_sizes()),
                       "scale tensor of shape ", scale->sym_sizes(), " does not broadcast to lse's ",
                       lse.sym_sizes());

@@ -11,10 +11,6 @@
 namespace entropy_attn {
 namespace {
 
-bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
-}
-
 void check_qkv_tensor(const at::Tensor& x, const char* name, const char* layout) {
   TORCH_CHECK_VALUE(x.dim() == 4, name, " must be a 4-D tensor ", layout, ", got ", x.dim(),
                     "-D of shape ", x.sizes());

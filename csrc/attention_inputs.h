@@ -86,6 +86,11 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
 // Returns the per-row scale factor c expanded to (B, H, Lq) in `acc`.
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc);
 
+// The floating types the op takes for its tensors (inputs, additive masks, scale tensors, sinks).
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
 // Whether x's last dimension is contiguous (the kernels' rows).
 inline bool has_unit_last_stride(const at::Tensor& x) {
   return x.size(-1) <= 1 || x.stride(-1) == 1;

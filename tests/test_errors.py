@@ -277,6 +277,13 @@ def test_backward_ops_name_bad_arguments() -> None:
         (TypeError, "n_keys must be an integer tensor", lambda: grad(n=a["n"].float())),
         (ValueError, "length_factor must have lse's shape", lambda: grad(lf=a["lf"][:, :1])),
         (ValueError, "scale tensor of shape .* does not broadcast", lambda: grad(scale=torch.ones(7))),
+        # (the forward's check: an integer or bool scale got a truncated gradient, 0 or True)
+        (TypeError, r"scale tensor .* must be float32, float64, bfloat16 or float16, got Long",
+         lambda: grad(scale=torch.full((1,), 3))),
+        (TypeError, r"scale tensor .* must be float32, float64, bfloat16 or float16, got Bool",
+         lambda: grad(scale=torch.ones(1, dtype=torch.bool))),
+        (TypeError, "^dtype must be torch.float32 or torch.float64, got str",
+         lambda: torch_ext.length_factor(torch.arange(4), "logn", dtype="float32")),
         (ValueError, r"sinks must have shape \(heads,\)", lambda: grad(sinks=torch.zeros(2, 3))),
         (ValueError, "sinks must be on lse's device", lambda: grad(sinks=torch.zeros(2, device="meta"))),
         (ValueError, r"grad must have shape \[2\]", lambda: ops.entropy_backward(torch.ones(1), torch.rand(2, 3), 1)),

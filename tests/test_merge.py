@@ -234,3 +234,44 @@ def test_merge_keeps_nan_in_the_max_weight() -> None:
     out = torch.full((1, 1, 1, 2), float("nan"))
     merged_out, merged = torch_ext.merge_attention_states([out, out], [stats, stats])
     assert merged_out.isnan().all() and merged.max_weight.isnan().all() and merged.entropy.isnan().all()
+
+
+def test_merge_rejects_shards_of_different_scales() -> None:
+    """Shards that each took their own "logn" scale (from their own key counts, not the whole
+    row's) merged silently wrong (output off by 0.17 in an outside audit's repro): the merge
+    compares the shards' scale where both have keys, and raises naming it. A scale that differs
+    only in rows a shard has no key for (it takes no part there) is accepted."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=gen, dtype=F64) for _ in range(3))
+    shards = [torch_ext.attention(q, k[:, :, s], v[:, :, s], scale="logn", return_stats=True)
+              for s in (slice(0, 15), slice(15, 40))]  # fmt: skip
+    with pytest.raises(ValueError, match=r"stats\[1\]\.scale differs"):
+        merge_attention_states([o for o, _ in shards], [st for _, st in shards])
+    z = torch.zeros(1, 1, 2, dtype=F64)
+    a = torch_ext.AttentionStats(lse=z, entropy=z, normalized_entropy=z, sparsity=z, effective_keys=z + 1,
+                                 max_weight=z + 1, n_keys=torch.tensor([[[1, 1]]]), scale=z + 0.5)
+    b = a._replace(n_keys=torch.tensor([[[1, 0]]]), scale=torch.tensor([[[0.5, 9.0]]], dtype=F64))
+    o = torch.randn(1, 1, 2, 4, dtype=F64)
+    merge_attention_states([o, o], [a, b])  # (row 1: shard b has no key)
+    with pytest.raises(ValueError, match="scale"):
+        merge_attention_states([o, o], [a, b._replace(n_keys=torch.tensor([[[1, 1]]]))])
+
+
+def test_derived_stats_of_a_row_without_weight() -> None:
+    """A row with keys but sum p^2 = 0 (every logit -inf, or merged shards whose lse are all -inf)
+    gets the kernel epilogue's clamped 1 / 0: sparsity 1 and n effective keys, as the op gives that
+    row; the merge's own clamp formed inf - inf there (NaN), and its gradient stays finite."""
+    q = torch.ones(1, 1, 2, 4, dtype=F64)
+    k = torch.zeros(1, 1, 3, 4, dtype=F64)
+    k[..., 0] = -torch.inf  # q . k = -inf for every key
+    _, st = torch_ext.attention(q, k, torch.randn(1, 1, 3, 4, dtype=F64), return_stats=True)
+    u = torch.zeros(1, 1, 2, dtype=F64, requires_grad=True)
+    normalized, sparsity, effective = derived_stats(st.entropy, u, st.n_keys)
+    torch.testing.assert_close(sparsity, st.sparsity)
+    torch.testing.assert_close(effective, st.effective_keys)
+    (grad,) = torch.autograd.grad((sparsity + effective).sum(), u)
+    assert torch.isfinite(grad).all()
+    dead = st._replace(lse=torch.full_like(st.lse, -torch.inf))
+    _, merged = merge_attention_states([torch.zeros(1, 1, 2, 4, dtype=F64)], [dead])
+    assert torch.equal(merged.sparsity, torch.ones_like(merged.sparsity))
+    assert torch.equal(merged.effective_keys, torch.full_like(merged.effective_keys, 3))

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -253,6 +254,11 @@ def test_empty_calls_record_no_rows() -> None:
 def test_errors() -> None:
     with pytest.raises(ValueError, match="every"):
         torch_ext.AttentionEntropyMonitor(every=0)
+    with pytest.raises(TypeError, match="^every must be an int, got float"):
+        torch_ext.AttentionEntropyMonitor(every=2.0)
+    assert torch_ext.AttentionEntropyMonitor(every=np.int64(2)).every == 2  # (numpy's, as step's)
+    with pytest.raises(RuntimeError, match="without __enter__"):  # (an AttributeError on None before)
+        torch_ext.AttentionEntropyMonitor().__exit__(None, None, None)
     with pytest.raises(TypeError, match="writers"):
         torch_ext.AttentionEntropyMonitor(writers=[42])
     # Checked when the monitor is made (they failed at the first recorded call, naming nothing).

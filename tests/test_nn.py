@@ -296,6 +296,10 @@ def test_errors() -> None:
         m(x, torch.randn(B, L, E + 1), x)
     with pytest.raises(ValueError, match="unbatched inputs must be 1-D"):
         m(x[0], x[0], x[0], key_padding_mask=torch.zeros(1, L, dtype=torch.bool))
+    # (truthiness read is_causal="False" as True and applied causality)
+    for flag in ("False", 0.0, None):
+        with pytest.raises(TypeError, match="^is_causal must be a bool"):
+            m(x, x, x, is_causal=flag)
 
 
 @pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}])

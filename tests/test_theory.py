@@ -447,3 +447,17 @@ def test_mean_field_entropy_is_a_lower_bound_of_the_op_entropy() -> None:
     ns = torch.tensor([64.0, 512.0, 4096.0], dtype=torch.float64)
     mf_n = theory.mean_field_entropy(ns, 0.5 * torch.log(ns), 3.0, 1.0)
     torch.testing.assert_close(mf_n, torch.zeros_like(mf_n), atol=1e-12, rtol=0)
+
+
+def test_entropy_floor_solution_checks_its_grid() -> None:
+    """A grid of one point returned a floor of 0 (its only point, rho's lower end) and one of zero
+    points an IndexError: both arguments are checked, naming them; the package exposes the module
+    as ``torch_ext.theory`` (it was reachable only through ``import torch_ext.theory``)."""
+    assert torch_ext.theory is theory
+    with pytest.raises(ValueError, match="^grid_points must be >= 2, got 1"):
+        theory.entropy_floor_solution(1.0, grid_points=1)
+    with pytest.raises(TypeError, match="^grid_points must be an int, got float"):
+        theory.entropy_floor_solution(1.0, grid_points=2.0)
+    with pytest.raises(ValueError, match="^iterations must be >= 0"):
+        theory.entropy_floor_solution(1.0, iterations=-1)
+    assert theory.entropy_floor_solution(1.0, grid_points=2)[0].item() == pytest.approx(-0.4745, abs=1e-3)

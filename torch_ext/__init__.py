@@ -59,7 +59,7 @@ def _tag_compile_caches() -> None:
 
 
 _tag_compile_caches()
-from torch_ext import nn  # noqa: E402
+from torch_ext import nn, theory  # noqa: E402
 from torch_ext.attention import AttentionStats, attention, attention_sparsity, length_factor
 from torch_ext.merge import merge_attention_states
 from torch_ext.monitor import AttentionEntropyMonitor
@@ -81,5 +81,6 @@ __all__ = [
     "nn",
     "replace_sdpa",
     "sparsity",
+    "theory",
     "varlen_attention",
 ]

@@ -460,6 +460,8 @@ def length_factor(
     if scale not in ("fixed", *_SCALE_MODES):  # (the op's own message names its scale_mode)
         raise ValueError(f"scale must be 'fixed', 'logn' or 'logn_sharpen', got {scale!r}")
     log_base = _as_float(train_length, "train_length", "a finite number > 1")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {type(dtype).__name__}")
     return torch.ops.entropy_attn.length_factor(n_keys, scale, policy["temperature"], log_base, dtype=dtype)
 
 

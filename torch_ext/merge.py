@@ -45,11 +45,16 @@ def derived_stats(entropy: torch.Tensor, sum_p2: torch.Tensor, n_keys: torch.Ten
     rounding can cross by an ulp, and the gradients are the unclamped formulas'."""
     nonempty = n_keys > 0
     n = n_keys.clamp_min(1).to(sum_p2.dtype)
-    u = torch.where(nonempty, sum_p2, torch.ones_like(sum_p2))
+    # A row with keys but sum p^2 = 0 (every logit -inf: no weight anywhere) takes derive's clamped
+    # values of 1 / 0, sparsity 1 and n effective keys, with no infinity formed (nor its gradient).
+    weightless = nonempty & (sum_p2 == 0)
+    u = torch.where(nonempty & ~weightless, sum_p2, torch.ones_like(sum_p2))
     zero = torch.zeros_like(sum_p2)
     normalized = torch.where(n_keys >= 2, _at_most(entropy / torch.log(n.clamp_min(2)), 1), zero)
     sparsity = torch.where(nonempty, _at_most(torch.rsqrt(n * u), 1), zero)
     effective = torch.where(nonempty, _at_most(1 / u, n), zero)
+    sparsity = torch.where(weightless, torch.ones_like(sparsity), sparsity)
+    effective = torch.where(weightless, n, effective)
     return normalized, sparsity, effective
 
 
@@ -116,7 +121,12 @@ def merge_attention_states(
         outputs: the shards' outputs, each (B, H, Lq, Dv) (a list, tuple or other iterable).
         stats: their :class:`AttentionStats` (``return_stats=True``), computed with the same
             lambda_i (pass the whole row's scale as a tensor, e.g. from
-            :func:`torch_ext.length_factor` for the log-n policies). Shards without sinks.
+            :func:`torch_ext.length_factor` for the log-n policies: each shard's own "logn"
+            would count only its keys). Shards whose ``scale`` differs in a row that both have
+            keys for raise ValueError (in eager mode: a comparison of values, one synchronization
+            on CUDA).
+            Shards without sinks (nothing in the statistics tells a sink; the derived statistics
+            would count one entry too few).
 
     Returns:
         ``(output, stats)`` as one call over the union of the keys would give them (to rounding):
@@ -130,6 +140,7 @@ def merge_attention_states(
     if not outputs:
         raise ValueError("merge_attention_states needs at least one shard")
     _check_shards(outputs, stats)
+    _check_same_scale(stats)
     states = [
         RowState(o, s.lse, s.entropy, _sum_p2(s), s.max_weight, s.n_keys) for o, s in zip(outputs, stats)
     ]
@@ -197,6 +208,32 @@ def _check_shards(outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStat
                 stat_dtype = t.dtype
             elif t.dtype != stat_dtype:
                 raise ValueError(f"{name} is {t.dtype}, stats[0].lse {stat_dtype}: shards of one call share a dtype")
+
+
+def _check_same_scale(stats: Sequence[AttentionStats]) -> None:
+    """ValueError where two shards used different lambda_i for a row that both have keys for (a
+    row without keys in a shard takes no part in the merge, whatever its scale): with each shard's
+    own "logn" policy, say, the merge would be silently wrong (its weights e^{lse} are of different
+    logits). Equal to rounding: the same value computed alike gives the same bits. Eager mode only:
+    under torch.compile or a torch.func transform a value cannot decide a branch."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return
+    first = stats[0]
+    if not isinstance(first.scale, torch.Tensor) or tuple(first.scale.shape) != tuple(first.lse.shape):
+        raise ValueError(f"stats[0].scale must be a tensor of the rows' shape {tuple(first.lse.shape)}")
+    for i, s in enumerate(stats[1:], start=1):
+        scale = s.scale
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != tuple(first.lse.shape):
+            raise ValueError(f"stats[{i}].scale must be a tensor of the rows' shape {tuple(first.lse.shape)}")
+        both = (s.n_keys > 0) & (first.n_keys > 0)
+        same = torch.isclose(scale, first.scale.to(scale.dtype), rtol=8 * torch.finfo(scale.dtype).eps, atol=0,
+                             equal_nan=True)
+        if bool((both & ~same).any()):
+            raise ValueError(
+                f"stats[{i}].scale differs from stats[0].scale in rows that both shards have keys for: "
+                "every shard must use the whole row's lambda_i (pass it as a scale tensor, e.g. from "
+                "torch_ext.length_factor of the whole row's n_i for the log-n policies)"
+            )
 
 
 def _sum_p2(s: AttentionStats) -> torch.Tensor:

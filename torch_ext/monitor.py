@@ -398,8 +398,11 @@ class AttentionEntropyMonitor:
         positions: bool = False,
         keep_history: bool = False,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral):  # (numpy's too, as step's)
+            raise TypeError(f"every must be an int, got {type(every).__name__}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every!r}")
+        every = int(every)
         # (checked here: a wrong model or writers failed only at the first recorded call)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -459,6 +462,8 @@ class AttentionEntropyMonitor:
 
     def __exit__(self, *exc: Any) -> None:
         cm, self._cm = self._cm, None
+        if cm is None:
+            raise RuntimeError("AttentionEntropyMonitor.__exit__ without __enter__: use `with monitor:`")
         cm.__exit__(*exc)
 
     @contextlib.contextmanager

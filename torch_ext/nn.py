@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_ext.attention import _check_tensors, length_factor
+from torch_ext.attention import _check_tensors, _flag, length_factor
 from torch_ext.policy import AttentionPolicy, attend, hide_masked
 
 
@@ -143,6 +143,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 "nn.TransformerEncoder with enable_nested_tensor=False"
             )
         dropout_p = float(self.dropout) if self.training else 0.0
+        is_causal = _flag(is_causal, "is_causal")  # (not truthiness: is_causal="False" is no False)
         batched = query.dim() == 3
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(

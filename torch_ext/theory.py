@@ -291,6 +291,12 @@ def entropy_floor_solution(
     tau_in = _as_tensor(tau)
     if not bool((tau_in > 0).all()):
         raise ValueError("tau must be > 0")
+    # (a grid of one point is its own minimum, at rho's lower end: a floor of 0)
+    for name, value, least in (("grid_points", grid_points, 2), ("iterations", iterations, 0)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     tau64 = tau_in.to(torch.float64)
     c = (2.0 / tau64).unsqueeze(-1)  # (..., 1)
     lo = -c - 40.0

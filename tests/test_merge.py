@@ -255,6 +255,11 @@ def test_merge_rejects_shards_of_different_scales() -> None:
     merge_attention_states([o, o], [a, b])  # (row 1: shard b has no key)
     with pytest.raises(ValueError, match="scale"):
         merge_attention_states([o, o], [a, b._replace(n_keys=torch.tensor([[[1, 1]]]))])
+    # (a scale not of the rows' shape cannot be compared row by row: named, not broadcast)
+    with pytest.raises(ValueError, match=r"^stats\[1\]\.scale must be a tensor of the rows' shape"):
+        merge_attention_states([o, o], [a, a._replace(scale=torch.ones(1, dtype=F64))])
+    with pytest.raises(ValueError, match=r"^stats\[0\]\.scale must be a tensor"):
+        merge_attention_states([o, o], [a._replace(scale=None), a])
 
 
 def test_derived_stats_of_a_row_without_weight() -> None:

@@ -47,7 +47,6 @@ FAMILIES = ("sm80", "sm90")  # the families this gate inspects, by namespace ent
 def family_of(name: str) -> str | None:
     """The checked family a demangled function belongs to, if any."""
     return next((f for f in FAMILIES if name.startswith(f"entropy_attn::cuda::{f}::")), None)
-MMA_TYPE = {"bfloat16": "BF16", "float16": "F16"}
 
 
 def tool(name: str) -> str:

@@ -10,7 +10,7 @@ registered op. Each gradient here is checked against plain autograd of the same 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch

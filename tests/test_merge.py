@@ -30,7 +30,6 @@ def shard_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     query rows [a, Lq) (the rows before a see none of its keys: an empty state), which keeps the
     top-left alignment of the pattern; the mask is sliced to the shard."""
     pattern = kw.get("is_causal") or kw.get("window_size", (-1, -1)) != (-1, -1)
-    lq = q.shape[2]
     r0 = a if pattern else 0
     m = None if mask is None else mask[r0:, a:b]
     out, st = torch_ext.attention(q[:, :, r0:], k[:, :, a:b], v[:, :, a:b], m, scale=lam[..., r0:],

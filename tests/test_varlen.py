@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.autograd import gradcheck
 
 import torch_ext
-from conftest import DEVICES, GRAD_TOL, OUT_TOL, STAT_TOL, nondet_tol, requires_cuda
+from conftest import DEVICES, OUT_TOL, STAT_TOL, nondet_tol, requires_cuda
 from reference import reference_attention_raw
 
 ops = torch.ops.entropy_attn

@@ -261,6 +261,35 @@ def test_merge_rejects_shards_of_different_scales() -> None:
         merge_attention_states([o, o], [a._replace(scale=None), a])
 
 
+def test_merge_compares_scales_where_the_first_shard_has_no_keys() -> None:
+    """Each shard's scale is compared with the first shard that has keys for the row, not with
+    stats[0] alone: with an empty first shard, or one without keys for some rows, two later shards
+    of different "logn" scales merged silently wrong (output off by 0.47 in an outside audit's
+    repro), in one shard order and not another. The merged scale is that of a shard with keys for
+    the row (the one lambda_i), not stats[0]'s 0 there."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen, dtype=F64) for _ in range(3))
+    lam = torch_ext.length_factor(torch.full((1, 2, 6), 6), "logn", train_length=4) / 8**0.5
+    cuts = (slice(0, 0), slice(0, 2), slice(2, 6))  # an empty first shard
+    own = [torch_ext.attention(q, k[:, :, c], v[:, :, c], scale="logn", train_length=4, return_stats=True)
+           for c in cuts]  # fmt: skip
+    for order in ((0, 1, 2), (1, 0, 2), (1, 2, 0)):
+        with pytest.raises(ValueError, match=r"stats\[\d\]\.scale differs from stats\[\d\]\.scale"):
+            merge_attention_states([own[i][0] for i in order], [own[i][1] for i in order])
+    whole = torch_ext.attention(q, k, v, scale=lam, return_stats=True)
+    shared = [torch_ext.attention(q, k[:, :, c], v[:, :, c], scale=lam, return_stats=True) for c in cuts]
+    out, st = merge_attention_states([o for o, _ in shared], [s for _, s in shared])
+    torch.testing.assert_close(out, whole[0])
+    torch.testing.assert_close(st.scale, whole[1].scale)
+    # Rows no shard has keys for keep stats[0]'s scale; in the others, a later shard's.
+    z = torch.zeros(1, 1, 2, dtype=F64)
+    a = torch_ext.AttentionStats(lse=z - torch.inf, entropy=z, normalized_entropy=z, sparsity=z,
+                                 effective_keys=z, max_weight=z, n_keys=torch.tensor([[[0, 0]]]), scale=z)
+    b = a._replace(lse=z, effective_keys=z + 1, max_weight=z + 1, n_keys=torch.tensor([[[1, 0]]]), scale=z + 0.5)
+    o = torch.randn(1, 1, 2, 4, dtype=F64)
+    assert merge_attention_states([o * 0, o], [a, b])[1].scale.tolist() == [[[0.5, 0.0]]]
+
+
 def test_derived_stats_of_a_row_without_weight() -> None:
     """A row with keys but sum p^2 = 0 (every logit -inf, or merged shards whose lse are all -inf)
     gets the kernel epilogue's clamped 1 / 0: sparsity 1 and n effective keys, as the op gives that

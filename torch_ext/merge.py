@@ -131,8 +131,9 @@ def merge_attention_states(
     Returns:
         ``(output, stats)`` as one call over the union of the keys would give them (to rounding):
         the output in the shards' dtype, the statistics in float32 (float64 for float64 shards),
-        differentiable with respect to every shard's output and statistics. ``scale`` is the
-        first shard's.
+        differentiable with respect to every shard's output and statistics. ``scale`` is, in
+        each row, the scale of the first shard with keys for it (the first shard's in rows that
+        no shard has keys for).
     """
     outputs, stats = _as_list(outputs, "outputs"), _as_list(stats, "stats")  # (generators too)
     if len(outputs) != len(stats):
@@ -154,11 +155,11 @@ def merge_attention_states(
         effective_keys=effective,
         max_weight=m.max_weight,
         n_keys=m.n_keys,
-        scale=stats[0].scale,
+        scale=_row_scale(stats),
     )
 
 
-# The per-row fields of AttentionStats that the merge reads (scale is passed through).
+# The per-row fields of AttentionStats that the merge reads (scale is checked apart).
 _ROW_FIELDS = ("lse", "entropy", "effective_keys", "max_weight", "n_keys")
 
 
@@ -210,30 +211,50 @@ def _check_shards(outputs: Sequence[torch.Tensor], stats: Sequence[AttentionStat
                 raise ValueError(f"{name} is {t.dtype}, stats[0].lse {stat_dtype}: shards of one call share a dtype")
 
 
+def _row_scale(stats: Sequence[AttentionStats]) -> torch.Tensor:
+    """Per row, the scale of the first shard with keys for it (the one lambda_i of the row, which
+    _check_same_scale holds the others to), else stats[0]'s: a shard without keys for a row may
+    report any scale there (0, or its own "logn" of no keys)."""
+    scale, found = stats[0].scale, stats[0].n_keys > 0
+    for s in stats[1:]:
+        take = ~found & (s.n_keys > 0)
+        scale = torch.where(take, s.scale.to(scale.dtype), scale)
+        found = found | take
+    return scale
+
+
 def _check_same_scale(stats: Sequence[AttentionStats]) -> None:
     """ValueError where two shards used different lambda_i for a row that both have keys for (a
     row without keys in a shard takes no part in the merge, whatever its scale): with each shard's
     own "logn" policy, say, the merge would be silently wrong (its weights e^{lse} are of different
-    logits). Equal to rounding: the same value computed alike gives the same bits. Eager mode only:
-    under torch.compile or a torch.func transform a value cannot decide a branch."""
+    logits). Each shard is compared, row by row, with the first shard that has keys for the row,
+    so an empty shard or one without keys for some rows leaves no row unchecked. Equal to rounding:
+    the same value computed alike gives the same bits. Eager mode only: under torch.compile or a
+    torch.func transform a value cannot decide a branch."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return
-    first = stats[0]
-    if not isinstance(first.scale, torch.Tensor) or tuple(first.scale.shape) != tuple(first.lse.shape):
-        raise ValueError(f"stats[0].scale must be a tensor of the rows' shape {tuple(first.lse.shape)}")
+    rows = tuple(stats[0].lse.shape)
+    for i, s in enumerate(stats):
+        if not isinstance(s.scale, torch.Tensor) or tuple(s.scale.shape) != rows:
+            raise ValueError(f"stats[{i}].scale must be a tensor of the rows' shape {rows}")
+    # The scale of the first shard with keys for each row, and that shard's index (-1: none yet).
+    ref = stats[0].scale
+    owner = torch.where(stats[0].n_keys > 0, 0, -1)
     for i, s in enumerate(stats[1:], start=1):
-        scale = s.scale
-        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != tuple(first.lse.shape):
-            raise ValueError(f"stats[{i}].scale must be a tensor of the rows' shape {tuple(first.lse.shape)}")
-        both = (s.n_keys > 0) & (first.n_keys > 0)
-        same = torch.isclose(scale, first.scale.to(scale.dtype), rtol=8 * torch.finfo(scale.dtype).eps, atol=0,
+        has = s.n_keys > 0
+        same = torch.isclose(s.scale, ref.to(s.scale.dtype), rtol=8 * torch.finfo(s.scale.dtype).eps, atol=0,
                              equal_nan=True)
-        if bool((both & ~same).any()):
+        bad = has & (owner >= 0) & ~same
+        if bool(bad.any()):
+            j = int(owner[bad][0])
             raise ValueError(
-                f"stats[{i}].scale differs from stats[0].scale in rows that both shards have keys for: "
+                f"stats[{i}].scale differs from stats[{j}].scale in rows that both shards have keys for: "
                 "every shard must use the whole row's lambda_i (pass it as a scale tensor, e.g. from "
                 "torch_ext.length_factor of the whole row's n_i for the log-n policies)"
             )
+        take = has & (owner < 0)
+        ref = torch.where(take, s.scale.to(ref.dtype), ref)
+        owner = torch.where(take, i, owner)
 
 
 def _sum_p2(s: AttentionStats) -> torch.Tensor:

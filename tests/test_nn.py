@@ -134,6 +134,56 @@ def test_weights_agree_with_output_under_finfo_min_masks() -> None:
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize("mask", ["kpm_float", "attn_inf", "attn_finfo_min", "attn_bool"])
+def test_weights_of_hidden_rows_have_zero_gradient(mask: str) -> None:
+    """The weights of a row whose keys are all hidden are constant 0, so a loss on the returned
+    weights gives finite gradients equal to those of the same loss over the other rows: float
+    masks (-inf, finfo.min) gave NaN in the projections' gradients (the softmax's NaN, zeroed after
+    it, still reached the backward)."""
+    torch.manual_seed(0)
+    _, ours = pair(batch_first=True)
+    x = torch.randn(2, L, E, dtype=torch.float64)
+    hide = torch.zeros(L, L, dtype=torch.bool)
+    hide[1] = True
+    kw = {
+        "kpm_float": dict(key_padding_mask=torch.tensor([[0.0] * L, [-math.inf] * L], dtype=torch.float64)),
+        "attn_inf": dict(attn_mask=torch.zeros(L, L, dtype=torch.float64).masked_fill(hide, -math.inf)),
+        "attn_finfo_min": dict(attn_mask=torch.zeros(L, L, dtype=torch.float64).masked_fill(hide, -1.7e308)),
+        "attn_bool": dict(attn_mask=~hide),
+    }[mask]
+    _, w = ours(x, x, x, average_attn_weights=False, **kw)
+    hidden = w.detach().sum(-1) == 0
+    assert hidden.any() and (w.detach()[hidden] == 0).all()
+    w.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
+    assert grads and all(g.isfinite().all() for g in grads)
+    ours.zero_grad()
+    _, w = ours(x, x, x, average_attn_weights=False, **kw)
+    w[~hidden].pow(2).sum().backward()  # the same loss without the hidden rows' zeros
+    for g, p in zip(grads, (p for p in ours.parameters() if p.grad is not None)):
+        assert_close(g, p.grad)
+
+
+def test_float16_weights_where_the_unscaled_product_overflows() -> None:
+    """need_weights=True forms the logits in float32: in float16 the unscaled q . k overflows
+    (65504) where lambda q . k does not, and such rows' weights came out 0 instead of one-hot
+    (torch scales q first and gets them right; an outside audit's repro: q . k = 8e4, lambda q . k
+    = 1e4)."""
+    torch.manual_seed(0)
+    ref, ours = pair(batch_first=True)
+    with torch.no_grad():
+        ours.in_proj_weight.mul_(150.0)
+        ours.in_proj_bias.zero_()
+    x = torch.randn(1, L, E, dtype=torch.float64)
+    _, expected = ours(x, x, x, average_attn_weights=False)
+    half = ours.half()
+    _, w = half(x.half(), x.half(), x.half(), average_attn_weights=False)
+    q = F.linear(x.half(), half.in_proj_weight[:E]).view(1, L, H, E // H).transpose(1, 2)
+    assert (q.double() @ q.double().transpose(-1, -2)).abs().max() > 65504  # the product overflows
+    assert (expected.amax(-1) > 0.99).any()  # rows of one dominant key
+    torch.testing.assert_close(w.double(), expected, atol=5e-3, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_low_precision(dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)

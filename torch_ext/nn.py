@@ -295,7 +295,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 train_length=policy.train_length, dtype=lam.dtype,
             )
             lam = unit * multiplier.to(lam.dtype)
-        logits = lam.unsqueeze(-1).to(q.dtype) * (q @ k.transpose(-1, -2))
+        # In the accumulation type, as the op forms them: in float16 the unscaled q . k overflows
+        # (65504) where lambda_i q . k is still moderate, and such a row's weights came out 0.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        logits = lam.unsqueeze(-1).to(acc) * (q.to(acc) @ k.to(acc).transpose(-1, -2))
         L, S = logits.shape[-2:]
         if is_causal:
             logits = logits.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
@@ -305,6 +308,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             # ones that adding finfo.min would give.
             mask = hide_masked(mask)
             logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-        acc = torch.promote_types(q.dtype, torch.float32)
-        weights = torch.softmax(logits.to(acc), dim=-1).nan_to_num(0.0).to(q.dtype)  # empty rows: 0
-        return out, weights
+        # Rows without a visible key get weights 0 and no gradient: their logits are replaced
+        # before the softmax (whose NaN, zeroed after it, still reached the gradient as NaN).
+        empty = ~(logits > float("-inf")).any(dim=-1, keepdim=True)
+        weights = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        return out, weights.to(q.dtype)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from typing import Any, Dict, List
 
 import numpy as np
@@ -130,6 +131,44 @@ def test_pools_calls_of_one_step() -> None:
     with monitor.step(0):
         model(x[:2], pad[:2])
         model(x[2:], pad[2:])
+    check_records(monitor.latest, materialized_stats(model, x, pad))
+
+
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad", "enable_grad"])
+def test_pools_calls_under_other_grad_modes(first: str) -> None:
+    """A step whose first call runs under torch.inference_mode (an evaluation or sampling pass)
+    and a later one with autograd pools as any two calls: the first call's accumulators are
+    inference tensors, which the second updated in place (RuntimeError)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, pad = batch(B=4)
+    monitor = torch_ext.AttentionEntropyMonitor(model)
+    with monitor.step(0):
+        with getattr(torch, first)():
+            model(x[:2], pad[:2])
+        model(x[2:], pad[2:])
+    check_records(monitor.latest, materialized_stats(model, x, pad))
+
+
+def test_calls_under_vmap_are_left_out_with_a_warning() -> None:
+    """Calls under torch.func.vmap (per-sample gradients) are not recorded, with one warning: their
+    statistics are the transform's batched tensors, which the end of the step read after the
+    transform had ended (an internal assert). The model's outputs are those without the monitor,
+    and the step's other calls are recorded."""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, pad = batch(B=4)
+    sample = lambda xi, pi: model(xi[None], pi[None])  # noqa: E731
+    expected = torch.func.vmap(sample)(x, pad)
+    monitor = torch_ext.AttentionEntropyMonitor(model)
+    with warnings.catch_warnings(record=True) as caught, monitor.step(0):
+        warnings.simplefilter("always")
+        out = torch.func.vmap(sample)(x, pad)
+        torch.func.vmap(sample)(x, pad)
+        model(x, pad)
+    ours = [w for w in caught if "does not record attention calls under torch.func.vmap" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]  # once per monitor
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
     check_records(monitor.latest, materialized_stats(model, x, pad))
 
 

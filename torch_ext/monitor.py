@@ -18,11 +18,14 @@ import numbers
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from torch_ext.attention import AttentionStats
 
@@ -66,15 +69,17 @@ class _LayerAccumulator:
             raise RuntimeError(
                 f"a layer was called with {other.sums.shape[0]} and {self.sums.shape[0]} heads in one step"
             )
-        self.sums += other.sums
-        self.counts += other.counts
-        torch.minimum(self.mins, other.mins, out=self.mins)
-        torch.maximum(self.maxs, other.maxs, out=self.maxs)
+        # Out of place: a call under torch.inference_mode leaves inference tensors, which a later
+        # call of the step (the training forward) may not update in place.
+        self.sums = self.sums + other.sums
+        self.counts = self.counts + other.counts
+        self.mins = torch.minimum(self.mins, other.mins)
+        self.maxs = torch.maximum(self.maxs, other.maxs)
         if self.position_sum is not None and other.position_sum is not None:
             self.position_sum, other_sum = _pad_to_same(self.position_sum, other.position_sum)
             self.position_count, other_count = _pad_to_same(self.position_count, other.position_count)
-            self.position_sum += other_sum
-            self.position_count += other_count
+            self.position_sum = self.position_sum + other_sum
+            self.position_count = self.position_count + other_count
 
 
 def _pad_to_same(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,8 +330,26 @@ def record(
     that is not -inf has a normalized entropy: it counts in that metric's mean, minimum and maximum).
     """
     m = _active()
-    if m is not None and is_recording():
-        m._add(stats, module, positions, rows, sinks)
+    if m is None or not is_recording():
+        return
+    if _under_vmap():
+        if not m._warned_vmap:
+            m._warned_vmap = True
+            warnings.warn(
+                "AttentionEntropyMonitor does not record attention calls under torch.func.vmap (their "
+                "statistics are batched tensors of the transform, gone when it ends): the monitor leaves "
+                "them out; record a step that runs the model without vmap",
+                stacklevel=3,
+            )
+        return
+    m._add(stats, module, positions, rows, sinks)
+
+
+def _under_vmap() -> bool:
+    """Whether a torch.func.vmap transform is active (at any level, e.g. vmap(grad(f)))."""
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def _running_module(names: Dict[int, str]) -> Optional[str]:
@@ -381,7 +404,8 @@ class AttentionEntropyMonitor:
     ``with monitor:`` records every call until it exits (e.g. one evaluation pass) as one step.
     Only attention run through ``torch_ext`` wrappers is seen: ``torch_ext.nn.MultiheadAttention``,
     ``torch_ext.replace_sdpa``, the ``torch_ext.hf`` backend, or :func:`torch_ext.policy.attend`.
-    Under ``torch.compile`` the compiled graph does not report (the op compiles with
+    Calls under ``torch.func.vmap`` are not recorded (a warning says so, once); ``torch.func.grad``
+    alone records as eager calls do. Under ``torch.compile`` the compiled graph does not report (the op compiles with
     ``fullgraph=True`` and the monitor records nothing from it): monitor eagerly on the steps
     that record, or read ``return_stats=True`` outputs from the compiled model.
     """
@@ -423,6 +447,7 @@ class AttentionEntropyMonitor:
         self._names: Optional[Dict[int, str]] = None
         self._unnamed: Dict[int, str] = {}
         self._anonymous_calls = 0
+        self._warned_vmap = False
         self._busy = threading.Lock()  # held while a step records (by one thread at a time)
         self._step_counter = 0
         self._cm: Optional[contextlib.AbstractContextManager] = None

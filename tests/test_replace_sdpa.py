@@ -166,6 +166,11 @@ def test_errors() -> None:
         ((2, 4, 5, 8), (4, 6, 8), None, {}),
         ((3, 5, 8), (3, 6, 8), (1, 1, 5, 6), {}),  # a mask of more dims than the inputs, leading 1s
         ((3, 5, 8), (3, 6, 8), (1, 3, 5, 6), {}),
+        # 3-D under GQA: the first dim is the heads SDPA groups (6 query heads on 3; was refused)
+        ((6, 5, 8), (3, 6, 8), None, {"enable_gqa": True}),
+        ((6, 5, 8), (3, 6, 8), (6, 5, 6), {"enable_gqa": True}),
+        ((6, 5, 8), (3, 6, 8), (5, 6), {"enable_gqa": True, "scale": 0.3}),
+        ((6, 5, 8), (3, 6, 8), None, {"enable_gqa": True, "is_causal": True}),
     ],
 )
 def test_sdpa_layouts(q_shape: tuple, kv_shape: tuple, mask_shape: tuple | None, kwargs: Dict[str, Any]) -> None:

@@ -30,8 +30,8 @@ def _routed_sdpa(
     """SDPA's signature on the fused op: the call's ``scale`` is the base scale of the policy.
 
     Any layout SDPA takes: (..., L, E) with leading dims that broadcast among query, key, value
-    (and the mask), the third from last being the heads (3-D inputs (N, L, E): one head each;
-    2-D: one sequence). They are flattened to the op's (B, H, L, E), expanded where they
+    (and the mask), the third from last being the heads (3-D inputs (N, L, E): one head each,
+    or, with ``enable_gqa``, N heads, as SDPA groups them; 2-D: one sequence). They are flattened to the op's (B, H, L, E), expanded where they
     broadcast (as SDPA's math does), and the output is given the broadcast shape back.
     """
     if is_causal and attn_mask is not None:
@@ -54,7 +54,10 @@ def _routed_sdpa(
                 "the output (..., L, S)"
             )
         attn_mask = attn_mask.reshape(attn_mask.shape[extra:])
-    if nd < 4:  # one head: a heads dim of 1 in front of (L, E), and in front of a mask's (L, S)
+    # One head: a heads dim of 1 in front of (L, E), and in front of a mask's (L, S). (Under GQA,
+    # SDPA takes a 3-D input's first dim as the heads it groups: (H, L, E) against (Hkv, S, E).)
+    one_head = nd == 2 or (nd == 3 and not enable_gqa)
+    if one_head:
         query, key, value = (t.unsqueeze(-3) for t in (query, key, value))
         if attn_mask is not None and attn_mask.dim() >= 3:
             attn_mask = attn_mask.unsqueeze(-3)
@@ -97,7 +100,7 @@ def _routed_sdpa(
         dropout_p=dropout_p,
     )
     out = out.reshape(*outer, *out.shape[1:])
-    return out.squeeze(-3) if nd < 4 else out
+    return out.squeeze(-3) if one_head else out
 
 
 class replace_sdpa(TorchFunctionMode):

@@ -12,6 +12,8 @@ namespace entropy_attn {
 namespace {
 
 void check_qkv_tensor(const at::Tensor& x, const char* name, const char* layout) {
+  // (torch.ops passes None for a Tensor argument as an undefined tensor, whose sizes read [0].)
+  TORCH_CHECK_TYPE(x.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_VALUE(x.dim() == 4, name, " must be a 4-D tensor ", layout, ", got ", x.dim(),
                     "-D of shape ", x.sizes());
   TORCH_CHECK_TYPE(is_supported_dtype(x.scalar_type()), name,

@@ -14,6 +14,7 @@ namespace entropy_attn {
 namespace {
 
 void check_packed(const at::Tensor& x, const char* name, const char* layout) {
+  TORCH_CHECK_TYPE(x.defined(), name, " must be a tensor, got None");  // (None from torch.ops)
   TORCH_CHECK_VALUE(x.dim() == 3, name, " must be a 3-D packed tensor ", layout, ", got ", x.dim(),
                     "-D of shape ", x.sizes());
 }

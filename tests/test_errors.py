@@ -148,6 +148,22 @@ def test_bad_inputs_raise_with_return_stats(device: str) -> None:
         torch.ops.entropy_attn.attention(q, k, v, None, torch.ones(3, 3, device=device), enable_gqa=True)
 
 
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_raw_ops_name_a_missing_tensor(which: str) -> None:
+    """torch.ops passes None for a Tensor argument as an undefined tensor, whose shape reads [0]:
+    the raw ops raise TypeError naming it (they reported a 1-D tensor of shape [0])."""
+    dense = dict(query=torch.randn(B, H, Lq, D), key=torch.randn(B, H, Lk, D), value=torch.randn(B, H, Lk, D))
+    packed = dict(query=torch.randn(Lq, H, D), key=torch.randn(Lk, H, D), value=torch.randn(Lk, H, D))
+    cu_q, cu_k = torch.tensor([0, Lq], dtype=torch.int32), torch.tensor([0, Lk], dtype=torch.int32)
+    calls = [lambda a: torch.ops.entropy_attn.attention(a["query"], a["key"], a["value"]),
+             lambda a: torch.ops.entropy_attn.varlen_attention(a["query"], a["key"], a["value"], cu_q, cu_k, Lq, Lk)]
+    if which != "value":
+        calls.append(lambda a: torch.ops.entropy_attn.attention_sparsity(a["query"], a["key"]))
+    for args, fn in zip((dense, packed, dense), calls):
+        with pytest.raises(TypeError, match=rf"^{which} must be a tensor, got None"):
+            fn({**args, which: None})
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.cuda
 @pytest.mark.parametrize("which", ["key", "value", "attn_mask", "scale"])

@@ -405,9 +405,10 @@ class AttentionEntropyMonitor:
     Only attention run through ``torch_ext`` wrappers is seen: ``torch_ext.nn.MultiheadAttention``,
     ``torch_ext.replace_sdpa``, the ``torch_ext.hf`` backend, or :func:`torch_ext.policy.attend`.
     Calls under ``torch.func.vmap`` are not recorded (a warning says so, once); ``torch.func.grad``
-    alone records as eager calls do. Under ``torch.compile`` the compiled graph does not report (the op compiles with
-    ``fullgraph=True`` and the monitor records nothing from it): monitor eagerly on the steps
-    that record, or read ``return_stats=True`` outputs from the compiled model.
+    alone records as eager calls do. Under ``torch.compile`` the compiled graph does not report
+    (the op compiles with ``fullgraph=True`` and the monitor records nothing from it): monitor
+    eagerly on the steps that record, or read ``return_stats=True`` outputs from the compiled
+    model.
     """
 
     def __init__(

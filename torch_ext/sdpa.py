@@ -31,8 +31,9 @@ def _routed_sdpa(
 
     Any layout SDPA takes: (..., L, E) with leading dims that broadcast among query, key, value
     (and the mask), the third from last being the heads (3-D inputs (N, L, E): one head each,
-    or, with ``enable_gqa``, N heads, as SDPA groups them; 2-D: one sequence). They are flattened to the op's (B, H, L, E), expanded where they
-    broadcast (as SDPA's math does), and the output is given the broadcast shape back.
+    or, with ``enable_gqa``, N heads, as SDPA groups them; 2-D: one sequence). They are
+    flattened to the op's (B, H, L, E), expanded where they broadcast (as SDPA's math does), and
+    the output is given the broadcast shape back.
     """
     if is_causal and attn_mask is not None:
         # As SDPA (with its words): code that ran under the mode must not fail without it.

@@ -256,6 +256,7 @@ def _bad_calls_rank(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(*((q.double(),) * 3 if rank == 1 else (q, q, q))),
         lambda: cp.context_parallel_attention(q, q, q, scale="logn" if rank == 1 else None),
         lambda: cp.context_parallel_attention(q, q, q, is_causal=True),
+        lambda: cp.context_parallel_attention(None if rank == 1 else q, q, q),  # (TypeError, as the op's)
     ]
     results = []
     for call in calls:
@@ -296,6 +297,8 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
                 in results[10]), results[10]
         assert "calls differ (scale mode: rank 0: fixed, rank 1: logn)" in results[11], results[11]
         assert results[12] == "ok: finite True", results[12]
+        assert results[13].startswith("TypeError: query must be a torch.Tensor, got NoneType" if rank == 1
+                                      else invalid_elsewhere), results[13]
 
 
 def _create_graph_rank(rank: int, world: int) -> list[float]:

@@ -178,6 +178,12 @@ def test_sparsity_closed_forms_at_extreme_arguments() -> None:
     for a in [-38.0, -30.0, -20.0, -10.0, -9.9, -5.0, -1.0, 0.0, 0.999, 1.0, 4.0, 1e3]:
         got, want = float(theory.sparsity_relu2(a)), relu2(a)
         assert abs(got - want) <= 1e-9 * want, (a, got, want)
+    # The docstring's bound where the error is largest, just above erfcx's branch at -10 (an
+    # outside audit found 1.33e-9 at a = -9.89 against the 1e-9 the docstring said).
+    grid = torch.linspace(-10.0, -9.0, 401, dtype=torch.float64)
+    for a, got in zip(grid.tolist(), theory.sparsity_relu2(grid).tolist()):
+        want = relu2(a)
+        assert abs(got - want) <= 1.5e-9 * want, (a, got, want)
     for dtype in (torch.float64, torch.float32):
         a = torch.tensor([-1e4, -200.0, -math.inf, 1e100, math.inf], dtype=dtype)
         s = theory.sparsity_relu2(a)

@@ -392,8 +392,10 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
     argument), and its signature for :func:`_check_same_call`: the shapes, dtypes and device of
     query, key and value, the flags, and the scale policy (floats by their bits)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, local length, dim)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, local length, dim), got {t.dim()}-D")
     if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
         raise ValueError("query, key and value must hold the same rows of one sequence (self attention), got "
                          f"local lengths {query.shape[2]}, {key.shape[2]} and {value.shape[2]}")

@@ -70,6 +70,15 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
   check_qkv_tensor(query, "query", "(batch, heads, q_len, head_dim)");
   check_qkv_tensor(key, "key", "(batch, kv_heads, kv_len, head_dim)");
   check_qkv_tensor(value, "value", "(batch, kv_heads, kv_len, v_head_dim)");
+  // attention_sparsity has no value (its key stands in for it): its messages name two tensors.
+  if (value.is_same(key)) {
+    TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type(),
+                     "query and key must have the same dtype, got ", query.scalar_type(), " and ",
+                     key.scalar_type());
+    TORCH_CHECK_VALUE(key.device() == query.device(),
+                      "query and key must be on the same device, got ", query.device(), " and ",
+                      key.device());
+  }
   TORCH_CHECK_TYPE(
       key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
       "query, key and value must have the same dtype, got ", query.scalar_type(), ", ",

@@ -188,6 +188,9 @@ def test_other_entry_points_name_bad_arguments() -> None:
     q, k = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D)
     with pytest.raises(TypeError, match="kind"):
         torch_ext.attention_sparsity(q, k, kind=None)
+    # (it has no value: its messages named one, "query, key and value must have the same dtype")
+    with pytest.raises(TypeError, match=r"^query and key must have the same dtype, got Double and Float"):
+        torch_ext.attention_sparsity(q.double(), k)
     n = torch.arange(1, 5)
     for kw, name in ((dict(temperature="a"), "temperature"), (dict(train_length=None), "train_length"), (dict(scale=3), "scale")):
         with pytest.raises(ERR, match=name):

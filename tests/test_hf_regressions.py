@@ -20,6 +20,8 @@ bug found in review: each fails on the code before its fix.
 14. The monitor's rows in cross-attention.
 15. Models that refuse "sdpa" given sdpa's masks (None where causal: a decoder run without
     causality; bool masks added to scores), and per-query sinks refused by the op's message.
+16. A model with attention classes of its own switched to the backend: its layers kept their
+    attention with no word of it.
 
 Tiny random-weight models built from configs (no downloads), CPU, float64 where the comparison
 is tight, float32 elsewhere.
@@ -680,3 +682,25 @@ def test_per_query_sinks_raise() -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="one sink logit per head.*eager"):
         fn(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(1, 2, 4, 1))
+
+
+# --- 16. models with attention classes of their own ---------------------------------------------
+def test_models_with_their_own_attention_classes_warn_through_the_monitor() -> None:
+    """Falcon picks its attention class from a table of its own ("eager", "sdpa", flash): built
+    with the backend's name it raises transformers' KeyError, and switched to it with
+    set_attn_implementation it keeps its own attention, silently before the monitor warned on a
+    step that no call reports to (README, torch_ext/hf.py)."""
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       new_decoder_architecture=False)
+    with pytest.raises(KeyError, match=PLAIN):
+        build(config, PLAIN)
+    model = build(config, "sdpa")
+    ids = token_ids(2, 6)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        model.set_attn_implementation(PLAIN)
+        with pytest.warns(UserWarning, match="attention class from a table of its own"):
+            with torch_ext.AttentionEntropyMonitor(model) as monitor:
+                out = model(input_ids=ids).logits
+    assert monitor.latest == []
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # its own "sdpa" attention

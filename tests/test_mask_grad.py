@@ -321,6 +321,44 @@ def test_t5_relative_bias_trains_as_with_sdpa(padded: bool) -> None:
     assert_matches_sdpa(model, ("relative_attention_bias",), input_ids=ids, attention_mask=mask, labels=labels)
 
 
+def test_t5_rows_that_see_no_key_give_zero_where_sdpa_averages() -> None:
+    """The one difference from "sdpa" under its float masks (README, torch_ext/hf.py): the encoder
+    rows of a T5 sample that is all padding see no key and give 0 under the backend, as "sdpa"
+    gives with bool masks; "sdpa", whose T5 mask is the position bias joined at finfo.min, averages
+    the values uniformly there (every logit is finfo.min). The other sample's rows agree."""
+    pytest.importorskip("transformers")
+    import torch_ext.hf as hf
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+    )
+    torch.manual_seed(0)
+    model = T5EncoderModel(cfg).double().eval()
+    hf.register(BACKEND)
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1] = 0
+    attn = model.encoder.block[0].layer[0].SelfAttention
+    values: Dict[str, Tensor] = {}
+    contexts: Dict[str, Tensor] = {}
+    for impl in ("sdpa", BACKEND):
+        model.set_attn_implementation(impl)
+        hooks = (
+            attn.v.register_forward_hook(lambda m, i, o, impl=impl: values.__setitem__(impl, o)),
+            attn.o.register_forward_pre_hook(lambda m, i, impl=impl: contexts.__setitem__(impl, i[0])),
+        )
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        for h in hooks:
+            h.remove()
+    ours, sdpa = contexts[BACKEND], contexts["sdpa"]  # (B, L, H * d): the heads' outputs
+    torch.testing.assert_close(ours[0], sdpa[0], rtol=1e-12, atol=1e-12)
+    assert (ours[1] == 0).all()
+    torch.testing.assert_close(sdpa[1], values["sdpa"][1].mean(0).expand(6, -1), rtol=1e-12, atol=1e-12)
+
+
 def test_doge_learned_mask_trains_as_with_sdpa() -> None:
     """Doge's dynamic mask (computed from the values by learned parameters, so it requires grad)."""
     pytest.importorskip("transformers")

@@ -290,6 +290,30 @@ def test_empty_calls_record_no_rows() -> None:
     assert all(math.isnan(r["entropy_mean"]) for r in monitor.latest)
 
 
+@pytest.mark.parametrize("enter", ["step", "with"])
+def test_a_step_no_call_reports_to_warns_once(enter: str) -> None:
+    """A recorded step that no call reports to (a model whose attention bypasses torch_ext, e.g. a
+    transformers model with attention classes of its own) warns once per monitor, at the caller's
+    line, whether the step was entered by ``monitor.step()`` or ``with monitor``; a step with calls
+    does not warn."""
+    torch.manual_seed(0)
+    other = torch.nn.Linear(E, E).double()
+    model = Net().double()
+    x, pad = batch()
+    for net, run, expected in ((other, lambda: other(x), 1), (model, lambda: model(x, pad), 0)):
+        monitor = torch_ext.AttentionEntropyMonitor(net, every=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(3):
+                with monitor.step(s) if enter == "step" else monitor:
+                    run()
+        ours = [w for w in caught if "no attention call reported to it" in str(w.message)]
+        assert len(ours) == expected, [str(w.message) for w in caught]
+        assert all(w.filename == __file__ for w in ours), [w.filename for w in ours]
+        assert (monitor.latest == []) == (expected == 1)
+
+
+@pytest.mark.filterwarnings("ignore:AttentionEntropyMonitor recorded step")  # (steps with no call)
 def test_errors() -> None:
     with pytest.raises(ValueError, match="every"):
         torch_ext.AttentionEntropyMonitor(every=0)
@@ -334,7 +358,7 @@ def test_torch_compile_fullgraph() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     monitor = torch_ext.AttentionEntropyMonitor(model)
-    with monitor:
+    with pytest.warns(UserWarning, match="not a torch.compile'd graph"), monitor:
         out_c = compiled(x, pad)
     assert monitor.latest == []
     with monitor:
@@ -347,6 +371,7 @@ def test_torch_compile_fullgraph() -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:AttentionEntropyMonitor recorded step")  # (steps with no call)
 def test_compiled_model_does_not_recompile_for_recording_steps() -> None:
     """A compiled model stepped under monitor.step compiles once: the monitor registers no global
     module hooks (it registered some on every recorded step, which changed Dynamo's guards: a

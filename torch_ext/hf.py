@@ -23,7 +23,10 @@ the outputs and gradients of ``attn_implementation="sdpa"``. The model's own sca
 the policy: ``"logn"`` multiplies it by log_b(n_i), b = ``train_length``, where n_i counts the keys
 query i may attend to (causality, padding and sliding windows included; in KV-cache decoding the
 cached keys plus the new ones, as in a full recompute). Query rows with no allowed key (left
-padding) give 0, as "sdpa" gives with boolean masks.
+padding) give 0, as "sdpa" gives with boolean masks. Where "sdpa" gets a float mask instead (a
+``position_bias`` joined to the mask at ``finfo.min``: T5, mT5, UMT5, wav2vec2-conformer,
+wav2vec2-BERT; Doge's learned mask), it averages such a row's values uniformly, as "eager" does:
+those models differ from "sdpa" on those rows only (keep them out of the loss).
 
 What the model passes goes to the op: attention dropout (``dropout``, training only), logit
 soft-capping (``softcap``, Gemma 2), attention sinks (``s_aux`` / ``sinks``, gpt-oss), the
@@ -52,9 +55,13 @@ never forms the L x L matrix (use :class:`torch_ext.AttentionEntropyMonitor` for
 statistics, or "eager" for the weights).
 
 Only models that call transformers' ``AttentionInterface`` use the backend (most decoder and
-encoder models of transformers 5); a model with its own attention code ignores ``attn_implementation`` but still builds its masks with the
-backend's mask function. That function gives what "sdpa" gets (``sdpa_mask``: bool, or None where
-causality alone applies) to models that support "sdpa" or run flash attention through the
+encoder models of transformers 5). A model that picks its attention class from a table of its own
+(Falcon, GPT-J, GPT-Neo, Bark, GIT, SuperGlue, SAM's vision encoder and the models built on it,
+Data2Vec-Vision) raises transformers' ``KeyError`` when built with the backend's name; after
+``set_attn_implementation(name)`` those layers keep their own attention (the monitor records none
+of their calls, and warns on a step that records nothing), though the model builds its masks with
+the backend's mask function. That function gives what "sdpa" gets (``sdpa_mask``: bool, or None
+where causality alone applies) to models that support "sdpa" or run flash attention through the
 interface (Gemma 2, gpt-oss), and what "eager" gets (``eager_mask``: additive float masks, never
 skipped) to the models that support neither (PEGASUS-X, NLLB-MoE, GIT, TrOCR, BLIP's text decoder,
 Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks: their outputs equal

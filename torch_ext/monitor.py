@@ -288,6 +288,15 @@ def _ensure_idle() -> None:
         raise RuntimeError("an AttentionEntropyMonitor is already recording on this thread")
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside this module and contextlib, for a warning
+    raised where a step ends (through one or two context managers, by how it was entered)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def is_recording() -> bool:
     """Whether an :class:`AttentionEntropyMonitor` is recording on this thread (always False
     while torch.compile traces: a compiled graph does not report to the monitor, and during
@@ -404,7 +413,8 @@ class AttentionEntropyMonitor:
     ``with monitor:`` records every call until it exits (e.g. one evaluation pass) as one step.
     Only attention run through ``torch_ext`` wrappers is seen: ``torch_ext.nn.MultiheadAttention``,
     ``torch_ext.replace_sdpa``, the ``torch_ext.hf`` backend, or :func:`torch_ext.policy.attend`.
-    Calls under ``torch.func.vmap`` are not recorded (a warning says so, once); ``torch.func.grad``
+    The first recorded step that no call reports to warns (the model's attention bypasses
+    torch_ext). Calls under ``torch.func.vmap`` are not recorded (a warning says so, once); ``torch.func.grad``
     alone records as eager calls do. Under ``torch.compile`` the compiled graph does not report
     (the op compiles with ``fullgraph=True`` and the monitor records nothing from it): monitor
     eagerly on the steps that record, or read ``return_stats=True`` outputs from the compiled
@@ -449,6 +459,7 @@ class AttentionEntropyMonitor:
         self._unnamed: Dict[int, str] = {}
         self._anonymous_calls = 0
         self._warned_vmap = False
+        self._warned_empty = False
         self._busy = threading.Lock()  # held while a step records (by one thread at a time)
         self._step_counter = 0
         self._cm: Optional[contextlib.AbstractContextManager] = None
@@ -554,6 +565,19 @@ class AttentionEntropyMonitor:
         names = sorted(self._layers)
         accs = [self._layers[n] for n in names]
         self._layers = {}
+        if not accs and not self._warned_empty:
+            # A step with no call is almost always a model whose attention bypasses torch_ext; its
+            # empty records alone would not say why.
+            self._warned_empty = True
+            warnings.warn(
+                f"AttentionEntropyMonitor recorded step {step}, but no attention call reported to it: only "
+                "attention run eagerly through torch_ext (torch_ext.nn.MultiheadAttention, replace_sdpa, the "
+                "torch_ext.hf backend, torch_ext.policy.attend) is seen, not a torch.compile'd graph; a "
+                "transformers model that picks its attention class from a table of its own (Falcon, GPT-J, "
+                "GPT-Neo, Bark, GIT, SAM's vision encoder, ...) keeps that attention after "
+                "set_attn_implementation(name)",
+                stacklevel=_user_stacklevel(),
+            )
         multi_rank = self.reduce and _world_size(self.process_group) > 1
         if multi_rank:
             self._reduce_over_ranks(names, accs)

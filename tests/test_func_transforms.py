@@ -10,6 +10,9 @@ registered op. Each gradient here is checked against plain autograd of the same 
 from __future__ import annotations
 
 import math
+import re
+import warnings
+from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 import torch._dynamo.testing
 from torch import Tensor
 from torch.func import functional_call, grad, jacrev, vjp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 
@@ -119,6 +123,127 @@ def test_per_sample_grads_of_the_module() -> None:
             torch.testing.assert_close(per_sample[n][i], p.grad, **TOL, msg=lambda m, n=n: f"sample {i}, {n}: {m}")
 
 
+#: name -> (the wrapper's keyword arguments, the tensors: name -> (per-sample tensor, vmapped?)).
+#: Per sample: query (2, 4, 5, 8), key and value (2, Hkv, 6, 8 / 3); a batch of 2 inside each
+#: sample, so that folding the samples into it is exercised with B > 1.
+VMAP_CASES: Dict[str, Tuple[Dict[str, Any], Dict[str, Tuple[Tensor, bool]]]] = {
+    "all_vmapped": (dict(is_causal=True, scale="logn", train_length=4, return_stats=True), {}),
+    "shared_kv": (dict(return_stats=True), dict(key=(rand(2, 4, 6, 8, seed=12), False),
+                                                value=(rand(2, 4, 6, 3, seed=13), False))),
+    "gqa_window_softcap": (dict(enable_gqa=True, window_size=(2, 1), softcap=3.0, return_stats=True),
+                           dict(key=(rand(2, 2, 6, 8, seed=12), True), value=(rand(2, 2, 6, 3, seed=13), True))),
+    "shared_mask_2d": (dict(return_stats=True), dict(attn_mask=(rand(5, 6, seed=14), False))),
+    "shared_mask_batch": (dict(), dict(attn_mask=(rand(2, 1, 5, 6, seed=14), False))),
+    "vmapped_mask_batch_1": (dict(return_stats=True), dict(attn_mask=(rand(1, 4, 5, 6, seed=14), True))),
+    "vmapped_bool_mask": (dict(is_causal=True), dict(attn_mask=(rand(2, 1, 5, 6, seed=14) > -0.5, True))),
+    "shared_scale": (dict(return_stats=True), dict(scale=(rand(4, 1, seed=15).abs(), False))),
+    "vmapped_scale": (dict(scale="logn", train_length=4), dict(scale=(rand(2, 4, 1, seed=15).abs(), True))),
+    "shared_sinks": (dict(return_stats=True), dict(sinks=(rand(4, seed=16), False))),  # (its gradient: per sample)
+    "vmapped_sinks": (dict(), dict(sinks=(rand(4, seed=16), True))),
+}
+
+
+def _vmap_case(case: str, samples: int = 3) -> Tuple[Dict[str, Any], List[str], List[Tensor], List[bool]]:
+    """The case's keyword arguments, tensor names, tensors (vmapped ones with the samples first)
+    and whether each is vmapped."""
+    kw, extra = VMAP_CASES[case]
+    tensors = {"query": (rand(2, 4, 5, 8, seed=1), True), "key": (rand(2, 4, 6, 8, seed=2), True),
+               "value": (rand(2, 4, 6, 3, seed=3), True), **extra}
+    names, values, vmapped = [], [], []
+    for i, (name, (t, batched)) in enumerate(tensors.items()):
+        if batched:  # each sample its own values (a bool mask: its own pattern)
+            g = torch.Generator().manual_seed(100 + i)
+            noise = torch.randn(samples, *t.shape, dtype=F64, generator=g)
+            t = (noise > -0.5) if t.dtype == torch.bool else t + 0.5 * noise
+            if name == "scale":
+                t = t.abs()
+        names.append(name)
+        values.append(t)
+        vmapped.append(batched)
+    return kw, names, values, vmapped
+
+
+class _OpCalls(TorchDispatchMode):
+    """Counts the calls of the entropy_attn ops that reach the kernels (below every transform)."""
+
+    def __enter__(self) -> Counter:
+        self.counts: Counter = Counter()
+        super().__enter__()
+        return self.counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "entropy_attn":
+            self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_loss(kw: Dict[str, Any], names: List[str]) -> Callable[..., Tensor]:
+    return lambda *xs: loss_of(torch_ext.attention(**dict(kw, **dict(zip(names, xs)))))
+
+
+@pytest.mark.parametrize("case", list(VMAP_CASES))
+def test_vmap_equals_one_call_per_sample(case: str) -> None:
+    """vmap of the op (every output and statistic) and vmap(grad) with respect to every float
+    tensor equal one plain autograd call per sample, each tensor vmapped or shared, the vmapped dim
+    first or last; the dense cases make one call (no torch fallback, which warns)."""
+    kw, names, values, vmapped = _vmap_case(case)
+    in_dims = tuple(0 if b else None for b in vmapped)
+    argnums = tuple(i for i, t in enumerate(values) if t.is_floating_point())
+    loss = _attention_loss(kw, names)
+
+    def sample(i: int) -> List[Tensor]:
+        return [t[i] if b else t for t, b in zip(values, vmapped)]
+
+    with warnings.catch_warnings(), _OpCalls() as calls:
+        warnings.simplefilter("error", UserWarning)  # torch's fallback warns "There is a performance drop"
+        outs = vmap(lambda *xs: torch_ext.attention(**dict(kw, **dict(zip(names, xs)))), in_dims=in_dims)(*values)
+        forward_calls = calls.pop("attention")
+        grads = vmap(grad(loss, argnums=argnums), in_dims=in_dims)(*values)
+        # One call of each op for the samples together; per sample where sinks are vmapped (the
+        # forward) or their gradient is wanted (the backward).
+        assert (forward_calls, calls.pop("attention"), calls.pop("attention_backward")) == (
+            (3, 3, 3) if case == "vmapped_sinks" else (1, 1, 3) if "sinks" in case else (1, 1, 1)), case
+        last = [t.movedim(0, -1) if b else t for t, b in zip(values, vmapped)]
+        grads_last = vmap(grad(loss, argnums=argnums), in_dims=tuple(-1 if b else None for b in vmapped))(*last)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    for i in range(3):
+        ref = torch_ext.attention(**dict(kw, **dict(zip(names, sample(i)))))
+        ref = ref if isinstance(ref, tuple) else (ref,)
+        torch.testing.assert_close(outs[0][i], ref[0], **TOL)
+        if len(ref) > 1:
+            for field in ("lse", "entropy", "normalized_entropy", "sparsity", "effective_keys", "max_weight", "n_keys",
+                          "scale"):
+                torch.testing.assert_close(getattr(outs[1], field)[i], getattr(ref[1], field), **TOL,
+                                           msg=lambda m, field=field: f"sample {i}, {field}: {m}")
+        leaves = [t.detach().clone().requires_grad_(j in argnums) for j, t in enumerate(sample(i))]
+        refs = torch.autograd.grad(loss(*leaves), [leaves[j] for j in argnums])
+        for j, got, got_last, r in zip(argnums, grads, grads_last, refs):
+            torch.testing.assert_close(got[i], r, **TOL, msg=lambda m, j=j: f"sample {i}, {names[j]}: {m}")
+            torch.testing.assert_close(got_last[i], r, **TOL, msg=lambda m, j=j: f"sample {i}, {names[j]} (last): {m}")
+
+
+def test_grad_of_vmap_and_nested_vmap() -> None:
+    """grad of a vmapped loss (the folded call differentiated once) and vmap of vmap (each level
+    folds into the batch) equal plain autograd over the stacked samples."""
+    kw, names, values, vmapped = _vmap_case("gqa_window_softcap")
+    loss = _attention_loss(kw, names)
+    per_sample = vmap(lambda *xs: torch_ext.attention(**dict(kw, **dict(zip(names, xs))))[0])
+
+    def total(*xs: Tensor) -> Tensor:
+        return per_sample(*xs).square().sum()
+
+    got = grad(total, argnums=(0, 1, 2))(*values)
+    leaves = [t.detach().clone().requires_grad_() for t in values]
+    ref = sum(torch_ext.attention(**dict(kw, **dict(zip(names, (t[i] for t in leaves)))))[0].square().sum()
+              for i in range(3))
+    refs = torch.autograd.grad(ref, leaves)
+    for name, g, r in zip(names, got, refs):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    nested = vmap(vmap(grad(loss, argnums=0)))(*(t.unflatten(0, (3, 1)).expand(3, 2, *t.shape[1:]) for t in values))
+    flat = vmap(grad(loss, argnums=0))(*values)
+    torch.testing.assert_close(nested, flat[:, None].expand_as(nested), **TOL)
+
+
 def test_varlen_grad_equals_autograd() -> None:
     """torch.func.grad through varlen_attention (packed documents, GQA, a (T, H) scale tensor, sinks,
     statistics) equals torch.autograd.grad; with seqused_k (inference-only) it raises."""
@@ -152,6 +277,29 @@ def test_row_reductions_under_transforms(name: str) -> None:
     rows = vmap(grad(lambda r: fn(r).square().sum()))(x)
     for i in range(x.shape[0]):
         torch.testing.assert_close(rows[i], autograd_grads(lambda r: fn(r).square().sum(), (x[i],))[0], **TOL)
+
+
+@pytest.mark.parametrize("name", ["entropy", "sparsity"])
+def test_row_reductions_vmap_in_one_call(name: str) -> None:
+    """vmap of entropy / sparsity over any dim of the samples, reducing any dim of each, equals
+    one call per sample, in one call (torch's fallback, which warns, made one per sample); a dim
+    out of a sample's range raises the message a sample's call gives (-3 of a 2-D sample would
+    otherwise reduce over the samples)."""
+    fn = getattr(torch_ext, name)
+    x = rand(3, 4, 5, seed=2).softmax(-1)
+    for vmapped_dim in (0, 1):
+        for dim in (0, 1, -1, -2):
+            with warnings.catch_warnings(), _OpCalls() as calls:
+                warnings.simplefilter("error", UserWarning)
+                got = vmap(lambda t: fn(t, dim), in_dims=vmapped_dim)(x)
+            assert calls[name] == 1
+            ref = torch.stack([fn(s, dim) for s in x.unbind(vmapped_dim)])
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for dim in (2, -3):
+        with pytest.raises(ValueError) as plain:
+            fn(x[0], dim)
+        with pytest.raises(ValueError, match=re.escape(str(plain.value))):
+            vmap(lambda t: fn(t, dim))(x)
 
 
 # --- tracing that must not freeze or specialize values ------------------------------------------

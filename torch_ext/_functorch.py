@@ -6,14 +6,27 @@ C++ torch::autograd::Function with functorch transforms"). While a transform is 
 wrappers call the ops through the ``torch.autograd.Function`` classes below instead. Their forward
 is the op itself and their backward the registered op that the C++ function's backward runs
 (``attention_grad``, ``entropy_backward``, ``sparsity_backward``), so both paths give the same
-gradients. ``generate_vmap_rule`` lets vmap batch them (per-sample gradients: ``vmap(grad(f))``).
+gradients.
+
+vmap (per-sample gradients: ``vmap(grad(f))``): the dense op and its gradient op take a batch dim,
+so their vmap rules fold the vmapped dim into it, (V, B, ...) -> (V * B, ...), and make one call
+where torch's fallback made V (a mask or scale tensor that broadcasts along the batch stays as it
+is; one whose gradient is wanted is repeated, so that each sample gets its own). What folding
+would change runs once per sample, as the fallback ran it: dropout (sample v's batch rows would
+draw another sample's mask), sinks that are vmapped or whose gradient is wanted (one logit per
+head: it has no batch dim), packed documents, and inputs whose per-sample shapes the op refuses
+(its message then names them as it would without vmap). ``entropy`` and ``sparsity`` move the
+samples to a leading dim of one call; ``varlen_attention`` keeps ``generate_vmap_rule`` (torch's
+fallback, one call per sample).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 _ops = torch.ops.entropy_attn
 
@@ -21,6 +34,13 @@ _ops = torch.ops.entropy_attn
 def transforms_active() -> bool:
     """Whether a torch.func transform (grad, vjp, jacrev, jvp, vmap) is running."""
     return torch._C._are_functorch_transforms_active()
+
+
+def vmap_active() -> bool:
+    """Whether a torch.func.vmap transform is active (at any level, e.g. vmap(grad(f)))."""
+    if not transforms_active():
+        return False
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 # The outputs of `attention` (ops.cpp) that are counts or the scale used, not differentiable.
@@ -33,10 +53,76 @@ def _grad_args(grads: tuple) -> tuple:
     return grads[:4] + grads[8:]
 
 
+# --- vmap: the vmapped dim folded into the batch dim -------------------------------------------
+def _sample_shape(x: Optional[torch.Tensor], bdim: Optional[int]) -> Optional[tuple]:
+    """The shape ``x`` has in each sample (without its vmapped dim)."""
+    if x is None:
+        return None
+    return tuple(x.shape) if bdim is None else tuple(n for i, n in enumerate(x.shape) if i != bdim)
+
+
+def _broadcasts(shape: Optional[tuple], target: tuple) -> bool:
+    """Whether ``shape`` (None: no tensor) broadcasts to ``target`` (right-aligned, as the op checks)."""
+    return shape is None or (
+        len(shape) <= len(target) and all(n in (1, t) for n, t in zip(reversed(shape), reversed(target)))
+    )
+
+
+def _front(x: torch.Tensor, bdim: Optional[int], size: int) -> torch.Tensor:
+    """``x`` with its vmapped dim first; an unbatched ``x`` repeated (a view) ``size`` times."""
+    return x.movedim(bdim, 0) if bdim is not None else x.expand(size, *x.shape)
+
+
+def _fold(x: Optional[torch.Tensor], bdim: Optional[int], size: int) -> Optional[torch.Tensor]:
+    """A per-sample (B, ...) tensor as (size * B, ...); None and the empty statistics of a forward
+    without return_stats (shape (0,), unbatched) as they are."""
+    if x is None or (bdim is None and x.dim() == 1 and x.numel() == 0):
+        return x
+    return _front(x, bdim, size).flatten(0, 1)
+
+
+def _fold_broadcast(x: Optional[torch.Tensor], bdim: Optional[int], size: int, batch: int, ndim: int,
+                    per_sample: bool) -> Optional[torch.Tensor]:
+    """A per-sample tensor that broadcasts to (batch, ...) of ``ndim`` dims (a mask: 4, a scale:
+    3) as one that broadcasts to (size * batch, ...) with each sample's values on its rows. An
+    unbatched one that broadcasts along the batch stays as it is, unless ``per_sample`` (its
+    gradient is wanted per sample, so it must not be summed over the samples)."""
+    if x is None or (bdim is None and not per_sample and (x.dim() < ndim or x.shape[0] == 1)):
+        return x
+    x = _front(x, bdim, size)
+    x = x.reshape(size, *(1,) * (ndim + 1 - x.dim()), *x.shape[1:])
+    return x.expand(size, batch, *x.shape[2:]).flatten(0, 1)
+
+
+def _unfold_broadcast(g: Optional[torch.Tensor], size: int, batch: int,
+                      shape: Optional[tuple]) -> Optional[torch.Tensor]:
+    """The gradient of a :func:`_fold_broadcast` result, (size * batch, ...), as the samples'
+    gradients (size, *shape): summed over the batch where the sample's tensor broadcast along it."""
+    if g is None:
+        return None
+    g = g.unflatten(0, (size, batch))
+    if len(shape) < g.dim() - 1 or shape[0] == 1:
+        g = g.sum(1, keepdim=True)
+    return g.reshape(size, *shape)
+
+
+def _per_sample(apply: Callable[..., tuple], size: int, in_dims: Sequence[Any], args: Sequence[Any]) -> tuple:
+    """A vmap rule's result by one call per sample, as torch's fallback runs an op (outputs that
+    are None in every sample stay None). With no sample, one call on zeros of a sample's shapes
+    gives the outputs' shapes (and the op's checks)."""
+    # (in_dims holds an int for a vmapped tensor; None, or a tree of Nones for the options dict, elsewhere)
+    def sample(i: int) -> list:
+        if size == 0:
+            return [a.new_zeros(_sample_shape(a, d)) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
+        return [a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
+
+    results = [apply(*sample(i)) for i in range(max(size, 1))]
+    outputs = tuple(None if r[0] is None else torch.stack(r)[:size] for r in zip(*results))
+    return outputs, tuple(None if o is None else 0 for o in outputs)
+
+
 class _Attention(torch.autograd.Function):
     """``entropy_attn::attention`` (dense layout), differentiable under torch.func."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -62,13 +148,97 @@ class _Attention(torch.autograd.Function):
         o = ctx.options
         # which of the mask, scale and sinks (inputs 3-5) want a gradient
         output_mask = [t is not None and ctx.needs_input_grad[i] for i, t in ((3, attn_mask), (4, scale), (5, sinks))]
-        dq, dk, dv, dmask, dscale, dsinks = _ops.attention_grad(
+        options = dict(is_causal=o["is_causal"], return_stats=o["return_stats"], window_size=o["window_size"],
+                       causal_alignment=o["causal_alignment"], softcap=o["softcap"], dropout_p=o["dropout_p"],
+                       dropout_seed=o["dropout_seed"], cu_seq_q=None, cu_seq_k=None, output_mask=output_mask)
+        dq, dk, dv, dmask, dscale, dsinks = _attention_grad(
             *_grad_args(grads), query, key, value, attn_mask, scale, sinks, out, lse, entropy, sum_p2, n_keys,
-            row_scale, factor, o["is_causal"], o["return_stats"], window_size=o["window_size"],
-            causal_alignment=o["causal_alignment"], softcap=o["softcap"], dropout_p=o["dropout_p"],
-            dropout_seed=o["dropout_seed"], output_mask=output_mask,
-        )
+            row_scale, factor, options)
         return dq, dk, dv, dmask, dscale, dsinks, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attn_mask: Optional[torch.Tensor], scale: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+             options: dict) -> tuple:
+        args = (query, key, value, attn_mask, scale, sinks, options)
+        size, dims = info.batch_size, in_dims[:6]
+        shapes = [_sample_shape(t, d) for t, d in zip(args, dims)]
+        if options["dropout_p"] > 0 or dims[5] is not None or not _dense_shapes(*shapes[:5]):
+            return _per_sample(_Attention.apply, size, in_dims, args)
+        batch = shapes[0][0]
+        outputs = _Attention.apply(
+            _fold(query, dims[0], size), _fold(key, dims[1], size), _fold(value, dims[2], size),
+            _fold_broadcast(attn_mask, dims[3], size, batch, 4, False),
+            _fold_broadcast(scale, dims[4], size, batch, 3, False), sinks, options)
+        # (the statistics a forward without return_stats leaves empty are the same in every sample)
+        return (tuple(o if o.dim() == 1 else o.unflatten(0, (size, batch)) for o in outputs),
+                tuple(None if o.dim() == 1 else 0 for o in outputs))
+
+
+def _dense_shapes(query: Optional[tuple], key: Optional[tuple], value: Optional[tuple], attn_mask: Optional[tuple],
+                  scale: Optional[tuple]) -> bool:
+    """Whether the per-sample shapes are ones the dense op takes (4-D query, key and value of one
+    batch size; a mask and a scale that broadcast), so that folding the samples into the batch
+    changes nothing the op checks."""
+    if not (len(query) == len(key) == len(value) == 4 and query[0] == key[0] == value[0]):
+        return False
+    batch, heads, q_len, kv_len = query[0], query[1], query[2], key[2]
+    return _broadcasts(attn_mask, (batch, heads, q_len, kv_len)) and _broadcasts(scale, (batch, heads, q_len))
+
+
+class _AttentionGrad(torch.autograd.Function):
+    """``entropy_attn::attention_grad`` (the backward of :class:`_Attention` and :class:`_Varlen`)
+    as a function with a vmap rule; it has no derivative, as the op has none."""
+
+    @staticmethod
+    def forward(grad_output: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                grad_entropy: Optional[torch.Tensor], grad_sum_p2: Optional[torch.Tensor],
+                grad_normalized_entropy: Optional[torch.Tensor], grad_sparsity: Optional[torch.Tensor],
+                grad_effective_keys: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+                sinks: Optional[torch.Tensor], output: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                sum_p2: torch.Tensor, n_keys: torch.Tensor, row_scale: torch.Tensor, length_factor: torch.Tensor,
+                options: dict) -> tuple:
+        return tuple(_ops.attention_grad(
+            grad_output, grad_lse, grad_entropy, grad_sum_p2, grad_normalized_entropy, grad_sparsity,
+            grad_effective_keys, query, key, value, attn_mask, scale, sinks, output, lse, entropy, sum_p2, n_keys,
+            row_scale, length_factor, **options))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise RuntimeError("derivative for entropy_attn::attention_backward is not implemented")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple:
+        # args: 7 upstream gradients; query, key, value, attn_mask, scale, sinks; output, lse,
+        # entropy, sum_p2, n_keys, row_scale, length_factor; the options.
+        size, options = info.batch_size, args[-1]
+        grad_mask, grad_scale, grad_sinks = options["output_mask"]
+        shapes = [_sample_shape(t, d) for t, d in zip(args[7:12], in_dims[7:12])]
+        if (options["dropout_p"] > 0 or options["cu_seq_q"] is not None or in_dims[12] is not None
+                or (args[12] is not None and grad_sinks) or not _dense_shapes(*shapes)):
+            return _per_sample(_attention_grad, size, in_dims, args)
+        batch = shapes[0][0]
+        folded = [_fold(t, d, size) for t, d in zip(args[:10], in_dims[:10])]
+        folded += [_fold_broadcast(args[10], in_dims[10], size, batch, 4, grad_mask),
+                   _fold_broadcast(args[11], in_dims[11], size, batch, 3, grad_scale), args[12]]
+        folded += [_fold(t, d, size) for t, d in zip(args[13:20], in_dims[13:20])]
+        dq, dk, dv, dmask, dscale, dsinks = _attention_grad(*folded, options)
+        outputs = (*(g.unflatten(0, (size, batch)) for g in (dq, dk, dv)),
+                   _unfold_broadcast(dmask, size, batch, shapes[3]), _unfold_broadcast(dscale, size, batch, shapes[4]),
+                   None)
+        return outputs, (0, 0, 0, None if dmask is None else 0, None if dscale is None else 0, None)
+
+
+def _attention_grad(*args: Any) -> tuple:
+    """``attention_grad(*tensors, **options)``: through :class:`_AttentionGrad`, for its vmap rule,
+    where a vmap is active; else the op itself (a function applied under grad costs a generated
+    autograd class per call, about 0.8 ms of a 1.7 ms grad of a small call on the CPU)."""
+    return _AttentionGrad.apply(*args) if vmap_active() else _AttentionGrad.forward(*args)
 
 
 def _dense(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -122,21 +292,20 @@ class _Varlen(torch.autograd.Function):
                        sinks is not None and ctx.needs_input_grad[4]]
         # (empty statistics of a forward without return_stats stay empty)
         rows = [_dense(t) if t.dim() >= 2 else t for t in (lse, entropy, sum_p2, n_keys, row_scale, factor)]
-        dq, dk, dv, _, dscale, dsinks = _ops.attention_grad(
+        options = dict(is_causal=o["is_causal"], return_stats=o["return_stats"], window_size=o["window_size"],
+                       causal_alignment="bottom_right", softcap=o["softcap"], dropout_p=o["dropout_p"],
+                       dropout_seed=o["dropout_seed"], cu_seq_q=cu_q, cu_seq_k=cu_k, output_mask=output_mask)
+        dq, dk, dv, _, dscale, dsinks = _attention_grad(
             *(_dense(g) for g in _grad_args(grads)), _dense(query), _dense(key), _dense(value), None, dense_scale,
-            sinks, _dense(out), *rows, o["is_causal"], o["return_stats"], window_size=o["window_size"],
-            causal_alignment="bottom_right", softcap=o["softcap"], dropout_p=o["dropout_p"],
-            dropout_seed=o["dropout_seed"], cu_seq_q=cu_q, cu_seq_k=cu_k, output_mask=output_mask,
-        )
+            sinks, _dense(out), *rows, options)
         if dscale is not None:
             dscale = _packed(dscale).sum_to_size(scale.shape)
         return _packed(dq), _packed(dk), _packed(dv), dscale, dsinks, None, None, None, None, None
 
 
 class _RowReduction(torch.autograd.Function):
-    """``entropy_attn::entropy`` or ``sparsity``, differentiable under torch.func."""
-
-    generate_vmap_rule = True
+    """``entropy_attn::entropy`` or ``sparsity``, differentiable under torch.func (their backward
+    ops are ATen composites, which vmap batches itself)."""
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
@@ -152,6 +321,17 @@ class _RowReduction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         return getattr(_ops, f"{ctx.name}_backward")(grad, x, ctx.dim), None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, dim: int, name: str) -> tuple:
+        # The samples become a leading dim of one call; a dim out of a sample's range runs per
+        # sample, so that the op's message names the sample's shape (-ndim - 1 would otherwise
+        # reduce over the samples).
+        ndim = x.dim() - 1
+        if not -ndim <= dim < ndim:
+            return _per_sample(lambda t, d, n: (_RowReduction.apply(t, d, n),), info.batch_size, in_dims,
+                               (x, dim, name))[0][0], 0
+        return _RowReduction.apply(x.movedim(in_dims[0], 0), dim + 1 if dim >= 0 else dim, name), 0
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],

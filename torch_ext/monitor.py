@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
-from torch._C._functorch import TransformType
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
+from torch_ext import _functorch
 from torch_ext.attention import AttentionStats
 
 #: The per-head fields of a record, in order (besides ``step``, ``layer``, ``head`` and ``rows``).
@@ -341,7 +340,7 @@ def record(
     m = _active()
     if m is None or not is_recording():
         return
-    if _under_vmap():
+    if _functorch.vmap_active():
         if not m._warned_vmap:
             m._warned_vmap = True
             warnings.warn(
@@ -352,13 +351,6 @@ def record(
             )
         return
     m._add(stats, module, positions, rows, sinks)
-
-
-def _under_vmap() -> bool:
-    """Whether a torch.func.vmap transform is active (at any level, e.g. vmap(grad(f)))."""
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def _running_module(names: Dict[int, str]) -> Optional[str]:

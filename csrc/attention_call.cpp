@@ -47,9 +47,12 @@ AttentionOptions AttentionOptions::from_schema(bool is_causal, std::optional<dou
 
 c10::string_view AttentionOptions::scale_mode_name() const {
   switch (scale_mode) {
-    case ScaleMode::kLogN: return "logn";
-    case ScaleMode::kLogNSharpen: return "logn_sharpen";
-    case ScaleMode::kFixed: break;
+    case ScaleMode::kLogN:
+      return "logn";
+    case ScaleMode::kLogNSharpen:
+      return "logn_sharpen";
+    case ScaleMode::kFixed:
+      break;
   }
   return "fixed";
 }
@@ -89,8 +92,8 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
-                                const std::optional<at::Tensor>& sinks,
-                                const DocumentArgs& docs, const AttentionOptions& options) {
+                                const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
+                                const AttentionOptions& options) {
   AttentionCall c;
   c.shape =
       concrete(check_attention_call(query, key, value, attn_mask, scale, sinks, docs, options));
@@ -228,7 +231,8 @@ AttentionBackwardCall prepare_attention_backward(
   // multiplied by their (then absent) gradients, so zeros stand in.
   auto stat_or_zeros = [&](const at::Tensor& t) {
     return t.numel() == 0 && c.shape.batch * c.shape.heads * c.shape.q_len > 0
-               ? at::zeros({c.shape.batch, c.shape.heads, c.shape.q_len}, lse.options().dtype(c.acc))
+               ? at::zeros({c.shape.batch, c.shape.heads, c.shape.q_len},
+                           lse.options().dtype(c.acc))
                : row_stat(t);
   };
   c.lse = row_stat(lse), c.entropy = stat_or_zeros(entropy), c.sum_p2 = stat_or_zeros(sum_p2);

@@ -54,7 +54,7 @@ struct AttentionCall : CallPattern {
   at::ScalarType dtype;            // of query, key and value
   at::ScalarType acc;              // accumulate type: float64 for float64 inputs, else float32
   std::optional<at::Tensor> mask;  // expanded to (B, H, Lq, Lk): bool, or additive in `acc`
-  at::Tensor scale;                // the scale tensor c expanded to (B, H, Lq) in `acc`, or undefined
+  at::Tensor scale;  // the scale tensor c expanded to (B, H, Lq) in `acc`, or undefined
 
   // The kernel views of the mask and the scale policy.
   template <typename acc_t>
@@ -104,8 +104,8 @@ AttentionOutputs allocate_attention_outputs(const SymAttentionShape& s, const at
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                 const std::optional<at::Tensor>& scale,
-                                const std::optional<at::Tensor>& sinks,
-                                const DocumentArgs& docs, const AttentionOptions& options);
+                                const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
+                                const AttentionOptions& options);
 
 // Decoding with grouped-query attention packs the query heads of a group as the rows of one head
 // (FlashAttention-2's seqlenq_ngroups_swapped). A call with one query row, H query heads on
@@ -241,8 +241,7 @@ at::Tensor attention_sparsity_kernel(const at::Tensor& query, const at::Tensor& 
                                      const std::optional<at::Tensor>& scale, c10::string_view kind,
                                      bool is_causal, std::optional<double> scale_factor,
                                      c10::string_view scale_mode, double temperature,
-                                     double log_base, bool enable_gqa,
-                                     c10::IntArrayRef window_size,
+                                     double log_base, bool enable_gqa, c10::IntArrayRef window_size,
                                      c10::string_view causal_alignment, double softcap) {
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa,
@@ -258,11 +257,10 @@ inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor
                                        const OptTensor& scale, const OptTensor& sinks,
                                        const DocumentArgs& docs, const AttentionOptions& o) {
   const std::array<int64_t, 2> window = o.window_size();
-  return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
-                             o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa,
-                             o.return_stats, window, o.causal_alignment_name(), o.softcap, sinks,
-                             o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k,
-                             docs.seqused_k);
+  return attention_op().call(
+      query, key, value, attn_mask, scale, o.causal, o.scale_factor, o.scale_mode_name(),
+      o.temperature, o.log_base, o.enable_gqa, o.return_stats, window, o.causal_alignment_name(),
+      o.softcap, sinks, o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k);
 }
 
 // Calls `attention_backward` through the dispatcher with the options of the forward (and the
@@ -275,11 +273,10 @@ inline AttentionBackwardOutputs call_attention_backward(
     const at::Tensor& row_scale, const OptTensor& sinks, const DocumentArgs& docs,
     const AttentionOptions& o, bool grad_mask = false) {
   const std::array<int64_t, 2> window = o.window_size();
-  return attention_backward_op().call(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
-                                      value, attn_mask, output, lse, entropy, sum_p2, row_scale,
-                                      o.causal, window, o.causal_alignment_name(), o.softcap,
-                                      sinks, o.dropout_p, o.dropout_seed, docs.cu_seq_q,
-                                      docs.cu_seq_k, docs.seqused_k, grad_mask);
+  return attention_backward_op().call(
+      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
+      entropy, sum_p2, row_scale, o.causal, window, o.causal_alignment_name(), o.softcap, sinks,
+      o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, grad_mask);
 }
 
 }  // namespace entropy_attn

@@ -110,8 +110,8 @@ SymAttentionShape check_attention_inputs(const at::Tensor& query, const at::Tens
                       s.kv_heads,
                       ") for grouped-query attention (enable_gqa); heads are not broadcast: expand "
                       "a tensor of one head to the others' heads");
-    TORCH_CHECK_VALUE(options.enable_gqa, "query has ", s.heads, " heads but key/value have ", s.kv_heads,
-                      ": pass enable_gqa=True for grouped-query attention");
+    TORCH_CHECK_VALUE(options.enable_gqa, "query has ", s.heads, " heads but key/value have ",
+                      s.kv_heads, ": pass enable_gqa=True for grouped-query attention");
   }
 
   if (attn_mask.has_value()) {
@@ -232,8 +232,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   }
   TORCH_CHECK_VALUE(s.batch == 1, "packed documents (cu_seq_q) need a batch of 1, got ", s.batch);
   // No values to check on the Meta device or under fake tensors (torch.compile, opcheck).
-  if (query.is_meta() || cu_seq_q->is_meta() ||
-      cu_seq_q->key_set().has(c10::DispatchKey::Python)) {
+  if (query.is_meta() || cu_seq_q->is_meta() || cu_seq_q->key_set().has(c10::DispatchKey::Python)) {
     return true;
   }
   const int64_t n = sym_n.expect_int();
@@ -251,8 +250,8 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
     TORCH_CHECK_VALUE(k[d + 1] >= k[d], "cu_seq_k must be non-decreasing, but cu_seq_k[", d + 1,
                       "] = ", k[d + 1], " < cu_seq_k[", d, "] = ", k[d]);
   }
-  TORCH_CHECK_VALUE(q[n] == s.q_len, "cu_seq_q[-1] must equal the number of query tokens (", s.q_len,
-                    "), got ", q[n]);
+  TORCH_CHECK_VALUE(q[n] == s.q_len, "cu_seq_q[-1] must equal the number of query tokens (",
+                    s.q_len, "), got ", q[n]);
   TORCH_CHECK_VALUE(k[n] == s.kv_len, "cu_seq_k[-1] must equal the number of key tokens (",
                     s.kv_len, "), got ", k[n]);
   if (seqused_k.has_value()) {

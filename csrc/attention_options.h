@@ -56,7 +56,8 @@ struct AttentionOptions {
   template <typename acc_t>
   Softcap<acc_t> logit_softcap() const {
     Softcap<acc_t> s;
-    if (softcap > 0) s.cap = static_cast<acc_t>(softcap), s.inv_cap = static_cast<acc_t>(1 / softcap);
+    if (softcap > 0)
+      s.cap = static_cast<acc_t>(softcap), s.inv_cap = static_cast<acc_t>(1 / softcap);
     return s;
   }
 };

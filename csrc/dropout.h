@@ -25,7 +25,7 @@ struct PhiloxDraws {
 };
 
 EA_HOST_DEVICE PhiloxDraws philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                          uint32_t k0, uint32_t k1) {
+                                         uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
@@ -75,8 +75,8 @@ struct Dropout {
   // low half shifted up), so the test is one unsigned comparison: with s known at compile time,
   // a shift (even s) and a compare.
   EA_HOST_DEVICE bool kept(const PhiloxDraws& d, int s) const {
-    const uint32_t w = (s >> 1) < 2 ? ((s >> 1) == 0 ? d.x[0] : d.x[1])
-                                    : ((s >> 1) == 2 ? d.x[2] : d.x[3]);
+    const uint32_t w =
+        (s >> 1) < 2 ? ((s >> 1) == 0 ? d.x[0] : d.x[1]) : ((s >> 1) == 2 ? d.x[2] : d.x[3]);
     return ((s & 1) ? w : w << 16) >= threshold << 16;
   }
   // The factor of weight (bh, i, j): 1 / (1 - p) if kept, else 0.

@@ -29,16 +29,17 @@ using AttentionBackwardOutputs =
 
 using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const OptTensor&, const OptTensor&, bool,
-                                            std::optional<double>, c10::string_view, double,
-                                            double, bool, bool, EA_PATTERN_ARGS);
+                                            std::optional<double>, c10::string_view, double, double,
+                                            bool, bool, EA_PATTERN_ARGS);
 using AttentionBackwardSignature = AttentionBackwardOutputs(
     const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS, bool);
-using AttentionSparsitySignature =
-    at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-               c10::string_view, bool, std::optional<double>, c10::string_view, double, double,
-               bool, c10::IntArrayRef, c10::string_view, double);
+using AttentionSparsitySignature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                              const OptTensor&, const OptTensor&, c10::string_view,
+                                              bool, std::optional<double>, c10::string_view, double,
+                                              double, bool, c10::IntArrayRef, c10::string_view,
+                                              double);
 #undef EA_PATTERN_ARGS
 
 inline const c10::TypedOperatorHandle<AttentionSignature>& attention_op() {

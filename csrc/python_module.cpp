@@ -5,9 +5,15 @@
 
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
-                                          "entropy_attn operators (see torch.ops.entropy_attn)", -1,
-                                          nullptr, nullptr, nullptr, nullptr, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
+                                          "_C",
+                                          "entropy_attn operators (see torch.ops.entropy_attn)",
+                                          -1,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr};
   return PyModule_Create(&module_def);
 }
 }

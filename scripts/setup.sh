@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 # Pinned versions (those used in development).
 TORCH_VERSION=2.14.1
 PY_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 matplotlib==3.11.2
-         transformers==5.23.0 tensorboard==2.21.0 build==1.2.2 ruff==0.17.5)
+         transformers==5.23.0 tensorboard==2.21.0 build==1.2.2 ruff==0.17.5 clang-format==23.1.3)
 APT_PACKAGES=(googletest libgtest-dev ccache ninja-build cmake g++)
 # The CUTLASS/CuTe headers of the tensor-core kernels (one pinned version, read by setup.py and
 # CMakeLists.txt too), and cuobjdump/nvdisasm for the SASS check of the CUDA kernels

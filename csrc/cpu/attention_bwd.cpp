@@ -76,7 +76,7 @@ struct BwdArgs {
   Dropout<acc_t> dropout;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
-  acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq
+  acc_t* d_row_scale;            // (chunks, B, H, Lq), partials as dq
   LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
 };
 
@@ -518,8 +518,8 @@ at::Tensor as_read(const at::Tensor& t, at::ScalarType acc) {
 }
 
 AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
-                                     const at::Tensor& key, const at::Tensor& value,
-                                     const at::Tensor& output, const AttentionBackwardCall& call) {
+                                      const at::Tensor& key, const at::Tensor& value,
+                                      const at::Tensor& output, const AttentionBackwardCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
   const bool pairs = backward_uses_bf16_products(grad_output, query, key, value);

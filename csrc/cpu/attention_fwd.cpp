@@ -369,9 +369,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     for (int64_t r = 0; r < rows; ++r) {
       const RowSetup<acc_t>& row = buf.setup[r];
       acc_t* p = s_buf.data() + r * n;
-      const acc_t alpha =
-          softmax_row(p, n, j0, {row.keys, row.lam, a.softcap, MaskRow<acc_t>(a.mask, b, h, i0 + r)},
-                      stats[r], a.with_stats);
+      const acc_t alpha = softmax_row(
+          p, n, j0, {row.keys, row.lam, a.softcap, MaskRow<acc_t>(a.mask, b, h, i0 + r)}, stats[r],
+          a.with_stats);
       // The statistics saw the weights; P V sees them dropped out.
       if (a.dropout.on()) {
         for_each_dropout_factor(a.dropout, b * sh.heads + h, i0 + r, j0, n,
@@ -526,8 +526,6 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
-  m.impl("attention", &attention_kernel<attention_cpu>);
-}
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention", &attention_kernel<attention_cpu>); }
 
 }  // namespace entropy_attn::cpu

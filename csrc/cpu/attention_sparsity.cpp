@@ -102,8 +102,8 @@ void sparsity_task(const SparsityArgs<acc_t>& a, SparsityBuffers<acc_t>& buf, in
   }
 }
 
-at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key,
-                                  SparsityKind kind, const AttentionCall& call) {
+at::Tensor attention_sparsity_cpu(const at::Tensor& query, const at::Tensor& key, SparsityKind kind,
+                                  const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
   const bool convert = threads_convert_keys(sh) && has_unit_last_stride(key);

@@ -44,9 +44,8 @@ at::Tensor transposed_copy_into(const at::Tensor& x, at::Tensor y) {
     return y.copy_(x.transpose(2, 3));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
-                                  "entropy_attn_transposed_copy", [&] {
-                                    transpose_heads<scalar_t>(x, y);
-                                  });
+                                  "entropy_attn_transposed_copy",
+                                  [&] { transpose_heads<scalar_t>(x, y); });
   return y;
 }
 

@@ -97,9 +97,9 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
 }
 
 AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::Tensor& query,
-                                      const at::Tensor& key, const at::Tensor& value,
-                                      const at::Tensor& output,
-                                      const AttentionBackwardCall& checked) {
+                                       const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& output,
+                                       const AttentionBackwardCall& checked) {
   BackwardCall call(grad_output, query, key, value, output, checked);
   const AttentionShape& sh = call.call.shape;
   const c10::cuda::CUDAGuard guard(query.device());
@@ -125,7 +125,8 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   // ATen's own nondeterministic kernels. The tensor-core families have a deterministic dq path.
   if (family == Family::kFallback && !empty) {
     at::globalContext().alertNotDeterministic(
-        "entropy_attn::attention_backward on CUDA with the fallback kernels (float32 or float64, or "
+        "entropy_attn::attention_backward on CUDA with the fallback kernels (float32 or float64, "
+        "or "
         "a call the tensor-core families do not cover: see ENTROPY_ATTN_CUDA_FAMILY)");
   }
   call.allocate(family);

@@ -50,12 +50,11 @@ void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(s.head_dim <= kMaxHeadDim && s.v_head_dim <= kMaxHeadDim,
                     "head_dim and v_head_dim must be at most ", kMaxHeadDim,
                     " on CUDA, got head_dim=", s.head_dim, " and v_head_dim=", s.v_head_dim);
-  TORCH_CHECK_VALUE(
-      dtype != at::kDouble ||
-          (s.head_dim <= kMaxHeadDimFloat64 && s.v_head_dim <= kMaxHeadDimFloat64),
-      "float64 attention on CUDA supports head_dim and v_head_dim up to ", kMaxHeadDimFloat64,
-      ", got head_dim=", s.head_dim, " and v_head_dim=", s.v_head_dim,
-      ": use float32, or run float64 on the CPU");
+  TORCH_CHECK_VALUE(dtype != at::kDouble ||
+                        (s.head_dim <= kMaxHeadDimFloat64 && s.v_head_dim <= kMaxHeadDimFloat64),
+                    "float64 attention on CUDA supports head_dim and v_head_dim up to ",
+                    kMaxHeadDimFloat64, ", got head_dim=", s.head_dim,
+                    " and v_head_dim=", s.v_head_dim, ": use float32, or run float64 on the CPU");
   // The kernels index their grids (batch x heads x tiles of at least 16 rows) in 32 bits.
   const int64_t blocks = s.batch * s.heads * ((std::max(s.q_len, s.kv_len) + 15) / 16);
   TORCH_CHECK_VALUE(blocks < std::numeric_limits<int32_t>::max(),
@@ -71,8 +70,8 @@ void check_cuda_limits(const AttentionShape& s, at::ScalarType dtype) {
                     "batch");
 }
 
-LogitsInputs::LogitsInputs(const at::Tensor& query, const at::Tensor& key,
-                           const at::Tensor& value, const AttentionCall& c)
+LogitsInputs::LogitsInputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const AttentionCall& c)
     : call(c) {
   check_cuda_limits(call.shape, call.dtype);
   q = with_unit_last_stride(query, call.dtype);
@@ -197,8 +196,7 @@ SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, Spars
                            const AttentionCall& c)
     : LogitsInputs(query, key, key, c),
       kind(kind_),
-      out(at::empty({c.shape.batch, c.shape.heads, c.shape.q_len},
-                    query.options().dtype(c.acc))) {}
+      out(at::empty({c.shape.batch, c.shape.heads, c.shape.q_len}, query.options().dtype(c.acc))) {}
 
 template <typename acc_t>
 SparsityParams<acc_t> SparsityCall::params() const {

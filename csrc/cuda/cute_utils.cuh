@@ -169,8 +169,8 @@ CUTE_HOST_DEVICE auto convert_fragment(cute::Tensor<Engine, Layout> const& src) 
   constexpr int kN = decltype(cute::size(src))::value;
   cute::Tensor dst = cute::make_tensor<To>(src.layout());
   cutlass::NumericArrayConverter<To, From, kN> convert;
-  *reinterpret_cast<cutlass::Array<To, kN>*>(cute::raw_pointer_cast(dst.data())) =
-      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(cute::raw_pointer_cast(src.data())));
+  *reinterpret_cast<cutlass::Array<To, kN>*>(cute::raw_pointer_cast(dst.data())) = convert(
+      *reinterpret_cast<cutlass::Array<From, kN> const*>(cute::raw_pointer_cast(src.data())));
   return dst;
 }
 

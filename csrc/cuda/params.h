@@ -1,5 +1,5 @@
-// Kernel parameters of the CUDA ops: plain structs (pointers, sizes, strides) filled by the host code
-// (attention_cuda.cpp) and passed by value to the kernels, in the manner of flash-attention's
+// Kernel parameters of the CUDA ops: plain structs (pointers, sizes, strides) filled by the host
+// code (attention_cuda.cpp) and passed by value to the kernels, in the manner of flash-attention's
 // Flash_fwd_params. No ATen here: the .cu files include only CUDA headers and the project's own.
 #pragma once
 
@@ -123,7 +123,8 @@ struct BwdParams : AttentionArgs<acc_t> {
   LogitGradArg<acc_t> d_logits;
 };
 
-// attention_sparsity: the forward's inputs (v unused) and one output per row, (B, H, Lq) contiguous.
+// attention_sparsity: the forward's inputs (v unused) and one output per row, (B, H, Lq)
+// contiguous.
 template <typename acc_t>
 struct SparsityParams : AttentionArgs<acc_t> {
   ScalePolicy<acc_t> scale;

@@ -340,7 +340,8 @@ class Barrier {
 
 inline void SyncDomain::check_deadlock() {
   if (live == 0 || blocked < live || deadlocked.load()) return;
-  for (const Barrier* b : barriers) deadlock_state += (deadlock_state.empty() ? "" : "; ") + b->state_locked();
+  for (const Barrier* b : barriers)
+    deadlock_state += (deadlock_state.empty() ? "" : "; ") + b->state_locked();
   deadlocked.store(true, std::memory_order_release);
   for (Barrier* b : barriers) b->wake_all();
 }
@@ -609,8 +610,8 @@ inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask, int width = cuda
     lane_mask &= kWarpSize - 1;
   }
   const int t = static_cast<int>(threadIdx.x), lane = t % kWarpSize;
-  const int buf = warp_exchange(WarpOp::kShflXor, mask, lane_mask, &value,
-                                static_cast<int>(sizeof(V)));
+  const int buf =
+      warp_exchange(WarpOp::kShflXor, mask, lane_mask, &value, static_cast<int>(sizeof(V)));
   V out;
   std::memcpy(&out, g_block.warps[t / kWarpSize].slot[buf][lane ^ lane_mask], sizeof(V));
   return out;
@@ -654,8 +655,8 @@ inline float2 atomicAdd(float2* address, float2 value) {
 }
 
 // The dynamic shared memory the kernels' `extern __shared__ __align__(128) unsigned char smem[]`
-// (a block-scope declaration in namespace entropy_attn::cuda::fallback) refers to. Page-aligned, a whole
-// number of pages, so that the part past a launch's smem_bytes can be protected.
+// (a block-scope declaration in namespace entropy_attn::cuda::fallback) refers to. Page-aligned, a
+// whole number of pages, so that the part past a launch's smem_bytes can be protected.
 namespace entropy_attn::cuda::fallback {
 alignas(4096) inline unsigned char smem[cuda_emu::kSmemCapacity];
 }  // namespace entropy_attn::cuda::fallback

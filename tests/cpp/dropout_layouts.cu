@@ -31,7 +31,8 @@ struct Case {
   int64_t bh;
   int i0, j0;
 };
-const Case kCases[] = {{0.3, 7, 0, 0, 0}, {0.5, (int64_t{5} << 40) + 3, 77, 384, 1792},
+const Case kCases[] = {{0.3, 7, 0, 0, 0},
+                       {0.5, (int64_t{5} << 40) + 3, 77, 384, 1792},
                        {0.02, -9, 1 << 20, 128 * 1000, 112 * 45}};
 
 // Checks one thread's (row, col) view `coord` of a tile whose first row and key are i0, j0.
@@ -41,16 +42,17 @@ bool check_thread(const char* tile, int tid, Coord const& coord, const Case& c) 
   constexpr int kRows = decltype(size<0>(coord))::value, kCols = decltype(size<1>(coord))::value;
   std::vector<int> seen(kRows * kCols, 0);
   bool ok = true;
-  ec::for_each_dropout_decision<kAdjacentN>(d, c.bh, c.i0, c.j0, coord,
-                                            [&](int r, int col, bool kept) {
-    ++seen[r * kCols + col];
-    const int i = c.i0 + get<0>(coord(r, col)), j = c.j0 + get<1>(coord(r, col));
-    if (kept != (d.factor(c.bh, i, j) != 0.f)) {
-      if (ok) std::printf("%s: thread %d, (%d, %d) = weight (%d, %d): wrong decision\n", tile, tid,
-                          r, col, i, j);
-      ok = false;
-    }
-  });
+  ec::for_each_dropout_decision<kAdjacentN>(
+      d, c.bh, c.i0, c.j0, coord, [&](int r, int col, bool kept) {
+        ++seen[r * kCols + col];
+        const int i = c.i0 + get<0>(coord(r, col)), j = c.j0 + get<1>(coord(r, col));
+        if (kept != (d.factor(c.bh, i, j) != 0.f)) {
+          if (ok)
+            std::printf("%s: thread %d, (%d, %d) = weight (%d, %d): wrong decision\n", tile, tid, r,
+                        col, i, j);
+          ok = false;
+        }
+      });
   for (int e = 0; e < kRows * kCols; ++e) {
     if (seen[e] != 1) {
       std::printf("%s: thread %d, element %d decided %d times\n", tile, tid, e, seen[e]);

@@ -1050,25 +1050,22 @@ TEST(AttentionErrors, BadInputsThrow) {
   expect_bad_argument("mixed dtypes", attn(q, k.to(at::kDouble), v), {"dtype"});
   expect_bad_argument("integer query", attn(q.to(at::kLong), k.to(at::kLong), v.to(at::kLong)),
                       {"query"});
-  expect_bad_argument("int mask", attn(q, k, v, with([](Args& a) {
-                                         a.attn_mask = at::ones({5, 7}, at::kInt);
-                                       })),
-                      {"attn_mask"});
-  expect_bad_argument("mask of wrong shape", attn(q, k, v, with([](Args& a) {
-                                                    a.attn_mask = at::ones({6, 7}, at::kBool);
-                                                  })),
-                      {"attn_mask"});
-  expect_bad_argument("mask of rank 5", attn(q, k, v, with([](Args& a) {
-                                               a.attn_mask = at::ones({1, 2, 4, 5, 7}, at::kBool);
-                                             })),
-                      {"attn_mask"});
-  expect_bad_argument("scale tensor of wrong shape", attn(q, k, v, with([](Args& a) {
-                                                            a.scale = at::ones({2, 4, 6});
-                                                          })),
+  expect_bad_argument(
+      "int mask", attn(q, k, v, with([](Args& a) { a.attn_mask = at::ones({5, 7}, at::kInt); })),
+      {"attn_mask"});
+  expect_bad_argument(
+      "mask of wrong shape",
+      attn(q, k, v, with([](Args& a) { a.attn_mask = at::ones({6, 7}, at::kBool); })),
+      {"attn_mask"});
+  expect_bad_argument(
+      "mask of rank 5",
+      attn(q, k, v, with([](Args& a) { a.attn_mask = at::ones({1, 2, 4, 5, 7}, at::kBool); })),
+      {"attn_mask"});
+  expect_bad_argument("scale tensor of wrong shape",
+                      attn(q, k, v, with([](Args& a) { a.scale = at::ones({2, 4, 6}); })),
                       {"scale"});
-  expect_bad_argument("integer scale tensor", attn(q, k, v, with([](Args& a) {
-                                                     a.scale = at::ones({4, 1}, at::kLong);
-                                                   })),
+  expect_bad_argument("integer scale tensor",
+                      attn(q, k, v, with([](Args& a) { a.scale = at::ones({4, 1}, at::kLong); })),
                       {"scale"});
   for (const double t : {0.0, -1.0, std::nan(""), kInf}) {
     expect_bad_argument("temperature " + std::to_string(t),

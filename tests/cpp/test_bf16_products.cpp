@@ -100,8 +100,8 @@ TEST(Bf16Products, ProductsEqualThePlainSums) {
   if (!bf16_products_available()) {
     GTEST_SKIP() << "no oneDNN bfloat16 kernel on this CPU (AVX512-BF16 or AMX)";
   }
-  for (const auto& [M, N, K] : {std::array<int64_t, 3>{1, 1, 2}, {3, 17, 10}, {64, 512, 128},
-                                {33, 129, 66}}) {
+  for (const auto& [M, N, K] :
+       {std::array<int64_t, 3>{1, 1, 2}, {3, 17, 10}, {64, 512, 128}, {33, 129, 66}}) {
     const int64_t lda = K + 2, ldb = pair_row_length(N);
     const std::vector<BFloat16> a = rows_of(M, K, lda), keys = rows_of(N, K, K);
     std::vector<BFloat16> b(K * ldb);
@@ -113,7 +113,8 @@ TEST(Bf16Products, ProductsEqualThePlainSums) {
     for (int64_t i = 0; i < M; ++i) {
       for (int64_t j = 0; j < N; ++j) {
         float want = 0.f;
-        for (int64_t k = 0; k < K; ++k) want += static_cast<float>(a[i * lda + k]) * keys[j * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          want += static_cast<float>(a[i * lda + k]) * keys[j * K + k];
         ASSERT_EQ(c[i * N + j], 2.f * want) << M << "x" << N << "x" << K << " at " << i << "," << j;
       }
     }

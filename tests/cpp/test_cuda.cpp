@@ -17,17 +17,18 @@
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                                                     \
-  do {                                                                                          \
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";                          \
-    if (!c10::Dispatcher::singleton()                                                          \
-             .findSchemaOrThrow("entropy_attn::attention", "")                                 \
-             .hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {                                \
-      GTEST_SKIP() << "built without the CUDA kernels";                                        \
-    }                                                                                           \
+#define SKIP_WITHOUT_CUDA()                                             \
+  do {                                                                  \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"; \
+    if (!c10::Dispatcher::singleton()                                   \
+             .findSchemaOrThrow("entropy_attn::attention", "")          \
+             .hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {        \
+      GTEST_SKIP() << "built without the CUDA kernels";                 \
+    }                                                                   \
   } while (0)
 
-void expect_close(const at::Tensor& cuda, const at::Tensor& cpu, double tol, const std::string& what) {
+void expect_close(const at::Tensor& cuda, const at::Tensor& cpu, double tol,
+                  const std::string& what) {
   const at::Tensor a = cuda.to(at::kCPU, at::kDouble), b = cpu.to(at::kDouble);
   ASSERT_EQ(a.sizes(), b.sizes()) << what;
   const double err = (a - b).abs().max().item<double>();
@@ -67,17 +68,16 @@ TEST_P(CudaMatchesCpu, ForwardAndBackward) {
     auto r = entropy_attn::attention(leaves[0], leaves[1], leaves[2], m, std::nullopt, c.causal,
                                      std::nullopt, c.scale_mode, 1.0, 64.0, gqa);
     // Gradients through the output and the differentiable statistics.
-    (r.output.to(at::kFloat).square().sum() + r.entropy.sum() + 0.5 * r.lse.sum() +
-     r.sum_p2.sum())
+    (r.output.to(at::kFloat).square().sum() + r.entropy.sum() + 0.5 * r.lse.sum() + r.sum_p2.sum())
         .backward();
-    std::vector<at::Tensor> all{r.output, r.lse,     r.entropy,       r.sum_p2,
+    std::vector<at::Tensor> all{r.output,     r.lse,    r.entropy,   r.sum_p2,
                                 r.max_weight, r.n_keys, r.row_scale, r.length_factor};
     for (const at::Tensor& t : leaves) all.push_back(t.grad());
     return all;
   };
   const std::vector<at::Tensor> gpu = run(at::Device(at::kCUDA)), cpu = run(at::Device(at::kCPU));
-  const char* names[] = {"output", "lse", "entropy", "sum_p2", "max_weight", "n_keys",
-                         "row_scale", "length_factor", "grad_q", "grad_k", "grad_v"};
+  const char* names[] = {"output",    "lse",           "entropy", "sum_p2", "max_weight", "n_keys",
+                         "row_scale", "length_factor", "grad_q",  "grad_k", "grad_v"};
   for (size_t i = 0; i < gpu.size(); ++i) expect_close(gpu[i], cpu[i], tol, names[i]);
 }
 
@@ -100,7 +100,8 @@ TEST(CudaReductions, MatchCpu) {
     const at::Tensor a = at::randn({4, 130, 6}).to(dtype);
     const double tol = dtype == at::kFloat || dtype == at::kDouble ? 1e-5 : 1e-2;
     expect_close(entropy_attn::entropy(p.cuda(), -1), entropy_attn::entropy(p, -1), tol, "entropy");
-    expect_close(entropy_attn::sparsity(a.cuda(), 1), entropy_attn::sparsity(a, 1), tol, "sparsity");
+    expect_close(entropy_attn::sparsity(a.cuda(), 1), entropy_attn::sparsity(a, 1), tol,
+                 "sparsity");
   }
 }
 

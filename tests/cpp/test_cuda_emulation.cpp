@@ -62,8 +62,8 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
   const at::Tensor a = actual.to(at::kDouble), b = expected.to(at::kDouble);
   const at::Tensor nan_a = a.isnan(), nan_b = b.isnan();
   EXPECT_TRUE(at::equal(nan_a, nan_b))
-      << what << ": NaN pattern differs (" << nan_a.sum().item<int64_t>() << " NaN in the kernel's, "
-      << nan_b.sum().item<int64_t>() << " in the reference's)";
+      << what << ": NaN pattern differs (" << nan_a.sum().item<int64_t>()
+      << " NaN in the kernel's, " << nan_b.sum().item<int64_t>() << " in the reference's)";
   if (a.numel() == 0) return;
   const at::Tensor ok = nan_a.logical_not().logical_and(nan_b.logical_not());
   // Equal entries differ by 0, infinities included (inf - inf would be NaN); an infinity against a
@@ -76,8 +76,8 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
   if (!(err <= tol * scale)) {
     const int64_t flat = diff.flatten().argmax().item<int64_t>();
     ADD_FAILURE() << what << ": max |kernel - reference| = " << err << " > " << tol * scale
-                  << " at flat index " << flat << " of shape " << a.sizes()
-                  << " (kernel " << a.flatten()[flat].item<double>() << ", reference "
+                  << " at flat index " << flat << " of shape " << a.sizes() << " (kernel "
+                  << a.flatten()[flat].item<double>() << ", reference "
                   << b.flatten()[flat].item<double>() << ")";
   }
 }
@@ -87,12 +87,16 @@ struct Tolerances {
 };
 Tolerances tolerances(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return {1e-11, 1e-11, 1e-9};
-    case at::kFloat: return {2e-5, 2e-5, 1e-4};
+    case at::kDouble:
+      return {1e-11, 1e-11, 1e-9};
+    case at::kFloat:
+      return {2e-5, 2e-5, 1e-4};
     // 16-bit: P is rounded to the input type before P V (and P, dS before the backward products),
     // the output and the gradients are stored in it; the statistics are float32.
-    case at::kHalf: return {5e-3, 1e-4, 2e-2};
-    default: return {3e-2, 1e-4, 6e-2};  // bfloat16
+    case at::kHalf:
+      return {5e-3, 1e-4, 2e-2};
+    default:
+      return {3e-2, 1e-4, 6e-2};  // bfloat16
   }
 }
 
@@ -108,9 +112,9 @@ struct Case {
   int64_t B = 1, H = 1, Hkv = 1, Lq = 17, Lk = 17, D = 8, Dv = -1;  // Dv = -1: D
   bool causal = false;
   MaskType mask = MaskType::kNone;
-  bool masked_rows = false;  // some rows (or a batch for kBoolKeys/kAdditiveKeys) fully masked
+  bool masked_rows = false;      // some rows (or a batch for kBoolKeys/kAdditiveKeys) fully masked
   bool mask_transposed = false;  // the mask as a transposed view (strides of Lq and Lk swapped)
-  bool scale_tensor = false;  // a (B, H, 1) scale tensor
+  bool scale_tensor = false;     // a (B, H, 1) scale tensor
   std::optional<double> scale_factor;
   const char* mode = "fixed";
   double log_base = 16, temperature = 1;
@@ -119,7 +123,7 @@ struct Case {
   // NaN in a key, a value, a query and a dO row, each hidden from some rows (causal cases): the
   // kernels must match the CPU op, which keeps each to the rows and keys that see it.
   bool hidden_nonfinite = false;
-  bool stat_grads = true;  // upstream gradients of lse, entropy and sum_p2
+  bool stat_grads = true;                       // upstream gradients of lse, entropy and sum_p2
   int64_t window_left = -1, window_right = -1;  // window_size
   bool bottom_right = false;                    // causal_alignment
   double softcap = 0;
@@ -147,7 +151,7 @@ entropy_attn::AttentionOptions options(const Case& c) {
 }
 
 struct Inputs {
-  at::Tensor q, k, v;            // the kernel's inputs (dtype, possibly non-contiguous)
+  at::Tensor q, k, v;              // the kernel's inputs (dtype, possibly non-contiguous)
   std::optional<at::Tensor> mask;  // as passed to the op (unexpanded)
   std::optional<at::Tensor> scale;
   std::optional<at::Tensor> sinks;   // (H,) in the input dtype
@@ -179,23 +183,36 @@ Inputs make_inputs(const Case& c) {
     in.k.select(0, 0).select(0, 0).select(0, c.Lk - 1).fill_(nan);
     // An infinite key entry seen by many rows: its logit is +inf (a NaN row) or -inf (weight 0,
     // but dQ still forms dS * k = 0 * inf there, as the CPU op does) by the sign of q.
-    in.k.select(0, 0).select(0, 0).select(0, c.Lk / 2).select(0, 0).fill_(
-        std::numeric_limits<double>::infinity());
+    in.k.select(0, 0)
+        .select(0, 0)
+        .select(0, c.Lk / 2)
+        .select(0, 0)
+        .fill_(std::numeric_limits<double>::infinity());
     in.v.select(0, 0).select(0, 0).select(0, c.Lk - 2).select(0, 1).fill_(nan);
     in.q.select(0, 0).select(0, 0).select(0, 0).select(0, 2).fill_(nan);
     // An infinite query entry: keys of logit -inf get dS = 0 from it, and dK still forms 0 * inf.
-    in.q.select(0, 0).select(0, 0).select(0, c.Lq / 2).select(0, 1).fill_(
-        std::numeric_limits<double>::infinity());
+    in.q.select(0, 0)
+        .select(0, 0)
+        .select(0, c.Lq / 2)
+        .select(0, 1)
+        .fill_(std::numeric_limits<double>::infinity());
   }
   std::vector<int64_t> mshape;
   switch (c.mask) {
     case MaskType::kBool:
-    case MaskType::kAdditive: mshape = {c.B, c.H, c.Lq, c.Lk}; break;
+    case MaskType::kAdditive:
+      mshape = {c.B, c.H, c.Lq, c.Lk};
+      break;
     case MaskType::kBoolQK:
-    case MaskType::kAdditiveQK: mshape = {c.Lq, c.Lk}; break;
+    case MaskType::kAdditiveQK:
+      mshape = {c.Lq, c.Lk};
+      break;
     case MaskType::kBoolKeys:
-    case MaskType::kAdditiveKeys: mshape = {c.B, 1, 1, c.Lk}; break;
-    case MaskType::kNone: break;
+    case MaskType::kAdditiveKeys:
+      mshape = {c.B, 1, 1, c.Lk};
+      break;
+    case MaskType::kNone:
+      break;
   }
   if (c.mask != MaskType::kNone) {
     at::Tensor allow = at::rand(mshape, f64) > 0.3;
@@ -211,9 +228,9 @@ Inputs make_inputs(const Case& c) {
                           c.mask == MaskType::kAdditiveKeys;
     if (additive) {
       const at::Tensor values = at::randn(mshape, f64) * 0.5;
-      in.mask = at::where(allow, values,
-                          at::full_like(values, -std::numeric_limits<double>::infinity()))
-                    .to(c.dtype);
+      in.mask =
+          at::where(allow, values, at::full_like(values, -std::numeric_limits<double>::infinity()))
+              .to(c.dtype);
     } else {
       // True as any nonzero byte, as a uint8 tensor viewed as bool may hold (kernel_args.h:
       // bool_bytes): half of them even, whose lowest bit a C++ bool read may take.
@@ -504,19 +521,20 @@ void run_case_typed(const Case& c, bool backward) {
   EXPECT_EQ(out.scalar_type(), c.dtype);
   EXPECT_EQ(lse.scalar_type(), acc);
   if (!c.hidden_nonfinite) {
-  expect_close(out, ref.out, tol.out, "output");
-  expect_close(lse, ref.lse, tol.stats, "lse");
-  expect_close(entropy, ref.entropy, tol.stats, "entropy");
-  expect_close(sum_p2, ref.sum_p2, tol.stats, "sum_p2");
-  expect_close(max_weight, ref.max_weight, tol.stats, "max_weight");
-  EXPECT_TRUE(at::equal(n_keys, ref.n_keys)) << "n_keys:\n" << n_keys << "\nreference:\n"
-                                             << ref.n_keys;
-  expect_close(row_scale, ref.row_scale, tol.stats, "row_scale");
-  expect_close(length_factor, ref.length_factor, tol.stats, "length_factor");
-  expect_close(normalized_entropy, ref.normalized_entropy, tol.stats, "normalized_entropy");
-  expect_close(sparsity, ref.sparsity, tol.stats, "sparsity");
-  expect_close(effective_keys / ref.effective_keys.clamp_min(1),
-               ref.effective_keys / ref.effective_keys.clamp_min(1), tol.stats, "effective_keys");
+    expect_close(out, ref.out, tol.out, "output");
+    expect_close(lse, ref.lse, tol.stats, "lse");
+    expect_close(entropy, ref.entropy, tol.stats, "entropy");
+    expect_close(sum_p2, ref.sum_p2, tol.stats, "sum_p2");
+    expect_close(max_weight, ref.max_weight, tol.stats, "max_weight");
+    EXPECT_TRUE(at::equal(n_keys, ref.n_keys)) << "n_keys:\n"
+                                               << n_keys << "\nreference:\n"
+                                               << ref.n_keys;
+    expect_close(row_scale, ref.row_scale, tol.stats, "row_scale");
+    expect_close(length_factor, ref.length_factor, tol.stats, "length_factor");
+    expect_close(normalized_entropy, ref.normalized_entropy, tol.stats, "normalized_entropy");
+    expect_close(sparsity, ref.sparsity, tol.stats, "sparsity");
+    expect_close(effective_keys / ref.effective_keys.clamp_min(1),
+                 ref.effective_keys / ref.effective_keys.clamp_min(1), tol.stats, "effective_keys");
   }
   if (c.nan_row && c.Lq > 2) {
     // NaN in query row 2 of (b, h) = (0, 0): that row's output and statistics are NaN, no other.
@@ -538,8 +556,8 @@ void run_case_typed(const Case& c, bool backward) {
   const entropy_attn::AttentionGrads grads = bwd.finish();
   const auto& [dq, dk, dv, dlam] = grads;
   // The additive mask's gradient: the logits' gradient the kernel wrote, summed to its shape.
-  const at::Tensor dmask = additive_mask(in) ? entropy_attn::mask_grad(in.mask, bwd.call, in.q)
-                                             : at::Tensor();
+  const at::Tensor dmask =
+      additive_mask(in) ? entropy_attn::mask_grad(in.mask, bwd.call, in.q) : at::Tensor();
   EXPECT_EQ(dq.scalar_type(), c.dtype);
   if (c.hidden_nonfinite) {
     expect_matches_cpu_op(c, in, fwd.outputs, grads, dmask, tol);
@@ -571,11 +589,16 @@ void run_case_typed(const Case& c, bool backward) {
 
 void run_case(const Case& c, bool backward = true) {
   switch (c.dtype) {
-    case at::kFloat: return run_case_typed<float>(c, backward);
-    case at::kDouble: return run_case_typed<double>(c, backward);
-    case at::kHalf: return run_case_typed<__half>(c, backward);
-    case at::kBFloat16: return run_case_typed<__nv_bfloat16>(c, backward);
-    default: FAIL() << "dtype";
+    case at::kFloat:
+      return run_case_typed<float>(c, backward);
+    case at::kDouble:
+      return run_case_typed<double>(c, backward);
+    case at::kHalf:
+      return run_case_typed<__half>(c, backward);
+    case at::kBFloat16:
+      return run_case_typed<__nv_bfloat16>(c, backward);
+    default:
+      FAIL() << "dtype";
   }
 }
 
@@ -895,7 +918,9 @@ class EmulatedAttention : public ::testing::TestWithParam<Case> {};
 TEST_P(EmulatedAttention, ForwardAndBackwardMatchFloat64Reference) { run_case(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // attention_sparsity (the forward's structure without values)
@@ -904,10 +929,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention
 template <typename T>
 void run_sparsity_typed(const Case& c, const std::string& kind) {
   const Inputs in = make_inputs(c);
-  const ec::SparsityCall call(in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
-                              entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale,
-                                                              std::nullopt, documents(in),
-                                                              options(c)));
+  const ec::SparsityCall call(
+      in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
+      entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale, std::nullopt,
+                                      documents(in), options(c)));
   launch_sparsity<T>(call.params<ec::AccType<T>>());
   if (::testing::Test::HasFatalFailure()) return;
   const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on
@@ -918,11 +943,20 @@ void run_sparsity(const Case& c) {
   for (const std::string kind : {"exp", "relu2", "identity"}) {
     SCOPED_TRACE(kind);
     switch (c.dtype) {
-      case at::kFloat: run_sparsity_typed<float>(c, kind); break;
-      case at::kDouble: run_sparsity_typed<double>(c, kind); break;
-      case at::kHalf: run_sparsity_typed<__half>(c, kind); break;
-      case at::kBFloat16: run_sparsity_typed<__nv_bfloat16>(c, kind); break;
-      default: FAIL() << "dtype";
+      case at::kFloat:
+        run_sparsity_typed<float>(c, kind);
+        break;
+      case at::kDouble:
+        run_sparsity_typed<double>(c, kind);
+        break;
+      case at::kHalf:
+        run_sparsity_typed<__half>(c, kind);
+        break;
+      case at::kBFloat16:
+        run_sparsity_typed<__nv_bfloat16>(c, kind);
+        break;
+      default:
+        FAIL() << "dtype";
     }
   }
 }
@@ -958,7 +992,9 @@ class EmulatedAttentionSparsity : public ::testing::TestWithParam<Case> {};
 TEST_P(EmulatedAttentionSparsity, MatchesFloat64Reference) { run_sparsity(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttentionSparsity, ::testing::ValuesIn(sparsity_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Row reductions
@@ -979,8 +1015,7 @@ void run_row_reductions(at::ScalarType dtype) {
     const at::Tensor h_ref = -(xd * at::where(xd > 0, xd, at::ones_like(xd)).log()).sum(dim);
     const at::Tensor l1 = xd.abs().sum(dim), l2 = (xd * xd).sum(dim);
     const double n = static_cast<double>(xd.size(dim));
-    const at::Tensor s_ref =
-        at::where(l2 > 0, l1 / (n * l2).sqrt(), at::zeros_like(l1));
+    const at::Tensor s_ref = at::where(l2 > 0, l1 / (n * l2).sqrt(), at::zeros_like(l1));
 
     const ec::RowReductionCall he = ec::prepare_row_reduction(xt, dim, "entropy");
     emulate_launch(ef::row_entropy_kernel<T>, ef::row_reduction_blocks(he.params()), 0,

@@ -36,7 +36,8 @@ TEST(Fibers, EachFiberKeepsItsVariablesAcrossWaits) {
       seen[static_cast<size_t>(i)] += g_value == 1000 + i;
     }
   });
-  for (int i = 0; i < kFibers; ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], kRounds) << "fiber " << i;
+  for (int i = 0; i < kFibers; ++i)
+    EXPECT_EQ(seen[static_cast<size_t>(i)], kRounds) << "fiber " << i;
   EXPECT_EQ(g_value, -1);  // the launching thread's own copy
 }
 

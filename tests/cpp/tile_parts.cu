@@ -76,8 +76,8 @@ void sm80_backward_parts() {
     for (int tid = 0; tid < Kt::kNThreads && ok; ++tid) {
       auto thr = typename Kt::TiledMmadQ{}.get_thread_slice(tid);
       Tensor whole = thr.partition_C(make_identity_tensor(PartDq{}));
-      Tensor got = thr.partition_C(
-          local_tile(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}), PartDq{}, make_coord(0, part)));
+      Tensor got = thr.partition_C(local_tile(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}),
+                                              PartDq{}, make_coord(0, part)));
       for (int e = 0; e < size(got) && ok; ++e) {
         ok = get<0>(got(e)) == get<0>(whole(e)) &&
              get<1>(got(e)) == get<1>(whole(e)) + part * (kD / Kt::kDqParts);

@@ -102,8 +102,8 @@ __device__ __forceinline__ void gemm_wmma(const T* a, int lda, const T* b, int l
 // used by the tensor-core path only. The caller synchronizes the block around the call.
 template <int M, int N, int K, bool kAColMajor, bool kBColMajor, typename Acc, typename T,
           typename Epilogue>
-__device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int ldb,
-                                           float* scratch, Epilogue&& epilogue) {
+__device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int ldb, float* scratch,
+                                           Epilogue&& epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr bool kTensorCores = kIs16Bit<T>;
 #else
@@ -113,8 +113,8 @@ __device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int 
     gemm_wmma<M, N, K, kAColMajor, kBColMajor>(a, lda, b, ldb, scratch, epilogue);
   } else {
     (void)scratch;
-    gemm_simt<M, N, K, Acc>(a, kAColMajor ? 1 : lda, kAColMajor ? lda : 1, b,
-                            kBColMajor ? 1 : ldb, kBColMajor ? ldb : 1, epilogue);
+    gemm_simt<M, N, K, Acc>(a, kAColMajor ? 1 : lda, kAColMajor ? lda : 1, b, kBColMajor ? 1 : ldb,
+                            kBColMajor ? ldb : 1, epilogue);
   }
 }
 

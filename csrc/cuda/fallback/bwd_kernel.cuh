@@ -14,10 +14,10 @@
 #pragma once
 
 #include "../../online_stats.h"
-#include "block_gemm.cuh"
-#include "nonfinite_rows.cuh"
-#include "device_utils.cuh"
 #include "../params.h"
+#include "block_gemm.cuh"
+#include "device_utils.cuh"
+#include "nonfinite_rows.cuh"
 
 namespace entropy_attn::cuda::fallback {
 
@@ -58,8 +58,8 @@ struct BwdLayout {
   static constexpr size_t kRows = kDV + kTileA;
   static constexpr size_t kLo = kRows + 5 * kRow;
   static constexpr size_t kHi = kLo + align128(sizeof(int64_t) * kBM);
-  // Flags of the non-finite rows (nonfinite_rows.cuh) of the key tile, of the query tiles (two sets,
-  // for alternate tiles) and of the dO tiles.
+  // Flags of the non-finite rows (nonfinite_rows.cuh) of the key tile, of the query tiles (two
+  // sets, for alternate tiles) and of the dO tiles.
   static constexpr size_t kFlags = kHi + align128(sizeof(int64_t) * kBM);
   static constexpr int kFlagBytes = (kBN + 1) + 3 * (kBM + 1);
   static constexpr size_t kScratch = kFlags + align128(kFlagBytes);
@@ -203,10 +203,12 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
   // scores are formed apart and their dq terms added back to the rows that see them (below).
   clear_flags<L::kFlagBytes - 1>(sKBad);
   __syncthreads();
-  load_tile<kBN, kD>(sK, L::kLdT, static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh +
-                                      j0 * p.k.sl, p.k.sl, cols, D, sKBad);
-  load_tile<kBN, kD>(sV, L::kLdT, static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh +
-                                      j0 * p.v.sl, p.v.sl, cols, Dv);
+  load_tile<kBN, kD>(sK, L::kLdT,
+                     static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + j0 * p.k.sl,
+                     p.k.sl, cols, D, sKBad);
+  load_tile<kBN, kD>(sV, L::kLdT,
+                     static_cast<const T*>(p.v.data) + b * p.v.sb + kvh * p.v.sh + j0 * p.v.sl,
+                     p.v.sl, cols, Dv);
   for (int it = 0; it < kBN * kD / kThreads; ++it) {
     const int e = threadIdx.x + it * kThreads;
     sdK[(e / kD) * L::kLdA + e % kD] = Acc(0);

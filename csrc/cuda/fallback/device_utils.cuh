@@ -109,9 +109,10 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
   }
 }
 
-// The (batch, head, tile) of this block in a 1-D grid of batch x heads x tiles blocks, tiles fastest;
-// also the key/value head of the query head (GQA). 32-bit division: the host keeps the grid below
-// 2^31 blocks, and 64-bit division would be a called subroutine (register spills around the call).
+// The (batch, head, tile) of this block in a 1-D grid of batch x heads x tiles blocks, tiles
+// fastest; also the key/value head of the query head (GQA). 32-bit division: the host keeps the
+// grid below 2^31 blocks, and 64-bit division would be a called subroutine (register spills around
+// the call).
 struct BlockIndex {
   int64_t bh, b, h, kvh, tile;  // bh = b * heads + h
 };
@@ -132,8 +133,8 @@ constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
 // The blocks an SM holds when each takes `bytes` of dynamic shared memory, on the GPU we build for
 // with the most of it (an H100: 228 KB per SM, 1 KB of it reserved per block). The attention
 // kernels give it to __launch_bounds__ as their minimum blocks per SM: ptxas then keeps registers
-// from lowering the occupancy shared memory allows, and without a minimum it picks a register budget
-// of its own and spills.
+// from lowering the occupancy shared memory allows, and without a minimum it picks a register
+// budget of its own and spills.
 constexpr int blocks_by_shared_memory(size_t bytes) {
   const size_t n = 233472 / (bytes + 1024);
   const size_t most = 2048 / kThreads;  // an SM's threads

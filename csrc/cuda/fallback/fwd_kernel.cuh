@@ -1,19 +1,19 @@
 // CUDA forward kernel of the fused attention with per-row statistics (FlashAttention-2 structure).
 //
 // One thread block per (batch, head, tile of kBM query rows). The block keeps its query tile, the
-// running output O (fp32/fp64) and the per-row state of online_stats.h in shared memory, and streams
-// key/value tiles of kBN keys through shared memory: S = Q K^T, the row pass (logits, running max,
-// p = e^{s - m}, l/t/u sums: the same functions the CPU kernel uses), then O = alpha O + P V. No
-// L_q x L_k buffer exists; lse is written for the backward. Only the keys some row of the tile may
-// see are streamed (KeyPattern: causality, windows, documents).
+// running output O (fp32/fp64) and the per-row state of online_stats.h in shared memory, and
+// streams key/value tiles of kBN keys through shared memory: S = Q K^T, the row pass (logits,
+// running max, p = e^{s - m}, l/t/u sums: the same functions the CPU kernel uses), then O = alpha O
+// + P V. No L_q x L_k buffer exists; lse is written for the backward. Only the keys some row of the
+// tile may see are streamed (KeyPattern: causality, windows, documents).
 #pragma once
 
 #include "../../online_stats.h"
-#include "block_gemm.cuh"
-#include "nonfinite_rows.cuh"
-#include "device_utils.cuh"
 #include "../params.h"
 #include "../row_statistics.cuh"
+#include "block_gemm.cuh"
+#include "device_utils.cuh"
+#include "nonfinite_rows.cuh"
 
 namespace entropy_attn::cuda::fallback {
 
@@ -22,8 +22,11 @@ namespace entropy_attn::cuda::fallback {
 template <typename T, int kD>
 struct FwdTiles {
   static constexpr bool k16 = kIs16Bit<T>, k64 = std::is_same_v<T, double>;
-  static constexpr int kBM = k16 ? (kD <= 128 ? 64 : 32) : k64 ? (kD <= 64 ? 32 : 16)
-                                                               : (kD <= 64 ? 64 : kD <= 128 ? 32 : 16);
+  static constexpr int kBM = k16   ? (kD <= 128 ? 64 : 32)
+                             : k64 ? (kD <= 64 ? 32 : 16)
+                                   : (kD <= 64    ? 64
+                                      : kD <= 128 ? 32
+                                                  : 16);
   static constexpr int kBN = k16 ? (kD <= 64 ? 64 : 32) : kBM;
 };
 
@@ -94,7 +97,8 @@ __device__ __forceinline__ TileRows<typename L::Acc> tile_rows(unsigned char* sm
 // and the state before the first key (online_stats.h: initial_state, with the head's sink).
 template <typename Acc>
 __device__ void setup_rows(const AttentionArgs<Acc>& a, const ScalePolicy<Acc>& scale, int64_t b,
-                           int64_t h, int64_t i0, int rows, int tile_height, const TileRows<Acc>& t) {
+                           int64_t h, int64_t i0, int rows, int tile_height,
+                           const TileRows<Acc>& t) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < tile_height; r += kWarps) {
     const int64_t i = i0 + r;
@@ -258,11 +262,11 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
                        sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
     }
     __syncthreads();
-    block_gemm<kBM, kD, kBN, false, false, Acc>(
-        sP, L::kLdP, sV, L::kLdT, scratch, [=](int m, int n, Acc x) {
-          Acc& o = sO[m * L::kLdO + n];
-          o = o * sAlpha[m] + x;
-        });
+    block_gemm<kBM, kD, kBN, false, false, Acc>(sP, L::kLdP, sV, L::kLdT, scratch,
+                                                [=](int m, int n, Acc x) {
+                                                  Acc& o = sO[m * L::kLdO + n];
+                                                  o = o * sAlpha[m] + x;
+                                                });
     __syncthreads();
     // The zeroed value rows, added to the output rows that see them. No barrier follows: the next
     // tile writes sO, sP and this tile's flags only after its own barriers, and this reads V from

@@ -1,5 +1,6 @@
-// Launch of the fallback forward (fwd_kernel.cuh) for one input type and head-dim bucket: the shared
-// memory attribute and the grid. Included by the generated translation units of instantiations/.
+// Launch of the fallback forward (fwd_kernel.cuh) for one input type and head-dim bucket: the
+// shared memory attribute and the grid. Included by the generated translation units of
+// instantiations/.
 #pragma once
 
 #include "fwd_kernel.cuh"

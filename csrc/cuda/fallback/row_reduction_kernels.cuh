@@ -6,8 +6,8 @@
 #pragma once
 
 #include "../../reduction_math.h"
-#include "device_utils.cuh"
 #include "../params.h"
+#include "device_utils.cuh"
 
 namespace entropy_attn::cuda::fallback {
 

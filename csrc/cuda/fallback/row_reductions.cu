@@ -24,7 +24,7 @@ cudaError_t launch_row_sparsity(const RowReductionParams& p, cudaStream_t stream
   return launch_rows(row_sparsity_kernel<T>, p, stream);
 }
 
-#define EA_INSTANTIATE(T)                                                               \
+#define EA_INSTANTIATE(T)                                                              \
   template cudaError_t launch_row_entropy<T>(const RowReductionParams&, cudaStream_t); \
   template cudaError_t launch_row_sparsity<T>(const RowReductionParams&, cudaStream_t);
 EA_INSTANTIATE(float)

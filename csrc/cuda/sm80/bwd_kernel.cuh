@@ -263,8 +263,8 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   t.pattern = p.pattern;
   // Partial blocks (keys >= Lk and padding rows >= Lq must get p = 0), keys outside a row's range
   // (key_ranges.cuh) and masks need the per-element check.
-  t.edge = kMask != MaskKind::kNone ||
-           tile_needs_predicate<kCausal>(p.pattern, i0, j0, Kt::kBlockM, Kt::kBlockN, q_len, kv_len);
+  t.edge = kMask != MaskKind::kNone || tile_needs_predicate<kCausal>(p.pattern, i0, j0, Kt::kBlockM,
+                                                                     Kt::kBlockN, q_len, kv_len);
   t.mask = nullptr;
   t.msi = p.mask.si;
   t.msj = p.mask.sj;
@@ -680,8 +680,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     // kernels spill at D = 128).
     uint32_t keep = 0;
     if (dropping) {
-      keep = dropout_keep_bits<false>(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0,
-                                      coord_s);
+      keep =
+          dropout_keep_bits<false>(p.dropout, static_cast<int64_t>(b) * heads + h, i0, j0, coord_s);
     }
 
     // S = Q K^T, then s and p in registers; P to shared memory as T for dV += P^T dO.
@@ -722,9 +722,8 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
           part_keep_bits<kColsS, kColsS / Kt::kDpParts, kRowsS>(keep, decltype(part)::value);
       auto to_dlogits = [&](auto with_grads, auto drop) {
         constexpr bool kGrads = decltype(with_grads)::value;
-        probs_to_dlogits<kGrads, decltype(drop)::value, Kt>(s_rc_p, dp_rc, coord_p, srow,
-                                                            kGrads ? cap_k : 0.f, keep_p,
-                                                            keep_scale);
+        probs_to_dlogits<kGrads, decltype(drop)::value, Kt>(
+            s_rc_p, dp_rc, coord_p, srow, kGrads ? cap_k : 0.f, keep_p, keep_scale);
       };
       if (grads) {
         dropping ? to_dlogits(std::true_type{}, std::true_type{})
@@ -969,8 +968,8 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
     // P is not needed in shared memory here: dropout enters through dP alone.
     auto to_dlogits = [&](auto with_grads, auto drop) {
       constexpr bool kGrads = decltype(with_grads)::value;
-      scores_to_probs<kGrads, false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot,
-                                                                0u, 0.f);
+      scores_to_probs<kGrads, false, false, kCausal, kMask, Kt>(s_rc, s_rc, coord_s, srow, spot, 0u,
+                                                                0.f);
       probs_to_dlogits<kGrads, decltype(drop)::value, Kt>(s_rc, dp_rc, coord_s, srow,
                                                           kGrads ? cap_k : 0.f, keep, keep_scale);
     };

@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     Kt::Ops::template cp_async_wait<0>();  // K of block n (and Q)
-    __syncthreads();      // ... visible to all; every warp done with block n + 1 (sV, mask free)
+    __syncthreads();  // ... visible to all; every warp done with block n + 1 (sV, mask free)
     load_rows<CpAsync16>(tVsV, tKVcKV, kv_slice(p.v, opaque(kv_head)), p.v.sl, j0, kv_end - j0);
     if constexpr (kHasMask) {
       load_mask_tile<Kt, kMask>(s_mask, mask, b_k, h, m0_k, rows, j0, min(kBlockN, kv_end - j0));
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     gemm_ss(acc_s, tSrQ, tSrK, tSrQ_view, tSrK_view, tSsQ, tSsK, tiled_mma, smem_tiled_copy_q,
             smem_tiled_copy_k);
     Kt::Ops::template cp_async_wait<0>();  // V (and the mask tile) of block n
-    __syncthreads();      // ... visible to all; every warp done with Q K^T of block n (sK free)
+    __syncthreads();  // ... visible to all; every warp done with Q K^T of block n (sK free)
     if (n > tb.n_begin) {
       // Prefetch the next K block behind the softmax and P V of this one.
       load_rows<CpAsync16>(tKsK, tKVcKV, kv_slice(p.k, opaque(kv_head)), p.k.sl, j0 - kBlockN,
@@ -533,8 +533,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
     if (capped) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const SoftcapRow cr = softcap_row(s_row_scale[get<0>(tScS_rc(r, 0))], kLog2e,
-                                          p.softcap.cap, p.softcap.inv_cap);
+        const SoftcapRow cr = softcap_row(s_row_scale[get<0>(tScS_rc(r, 0))], kLog2e, p.softcap.cap,
+                                          p.softcap.inv_cap);
         CUTE_UNROLL
         for (int c = 0; c < kCols; ++c) s_rc(r, c) = cr.out * tanh_of_exp2(s_rc(r, c) * cr.in);
       }

@@ -346,9 +346,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const int i0 = (m_begin + t % m_count) * kBlockM;
     // Without a predicate only where every row of the block sees every key of it (key_ranges.cuh)
     // and no mask applies.
-    const bool edge = kMask != MaskKind::kNone ||
-                      tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len,
-                                                    kv_len);
+    const bool edge =
+        kMask != MaskKind::kNone ||
+        tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len, kv_len);
     const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
 
     // The block's row statistics into shared memory (padding rows and absent gradients read as
@@ -358,7 +358,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // only once S and dP of the first slice are in the tensor cores, which need none of it: the
     // loads' latency (L2, once per query block) runs beside those products instead of before
     // them, and no register holds the values in between.
-    float(*srow)[kBlockM] = ss.rows[t & 1];
+    float (*srow)[kBlockM] = ss.rows[t & 1];
     for (int e = ctid; e < Kt::kRowStats * kBlockM; e += Kt::kConsumerThreads) {
       const int stat = e / kBlockM, r = e % kBlockM;
       const float* src = stat == Kt::kStatLse      ? p.lse

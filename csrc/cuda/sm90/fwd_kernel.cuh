@@ -416,7 +416,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   [[maybe_unused]] const int wg = ctid / 128;
   [[maybe_unused]] const int rows = min(kBlockM, q_len - m0);
   [[maybe_unused]] uint32_t* s_mask = ss.mask;
-  const bool any_block = tb.n_end > tb.n_begin;    // the same in every thread of the block
+  const bool any_block = tb.n_end > tb.n_begin;         // the same in every thread of the block
   if (wg == 1 && any_block) scheduler_arrive<Ops>(wg);  // warpgroup 0 issues first
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
@@ -577,8 +577,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   auto drop_weights = [&](const int n, auto& rP) {
     if (!(kCausal && p.dropout.on())) return;
     Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
-    for_each_dropout_decision<true>(p.dropout, static_cast<int64_t>(b) * heads + h, m0,
-                                    n * kBlockN, cS_rc, [&](int r, int c, bool kept) {
+    for_each_dropout_decision<true>(p.dropout, static_cast<int64_t>(b) * heads + h, m0, n * kBlockN,
+                                    cS_rc, [&](int r, int c, bool kept) {
                                       if (!kept) p_rc(r, c) = Element(0);
                                     });
   };

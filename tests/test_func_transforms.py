@@ -244,6 +244,95 @@ def test_grad_of_vmap_and_nested_vmap() -> None:
     torch.testing.assert_close(nested, flat[:, None].expand_as(nested), **TOL)
 
 
+def test_vmap_folds_in_chunks_past_the_largest_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples that would fold past the largest batch (65535, the CUDA tensor-core kernels' limit;
+    4 here) fold in chunks: 5 samples of batch 2 make 3 calls of each op, with the per-sample
+    results (attention, its gradient with a shared learned mask, attention_sparsity)."""
+    from torch_ext import _functorch
+
+    monkeypatch.setattr(_functorch, "_MAX_FOLDED_BATCH", 4)
+    q, k, v, mask = rand(5, 2, 3, 4, 8, seed=1), rand(5, 2, 3, 6, 8, seed=2), rand(5, 2, 3, 6, 4, seed=3), rand(1, 3, 4, 6)
+    loss = _attention_loss(dict(is_causal=True, scale="logn", train_length=4), ["query", "key", "value", "attn_mask"])
+    with _OpCalls() as calls:
+        out = vmap(lambda q, k, v: torch_ext.attention(q, k, v, mask))(q, k, v)
+        grads = vmap(grad(loss, argnums=(0, 1, 2, 3)), in_dims=(0, 0, 0, None))(q, k, v, mask)
+        sparsity = vmap(lambda q, k: torch_ext.attention_sparsity(q, k, mask))(q, k)
+    assert dict(calls) == {"attention": 6, "attention_backward": 3, "attention_sparsity": 3}
+    for i in range(5):
+        torch.testing.assert_close(out[i], torch_ext.attention(q[i], k[i], v[i], mask), **TOL)
+        torch.testing.assert_close(sparsity[i], torch_ext.attention_sparsity(q[i], k[i], mask), **TOL)
+        for got, ref in zip(grads, autograd_grads(loss, (q[i], k[i], v[i], mask))):
+            torch.testing.assert_close(got[i], ref, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_vmap_gradient_of_a_shared_16_bit_bias_rounds_once(dtype: torch.dtype) -> None:
+    """A 16-bit learned bias and scale shared by the samples: their per-sample gradients under
+    vmap equal one call per sample exactly (the folded call returned one rounded gradient per batch
+    row, whose sum over the batch of 64 was 1.6% off in bfloat16)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 2, 5, 8, generator=g).to(dtype) for _ in range(3))
+    bias, scale = torch.randn(5, 5, generator=g).to(dtype), torch.rand(2, 1, generator=g).to(dtype) + 0.5
+    loss = _attention_loss(dict(is_causal=True), ["query", "key", "value", "attn_mask", "scale"])
+    got = vmap(grad(lambda *xs: loss(*xs).float(), argnums=(3, 4)), in_dims=(0, 0, 0, None, None))(q, k, v, bias, scale)
+    for i in range(2):
+        leaves = [t.clone().requires_grad_(j >= 3) for j, t in enumerate((q[i], k[i], v[i], bias, scale))]
+        ref = torch.autograd.grad(loss(*leaves).float(), leaves[3:])
+        for a, b in zip(got, ref):
+            assert a.dtype == dtype and torch.equal(a[i], b), (a[i] - b).abs().max()
+
+
+def test_varlen_under_vmap() -> None:
+    """varlen_attention under vmap runs once per sample: offsets that differ per sample (their
+    gradients failed: the offsets reached the gradient op unsliced), no sample (torch's fallback
+    failed), and a refused call after a valid one raises the op's ValueError (after the fallback's
+    warning it was a SystemError)."""
+    q, k, v = (rand(3, 5, 2, 4, seed=s) for s in range(3))
+    cu = torch.tensor([[0, 2, 5], [0, 1, 5], [0, 4, 5]], dtype=torch.int32)
+
+    def loss(q: Tensor, k: Tensor, v: Tensor, c: Tensor) -> Tensor:
+        return torch_ext.varlen_attention(q, k, v, c, c, 4, 4, is_causal=True).square().sum()
+
+    refs = [autograd_grads(lambda q, k, v: loss(q, k, v, cu[i]), (q[i], k[i], v[i])) for i in range(3)]
+    for got in (vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v, cu),
+                grad(lambda q, k, v: vmap(loss)(q, k, v, cu).sum(), argnums=(0, 1, 2))(q, k, v)):
+        for g, ref in zip(got, zip(*refs)):
+            torch.testing.assert_close(g, torch.stack(ref), **TOL)
+    none = vmap(grad(loss), in_dims=(0, 0, 0, None))(q[:0], k[:0], v[:0], cu[0])
+    assert none.shape == (0, 5, 2, 4)
+    three_heads = rand(5, 3, 4)
+    with pytest.raises(ValueError, match="must be a multiple of the number of key/value heads"):
+        vmap(lambda q: torch_ext.varlen_attention(q, three_heads, three_heads, cu[0], cu[0], 4, 4,
+                                                  enable_gqa=True))(q)
+
+
+def test_length_factor_and_sparsity_under_vmap() -> None:
+    """length_factor (elementwise) and attention_sparsity (folded) make one call under vmap, with the
+    per-sample values, also for no sample; so do per-sample gradients of the module with
+    need_weights=True and a learnable scale, which calls length_factor."""
+    n = torch.randint(0, 50, (3, 4))
+    with warnings.catch_warnings(), _OpCalls() as calls:
+        warnings.simplefilter("error", UserWarning)
+        factors = vmap(lambda n: torch_ext.length_factor(n, "logn"), in_dims=1)(n)
+        torch.testing.assert_close(factors, torch_ext.length_factor(n.T, "logn"), rtol=0, atol=0)
+        q, k = rand(3, 1, 2, 4, 8, seed=1), rand(1, 2, 6, 8, seed=2)
+        sparsity = vmap(lambda q: torch_ext.attention_sparsity(q, k, kind="relu2", is_causal=True))(q)
+        assert vmap(lambda q: torch_ext.attention_sparsity(q, k))(q[:0]).shape == (0, 1, 2, 4)
+        assert vmap(lambda n: torch_ext.length_factor(n))(n[:0]).shape == (0, 4)
+        mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True, scale="logn", learnable_scale=True, dtype=F64)
+        params = {name: p.detach() for name, p in mha.named_parameters()}
+        x = rand(3, 5, 8, seed=3)
+        per_sample = vmap(grad(lambda p, xi: functional_call(mha, p, (xi[None],) * 3)[0].square().sum()),
+                          in_dims=(None, 0))(params, x)
+    assert calls["attention_sparsity"] == 2 and calls["length_factor"] >= 1  # (3 samples, then none)
+    for i in range(3):
+        torch.testing.assert_close(sparsity[i], torch_ext.attention_sparsity(q[i], k, kind="relu2", is_causal=True),
+                                   **TOL)
+        mha.zero_grad()
+        mha(x[i : i + 1], x[i : i + 1], x[i : i + 1])[0].square().sum().backward()
+        torch.testing.assert_close(per_sample["head_scale"][i], mha.head_scale.grad, **TOL)
+
+
 def test_varlen_grad_equals_autograd() -> None:
     """torch.func.grad through varlen_attention (packed documents, GQA, a (T, H) scale tensor, sinks,
     statistics) equals torch.autograd.grad; with seqused_k (inference-only) it raises."""

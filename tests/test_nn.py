@@ -458,6 +458,20 @@ def test_jit_trace() -> None:
     y = torch.randn(2, 5, E, dtype=torch.float64)
     assert_close(traced(y, y, y)[0], ours(y, y, y)[0])
 
+    # A model that calls SDPA, traced under replace_sdpa: the trace records the op, so the traced
+    # model runs it (with the policy) outside the context too.
+    class Plain(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    q = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    with warnings.catch_warnings(), torch_ext.replace_sdpa(scale="logn", train_length=4):
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(Plain(), (q,), check_trace=False)
+    assert "entropy_attn::attention" in str(traced.graph)
+    r = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    assert_close(traced(r), torch_ext.attention(r, r, r, is_causal=True, scale="logn", train_length=4))
+
 
 def test_jit_script_says_what_works() -> None:
     """torch.jit.script of a model holding the module raises a RuntimeError that names the

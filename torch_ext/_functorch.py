@@ -15,14 +15,16 @@ is; one whose gradient is wanted is repeated, so that each sample gets its own).
 would change runs once per sample, as the fallback ran it: dropout (sample v's batch rows would
 draw another sample's mask), sinks that are vmapped or whose gradient is wanted (one logit per
 head: it has no batch dim), packed documents, and inputs whose per-sample shapes the op refuses
-(its message then names them as it would without vmap). ``entropy`` and ``sparsity`` move the
-samples to a leading dim of one call; ``varlen_attention`` keeps ``generate_vmap_rule`` (torch's
-fallback, one call per sample).
+(its message then names them as it would without vmap). Samples that would fold past a batch of
+65535 fold in chunks. ``entropy`` and ``sparsity`` move the samples to a leading dim of one call;
+``varlen_attention`` runs once per sample (its offsets may differ per sample). The ops the wrappers
+call directly under transforms, ``length_factor`` (elementwise) and ``attention_sparsity``
+(folded as ``attention``), have vmap rules registered with ``torch.library.register_vmap``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch._C._functorch import TransformType
@@ -106,19 +108,66 @@ def _unfold_broadcast(g: Optional[torch.Tensor], size: int, batch: int,
     return g.reshape(size, *shape)
 
 
+def _select(arg: Any, bdim: Any, i: int) -> Any:
+    """Sample ``i`` of ``arg``: in_dims hold an int for a vmapped tensor, None for anything else,
+    and a dict or list of those for a dict or list argument (the options, whose offsets may be
+    vmapped); with ``i = -1``, zeros of a sample's shape (for a vmap over no sample)."""
+    if isinstance(bdim, int):
+        return arg.new_zeros(_sample_shape(arg, bdim)) if i < 0 else arg.select(bdim, i)
+    if isinstance(bdim, dict):
+        return {k: _select(v, bdim[k], i) for k, v in arg.items()}
+    if isinstance(bdim, (list, tuple)):
+        return type(arg)(_select(v, d, i) for v, d in zip(arg, bdim))
+    return arg
+
+
 def _per_sample(apply: Callable[..., tuple], size: int, in_dims: Sequence[Any], args: Sequence[Any]) -> tuple:
     """A vmap rule's result by one call per sample, as torch's fallback runs an op (outputs that
     are None in every sample stay None). With no sample, one call on zeros of a sample's shapes
     gives the outputs' shapes (and the op's checks)."""
-    # (in_dims holds an int for a vmapped tensor; None, or a tree of Nones for the options dict, elsewhere)
-    def sample(i: int) -> list:
-        if size == 0:
-            return [a.new_zeros(_sample_shape(a, d)) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
-        return [a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
-
-    results = [apply(*sample(i)) for i in range(max(size, 1))]
+    results = [apply(*(_select(a, d, i if size else -1) for a, d in zip(args, in_dims))) for i in range(max(size, 1))]
     outputs = tuple(None if r[0] is None else torch.stack(r)[:size] for r in zip(*results))
     return outputs, tuple(None if o is None else 0 for o in outputs)
+
+
+#: The largest batch a folded call makes: the CUDA tensor-core kernels take batches up to 65535
+#: (a grid dim; csrc/cuda/family.cpp), and a larger one would run on the simple kernels where each
+#: sample alone did not. A vmap over more samples folds them in chunks.
+_MAX_FOLDED_BATCH = 65535
+
+
+class _Info(NamedTuple):
+    """What a vmap rule reads of torch's ``info``, for a chunk of the samples."""
+
+    batch_size: int
+    randomness: str
+
+
+def _narrow(arg: Any, bdim: Any, start: int, length: int) -> Any:
+    """Samples ``start .. start + length`` of ``arg`` (in_dims as :func:`_select` reads them)."""
+    if isinstance(bdim, int):
+        return arg.narrow(bdim, start, length)
+    if isinstance(bdim, dict):
+        return {k: _narrow(v, bdim[k], start, length) for k, v in arg.items()}
+    if isinstance(bdim, (list, tuple)):
+        return type(arg)(_narrow(v, d, start, length) for v, d in zip(arg, bdim))
+    return arg
+
+
+def _in_chunks(rule: Callable[..., tuple], info: Any, in_dims: Sequence[Any], args: Sequence[Any],
+               batch: int) -> Optional[tuple]:
+    """``rule``'s result by chunks of samples that fold to at most _MAX_FOLDED_BATCH, concatenated;
+    None when the samples fold in one call."""
+    chunk = max(1, _MAX_FOLDED_BATCH // max(batch, 1))
+    if info.batch_size <= chunk:
+        return None
+    parts = [rule(_Info(min(chunk, info.batch_size - start), info.randomness), in_dims,
+                  *(_narrow(a, d, start, min(chunk, info.batch_size - start)) for a, d in zip(args, in_dims)))
+             for start in range(0, info.batch_size, chunk)]
+    out_dims = parts[0][1]
+    outputs = tuple(o if d is None else torch.cat([p[0][i] for p in parts], d)
+                    for i, (o, d) in enumerate(zip(parts[0][0], out_dims)))
+    return outputs, out_dims
 
 
 class _Attention(torch.autograd.Function):
@@ -166,6 +215,9 @@ class _Attention(torch.autograd.Function):
         if options["dropout_p"] > 0 or dims[5] is not None or not _dense_shapes(*shapes[:5]):
             return _per_sample(_Attention.apply, size, in_dims, args)
         batch = shapes[0][0]
+        chunked = _in_chunks(_Attention.vmap, info, in_dims, args, batch)
+        if chunked is not None:
+            return chunked
         outputs = _Attention.apply(
             _fold(query, dims[0], size), _fold(key, dims[1], size), _fold(value, dims[2], size),
             _fold_broadcast(attn_mask, dims[3], size, batch, 4, False),
@@ -223,14 +275,22 @@ class _AttentionGrad(torch.autograd.Function):
                 or (args[12] is not None and grad_sinks) or not _dense_shapes(*shapes)):
             return _per_sample(_attention_grad, size, in_dims, args)
         batch = shapes[0][0]
+        chunked = _in_chunks(_AttentionGrad.vmap, info, in_dims, args, batch)
+        if chunked is not None:
+            return chunked
         folded = [_fold(t, d, size) for t, d in zip(args[:10], in_dims[:10])]
-        folded += [_fold_broadcast(args[10], in_dims[10], size, batch, 4, grad_mask),
-                   _fold_broadcast(args[11], in_dims[11], size, batch, 3, grad_scale), args[12]]
+        # A 16-bit mask or scale whose gradient is wanted is widened (exactly) to float32: the op
+        # rounds each gradient it returns to the tensor's dtype, and the sum over the batch below
+        # must round once, as the op's own sum does.
+        mask, scale = (t.float() if want and t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+                       for t, want in ((args[10], grad_mask), (args[11], grad_scale)))
+        folded += [_fold_broadcast(mask, in_dims[10], size, batch, 4, grad_mask),
+                   _fold_broadcast(scale, in_dims[11], size, batch, 3, grad_scale), args[12]]
         folded += [_fold(t, d, size) for t, d in zip(args[13:20], in_dims[13:20])]
         dq, dk, dv, dmask, dscale, dsinks = _attention_grad(*folded, options)
-        outputs = (*(g.unflatten(0, (size, batch)) for g in (dq, dk, dv)),
-                   _unfold_broadcast(dmask, size, batch, shapes[3]), _unfold_broadcast(dscale, size, batch, shapes[4]),
-                   None)
+        dmask, dscale = (None if g is None else _unfold_broadcast(g, size, batch, shape).to(t.dtype)
+                         for g, shape, t in ((dmask, shapes[3], args[10]), (dscale, shapes[4], args[11])))
+        outputs = (*(g.unflatten(0, (size, batch)) for g in (dq, dk, dv)), dmask, dscale, None)
         return outputs, (0, 0, 0, None if dmask is None else 0, None if dscale is None else 0, None)
 
 
@@ -254,8 +314,6 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 class _Varlen(torch.autograd.Function):
     """``entropy_attn::varlen_attention`` (packed layout), differentiable under torch.func: the
     dense op's backward on the dense views of the packed tensors, as the C++ composite runs it."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[torch.Tensor],
@@ -301,6 +359,13 @@ class _Varlen(torch.autograd.Function):
         if dscale is not None:
             dscale = _packed(dscale).sum_to_size(scale.shape)
         return _packed(dq), _packed(dk), _packed(dv), dscale, dsinks, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple:
+        # One call per sample (folding would shift every document offset), as torch's fallback
+        # ran it; the fallback also warned, failed on a vmap over no sample, and after its warning
+        # turned the op's errors into SystemError (a PyTorch issue).
+        return _per_sample(_Varlen.apply, info.batch_size, in_dims, args)
 
 
 class _RowReduction(torch.autograd.Function):
@@ -351,3 +416,38 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def row_reduction(name: str, x: torch.Tensor, dim: int) -> torch.Tensor:
     """``entropy_attn.<name>(x, dim)``, name "entropy" or "sparsity"."""
     return _RowReduction.apply(x, dim, name)
+
+
+# --- ops called directly under transforms (not differentiable: no autograd function) -----------
+def _length_factor_vmap(info: Any, in_dims: tuple, n_keys: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+    # Elementwise in the key counts: one call on the batched counts, the samples where they were.
+    return _ops.length_factor(n_keys, *args, **kwargs), in_dims[0]
+
+
+def _attention_sparsity_vmap(info: Any, in_dims: tuple, query: torch.Tensor, key: torch.Tensor,
+                             attn_mask: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+                             **kwargs: Any) -> tuple:
+    # The samples folded into the batch, as attention's forward rule does.
+    size, args = info.batch_size, (query, key, attn_mask, scale)
+    dims = tuple(in_dims) + (None,) * (4 - len(in_dims))
+    shapes = [_sample_shape(t, d) for t, d in zip(args, dims)]
+    if not _dense_shapes(shapes[0], shapes[1], shapes[1], shapes[2], shapes[3]):
+        outputs, out_dims = _per_sample(lambda *a: (_ops.attention_sparsity(*a, **kwargs),), size, dims, args)
+        return outputs[0], out_dims[0]
+    batch = shapes[0][0]
+    def as_tuples(chunk_info: Any, chunk_dims: tuple, *chunk_args: Any) -> tuple:
+        out, out_dim = _attention_sparsity_vmap(chunk_info, chunk_dims, *chunk_args, **kwargs)
+        return (out,), (out_dim,)
+
+    chunked = _in_chunks(as_tuples, info, dims, args, batch)
+    if chunked is not None:
+        return chunked[0][0], chunked[1][0]
+    sparsity = _ops.attention_sparsity(
+        _fold(query, dims[0], size), _fold(key, dims[1], size),
+        _fold_broadcast(attn_mask, dims[2], size, batch, 4, False),
+        _fold_broadcast(scale, dims[3], size, batch, 3, False), **kwargs)
+    return sparsity.unflatten(0, (size, batch)), 0
+
+
+torch.library.register_vmap("entropy_attn::length_factor", _length_factor_vmap)
+torch.library.register_vmap("entropy_attn::attention_sparsity", _attention_sparsity_vmap)

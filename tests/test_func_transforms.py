@@ -389,6 +389,15 @@ def test_row_reductions_vmap_in_one_call(name: str) -> None:
             fn(x[0], dim)
         with pytest.raises(ValueError, match=re.escape(str(plain.value))):
             vmap(lambda t: fn(t, dim))(x)
+    # jacrev (vmap over a vjp: the backward op under vmap, which fell back to a call per cotangent)
+    # and its second order equal autograd's, without torch's fallback.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for dim in (0, -1):
+            ref = torch.autograd.functional.jacobian(lambda t: fn(t, dim), x[0])
+            torch.testing.assert_close(jacrev(lambda t: fn(t, dim))(x[0]), ref, **TOL)
+        ref = torch.autograd.functional.hessian(lambda t: fn(t).sum(), x[0, 0])
+        torch.testing.assert_close(jacrev(grad(lambda t: fn(t).sum()))(x[0, 0]), ref, **TOL)
 
 
 # --- tracing that must not freeze or specialize values ------------------------------------------

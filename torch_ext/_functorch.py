@@ -108,17 +108,22 @@ def _unfold_broadcast(g: Optional[torch.Tensor], size: int, batch: int,
     return g.reshape(size, *shape)
 
 
-def _select(arg: Any, bdim: Any, i: int) -> Any:
-    """Sample ``i`` of ``arg``: in_dims hold an int for a vmapped tensor, None for anything else,
-    and a dict or list of those for a dict or list argument (the options, whose offsets may be
-    vmapped); with ``i = -1``, zeros of a sample's shape (for a vmap over no sample)."""
+def _map_vmapped(arg: Any, bdim: Any, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """``arg`` with ``fn(tensor, its vmapped dim)`` applied to each vmapped tensor in it: in_dims
+    hold an int for a vmapped tensor, None for anything else, and a dict or list of those for a dict
+    or list argument (the options, whose offsets may be vmapped)."""
     if isinstance(bdim, int):
-        return arg.new_zeros(_sample_shape(arg, bdim)) if i < 0 else arg.select(bdim, i)
+        return fn(arg, bdim)
     if isinstance(bdim, dict):
-        return {k: _select(v, bdim[k], i) for k, v in arg.items()}
+        return {k: _map_vmapped(v, bdim[k], fn) for k, v in arg.items()}
     if isinstance(bdim, (list, tuple)):
-        return type(arg)(_select(v, d, i) for v, d in zip(arg, bdim))
+        return type(arg)(_map_vmapped(v, d, fn) for v, d in zip(arg, bdim))
     return arg
+
+
+def _select(arg: Any, bdim: Any, i: int) -> Any:
+    """Sample ``i`` of ``arg``; with ``i = -1``, zeros of a sample's shape (a vmap over no sample)."""
+    return _map_vmapped(arg, bdim, lambda t, d: t.new_zeros(_sample_shape(t, d)) if i < 0 else t.select(d, i))
 
 
 def _per_sample(apply: Callable[..., tuple], size: int, in_dims: Sequence[Any], args: Sequence[Any]) -> tuple:
@@ -144,14 +149,8 @@ class _Info(NamedTuple):
 
 
 def _narrow(arg: Any, bdim: Any, start: int, length: int) -> Any:
-    """Samples ``start .. start + length`` of ``arg`` (in_dims as :func:`_select` reads them)."""
-    if isinstance(bdim, int):
-        return arg.narrow(bdim, start, length)
-    if isinstance(bdim, dict):
-        return {k: _narrow(v, bdim[k], start, length) for k, v in arg.items()}
-    if isinstance(bdim, (list, tuple)):
-        return type(arg)(_narrow(v, d, start, length) for v, d in zip(arg, bdim))
-    return arg
+    """Samples ``start .. start + length`` of ``arg``."""
+    return _map_vmapped(arg, bdim, lambda t, d: t.narrow(d, start, length))
 
 
 def _in_chunks(rule: Callable[..., tuple], info: Any, in_dims: Sequence[Any], args: Sequence[Any],
@@ -370,7 +369,7 @@ class _Varlen(torch.autograd.Function):
 
 class _RowReduction(torch.autograd.Function):
     """``entropy_attn::entropy`` or ``sparsity``, differentiable under torch.func (their backward
-    ops are ATen composites, which vmap batches itself)."""
+    ops are ATen composites, with vmap rules of their own below)."""
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
@@ -449,5 +448,24 @@ def _attention_sparsity_vmap(info: Any, in_dims: tuple, query: torch.Tensor, key
     return sparsity.unflatten(0, (size, batch)), 0
 
 
+def _row_reduction_backward_vmap(name: str) -> Callable[..., tuple]:
+    """The vmap rule of ``<name>_backward(grad, p, dim)``: an ATen composite, which vmap batches
+    itself only where a level of autograd runs above it (jacrev's vmap over a vjp reached torch's
+    fallback). The samples become a leading dim of one call, as in :class:`_RowReduction`."""
+    op = getattr(_ops, f"{name}_backward")
+
+    def rule(info: Any, in_dims: tuple, grad: torch.Tensor, p: torch.Tensor, dim: int) -> tuple:
+        ndim = p.dim() - (in_dims[1] is not None)
+        if not -ndim <= dim < ndim:  # (per sample: the op's message names the sample's shape)
+            outputs, out_dims = _per_sample(lambda *a: (op(*a),), info.batch_size, in_dims, (grad, p, dim))
+            return outputs[0], out_dims[0]
+        size = info.batch_size
+        return op(_front(grad, in_dims[0], size), _front(p, in_dims[1], size), dim + 1 if dim >= 0 else dim), 0
+
+    return rule
+
+
+torch.library.register_vmap("entropy_attn::entropy_backward", _row_reduction_backward_vmap("entropy"))
+torch.library.register_vmap("entropy_attn::sparsity_backward", _row_reduction_backward_vmap("sparsity"))
 torch.library.register_vmap("entropy_attn::length_factor", _length_factor_vmap)
 torch.library.register_vmap("entropy_attn::attention_sparsity", _attention_sparsity_vmap)

@@ -196,6 +196,30 @@ void check_pattern_options(const AttentionOptions& o) {
                     o.dropout_p);
 }
 
+bool values_readable(const at::Tensor& t) {
+  return !t.is_meta() && !t.key_set().has(c10::DispatchKey::Python);
+}
+
+void check_offsets(const at::Tensor& t, const char* name, const at::Tensor& query) {
+  TORCH_CHECK_TYPE(t.defined(), name, " must be an int32 tensor, got None");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) >= 1, name,
+                    " must be 1-D (number of sequences + 1), got shape ", t.sym_sizes());
+  TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
+                    query.device(), "), got ", t.device());
+}
+
+void check_seqused_k(const at::Tensor& seqused_k, const c10::SymInt& sequences,
+                     const at::Tensor& query) {
+  TORCH_CHECK_TYPE(seqused_k.defined(), "seqused_k must be an int32 tensor or None");
+  TORCH_CHECK_TYPE(seqused_k.scalar_type() == at::kInt, "seqused_k must be int32, got ",
+                   seqused_k.scalar_type());
+  TORCH_CHECK_VALUE(seqused_k.dim() == 1 && seqused_k.sym_size(0) == sequences,
+                    "seqused_k must have shape (number of sequences,) = (", sequences, ",), got ",
+                    seqused_k.sym_sizes());
+  TORCH_CHECK_VALUE(seqused_k.device() == query.device(), "seqused_k must be on query's device");
+}
+
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
                      const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
@@ -206,35 +230,17 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   }
   TORCH_CHECK_VALUE(cu_seq_q.has_value() && cu_seq_k.has_value(),
                     "pass both cu_seq_q and cu_seq_k, or neither");
-  auto check_offsets = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_TYPE(t.defined(), name, " must be an int32 tensor, got None");
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) >= 1, name,
-                      " must be 1-D (number of sequences + 1), got shape ", t.sym_sizes());
-    TORCH_CHECK_VALUE(t.device() == query.device(), name, " must be on query's device (",
-                      query.device(), "), got ", t.device());
-  };
-  check_offsets(*cu_seq_q, "cu_seq_q");
-  check_offsets(*cu_seq_k, "cu_seq_k");
+  check_offsets(*cu_seq_q, "cu_seq_q", query);
+  check_offsets(*cu_seq_k, "cu_seq_k", query);
   // The number of sequences, symbolic while torch.compile traces (one graph for every count).
   const c10::SymInt sym_n = cu_seq_q->sym_size(0) - 1;
   TORCH_CHECK_VALUE(cu_seq_k->sym_size(0) == sym_n + 1,
                     "cu_seq_q and cu_seq_k must have the same length, got ", sym_n + 1, " and ",
                     cu_seq_k->sym_size(0));
-  if (seqused_k.has_value()) {
-    TORCH_CHECK_TYPE(seqused_k->defined(), "seqused_k must be an int32 tensor or None");
-    TORCH_CHECK_TYPE(seqused_k->scalar_type() == at::kInt, "seqused_k must be int32, got ",
-                     seqused_k->scalar_type());
-    TORCH_CHECK_VALUE(seqused_k->dim() == 1 && seqused_k->sym_size(0) == sym_n,
-                      "seqused_k must have shape (number of sequences,) = (", sym_n, ",), got ",
-                      seqused_k->sym_sizes());
-    TORCH_CHECK_VALUE(seqused_k->device() == query.device(), "seqused_k must be on query's device");
-  }
+  if (seqused_k.has_value()) check_seqused_k(*seqused_k, sym_n, query);
   TORCH_CHECK_VALUE(s.batch == 1, "packed documents (cu_seq_q) need a batch of 1, got ", s.batch);
   // No values to check on the Meta device or under fake tensors (torch.compile, opcheck).
-  if (query.is_meta() || cu_seq_q->is_meta() || cu_seq_q->key_set().has(c10::DispatchKey::Python)) {
-    return true;
-  }
+  if (query.is_meta() || !values_readable(*cu_seq_q)) return true;
   const int64_t n = sym_n.expect_int();
   // The values decide which memory the kernels read: checked on the host (a device sync on CUDA).
   // (contiguous: a strided view's values are not at data + d, and the kernels read contiguous

@@ -61,6 +61,18 @@ void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask)
 void check_sinks(const std::optional<at::Tensor>& sinks, const SymAttentionShape& s,
                  const at::Tensor& query);
 
+// Whether a tensor's values can be read: not on the Meta device, not a fake tensor (torch.compile,
+// opcheck), whose checks of values are left to the call on real tensors.
+bool values_readable(const at::Tensor& t);
+
+// Cumulative offsets (cu_seq_q, cu_seq_k): an int32 1-D tensor of N + 1 entries on query's device
+// (TypeError / ValueError naming `name`). Their values are check_documents'.
+void check_offsets(const at::Tensor& t, const char* name, const at::Tensor& query);
+
+// seqused_k: int32 (sequences,) on query's device.
+void check_seqused_k(const at::Tensor& seqused_k, const c10::SymInt& sequences,
+                     const at::Tensor& query);
+
 // The packed documents of a call (attention_call.h: DocumentArgs): false when absent (a dense
 // call); else checks them (int32 1-D offsets of N + 1 entries on query's device, a batch of 1;
 // and, unless on the Meta device, their values: cu[0] = 0, non-decreasing, the last

@@ -43,17 +43,20 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
 // causality and windows bottom-right aligned within each sequence; n_i per sequence; scale
 // broadcastable to (T, H); seqused_k (int32, one per sequence) uses only the first keys of each
 // sequence's slot (inference only). The arguments of `attention` otherwise, in the schema's order.
+// With block_table (int32 (N, pages per sequence)), key and value are a paged KV cache, pools of
+// pages (num_pages, page_size, Hkv, D / Dv): sequence d's keys are the first seqused_k[d]
+// (required) tokens of its pages in the table's order; cu_seq_k may then be std::nullopt.
 // The result's tensors are (T, H, Dv) and (T, H).
 AttentionResult varlen_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& cu_seq_q, const at::Tensor& cu_seq_k, int64_t max_q, int64_t max_k,
-    const std::optional<at::Tensor>& scale = std::nullopt,
+    const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k, const std::optional<at::Tensor>& scale = std::nullopt,
     const std::optional<at::Tensor>& seqused_k = std::nullopt, bool is_causal = false,
     std::optional<double> scale_factor = std::nullopt, std::string_view scale_mode = "fixed",
     double temperature = 1.0, double log_base = 512.0, bool enable_gqa = false,
     bool return_stats = true, std::array<int64_t, 2> window_size = {-1, -1}, double softcap = 0.0,
     const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-    int64_t dropout_seed = 0);
+    int64_t dropout_seed = 0, const std::optional<at::Tensor>& block_table = std::nullopt);
 
 // Per-row l1/l2 sparsity of attention a = f(s), kind "exp" (softmax), "relu2" or "identity", with
 // the logits of `attention`; (B, H, Lq), not differentiable.

@@ -70,14 +70,18 @@ TORCH_LIBRARY(entropy_attn, m) {
   // bottom-right within each sequence. The outputs of `attention`, as (T, H, Dv) and (T, H). The
   // scale tensor broadcasts to (T, H). A composite of `attention` with its packed documents, so
   // it runs, differentiates and traces wherever `attention` does (not with seqused_k, which is
-  // inference-only, as in varlen_attn).
+  // inference-only, as in varlen_attn). With block_table (int32 (N, pages per sequence)) key and
+  // value are a paged KV cache, pools of pages (num_pages, page_size, Hkv, D / Dv): sequence d's
+  // keys are the first seqused_k[d] (required) tokens of pages block_table[d, 0], [d, 1], ...,
+  // and cu_seq_k may be None (given, its lengths must hold seqused_k) (csrc/paged_kv.h).
   m.def(
-      "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor cu_seq_k, "
+      "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, "
       "SymInt max_q, SymInt max_k, Tensor? scale=None, *, Tensor? seqused_k=None, "
       "bool is_causal=False, float? scale_factor=None, str scale_mode=\"fixed\", "
       "float temperature=1.0, float log_base=512.0, bool enable_gqa=False, "
       "bool return_stats=True, int[2] window_size=[-1, -1], float softcap=0.0, "
-      "Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0) -> (Tensor output, "
+      "Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0, "
+      "Tensor? block_table=None) -> (Tensor output, "
       "Tensor lse, Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, "
       "Tensor row_scale, Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, "
       "Tensor effective_keys)");

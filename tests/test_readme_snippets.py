@@ -38,6 +38,14 @@ def test_readme_usage_varlen_and_merge_snippets_run() -> None:
     exec(_block("torch_ext.varlen_attention(q, k, v, cu"), ns)
     assert ns["stats"].n_keys[:, 0].tolist() == [*range(1, 6), *range(1, 8), *range(1, 4)]  # per document
 
+    exec(_block("block_table=table"), ns)  # the paged KV cache
+    pages = [ns["table"][0], ns["table"][1, :2]]
+    for d, n in enumerate(ns["used"].tolist()):
+        k, v = (ns[p][pages[d].long()].flatten(0, 1)[:n].transpose(0, 1)[None] for p in ("k_pool", "v_pool"))
+        want = torch_ext.attention(ns["q"][d : d + 1].transpose(0, 1)[None], k, v, is_causal=True,
+                                   causal_alignment="bottom_right")
+        torch.testing.assert_close(ns["out"][d], want[0, :, 0], atol=1e-6, rtol=1e-6)
+
     exec(_block("torch_ext.merge_attention_states([out_a, out_b]"), ns)
     whole, whole_stats = torch_ext.attention(ns["q"], ns["k"], ns["v"], scale=ns["lam"], return_stats=True)
     torch.testing.assert_close(ns["out"], whole, atol=1e-5, rtol=1e-5)  # "= one call, to rounding"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ def varlen_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
     max_q: int,
     max_k: int,
     *,
@@ -35,6 +36,9 @@ def varlen_attention(
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
     seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    return_aux: Any = None,
+    num_splits: int | None = None,
     scale: float | str | torch.Tensor | None = None,
     temperature: float = 1.0,
     train_length: float = 512,
@@ -44,7 +48,7 @@ def varlen_attention(
     sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats] | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a batch of packed sequences (documents), each attending only to itself.
 
     The layout and semantics of ``torch.nn.attention.varlen.varlen_attn``: the sequences are
@@ -64,11 +68,24 @@ def varlen_attention(
         enable_gqa: allow H to be a multiple of Hkv.
         seqused_k: int32 (N,): only the first ``seqused_k[d]`` keys of sequence d take part
             (a KV cache larger than its content). Inference only: no backward.
+        block_table: int32 (N, pages per sequence): a paged KV cache, as varlen_attn's. key and
+            value are then pools of pages (num_pages, page_size, Hkv, D / Dv), and sequence d's
+            keys are the first ``seqused_k[d]`` (required) tokens of pages ``block_table[d, 0]``,
+            ``block_table[d, 1]``, ...; entries past the pages it uses are not read, and pages
+            may be shared. ``cu_seq_k`` may be None (given, its lengths must hold seqused_k). The
+            pages a call uses are gathered into a packed copy before the kernels run.
+        return_aux: varlen_attn's ``AuxRequest``: with ``lse=True`` the result is
+            ``(output, lse)``, lse of shape (H, T) (``stats.lse`` transposed); not with
+            ``return_stats``, whose ``stats.lse`` it is.
+        num_splits: varlen_attn's split-KV count: only None (the kernels choose). Batch-invariant
+            output (``num_splits=1``) is not offered: a sequence's result may differ in its last
+            bits with what else is packed in the call.
         scale, temperature, train_length, scale_factor, return_stats, softcap, sinks, dropout_p,
             generator: as :func:`torch_ext.attention`; a scale tensor broadcasts to (T, H).
 
     Returns:
-        The output (T, H, Dv), or ``(output, stats)`` with statistics of shape (T, H).
+        The output (T, H, Dv); ``(output, stats)`` with statistics of shape (T, H); or
+        ``(output, lse)`` with ``return_aux``.
     """
     for name, m in (("max_q", max_q), ("max_k", max_k)):
         # (a SymInt while torch.compile traces dynamic lengths: passed on as it is, not fixed)
@@ -76,15 +93,24 @@ def varlen_attention(
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
         if not 0 <= m < 2**63:
             raise ValueError(f"{name} must be an int in [0, 2^63), got {m}")
-    _check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
-                   seqused_k=(seqused_k, True), sinks=(sinks, True))
+    _check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=(cu_seq_k, True),
+                   seqused_k=(seqused_k, True), sinks=(sinks, True), block_table=(block_table, True))
+    if num_splits is not None:
+        raise ValueError(
+            f"num_splits must be None (the kernels choose how to split a row's keys), got {num_splits!r}: "
+            "batch-invariant output (num_splits=1) is not offered"
+        )
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, "bottom_right", softcap, dropout_p, generator)
     return_stats = _flag(return_stats, "return_stats")
+    return_lse = _aux_lse(return_aux)
+    if return_lse and return_stats:
+        raise ValueError("pass return_stats=True or return_aux=AuxRequest(lse=True), not both (stats.lse is the lse)")
     del pattern["causal_alignment"]  # always bottom-right within each sequence
     options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=_flag(enable_gqa, "enable_gqa"),
                    return_stats=return_stats, **policy, **pattern)
     options["seqused_k"] = seqused_k
+    options["block_table"] = block_table
     if _functorch.transforms_active():
         res = _functorch.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale_tensor, sinks,
                                           options)
@@ -92,6 +118,19 @@ def varlen_attention(
         options = _explicit(options, _VARLEN_DEFAULTS)
         res = torch.ops.entropy_attn.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                                                       scale_tensor, sinks=sinks, **options)
+    if return_lse:
+        return res[0], res[1].t().contiguous()
     if not return_stats:
         return res[0]
     return res[0], _stats(res)
+
+
+def _aux_lse(return_aux: Any) -> bool:
+    """Whether varlen_attn's ``return_aux`` (None, or an ``AuxRequest``) asks for the lse."""
+    if return_aux is None:
+        return False
+    if not hasattr(return_aux, "lse"):
+        raise TypeError(
+            f"return_aux must be None or torch.nn.attention.varlen.AuxRequest, got {type(return_aux).__name__}"
+        )
+    return _flag(return_aux.lse, "return_aux.lse")

@@ -843,6 +843,30 @@ TEST(AttentionPatterns, VarlenTakesEveryOptionOfTheSchema) {
   EXPECT_TRUE(all_close(d1.entropy, plain.entropy, {1e-15, 1e-15}));
 }
 
+TEST(AttentionPatterns, VarlenReadsAPagedCache) {
+  // A paged KV cache through the C++ API (block_table, cu_seq_k absent): pages of 4 tokens in a
+  // shuffled pool, sequence 0 using 6 keys of pages 3 and 0, sequence 1 using 3 keys of page 2
+  // (its second column, -1, is never read), against the same keys packed.
+  at::manual_seed(14);
+  const at::Tensor q = at::randn({3, 2, 8}, at::kDouble);
+  const at::Tensor k_pool = at::randn({4, 4, 2, 8}, at::kDouble);
+  const at::Tensor v_pool = at::randn({4, 4, 2, 8}, at::kDouble);
+  const at::Tensor table = at::tensor({3, 0, 2, -1}, at::kInt).reshape({2, 2});
+  const at::Tensor used = at::tensor({6, 3}, at::kInt), cu_q = at::tensor({0, 2, 3}, at::kInt);
+  auto packed = [](const at::Tensor& pool) {
+    return at::cat({pool[3], pool[0].slice(0, 0, 2), pool[2].slice(0, 0, 3)});
+  };
+  const AttentionResult want = entropy_attn::varlen_attention(
+      q, packed(k_pool), packed(v_pool), cu_q, at::tensor({0, 6, 9}, at::kInt), 2, 6, std::nullopt,
+      std::nullopt, /*is_causal=*/true, std::nullopt, "logn", 1.0, 3.0);
+  const AttentionResult got = entropy_attn::varlen_attention(
+      q, k_pool, v_pool, cu_q, std::nullopt, 2, 6, std::nullopt, used, /*is_causal=*/true,
+      std::nullopt, "logn", 1.0, 3.0, false, true, {-1, -1}, 0.0, std::nullopt, 0.0, 0, table);
+  EXPECT_TRUE(all_close(got.output, want.output, {1e-12, 1e-12}));
+  EXPECT_TRUE(all_close(got.entropy, want.entropy, {1e-12, 1e-12}));
+  EXPECT_TRUE(at::equal(got.n_keys, want.n_keys));
+}
+
 // ---- Meta kernels ------------------------------------------------------------------------------
 
 TEST(AttentionMeta, ShapesAndDtypes) {

@@ -1,0 +1,144 @@
+// varlen_attention's paged KV cache: checks, then the pages gathered into packed documents.
+//
+// The kernels read keys at a fixed stride from one base (packed documents, attention_call.h), so
+// a paged call runs them on a copy of the pages its sequences use: one index_select per operand,
+// O(keys x D), against the O(rows x keys x D) of the attention, and for decoding (one row per
+// sequence) a second pass over the cache as large as the first (README: Paged KV cache).
+#include "paged_kv.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/where.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "attention_inputs.h"
+
+namespace entropy_attn {
+namespace {
+
+void check_page_pool(const at::Tensor& key, const at::Tensor& value) {
+  TORCH_CHECK_VALUE(key.dim() == 4,
+                    "key must be a 4-D pool of pages (num_pages, page_size, kv_heads, head_dim) "
+                    "with block_table, got ",
+                    key.dim(), "-D of shape ", key.sym_sizes());
+  TORCH_CHECK_VALUE(value.dim() == 4,
+                    "value must be a 4-D pool of pages (num_pages, page_size, kv_heads, "
+                    "v_head_dim) with block_table, got ",
+                    value.dim(), "-D of shape ", value.sym_sizes());
+  TORCH_CHECK_VALUE(value.sym_size(0) == key.sym_size(0) && value.sym_size(1) == key.sym_size(1),
+                    "value must have key's pages (num_pages, page_size) = (", key.sym_size(0), ", ",
+                    key.sym_size(1), "), got ", value.sym_sizes());
+  TORCH_CHECK_VALUE(key.sym_size(1) >= 1, "key's pages must hold at least one token (page_size, ",
+                    "dim 1), got ", key.sym_size(1));
+}
+
+// The values: each sequence's keys fit max_k, its slot in cu_seq_k (when given) and the table's
+// columns, and the pages it uses are pages of the pool. (`table`: the columns a slot holds.)
+void check_paged_values(const at::Tensor& table, const at::Tensor& seqused_k,
+                        const std::optional<at::Tensor>& cu_seq_k, int64_t columns,
+                        int64_t page_size, int64_t num_pages, int64_t max_k) {
+  // (contiguous: a strided view's values are not at data + i)
+  const at::Tensor used_t = seqused_k.to(at::kCPU).contiguous();
+  const at::Tensor table_t = table.to(at::kCPU).contiguous();
+  const int32_t* used = used_t.const_data_ptr<int32_t>();
+  const int32_t* pages = table_t.const_data_ptr<int32_t>();
+  const int64_t sequences = used_t.numel(), slot_columns = table_t.size(1);
+  at::Tensor cu_t;
+  const int32_t* cu = nullptr;
+  if (cu_seq_k.has_value()) {
+    cu_t = cu_seq_k->to(at::kCPU).contiguous();
+    cu = cu_t.const_data_ptr<int32_t>();
+    TORCH_CHECK_VALUE(cu[0] == 0, "cu_seq_k must start at 0, got ", cu[0]);
+  }
+  for (int64_t d = 0; d < sequences; ++d) {
+    const int64_t u = used[d];
+    TORCH_CHECK_VALUE(u >= 0, "seqused_k[", d, "] = ", u, " must be >= 0");
+    TORCH_CHECK_VALUE(u <= max_k, "max_k = ", max_k, " is smaller than sequence ", d,
+                      " (seqused_k[", d, "] = ", u, ")");
+    if (cu != nullptr) {
+      // (in int64: the difference of two int32 offsets may not fit int32)
+      const int64_t slot = static_cast<int64_t>(cu[d + 1]) - cu[d];
+      TORCH_CHECK_VALUE(slot >= 0, "cu_seq_k must be non-decreasing, but cu_seq_k[", d + 1,
+                        "] = ", cu[d + 1], " < cu_seq_k[", d, "] = ", cu[d]);
+      TORCH_CHECK_VALUE(u <= slot, "seqused_k[", d, "] = ", u, " must be in [0, ", slot,
+                        "] (that sequence's keys in cu_seq_k)");
+    }
+    const int64_t needed = (u + page_size - 1) / page_size;
+    TORCH_CHECK_VALUE(needed <= columns, "seqused_k[", d, "] = ", u, " needs ", needed,
+                      " pages of ", page_size, " tokens, but block_table has ", columns,
+                      " columns");
+    // (needed <= slot_columns: u <= max_k, and the slot holds the pages max_k needs)
+    for (int64_t j = 0; j < needed && j < slot_columns; ++j) {
+      const int64_t p = pages[d * slot_columns + j];
+      TORCH_CHECK_VALUE(p >= 0 && p < num_pages, "block_table[", d, ", ", j, "] = ", p,
+                        " is not a page of key (num_pages = ", num_pages, ")");
+    }
+  }
+}
+
+}  // namespace
+
+PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+                       const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
+                       const c10::SymInt& max_k) {
+  TORCH_CHECK_TYPE(block_table.defined(), "block_table must be an int32 tensor or None");
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32, got ",
+                   block_table.scalar_type());
+  TORCH_CHECK_VALUE(block_table.dim() == 2,
+                    "block_table must be 2-D (number of sequences, pages per sequence), got shape ",
+                    block_table.sym_sizes());
+  TORCH_CHECK_VALUE(block_table.device() == query.device(),
+                    "block_table must be on query's device (", query.device(), "), got ",
+                    block_table.device());
+  check_page_pool(key, value);
+  check_offsets(cu_seq_q, "cu_seq_q", query);
+  const c10::SymInt sequences = cu_seq_q.sym_size(0) - 1;
+  TORCH_CHECK_VALUE(block_table.sym_size(0) == sequences,
+                    "block_table must have a row per sequence (", sequences, "), got shape ",
+                    block_table.sym_sizes());
+  TORCH_CHECK_VALUE(seqused_k.has_value(),
+                    "block_table needs seqused_k (int32, the number of keys of each sequence, in "
+                    "its pages), as varlen_attn");
+  check_seqused_k(*seqused_k, sequences, query);
+  if (cu_seq_k.has_value()) {
+    check_offsets(*cu_seq_k, "cu_seq_k", query);
+    TORCH_CHECK_VALUE(cu_seq_k->sym_size(0) == sequences + 1,
+                      "cu_seq_q and cu_seq_k must have the same length, got ", sequences + 1,
+                      " and ", cu_seq_k->sym_size(0));
+  }
+  TORCH_CHECK_VALUE(max_k >= 0, "max_k must be >= 0, got ", max_k);
+  const c10::SymInt& page_size = key.sym_size(1);
+  // Each sequence's slot: the pages max_k needs, as far as the table has columns (a table sized
+  // for the longest context a server admits is not copied whole).
+  const at::Tensor table = block_table.slice_symint(1, 0, (max_k + page_size - 1) / page_size);
+  const c10::SymInt columns = table.sym_size(1), slot = columns * page_size;
+  TORCH_CHECK_VALUE(sequences * slot <= std::numeric_limits<int32_t>::max(),
+                    "the paged keys of this call, ", sequences, " sequences of ", columns,
+                    " pages of ", page_size, " tokens, exceed int32 offsets");
+  if (!query.is_meta() && values_readable(table) && values_readable(*seqused_k)) {
+    check_paged_values(table, *seqused_k, cu_seq_k, block_table.size(1), page_size.expect_int(),
+                       key.size(0), max_k.expect_int());
+  }
+  // Entries past the pages a sequence uses may hold anything (-1, stale pages): page 0 stands in,
+  // its keys past seqused_k, which leaves them out.
+  const at::Tensor first_keys = at::arange(c10::Scalar(columns), table.options().dtype(at::kLong))
+                                    .mul(c10::Scalar(page_size));
+  const at::Tensor used = first_keys.unsqueeze(0) < seqused_k->unsqueeze(1);
+  const at::Tensor pages = at::where(used, table, 0).flatten();
+  auto gather = [&](const at::Tensor& pool) {
+    // (an empty pool has no page 0; every sequence then has 0 keys: checked above)
+    if (pool.sym_size(0) == 0) {
+      return pool.new_zeros_symint({sequences * slot, pool.sym_size(2), pool.sym_size(3)});
+    }
+    return pool.index_select(0, pages).flatten(0, 1);
+  };
+  PagedKeys out;
+  out.key = gather(key);
+  out.value = gather(value);
+  out.cu_seq_k = at::arange(c10::Scalar(sequences + 1), table.options()).mul(c10::Scalar(slot));
+  return out;
+}
+
+}  // namespace entropy_attn

@@ -1,0 +1,30 @@
+// A paged KV cache (varlen_attention's block_table, the layout of varlen_attn and vLLM): key and
+// value are pools of pages (num_pages, page_size, kv_heads, D), and sequence d's keys are the first
+// seqused_k[d] tokens of the pages block_table[d, 0], block_table[d, 1], ... in that order.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <optional>
+
+namespace entropy_attn {
+
+// The keys and values of a paged call as packed documents: each sequence's slot holds its first
+// ceil(max_k / page_size) pages (as far as the table has columns), the pages it does not use
+// included (seqused_k leaves their keys out), so that the shapes follow from max_k and the table,
+// not from the values, and torch.compile traces one graph for every table.
+struct PagedKeys {
+  at::Tensor key, value;  // (N * slot, kv_heads, D / Dv)
+  at::Tensor cu_seq_k;    // int32 (N + 1,): d * slot
+};
+
+// Checks the pages, the table, seqused_k (required), max_k and, when given, cu_seq_k (whose
+// lengths, a paged call's slot lengths, must hold seqused_k), each error naming its argument, and
+// gathers the pages each sequence uses (a copy: the kernels read packed keys).
+PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+                       const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
+                       const c10::SymInt& max_k);
+
+}  // namespace entropy_attn

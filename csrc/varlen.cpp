@@ -9,6 +9,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
 #include "attention_call.h"
 #include "attention_inputs.h"
 #include "paged_kv.h"
@@ -52,6 +56,44 @@ at::Tensor packed(const at::Tensor& x) {
   return x.squeeze(0).transpose(0, 1).contiguous();
 }
 
+// Decoding with grouped-query attention over packed sequences, as pack_query_heads does for a
+// dense call (attention_call.h): where every row sees all of its sequence's keys and nothing is
+// per query head (no sinks, no dropout), the G = H / Hkv query heads of a group become G rows of
+// their key/value head, so that the kernels read each key/value head's keys once per group
+// instead of once per query head, and a tile holds G rows of a sequence instead of one. Row
+// t G + g of key/value head k is query head k G + g of token t, so that sequence d's rows are
+// [G cu_seq_q[d], G cu_seq_q[d + 1]). Every row sees its sequence's keys without causality or a
+// window, and with bottom-right alignment and no left bound where each sequence has one query
+// row (its last: decoding), which needs max_q <= 1 checked against the offsets (check_max_len),
+// so not while torch.compile traces. Returns G, or 1 (not packed).
+c10::SymInt query_head_rows(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& cu_seq_q, const AttentionOptions& o,
+                            const c10::SymInt& max_q, bool has_sinks) {
+  const c10::SymInt &heads = query.sym_size(1), &kv_heads = key.sym_size(1);
+  const bool unbounded = !o.causal && o.window_left < 0 && o.window_right < 0;
+  const bool one_row_each = max_q <= 1 && o.window_left < 0 && values_readable(cu_seq_q);
+  if (!o.enable_gqa || has_sinks || o.dropout_p > 0 || !(unbounded || one_row_each) ||
+      kv_heads == 0 || heads == kv_heads || heads % kv_heads != 0) {
+    return 1;
+  }
+  const c10::SymInt group = heads / kv_heads;
+  // (the rows' offsets are int32)
+  if (query.sym_size(0) * group > std::numeric_limits<int32_t>::max()) return 1;
+  return group;
+}
+
+// (T, H, ...) -> (T G, H / G, ...): row t G + g of head k is head k G + g of token t (a copy).
+at::Tensor heads_to_rows(const at::Tensor& x, const c10::SymInt& group) {
+  const c10::SymInt kv_heads = x.sym_size(1) / group;
+  return x.unflatten_symint(1, {kv_heads, group}).transpose(1, 2).flatten(0, 1);
+}
+
+// The inverse, (T G, Hkv, ...) -> (T, Hkv G, ...); an empty statistic (return_stats=False) stays.
+at::Tensor rows_to_heads(const at::Tensor& x, const c10::SymInt& group) {
+  if (x.dim() < 2) return x;
+  return x.unflatten_symint(0, {x.sym_size(0) / group, group}).transpose(1, 2).flatten(1, 2);
+}
+
 // (Not named varlen_attention: the C++ API's entropy_attn::varlen_attention, entropy_attn.h, is in
 // the same translation unit when the build compiles this directory's files as one.)
 AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key,
@@ -83,7 +125,7 @@ AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key
     check_packed(value, "value", "(total_k, kv_heads, v_head_dim)");
     check_max_len(*cu_seq_k, max_k, "cu_seq_k", "max_k");
   }
-  std::optional<at::Tensor> dense_scale;
+  std::optional<at::Tensor> rows_scale;  // the scale tensor as (T, H)
   if (scale.has_value()) {
     const at::Tensor& c = *scale;
     const c10::SymInt &total = query.sym_size(0), &heads = query.sym_size(1);
@@ -92,16 +134,38 @@ AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key
                           (c.dim() < 1 || c.sym_size(-1) == 1 || c.sym_size(-1) == heads),
                       kScaleTensorName, " of shape ", c.sym_sizes(),
                       " does not broadcast to (total_q, heads) = (", total, ", ", heads, ")");
-    dense_scale = c.expand_symint({total, heads}).transpose(0, 1).unsqueeze(0);
+    rows_scale = c.expand_symint({total, heads});
   }
-  const AttentionOptions options = AttentionOptions::from_schema(
+  AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, "bottom_right", softcap, dropout_p, dropout_seed);
-  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
-      call_attention(dense_view(query), dense_view(packed_key), dense_view(packed_value),
-                     std::nullopt, dense_scale, sinks, {cu_seq_q, packed_cu_k, seqused_k}, options);
-  return {packed(out), packed(lse),    packed(ent),      packed(p2),       packed(pmax), packed(n),
-          packed(lam), packed(factor), packed(norm_ent), packed(sparsity), packed(eff)};
+  const c10::SymInt group =
+      query_head_rows(query, packed_key, cu_seq_q, options, max_q, sinks.has_value());
+  at::Tensor rows_query = query, rows_cu_q = cu_seq_q;
+  if (group != 1) {
+    // (checked in the call's own shape first: the errors name the offsets as given)
+    const SymAttentionShape shape{1,
+                                  query.sym_size(1),
+                                  packed_key.sym_size(1),
+                                  query.sym_size(0),
+                                  packed_key.sym_size(0),
+                                  query.sym_size(2),
+                                  packed_value.sym_size(2)};
+    check_documents(cu_seq_q, packed_cu_k, seqused_k, shape, query);
+    rows_query = heads_to_rows(query, group);
+    if (rows_scale.has_value()) rows_scale = heads_to_rows(*rows_scale, group);
+    rows_cu_q = cu_seq_q.mul(c10::Scalar(group));
+    // (every row sees all of its sequence's keys)
+    options.causal = false, options.window_left = options.window_right = -1;
+  }
+  std::optional<at::Tensor> dense_scale;
+  if (rows_scale.has_value()) dense_scale = rows_scale->transpose(0, 1).unsqueeze(0);
+  auto outputs = call_attention(dense_view(rows_query), dense_view(packed_key),
+                                dense_view(packed_value), std::nullopt, dense_scale, sinks,
+                                {rows_cu_q, packed_cu_k, seqused_k}, options);
+  std::apply([&](auto&... t) { ((t = packed(t)), ...); }, outputs);
+  if (group != 1) std::apply([&](auto&... t) { ((t = rows_to_heads(t, group)), ...); }, outputs);
+  return outputs;
 }
 
 }  // namespace

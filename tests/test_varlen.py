@@ -66,6 +66,10 @@ CASES: List[Tuple[str, List[int], List[int], Dict[str, Any]]] = [
     # Short documents, some over a tile (of 32 rows here): on the CPU each tile transposes its own
     # document's keys, or for up to 8 rows reads them as stored.
     ("short_docs", [20, 3, 40, 8, 33, 1], [20, 3, 40, 8, 33, 1], {"is_causal": True}),
+    # One query row per document (decoding): with GQA its query heads become rows of their key/value
+    # head (test_gqa_query_heads_become_rows), causal or not, with a right bound, empty documents.
+    ("decode", [1, 1, 0, 1], [9, 1, 3, 20], {"is_causal": True, "scale_mode": "logn", "log_base": 4.0}),
+    ("decode_right_bound_softcap", [1, 1], [17, 6], {"window_size": [-1, 2], "softcap": 3.0}),
 ]
 
 
@@ -120,6 +124,92 @@ def test_varlen_backward_matches_dense_per_document(device: str, case: Tuple[str
     want = torch.autograd.grad(loss, leaves)
     for n, a, b in zip(("q", "k", "v", "sinks"), got, want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m: f"d{n}: {m}")
+
+
+class _AttentionCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of the query of every call of the dense ``attention`` op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_shapes: List[Tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is ops.attention.default:
+            self.query_shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "q_lens,kw,packs",
+    [
+        ([1, 1, 0, 1], {"is_causal": True}, True),  # decoding: each row is its document's last
+        ([1, 1, 0, 1], {"window_size": [-1, 0], "scale_mode": "logn"}, True),
+        ([3, 2, 1, 4], {}, True),  # no causality or window: every row sees its document's keys
+        ([3, 2, 1, 4], {"softcap": 2.0, "return_stats": False}, True),
+        ([3, 2, 1, 4], {"is_causal": True}, False),  # rows see different keys
+        ([1, 1, 0, 1], {"window_size": [4, 0]}, False),  # a left bound
+        ([1, 1, 0, 1], {"sinks": "per head"}, False),  # one sink per query head
+        ([1, 1, 0, 1], {"dropout_p": 0.3}, False),  # dropout streams per query head
+    ],
+)
+def test_gqa_query_heads_become_rows(q_lens: List[int], kw: Dict[str, Any], packs: bool) -> None:
+    """With GQA, where every row sees all of its document's keys and nothing is per query head, the
+    G query heads of a group run as G rows of their key/value head (one read of each key/value
+    head per group): the dense op sees Hkv heads of G * T rows. Every output equals the float64
+    reference on each document, and the gradients (float64) equal those of the call with the
+    key/value heads repeated, which does not pack."""
+    H, Hkv, k_lens = 6, 2, [9, 4, 3, 20]
+    q, k, v = packed_inputs(q_lens, k_lens, H, Hkv, 8, F64, "cpu", seed=4)
+    sinks = torch.randn(H, dtype=F64) if kw.pop("sinks", None) else None
+    args = (offsets(q_lens), offsets(k_lens), max(q_lens), max(k_lens))
+    calls = _AttentionCalls()
+    with calls:
+        got = ops.varlen_attention(q, k, v, *args, enable_gqa=True, sinks=sinks, dropout_seed=5, **kw)
+    T = sum(q_lens)
+    assert calls.query_shapes == [(1, Hkv, 3 * T, 8) if packs else (1, H, T, 8)]
+    if kw.get("dropout_p"):
+        return
+    ref_k, ref_v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))
+    ref_kw = {n: kw[n] for n in ("is_causal", "window_size", "softcap", "scale_mode") if n in kw}
+    want = per_document_reference(q, ref_k, ref_v, q_lens, k_lens, sinks=sinks, **ref_kw)
+    names = NAMES if kw.get("return_stats", True) else ("output", "lse", None, None, None, "n_keys", "row_scale")
+    for n, a, b in zip(names, got, want):
+        if n is not None:
+            torch.testing.assert_close(a, b.to(a.dtype), atol=1e-12, rtol=1e-10, msg=lambda m: f"{n}: {m}")
+    # Gradients through the packed layout: against the unpacked call (H == Hkv).
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    res = ops.varlen_attention(*leaves, *args, enable_gqa=True, sinks=sinks, **kw)
+    ups = [torch.randn_like(res[i]) for i in (0, 1)]
+    grads = torch.autograd.grad(sum((res[i] * u).sum() for i, u in zip((0, 1), ups)), leaves)
+    plain = [leaves[0]] + [x.repeat_interleave(H // Hkv, dim=1) for x in leaves[1:]]
+    res = ops.varlen_attention(*plain, *args, sinks=sinks, **kw)
+    want_grads = torch.autograd.grad(sum((res[i] * u).sum() for i, u in zip((0, 1), ups)), leaves)
+    for n, a, b in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=lambda m: f"d{n}: {m}")
+
+
+def test_gqa_query_heads_as_rows_name_the_offsets_as_given() -> None:
+    """Offsets that would pack are checked before they are scaled to rows: the error shows the
+    values the caller passed."""
+    q, k, v = packed_inputs([1, 1], [4, 5], 4, 2, 8, F64, "cpu", seed=4)
+    with pytest.raises(ValueError, match="got 1 and 0"):
+        ops.varlen_attention(q, k, v, torch.tensor([1, 1, 2], dtype=torch.int32), offsets([4, 5]), 1, 5,
+                             enable_gqa=True)
+
+
+def test_gqa_query_heads_as_rows_under_compile() -> None:
+    """While torch.compile traces, max_q cannot be checked against the offsets, so a causal call
+    does not pack (a wrong max_q would make rows see keys past their diagonal): the compiled call
+    equals the eager one, which packs."""
+    q_lens, k_lens = [1, 1], [6, 3]
+    q, k, v = packed_inputs(q_lens, k_lens, 4, 2, 8, F64, "cpu", seed=2)
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch_ext.varlen_attention(q, k, v, offsets(q_lens), offsets(k_lens), 1, 6, is_causal=True,
+                                          enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -248,8 +248,8 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   const at::Tensor cq = cu_seq_q->to(at::kCPU).contiguous(),
                    ck = cu_seq_k->to(at::kCPU).contiguous();
   const int32_t *q = cq.const_data_ptr<int32_t>(), *k = ck.const_data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(q[0] == 0 && k[0] == 0, "cu_seq_q and cu_seq_k must start at 0, got ", q[0],
-                    " and ", k[0]);
+  TORCH_CHECK_VALUE(q[0] == 0, "cu_seq_q must start at 0, got ", q[0]);
+  TORCH_CHECK_VALUE(k[0] == 0, "cu_seq_k must start at 0, got ", k[0]);
   for (int64_t d = 0; d < n; ++d) {
     TORCH_CHECK_VALUE(q[d + 1] >= q[d], "cu_seq_q must be non-decreasing, but cu_seq_q[", d + 1,
                       "] = ", q[d + 1], " < cu_seq_q[", d, "] = ", q[d]);

@@ -85,6 +85,15 @@ TORCH_LIBRARY(entropy_attn, m) {
       "Tensor lse, Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, "
       "Tensor row_scale, Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, "
       "Tensor effective_keys)");
+  // varlen_attention's paged KV cache as packed documents (csrc/paged_kv.h): checks the pages,
+  // block_table, seqused_k, max_k and cu_seq_k (each error naming its argument), and returns key
+  // and value gathered into slots of ceil(max_k / page_size) pages per sequence, with their int32
+  // offsets (cu_seq_k). An op of its own, so that the checks run on the values at run time where
+  // torch.compile traces the varlen composite. Not differentiable (inference only).
+  m.def(
+      "_gather_pages(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, "
+      "Tensor block_table, Tensor? seqused_k, SymInt max_k) -> (Tensor key, Tensor value, "
+      "Tensor cu_seq_k)");
   // Per-row l1/l2 sparsity S_i = sum_j |a_ij| / sqrt(n_i sum_j a_ij^2) of general attention
   // a_ij = f(s_ij), f = exp ("exp", softmax), relu^2 ("relu2") or identity ("identity"), with the
   // logits s_ij, masks, key patterns, softcap and scale arguments of `attention` (seed 003). (B, H,

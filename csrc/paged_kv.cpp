@@ -6,11 +6,14 @@
 // sequence) a second pass over the cache as large as the first (README: Paged KV cache).
 #include "paged_kv.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/where.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 #include "attention_inputs.h"
 
@@ -77,12 +80,15 @@ void check_paged_values(const at::Tensor& table, const at::Tensor& seqused_k,
   }
 }
 
-}  // namespace
+using PagedTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
-                       const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
-                       const c10::SymInt& max_k) {
+// The kernel of _gather_pages on every device (CompositeExplicitAutograd): on the Meta device and
+// under fake tensors it checks what the shapes tell and gives the outputs' shapes.
+PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& cu_seq_q,
+                               const std::optional<at::Tensor>& cu_seq_k,
+                               const at::Tensor& block_table,
+                               const std::optional<at::Tensor>& seqused_k, c10::SymInt max_k) {
   TORCH_CHECK_TYPE(block_table.defined(), "block_table must be an int32 tensor or None");
   TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32, got ",
                    block_table.scalar_type());
@@ -112,7 +118,9 @@ PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at:
   const c10::SymInt& page_size = key.sym_size(1);
   // Each sequence's slot: the pages max_k needs, as far as the table has columns (a table sized
   // for the longest context a server admits is not copied whole).
-  const at::Tensor table = block_table.slice_symint(1, 0, (max_k + page_size - 1) / page_size);
+  // (ceil without max_k + page_size - 1, which overflows int64 for a max_k near 2^63)
+  const c10::SymInt slot_pages = max_k == 0 ? c10::SymInt(0) : (max_k - 1) / page_size + 1;
+  const at::Tensor table = block_table.slice_symint(1, 0, slot_pages);
   const c10::SymInt columns = table.sym_size(1), slot = columns * page_size;
   TORCH_CHECK_VALUE(sequences * slot <= std::numeric_limits<int32_t>::max(),
                     "the paged keys of this call, ", sequences, " sequences of ", columns,
@@ -134,11 +142,28 @@ PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at:
     }
     return pool.index_select(0, pages).flatten(0, 1);
   };
-  PagedKeys out;
-  out.key = gather(key);
-  out.value = gather(value);
-  out.cu_seq_k = at::arange(c10::Scalar(sequences + 1), table.options()).mul(c10::Scalar(slot));
-  return out;
+  return {gather(key), gather(value),
+          at::arange(c10::Scalar(sequences + 1), table.options()).mul(c10::Scalar(slot))};
+}
+
+}  // namespace
+
+PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+                       const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
+                       const c10::SymInt& max_k) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("entropy_attn::_gather_pages", "")
+          .typed<PagedTuple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, c10::SymInt)>();
+  auto [k, v, cu_k] = op.call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
+  return {std::move(k), std::move(v), std::move(cu_k)};
+}
+
+TORCH_LIBRARY_IMPL(entropy_attn, CompositeExplicitAutograd, m) {
+  m.impl("_gather_pages", &gather_pages_kernel);
 }
 
 }  // namespace entropy_attn

@@ -21,7 +21,8 @@ struct PagedKeys {
 
 // Checks the pages, the table, seqused_k (required), max_k and, when given, cu_seq_k (whose
 // lengths, a paged call's slot lengths, must hold seqused_k), each error naming its argument, and
-// gathers the pages each sequence uses (a copy: the kernels read packed keys).
+// gathers the pages each sequence uses (a copy: the kernels read packed keys): the op
+// entropy_attn::_gather_pages, called through the dispatcher.
 PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
                        const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,

@@ -70,12 +70,11 @@ c10::SymInt query_head_rows(const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& cu_seq_q, const AttentionOptions& o,
                             const c10::SymInt& max_q, bool has_sinks) {
   const c10::SymInt &heads = query.sym_size(1), &kv_heads = key.sym_size(1);
-  const bool unbounded = !o.causal && o.window_left < 0 && o.window_right < 0;
-  const bool one_row_each = max_q <= 1 && o.window_left < 0 && values_readable(cu_seq_q);
-  if (!o.enable_gqa || has_sinks || o.dropout_p > 0 || !(unbounded || one_row_each) ||
-      kv_heads == 0 || heads == kv_heads || heads % kv_heads != 0) {
-    return 1;
-  }
+  // (the sizes and max_q are compared last: each comparison is a guard while torch.compile traces)
+  if (!o.enable_gqa || has_sinks || o.dropout_p > 0 || o.window_left != -1) return 1;
+  const bool unbounded = !o.causal && o.window_right == -1;
+  if (!unbounded && !(values_readable(cu_seq_q) && max_q <= 1)) return 1;
+  if (heads == 0 || kv_heads == 0 || heads == kv_heads || heads % kv_heads != 0) return 1;
   const c10::SymInt group = heads / kv_heads;
   // (the rows' offsets are int32)
   if (query.sym_size(0) * group > std::numeric_limits<int32_t>::max()) return 1;
@@ -139,6 +138,7 @@ AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, "bottom_right", softcap, dropout_p, dropout_seed);
+  check_pattern_options(options);  // (before packing rewrites the window)
   const c10::SymInt group =
       query_head_rows(query, packed_key, cu_seq_q, options, max_q, sinks.has_value());
   at::Tensor rows_query = query, rows_cu_q = cu_seq_q;

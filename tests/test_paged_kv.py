@@ -196,6 +196,43 @@ def test_paged_bad_arguments(change: Dict[str, Any], match: str) -> None:
         torch_ext.varlen_attention(**args)
 
 
+def test_paged_checks_run_under_compile() -> None:
+    """The pages are checked by an op of their own (entropy_attn::_gather_pages), which torch.compile
+    keeps in its graph: a bad table raises the eager error when the compiled call runs (the checks
+    of the composite's own code see no values while it is traced: a bad page was index_select's
+    IndexError, and would be a device-side assert on CUDA)."""
+    args = _paged_args()
+    bad = args["block_table"].clone()
+    bad[1, 2] = 99
+
+    def f(q: Tensor, table: Tensor) -> Tensor:
+        return torch_ext.varlen_attention(q, args["key"], args["value"], args["cu_seq_q"], None, 3, 9,
+                                          seqused_k=args["seqused_k"], block_table=table)
+
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        torch.testing.assert_close(compiled(args["query"], args["block_table"]), f(args["query"], args["block_table"]))
+        with pytest.raises(ValueError, match="block_table\\[1, 2\\] = 99"):
+            compiled(args["query"], bad)
+
+
+def test_paged_max_k_near_the_int64_limit() -> None:
+    """A max_k far past every sequence, up to 2^63 - 1 (which the Python API accepts), gives the
+    result of a tight one: the slot's page count is a ceiling that does not overflow."""
+    args = _paged_args()
+    want = torch_ext.varlen_attention(**args)
+    for max_k in (2**40, 2**63 - 2, 2**63 - 1):
+        torch.testing.assert_close(torch_ext.varlen_attention(**{**args, "max_k": max_k}), want, rtol=0, atol=0)
+
+
+def test_paged_offsets_errors_name_the_callers_argument() -> None:
+    """cu_seq_q that does not start at 0 is named alone (cu_seq_k, None here, was named with it)."""
+    args = _paged_args()
+    with pytest.raises(ValueError, match="^cu_seq_q must start at 0, got 1$"):
+        torch_ext.varlen_attention(**{**args, "cu_seq_q": torch.tensor([1, 2, 5], dtype=torch.int32)})
+
+
 def test_paged_is_inference_only() -> None:
     """As varlen_attn's block_table (with seqused_k, which it needs): no backward."""
     args = _paged_args()
@@ -222,6 +259,8 @@ def test_paged_meta_opcheck_compile_and_vmap() -> None:
     positional = [args[k] for k in ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")]
     torch.library.opcheck(ops.varlen_attention.default, tuple(positional),
                           {"is_causal": True, "seqused_k": args["seqused_k"], "block_table": args["block_table"]})
+    torch.library.opcheck(ops._gather_pages.default, (args["query"], args["key"], args["value"], args["cu_seq_q"],
+                                                      None, args["block_table"], args["seqused_k"], 9))
 
     def f(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor) -> Tensor:
         return torch_ext.varlen_attention(q, k_pool, v_pool, args["cu_seq_q"], None, 3, 9, is_causal=True,

@@ -188,11 +188,61 @@ def test_gqa_query_heads_become_rows(q_lens: List[int], kw: Dict[str, Any], pack
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=lambda m: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("window", [[-2, -1], [-1, -7], [-5, -5]])
+def test_gqa_query_heads_as_rows_check_the_window_first(window: List[int]) -> None:
+    """An invalid window raises where packing would apply (packing rewrote the window to
+    unbounded before the op checked it, and the call ran with no window)."""
+    q, k, v = packed_inputs([1, 1], [5, 9], 4, 2, 8, F64, "cpu", seed=4)
+    with pytest.raises(ValueError, match="window_size"):
+        ops.varlen_attention(q, k, v, offsets([1, 1]), offsets([5, 9]), 1, 9, enable_gqa=True, window_size=window)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_gqa_with_no_query_heads(paged: bool) -> None:
+    """H = 0 query heads on Hkv = 2 gives an empty output, as the dense op (the group size 0 was a
+    division by zero: SIGFPE)."""
+    q, k, v = packed_inputs([2], [5], 2, 2, 8, F64, "cpu", seed=4)
+    q = q[:, :0]
+    kw: Dict[str, Any] = {}
+    if paged:
+        k, v = k[:4].unflatten(0, (1, 4)), v[:4].unflatten(0, (1, 4))
+        kw = dict(seqused_k=torch.tensor([4], dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32))
+    for device in ("cpu", "meta"):
+        out = torch_ext.varlen_attention(q.to(device), k.to(device), v.to(device), offsets([2]).to(device),
+                                         None if paged else offsets([5]).to(device), 2, 5, enable_gqa=True,
+                                         **{n: t.to(device) for n, t in kw.items()})
+        assert out.shape == (2, 0, 8)
+
+
+@pytest.mark.parametrize("enable_gqa", [False, True])
+def test_compile_no_recompile_between_decoding_and_prefill(enable_gqa: bool) -> None:
+    """max_q is compared with 1 only where it decides the packing of query heads (GQA, eager):
+    a compiled call switching between decoding (max_q = 1) and prefill does not recompile (it
+    guarded on max_q <= 1 for every call)."""
+    H = 4 if enable_gqa else 2
+
+    def f(q: Tensor, k: Tensor, v: Tensor, cq: Tensor, ck: Tensor, mq: int, mk: int) -> Tensor:
+        return torch_ext.varlen_attention(q, k, v, cq, ck, mq, mk, is_causal=True, enable_gqa=enable_gqa)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    try:
+        for i, q_lens in enumerate(([1, 1, 1], [2, 3, 1], [1, 1, 1], [4, 2, 5])):
+            if i == 1:
+                torch.compiler.set_stance("fail_on_recompile")
+            k_lens = [6, 7, 5]
+            q, k, v = packed_inputs(q_lens, k_lens, H, 2, 8, F64, "cpu", seed=i)
+            args = (q, k, v, offsets(q_lens), offsets(k_lens), max(q_lens), max(k_lens))
+            torch.testing.assert_close(compiled(*args), f(*args))
+    finally:
+        torch.compiler.set_stance("default")
+
+
 def test_gqa_query_heads_as_rows_name_the_offsets_as_given() -> None:
     """Offsets that would pack are checked before they are scaled to rows: the error shows the
     values the caller passed."""
     q, k, v = packed_inputs([1, 1], [4, 5], 4, 2, 8, F64, "cpu", seed=4)
-    with pytest.raises(ValueError, match="got 1 and 0"):
+    with pytest.raises(ValueError, match="cu_seq_q must start at 0, got 1"):
         ops.varlen_attention(q, k, v, torch.tensor([1, 1, 2], dtype=torch.int32), offsets([4, 5]), 1, 5,
                              enable_gqa=True)
 

@@ -10,7 +10,6 @@ it prints a Markdown table of the medians and of the median per-round ratio (our
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -77,14 +76,7 @@ def table(points: List[Point], repeats: int, min_run_time: float) -> str:
 
 
 def main(argv: List[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two small points")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per point")
-    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per timing")
-    args = parser.parse_args(argv)
-    print(f"{timing.device_name('cpu')}, torch {torch.__version__}\n")
-    print(table(QUICK if args.quick else POINTS, 1 if args.quick else args.repeats,
-                0.05 if args.quick else args.min_run_time))
+    timing.points_main(__doc__.splitlines()[0], table, POINTS, QUICK, argv)
 
 
 if __name__ == "__main__":

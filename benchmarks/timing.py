@@ -1,11 +1,13 @@
 """What the benchmark scripts share: the median time of a call with torch's threads, the fastest of a
-few calls, and the name of the device it ran on."""
+few calls, the name of the device it ran on, and the command line of a script that prints one
+table over its points."""
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
-from typing import Callable
+from typing import Callable, List, Sequence, TypeVar
 
 import torch
 import torch.utils.benchmark as tb
@@ -48,3 +50,21 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+Point = TypeVar("Point")
+
+
+def points_main(description: str, table: Callable[[List[Point], int, float], str], points: Sequence[Point],
+                quick: Sequence[Point], argv: List[str] | None = None) -> None:
+    """Parses ``--quick`` (the quick points, one round, short timings), ``--repeats`` (interleaved
+    rounds per point) and ``--min-run-time`` (seconds per timing), then prints the CPU, torch's
+    version and ``table(points, repeats, min_run_time)``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small points, seconds")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per point")
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per timing")
+    args = parser.parse_args(argv)
+    print(f"{device_name('cpu')}, torch {torch.__version__}\n")
+    print(table(list(quick if args.quick else points), 1 if args.quick else args.repeats,
+                0.05 if args.quick else args.min_run_time))

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 import torch_ext
-from conftest import DEVICES, OUT_TOL, STAT_TOL
-from test_varlen import NAMES, offsets, per_document_reference
+from conftest import DEVICES
+from test_varlen import assert_outputs_match, offsets, per_document_reference
 
 ops = torch.ops.entropy_attn
 F64 = torch.float64
@@ -97,12 +97,7 @@ def test_paged_matches_per_sequence_reference(
         q, k_pool, v_pool, offsets(q_lens, device), None, max(q_lens), max(k_lens), seqused_k=used,
         block_table=table, enable_gqa=gqa, sinks=None if sinks is None else sinks.to(device), **kw,
     )
-    for n, a, b in zip(NAMES, got, want):
-        if n == "n_keys":
-            assert torch.equal(a.cpu(), b), "n_keys"
-            continue
-        atol, rtol = OUT_TOL[dtype] if n == "output" else STAT_TOL[dtype]
-        torch.testing.assert_close(a.cpu().to(F64), b.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{n}: {m}")
+    assert_outputs_match(got, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -53,6 +53,17 @@ def per_document_reference(
     return [torch.cat([doc[i] for doc in per_doc]) for i in range(len(NAMES))]
 
 
+def assert_outputs_match(got: Sequence[Tensor], want: Sequence[Tensor], dtype: torch.dtype) -> None:
+    """The op's 11 outputs against the reference's: n_keys exactly, the output and the statistics
+    within the tolerances of `dtype` (conftest)."""
+    for n, a, b in zip(NAMES, got, want):
+        if n == "n_keys":
+            assert torch.equal(a.cpu(), b), "n_keys"
+            continue
+        atol, rtol = OUT_TOL[dtype] if n == "output" else STAT_TOL[dtype]
+        torch.testing.assert_close(a.cpu().to(F64), b.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{n}: {m}")
+
+
 CASES: List[Tuple[str, List[int], List[int], Dict[str, Any]]] = [
     ("plain", [5, 9, 3], [5, 9, 3], {}),
     ("causal_logn", [7, 1, 12, 4], [7, 1, 12, 4], {"is_causal": True, "scale_mode": "logn", "log_base": 8.0}),
@@ -92,12 +103,7 @@ def test_varlen_forward_matches_per_document_reference(
         q, k, v, offsets(q_lens, device), offsets(k_lens, device), max(q_lens), max(k_lens),
         enable_gqa=gqa, sinks=None if sinks is None else sinks.to(device), **kw,
     )
-    for n, a, b in zip(NAMES, got, want):
-        if n == "n_keys":
-            assert torch.equal(a.cpu(), b), "n_keys"
-            continue
-        atol, rtol = OUT_TOL[dtype] if n == "output" else STAT_TOL[dtype]
-        torch.testing.assert_close(a.cpu().to(F64), b.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{n}: {m}")
+    assert_outputs_match(got, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,13 +1,16 @@
 // varlen_attention's paged KV cache: checks, then the pages gathered into packed documents.
 //
 // The kernels read keys at a fixed stride from one base (packed documents, attention_call.h), so
-// a paged call runs them on a copy of the pages its sequences use: one index_select per operand,
-// O(keys x D), against the O(rows x keys x D) of the attention, and for decoding (one row per
-// sequence) a second pass over the cache as large as the first (README: Paged KV cache).
+// a paged call runs them on a copy of the keys its sequences use: O(keys x D), against the
+// O(rows x keys x D) of the attention, and for decoding (one row per sequence) a second pass over
+// the cache as large as the first, plus the copy's writes (README: Decoding over packed sequences
+// and a paged KV cache).
 #include "paged_kv.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index.h>
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
@@ -82,13 +85,20 @@ void check_paged_values(const at::Tensor& table, const at::Tensor& seqused_k,
 
 using PagedTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-// The kernel of _gather_pages on every device (CompositeExplicitAutograd): on the Meta device and
-// under fake tensors it checks what the shapes tell and gives the outputs' shapes.
-PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& value, const at::Tensor& cu_seq_q,
-                               const std::optional<at::Tensor>& cu_seq_k,
-                               const at::Tensor& block_table,
-                               const std::optional<at::Tensor>& seqused_k, c10::SymInt max_k) {
+// A checked paged call: each sequence's slot is the table's first `columns` columns, the pages
+// max_k needs (as far as the table has them), of `slot` tokens.
+struct PagedLayout {
+  at::Tensor table;  // (N, columns), a view of block_table
+  c10::SymInt sequences, columns, slot;
+  bool values_checked;  // false on the Meta device and under fake tensors: no values to read
+};
+
+// Every check of a paged call (on the values where they can be read), each naming its argument.
+PagedLayout check_paged_call(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& cu_seq_q,
+                             const std::optional<at::Tensor>& cu_seq_k,
+                             const at::Tensor& block_table,
+                             const std::optional<at::Tensor>& seqused_k, const c10::SymInt& max_k) {
   TORCH_CHECK_TYPE(block_table.defined(), "block_table must be an int32 tensor or None");
   TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32, got ",
                    block_table.scalar_type());
@@ -125,25 +135,72 @@ PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
   TORCH_CHECK_VALUE(sequences * slot <= std::numeric_limits<int32_t>::max(),
                     "the paged keys of this call, ", sequences, " sequences of ", columns,
                     " pages of ", page_size, " tokens, exceed int32 offsets");
-  if (!query.is_meta() && values_readable(table) && values_readable(*seqused_k)) {
+  const bool readable = !query.is_meta() && values_readable(table) && values_readable(*seqused_k);
+  if (readable) {
     check_paged_values(table, *seqused_k, cu_seq_k, block_table.size(1), page_size.expect_int(),
                        key.size(0), max_k.expect_int());
   }
+  return {table, sequences, columns, slot, readable};
+}
+// The slots gathered whole: sizes from the shapes and max_k alone, as torch.compile needs them (one
+// graph for every table); memory and time N x slot, whatever seqused_k holds.
+PagedTuple gather_slots(const PagedLayout& l, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& seqused_k) {
+  const c10::SymInt& page_size = key.sym_size(1);
+  const at::Tensor& table = l.table;
   // Entries past the pages a sequence uses may hold anything (-1, stale pages): page 0 stands in,
   // its keys past seqused_k, which leaves them out.
-  const at::Tensor first_keys = at::arange(c10::Scalar(columns), table.options().dtype(at::kLong))
+  const at::Tensor first_keys = at::arange(c10::Scalar(l.columns), table.options().dtype(at::kLong))
                                     .mul(c10::Scalar(page_size));
-  const at::Tensor used = first_keys.unsqueeze(0) < seqused_k->unsqueeze(1);
+  const at::Tensor used = first_keys.unsqueeze(0) < seqused_k.unsqueeze(1);
   const at::Tensor pages = at::where(used, table, 0).flatten();
   auto gather = [&](const at::Tensor& pool) {
     // (an empty pool has no page 0; every sequence then has 0 keys: checked above)
     if (pool.sym_size(0) == 0) {
-      return pool.new_zeros_symint({sequences * slot, pool.sym_size(2), pool.sym_size(3)});
+      return pool.new_zeros_symint({l.sequences * l.slot, pool.sym_size(2), pool.sym_size(3)});
     }
     return pool.index_select(0, pages).flatten(0, 1);
   };
   return {gather(key), gather(value),
-          at::arange(c10::Scalar(sequences + 1), table.options()).mul(c10::Scalar(slot))};
+          at::arange(c10::Scalar(l.sequences + 1), table.options()).mul(c10::Scalar(l.slot))};
+}
+
+// The keys each sequence uses, exactly (sum of seqused_k tokens), where the values are read anyway
+// (eager calls): a batch of short sequences with one long one copies its keys, not N slots as long
+// as the longest. Token j of sequence d is row j % page_size of page table[d, j / page_size].
+PagedTuple gather_used(const PagedLayout& l, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& seqused_k) {
+  const at::Tensor used_t = seqused_k.to(at::kCPU).contiguous();
+  const at::Tensor table_t = l.table.to(at::kCPU).contiguous();
+  const int32_t* used = used_t.const_data_ptr<int32_t>();
+  const int32_t* pages = table_t.const_data_ptr<int32_t>();
+  const int64_t sequences = used_t.numel(), columns = table_t.size(1), page_size = key.size(1);
+  at::Tensor cu = at::empty({sequences + 1}, at::kInt);
+  int32_t* offsets = cu.mutable_data_ptr<int32_t>();
+  offsets[0] = 0;  // (the sum fits int32: at most N x slot, checked)
+  for (int64_t d = 0; d < sequences; ++d) offsets[d + 1] = offsets[d] + used[d];
+  at::Tensor page = at::empty({offsets[sequences]}, at::kLong);
+  at::Tensor row = at::empty({offsets[sequences]}, at::kLong);
+  int64_t *p = page.mutable_data_ptr<int64_t>(), *r = row.mutable_data_ptr<int64_t>();
+  for (int64_t d = 0; d < sequences; ++d) {
+    for (int64_t j = 0; j < used[d]; ++j, ++p, ++r) {
+      *p = pages[d * columns + j / page_size], *r = j % page_size;
+    }
+  }
+  const c10::List<std::optional<at::Tensor>> index({page.to(key.device()), row.to(key.device())});
+  return {at::index(key, index), at::index(value, index), cu.to(key.device())};
+}
+
+// The kernel of _gather_pages on every device (CompositeExplicitAutograd): on the Meta device and
+// under fake tensors it checks what the shapes tell and gives the outputs' shapes.
+PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& cu_seq_q,
+                               const std::optional<at::Tensor>& cu_seq_k,
+                               const at::Tensor& block_table,
+                               const std::optional<at::Tensor>& seqused_k, c10::SymInt max_k) {
+  const PagedLayout l =
+      check_paged_call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
+  return gather_slots(l, key, value, *seqused_k);
 }
 
 }  // namespace
@@ -152,6 +209,15 @@ PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at:
                        const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
                        const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
                        const c10::SymInt& max_k) {
+  // Eager calls gather exactly the keys used (their values are read by the checks in any case);
+  // traced ones the op, whose slots have sizes from the shapes, and whose checks run with the
+  // graph.
+  const PagedLayout l =
+      check_paged_call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
+  if (l.values_checked) {
+    auto [k, v, cu_k] = gather_used(l, key, value, *seqused_k);
+    return {std::move(k), std::move(v), std::move(cu_k)};
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::_gather_pages", "")

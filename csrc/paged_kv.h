@@ -10,13 +10,15 @@
 
 namespace entropy_attn {
 
-// The keys and values of a paged call as packed documents: each sequence's slot holds its first
-// ceil(max_k / page_size) pages (as far as the table has columns), the pages it does not use
-// included (seqused_k leaves their keys out), so that the shapes follow from max_k and the table,
-// not from the values, and torch.compile traces one graph for every table.
+// The keys and values of a paged call as packed documents. Eager calls (whose table and seqused_k
+// the checks read) gather exactly the keys each sequence uses; traced ones (torch.compile, the
+// Meta device) the op _gather_pages, whose sequences each get a slot of the first
+// ceil(max_k / page_size) pages (as far as the table has columns), the keys past seqused_k
+// included (seqused_k leaves them out), so that the shapes follow from max_k and the table, not
+// from the values: one compiled graph for every table.
 struct PagedKeys {
-  at::Tensor key, value;  // (N * slot, kv_heads, D / Dv)
-  at::Tensor cu_seq_k;    // int32 (N + 1,): d * slot
+  at::Tensor key, value;  // (keys, kv_heads, D / Dv)
+  at::Tensor cu_seq_k;    // int32 (N + 1,): the sequences' slots
 };
 
 // Checks the pages, the table, seqused_k (required), max_k and, when given, cu_seq_k (whose

@@ -131,6 +131,24 @@ def test_paged_reads_only_the_columns_max_k_needs() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_paged_copies_the_keys_used() -> None:
+    """An eager call gathers exactly the keys each sequence uses (the dense op sees sum(seqused_k)
+    keys): a batch of short sequences with a large max_k copies their keys, not one slot of max_k
+    per sequence. Traced calls (the Meta device here, as under torch.compile) take slots of
+    ceil(max_k / page_size) pages, whose shapes do not depend on the values."""
+    from test_varlen import _AttentionCalls
+
+    args = _paged_args()  # sequences of 5 and 9 keys in pages of 4
+    args.update(max_k=4096, block_table=torch.cat([args["block_table"], torch.zeros(2, 2000, dtype=torch.int32)], 1))
+    calls = _AttentionCalls(record="key")
+    with calls:
+        out = torch_ext.varlen_attention(**args)
+    assert calls.shapes == [(1, 2, 14, 8)]
+    with calls:
+        meta = torch_ext.varlen_attention(**{k: v.to("meta") if isinstance(v, Tensor) else v for k, v in args.items()})
+    assert calls.shapes[1] == (1, 2, 2 * 1024 * 4, 8) and meta.shape == out.shape
+
+
 def test_return_aux_lse() -> None:
     """varlen_attn's return_aux: AuxRequest(lse=True) gives (output, lse) with lse (H, T), the
     statistics' lse transposed; lse=False gives the output alone; with return_stats it raises."""

@@ -133,15 +133,16 @@ def test_varlen_backward_matches_dense_per_document(device: str, case: Tuple[str
 
 
 class _AttentionCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shape of the query of every call of the dense ``attention`` op."""
+    """Records the shape of the query (or the key) of every call of the dense ``attention`` op."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: str = "query") -> None:
         super().__init__()
-        self.query_shapes: List[Tuple[int, ...]] = []
+        self.argument = ("query", "key").index(record)
+        self.shapes: List[Tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is ops.attention.default:
-            self.query_shapes.append(tuple(args[0].shape))
+            self.shapes.append(tuple(args[self.argument].shape))
         return func(*args, **(kwargs or {}))
 
 
@@ -172,7 +173,7 @@ def test_gqa_query_heads_become_rows(q_lens: List[int], kw: Dict[str, Any], pack
     with calls:
         got = ops.varlen_attention(q, k, v, *args, enable_gqa=True, sinks=sinks, dropout_seed=5, **kw)
     T = sum(q_lens)
-    assert calls.query_shapes == [(1, Hkv, 3 * T, 8) if packs else (1, H, T, 8)]
+    assert calls.shapes == [(1, Hkv, 3 * T, 8) if packs else (1, H, T, 8)]
     if kw.get("dropout_p"):
         return
     ref_k, ref_v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))

@@ -257,6 +257,10 @@ def _bad_calls_rank(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(q, q, q, scale="logn" if rank == 1 else None),
         lambda: cp.context_parallel_attention(q, q, q, is_causal=True),
         lambda: cp.context_parallel_attention(None if rank == 1 else q, q, q),  # (TypeError, as the op's)
+        # head dim 0 on one rank: its row scale divided by zero before the check (the others hung)
+        lambda: cp.context_parallel_attention(*((q[..., :0],) * 3 if rank == 1 else (q, q, q))),
+        # the Meta device on one rank: its check's gather failed there (the others hung)
+        lambda: cp.context_parallel_attention(*((q.to("meta"),) * 3 if rank == 1 else (q, q, q))),
     ]
     results = []
     for call in calls:
@@ -299,6 +303,10 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
         assert results[12] == "ok: finite True", results[12]
         assert results[13].startswith("TypeError: query must be a torch.Tensor, got NoneType" if rank == 1
                                       else invalid_elsewhere), results[13]
+        assert results[14].startswith("ValueError: query's head_dim must be positive, got 0" if rank == 1
+                                      else invalid_elsewhere), results[14]
+        assert results[15].startswith("ValueError: query must be on a CPU or CUDA device, got meta" if rank == 1
+                                      else invalid_elsewhere), results[15]
 
 
 def _create_graph_rank(rank: int, world: int) -> list[float]:

@@ -99,8 +99,8 @@ def _from_bits(bits: int) -> float:
 
 def _collective_device(query: Any, group: dist.ProcessGroup | None) -> torch.device:
     """Where this rank's check tensors live: query's device, or for a call without a tensor query
-    the device the group's backend communicates on."""
-    if isinstance(query, torch.Tensor):
+    the device the group's backend communicates on (for a query on another device too)."""
+    if isinstance(query, torch.Tensor) and query.device.type in _DEVICE_CODES:
         return query.device
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -343,7 +343,7 @@ def context_parallel_attention(
         meta = [t.to("meta") for t in (query, key, value, lam)]
         torch.ops.entropy_attn.attention(*meta[:3], None, meta[3], is_causal=is_causal,
                                          enable_gqa=query.shape[1] != key.shape[1], return_stats=True)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 (any error of one rank's call must reach every rank)
         error = exc
     _check_same_call(error, signature, group, world, _collective_device(query, group))
 
@@ -402,12 +402,16 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
     enable_gqa = _flag(enable_gqa, "enable_gqa")  # (where the heads match too, as the single call)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
+    if query.device.type not in _DEVICE_CODES:  # (the ring's transfers and the check's gather need one)
+        raise ValueError(f"query must be on a CPU or CUDA device, got {query.device}")
+    if query.shape[3] == 0:  # (the op's check, which runs after the row scale's 1 / sqrt(D))
+        raise ValueError("query's head_dim must be positive, got 0")
     if load_balance and query.shape[2] % 2 != 0:
         raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     codes = [_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1 for t in (query, key, value)]
     device = query.device.type
-    codes.append(_DEVICE_CODES.index(device) if device in _DEVICE_CODES else -1)
+    codes.append(_DEVICE_CODES.index(device))
     factor = policy["scale_factor"]
     policy_codes = [
         _SCALE_MODE_CODES.index(policy["scale_mode"]),

@@ -233,7 +233,7 @@ class _RingAttention(torch.autograd.Function):
         g_out = torch.zeros_like(out) if g_out is None else g_out.contiguous()
         rows = [t.chunk(per, 2) for t in (q, lam, out, lse, ent, sum_p2, g_out)]
         grads = [None if g is None else g.chunk(per, 2) for g in (g_lse, g_ent, g_sum_p2)]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = _acc_dtype(q)
         dq = [torch.zeros(p.shape, dtype=acc, device=q.device) for p in rows[0]]
         dlam = [torch.zeros(p.shape, dtype=lse.dtype, device=q.device) for p in rows[1]]
         k_cur, v_cur = k, v
@@ -269,7 +269,7 @@ class _RingAttention(torch.autograd.Function):
 def _empty_state(q: torch.Tensor, v: torch.Tensor) -> RowState:
     """The row state of rows that saw no key (causal chunks before every key: never on a ring
     whose ranks hold their own diagonal chunk, kept for completeness)."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q)
     rows = torch.zeros(q.shape[:3], dtype=acc, device=q.device)
     out = torch.zeros(*q.shape[:3], v.shape[3], dtype=acc, device=q.device)
     return RowState(out, rows, rows, rows, rows, torch.zeros(q.shape[:3], dtype=torch.int64, device=q.device))
@@ -336,13 +336,15 @@ def context_parallel_attention(
         is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
         signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,
                                 enable_gqa, load_balance)
+        # The op's own checks of this rank's block (dtypes, head dims, GQA), on the Meta device and
+        # before the row scale (whose 1 / sqrt(D) needs a head dim): no rank starts a transfer for a
+        # call the op would refuse.
+        meta = [t.to("meta") for t in (query, key, value)]
+        row_scale = torch.empty(query.shape[:3], dtype=_acc_dtype(query), device="meta")
+        torch.ops.entropy_attn.attention(*meta, None, row_scale, is_causal=is_causal,
+                                         enable_gqa=query.shape[1] != key.shape[1], return_stats=True)
         lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
                          total=query.shape[2] * world)
-        # The op's own checks of this rank's block (dtypes, head dims, GQA, the scale), on the Meta
-        # device: no rank starts a transfer for a call the op would refuse.
-        meta = [t.to("meta") for t in (query, key, value, lam)]
-        torch.ops.entropy_attn.attention(*meta[:3], None, meta[3], is_causal=is_causal,
-                                         enable_gqa=query.shape[1] != key.shape[1], return_stats=True)
     except Exception as exc:  # noqa: BLE001 (any error of one rank's call must reach every rank)
         error = exc
     _check_same_call(error, signature, group, world, _collective_device(query, group))
@@ -404,8 +406,6 @@ def _local_call(query: Any, key: Any, value: Any, scale: object, temperature: ob
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True")
     if query.device.type not in _DEVICE_CODES:  # (the ring's transfers and the check's gather need one)
         raise ValueError(f"query must be on a CPU or CUDA device, got {query.device}")
-    if query.shape[3] == 0:  # (the op's check, which runs after the row scale's 1 / sqrt(D))
-        raise ValueError("query's head_dim must be positive, got 0")
     if load_balance and query.shape[2] % 2 != 0:
         raise ValueError(f"with load_balance the local length must be even (two chunks), got {query.shape[2]}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
@@ -440,6 +440,11 @@ def _row_tensor_shape(t: torch.Tensor | None, query: torch.Tensor) -> list[int]:
     return [1] * (3 - t.dim()) + list(t.shape)
 
 
+def _acc_dtype(query: torch.Tensor) -> torch.dtype:
+    """The row scale's dtype, the op's accumulate type: float64 for float64 queries, else float32."""
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
 def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,
                scale_factor: float | torch.Tensor | None, causal: bool, group: dist.ProcessGroup | None,
                load_balance: bool, total: int) -> torch.Tensor:
@@ -447,7 +452,7 @@ def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_len
     with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor). The
     arguments are checked and mapped by the single-device call's own ``_policy_args``."""
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(query)
     if scale_tensor is not None:
         c = scale_tensor.to(acc)
     elif policy["scale_factor"] is not None:

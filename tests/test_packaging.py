@@ -1,9 +1,10 @@
 """Packaging: the metadata of pyproject.toml, one version, the torch pin of a build, the source
-distribution, and the clear errors of a mismatched torch (at import) and of a missing torch (at
-build)."""
+distribution, the clear errors of a mismatched torch (at import) and of a missing torch (at
+build), and each module's public names."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -134,3 +135,31 @@ def test_source_distribution_holds_what_the_build_reads(tmp_path: Path) -> None:
                               check=True).stdout.strip()
 
     assert sources_hash(unpacked) == sources_hash(src)
+
+
+PUBLIC_MODULES = ("attention", "distributed", "hf", "merge", "monitor", "nn", "policy", "reductions", "sdpa",
+                  "theory", "varlen")
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_star_import_gives_the_documented_names_only(name: str) -> None:
+    """Each module lists its public names in ``__all__``: each exists and has a docstring, and
+    ``from torch_ext.<module> import *`` brings those and not the module's own imports (``torch``,
+    ``F``, ``Optional``...)."""
+    module = importlib.import_module(f"torch_ext.{name}")
+    names = module.__all__
+    assert names and len(set(names)) == len(names)
+    for public in names:
+        assert getattr(module, public).__doc__, f"torch_ext.{name}.{public} has no docstring"
+    space: dict = {}
+    exec(f"from torch_ext.{name} import *", space)
+    assert sorted(k for k in space if k != "__builtins__") == sorted(names)
+
+
+def test_package_names_are_the_modules_names() -> None:
+    """What ``torch_ext`` exports at the top level is the same object as in its module."""
+    for public in torch_ext.__all__:
+        obj = getattr(torch_ext, public)
+        home = getattr(obj, "__module__", None)
+        if home is not None and home.startswith("torch_ext.") and not isinstance(obj, type(torch_ext)):
+            assert public in importlib.import_module(home).__all__, f"{public} is not in {home}.__all__"

@@ -10,6 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from torch_ext import _functorch
 
+__all__ = ["AttentionStats", "attention", "attention_sparsity", "length_factor"]
+
 _SCALE_MODES = ("logn", "logn_sharpen")
 _MIN_SOFTCAP = torch.finfo(torch.float32).tiny  # the ops' bound (csrc/attention_inputs.cpp: check_pattern_options)
 # attention's default window_size, which _plain_call recognizes by identity: a tuple the caller

@@ -33,6 +33,8 @@ from torch_ext import monitor as _monitor
 from torch_ext.attention import AttentionStats, _flag, _policy_args
 from torch_ext.merge import RowState, derived_stats, merge_row_states
 
+__all__ = ["context_parallel_attention", "global_positions", "shard_sequence", "unshard_sequence"]
+
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as codes in the same-call check
 
 

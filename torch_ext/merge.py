@@ -25,6 +25,8 @@ import torch
 
 from torch_ext.attention import AttentionStats
 
+__all__ = ["RowState", "derived_stats", "merge_attention_states", "merge_row_states"]
+
 
 class RowState(NamedTuple):
     """A row's attention over some keys: what merging needs, each (B, H, Lq) but ``output``."""

@@ -28,6 +28,8 @@ import torch
 from torch_ext import _functorch
 from torch_ext.attention import AttentionStats
 
+__all__ = ["AttentionEntropyMonitor", "CSVWriter", "CallbackWriter", "JSONLWriter", "TensorBoardWriter", "record"]
+
 #: The per-head fields of a record, in order (besides ``step``, ``layer``, ``head`` and ``rows``).
 METRICS = (
     "entropy_mean",

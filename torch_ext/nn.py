@@ -12,6 +12,8 @@ from torch import Tensor
 from torch_ext.attention import _check_tensors, _flag, length_factor
 from torch_ext.policy import AttentionPolicy, attend, hide_masked
 
+__all__ = ["MultiheadAttention"]
+
 
 def _keep_off_fast_path(module: torch.nn.Module, args: Any) -> None:
     """A no-op forward pre-hook. ``nn.TransformerEncoderLayer`` skips its fused inference fast path

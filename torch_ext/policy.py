@@ -14,6 +14,8 @@ from torch_ext import monitor as _monitor
 from torch_ext.attention import _SCALE_MODES, AttentionStats, _is_real, _policy_args, attention
 from torch_ext.varlen import varlen_attention
 
+__all__ = ["AttentionPolicy", "attend"]
+
 
 @dataclass(frozen=True)
 class AttentionPolicy:

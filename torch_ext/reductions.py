@@ -5,6 +5,8 @@ import torch
 from torch_ext import _functorch
 from torch_ext.attention import _check_tensors
 
+__all__ = ["entropy", "sparsity"]
+
 
 def _check_args(name: str, x: object, dim: object) -> None:
     """A TypeError naming the argument for a non-tensor input or a dim that is not an int (the

@@ -13,6 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 from torch_ext.policy import AttentionPolicy, attend
 
+__all__ = ["replace_sdpa"]
+
 _SDPA = F.scaled_dot_product_attention
 
 

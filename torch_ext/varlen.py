@@ -20,6 +20,8 @@ from torch_ext.attention import (
     _stats,
 )
 
+__all__ = ["varlen_attention"]
+
 _VARLEN_DEFAULTS = _schema_defaults(torch.ops.entropy_attn.varlen_attention)
 
 

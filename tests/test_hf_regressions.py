@@ -675,6 +675,30 @@ def test_models_refusing_sdpa_get_eager_masks() -> None:
     assert mask is not None and mask.dtype == torch.float32 and mask.shape == (1, 1, 4, 4)
 
 
+def test_eager_only_model_without_a_mask_attends_every_key() -> None:
+    """BridgeTower refuses "sdpa"; its cross-modal image layers are built with is_causal=True but
+    called without a mask ("the image stream is never padded"), and its eager attention, which
+    takes causality from the mask alone, lets every image token see every other. The backend made
+    those calls causal (image features off by 0.47 of 3.6): its outputs must equal "eager"'s."""
+    config = transformers.BridgeTowerConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                         intermediate_size=64, pad_token_id=0),
+        vision_config=dict(hidden_size=64, num_hidden_layers=1, image_size=32, patch_size=8),
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+    )
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(input_ids=token_ids(2, 7), pixel_values=torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64))
+    outputs = []
+    for attn in ("eager", PLAIN):
+        torch.manual_seed(0)
+        model = transformers.BridgeTowerModel._from_config(copy.deepcopy(config), attn_implementation=attn,
+                                                           dtype=torch.float64).eval()
+        with torch.no_grad():
+            outputs.append(model(**inputs))
+    for name in ("text_features", "image_features", "pooler_output"):
+        torch.testing.assert_close(outputs[1][name], outputs[0][name], rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
 def test_per_query_sinks_raise() -> None:
     """A sink computed per query (shape (B, H, Lq, 1), not one logit per head) is refused by the
     backend with a message naming the model-level fix, not the op's shape error."""

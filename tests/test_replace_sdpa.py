@@ -192,6 +192,39 @@ def test_sdpa_layouts(q_shape: tuple, kv_shape: tuple, mask_shape: tuple | None,
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("heads", [(4, 2, 4), (4, 4, 2), (6, 2, 3), (8, 1, 4), (6, 3, 2), (4, 4, 1)])
+@pytest.mark.parametrize("route", ["replace_sdpa", "attention"])
+def test_gqa_key_and_value_head_counts_may_differ(heads: tuple, route: str) -> None:
+    """Under enable_gqa SDPA repeats key and value to the query's heads each on its own, so their
+    head counts may differ (each dividing the query's): an audio encoder whose value projection
+    ignores num_key_value_heads ran on "sdpa" and raised "key and value must have the same number
+    of heads" here. Outputs and gradients equal SDPA's (float64), causal, 3 and 4 key heads' worth."""
+    hq, hk, hv = heads
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, hq, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, hk, 7, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, hv, 7, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if route == "attention":
+        got = torch_ext.attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        with torch_ext.replace_sdpa():
+            got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn(want.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gqa_head_counts_that_do_not_divide_raise() -> None:
+    """Key or value heads that do not divide the query's still raise the op's error, naming them."""
+    q = torch.randn(1, 6, 4, 8)
+    with pytest.raises(ValueError, match="key and value must have the same number of heads, got 4 and 3"):
+        torch_ext.attention(q, torch.randn(1, 4, 4, 8), torch.randn(1, 3, 4, 8), enable_gqa=True)
+    with pytest.raises(ValueError, match="same number of heads, got 2 and 3"):  # (no GQA: no repeat)
+        torch_ext.attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 3, 4, 8))
+
+
 def test_torch_compile_fullgraph() -> None:
     """A model compiled with fullgraph=True inside replace_sdpa matches eager."""
     torch.manual_seed(0)

@@ -301,6 +301,8 @@ def attention(
             scale). n_i counts the keys row i may attend to under the mask and causality.
         temperature: tau > 0; the scale is divided by it.
         enable_gqa: allow H to be a multiple of Hkv (query head h uses kv head h // (H // Hkv)).
+            As SDPA, key and value may then have different head counts, each dividing H (the one
+            with fewer heads is repeated to the other's, or both to H: a copy).
         train_length: the log base b of the "logn" policies (> 1).
         scale_factor: with ``scale="logn"`` or ``"logn_sharpen"``, the base scale c that replaces
             1/sqrt(D): a float, or a tensor broadcastable to (B, H, Lq), differentiable (e.g. a
@@ -339,6 +341,8 @@ def attention(
         _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
     return_stats = _flag(return_stats, "return_stats")
     is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
+    if enable_gqa and key.dim() >= 3 and value.dim() >= 3 and key.shape[-3] != value.shape[-3]:
+        key, value = _gqa_kv_heads(query, key, value)
     if _plain_call(scale, temperature, train_length, scale_factor, window_size, causal_alignment, softcap,
                    dropout_p, generator):
         options = _plain_options(scale, scale_factor, train_length, is_causal, enable_gqa, return_stats, sinks)
@@ -356,6 +360,25 @@ def attention(
     if not return_stats:
         return res[0]
     return res[0], _stats(res)
+
+
+def _gqa_kv_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value with one head count under GQA, where SDPA takes counts that differ: SDPA repeats
+    each to the query's H, so query head h reads key head h // (H // Hk) and value head
+    h // (H // Hv). Repeating the one with fewer heads to the other's count (when it divides it,
+    else both to H) keeps that mapping with one kv head count, as the op needs. Counts that do not
+    divide H are returned as they are, for the op's error to name them. Heads are dim -3."""
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if hk == 0 or hv == 0 or hq % hk != 0 or hq % hv != 0:
+        return key, value
+    heads = hk if hk % hv == 0 else hv if hv % hk == 0 else hq
+    if heads != hk:
+        key = key.repeat_interleave(heads // hk, dim=-3)
+    if heads != hv:
+        value = value.repeat_interleave(heads // hv, dim=-3)
+    return key, value
 
 
 def _plain_call(

@@ -25,7 +25,8 @@ query i may attend to (causality, padding and sliding windows included; in KV-ca
 cached keys plus the new ones, as in a full recompute). Query rows with no allowed key (left
 padding) give 0, as "sdpa" gives with boolean masks. Where "sdpa" gets a float mask instead (a
 ``position_bias`` joined to the mask at ``finfo.min``: T5, mT5, UMT5, wav2vec2-conformer,
-wav2vec2-BERT; Doge's learned mask), it averages such a row's values uniformly, as "eager" does:
+wav2vec2-BERT, Parakeet and the speech models built on it (Canary, Cohere ASR); Doge's learned
+mask), it averages such a row's values uniformly, as "eager" does:
 those models differ from "sdpa" on those rows only (keep them out of the loss).
 
 What the model passes goes to the op: attention dropout (``dropout``, training only), logit
@@ -64,8 +65,9 @@ the backend's mask function. That function gives what "sdpa" gets (``sdpa_mask``
 where causality alone applies) to models that support "sdpa" or run flash attention through the
 interface (Gemma 2, gpt-oss), and what "eager" gets (``eager_mask``: additive float masks, never
 skipped) to the models that support neither (PEGASUS-X, NLLB-MoE, GIT, TrOCR, BLIP's text decoder,
-Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks: their outputs equal
-"eager"'s on every row that sees a key (a row that sees none, such as a left-padding row, gives
+Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks. Where such a model
+passes no mask, its layers attend to every key whatever their ``is_causal`` says, as "eager" does
+(BridgeTower's image stream). Their outputs equal "eager"'s on every row that sees a key (a row that sees none, such as a left-padding row, gives
 0, as with "sdpa", where "eager" averages the values).
 
 This module imports transformers; ``import torch_ext`` does not.
@@ -147,7 +149,9 @@ def attention_forward(
         dropout: attention dropout probability (transformers passes 0 outside training).
         scaling: the model's scale, the base of the policy (None: 1/sqrt(D)).
         is_causal: whether the layer is causal (default ``module.is_causal``, else True); applied,
-            top-left aligned, only when ``attention_mask`` is None and Lq > 1, as "sdpa" does.
+            top-left aligned, only when ``attention_mask`` is None and Lq > 1, as "sdpa" does, and
+            not in models that get "eager"'s masks (eager's attention takes causality from the
+            mask alone).
         kwargs: other keyword arguments of the model's call: ``softcap``, ``s_aux``/``sinks``,
             ``sliding_window``, the packed-batch ``cu_seq_lens_q``/``cu_seq_lens_k``/
             ``max_length_q``/``max_length_k``, ``position_ids``, ``indices`` and an additive
@@ -181,6 +185,11 @@ def attention_forward(
     enable_gqa = query.shape[1] != key.shape[1]  # the op maps query head h to kv head h // (H // Hkv)
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and is_causal and _runs_eager(module):
+        # "eager" only adds the mask: a layer marked causal that the model calls without one (the
+        # mask function never skips eager's masks) attends to every key there (BridgeTower's image
+        # stream, "never padded, so no mask is built for it").
+        is_causal = False
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if isinstance(sinks, torch.Tensor) and sinks.dim() != 1:
         raise NotImplementedError(
@@ -531,6 +540,13 @@ def _needs_eager_masks(cls: type) -> bool:
     if getattr(cls, "_supports_sdpa", False):
         return False
     return not (getattr(cls, "_supports_attention_backend", False) and getattr(cls, "_supports_flash_attn", False))
+
+
+def _runs_eager(module: Any) -> bool:
+    """Whether ``module`` belongs to a model that gets "eager"'s masks (:func:`_eager_masks` of its
+    ``config``), whose only other backend is its own eager attention."""
+    config = getattr(module, "config", None)
+    return config is not None and _eager_masks(type(config))
 
 
 def _model_classes() -> list[type]:

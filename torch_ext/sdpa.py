@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from torch_ext.attention import _gqa_kv_heads
 from torch_ext.policy import AttentionPolicy, attend
 
 __all__ = ["replace_sdpa"]
@@ -67,6 +68,8 @@ def _routed_sdpa(
     full = max(query.dim(), key.dim(), value.dim())
     # (Inputs of fewer dims than the others broadcast against them: ones in front.)
     tensors = [t.reshape((1,) * (full - t.dim()) + t.shape) for t in (query, key, value)]
+    if enable_gqa and tensors[1].shape[-3] != tensors[2].shape[-3]:
+        tensors[1], tensors[2] = _gqa_kv_heads(*tensors)  # (SDPA groups key and value heads apart)
     try:
         outer = torch.broadcast_shapes(*(t.shape[:-3] for t in tensors))
         kv_heads = torch.broadcast_shapes(tensors[1].shape[-3:-2], tensors[2].shape[-3:-2])[0]

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -697,6 +698,22 @@ def test_eager_only_model_without_a_mask_attends_every_key() -> None:
             outputs.append(model(**inputs))
     for name in ("text_features", "image_features", "pooler_output"):
         torch.testing.assert_close(outputs[1][name], outputs[0][name], rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 4), (4, 4, 2)])
+def test_key_and_value_head_counts_of_their_own(heads: tuple) -> None:
+    """A layer whose value projection ignores num_key_value_heads (Nemotron 3's audio encoders,
+    configured with fewer KV heads) hands key and value with different head counts; "sdpa" takes
+    them (SDPA's enable_gqa repeats each on its own) and so does the backend, also when only the
+    value has fewer heads than the query."""
+    hq, hk, hv = heads
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 6, 8, generator=g, dtype=torch.float64) for h in (hq, hk, hv))
+    module = torch.nn.Module()
+    module.is_causal = True
+    out = transformers.AttentionInterface()[PLAIN](module, q, k, v, None, scaling=0.3)[0]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 def test_per_query_sinks_raise() -> None:

@@ -182,7 +182,9 @@ def attention_forward(
         )
 
     q_length, kv_length = query.shape[2], key.shape[2]
-    enable_gqa = query.shape[1] != key.shape[1]  # the op maps query head h to kv head h // (H // Hkv)
+    # The op maps query head h to kv head h // (H // Hkv); key and value may have head counts of
+    # their own (torch_ext.attention repeats one to the other's, as SDPA takes them).
+    enable_gqa = query.shape[1] != key.shape[1] or query.shape[1] != value.shape[1]
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and is_causal and _runs_eager(module):

@@ -157,7 +157,7 @@ def test_star_import_gives_the_documented_names_only(name: str) -> None:
 
 
 def test_package_names_are_the_modules_names() -> None:
-    """What ``torch_ext`` exports at the top level is the same object as in its module."""
+    """Each name ``torch_ext`` exports from one of its modules is in that module's ``__all__``."""
     for public in torch_ext.__all__:
         obj = getattr(torch_ext, public)
         home = getattr(obj, "__module__", None)

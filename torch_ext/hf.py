@@ -67,8 +67,9 @@ interface (Gemma 2, gpt-oss), and what "eager" gets (``eager_mask``: additive fl
 skipped) to the models that support neither (PEGASUS-X, NLLB-MoE, GIT, TrOCR, BLIP's text decoder,
 Splinter, DeepSeek-V4, ...), whose attention code relies on eager's masks. Where such a model
 passes no mask, its layers attend to every key whatever their ``is_causal`` says, as "eager" does
-(BridgeTower's image stream). Their outputs equal "eager"'s on every row that sees a key (a row that sees none, such as a left-padding row, gives
-0, as with "sdpa", where "eager" averages the values).
+(BridgeTower's image stream). Their outputs equal "eager"'s on every row that sees a key (a row
+that sees none, such as a left-padding row, gives 0, as with "sdpa", where "eager" averages the
+values).
 
 This module imports transformers; ``import torch_ext`` does not.
 """

@@ -22,29 +22,29 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
   return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 
-AttentionResult varlen_attention(const at::Tensor& query, const at::Tensor& key,
-                                 const at::Tensor& value, const at::Tensor& cu_seq_q,
-                                 const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-                                 int64_t max_k, const std::optional<at::Tensor>& scale,
-                                 const std::optional<at::Tensor>& seqused_k, bool is_causal,
-                                 std::optional<double> scale_factor, std::string_view scale_mode,
-                                 double temperature, double log_base, bool enable_gqa,
-                                 bool return_stats, std::array<int64_t, 2> window_size,
-                                 double softcap, const std::optional<at::Tensor>& sinks,
-                                 double dropout_p, int64_t dropout_seed,
-                                 const std::optional<at::Tensor>& block_table) {
+AttentionResult varlen_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& seqused_k, bool is_causal, std::optional<double> scale_factor,
+    std::string_view scale_mode, double temperature, double log_base, bool enable_gqa,
+    bool return_stats, std::array<int64_t, 2> window_size, double softcap,
+    const std::optional<at::Tensor>& sinks, double dropout_p, int64_t dropout_seed,
+    const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::varlen_attention", "")
-          .typed<AttentionOutputs(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const OptTensor&, c10::SymInt, c10::SymInt, const OptTensor&, const OptTensor&, bool,
-              std::optional<double>, c10::string_view, double, double, bool, bool, c10::IntArrayRef,
-              double, const OptTensor&, double, c10::SymInt, const OptTensor&)>();
-  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] = op.call(
-      query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k, is_causal,
-      scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base,
-      enable_gqa, return_stats, window_size, softcap, sinks, dropout_p, dropout_seed, block_table);
+          .typed<AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const OptTensor&, c10::SymInt, c10::SymInt,
+                                  const OptTensor&, const OptTensor&, bool, std::optional<double>,
+                                  c10::string_view, double, double, bool, bool, c10::IntArrayRef,
+                                  double, const OptTensor&, double, c10::SymInt, const OptTensor&,
+                                  std::optional<int64_t>)>();
+  auto [out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff] =
+      op.call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k, is_causal,
+              scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
+              log_base, enable_gqa, return_stats, window_size, softcap, sinks, dropout_p,
+              dropout_seed, block_table, num_splits);
   return {out, lse, ent, p2, pmax, n, lam, factor, norm_ent, sparsity, eff};
 }
 

@@ -46,6 +46,7 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
 // With block_table (int32 (N, pages per sequence)), key and value are a paged KV cache, pools of
 // pages (num_pages, page_size, Hkv, D / Dv): sequence d's keys are the first seqused_k[d]
 // (required) tokens of its pages in the table's order; cu_seq_k may then be std::nullopt.
+// num_splits = 1 runs each sequence alone: its results do not depend on what else is packed.
 // The result's tensors are (T, H, Dv) and (T, H).
 AttentionResult varlen_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -56,7 +57,8 @@ AttentionResult varlen_attention(
     double temperature = 1.0, double log_base = 512.0, bool enable_gqa = false,
     bool return_stats = true, std::array<int64_t, 2> window_size = {-1, -1}, double softcap = 0.0,
     const std::optional<at::Tensor>& sinks = std::nullopt, double dropout_p = 0.0,
-    int64_t dropout_seed = 0, const std::optional<at::Tensor>& block_table = std::nullopt);
+    int64_t dropout_seed = 0, const std::optional<at::Tensor>& block_table = std::nullopt,
+    std::optional<int64_t> num_splits = std::nullopt);
 
 // Per-row l1/l2 sparsity of attention a = f(s), kind "exp" (softmax), "relu2" or "identity", with
 // the logits of `attention`; (B, H, Lq), not differentiable.

@@ -74,6 +74,8 @@ TORCH_LIBRARY(entropy_attn, m) {
   // value are a paged KV cache, pools of pages (num_pages, page_size, Hkv, D / Dv): sequence d's
   // keys are the first seqused_k[d] (required) tokens of pages block_table[d, 0], [d, 1], ...,
   // and cu_seq_k may be None (given, its lengths must hold seqused_k) (csrc/paged_kv.h).
+  // num_splits: None (the kernels choose) or 1, varlen_attn's batch invariance: each sequence runs
+  // as a call of its own, so that its results do not depend on what else is packed (bitwise).
   m.def(
       "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, "
       "SymInt max_q, SymInt max_k, Tensor? scale=None, *, Tensor? seqused_k=None, "
@@ -81,7 +83,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "float temperature=1.0, float log_base=512.0, bool enable_gqa=False, "
       "bool return_stats=True, int[2] window_size=[-1, -1], float softcap=0.0, "
       "Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0, "
-      "Tensor? block_table=None) -> (Tensor output, "
+      "Tensor? block_table=None, int? num_splits=None) -> (Tensor output, "
       "Tensor lse, Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, "
       "Tensor row_scale, Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, "
       "Tensor effective_keys)");

@@ -5,13 +5,18 @@
 // cu_seq_q / cu_seq_k tell the kernels where each document's rows and keys are (KeyPattern), so
 // one set of kernels, one autograd function and one Meta kernel serve both layouts. Registered as
 // CompositeImplicitAutograd: it differentiates and traces through `attention`. A paged KV cache
-// (block_table) becomes packed documents first (paged_kv.h).
+// (block_table) becomes packed documents first (paged_kv.h). num_splits = 1 runs each sequence as
+// a call of its own (batch invariance: sequence_by_sequence).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "attention_call.h"
 #include "attention_inputs.h"
@@ -56,6 +61,18 @@ at::Tensor packed(const at::Tensor& x) {
   return x.squeeze(0).transpose(0, 1).contiguous();
 }
 
+// The dense shape of a packed call (batch 1), for the checks of its documents.
+SymAttentionShape packed_shape(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value) {
+  return {1,
+          query.sym_size(1),
+          key.sym_size(1),
+          query.sym_size(0),
+          key.sym_size(0),
+          query.sym_size(2),
+          value.sym_size(2)};
+}
+
 // Decoding with grouped-query attention over packed sequences, as pack_query_heads does for a
 // dense call (attention_call.h): where every row sees all of its sequence's keys and nothing is
 // per query head (no sinks, no dropout), the G = H / Hkv query heads of a group become G rows of
@@ -93,19 +110,110 @@ at::Tensor rows_to_heads(const at::Tensor& x, const c10::SymInt& group) {
   return x.unflatten_symint(0, {x.sym_size(0) / group, group}).transpose(1, 2).flatten(1, 2);
 }
 
+// The packed call once its keys are packed documents and its options are checked: the kernels
+// on the dense views, with GQA decoding's query heads as rows (query_head_rows).
+AttentionOutputs run_packed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+                            const c10::SymInt& max_q, std::optional<at::Tensor> rows_scale,
+                            const std::optional<at::Tensor>& seqused_k,
+                            const std::optional<at::Tensor>& sinks, AttentionOptions options) {
+  const c10::SymInt group =
+      query_head_rows(query, key, cu_seq_q, options, max_q, sinks.has_value());
+  at::Tensor rows_query = query, rows_cu_q = cu_seq_q;
+  if (group != 1) {
+    // (checked in the call's own shape first: the errors name the offsets as given)
+    check_documents(cu_seq_q, cu_seq_k, seqused_k, packed_shape(query, key, value), query);
+    rows_query = heads_to_rows(query, group);
+    if (rows_scale.has_value()) rows_scale = heads_to_rows(*rows_scale, group);
+    rows_cu_q = cu_seq_q.mul(c10::Scalar(group));
+    // (every row sees all of its sequence's keys)
+    options.causal = false, options.window_left = options.window_right = -1;
+  }
+  std::optional<at::Tensor> dense_scale;
+  if (rows_scale.has_value()) dense_scale = rows_scale->transpose(0, 1).unsqueeze(0);
+  auto outputs =
+      call_attention(dense_view(rows_query), dense_view(key), dense_view(value), std::nullopt,
+                     dense_scale, sinks, {rows_cu_q, cu_seq_k, seqused_k}, options);
+  std::apply([&](auto&... t) { ((t = packed(t)), ...); }, outputs);
+  if (group != 1) std::apply([&](auto&... t) { ((t = rows_to_heads(t, group)), ...); }, outputs);
+  return outputs;
+}
+
+// A sequence's rows or keys [begin, end) of a packed tensor, at an address aligned as a fresh
+// tensor's: the kernels' choices may depend on the alignment of their operands (the CUDA tensor-
+// core families need 16-byte rows), which must not vary with where the sequence is packed.
+at::Tensor sequence_slice(const at::Tensor& x, int64_t begin, int64_t end) {
+  at::Tensor s = x.slice(0, begin, end);
+  constexpr uintptr_t kAlignment = 64;  // (a cache line; CUDA's allocator aligns to 512 bytes)
+  const bool aligned = reinterpret_cast<uintptr_t>(s.const_data_ptr()) % kAlignment == 0;
+  return aligned || s.numel() == 0 ? s : s.clone();
+}
+
+// Output i of each sequence's call, concatenated along the tokens (an empty statistic of a call
+// without return_stats stays empty).
+template <size_t I>
+at::Tensor concatenated(const std::vector<AttentionOutputs>& parts) {
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(parts.size());
+  for (const AttentionOutputs& p : parts) pieces.push_back(std::get<I>(p));
+  return pieces.front().dim() < 2 ? pieces.front() : at::cat(pieces, 0);
+}
+
+template <size_t... I>
+AttentionOutputs concatenated(const std::vector<AttentionOutputs>& parts,
+                              std::index_sequence<I...>) {
+  return {concatenated<I>(parts)...};
+}
+
+// num_splits = 1 (varlen_attn's batch invariance): each sequence runs as a call of its own, so
+// that its result depends on its own tokens and the options only, bitwise, whatever else is
+// packed with it. In one call the kernels' choices follow the whole call (the CPU kernels' key
+// source and product, key blocks and query tiles; CUDA's split-KV count and family, and its guard,
+// which recomputes the whole call when a value comes out non-finite). One call per sequence, and
+// the offsets read on the host (as check_documents does).
+AttentionOutputs sequence_by_sequence(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value, const at::Tensor& cu_seq_q,
+                                      const at::Tensor& cu_seq_k,
+                                      const std::optional<at::Tensor>& rows_scale,
+                                      const std::optional<at::Tensor>& seqused_k,
+                                      const std::optional<at::Tensor>& sinks,
+                                      const AttentionOptions& options) {
+  const at::Tensor cq = cu_seq_q.to(at::kCPU).contiguous(), ck = cu_seq_k.to(at::kCPU).contiguous();
+  const int32_t *q = cq.const_data_ptr<int32_t>(), *k = ck.const_data_ptr<int32_t>();
+  const int64_t sequences = cq.numel() - 1;
+  // Each sequence's own offsets, [0, rows] and [0, keys], moved to the device in one copy.
+  at::Tensor bounds = at::zeros({sequences, 2, 2}, cu_seq_q.options().device(at::kCPU));
+  int32_t* b = bounds.mutable_data_ptr<int32_t>();
+  for (int64_t d = 0; d < sequences; ++d) {
+    b[4 * d + 1] = q[d + 1] - q[d];
+    b[4 * d + 3] = k[d + 1] - k[d];
+  }
+  bounds = bounds.to(cu_seq_q.device());
+  std::vector<AttentionOutputs> parts;
+  parts.reserve(sequences);
+  for (int64_t d = 0; d < sequences; ++d) {
+    std::optional<at::Tensor> scale_d, used_d;
+    if (rows_scale.has_value()) scale_d = sequence_slice(*rows_scale, q[d], q[d + 1]);
+    if (seqused_k.has_value()) used_d = seqused_k->slice(0, d, d + 1);
+    parts.push_back(run_packed(sequence_slice(query, q[d], q[d + 1]),
+                               sequence_slice(key, k[d], k[d + 1]),
+                               sequence_slice(value, k[d], k[d + 1]), bounds[d][0], bounds[d][1],
+                               q[d + 1] - q[d], scale_d, used_d, sinks, options));
+  }
+  return concatenated(parts, std::make_index_sequence<std::tuple_size_v<AttentionOutputs>>{});
+}
+
 // (Not named varlen_attention: the C++ API's entropy_attn::varlen_attention, entropy_attn.h, is in
 // the same translation unit when the build compiles this directory's files as one.)
-AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& value, const at::Tensor& cu_seq_q,
-                                  const std::optional<at::Tensor>& cu_seq_k, c10::SymInt max_q,
-                                  c10::SymInt max_k, const std::optional<at::Tensor>& scale,
-                                  const std::optional<at::Tensor>& seqused_k, bool is_causal,
-                                  std::optional<double> scale_factor, c10::string_view scale_mode,
-                                  double temperature, double log_base, bool enable_gqa,
-                                  bool return_stats, c10::IntArrayRef window_size, double softcap,
-                                  const std::optional<at::Tensor>& sinks, double dropout_p,
-                                  c10::SymInt dropout_seed,
-                                  const std::optional<at::Tensor>& block_table) {
+AttentionOutputs packed_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, c10::SymInt max_q,
+    c10::SymInt max_k, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& seqused_k, bool is_causal, std::optional<double> scale_factor,
+    c10::string_view scale_mode, double temperature, double log_base, bool enable_gqa,
+    bool return_stats, c10::IntArrayRef window_size, double softcap,
+    const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
+    const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits) {
   check_packed(query, "query", "(total_q, heads, head_dim)");
   check_max_len(cu_seq_q, max_q, "cu_seq_q", "max_q");
   // The keys as packed documents: as given, or gathered from the pages of a paged KV cache.
@@ -139,33 +247,28 @@ AttentionOutputs packed_attention(const at::Tensor& query, const at::Tensor& key
       is_causal, scale_factor, scale_mode, temperature, log_base, enable_gqa, return_stats,
       window_size, "bottom_right", softcap, dropout_p, dropout_seed);
   check_pattern_options(options);  // (before packing rewrites the window)
-  const c10::SymInt group =
-      query_head_rows(query, packed_key, cu_seq_q, options, max_q, sinks.has_value());
-  at::Tensor rows_query = query, rows_cu_q = cu_seq_q;
-  if (group != 1) {
-    // (checked in the call's own shape first: the errors name the offsets as given)
-    const SymAttentionShape shape{1,
-                                  query.sym_size(1),
-                                  packed_key.sym_size(1),
-                                  query.sym_size(0),
-                                  packed_key.sym_size(0),
-                                  query.sym_size(2),
-                                  packed_value.sym_size(2)};
-    check_documents(cu_seq_q, packed_cu_k, seqused_k, shape, query);
-    rows_query = heads_to_rows(query, group);
-    if (rows_scale.has_value()) rows_scale = heads_to_rows(*rows_scale, group);
-    rows_cu_q = cu_seq_q.mul(c10::Scalar(group));
-    // (every row sees all of its sequence's keys)
-    options.causal = false, options.window_left = options.window_right = -1;
+  if (num_splits.has_value()) {
+    TORCH_CHECK_VALUE(*num_splits == 1,
+                      "num_splits must be None (the kernels choose how to split a row's keys) or 1 "
+                      "(batch-invariant output: each sequence computed alone), got ",
+                      *num_splits);
+    TORCH_CHECK_VALUE(dropout_p == 0, "num_splits=1 does not take dropout (dropout_p = ", dropout_p,
+                      "): sequences computed alone would draw the same dropout mask wherever "
+                      "their shapes agree");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        values_readable(cu_seq_q) && values_readable(*packed_cu_k),
+        "num_splits=1 reads cu_seq_q and cu_seq_k on the host to run each sequence alone, so it "
+        "cannot run while torch.compile traces or on the Meta device: call varlen_attention "
+        "outside the compiled region (torch.compiler.disable)");
+    check_documents(cu_seq_q, packed_cu_k, seqused_k, packed_shape(query, packed_key, packed_value),
+                    query);
+    if (cu_seq_q.numel() > 1) {
+      return sequence_by_sequence(query, packed_key, packed_value, cu_seq_q, *packed_cu_k,
+                                  rows_scale, seqused_k, sinks, options);
+    }
   }
-  std::optional<at::Tensor> dense_scale;
-  if (rows_scale.has_value()) dense_scale = rows_scale->transpose(0, 1).unsqueeze(0);
-  auto outputs = call_attention(dense_view(rows_query), dense_view(packed_key),
-                                dense_view(packed_value), std::nullopt, dense_scale, sinks,
-                                {rows_cu_q, packed_cu_k, seqused_k}, options);
-  std::apply([&](auto&... t) { ((t = packed(t)), ...); }, outputs);
-  if (group != 1) std::apply([&](auto&... t) { ((t = rows_to_heads(t, group)), ...); }, outputs);
-  return outputs;
+  return run_packed(query, packed_key, packed_value, cu_seq_q, packed_cu_k, max_q, rows_scale,
+                    seqused_k, sinks, options);
 }
 
 }  // namespace

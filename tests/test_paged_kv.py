@@ -198,7 +198,7 @@ def _paged_args() -> Dict[str, Any]:
         (dict(cu_seq_k=torch.tensor([0, 5], dtype=torch.int32)), "same length"),
         (dict(cu_seq_k=torch.tensor([2, 5, 20], dtype=torch.int32)), "cu_seq_k must start at 0"),
         (dict(block_table=None), "cu_seq_k must be an int32 tensor, got None"),
-        (dict(num_splits=1), "num_splits"),
+        (dict(num_splits=2), "num_splits must be None"),
     ],
 )
 def test_paged_bad_arguments(change: Dict[str, Any], match: str) -> None:

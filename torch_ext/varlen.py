@@ -79,9 +79,12 @@ def varlen_attention(
         return_aux: varlen_attn's ``AuxRequest``: with ``lse=True`` the result is
             ``(output, lse)``, lse of shape (H, T) (``stats.lse`` transposed); not with
             ``return_stats``, whose ``stats.lse`` it is.
-        num_splits: varlen_attn's split-KV count: only None (the kernels choose). Batch-invariant
-            output (``num_splits=1``) is not offered: a sequence's result may differ in its last
-            bits with what else is packed in the call.
+        num_splits: varlen_attn's split-KV count: None (the kernels choose; a sequence's result
+            may then differ in its last bits with what else is packed in the call) or 1,
+            batch-invariant output: each sequence runs as a call of its own, so that its results
+            are bitwise those it gets packed alone, whatever else is packed with it (one kernel
+            call per sequence; the offsets are read on the host, so not while torch.compile
+            traces; not with dropout).
         scale, temperature, train_length, scale_factor, return_stats, softcap, sinks, dropout_p,
             generator: as :func:`torch_ext.attention`; a scale tensor broadcasts to (T, H).
 
@@ -97,11 +100,8 @@ def varlen_attention(
             raise ValueError(f"{name} must be an int in [0, 2^63), got {m}")
     _check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=(cu_seq_k, True),
                    seqused_k=(seqused_k, True), sinks=(sinks, True), block_table=(block_table, True))
-    if num_splits is not None:
-        raise ValueError(
-            f"num_splits must be None (the kernels choose how to split a row's keys), got {num_splits!r}: "
-            "batch-invariant output (num_splits=1) is not offered"
-        )
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)):
+        raise TypeError(f"num_splits must be None or an int, got {type(num_splits).__name__}")
     scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
     pattern = _pattern_args(window_size, "bottom_right", softcap, dropout_p, generator)
     return_stats = _flag(return_stats, "return_stats")
@@ -113,6 +113,7 @@ def varlen_attention(
                    return_stats=return_stats, **policy, **pattern)
     options["seqused_k"] = seqused_k
     options["block_table"] = block_table
+    options["num_splits"] = num_splits
     if _functorch.transforms_active():
         res = _functorch.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale_tensor, sinks,
                                           options)

@@ -797,6 +797,31 @@ TEST(AttentionPatterns, VarlenEqualsEachDocumentAlone) {
   }
 }
 
+TEST(AttentionPatterns, VarlenNumSplitsOneGivesEachSequenceItsBitsAlone) {
+  // num_splits = 1 through the C++ API: a decoding row packed after a long causal document has the
+  // bits of its call alone; other counts raise.
+  at::manual_seed(13);
+  const at::Tensor q = at::randn({601, 2, 16}), k = at::randn({1400, 2, 16});
+  const at::Tensor v = at::randn({1400, 2, 16});
+  const at::Tensor cu_q = at::tensor({0, 600, 601}, at::kInt),
+                   cu_k = at::tensor({0, 700, 1400}, at::kInt);
+  auto call = [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                 std::optional<int64_t> splits) {
+    return entropy_attn::varlen_attention(
+        q, k, v, cu_q, cu_k, max_q, max_k, std::nullopt, std::nullopt,
+        /*is_causal=*/true, std::nullopt, "fixed", 1.0, 512.0, false, true, {-1, -1}, 0.0,
+        std::nullopt, 0.0, 0, std::nullopt, splits);
+  };
+  const AttentionResult packed = call(q, k, v, cu_q, cu_k, 600, 700, 1);
+  const AttentionResult alone =
+      call(q.slice(0, 600), k.slice(0, 700), v.slice(0, 700), at::tensor({0, 1}, at::kInt),
+           at::tensor({0, 700}, at::kInt), 1, 700, 1);
+  EXPECT_TRUE(at::equal(packed.output.slice(0, 600), alone.output));
+  EXPECT_TRUE(at::equal(packed.entropy.slice(0, 600), alone.entropy));
+  EXPECT_THROW(call(q, k, v, cu_q, cu_k, 600, 700, 2), c10::ValueError);
+}
+
 TEST(AttentionPatterns, VarlenTakesEveryOptionOfTheSchema) {
   // The C++ varlen_attention passes the schema's scale tensor, scale_factor, temperature,
   // seqused_k and dropout through (it once fixed them): each document against its dense call.

@@ -156,9 +156,15 @@ inline int64_t key_block_capacity(const AttentionShape& sh) {
 // packed documents (cu_q, `documents` of them), where there are some: a tile spanning documents
 // streams the union of their keys for each of its rows. Each thread builds its buffers once, as
 // State(rows, shape) for the tallest tile, and runs its products with a single-threaded BLAS.
+// The tasks run in (batch, head, tile) order, so that a thread's run of tasks shares a head's keys
+// (which it may hold converted: thread_keys.h); with heads_inner in (batch, tile, head) order, so
+// that consecutive tasks read the same document's keys (for tasks that read their keys in place,
+// from packed documents whose heads are interleaved in memory: heads outer, each task's keys lie
+// on pages and in DRAM rows that no recent task touched, and a packed decoding call took twice the
+// time of a dense batch of the same keys).
 template <typename State, typename Body>
 void parallel_query_blocks(const AttentionShape& sh, bool banded, const int32_t* cu_q,
-                           int64_t documents, const Body& body) {
+                           int64_t documents, const Body& body, bool heads_inner = false) {
   const int64_t qb = q_block_size(sh.q_len, banded);
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows)
   auto add_tiles = [&](int64_t begin, int64_t end) {
@@ -174,9 +180,10 @@ void parallel_query_blocks(const AttentionShape& sh, bool banded, const int32_t*
     SerialBlasScope serial_blas;
     State state(std::min(qb, sh.q_len), sh);
     for (int64_t task = begin; task < end; ++task) {
-      const auto [i0, rows] = tiles[task % n];
-      const int64_t bh = task / n;
-      body(state, bh / sh.heads, bh % sh.heads, i0, rows);
+      const int64_t tile = heads_inner ? task / sh.heads % n : task % n;
+      const int64_t h = heads_inner ? task % sh.heads : task / n % sh.heads;
+      const auto [i0, rows] = tiles[tile];
+      body(state, task / (n * sh.heads), h, i0, rows);
     }
   });
 }

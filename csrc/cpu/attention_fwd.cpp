@@ -519,7 +519,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
         sh, narrow, a.pattern.cu_q, a.pattern.documents,
         [&](FwdBuffers<scalar_t>& buf, int64_t b, int64_t h, int64_t i0, int64_t rows) {
           forward_task(a, buf, b, h, i0, rows);
-        });
+        },
+        /*heads_inner=*/keys == KeySource::kPerBlock && a.pattern.cu_q != nullptr);
   });
   return outputs;
 }

@@ -58,11 +58,13 @@ std::pair<at::Tensor, at::Tensor> statistic_grads(const OptTensor& grad_entropy,
 }
 
 // The row tensors attention_grad takes beyond attention_backward's (which checks the rest): n_keys
-// (integer), length_factor and, with statistics, the derived statistics' gradients, all of lse's
-// shape and device (without statistics those outputs were empty, and traced backwards pass empty
-// gradients for them: not used, not checked).
+// (integer), length_factor and, with statistics, entropy and sum_p2 (which the statistics'
+// gradients read) and the derived statistics' gradients, all of lse's shape and device (without
+// statistics those outputs were empty, and traced backwards pass empty gradients for them: not
+// used, not checked).
 void check_saved_rows(const at::Tensor& lse, const at::Tensor& n_keys,
-                      const at::Tensor& length_factor, bool return_stats, const OptTensor& g_norm,
+                      const at::Tensor& length_factor, bool return_stats, const at::Tensor& entropy,
+                      const at::Tensor& sum_p2, const OptTensor& g_norm,
                       const OptTensor& g_sparsity, const OptTensor& g_eff) {
   auto check = [&](const char* name, const at::Tensor& t, bool floating) {
     TORCH_CHECK_VALUE(t.sym_sizes() == lse.sym_sizes(), name, " must have lse's shape ",
@@ -79,6 +81,8 @@ void check_saved_rows(const at::Tensor& lse, const at::Tensor& n_keys,
   check("n_keys", n_keys, /*floating=*/false);
   check("length_factor", length_factor, /*floating=*/true);
   if (!return_stats) return;
+  check("entropy", entropy, /*floating=*/true);
+  check("sum_p2", sum_p2, /*floating=*/true);
   const std::pair<const char*, const OptTensor*> grads[] = {{"grad_normalized_entropy", &g_norm},
                                                             {"grad_sparsity", &g_sparsity},
                                                             {"grad_effective_keys", &g_eff}};
@@ -142,8 +146,8 @@ AttentionInputGrads attention_grad(
     c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
     double dropout_p, c10::SymInt dropout_seed, const OptTensor& cu_seq_q,
     const OptTensor& cu_seq_k, std::array<bool, 3> output_mask) {
-  check_saved_rows(lse, n_keys, length_factor, return_stats, grad_normalized_entropy, grad_sparsity,
-                   grad_effective_keys);
+  check_saved_rows(lse, n_keys, length_factor, return_stats, entropy, sum_p2,
+                   grad_normalized_entropy, grad_sparsity, grad_effective_keys);
   if (scale.has_value()) {
     // (the forward's check: an integer or bool scale would get a truncated gradient)
     TORCH_CHECK_TYPE(is_supported_dtype(scale->scalar_type()), kScaleTensorName,

@@ -295,6 +295,9 @@ def test_backward_ops_name_bad_arguments() -> None:
         (ValueError, "grad_normalized_entropy must have lse's shape", lambda: grad(g_norm=torch.ones(1))),
         (TypeError, "n_keys must be an integer tensor", lambda: grad(n=a["n"].float())),
         (ValueError, "length_factor must have lse's shape", lambda: grad(lf=a["lf"][:, :1])),
+        # (return_stats=True with the empty statistics of a forward without them: an ATen shape error)
+        (ValueError, r"sum_p2 must have lse's shape \[1, 2, 3\], got \[0\]", lambda: grad(p2=torch.empty(0))),
+        (ValueError, r"entropy must have lse's shape \[1, 2, 3\], got \[0\]", lambda: grad(ent=torch.empty(0))),
         (ValueError, "scale tensor of shape .* does not broadcast", lambda: grad(scale=torch.ones(7))),
         # (the forward's check: an integer or bool scale got a truncated gradient, 0 or True)
         (TypeError, r"scale tensor .* must be float32, float64, bfloat16 or float16, got Long",
@@ -316,3 +319,23 @@ def test_backward_ops_name_bad_arguments() -> None:
     for error, message, fn in cases:
         with pytest.raises(error, match=message):
             fn()
+
+
+def test_nested_and_sparse_tensors_are_named() -> None:
+    """A nested tensor (SDPA takes jagged ones) and a sparse one raise errors naming the argument and,
+    for nested ones, what to use instead, from attention and from the SDPA drop-in (the dispatcher
+    said only the op's name, or which backend has no kernel)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (strided nested tensors are a prototype)
+        nested = [torch.nested.nested_tensor([torch.randn(3, 4, 8), torch.randn(5, 4, 8)], layout=layout).transpose(1, 2)
+                  for layout in (torch.jagged, torch.strided)]
+    dense = torch.randn(2, 4, 5, 8)
+    for x in nested:
+        with pytest.raises(NotImplementedError, match="query is a nested tensor .* torch_ext.varlen_attention"):
+            torch_ext.attention(x, x, x)
+        with torch_ext.replace_sdpa(), pytest.raises(NotImplementedError, match="query is a nested tensor"):
+            torch.nn.functional.scaled_dot_product_attention(x, x, x)
+    with pytest.raises(TypeError, match="key must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        torch_ext.attention(dense, dense.to_sparse(), dense)

@@ -139,7 +139,8 @@ def _flag(x: object, name: str) -> bool:
 
 def _check_tensors(**named: object) -> None:
     """A TypeError naming the first argument that is not a tensor (``None`` where optional:
-    pass those as ``name=(value, True)``)."""
+    pass those as ``name=(value, True)``), or not a dense one (NotImplementedError for a nested
+    tensor, which SDPA takes)."""
     for name, x in named.items():
         optional = isinstance(x, tuple)
         if optional:
@@ -147,6 +148,20 @@ def _check_tensors(**named: object) -> None:
         if not (isinstance(x, torch.Tensor) or (optional and x is None)):
             kind = "a torch.Tensor or None" if optional else "a torch.Tensor"
             raise TypeError(f"{name} must be {kind}, got {type(x).__name__}")
+        if x is not None and x.is_nested:
+            raise NotImplementedError(
+                f"{name} is a nested tensor (layout {x.layout}), which the ops do not take: pack sequences of "
+                "different lengths and call torch_ext.varlen_attention (cumulative offsets instead of nesting)"
+            )
+        if x is not None and x.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+
+
+def _dense_tensors(*tensors: object) -> bool:
+    """Whether each argument is None or a dense (strided) tensor: the arguments need no closer
+    look (``_check_tensors`` names what is wrong otherwise)."""
+    return all(t is None or (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested)
+               for t in tensors)
 
 
 def _as_float(x: object, name: str, requirement: str) -> float:
@@ -331,13 +346,8 @@ def attention(
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0 (with sinks: the whole weight on the sink).
     """
-    if not (
-        isinstance(query, torch.Tensor)
-        and isinstance(key, torch.Tensor)
-        and isinstance(value, torch.Tensor)
-        and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
-        and (sinks is None or isinstance(sinks, torch.Tensor))
-    ):
+    if not (query is not None and key is not None and value is not None
+            and _dense_tensors(query, key, value, attn_mask, sinks)):
         _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
     return_stats = _flag(return_stats, "return_stats")
     is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torch_ext.attention import _gqa_kv_heads
+from torch_ext.attention import _check_tensors, _dense_tensors, _gqa_kv_heads
 from torch_ext.policy import AttentionPolicy, attend
 
 __all__ = ["replace_sdpa"]
@@ -38,6 +38,9 @@ def _routed_sdpa(
     flattened to the op's (B, H, L, E), expanded where they broadcast (as SDPA's math does), and
     the output is given the broadcast shape back.
     """
+    if not _dense_tensors(query, key, value, attn_mask):
+        # (before the reshapes below, which fail on a nested tensor with ATen's words)
+        _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True))
     if is_causal and attn_mask is not None:
         # As SDPA (with its words): code that ran under the mode must not fail without it.
         raise RuntimeError("replace_sdpa: Explicit attn_mask should not be set when is_causal=True")

@@ -11,6 +11,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
@@ -165,6 +166,23 @@ PagedTuple gather_slots(const PagedLayout& l, const at::Tensor& key, const at::T
           at::arange(c10::Scalar(l.sequences + 1), table.options()).mul(c10::Scalar(l.slot))};
 }
 
+// Rows `token` of a pool of pages (num_pages, page_size, heads, dim) seen as (num_pages x
+// page_size) tokens: index_select over the tokens copies each token's (heads, dim) block whole
+// where the pool's pages and tokens merge into one dimension (a contiguous pool), where advanced
+// indexing by (page, row) pairs computes every element's offset (25 MB of bfloat16 keys: 1.8 ms
+// against 6.3). Larger copies are bound by the page faults of their fresh output either way (49
+// MB of float32: 3.5 ms into memory already mapped, 19-22 ms into a new tensor). A pool whose
+// pages and tokens do not merge (a strided view) is indexed by the pairs.
+at::Tensor gather_tokens(const at::Tensor& pool, const at::Tensor& token) {
+  const int64_t page_size = pool.size(1);
+  if (pool.stride(0) == page_size * pool.stride(1)) {
+    return pool.flatten(0, 1).index_select(0, token);
+  }
+  const c10::List<std::optional<at::Tensor>> index(
+      {token.div(page_size, "floor"), token.remainder(page_size)});
+  return at::index(pool, index);
+}
+
 // The keys each sequence uses, exactly (sum of seqused_k tokens), where the values are read anyway
 // (eager calls): a batch of short sequences with one long one copies its keys, not N slots as long
 // as the longest. Token j of sequence d is row j % page_size of page table[d, j / page_size].
@@ -179,16 +197,15 @@ PagedTuple gather_used(const PagedLayout& l, const at::Tensor& key, const at::Te
   int32_t* offsets = cu.mutable_data_ptr<int32_t>();
   offsets[0] = 0;  // (the sum fits int32: at most N x slot, checked)
   for (int64_t d = 0; d < sequences; ++d) offsets[d + 1] = offsets[d] + used[d];
-  at::Tensor page = at::empty({offsets[sequences]}, at::kLong);
-  at::Tensor row = at::empty({offsets[sequences]}, at::kLong);
-  int64_t *p = page.mutable_data_ptr<int64_t>(), *r = row.mutable_data_ptr<int64_t>();
+  // Token j of sequence d is pool row table[d, j / page_size] * page_size + j % page_size.
+  at::Tensor token = at::empty({offsets[sequences]}, at::kLong);
+  int64_t* t = token.mutable_data_ptr<int64_t>();
   for (int64_t d = 0; d < sequences; ++d) {
-    for (int64_t j = 0; j < used[d]; ++j, ++p, ++r) {
-      *p = pages[d * columns + j / page_size], *r = j % page_size;
-    }
+    for (int64_t j = 0; j < used[d]; ++j)
+      *t++ = pages[d * columns + j / page_size] * page_size + j % page_size;
   }
-  const c10::List<std::optional<at::Tensor>> index({page.to(key.device()), row.to(key.device())});
-  return {at::index(key, index), at::index(value, index), cu.to(key.device())};
+  token = token.to(key.device());
+  return {gather_tokens(key, token), gather_tokens(value, token), cu.to(key.device())};
 }
 
 // The kernel of _gather_pages on every device (CompositeExplicitAutograd): on the Meta device and

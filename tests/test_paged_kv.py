@@ -118,6 +118,37 @@ def test_paged_equals_the_same_keys_packed(device: str) -> None:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("view", ["tokens_of_longer_pages", "heads_of_wider_pages", "page_major_transpose"])
+def test_paged_pools_as_strided_views(device: str, view: str) -> None:
+    """Pools that are views of other storage give the bits of their contiguous copies: pages that
+    are the first tokens of longer pages (pages and tokens do not merge into one dimension: gathered
+    by (page, row) pairs), a slice of wider pages' heads, and a transposed layout (gathered by
+    token rows where they merge)."""
+    q_lens, k_lens = [2, 1, 3], [19, 1, 40]
+    q = torch.randn(sum(q_lens), 4, 16, device=device)
+    k_pool, v_pool, table, used = paged_cache(k_lens, 8, 2, 16, torch.float32, device, seed=9)
+
+    def strided(pool: Tensor) -> Tensor:
+        P, ps, Hkv, D = pool.shape
+        if view == "tokens_of_longer_pages":
+            wide = torch.randn(P, 2 * ps, Hkv, D, device=device)
+            wide[:, :ps] = pool
+            return wide[:, :ps]
+        if view == "heads_of_wider_pages":
+            wide = torch.randn(P, ps, 2 * Hkv, D, device=device)
+            wide[:, :, :Hkv] = pool
+            return wide[:, :, :Hkv]
+        return pool.transpose(2, 3).contiguous().transpose(2, 3)
+
+    got = [strided(p) for p in (k_pool, v_pool)]
+    assert not got[0].is_contiguous()
+    args = (offsets(q_lens, device), None, 3, 40)
+    kw: Dict[str, Any] = dict(seqused_k=used, block_table=table, is_causal=True, enable_gqa=True)
+    assert torch.equal(torch_ext.varlen_attention(q, *got, *args, **kw),
+                       torch_ext.varlen_attention(q, k_pool, v_pool, *args, **kw))
+
+
 def test_paged_reads_only_the_columns_max_k_needs() -> None:
     """A table with more columns than max_k needs (sized for the longest context a server admits)
     gives the same result: the columns past ceil(max_k / page_size) hold pages that are not read

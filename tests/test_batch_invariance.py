@@ -5,7 +5,6 @@ paged KV cache and seqused_k; its gradients; and the errors of what it does not 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest

@@ -5,10 +5,11 @@ the same packed call with ``num_splits=None`` (one call over every sequence).
 Three kinds of point: decoding (one query token per sequence over its cached keys, GQA, lengths
 spread from half the longest to the longest); the same with the last sequence's prompt instead, a
 causal chunk of ``CHUNK`` tokens (continuous batching, which packs prefills with decoding steps);
-and packed prefill (causal documents of mixed lengths, as a training batch packs them). Each point first checks that both agree and that the
-first sequence's output is bitwise the one it gets packed alone under ``num_splits=1``; then the two
-calls are timed interleaved over ``--repeats`` rounds in one process, and it prints a Markdown
-table of the medians and of the median per-round ratio::
+and packed prefill (causal documents of mixed lengths, as a training batch packs them). Each
+point first checks that both agree and that the first sequence's output is bitwise the one it gets
+packed alone under ``num_splits=1``; then the two calls are timed interleaved over ``--repeats``
+rounds in one process, and it prints a Markdown table of the medians and of the median per-round
+ratio::
 
     python benchmarks/batch_invariance.py            # the README's points
     python benchmarks/batch_invariance.py --quick    # small ones, seconds

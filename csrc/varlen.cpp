@@ -139,14 +139,17 @@ AttentionOutputs run_packed(const at::Tensor& query, const at::Tensor& key, cons
   return outputs;
 }
 
-// A sequence's rows or keys [begin, end) of a packed tensor, at an address aligned as a fresh
-// tensor's: the kernels' choices may depend on the alignment of their operands (the CUDA tensor-
-// core families need 16-byte rows), which must not vary with where the sequence is packed.
+// A sequence's rows or keys [begin, end) of a packed tensor, contiguous at an address aligned as
+// a fresh tensor's: the kernels' choices may depend on their operands' strides and alignment
+// (bfloat16 products on the CPU need even row strides; the CUDA tensor-core families 16-byte
+// rows), which must not vary with where the sequence is packed. A slice of a contiguous packed
+// tensor at an aligned address is used in place.
 at::Tensor sequence_slice(const at::Tensor& x, int64_t begin, int64_t end) {
-  at::Tensor s = x.slice(0, begin, end);
+  const at::Tensor s = x.slice(0, begin, end);
   constexpr uintptr_t kAlignment = 64;  // (a cache line; CUDA's allocator aligns to 512 bytes)
   const bool aligned = reinterpret_cast<uintptr_t>(s.const_data_ptr()) % kAlignment == 0;
-  return aligned || s.numel() == 0 ? s : s.clone();
+  return (aligned && s.is_contiguous()) || s.numel() == 0 ? s
+                                                          : s.clone(at::MemoryFormat::Contiguous);
 }
 
 // Output i of each sequence's call, concatenated along the tokens (an empty statistic of a call

@@ -118,6 +118,40 @@ def test_gqa_and_scale_tensor(device: str, dtype: torch.dtype, rows: int) -> Non
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_any_offset_and_layout(device: str, dtype: torch.dtype, strided: bool) -> None:
+    """Rows of 16 bytes (one key/value head of 8 bfloat16 values), so that a sequence packed after 1,
+    3 or 5 keys starts at an address no kernel would choose, and key and value as strided views of
+    wider rows (whose slices would otherwise be copied at some offsets and not at others): the
+    sequence's bits are those of its call alone, as the kernels' choices depend on layout."""
+    g = torch.Generator().manual_seed(11)
+    rows, keys, dim = 3, 45, 8
+    q = torch.randn(rows, 2, dim, generator=g).to(device, dtype)
+
+    def tokens(n: int) -> Tensor:
+        wide = torch.randn(n, 1, dim + 1 if strided else dim, generator=g).to(device, dtype)
+        return wide[..., :dim]
+
+    k, v = tokens(keys), tokens(keys)
+
+    def call(before: int) -> Tensor:
+        pad_k, pad_v = tokens(before), tokens(before)
+        qs = torch.cat([torch.randn(1, 2, dim, generator=g).to(device, dtype), q])
+        ks, vs = torch.cat([pad_k, k]), torch.cat([pad_v, v])
+        if strided:  # (cat gives contiguous rows: views of wider ones again)
+            ks, vs = (torch.cat([t, t[..., :1]], -1)[..., :dim] for t in (ks, vs))
+        out = torch_ext.varlen_attention(qs, ks, vs, offsets([1, rows], device), offsets([before, keys], device),
+                                         rows, max(before, keys), is_causal=True, enable_gqa=True, num_splits=1)
+        return out[1:]
+
+    alone = torch_ext.varlen_attention(q, k, v, offsets([rows], device), offsets([keys], device), rows, keys,
+                                       is_causal=True, enable_gqa=True, num_splits=1)
+    for before in (1, 3, 5, 32, 64):
+        assert torch.equal(call(before), alone), f"{before} keys before the sequence"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_cache_and_seqused_k(device: str, dtype: torch.dtype) -> None:
     """A paged KV cache: sequence 1 decoding over its pages gives the bits it gets in a table of its

@@ -123,7 +123,8 @@ class replace_sdpa(TorchFunctionMode):
     A :class:`~torch_ext.AttentionEntropyMonitor` that records sees these calls, named by the
     innermost module running. It is a ``TorchFunctionMode``: thread-local, nestable (the innermost
     applies), and traced by ``torch.compile`` when active around the compiled call. Inputs of any
-    layout SDPA takes ((..., L, E), broadcasting leading dims); ``dropout_p`` applies the op's
+    layout SDPA takes ((..., L, E), broadcasting leading dims) but nested tensors, which raise
+    ``NotImplementedError`` (pack them for :func:`torch_ext.varlen_attention`); ``dropout_p`` applies the op's
     attention dropout (pass it in training only, as SDPA's callers do). Float-mask entries at or below
     ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0, as SDPA
     gives for ``-inf`` and bool masks (SDPA gives the mean of the values for a ``finfo.min`` mask).

@@ -54,11 +54,12 @@ class NonFiniteRows {
     NonFiniteRows r;
     r.heads_ = heads, r.len_ = len;
     std::vector<uint8_t> flags(batch * heads * len, 0);
-    if (x.sh < x.sl) {
+    if (x.sh <= x.sl) {
       // Heads interleaved within each position ((B, L, heads, dim) storage: packed documents,
-      // varlen's layout): positions outer, so that the scan runs through memory in order. Head
-      // by head it would pass over the whole tensor once per head, a few rows per page each time
-      // (a packed decoding call spent twice the time a dense batch of the same keys does).
+      // varlen's layout; with one head, equal strides): positions outer, so that the scan runs
+      // through memory in order, on every thread. Head by head it would pass over the whole
+      // tensor once per head, a few rows per page each time (a packed decoding call spent twice
+      // the time a dense batch of the same keys does).
       at::parallel_for(0, batch * len, 64, [&](int64_t begin, int64_t end) {
         for (int64_t bl = begin; bl < end; ++bl) {
           const int64_t b = bl / len, l = bl % len;

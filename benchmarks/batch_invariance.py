@@ -17,7 +17,6 @@ ratio::
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Tuple
@@ -102,11 +101,7 @@ def check(p: Point) -> None:
 def measure(p: Point, repeats: int, min_run_time: float) -> Dict[str, float]:
     """Median ms of each call and the median per-round ratio invariant / packed, after check()."""
     check(p)
-    fns = calls(p)
-    rounds = [{name: timing.median_ms(fn, min_run_time) for name, fn in fns.items()} for _ in range(repeats)]
-    result = {name: statistics.median(r[name] for r in rounds) for name in fns}
-    result["ratio"] = statistics.median(r["invariant"] / r["packed"] for r in rounds)
-    return result
+    return timing.interleaved(calls(p), repeats, min_run_time, ratios=[("invariant", "packed")])
 
 
 def table(points: List[Point], repeats: int, min_run_time: float) -> str:
@@ -116,7 +111,7 @@ def table(points: List[Point], repeats: int, min_run_time: float) -> str:
     for p in points:
         m = measure(p, repeats, min_run_time)
         lines.append(f"| {p.kind} | {str(p.dtype).removeprefix('torch.')} | {p.sequences} | {p.heads} : {p.kv_heads} "
-                     f"| {p.max_len} | {p.head_dim} | {m['packed']:.3g} | {m['invariant']:.3g} | {m['ratio']:.2f}x |")
+                     f"| {p.max_len} | {p.head_dim} | {m['packed']:.3g} | {m['invariant']:.3g} | {m['invariant/packed']:.2f}x |")
     return "\n".join(lines)
 
 

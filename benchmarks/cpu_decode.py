@@ -10,7 +10,6 @@ it prints a Markdown table of the medians and of the median per-round ratio (our
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 from typing import List, NamedTuple
@@ -60,9 +59,8 @@ def measure(p: Point, repeats: int, min_run_time: float) -> tuple[float, float, 
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
     tol = 1e-4 if p.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours().float(), sdpa().float(), atol=tol, rtol=tol)
-    rounds = [(timing.median_ms(ours, min_run_time), timing.median_ms(sdpa, min_run_time)) for _ in range(repeats)]
-    return (statistics.median(a for a, _ in rounds), statistics.median(b for _, b in rounds),
-            statistics.median(a / b for a, b in rounds))
+    m = timing.interleaved({"ours": ours, "sdpa": sdpa}, repeats, min_run_time, ratios=[("ours", "sdpa")])
+    return m["ours"], m["sdpa"], m["ours/sdpa"]
 
 
 def table(points: List[Point], repeats: int, min_run_time: float) -> str:

@@ -16,7 +16,6 @@ and of the median per-round ratios::
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple
@@ -98,11 +97,7 @@ def measure(p: Point, repeats: int, min_run_time: float) -> Dict[str, float]:
     want = fns["sdpa"]().float()
     for name in ("paged", "packed"):
         torch.testing.assert_close(fns[name]().float(), want, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
-    rounds = [{name: timing.median_ms(fn, min_run_time) for name, fn in fns.items()} for _ in range(repeats)]
-    result = {name: statistics.median(r[name] for r in rounds) for name in fns}
-    for other in ("packed", "sdpa"):
-        result[f"paged/{other}"] = statistics.median(r["paged"] / r[other] for r in rounds)
-    return result
+    return timing.interleaved(fns, repeats, min_run_time, ratios=[("paged", "packed"), ("paged", "sdpa")])
 
 
 def table(points: List[Point], repeats: int, min_run_time: float) -> str:

@@ -1,13 +1,14 @@
-"""What the benchmark scripts share: the median time of a call with torch's threads, the fastest of a
-few calls, the name of the device it ran on, and the command line of a script that prints one
-table over its points."""
+"""What the benchmark scripts share: the median time of a call with torch's threads, calls timed
+interleaved over rounds, the fastest of a few calls, the name of the device it ran on, and the
+command line of a script that prints one table over its points."""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
-from typing import Callable, List, Sequence, TypeVar
+from typing import Callable, Dict, List, Sequence, Tuple, TypeVar
 
 import torch
 import torch.utils.benchmark as tb
@@ -19,6 +20,18 @@ def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     fn()
     timer = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], repeats: int, min_run_time: float,
+                ratios: Sequence[Tuple[str, str]] = ()) -> Dict[str, float]:
+    """``median_ms`` of each call in each of ``repeats`` rounds, the calls taking turns within a
+    round (so that the machine's drifts reach all of them): the median of each call's times, and
+    for each pair (a, b) of ``ratios`` the median of the per-round ratios a / b under "a/b"."""
+    rounds = [{name: median_ms(fn, min_run_time) for name, fn in fns.items()} for _ in range(repeats)]
+    result = {name: statistics.median(r[name] for r in rounds) for name in fns}
+    for a, b in ratios:
+        result[f"{a}/{b}"] = statistics.median(r[a] / r[b] for r in rounds)
+    return result
 
 
 def fastest_ms(fn: Callable[[], object], reps: int) -> float:

@@ -122,6 +122,10 @@ def test_sliding_window_reaches_the_op() -> None:
     out, _ = fn(layer, q, q, q, None, sliding_window=4)
     want = torch_ext.attention(q, q, q, attn_mask=torch.ones(10, 10, dtype=torch.bool).tril().triu(-3))
     torch.testing.assert_close(out.transpose(1, 2), want)
+    torch.testing.assert_close(fn(layer, q, q, q, None, sliding_window=4.0)[0], out)  # (an integral float)
+    for bad in ("4", 2.5, True):
+        with pytest.raises(TypeError, match="sliding_window must be an int or None"):
+            fn(layer, q, q, q, None, sliding_window=bad)
 
 
 # --- Gemma 2: softcap and sliding window -----------------------------------------------------

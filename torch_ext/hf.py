@@ -77,6 +77,7 @@ This module imports transformers; ``import torch_ext`` does not.
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 import warnings
 import weakref
@@ -407,7 +408,13 @@ def _window(sliding_window: Any, causal: bool) -> tuple[int, int]:
     kv_idx > q_idx - W), a bidirectional one keys at distance below W (W - 1 on each side, as
     transformers' flash-attention path maps it and the masks of ModernBERT and bidirectional
     Gemma 3 are built)."""
-    if sliding_window is None or sliding_window <= 0:
+    if sliding_window is None:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Real) or (
+        sliding_window != int(sliding_window)
+    ):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    if sliding_window <= 0:  # (no window, as transformers' masks treat it)
         return (-1, -1)
     w = int(sliding_window)
     return (w - 1, 0) if causal else (w - 1, w - 1)

@@ -54,29 +54,20 @@ class NonFiniteRows {
     NonFiniteRows r;
     r.heads_ = heads, r.len_ = len;
     std::vector<uint8_t> flags(batch * heads * len, 0);
-    if (x.sh <= x.sl) {
-      // Heads interleaved within each position ((B, L, heads, dim) storage: packed documents,
-      // varlen's layout; with one head, equal strides): positions outer, so that the scan runs
-      // through memory in order, on every thread. Head by head it would pass over the whole
-      // tensor once per head, a few rows per page each time (a packed decoding call spent twice
-      // the time a dense batch of the same keys does).
-      at::parallel_for(0, batch * len, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t bl = begin; bl < end; ++bl) {
-          const int64_t b = bl / len, l = bl % len;
-          for (int64_t h = 0; h < heads; ++h) {
-            flags[(b * heads + h) * len + l] = has_nonfinite(x.at(b, h, l), dim);
-          }
-        }
-      });
-    } else {
-      at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          for (int64_t l = 0; l < len; ++l) {
-            flags[bh * len + l] = has_nonfinite(x.at(bh / heads, bh % heads, l), dim);
-          }
-        }
-      });
-    }
+    // One pass over the rows in storage order: positions outer where heads are interleaved
+    // within each position ((B, L, heads, dim) storage: packed documents, varlen's layout; with
+    // one head, equal strides), heads outer otherwise. Head by head over interleaved heads, the
+    // scan passed over the whole tensor once per head, a few rows per page each time (a packed
+    // decoding call spent twice the time a dense batch of the same keys does).
+    const bool positions_outer = x.sh <= x.sl;
+    at::parallel_for(0, batch * heads * len, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / (heads * len), rest = row % (heads * len);
+        const int64_t h = positions_outer ? rest % heads : rest / len;
+        const int64_t l = positions_outer ? rest / heads : rest % len;
+        flags[(b * heads + h) * len + l] = has_nonfinite(x.at(b, h, l), dim);
+      }
+    });
     if (std::find(flags.begin(), flags.end(), uint8_t{1}) != flags.end())
       r.flags_ = std::move(flags);
     return r;

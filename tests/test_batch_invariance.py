@@ -262,16 +262,41 @@ def test_bad_arguments(change: Dict[str, Any], error: type, match: str) -> None:
         torch_ext.varlen_attention(**args)
 
 
-def test_meta_device_and_compile_raise() -> None:
-    """The offsets must be read on the host: on the Meta device, and while torch.compile traces, the
-    call raises rather than computing the batch-dependent result."""
+def test_meta_device_raises() -> None:
+    """The offsets must be read on the host: on the Meta device the call raises rather than
+    computing the batch-dependent result."""
     args = {k: v.to("meta") if isinstance(v, Tensor) else v for k, v in _args().items()}
     with pytest.raises(NotImplementedError, match="num_splits=1 reads cu_seq_q and cu_seq_k on the host"):
         torch_ext.varlen_attention(**args)
-    args = _args()
-    compiled = torch.compile(torch_ext.varlen_attention, fullgraph=True, backend="eager")
+
+
+def test_compile_runs_the_call_between_graphs() -> None:
+    """Under torch.compile the call breaks the graph and runs eagerly: the bits of eager calls for
+    every set of offsets, gradients included; with fullgraph=True the break raises, saying why.
+    The op itself raises while it is traced."""
+    torch.manual_seed(0)
+    q = torch.randn(10, 4, 16, requires_grad=True)
+    k, v = torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+
+    def step(q: Tensor, cu_q: Tensor, cu_k: Tensor) -> Tensor:
+        out = torch_ext.varlen_attention(q * 2, k, v, cu_q, cu_k, 12, 12, is_causal=True, enable_gqa=True,
+                                         num_splits=1)
+        return out.sin()
+
+    compiled = torch.compile(step, backend="aot_eager")
+    for split_q, split_k in ((3, 5), (6, 2), (1, 9)):
+        cu_q, cu_k = offsets([split_q, 10 - split_q]), offsets([split_k, 12 - split_k])
+        want = step(q, cu_q, cu_k)
+        (want_grad,) = torch.autograd.grad(want.sum(), q)
+        got = compiled(q, cu_q, cu_k)
+        (got_grad,) = torch.autograd.grad(got.sum(), q)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
+    whole = torch.compile(torch_ext.varlen_attention, fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="num_splits=1 reads cu_seq_q and cu_seq_k on the host"):
-        compiled(**args)
-    # Outside the compiled region it runs.
-    out = torch.compiler.disable(torch_ext.varlen_attention)(**args)
-    assert out.shape == (5, 2, 8)
+        whole(**_args())
+    traced_op = torch.compile(torch.ops.entropy_attn.varlen_attention, fullgraph=True, backend="eager")
+    args = _args()
+    with pytest.raises(Exception, match="num_splits=1 reads cu_seq_q and cu_seq_k on the host"):
+        traced_op(args["query"], args["key"], args["value"], args["cu_seq_q"], args["cu_seq_k"], 3, 3, None,
+                  num_splits=1)

@@ -83,8 +83,8 @@ def varlen_attention(
             may then differ in its last bits with what else is packed in the call) or 1,
             batch-invariant output: each sequence runs as a call of its own, so that its results
             are bitwise those it gets packed alone, whatever else is packed with it (one kernel
-            call per sequence; the offsets are read on the host, so not while torch.compile
-            traces; not with dropout).
+            call per sequence; the offsets are read on the host, so torch.compile breaks its graph
+            there and runs the call eagerly; not with dropout).
         scale, temperature, train_length, scale_factor, return_stats, softcap, sinks, dropout_p,
             generator: as :func:`torch_ext.attention`; a scale tensor broadcasts to (T, H).
 
@@ -119,13 +119,27 @@ def varlen_attention(
                                           options)
     else:
         options = _explicit(options, _VARLEN_DEFAULTS)
-        res = torch.ops.entropy_attn.varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                      scale_tensor, sinks=sinks, **options)
+        # num_splits=1 reads the offsets on the host, which a traced graph cannot: torch.compile
+        # breaks the graph there and runs the call eagerly (fullgraph=True raises, naming why).
+        op = _per_sequence_op if num_splits == 1 and torch.compiler.is_compiling() else _op
+        res = op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale_tensor, sinks=sinks, **options)
     if return_lse:
         return res[0], res[1].t().contiguous()
     if not return_stats:
         return res[0]
     return res[0], _stats(res)
+
+
+def _op(*args: Any, **kwargs: Any) -> tuple:
+    """``entropy_attn::varlen_attention``."""
+    return torch.ops.entropy_attn.varlen_attention(*args, **kwargs)
+
+
+_per_sequence_op = torch.compiler.disable(
+    _op,
+    reason="varlen_attention with num_splits=1 reads cu_seq_q and cu_seq_k on the host to run each "
+    "sequence alone, which a traced graph cannot: it runs eagerly, between graphs",
+)
 
 
 def _aux_lse(return_aux: Any) -> bool:

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/isinf.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -65,6 +66,7 @@ void CallPattern::set_documents(const DocumentArgs& docs) {
   if (!docs.cu_seq_q.has_value()) return;
   cu_q = docs.cu_seq_q->contiguous(), cu_k = docs.cu_seq_k->contiguous();
   if (docs.seqused_k.has_value()) seqused_k = docs.seqused_k->contiguous();
+  if (docs.key_rows.has_value()) key_rows = docs.key_rows->contiguous();
 }
 
 KeyPattern CallPattern::key_pattern() const {
@@ -83,10 +85,23 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
                                        const std::optional<at::Tensor>& scale,
                                        const std::optional<at::Tensor>& sinks,
                                        const DocumentArgs& docs, const AttentionOptions& options) {
-  const SymAttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, options);
+  // (before the mask's shape is checked against key's rows rather than key_rows')
+  TORCH_CHECK_VALUE(!docs.key_rows.has_value() || !attn_mask.has_value(),
+                    "key_rows does not take attn_mask");
+  SymAttentionShape s = check_attention_inputs(query, key, value, attn_mask, scale, options);
   check_sinks(sinks, s, query);
+  if (docs.key_rows.has_value()) {
+    check_key_rows(*docs.key_rows, key, docs.cu_seq_q.has_value(), query);
+    s.kv_len = docs.key_rows->sym_size(0);
+  }
   check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, s, query);
   return s;
+}
+
+at::Tensor gather_key_rows(const at::Tensor& x, const at::Tensor& rows) {
+  // (B, heads, T, dim) -> (T, B, heads, dim): a view, whose dim 0 index_select copies block-wise
+  // where the tokens hold their heads (a pool of pages)
+  return x.permute({2, 0, 1, 3}).index_select(0, rows).permute({1, 2, 0, 3});
 }
 
 AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,

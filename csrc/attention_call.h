@@ -21,9 +21,10 @@
 
 namespace entropy_attn {
 
-// The packed documents of a call as the schema passes them: all absent for a dense call.
+// The packed documents of a call as the schema passes them: all absent for a dense call. key_rows
+// (the forward's only): packed key j is row key_rows[j] of key's and value's dim 2.
 struct DocumentArgs {
-  std::optional<at::Tensor> cu_seq_q, cu_seq_k, seqused_k;
+  std::optional<at::Tensor> cu_seq_q, cu_seq_k, seqused_k, key_rows;
 };
 
 // What the forward and the backward share of a call: the options, the packed documents (varlen)
@@ -33,6 +34,10 @@ struct CallPattern {
   // Packed documents (int32, contiguous): cu_seq_q, cu_seq_k and seqused_k of a varlen call, the
   // query and key tokens seen as one batch entry; undefined for a dense call.
   at::Tensor cu_q, cu_k, seqused_k;
+  // The forward's key_rows (int64, contiguous), or undefined: packed key j is row key_rows[j] of
+  // key's and value's dim 2 (a paged KV cache's pool of tokens). Kernels that do not read rows
+  // through it get the rows gathered (attention_kernel).
+  at::Tensor key_rows;
   at::Tensor sinks;  // (H,) in the accumulate type, contiguous, or undefined
 
   KeyPattern key_pattern() const;
@@ -193,9 +198,10 @@ AttentionBackwardOutputs attention_backward_kernel(
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
-  const AttentionBackwardCall call = prepare_attention_backward(
-      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
-      entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k}, options, grad_mask);
+  const AttentionBackwardCall call =
+      prepare_attention_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
+                                 value, attn_mask, output, lse, entropy, sum_p2, row_scale, sinks,
+                                 {cu_seq_q, cu_seq_k, seqused_k, std::nullopt}, options, grad_mask);
   auto [dq, dk, dv, dlam] = Impl(grad_output, query, key, value, output, call);
   return {
       dq, dk, dv, dlam, sink_grad(grad_output, output, call), mask_grad(attn_mask, call, query)};
@@ -211,22 +217,34 @@ AttentionBackwardOutputs attention_backward_kernel(
       double log_base, bool enable_gqa, bool return_stats, c10::IntArrayRef window_size,           \
       c10::string_view causal_alignment, double softcap, const OptTensor &sinks, double dropout_p, \
       c10::SymInt dropout_seed, const OptTensor &cu_seq_q, const OptTensor &cu_seq_k,              \
-      const OptTensor &seqused_k
+      const OptTensor &seqused_k, const OptTensor &key_rows
 #define EA_ATTENTION_OPTIONS                                                                      \
   AttentionOptions::from_schema(is_causal, scale_factor, scale_mode, temperature, log_base,       \
                                 enable_gqa, return_stats, window_size, causal_alignment, softcap, \
                                 dropout_p, dropout_seed)
 
+// Rows `rows` (int64) of x's dim 2, (B, heads, rows, dim): one copy of each row's (heads, dim)
+// block where x's heads sit inside its rows (a pool of tokens (T, heads, dim) seen as (1, heads, T,
+// dim)).
+at::Tensor gather_key_rows(const at::Tensor& x, const at::Tensor& rows);
+
 // The dispatcher-facing kernel of `attention` for a device implementation
 //   AttentionOutputs impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
 //                         const AttentionCall& call);
-// registered as m.impl("attention", &attention_kernel<impl>).
+// registered as m.impl("attention", &attention_kernel<impl>). An implementation that reads the
+// keys through call.key_rows itself says so (kReadsKeyRows); the others get them gathered.
 template <AttentionOutputs (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const AttentionCall&)>
+                                   const AttentionCall&),
+          bool kReadsKeyRows = false>
 AttentionOutputs attention_kernel(EA_ATTENTION_PARAMS) {
   const AttentionOptions options = EA_ATTENTION_OPTIONS;
   AttentionCall call = prepare_attention(query, key, value, attn_mask, scale, sinks,
-                                         {cu_seq_q, cu_seq_k, seqused_k}, options);
+                                         {cu_seq_q, cu_seq_k, seqused_k, key_rows}, options);
+  if (!kReadsKeyRows && call.key_rows.defined()) {
+    const at::Tensor rows = std::move(call.key_rows);
+    call.key_rows = at::Tensor();
+    return Impl(query, gather_key_rows(key, rows), gather_key_rows(value, rows), call);
+  }
   const AttentionShape shape = call.shape;
   at::Tensor q = query;
   if (!pack_query_heads(call, q)) return Impl(query, key, value, call);
@@ -257,10 +275,11 @@ inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor
                                        const OptTensor& scale, const OptTensor& sinks,
                                        const DocumentArgs& docs, const AttentionOptions& o) {
   const std::array<int64_t, 2> window = o.window_size();
-  return attention_op().call(
-      query, key, value, attn_mask, scale, o.causal, o.scale_factor, o.scale_mode_name(),
-      o.temperature, o.log_base, o.enable_gqa, o.return_stats, window, o.causal_alignment_name(),
-      o.softcap, sinks, o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k);
+  return attention_op().call(query, key, value, attn_mask, scale, o.causal, o.scale_factor,
+                             o.scale_mode_name(), o.temperature, o.log_base, o.enable_gqa,
+                             o.return_stats, window, o.causal_alignment_name(), o.softcap, sinks,
+                             o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k,
+                             docs.seqused_k, docs.key_rows);
 }
 
 // Calls `attention_backward` through the dispatcher with the options of the forward (and the

@@ -184,8 +184,8 @@ AttentionInputGrads attention_grad(
   const bool grad_mask = output_mask[0] && attn_mask.has_value() && attn_mask->is_floating_point();
   auto [dq, dk, dv, dlam, dsinks, dmask] = call_attention_backward(
       g_out, grad_lse, defined_or_null(g_entropy), defined_or_null(g_sum_p2), query, key, value,
-      attn_mask, output, lse, entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, std::nullopt},
-      options, grad_mask);
+      attn_mask, output, lse, entropy, sum_p2, row_scale, sinks,
+      {cu_seq_q, cu_seq_k, std::nullopt, std::nullopt}, options, grad_mask);
   at::Tensor dscale, dsink;
   if (scale.has_value() && output_mask[1]) {
     // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed

@@ -209,6 +209,29 @@ void check_offsets(const at::Tensor& t, const char* name, const at::Tensor& quer
                     query.device(), "), got ", t.device());
 }
 
+void check_key_rows(const at::Tensor& key_rows, const at::Tensor& key, bool has_documents,
+                    const at::Tensor& query) {
+  TORCH_CHECK_TYPE(key_rows.defined(), "key_rows must be an int64 tensor or None");
+  TORCH_CHECK_TYPE(key_rows.scalar_type() == at::kLong, "key_rows must be int64, got ",
+                   key_rows.scalar_type());
+  TORCH_CHECK_VALUE(key_rows.dim() == 1,
+                    "key_rows must be 1-D (one row per packed key), got shape ",
+                    key_rows.sym_sizes());
+  TORCH_CHECK_VALUE(key_rows.device() == query.device(), "key_rows must be on query's device (",
+                    query.device(), "), got ", key_rows.device());
+  TORCH_CHECK_VALUE(has_documents,
+                    "key_rows needs packed documents (cu_seq_q and cu_seq_k): it maps their keys");
+  if (query.is_meta() || !values_readable(key_rows)) return;
+  // The rows decide which memory the kernels read: checked on the host (a device sync on CUDA).
+  const at::Tensor r = key_rows.to(at::kCPU).contiguous();
+  const int64_t* p = r.const_data_ptr<int64_t>();
+  const int64_t rows = key.size(2);
+  for (int64_t j = 0; j < r.numel(); ++j) {
+    TORCH_CHECK_VALUE(p[j] >= 0 && p[j] < rows, "key_rows[", j, "] = ", p[j],
+                      " is not a row of key (its dim 2 has ", rows, ")");
+  }
+}
+
 void check_seqused_k(const at::Tensor& seqused_k, const c10::SymInt& sequences,
                      const at::Tensor& query) {
   TORCH_CHECK_TYPE(seqused_k.defined(), "seqused_k must be an int32 tensor or None");

@@ -82,6 +82,12 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
                      const at::Tensor& query);
 
+// key_rows (attention_call.h: DocumentArgs): int64 (keys,) on query's device, with packed
+// documents, and (unless on the Meta device or fake) each a row of key's dim 2; errors name it.
+// The call's key count, kv_len, is then key_rows' length, not key's dim 2.
+void check_key_rows(const at::Tensor& key_rows, const at::Tensor& key, bool has_documents,
+                    const at::Tensor& query);
+
 // The window, softcap and dropout options (ValueError naming the argument).
 void check_pattern_options(const AttentionOptions& options);
 

@@ -77,7 +77,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
           normalized_entropy, sparsity, effective_keys] =
         call_attention(query, key, value, attn_mask, scale, sinks,
-                       {cu_seq_q, cu_seq_k, std::nullopt}, options);
+                       {cu_seq_q, cu_seq_k, std::nullopt, std::nullopt}, options);
     ctx->set_materialize_grads(false);
     *plain = {max_weight, n_keys, row_scale, length_factor};
     // Without statistics, entropy and sum_p2 are saved as zeros of their full shape (a broadcast
@@ -142,20 +142,21 @@ AttentionOutputs attention_autograd(EA_ATTENTION_PARAMS) {
   const at::Tensor none;
   const Records records = records_autograd({&query, &key, &value, attn_mask ? &*attn_mask : &none,
                                             scale ? &*scale : &none, sinks ? &*sinks : &none});
-  if (!records.any() || seqused_k.has_value()) {
+  if (!records.any() || seqused_k.has_value() || key_rows.has_value()) {
     // Inference only, as in varlen_attn: the keys past seqused_k would need a gradient of 0 that
-    // nothing computes.
-    TORCH_CHECK_VALUE(!records.grad,
-                      "seqused_k is inference-only (no backward, as in varlen_attn): call it under "
+    // nothing computes, and the rows of key_rows gradients scattered into a pool.
+    const char* name = seqused_k.has_value() ? "seqused_k" : "key_rows";
+    TORCH_CHECK_VALUE(!records.grad, name,
+                      " is inference-only (no backward, as in varlen_attn): call it under "
                       "torch.no_grad() or with inputs that do not require grad");
-    TORCH_CHECK_VALUE(!records.tangent,
-                      "seqused_k is inference-only: it has no forward-mode derivative either (an "
+    TORCH_CHECK_VALUE(!records.tangent, name,
+                      " is inference-only: it has no forward-mode derivative either (an "
                       "input carries a forward-mode AD tangent)");
     // Nothing to record: the autograd function's node, saved tensors and options would cost more
     // than a short call's kernel (a decoding step).
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_attention(query, key, value, attn_mask, scale, sinks,
-                          {cu_seq_q, cu_seq_k, seqused_k}, EA_ATTENTION_OPTIONS);
+                          {cu_seq_q, cu_seq_k, seqused_k, key_rows}, EA_ATTENTION_OPTIONS);
   }
   NonDifferentiable plain;
   const variable_list r = AttentionFunction::apply(

@@ -15,8 +15,9 @@ namespace {
 // torch.compile traces one graph for every length instead of fixing each size to a constant.
 AttentionOutputs attention_meta(EA_ATTENTION_PARAMS) {
   const AttentionOptions options = EA_ATTENTION_OPTIONS;
-  const SymAttentionShape s = check_attention_call(query, key, value, attn_mask, scale, sinks,
-                                                   {cu_seq_q, cu_seq_k, seqused_k}, options);
+  const SymAttentionShape s =
+      check_attention_call(query, key, value, attn_mask, scale, sinks,
+                           {cu_seq_q, cu_seq_k, seqused_k, key_rows}, options);
   return allocate_attention_outputs(s, query, accumulate_type(query.scalar_type()), return_stats);
 }
 

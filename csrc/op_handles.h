@@ -22,7 +22,8 @@ using AttentionBackwardOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The trailing options of `attention` and `attention_backward`: window_size, causal_alignment,
-// softcap, sinks, dropout_p, dropout_seed, cu_seq_q, cu_seq_k, seqused_k.
+// softcap, sinks, dropout_p, dropout_seed, cu_seq_q, cu_seq_k, seqused_k (and the forward's
+// key_rows).
 #define EA_PATTERN_ARGS                                                              \
   c10::IntArrayRef, c10::string_view, double, const OptTensor&, double, c10::SymInt, \
       const OptTensor&, const OptTensor&, const OptTensor&
@@ -30,7 +31,7 @@ using AttentionBackwardOutputs =
 using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const OptTensor&, const OptTensor&, bool,
                                             std::optional<double>, c10::string_view, double, double,
-                                            bool, bool, EA_PATTERN_ARGS);
+                                            bool, bool, EA_PATTERN_ARGS, const OptTensor&);
 using AttentionBackwardSignature = AttentionBackwardOutputs(
     const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,

@@ -23,7 +23,9 @@ TORCH_LIBRARY(entropy_attn, m) {
   // batch is 1 and document d owns query rows cu_seq_q[d] .. cu_seq_q[d + 1] and keys cu_seq_k[d]
   // .. (+ seqused_k[d] when given, else to cu_seq_k[d + 1]); rows see only their document's keys,
   // the window and causality apply within it, and n_i counts them. varlen_attention is the
-  // packed-layout front end.
+  // packed-layout front end. key_rows (int64, one per packed key, with packed documents) reads
+  // packed key j from row key_rows[j] of key's and value's dim 2 instead of row j: a paged KV
+  // cache's pool of tokens, read where it lies (csrc/paged_kv.h); inference only, no attn_mask.
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? scale=None, *, bool is_causal=False, float? scale_factor=None, "
@@ -31,7 +33,7 @@ TORCH_LIBRARY(entropy_attn, m) {
       "bool enable_gqa=False, bool return_stats=True, int[2] window_size=[-1, -1], "
       "str causal_alignment=\"top_left\", float softcap=0.0, Tensor? sinks=None, "
       "float dropout_p=0.0, SymInt dropout_seed=0, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
-      "Tensor? seqused_k=None) -> (Tensor output, Tensor lse, "
+      "Tensor? seqused_k=None, Tensor? key_rows=None) -> (Tensor output, Tensor lse, "
       "Tensor entropy, Tensor sum_p2, Tensor max_weight, Tensor n_keys, Tensor row_scale, "
       "Tensor length_factor, Tensor normalized_entropy, Tensor sparsity, Tensor effective_keys)");
   // Gradients of `attention` w.r.t. query, key, value, lambda, the sinks and (with grad_mask) the

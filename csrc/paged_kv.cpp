@@ -1,7 +1,9 @@
-// varlen_attention's paged KV cache: checks, then the pages gathered into packed documents.
+// varlen_attention's paged KV cache: checks, then the pages as packed documents.
 //
-// The kernels read keys at a fixed stride from one base (packed documents, attention_call.h), so
-// a paged call runs them on a copy of the keys its sequences use: O(keys x D), against the
+// The CPU kernels read an eager call's keys in the pool, each packed key through key_rows (the
+// token it is), converting them a block or a thread's keys at a time as they do 16-bit keys. The
+// CUDA kernels read keys at a fixed stride from one base (packed documents, attention_call.h), so
+// there a paged call runs them on a copy of the keys its sequences use: O(keys x D), against the
 // O(rows x keys x D) of the attention, and for decoding (one row per sequence) a second pass over
 // the cache as large as the first, plus the copy's writes (README: Decoding over packed sequences
 // and a paged KV cache).
@@ -166,6 +168,11 @@ PagedTuple gather_slots(const PagedLayout& l, const at::Tensor& key, const at::T
           at::arange(c10::Scalar(l.sequences + 1), table.options()).mul(c10::Scalar(l.slot))};
 }
 
+// Whether a pool's pages and tokens merge into one dim (a view: flatten(0, 1) copies nothing).
+bool tokens_merge(const at::Tensor& pool) {
+  return pool.stride(0) == pool.size(1) * pool.stride(1);
+}
+
 // Rows `token` of a pool of pages (num_pages, page_size, heads, dim) seen as (num_pages x
 // page_size) tokens: index_select over the tokens copies each token's (heads, dim) block whole
 // where the pool's pages and tokens merge into one dimension (a contiguous pool), where advanced
@@ -175,19 +182,18 @@ PagedTuple gather_slots(const PagedLayout& l, const at::Tensor& key, const at::T
 // pages and tokens do not merge (a strided view) is indexed by the pairs.
 at::Tensor gather_tokens(const at::Tensor& pool, const at::Tensor& token) {
   const int64_t page_size = pool.size(1);
-  if (pool.stride(0) == page_size * pool.stride(1)) {
-    return pool.flatten(0, 1).index_select(0, token);
-  }
+  if (tokens_merge(pool)) return pool.flatten(0, 1).index_select(0, token);
   const c10::List<std::optional<at::Tensor>> index(
       {token.div(page_size, "floor"), token.remainder(page_size)});
   return at::index(pool, index);
 }
 
 // The keys each sequence uses, exactly (sum of seqused_k tokens), where the values are read anyway
-// (eager calls): a batch of short sequences with one long one copies its keys, not N slots as long
-// as the longest. Token j of sequence d is row j % page_size of page table[d, j / page_size].
-PagedTuple gather_used(const PagedLayout& l, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& seqused_k) {
+// (eager calls): a batch of short sequences with one long one reads its keys, not N slots as long
+// as the longest. Token j of sequence d is row j % page_size of page table[d, j / page_size]. Left
+// in the pool with their tokens as key_rows (in_place), else gathered.
+PagedKeys used_keys(const PagedLayout& l, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& seqused_k, bool in_place) {
   const at::Tensor used_t = seqused_k.to(at::kCPU).contiguous();
   const at::Tensor table_t = l.table.to(at::kCPU).contiguous();
   const int32_t* used = used_t.const_data_ptr<int32_t>();
@@ -205,7 +211,11 @@ PagedTuple gather_used(const PagedLayout& l, const at::Tensor& key, const at::Te
       *t++ = pages[d * columns + j / page_size] * page_size + j % page_size;
   }
   token = token.to(key.device());
-  return {gather_tokens(key, token), gather_tokens(value, token), cu.to(key.device())};
+  if (in_place && tokens_merge(key) && tokens_merge(value)) {
+    return {key.flatten(0, 1), value.flatten(0, 1), cu.to(key.device()), token};
+  }
+  return {gather_tokens(key, token), gather_tokens(value, token), cu.to(key.device()),
+          std::nullopt};
 }
 
 // The kernel of _gather_pages on every device (CompositeExplicitAutograd): on the Meta device and
@@ -225,16 +235,14 @@ PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
 PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
                        const at::Tensor& block_table, const std::optional<at::Tensor>& seqused_k,
-                       const c10::SymInt& max_k) {
-  // Eager calls gather exactly the keys used (their values are read by the checks in any case);
-  // traced ones the op, whose slots have sizes from the shapes, and whose checks run with the
-  // graph.
+                       const c10::SymInt& max_k, bool in_place) {
+  // Eager calls take exactly the keys used (their values are read by the checks in any case): in
+  // place where the kernels read them so, the CPU's (the CUDA kernels get key_rows' rows gathered,
+  // attention_kernel, after one more check of them on the host); traced ones the op, whose slots
+  // have sizes from the shapes, and whose checks run with the graph.
   const PagedLayout l =
       check_paged_call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
-  if (l.values_checked) {
-    auto [k, v, cu_k] = gather_used(l, key, value, *seqused_k);
-    return {std::move(k), std::move(v), std::move(cu_k)};
-  }
+  if (l.values_checked) return used_keys(l, key, value, *seqused_k, in_place && key.is_cpu());
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::_gather_pages", "")
@@ -242,7 +250,7 @@ PagedKeys gather_pages(const at::Tensor& query, const at::Tensor& key, const at:
                             const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const std::optional<at::Tensor>&, c10::SymInt)>();
   auto [k, v, cu_k] = op.call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
-  return {std::move(k), std::move(v), std::move(cu_k)};
+  return {std::move(k), std::move(v), std::move(cu_k), std::nullopt};
 }
 
 TORCH_LIBRARY_IMPL(entropy_attn, CompositeExplicitAutograd, m) {

@@ -61,14 +61,16 @@ at::Tensor packed(const at::Tensor& x) {
   return x.squeeze(0).transpose(0, 1).contiguous();
 }
 
-// The dense shape of a packed call (batch 1), for the checks of its documents.
+// The dense shape of a packed call (batch 1), for the checks of its documents: its keys are
+// key's tokens, or with key_rows the rows it names.
 SymAttentionShape packed_shape(const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& value) {
+                               const at::Tensor& value,
+                               const std::optional<at::Tensor>& key_rows = std::nullopt) {
   return {1,
           query.sym_size(1),
           key.sym_size(1),
           query.sym_size(0),
-          key.sym_size(0),
+          key_rows.has_value() ? key_rows->sym_size(0) : key.sym_size(0),
           query.sym_size(2),
           value.sym_size(2)};
 }
@@ -110,19 +112,22 @@ at::Tensor rows_to_heads(const at::Tensor& x, const c10::SymInt& group) {
   return x.unflatten_symint(0, {x.sym_size(0) / group, group}).transpose(1, 2).flatten(1, 2);
 }
 
-// The packed call once its keys are packed documents and its options are checked: the kernels
-// on the dense views, with GQA decoding's query heads as rows (query_head_rows).
+// The packed call once its keys are packed documents (key's tokens, or with key_rows the tokens
+// it names) and its options are checked: the kernels on the dense views, with GQA decoding's query
+// heads as rows (query_head_rows).
 AttentionOutputs run_packed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
                             const c10::SymInt& max_q, std::optional<at::Tensor> rows_scale,
                             const std::optional<at::Tensor>& seqused_k,
-                            const std::optional<at::Tensor>& sinks, AttentionOptions options) {
+                            const std::optional<at::Tensor>& sinks, AttentionOptions options,
+                            const std::optional<at::Tensor>& key_rows = std::nullopt) {
   const c10::SymInt group =
       query_head_rows(query, key, cu_seq_q, options, max_q, sinks.has_value());
   at::Tensor rows_query = query, rows_cu_q = cu_seq_q;
   if (group != 1) {
     // (checked in the call's own shape first: the errors name the offsets as given)
-    check_documents(cu_seq_q, cu_seq_k, seqused_k, packed_shape(query, key, value), query);
+    check_documents(cu_seq_q, cu_seq_k, seqused_k, packed_shape(query, key, value, key_rows),
+                    query);
     rows_query = heads_to_rows(query, group);
     if (rows_scale.has_value()) rows_scale = heads_to_rows(*rows_scale, group);
     rows_cu_q = cu_seq_q.mul(c10::Scalar(group));
@@ -133,7 +138,7 @@ AttentionOutputs run_packed(const at::Tensor& query, const at::Tensor& key, cons
   if (rows_scale.has_value()) dense_scale = rows_scale->transpose(0, 1).unsqueeze(0);
   auto outputs =
       call_attention(dense_view(rows_query), dense_view(key), dense_view(value), std::nullopt,
-                     dense_scale, sinks, {rows_cu_q, cu_seq_k, seqused_k}, options);
+                     dense_scale, sinks, {rows_cu_q, cu_seq_k, seqused_k, key_rows}, options);
   std::apply([&](auto&... t) { ((t = packed(t)), ...); }, outputs);
   if (group != 1) std::apply([&](auto&... t) { ((t = rows_to_heads(t, group)), ...); }, outputs);
   return outputs;
@@ -219,14 +224,15 @@ AttentionOutputs packed_attention(
     const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits) {
   check_packed(query, "query", "(total_q, heads, head_dim)");
   check_max_len(cu_seq_q, max_q, "cu_seq_q", "max_q");
-  // The keys as packed documents: as given, or gathered from the pages of a paged KV cache.
+  // The keys as packed documents: as given, or from the pages of a paged KV cache (gathered, or
+  // left there and named by key_rows; gathered for num_splits=1, whose calls take slices).
   at::Tensor packed_key = key, packed_value = value;
-  std::optional<at::Tensor> packed_cu_k = cu_seq_k;
+  std::optional<at::Tensor> packed_cu_k = cu_seq_k, key_rows;
   if (block_table.has_value()) {
-    PagedKeys paged =
-        gather_pages(query, key, value, cu_seq_q, cu_seq_k, *block_table, seqused_k, max_k);
+    PagedKeys paged = gather_pages(query, key, value, cu_seq_q, cu_seq_k, *block_table, seqused_k,
+                                   max_k, /*in_place=*/!num_splits.has_value());
     packed_key = std::move(paged.key), packed_value = std::move(paged.value);
-    packed_cu_k = std::move(paged.cu_seq_k);
+    packed_cu_k = std::move(paged.cu_seq_k), key_rows = std::move(paged.key_rows);
   } else {
     TORCH_CHECK_TYPE(cu_seq_k.has_value(),
                      "cu_seq_k must be an int32 tensor, got None (None only with block_table, "
@@ -271,7 +277,7 @@ AttentionOutputs packed_attention(
     }
   }
   return run_packed(query, packed_key, packed_value, cu_seq_q, packed_cu_k, max_q, rows_scale,
-                    seqused_k, sinks, options);
+                    seqused_k, sinks, options, key_rows);
 }
 
 }  // namespace

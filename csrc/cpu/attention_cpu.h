@@ -77,16 +77,54 @@ struct RawOperand {
   }
 };
 
+// Rows read through a row map are prefetched this many rows ahead: a pool's tokens lie a whole
+// token (all heads) apart, often 4 KiB or more, where the hardware prefetchers do not follow.
+// (Decoding over 8 sequences of 4096-8192 float32 keys, 32 : 8 heads, D = 128, 2 threads, the
+// keys mapped in place: 114 ms without, 88 at 8 rows ahead, 66 at 16, 73 at 24 and 32.)
+constexpr int64_t kPrefetchRows = 16;
+
+template <typename T>
+EA_ALWAYS_INLINE void prefetch_row(const T* row, int64_t dim) {
+#if defined(__GNUC__)
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    __builtin_prefetch(p + byte);
+  }
+#endif
+}
+
 // Rows j0 .. j0 + n of (b, h) of x converted to acc_t: dst[j * ld + d], or transposed,
-// dst[d * ld + j].
+// dst[d * ld + j]. With `row_map` (the call's key_rows), row j is x's row row_map[j] (a paged KV
+// cache's pool of tokens, read where it lies).
 template <typename acc_t>
 void load_rows(const RawOperand& x, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t dim,
-               acc_t* dst, int64_t ld, bool transposed) {
+               acc_t* dst, int64_t ld, bool transposed, const int64_t* row_map = nullptr) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.dtype, "entropy_attn_load_rows", [&] {
-    const scalar_t* src = x.row<scalar_t>(b, h, j0);
-    if (transposed) return transpose_block(n, dim, src, x.sl, dst, ld);
+    if (row_map != nullptr && transposed) {
+      // A tile of rows at a time, so that each column's writes fill whole cache lines of dst.
+      constexpr int64_t kTile = 16;
+      const scalar_t* rows[kTile];
+      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+        const int64_t m = std::min(kTile, n - t0);
+        for (int64_t t = 0; t < m; ++t) rows[t] = x.row<scalar_t>(b, h, row_map[j0 + t0 + t]);
+        for (int64_t t = t0 + kTile; t < std::min(n, t0 + 2 * kTile); ++t) {
+          prefetch_row(x.row<scalar_t>(b, h, row_map[j0 + t]), dim);
+        }
+        for (int64_t d = 0; d < dim; ++d) {
+          acc_t* col = dst + d * ld + t0;
+          for (int64_t t = 0; t < m; ++t) col[t] = static_cast<acc_t>(rows[t][d]);
+        }
+      }
+      return;
+    }
+    if (row_map == nullptr && transposed) {
+      return transpose_block(n, dim, x.row<scalar_t>(b, h, j0), x.sl, dst, ld);
+    }
     for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* row = src + j * x.sl;
+      const scalar_t* row = x.row<scalar_t>(b, h, row_map ? row_map[j0 + j] : j0 + j);
+      if (row_map != nullptr && j + kPrefetchRows < n) {
+        prefetch_row(x.row<scalar_t>(b, h, row_map[j0 + j + kPrefetchRows]), dim);
+      }
       for (int64_t d = 0; d < dim; ++d) dst[j * ld + d] = static_cast<acc_t>(row[d]);
     }
   });

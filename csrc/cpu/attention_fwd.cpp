@@ -76,6 +76,10 @@ struct FwdArgs {
   // products. (Decoding converts its blocks as they stream: a conversion of the whole cache costs
   // as much as the copy the per-block path avoids; bfloat16 decoding took 3.8x SDPA's time.)
   RawOperand key, value;
+  // The call's key_rows, or null (key j is row j): with it the tasks convert every key and value
+  // row they read (KeySource kPerBlock or kThread, `widen` also for float inputs), from row
+  // key_rows[j] of `key` and `value`, a paged KV cache's pool read where it lies.
+  const int64_t* key_rows;
   // kt: K^T (B, Hkv, D, Lk) in acc_t (kWhole); k: K as given (kPerBlock, float inputs).
   Strided4<acc_t> kt, k;
   // V in acc_t: as given for float inputs, converted whole for 16-bit ones with kWhole.
@@ -201,7 +205,7 @@ void pair_values(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, const TaskKeys
       checked = std::min(n2, sh.kv_len - j0);
     }
     if (any_flagged(flags, checked)) {
-      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
+      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false, a.key_rows);
       product_seen_rows_of_b<float>(rows, Dv, n, buf.s.data(), n, buf.v.data(), Dv, buf.o.data(),
                                     Dv, true, flags, buf.scratch, sees);
       return;
@@ -227,10 +231,10 @@ void convert_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t b, int6
     return;
   }
   load_rows(a.key, b, kvh, from, n, D, t.kt.get() + from, a.shape.kv_len,
-            /*transposed=*/true);
+            /*transposed=*/true, a.key_rows);
   if (a.widen) {
     acc_t* v = t.v.get() + from * Dv;
-    load_rows(a.value, b, kvh, from, n, Dv, v, Dv, /*transposed=*/false);
+    load_rows(a.value, b, kvh, from, n, Dv, v, Dv, /*transposed=*/false, a.key_rows);
     for (int64_t j = 0; j < n; ++j) t.v_flags[from + j] = has_nonfinite(v + j * Dv, Dv);
   }
 }
@@ -353,12 +357,14 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
       pair_scores(a, buf, keys, b, h, i0, rows, j0, n);
     } else if (per_block && rows <= kKeyRowScoreRows) {
       // (16-bit keys converted as stored, unit column stride: D apart)
-      if (convert) load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false);
+      if (convert) {
+        load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), D, /*transposed=*/false, a.key_rows);
+      }
       const acc_t* k_rows = convert ? buf.kt.data() : k + j0 * a.k.sl;
       key_row_scores(rows, n, D, q, D, k_rows, convert ? D : a.k.sl, s_buf.data(), n);
     } else if (per_block) {
       if (convert) {
-        load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), n, /*transposed=*/true);
+        load_rows(a.key, b, kvh, j0, n, D, buf.kt.data(), n, /*transposed=*/true, a.key_rows);
       } else {
         transpose_block(n, D, k + j0 * a.k.sl, a.k.sl, buf.kt.data(), n);
       }
@@ -395,7 +401,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     const int64_t ld_v = convert ? Dv : keys.ld_v;
     const uint8_t* block_flags = keys.v_flags ? keys.v_flags + j0 : nullptr;
     if (convert) {
-      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false);
+      load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false, a.key_rows);
       for (int64_t j = 0; j < n; ++j) buf.v_flags[j] = has_nonfinite(buf.v.data() + j * Dv, Dv);
       block_flags = any_flagged(buf.v_flags.data(), n) ? buf.v_flags.data() : nullptr;
     }
@@ -448,8 +454,12 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  const bool pairs = uses_bf16_products(call, key);
-  const bool widen = call.dtype != acc && !pairs;
+  // key_rows (a paged KV cache's pool): the tasks convert the rows they read through it, in float
+  // products (so K and V are widened, or copied for float inputs, a block or a thread's keys at a
+  // time: the copies stay in cache where a gathered copy of the keys would be fresh memory).
+  const bool mapped = call.key_rows.defined();
+  const bool pairs = !mapped && uses_bf16_products(call, key);
+  const bool widen = (call.dtype != acc && !pairs) || mapped;
   // Each thread converts its keys where the threads together hold no more than whole copies, and
   // the tasks can read K (and 16-bit V, which they convert too) as given: rows with a unit last
   // stride, or bfloat16 products, which take them so in any case (from other strides K^T is one
@@ -460,6 +470,14 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const KeySource keys = transposes_key_blocks(sh, call.key_pattern()) ? KeySource::kPerBlock
                          : threads_convert_keys(sh) && rows_as_given   ? KeySource::kThread
                                                                        : KeySource::kWhole;
+  if (mapped &&
+      (keys == KeySource::kWhole || !has_unit_last_stride(key) || !has_unit_last_stride(value))) {
+    // The keys converted whole (or rows that are not rows in memory): the rows gathered first.
+    AttentionCall gathered = call;
+    gathered.key_rows = at::Tensor();
+    return attention_cpu(query, gather_key_rows(key, call.key_rows),
+                         gather_key_rows(value, call.key_rows), gathered);
+  }
   const at::Tensor q = gemm_operand(query, call.dtype);
   // K as given where the tasks convert it (or pack it in pairs), else K^T converted whole (read in
   // place where K is stored transposed in acc_t), or float K read per block as a row-major operand.
@@ -483,6 +501,7 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.q = RawOperand::of(q);
     a.keys = keys;
     a.widen = widen;
+    a.key_rows = mapped ? call.key_rows.const_data_ptr<int64_t>() : nullptr;
     if (raw_key) {
       a.key = RawOperand::of(k);
     } else {
@@ -527,6 +546,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) { m.impl("attention", &attention_kernel<attention_cpu>); }
+TORCH_LIBRARY_IMPL(entropy_attn, CPU, m) {
+  m.impl("attention", &attention_kernel<attention_cpu, /*kReadsKeyRows=*/true>);
+}
 
 }  // namespace entropy_attn::cpu

@@ -136,7 +136,7 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   const auto int32 = [](const std::vector<int32_t>& x) {
     return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
   };
-  const entropy_attn::DocumentArgs docs{int32(cu_q), int32(cu_k), std::nullopt};
+  const entropy_attn::DocumentArgs docs{int32(cu_q), int32(cu_k), std::nullopt, std::nullopt};
   const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
       causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true, window,
       "bottom_right", 0.0, 0.0, 0);

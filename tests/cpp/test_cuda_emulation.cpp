@@ -468,7 +468,7 @@ entropy_attn::DocumentArgs documents(const Inputs& in) {
   auto opt = [](const at::Tensor& t) {
     return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };
-  return {opt(in.cu_q), opt(in.cu_k), opt(in.seqused_k)};
+  return {opt(in.cu_q), opt(in.cu_k), opt(in.seqused_k), std::nullopt};
 }
 
 std::optional<at::Tensor> stat_grad(const Case& c, const at::Tensor& g) {

@@ -3,9 +3,9 @@ keys packed and against SDPA on a padded batch.
 
 A batch of sequences of different lengths (from half the longest to the longest), one query token
 each, their keys in pages of a shared pool in a shuffled order, as a serving engine keeps them.
-Three calls on the same keys: ours on the pages (``block_table``, which gathers them into a packed
-copy first), ours on the keys already packed (``cu_seq_k``: what the gather costs is the
-difference), and SDPA on a padded (B, Hkv, longest, D) cache with a boolean mask of each sequence's
+Three calls on the same keys: ours on the pages (``block_table``: the CPU kernels read the pool's
+tokens where they lie, through ``key_rows``), ours on the keys already packed (``cu_seq_k``: what
+reading them from pages costs is the difference), and SDPA on a padded (B, Hkv, longest, D) cache with a boolean mask of each sequence's
 keys (what a user without a paged kernel runs). All three are checked to agree, then timed
 interleaved over ``--repeats`` rounds in one process; it prints a Markdown table of the medians
 and of the median per-round ratios::

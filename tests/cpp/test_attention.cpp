@@ -60,12 +60,13 @@ AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const 
                                 const OptTensor&, const OptTensor&, bool, std::optional<double>,
                                 c10::string_view, double, double, bool, bool, c10::IntArrayRef,
                                 c10::string_view, double, const OptTensor&, double, int64_t,
-                                const OptTensor&, const OptTensor&, const OptTensor&)>();
+                                const OptTensor&, const OptTensor&, const OptTensor&,
+                                const OptTensor&)>();
   const std::array<int64_t, 2> no_window{-1, -1};
   auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] = op.call(
       q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode, a.temperature,
       a.log_base, a.enable_gqa, /*return_stats=*/true, no_window, "top_left", /*softcap=*/0.0,
-      std::nullopt, /*dropout_p=*/0.0, 0, std::nullopt, std::nullopt, std::nullopt);
+      std::nullopt, /*dropout_p=*/0.0, 0, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   return {out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff};
 }
 
@@ -871,7 +872,8 @@ TEST(AttentionPatterns, VarlenTakesEveryOptionOfTheSchema) {
 TEST(AttentionPatterns, VarlenReadsAPagedCache) {
   // A paged KV cache through the C++ API (block_table, cu_seq_k absent): pages of 4 tokens in a
   // shuffled pool, sequence 0 using 6 keys of pages 3 and 0, sequence 1 using 3 keys of page 2
-  // (its second column, -1, is never read), against the same keys packed.
+  // (its second column, -1, is never read), against the same keys packed. (The CPU kernels read
+  // them in the pool, through key_rows.)
   at::manual_seed(14);
   const at::Tensor q = at::randn({3, 2, 8}, at::kDouble);
   const at::Tensor k_pool = at::randn({4, 4, 2, 8}, at::kDouble);

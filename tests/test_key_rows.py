@@ -107,6 +107,28 @@ def test_nonfinite_values_reach_the_rows_that_see_them(device: str) -> None:
     assert out[:, 0].isnan().all() and out[:, 1].isinf().any() and out[:, 2].isfinite().all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_value_with_a_weight_of_zero(device: str) -> None:
+    """An infinite value whose key's weight underflows to 0 still reaches the row that sees it
+    (0 * inf = NaN), as the block products of the same keys gathered give it; the other rows stay
+    finite."""
+    case = CASES[0]
+    _, q_lens, k_lens, H, Hkv, kw = case
+    q, k_pool, v_pool, rows, _, _ = mapped_inputs(case, torch.float32, device)
+    spare = int(torch.isnan(k_pool[:, 0, 0]).nonzero()[0])  # a pool row no key names
+    rows = rows.clone()
+    rows[500] = spare  # a key of the third document (query row 2)
+    k_pool[spare] = -100 * q[2]  # a logit far below the row's others: weight 0 in float32
+    v_pool[spare] = float("inf")
+    cu_q, cu_k = offsets(q_lens, device), offsets(k_lens, device)
+    common: Dict[str, Any] = dict(cu_seq_q=cu_q, cu_seq_k=cu_k, causal_alignment="bottom_right", **kw)
+    got = ops.attention(dense(q), dense(k_pool), dense(v_pool), key_rows=rows, **common)
+    want = ops.attention(dense(q), dense(k_pool[rows]), dense(v_pool[rows]), **common)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+    out = got[0][0]
+    assert out[:, 2].isnan().all() and out[:, :2].isfinite().all()
+
+
 def _args() -> Dict[str, Any]:
     q, k_pool, v_pool, rows, _, _ = mapped_inputs(CASES[0], torch.float32, "cpu")
     return dict(query=dense(q), key=dense(k_pool), value=dense(v_pool), cu_seq_q=offsets(CASES[0][1]),

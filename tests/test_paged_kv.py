@@ -195,7 +195,8 @@ def test_paged_reads_the_keys_used() -> None:
     strided = dict(args, key=torch.cat([args["key"], args["key"]], 1)[:, :4],
                    value=torch.cat([args["value"], args["value"]], 1)[:, :4])
     with calls:
-        torch.testing.assert_close(torch_ext.varlen_attention(**strided), out, rtol=0, atol=0)
+        # (in place, a few rows' P V sums its terms in another order than the block product's)
+        torch.testing.assert_close(torch_ext.varlen_attention(**strided), out, rtol=1e-6, atol=1e-6)
     assert calls.calls[1] == ((1, 2, 14, 8), None)
     with calls:
         meta = torch_ext.varlen_attention(**{k: v.to("meta") if isinstance(v, Tensor) else v for k, v in args.items()})

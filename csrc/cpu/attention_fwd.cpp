@@ -135,9 +135,10 @@ struct TaskKeys {
 // (key_block_capacity x D).
 template <typename acc_t>
 struct FwdBuffers {
-  std::vector<acc_t> s, o, scratch, kt, v;  // v: a value block converted from 16 bits
-  std::vector<acc_t> q;                     // the block's query rows (rows x D), in acc_t
-  std::vector<uint8_t> v_flags;             // its non-finite rows
+  std::vector<acc_t> s, o, scratch, kt, v;         // v: a value block converted from 16 bits
+  std::vector<acc_t> q;                            // the block's query rows (rows x D), in acc_t
+  std::vector<const acc_t*> key_ptrs, value_ptrs;  // a block's rows in a pool (key_rows)
+  std::vector<uint8_t> v_flags;                    // its non-finite rows
   // With bfloat16 products: P in pairs' order (rows x an even number of keys), and where
   // transposes_key_blocks the block's K^T and V in pairs.
   std::vector<c10::BFloat16> p16, kt16, v16;
@@ -315,6 +316,13 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const bool per_block = a.keys == KeySource::kPerBlock;
   // (16-bit blocks converted as they stream, or float keys read as given)
   const bool convert = per_block && a.widen;
+  // Keys and values of acc_t in a pool (key_rows), which a few rows' products read where they lie.
+  constexpr at::ScalarType kAcc = c10::CppTypeToScalarType<acc_t>::value;
+  const bool in_pool = per_block && a.key_rows != nullptr && a.key.dtype == kAcc &&
+                       a.value.dtype == kAcc && rows <= kKeyRowScoreRows;
+  if (in_pool && buf.key_ptrs.empty()) {
+    buf.key_ptrs.resize(key_block_capacity(sh)), buf.value_ptrs.resize(key_block_capacity(sh));
+  }
   const acc_t* k = per_block && !pairs && !convert ? a.k.at(b, kvh) : nullptr;
   // (kt only where a block is transposed or converted: float rows read as stored need none)
   if (per_block && !pairs && (convert || rows > kKeyRowScoreRows) && buf.kt.empty()) {
@@ -355,6 +363,12 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     const int64_t n = std::min(kKvBlock, tile.hi - j0);
     if (pairs) {
       pair_scores(a, buf, keys, b, h, i0, rows, j0, n);
+    } else if (in_pool) {
+      for (int64_t j = 0; j < n; ++j) {
+        buf.key_ptrs[j] = a.key.template row<acc_t>(b, kvh, a.key_rows[j0 + j]);
+        buf.value_ptrs[j] = a.value.template row<acc_t>(b, kvh, a.key_rows[j0 + j]);
+      }
+      key_row_scores(rows, n, D, q, D, buf.key_ptrs.data(), s_buf.data(), n);
     } else if (per_block && rows <= kKeyRowScoreRows) {
       // (16-bit keys converted as stored, unit column stride: D apart)
       if (convert) {
@@ -394,6 +408,20 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
     };
     if (pairs) {
       pair_values(a, buf, keys, b, h, rows, j0, n, sees);
+      continue;
+    }
+    if (in_pool) {
+      weighted_value_rows(rows, n, Dv, s_buf.data(), n, buf.value_ptrs.data(), o_buf.data(), Dv);
+      // A weight of 0 (underflow, dropout) on a key the row sees still takes a non-finite value
+      // to the row (0 * inf = NaN), as the block products do.
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          const acc_t* v = buf.value_ptrs[j];
+          if (s_buf[r * n + j] != acc_t(0) || !sees(r, j) || !has_nonfinite(v, Dv)) continue;
+          acc_t* o = o_buf.data() + r * Dv;
+          for (int64_t d = 0; d < Dv; ++d) o[d] += acc_t(0) * v[d];
+        }
+      }
       continue;
     }
     // O += P V, a non-finite value reaching only the rows that see its key.

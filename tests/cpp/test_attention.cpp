@@ -56,12 +56,11 @@ AttentionResult call_dispatcher(const at::Tensor& q, const at::Tensor& k, const 
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::attention", "")
-          .typed<AttentionTuple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&, const OptTensor&, bool, std::optional<double>,
-                                c10::string_view, double, double, bool, bool, c10::IntArrayRef,
-                                c10::string_view, double, const OptTensor&, double, int64_t,
-                                const OptTensor&, const OptTensor&, const OptTensor&,
-                                const OptTensor&)>();
+          .typed<AttentionTuple(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+              const OptTensor&, bool, std::optional<double>, c10::string_view, double, double, bool,
+              bool, c10::IntArrayRef, c10::string_view, double, const OptTensor&, double, int64_t,
+              const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&)>();
   const std::array<int64_t, 2> no_window{-1, -1};
   auto [out, lse, ent, p2, pmax, n, lam, g, norm_ent, sparsity, eff] = op.call(
       q, k, v, a.attn_mask, a.scale, a.is_causal, a.scale_factor, a.scale_mode, a.temperature,

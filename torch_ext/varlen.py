@@ -74,8 +74,9 @@ def varlen_attention(
             value are then pools of pages (num_pages, page_size, Hkv, D / Dv), and sequence d's
             keys are the first ``seqused_k[d]`` (required) tokens of pages ``block_table[d, 0]``,
             ``block_table[d, 1]``, ...; entries past the pages it uses are not read, and pages
-            may be shared. ``cu_seq_k`` may be None (given, its lengths must hold seqused_k). The
-            pages a call uses are gathered into a packed copy before the kernels run.
+            may be shared. ``cu_seq_k`` may be None (given, its lengths must hold seqused_k). On
+            the CPU the kernels read the keys in the pool; on CUDA, and while torch.compile
+            traces, the pages a call uses are gathered into a packed copy first.
         return_aux: varlen_attn's ``AuxRequest``: with ``lse=True`` the result is
             ``(output, lse)``, lse of shape (H, T) (``stats.lse`` transposed); not with
             ``return_stats``, whose ``stats.lse`` it is.

@@ -94,7 +94,8 @@ SymAttentionShape check_attention_call(const at::Tensor& query, const at::Tensor
     check_key_rows(*docs.key_rows, key, docs.cu_seq_q.has_value(), query);
     s.kv_len = docs.key_rows->sym_size(0);
   }
-  check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, s, query);
+  check_documents(docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, s, query,
+                  docs.key_rows.has_value() ? "keys key_rows names" : "key tokens");
   return s;
 }
 

@@ -246,7 +246,7 @@ void check_seqused_k(const at::Tensor& seqused_k, const c10::SymInt& sequences,
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
                      const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
-                     const at::Tensor& query) {
+                     const at::Tensor& query, const char* keys) {
   if (!cu_seq_q.has_value() && !cu_seq_k.has_value()) {
     TORCH_CHECK_VALUE(!seqused_k.has_value(), "seqused_k needs cu_seq_q and cu_seq_k");
     return false;
@@ -281,7 +281,7 @@ bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
   }
   TORCH_CHECK_VALUE(q[n] == s.q_len, "cu_seq_q[-1] must equal the number of query tokens (",
                     s.q_len, "), got ", q[n]);
-  TORCH_CHECK_VALUE(k[n] == s.kv_len, "cu_seq_k[-1] must equal the number of key tokens (",
+  TORCH_CHECK_VALUE(k[n] == s.kv_len, "cu_seq_k[-1] must equal the number of ", keys, " (",
                     s.kv_len, "), got ", k[n]);
   if (seqused_k.has_value()) {
     const at::Tensor su = seqused_k->to(at::kCPU).contiguous();

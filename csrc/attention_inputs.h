@@ -77,10 +77,11 @@ void check_seqused_k(const at::Tensor& seqused_k, const c10::SymInt& sequences,
 // call); else checks them (int32 1-D offsets of N + 1 entries on query's device, a batch of 1;
 // and, unless on the Meta device, their values: cu[0] = 0, non-decreasing, the last
 // equal to the query / key tokens, 0 <= seqused_k <= each sequence's keys) and returns true.
+// `keys` names the key count in the errors (key_rows' length where it is given).
 bool check_documents(const std::optional<at::Tensor>& cu_seq_q,
                      const std::optional<at::Tensor>& cu_seq_k,
                      const std::optional<at::Tensor>& seqused_k, const SymAttentionShape& s,
-                     const at::Tensor& query);
+                     const at::Tensor& query, const char* keys = "key tokens");
 
 // key_rows (attention_call.h: DocumentArgs): int64 (keys,) on query's device, with packed
 // documents, and (unless on the Meta device or fake) each a row of key's dim 2; errors name it.

@@ -14,8 +14,37 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include "attention_call.h"
+#include "attention_inputs.h"
+
 namespace entropy_attn {
 namespace {
+
+// Where `attention`'s key_rows is given and its key would be cast: the rows it names gathered
+// first, so that a cast copies the keys the call reads, not a whole pool of pages (a paged KV
+// cache in float32 under a bfloat16 region: 97 ms for a 268 MB pool against 0.4 for the 256 keys
+// used). The rows are checked first, with the op's own errors.
+template <c10::DeviceType kDevice>
+void gather_rows_to_cast(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first,
+                         at::ScalarType dtype) {
+  const std::optional<int> rows_index = op.schema().argumentIndexWithName("key_rows");
+  if (!rows_index.has_value() || !(*stack)[first + *rows_index].isTensor()) return;
+  const at::Tensor &query = (*stack)[first].toTensor(), &key = (*stack)[first + 1].toTensor(),
+                   &value = (*stack)[first + 2].toTensor();
+  if (!key.is_floating_point() || key.scalar_type() == at::kDouble || key.scalar_type() == dtype ||
+      key.device().type() != kDevice || key.dim() != 4 || value.dim() != 4 ||
+      value.size(2) != key.size(2)) {
+    return;  // (not cast, or the op's checks report the key and value)
+  }
+  const at::Tensor rows = (*stack)[first + *rows_index].toTensor();
+  const std::optional<int> cu_index = op.schema().argumentIndexWithName("cu_seq_q");
+  check_key_rows(rows, key, cu_index.has_value() && !(*stack)[first + *cu_index].isNone(), query);
+  at::Tensor gathered_key = gather_key_rows(key, rows),
+             gathered_value = gather_key_rows(value, rows);
+  (*stack)[first + 1] = std::move(gathered_key);
+  (*stack)[first + 2] = std::move(gathered_value);
+  (*stack)[first + *rows_index] = c10::IValue();
+}
 
 // Casts the op's first kTensors arguments (query, key[, value]) and calls the op again with this
 // device's autocast key excluded (the next key then runs: autograd, or the device kernel).
@@ -24,6 +53,7 @@ void autocast_leading_tensors(const c10::OperatorHandle& op, c10::DispatchKeySet
                               torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  gather_rows_to_cast<kDevice>(op, stack, first, dtype);
   for (size_t i = first; i < first + kTensors; ++i) {
     c10::IValue& arg = (*stack)[i];
     if (arg.isTensor()) arg = at::autocast::cached_cast(dtype, arg.toTensor(), kDevice);

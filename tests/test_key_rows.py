@@ -144,7 +144,7 @@ def _args() -> Dict[str, Any]:
         (dict(attn_mask=torch.ones(1, 1, 3, 1045, dtype=torch.bool)), ValueError, "key_rows does not take attn_mask"),
         (dict(key_rows=torch.full((1045,), 1142)), ValueError, r"key_rows\[0\] = 1142 is not a row of key \(its dim 2 has 1142\)"),
         (dict(key_rows=torch.full((1045,), -1)), ValueError, r"key_rows\[0\] = -1 is not a row of key"),
-        (dict(key_rows=torch.zeros(1044, dtype=torch.int64)), ValueError, r"cu_seq_k\[-1\] must equal the number of key tokens \(1044\)"),
+        (dict(key_rows=torch.zeros(1044, dtype=torch.int64)), ValueError, r"cu_seq_k\[-1\] must equal the number of keys key_rows names \(1044\)"),
     ],
 )
 def test_bad_arguments(change: Dict[str, Any], error: type, match: str) -> None:
@@ -152,6 +152,41 @@ def test_bad_arguments(change: Dict[str, Any], error: type, match: str) -> None:
     args.update(change)
     with pytest.raises(error, match=match):
         ops.attention(**args)
+
+
+class _AttentionKeys(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the key's shape and dtype and whether key_rows is given, for every call of
+    ``attention`` that reaches the kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[Tuple[Tuple[int, ...], torch.dtype, bool]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is ops.attention.default:
+            self.calls.append((tuple(args[1].shape), args[1].dtype, (kwargs or {}).get("key_rows") is not None))
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_casts_the_named_rows() -> None:
+    """Under torch.autocast a float32 pool's named rows are gathered before the cast, which would
+    otherwise copy the whole pool on every call; the result is that of the gathered keys. A pool
+    autocast leaves as it is (float64 here) stays in place."""
+    args = _args()  # a pool of 1142 rows, 1045 of them named
+    rows = args["key_rows"]
+    gathered = dict(args, key=args["key"][:, :, rows], value=args["value"][:, :, rows], key_rows=None)
+    calls = _AttentionKeys()
+    with torch.autocast("cpu", dtype=torch.bfloat16), calls:
+        got = ops.attention(**args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ops.attention(**gathered)
+    assert calls.calls == [((1, 2, 1045, 16), torch.bfloat16, False)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    f64 = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in args.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16), calls:
+        ops.attention(**f64)
+    assert calls.calls[1] == ((1, 2, 1142, 16), torch.float64, True)
 
 
 def test_inference_only() -> None:

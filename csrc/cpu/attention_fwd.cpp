@@ -498,9 +498,14 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
   const KeySource keys = transposes_key_blocks(sh, call.key_pattern()) ? KeySource::kPerBlock
                          : threads_convert_keys(sh) && rows_as_given   ? KeySource::kThread
                                                                        : KeySource::kWhole;
+  // (Mapped tasks multiply in float: where the packed keys would take bfloat16 products, a
+  // prefill reading each key from many rows, 2 x 512 rows against 2 x 4096 keys, took 389 ms
+  // mapped against 221 gathered; decoding, whose tasks convert blocks, is mapped.)
   if (mapped &&
-      (keys == KeySource::kWhole || !has_unit_last_stride(key) || !has_unit_last_stride(value))) {
-    // The keys converted whole (or rows that are not rows in memory): the rows gathered first.
+      (keys == KeySource::kWhole || !has_unit_last_stride(key) || !has_unit_last_stride(value) ||
+       (keys != KeySource::kPerBlock && uses_bf16_products(call, key)))) {
+    // The keys converted whole, bfloat16 products, or rows that are not rows in memory: the rows
+    // gathered first.
     AttentionCall gathered = call;
     gathered.key_rows = at::Tensor();
     return attention_cpu(query, gather_key_rows(key, call.key_rows),

@@ -76,9 +76,10 @@ struct FwdArgs {
   // products. (Decoding converts its blocks as they stream: a conversion of the whole cache costs
   // as much as the copy the per-block path avoids; bfloat16 decoding took 3.8x SDPA's time.)
   RawOperand key, value;
-  // The call's key_rows, or null (key j is row j): with it the tasks convert every key and value
-  // row they read (KeySource kPerBlock or kThread, `widen` also for float inputs), from row
-  // key_rows[j] of `key` and `value`, a paged KV cache's pool read where it lies.
+  // The call's key_rows, or null (key j is row j): with it the tasks read key j from row
+  // key_rows[j] of `key` and `value`, a paged KV cache's pool, where it lies (KeySource kPerBlock
+  // or kThread): a few rows' products of float inputs through row pointers, the rest converting
+  // the rows (`widen` also for float inputs).
   const int64_t* key_rows;
   // kt: K^T (B, Hkv, D, Lk) in acc_t (kWhole); k: K as given (kPerBlock, float inputs).
   Strided4<acc_t> kt, k;
@@ -482,9 +483,10 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const AttentionCall& call) {
   const AttentionShape& sh = call.shape;
   const at::ScalarType acc = call.acc;
-  // key_rows (a paged KV cache's pool): the tasks convert the rows they read through it, in float
-  // products (so K and V are widened, or copied for float inputs, a block or a thread's keys at a
-  // time: the copies stay in cache where a gathered copy of the keys would be fresh memory).
+  // key_rows (a paged KV cache's pool): the tasks read the rows through it, in float products (K
+  // and V widened, or for float inputs read in place by a few rows' products and else copied, a
+  // block or a thread's keys at a time: the copies stay in cache where a gathered copy of the keys
+  // would be fresh memory).
   const bool mapped = call.key_rows.defined();
   const bool pairs = !mapped && uses_bf16_products(call, key);
   const bool widen = (call.dtype != acc && !pairs) || mapped;
@@ -500,7 +502,8 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                                                        : KeySource::kWhole;
   // (Mapped tasks multiply in float: where the packed keys would take bfloat16 products, a
   // prefill reading each key from many rows, 2 x 512 rows against 2 x 4096 keys, took 389 ms
-  // mapped against 221 gathered; decoding, whose tasks convert blocks, is mapped.)
+  // mapped against 242 gathered, 221 on the keys packed; decoding, whose tasks convert blocks as
+  // they stream, is mapped.)
   if (mapped &&
       (keys == KeySource::kWhole || !has_unit_last_stride(key) || !has_unit_last_stride(value) ||
        (keys != KeySource::kPerBlock && uses_bf16_products(call, key)))) {

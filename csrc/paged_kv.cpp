@@ -1,7 +1,8 @@
 // varlen_attention's paged KV cache: checks, then the pages as packed documents.
 //
 // The CPU kernels read an eager call's keys in the pool, each packed key through key_rows (the
-// token it is), converting them a block or a thread's keys at a time as they do 16-bit keys. The
+// token it is): decoding's few rows through row pointers, the rest converting them a block or a
+// thread's keys at a time as they do 16-bit keys (csrc/cpu/attention_fwd.cpp). The
 // CUDA kernels read keys at a fixed stride from one base (packed documents, attention_call.h), so
 // there a paged call runs them on a copy of the keys its sequences use: O(keys x D), against the
 // O(rows x keys x D) of the attention, and for decoding (one row per sequence) a second pass over

@@ -293,7 +293,9 @@ def test_compile_runs_the_call_between_graphs() -> None:
         assert torch.equal(got, want)
         torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
     whole = torch.compile(torch_ext.varlen_attention, fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match="num_splits=1 reads cu_seq_q and cu_seq_k on the host"):
+    # (the break's own reason, not a failure of the op under fake tensors)
+    with pytest.raises(Exception, match="(?s)torch.compiler.disable.*num_splits=1 reads cu_seq_q and cu_seq_k "
+                                        "on the host.*runs eagerly, between graphs"):
         whole(**_args())
     traced_op = torch.compile(torch.ops.entropy_attn.varlen_attention, fullgraph=True, backend="eager")
     args = _args()

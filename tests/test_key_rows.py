@@ -88,6 +88,27 @@ def test_matches_reference(device: str, threads: int, case: Tuple[Any, ...], dty
     assert_outputs_match(packed(got), want, dtype)
 
 
+def test_bfloat16_prefill_gathers_the_rows() -> None:
+    """Where the keys packed would be multiplied as bfloat16 pairs other than block by block (a
+    prefill read by many rows, one thread converting its keys), the rows are gathered first, so the
+    call gives the bits of the gathered keys; reading them in place would multiply them widened to
+    float (on CPUs without the bfloat16 kernel both calls widen them)."""
+    case = CASES[2]  # prefill
+    _, q_lens, k_lens, H, Hkv, kw = case
+    q, k_pool, v_pool, rows, _, _ = mapped_inputs(case, torch.bfloat16, "cpu")
+    common: Dict[str, Any] = dict(cu_seq_q=offsets(q_lens), cu_seq_k=offsets(k_lens), causal_alignment="bottom_right",
+                                  **kw)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = ops.attention(dense(q), dense(k_pool), dense(v_pool), key_rows=rows, **common)
+        want = ops.attention(dense(q), dense(k_pool[rows]), dense(v_pool[rows]), **common)
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nonfinite_values_reach_the_rows_that_see_them(device: str) -> None:
     """A named row holding an infinity in V (or a NaN in K) gives what the same keys gathered give:
@@ -154,17 +175,18 @@ def test_bad_arguments(change: Dict[str, Any], error: type, match: str) -> None:
         ops.attention(**args)
 
 
-class _AttentionKeys(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the key's shape and dtype and whether key_rows is given, for every call of
+class KeyArguments(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the key's shape and dtype and the number of key_rows (None: absent) of every call of
     ``attention`` that reaches the kernels."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: List[Tuple[Tuple[int, ...], torch.dtype, bool]] = []
+        self.calls: List[Tuple[Tuple[int, ...], torch.dtype, Any]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is ops.attention.default:
-            self.calls.append((tuple(args[1].shape), args[1].dtype, (kwargs or {}).get("key_rows") is not None))
+            rows = (kwargs or {}).get("key_rows")
+            self.calls.append((tuple(args[1].shape), args[1].dtype, None if rows is None else rows.numel()))
         return func(*args, **(kwargs or {}))
 
 
@@ -175,18 +197,18 @@ def test_autocast_casts_the_named_rows() -> None:
     args = _args()  # a pool of 1142 rows, 1045 of them named
     rows = args["key_rows"]
     gathered = dict(args, key=args["key"][:, :, rows], value=args["value"][:, :, rows], key_rows=None)
-    calls = _AttentionKeys()
+    calls = KeyArguments()
     with torch.autocast("cpu", dtype=torch.bfloat16), calls:
         got = ops.attention(**args)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = ops.attention(**gathered)
-    assert calls.calls == [((1, 2, 1045, 16), torch.bfloat16, False)]
+    assert calls.calls == [((1, 2, 1045, 16), torch.bfloat16, None)]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     f64 = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in args.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16), calls:
         ops.attention(**f64)
-    assert calls.calls[1] == ((1, 2, 1142, 16), torch.float64, True)
+    assert calls.calls[1] == ((1, 2, 1142, 16), torch.float64, 1045)
 
 
 def test_inference_only() -> None:

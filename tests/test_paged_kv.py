@@ -162,21 +162,6 @@ def test_paged_reads_only_the_columns_max_k_needs() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-class _KeyArguments(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the key's shape and the number of key_rows (None: absent) of every call of the
-    dense ``attention`` op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: List[Tuple[Tuple[int, ...], Any]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.entropy_attn.attention.default:
-            rows = (kwargs or {}).get("key_rows")
-            self.calls.append((tuple(args[1].shape), None if rows is None else rows.numel()))
-        return func(*args, **(kwargs or {}))
-
-
 def test_paged_reads_the_keys_used() -> None:
     """An eager call reads exactly the keys each sequence uses (the dense op sees sum(seqused_k)
     keys): on the CPU in the pool, named by key_rows (a pool whose pages do not merge with their
@@ -187,23 +172,25 @@ def test_paged_reads_the_keys_used() -> None:
     args = _paged_args()  # sequences of 5 and 9 keys in pages of 4
     args.update(max_k=4096, block_table=torch.cat([args["block_table"], torch.zeros(2, 2000, dtype=torch.int32)], 1))
     pool_tokens = args["key"].shape[0] * args["key"].shape[1]
-    calls = _KeyArguments()
+    from test_key_rows import KeyArguments
+
+    calls = KeyArguments()
     with calls:
         out = torch_ext.varlen_attention(**args)
-    assert calls.calls == [((1, 2, pool_tokens, 8), 14)]
+    assert calls.calls == [((1, 2, pool_tokens, 8), torch.float32, 14)]
     # The same pool as the first halves of pages twice as large: pages and tokens do not merge.
     strided = dict(args, key=torch.cat([args["key"], args["key"]], 1)[:, :4],
                    value=torch.cat([args["value"], args["value"]], 1)[:, :4])
     with calls:
         # (in place, a few rows' P V sums its terms in another order than the block product's)
         torch.testing.assert_close(torch_ext.varlen_attention(**strided), out, rtol=1e-6, atol=1e-6)
-    assert calls.calls[1] == ((1, 2, 14, 8), None)
+    assert calls.calls[1] == ((1, 2, 14, 8), torch.float32, None)
     with calls:
         meta = torch_ext.varlen_attention(**{k: v.to("meta") if isinstance(v, Tensor) else v for k, v in args.items()})
-    assert calls.calls[2] == ((1, 2, 2 * 1024 * 4, 8), None) and meta.shape == out.shape
+    assert calls.calls[2] == ((1, 2, 2 * 1024 * 4, 8), torch.float32, None) and meta.shape == out.shape
     with calls:
         torch_ext.varlen_attention(**args, num_splits=1)
-    assert calls.calls[3:] == [((1, 2, 5, 8), None), ((1, 2, 9, 8), None)]
+    assert calls.calls[3:] == [((1, 2, 5, 8), torch.float32, None), ((1, 2, 9, 8), torch.float32, None)]
 
 
 def test_return_aux_lse() -> None:

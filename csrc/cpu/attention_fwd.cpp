@@ -319,8 +319,9 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
   const bool convert = per_block && a.widen;
   // Keys and values of acc_t in a pool (key_rows), which a few rows' products read where they lie.
   constexpr at::ScalarType kAcc = c10::CppTypeToScalarType<acc_t>::value;
-  const bool in_pool = per_block && a.key_rows != nullptr && a.key.dtype == kAcc &&
-                       a.value.dtype == kAcc && rows <= kKeyRowScoreRows;
+  // (key and value share a dtype: prepare_attention checks it)
+  const bool in_pool =
+      per_block && a.key_rows != nullptr && a.key.dtype == kAcc && rows <= kKeyRowScoreRows;
   if (in_pool && buf.key_ptrs.empty()) {
     buf.key_ptrs.resize(key_block_capacity(sh)), buf.value_ptrs.resize(key_block_capacity(sh));
   }

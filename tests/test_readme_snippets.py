@@ -51,3 +51,11 @@ def test_readme_usage_varlen_and_merge_snippets_run() -> None:
     torch.testing.assert_close(ns["out"], whole, atol=1e-5, rtol=1e-5)  # "= one call, to rounding"
     torch.testing.assert_close(ns["stats"].entropy, whole_stats.entropy, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ns["stats"].effective_keys, whole_stats.effective_keys, atol=1e-3, rtol=1e-5)
+
+    exec(_block("torch_ext.attention(q.transpose(1, 2)"), ns)  # nested (jagged) tensors
+    out, stats = ns["out"], ns["stats"]
+    assert out.shape[:2] == (2, 8) and stats.entropy.shape[:2] == (2, 8)
+    for seq, o, n in zip(ns["q"].unbind(), out.unbind(), stats.n_keys.unbind()):
+        x = seq.transpose(0, 1)[None]
+        torch.testing.assert_close(o, torch_ext.attention(x, x, x, is_causal=True, scale="logn")[0])
+        assert n[0].tolist() == list(range(1, seq.shape[0] + 1))  # n_i per sequence

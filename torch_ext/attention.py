@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from torch_ext import _functorch
+from torch_ext import nested as _nested
 
 __all__ = ["AttentionStats", "attention", "attention_sparsity", "length_factor"]
 
@@ -140,7 +141,7 @@ def _flag(x: object, name: str) -> bool:
 def _check_tensors(**named: object) -> None:
     """A TypeError naming the first argument that is not a tensor (``None`` where optional:
     pass those as ``name=(value, True)``), or not a dense one (NotImplementedError for a nested
-    tensor, which SDPA takes)."""
+    tensor; :func:`attention` takes jagged ones, torch_ext/nested.py)."""
     for name, x in named.items():
         optional = isinstance(x, tuple)
         if optional:
@@ -304,7 +305,12 @@ def attention(
 
     Args:
         query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv). float32, float64,
-            bfloat16 or float16, one dtype and device; any strides.
+            bfloat16 or float16, one dtype and device; any strides. Or, as SDPA takes them, all
+            three nested tensors of layout ``torch.jagged``, (B, H, j, D) ragged in the sequences
+            (sequences of different lengths, query's and key's apart, without padding): each
+            attends to its own keys, and n_i counts them; no ``attn_mask``, and a scale tensor
+            broadcasts to (B, H, 1). The output and the statistics are then jagged too,
+            (B, H, j, Dv) with query's offsets and (B, H, j).
         attn_mask: bool (True = attend) or additive float mask, broadcastable to (B, H, Lq, Lk).
             An additive mask that requires grad (a learned bias) gets its gradient.
         is_causal: causal masking aligned top-left, as ``scaled_dot_product_attention``; combines
@@ -346,15 +352,21 @@ def attention(
         The output (B, H, Lq, Dv) in query's dtype, or ``(output, stats)``. Rows that can attend
         to no key give output 0 and statistics 0 (with sinks: the whole weight on the sink).
     """
+    jagged = None
     if not (query is not None and key is not None and value is not None
             and _dense_tensors(query, key, value, attn_mask, sinks)):
+        if any(_nested.is_jagged(x) for x in (query, key, value)):
+            # Sequences without padding: the op's packed documents (torch_ext/nested.py).
+            jagged = _nested.pack(query, key, value, attn_mask)
+            query, key, value = jagged.query, jagged.key, jagged.value
+        _nested.refuse_strided(query=query, key=key, value=value)
         _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True), sinks=(sinks, True))
     return_stats = _flag(return_stats, "return_stats")
     is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
     if enable_gqa and key.dim() >= 3 and value.dim() >= 3 and key.shape[-3] != value.shape[-3]:
         key, value = _gqa_kv_heads(query, key, value)
-    if _plain_call(scale, temperature, train_length, scale_factor, window_size, causal_alignment, softcap,
-                   dropout_p, generator):
+    if jagged is None and _plain_call(scale, temperature, train_length, scale_factor, window_size, causal_alignment,
+                                      softcap, dropout_p, generator):
         options = _plain_options(scale, scale_factor, train_length, is_causal, enable_gqa, return_stats, sinks)
         res = _ATTENTION(query, key, value, attn_mask, None, **options)
     else:
@@ -362,11 +374,19 @@ def attention(
         pattern = _pattern_args(window_size, causal_alignment, softcap, dropout_p, generator)
         # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
         options = dict(is_causal=is_causal, enable_gqa=enable_gqa, return_stats=return_stats, **policy, **pattern)
+        if jagged is not None:
+            if _functorch.transforms_active():
+                raise NotImplementedError("torch.func transforms of attention on jagged nested tensors")
+            if scale_tensor is not None:
+                scale_tensor = jagged.per_row(scale_tensor)
+            options.update(cu_seq_q=jagged.cu_seq_q, cu_seq_k=jagged.cu_seq_k)
         if _functorch.transforms_active():
             res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
         else:
             options = _explicit(options, _ATTENTION_DEFAULTS)
             res = _ATTENTION(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
+        if jagged is not None:
+            res = (jagged.jagged(res[0]), *(jagged.jagged(x) if return_stats else x for x in res[1:]))
     if not return_stats:
         return res[0]
     return res[0], _stats(res)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from torch_ext import monitor as _monitor
+from torch_ext import nested as _nested
 from torch_ext.attention import _SCALE_MODES, AttentionStats, _is_real, _policy_args, attention
 from torch_ext.varlen import varlen_attention
 
@@ -124,16 +125,23 @@ def attend(
     bool tell the monitor each row's token position (default: the row index) and which rows are
     real tokens (default: those that see a key). ``return_stats`` also returns the statistics.
     ``features`` go to :func:`torch_ext.attention` as they are: ``window_size``,
-    ``causal_alignment``, ``softcap``, ``sinks``, ``dropout_p``.
+    ``causal_alignment``, ``softcap``, ``sinks``, ``dropout_p``. Jagged nested query, key and
+    value (torch_ext/nested.py) report each row's position in its own sequence.
     """
-    query, key, value, attn_mask = sdpa_conventions(query, key, value, attn_mask)
+    jagged = _nested.is_jagged(query)
+    if not jagged:  # (jagged tensors take neither a mask nor a batch to broadcast)
+        query, key, value, attn_mask = sdpa_conventions(query, key, value, attn_mask)
     kwargs = {**policy.attention_kwargs(query.shape[-1], base_scale, multiplier), **features}
     if not (return_stats or _monitor.is_recording()):
         return attention(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
     out, stats = attention(
         query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, return_stats=True, **kwargs
     )
-    _monitor.record(stats, module, positions, rows, features.get("sinks"))
+    if jagged:  # each row's position in its own sequence, as for packed documents
+        packed, positions, rows = _nested.monitor_view(stats)
+        _monitor.record(AttentionStats(*packed), module, positions, rows, features.get("sinks"))
+    else:
+        _monitor.record(stats, module, positions, rows, features.get("sinks"))
     return (out, stats) if return_stats else out
 
 

@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+
 from torch_ext.attention import _check_tensors, _dense_tensors, _gqa_kv_heads
+from torch_ext.nested import is_jagged, refuse_strided
 from torch_ext.policy import AttentionPolicy, attend
 
 __all__ = ["replace_sdpa"]
@@ -36,9 +39,12 @@ def _routed_sdpa(
     (and the mask), the third from last being the heads (3-D inputs (N, L, E): one head each,
     or, with ``enable_gqa``, N heads, as SDPA groups them; 2-D: one sequence). They are
     flattened to the op's (B, H, L, E), expanded where they broadcast (as SDPA's math does), and
-    the output is given the broadcast shape back.
+    the output is given the broadcast shape back. Jagged nested tensors: :func:`_jagged_sdpa`.
     """
     if not _dense_tensors(query, key, value, attn_mask):
+        if any(is_jagged(x) for x in (query, key, value)):
+            return _jagged_sdpa(policy, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        refuse_strided(query=query, key=key, value=value)
         # (before the reshapes below, which fail on a nested tensor with ATen's words)
         _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True))
     if is_causal and attn_mask is not None:
@@ -112,6 +118,39 @@ def _routed_sdpa(
     return out.squeeze(-3) if one_head else out
 
 
+def _jagged_sdpa(
+    policy: AttentionPolicy,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA's two kinds of jagged nested inputs. Ragged in a batch dim in front of dense sequences
+    ((B, j, ..., L, E), SAM's): the dense call on their buffers, its output given query's offsets.
+    Otherwise (B, H, j, E), ragged in the sequences: packed documents (torch_ext/nested.py), whose
+    :func:`torch_ext.attention` raises what it does not take, naming it."""
+    if all(is_jagged(x) and x.dim() > 3 and x._ragged_idx == 1 for x in (query, key, value)):
+        mask = attn_mask.values() if is_jagged(attn_mask) else attn_mask
+        out = _routed_sdpa(
+            policy, query.values(), key.values(), value.values(), mask, dropout_p, is_causal, scale, enable_gqa
+        )
+        return nested_view_from_values_offsets_lengths(
+            out,
+            query.offsets(),
+            query.lengths(),
+            min_seqlen=query._maybe_min_seqlen,
+            max_seqlen=query._maybe_max_seqlen,
+        )
+    return attend(
+        query, key, value, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa, base_scale=scale,
+        dropout_p=dropout_p,
+    )
+
+
 class replace_sdpa(TorchFunctionMode):
     """Context manager: inside it, every ``torch.nn.functional.scaled_dot_product_attention`` call
     (however it was imported) runs on the fused op under the given policy.
@@ -123,11 +162,13 @@ class replace_sdpa(TorchFunctionMode):
     A :class:`~torch_ext.AttentionEntropyMonitor` that records sees these calls, named by the
     innermost module running. It is a ``TorchFunctionMode``: thread-local, nestable (the innermost
     applies), and traced by ``torch.compile`` when active around the compiled call. Inputs of any
-    layout SDPA takes ((..., L, E), broadcasting leading dims) but nested tensors, which raise
-    ``NotImplementedError`` (pack them for :func:`torch_ext.varlen_attention`); ``dropout_p`` applies the op's
-    attention dropout (pass it in training only, as SDPA's callers do). Float-mask entries at or below
-    ``finfo.min / 2`` count as masked (out of n_i); a row with every key masked gives 0, as SDPA
-    gives for ``-inf`` and bool masks (SDPA gives the mean of the values for a ``finfo.min`` mask).
+    layout SDPA takes: (..., L, E), broadcasting leading dims, and nested tensors of the jagged
+    layout (sequences of different lengths, (B, H, j, E), run without padding; or ragged in a
+    batch dim, SAM's); nested tensors of the strided layout raise ``NotImplementedError``.
+    ``dropout_p`` applies the op's attention dropout (pass it in training only, as SDPA's callers
+    do). Float-mask entries at or below ``finfo.min / 2`` count as masked (out of n_i); a row with
+    every key masked gives 0, as SDPA gives for ``-inf`` and bool masks (SDPA gives the mean of the
+    values for a ``finfo.min`` mask).
 
     Not with activation checkpointing (``torch.utils.checkpoint``, transformers'
     ``gradient_checkpointing_enable()``): the backward re-runs the forward outside the mode (the

@@ -1,0 +1,286 @@
+"""Jagged nested tensors (torch_ext/nested.py) in torch_ext.attention and the SDPA drop-in: each
+sequence against the float64 reference run on it alone, gradients (and gradcheck through the
+nested tensors), holes, torch's own SDPA on nested tensors, the monitor, torch.compile, errors."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import gradcheck
+
+import torch_ext
+from conftest import DEVICES, GRAD_TOL, OUT_TOL, STAT_TOL
+from reference import reference_attention
+
+F64 = torch.float64
+STATS = ("lse", "entropy", "normalized_entropy", "sparsity", "effective_keys", "max_weight", "n_keys", "scale")
+
+
+def sequences(lengths: Sequence[int], heads: int, dim: int, gen: torch.Generator) -> List[Tensor]:
+    """float64 (L, H, D) sequences."""
+    return [torch.randn(n, heads, dim, generator=gen, dtype=F64) for n in lengths]
+
+
+def jagged(seqs: Sequence[Tensor], dtype: torch.dtype, device: str) -> Tensor:
+    """The sequences as one jagged (B, H, j, D) tensor."""
+    return leaf(seqs, dtype, device, requires_grad=False).transpose(1, 2)
+
+
+def leaf(seqs: Sequence[Tensor], dtype: torch.dtype, device: str, requires_grad: bool = True) -> Tensor:
+    """The sequences as one jagged (B, j, H, D) leaf tensor."""
+    return torch.nested.nested_tensor([s.to(device=device, dtype=dtype) for s in seqs], layout=torch.jagged,
+                                      requires_grad=requires_grad)
+
+
+def dense(seq: Tensor) -> Tensor:
+    """A sequence (L, H, D) as a call of its own, (1, H, L, D)."""
+    return seq.transpose(0, 1).unsqueeze(0)
+
+
+# (query lengths, key lengths, H, Hkv, options): self- and cross-attention, an empty sequence, GQA,
+# both causal alignments, a window, softcap, sinks, temperature and a per-sequence scale tensor.
+CASES: List[Tuple[List[int], List[int] | None, int, int, Dict[str, Any]]] = [
+    ([5, 0, 17, 1], None, 4, 2, dict(is_causal=True, scale="logn", train_length=8, enable_gqa=True)),
+    ([3, 8], [10, 2], 2, 2, dict(temperature=0.7)),
+    ([6, 9], [9, 4], 2, 1, dict(is_causal=True, causal_alignment="bottom_right", window_size=(3, 0), softcap=4.0,
+                                enable_gqa=True)),
+    ([4, 12, 7], None, 2, 2, dict(is_causal=True, sinks=True)),
+    ([7, 3], [5, 11], 2, 2, dict(scale="scale_tensor")),
+]
+
+
+def call_options(options: Dict[str, Any], batch: int, heads: int, gen: torch.Generator, device: str
+                 ) -> Tuple[Dict[str, Any], Tensor | None]:
+    """The options with their tensors made: sinks (H,), a scale tensor (B, H, 1). Also returns the
+    scale tensor (None without one)."""
+    out = dict(options)
+    scale = None
+    if out.get("sinks"):
+        out["sinks"] = torch.randn(heads, generator=gen, dtype=F64).to(device)
+    if out.get("scale") == "scale_tensor":
+        scale = (0.2 + torch.rand(batch, heads, 1, generator=gen, dtype=F64)).to(device)
+        out["scale"] = scale
+    return out, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_each_sequence_matches_the_reference(case: int, dtype: torch.dtype, device: str) -> None:
+    q_lens, k_lens, H, Hkv, options = CASES[case]
+    k_lens = k_lens or q_lens
+    gen = torch.Generator().manual_seed(case)
+    qs, ks, vs = sequences(q_lens, H, 16, gen), sequences(k_lens, Hkv, 16, gen), sequences(k_lens, Hkv, 16, gen)
+    options, scale = call_options(options, len(q_lens), H, gen, device)
+    out, stats = torch_ext.attention(jagged(qs, dtype, device), jagged(ks, dtype, device), jagged(vs, dtype, device),
+                                     return_stats=True, **options)
+    assert out.is_nested and out.shape[:2] == (len(q_lens), H) and out.dtype == dtype
+    assert all(s.is_nested and s.shape[:2] == (len(q_lens), H) for s in stats)
+    outs, per_stat = out.unbind(), {name: getattr(stats, name).unbind() for name in STATS}
+    for b, (q, k, v) in enumerate(zip(qs, ks, vs)):
+        ref_options = dict(options, sinks=options["sinks"].cpu()) if "sinks" in options else dict(options)
+        if scale is not None:
+            ref_options["scale"] = scale[b : b + 1].cpu()
+        ref = reference_attention(dense(q.to(dtype)), dense(k.to(dtype)), dense(v.to(dtype)), **ref_options)
+        atol, rtol = OUT_TOL[dtype]
+        torch.testing.assert_close(outs[b].cpu().double(), ref.output[0], atol=atol, rtol=rtol)
+        atol, rtol = STAT_TOL[dtype]
+        for name in STATS:
+            expected = getattr(ref, {"scale": "row_scale"}.get(name, name))[0]
+            got = per_stat[name][b].cpu()
+            if name == "n_keys":
+                assert torch.equal(got, expected)
+            else:
+                torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradients_match_each_sequence_alone(dtype: torch.dtype, device: str) -> None:
+    """Gradients of query, key, value, the sinks and a per-sequence scale tensor, through the output
+    and the entropy, against each sequence's own call."""
+    gen = torch.Generator().manual_seed(7)
+    q_lens, k_lens, H = [6, 1, 11], [9, 4, 11], 2
+    qs, ks, vs = sequences(q_lens, H, 8, gen), sequences(k_lens, H, 8, gen), sequences(k_lens, H, 8, gen)
+    sinks = torch.randn(H, generator=gen, dtype=F64).to(device=device, dtype=dtype).requires_grad_()
+    scale = (0.3 + torch.rand(3, H, 1, generator=gen, dtype=F64)).to(device=device, dtype=dtype).requires_grad_()
+    nq, nk, nv = (leaf(x, dtype, device) for x in (qs, ks, vs))
+    out, stats = torch_ext.attention(nq.transpose(1, 2), nk.transpose(1, 2), nv.transpose(1, 2), is_causal=True,
+                                     causal_alignment="bottom_right", sinks=sinks, scale=scale, return_stats=True)
+    (out.values().square().sum() + stats.entropy.values().sum()).backward()
+    for b in range(3):
+        q, k, v = (dense(x[b]).to(device=device, dtype=dtype).requires_grad_() for x in (qs, ks, vs))
+        s = sinks.detach().clone().requires_grad_()
+        c = scale.detach()[b : b + 1].clone().requires_grad_()
+        o, st = torch_ext.attention(q, k, v, is_causal=True, causal_alignment="bottom_right", sinks=s, scale=c,
+                                    return_stats=True)
+        (o.square().sum() + st.entropy.sum()).backward()
+        # (the jagged tensors' components are (L, H, D), the dense call's (1, H, L, D))
+        for got, expected in ((nq.grad.unbind()[b], q.grad[0].transpose(0, 1)),
+                              (nk.grad.unbind()[b], k.grad[0].transpose(0, 1)),
+                              (nv.grad.unbind()[b], v.grad[0].transpose(0, 1)), (scale.grad[b : b + 1], c.grad)):
+            err = (got - expected).norm() / expected.norm().clamp_min(1e-30)
+            assert err < GRAD_TOL[dtype]
+        if b == 0:
+            sink_grad = s.grad
+        else:
+            sink_grad = sink_grad + s.grad
+    torch.testing.assert_close(sinks.grad, sink_grad, rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
+
+
+def test_gradcheck_through_nested_tensors() -> None:
+    """float64 gradcheck of the whole path: values -> jagged tensors -> attention -> the output's and
+    the statistics' values."""
+    gen = torch.Generator().manual_seed(3)
+    offsets_q, offsets_k = torch.tensor([0, 3, 4, 8]), torch.tensor([0, 5, 7, 9])
+    q = torch.randn(8, 2, 4, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(9, 1, 4, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(9, 1, 3, generator=gen, dtype=F64, requires_grad=True)
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        nq = torch.nested.nested_tensor_from_jagged(q, offsets_q).transpose(1, 2)
+        nk = torch.nested.nested_tensor_from_jagged(k, offsets_k).transpose(1, 2)
+        nv = torch.nested.nested_tensor_from_jagged(v, offsets_k).transpose(1, 2)
+        out, stats = torch_ext.attention(nq, nk, nv, is_causal=True, scale="logn", train_length=4, enable_gqa=True,
+                                         return_stats=True)
+        return out.values(), stats.entropy.values()
+
+    assert gradcheck(f, (q, k, v))
+
+
+def test_holes_are_read_where_the_sequences_are() -> None:
+    """A jagged tensor with holes (torch.nested.narrow): the sequences are its narrowed rows, and the
+    output has query's offsets and lengths."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 10, 2, 8, generator=gen, dtype=F64, requires_grad=True)
+    starts, lengths = torch.tensor([0, 4, 2]), torch.tensor([6, 3, 8])
+    nx = torch.nested.narrow(x, 1, starts, lengths, layout=torch.jagged).transpose(1, 2)
+    out, stats = torch_ext.attention(nx, nx, nx, is_causal=True, scale="logn", return_stats=True)
+    assert torch.equal(out.lengths(), lengths) and torch.equal(out.offsets(), nx.offsets())
+    out.unbind()[1].sum().backward()
+    for b in range(3):
+        s = x.detach()[b, starts[b] : starts[b] + lengths[b]].transpose(0, 1).unsqueeze(0).requires_grad_()
+        ref, ref_stats = torch_ext.attention(s, s, s, is_causal=True, scale="logn", return_stats=True)
+        torch.testing.assert_close(out.unbind()[b], ref[0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(stats.entropy.unbind()[b], ref_stats.entropy[0], atol=1e-12, rtol=1e-12)
+        if b == 1:
+            ref.sum().backward()
+            expected = torch.zeros_like(x)
+            expected[1, 4:7] = s.grad[0].transpose(0, 1)
+            torch.testing.assert_close(x.grad, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_drop_in_gives_torchs_result(device: str) -> None:
+    """Under replace_sdpa, F.scaled_dot_product_attention on jagged tensors equals torch's own:
+    ragged sequences (self- and cross-attention) and a ragged batch dim in front of dense sequences."""
+    gen = torch.Generator().manual_seed(11)
+    q = jagged(sequences([5, 12, 1], 3, 16, gen), torch.float32, device)
+    k = jagged(sequences([7, 4, 9], 3, 16, gen), torch.float32, device)
+    v = jagged(sequences([7, 4, 9], 3, 16, gen), torch.float32, device)
+    sam = torch.nested.nested_tensor(
+        [torch.randn(n, 2, 10, 16, generator=gen).to(device) for n in (3, 1)], layout=torch.jagged
+    )
+    for args, kwargs in (((q, k, v), {}), ((q, q, q), {"scale": 0.3}), ((sam, sam, sam), {"is_causal": True})):
+        expected = F.scaled_dot_product_attention(*args, **kwargs)
+        with torch_ext.replace_sdpa():
+            got = F.scaled_dot_product_attention(*args, **kwargs)
+        assert got.is_nested and got.shape == expected.shape
+        torch.testing.assert_close(got.values(), expected.values(), atol=2e-5, rtol=2e-5)
+
+
+def test_sdpa_drop_in_causal_matches_each_sequence() -> None:
+    """is_causal on ragged sequences (torch's CPU path refuses it): top-left within each sequence, as
+    SDPA's is_causal, under the policy's scale."""
+    gen = torch.Generator().manual_seed(13)
+    qs, ks = sequences([6, 2], 2, 8, gen), sequences([4, 9], 2, 8, gen)
+    with torch_ext.replace_sdpa(scale="logn", train_length=4):
+        got = F.scaled_dot_product_attention(jagged(qs, F64, "cpu"), jagged(ks, F64, "cpu"), jagged(ks, F64, "cpu"),
+                                             is_causal=True)
+    for b in range(2):
+        ref = reference_attention(dense(qs[b]), dense(ks[b]), dense(ks[b]), is_causal=True, scale="logn",
+                                  train_length=4)
+        torch.testing.assert_close(got.unbind()[b], ref.output[0], atol=1e-12, rtol=1e-12)
+
+
+class _JaggedAttention(torch.nn.Module):
+    """Self-attention over jagged (B, j, E) inputs through F.scaled_dot_product_attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24, dtype=F64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.proj(x).chunk(3, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_monitor_records_each_sequence_by_its_positions() -> None:
+    gen = torch.Generator().manual_seed(17)
+    lengths = [5, 1, 8]
+    x = torch.nested.nested_tensor([torch.randn(n, 8, generator=gen, dtype=F64) for n in lengths],
+                                   layout=torch.jagged)
+    model = _JaggedAttention()
+    monitor = torch_ext.AttentionEntropyMonitor(model, positions=True)
+    with monitor, torch_ext.replace_sdpa():
+        model(x)
+    # The same rows, as separate calls: entropy per row, normalized where n >= 2.
+    entropies, normalized = [], torch.zeros(2, max(lengths), dtype=F64)
+    counts = torch.zeros(max(lengths), dtype=F64)
+    for seq in x.unbind():
+        q, k, _ = (t.unflatten(-1, (2, 4)).transpose(0, 1).unsqueeze(0) for t in model.proj(seq).chunk(3, dim=-1))
+        _, stats = torch_ext.attention(q, k, k, is_causal=True, return_stats=True)
+        entropies.append(stats.entropy[0, 0].detach())
+        n = seq.shape[0]
+        normalized[:, :n] += stats.normalized_entropy[0].detach() * (torch.arange(n) >= 1)
+        counts[:n] += torch.arange(n) >= 1
+    head0 = next(r for r in monitor.latest if r["head"] == 0)
+    assert head0["rows"] == sum(lengths)
+    assert head0["entropy_mean"] == pytest.approx(torch.cat(entropies).mean().item(), rel=1e-9)
+    profile = monitor.latest_positions[next(iter(monitor.latest_positions))]
+    torch.testing.assert_close(profile, normalized / counts.clamp_min(1))
+
+
+@pytest.mark.filterwarnings("ignore:NestedTensor does not implement _stable_hash_for_caching")
+def test_torch_compile_fullgraph() -> None:
+    gen = torch.Generator().manual_seed(19)
+    q = jagged(sequences([5, 7], 2, 8, gen), torch.float32, "cpu")
+    k = jagged(sequences([6, 9], 2, 8, gen), torch.float32, "cpu")
+
+    def f(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+        out, stats = torch_ext.attention(q, k, k, is_causal=True, scale="logn", return_stats=True)
+        return out * 2, stats.entropy
+
+    got, expected = torch.compile(f, fullgraph=True)(q, k), f(q, k)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.values(), b.values())
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_errors() -> None:
+    gen = torch.Generator().manual_seed(23)
+    q = jagged(sequences([5, 7], 2, 8, gen), F64, "cpu")
+    k = jagged(sequences([6, 9], 2, 8, gen), F64, "cpu")
+    v_other = jagged(sequences([6, 8], 2, 8, gen), F64, "cpu")
+    three = jagged(sequences([6, 9, 1], 2, 8, gen), F64, "cpu")
+    cases = [
+        ((q, k, torch.zeros(2, 2, 6, 8, dtype=F64)), {}, ValueError, "value is a dense tensor"),
+        ((q.transpose(1, 2), k, k), {}, ValueError, r"query must be a jagged tensor of shape \(B, H, j, D\)"),
+        ((q, k, k), {"attn_mask": torch.ones(2, 2, 5, 6, dtype=torch.bool)}, ValueError, "attn_mask is not supported"),
+        ((q, three, three), {}, ValueError, "the same number of sequences"),
+        ((q, k, v_other), {}, ValueError, "key and value must have the same sequence lengths"),
+        ((q, k, k), {"scale": torch.ones(2, 2, 5, dtype=F64)}, ValueError, r"broadcast to \(B, H, 1\)"),
+    ]
+    for args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            torch_ext.attention(*args, **kwargs)
+    strided = torch.nested.nested_tensor([torch.zeros(2, 3, 8), torch.zeros(2, 4, 8)])
+    with pytest.raises(NotImplementedError, match="layout torch.strided"):
+        torch_ext.attention(strided, strided, strided)
+    with pytest.raises(ValueError, match="attn_mask is not supported"), torch_ext.replace_sdpa():
+        F.scaled_dot_product_attention(q, k, k, attn_mask=torch.ones(1, dtype=torch.bool))

@@ -209,14 +209,18 @@ def test_sdpa_drop_in_causal_matches_each_sequence() -> None:
 
 
 class _JaggedAttention(torch.nn.Module):
-    """Self-attention over jagged (B, j, E) inputs through F.scaled_dot_product_attention."""
+    """Self-attention over jagged (B, j, E) inputs through F.scaled_dot_product_attention; or over
+    padded (B, L, E) inputs whose sequences are narrowed to jagged tensors with holes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(8, 24, dtype=F64)
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.proj(x).chunk(3, dim=-1))
+    def forward(self, x: Tensor, starts: Tensor | None = None, lengths: Tensor | None = None) -> Tensor:
+        qkv = self.proj(x).chunk(3, dim=-1)
+        if starts is not None:
+            qkv = tuple(torch.nested.narrow(t, 1, starts, lengths, layout=torch.jagged) for t in qkv)
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in qkv)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -245,6 +249,18 @@ def test_monitor_records_each_sequence_by_its_positions() -> None:
     profile = monitor.latest_positions[next(iter(monitor.latest_positions))]
     torch.testing.assert_close(profile, normalized / counts.clamp_min(1))
 
+    # The same sequences with holes around them: the same records, positions within each sequence.
+    padded = torch.zeros(3, 12, 8, dtype=F64)
+    starts = torch.tensor([2, 0, 3])
+    for b, seq in enumerate(x.unbind()):
+        padded[b, starts[b] : starts[b] + lengths[b]] = seq
+    with monitor, torch_ext.replace_sdpa():
+        model(padded, starts, torch.tensor(lengths))
+    head0_holes = next(r for r in monitor.latest if r["head"] == 0)
+    assert head0_holes["rows"] == sum(lengths)
+    assert head0_holes["entropy_mean"] == pytest.approx(head0["entropy_mean"], rel=1e-9)
+    torch.testing.assert_close(monitor.latest_positions[next(iter(monitor.latest_positions))], profile)
+
 
 @pytest.mark.filterwarnings("ignore:NestedTensor does not implement _stable_hash_for_caching")
 def test_torch_compile_fullgraph() -> None:
@@ -259,6 +275,35 @@ def test_torch_compile_fullgraph() -> None:
     got, expected = torch.compile(f, fullgraph=True)(q, k), f(q, k)
     for a, b in zip(got, expected):
         assert torch.equal(a.values(), b.values())
+    # Holes in one tensor that is query, key and value: value's gather is key's.
+    x = torch.randn(3, 10, 2, 8, generator=gen)
+    nx = torch.nested.narrow(x, 1, torch.tensor([1, 4, 0]), torch.tensor([6, 3, 8]), layout=torch.jagged)
+    nx = nx.transpose(1, 2)
+    got, expected = torch.compile(f, fullgraph=True)(nx, nx), f(nx, nx)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.values(), b.values())
+
+
+@pytest.mark.filterwarnings("ignore:NestedTensor does not implement _stable_hash_for_caching")
+def test_torch_compile_of_key_and_value_built_apart() -> None:
+    """Key and value with offsets of their own: a graph cannot check that their lengths agree, so
+    fullgraph raises, saying so; otherwise the graph breaks and the call checks them eagerly."""
+    gen = torch.Generator().manual_seed(29)
+    q = jagged(sequences([4, 6], 2, 8, gen), torch.float32, "cpu")
+    k = jagged(sequences([5, 3], 2, 8, gen), torch.float32, "cpu")
+    v_same = jagged(sequences([5, 3], 2, 8, gen), torch.float32, "cpu")
+    v_other = jagged(sequences([3, 5], 2, 8, gen), torch.float32, "cpu")
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch_ext.attention(q, k, v)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="offsets of their own"):
+        torch.compile(f, fullgraph=True)(q, k, v_same)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f)(q, k, v_same).values(), f(q, k, v_same).values())
+    with pytest.raises(ValueError, match="key and value must have the same sequence lengths"):
+        torch.compile(f)(q, k, v_other)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
@@ -275,6 +320,11 @@ def test_errors() -> None:
         ((q, three, three), {}, ValueError, "the same number of sequences"),
         ((q, k, v_other), {}, ValueError, "key and value must have the same sequence lengths"),
         ((q, k, k), {"scale": torch.ones(2, 2, 5, dtype=F64)}, ValueError, r"broadcast to \(B, H, 1\)"),
+        ((q, k, k), {"scale": torch.ones(3, 2, 1, dtype=F64)}, ValueError, r"broadcast to \(B, H, 1\)"),
+        ((q, k, k), {"scale": "logn", "scale_factor": torch.ones(5, 1, dtype=F64)}, ValueError,
+         r"broadcast to \(B, H, 1\)"),
+        ((torch.nested.nested_tensor_from_jagged(torch.zeros(14, 2, 8, dtype=F64), torch.tensor([2, 7, 14]))
+          .transpose(1, 2), k, k), {}, ValueError, "cu_seq_q must start at 0.*the jagged query's and key's offsets"),
     ]
     for args, kwargs, error, match in cases:
         with pytest.raises(error, match=match):

@@ -379,14 +379,14 @@ def attention(
                 raise NotImplementedError("torch.func transforms of attention on jagged nested tensors")
             if scale_tensor is not None:
                 scale_tensor = jagged.per_row(scale_tensor)
-            options.update(cu_seq_q=jagged.cu_seq_q, cu_seq_k=jagged.cu_seq_k)
-        if _functorch.transforms_active():
+            options = _explicit(options, _ATTENTION_DEFAULTS)
+            res = jagged.call(_ATTENTION, query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
+            res = (jagged.jagged(res[0]), *(jagged.jagged(x) if return_stats else x for x in res[1:]))
+        elif _functorch.transforms_active():
             res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
         else:
             options = _explicit(options, _ATTENTION_DEFAULTS)
             res = _ATTENTION(query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
-        if jagged is not None:
-            res = (jagged.jagged(res[0]), *(jagged.jagged(x) if return_stats else x for x in res[1:]))
     if not return_stats:
         return res[0]
     return res[0], _stats(res)

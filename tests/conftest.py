@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -170,6 +171,15 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     return float((a - e).norm() / max(float(e.norm()), 1e-12))
+
+
+def check_quick_table(script: Path, prefixes: Tuple[str, ...], rows: int) -> None:
+    """A benchmark script's ``--quick`` run exits 0 and prints a Markdown table of ``rows`` rows
+    (those starting with one of ``prefixes``), each ending with a ratio ("x |")."""
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    table = [line for line in out.splitlines() if line.startswith(prefixes)]
+    assert len(table) == rows and all(line.rstrip().endswith("x |") for line in table), out
 
 
 def load_script(path: Path, name: str) -> ModuleType:

@@ -4,12 +4,10 @@ num_splits=1 output depends on the batch fails its check."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import check_quick_table, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "batch_invariance.py"
@@ -17,10 +15,7 @@ bench = load_script(SCRIPT, "batch_invariance")
 
 
 def test_quick_run_prints_the_table() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=300).stdout
-    rows = [line for line in out.splitlines() if line.startswith(("| mixed", "| prefill"))]
-    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows), out
+    check_quick_table(SCRIPT, ("| mixed", "| prefill"), 2)
 
 
 def test_a_batch_dependent_output_fails(monkeypatch: pytest.MonkeyPatch) -> None:

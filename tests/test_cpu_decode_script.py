@@ -3,13 +3,11 @@ SDPA's output first, and a point whose outputs differ fails."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import check_quick_table, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cpu_decode.py"
@@ -17,10 +15,7 @@ bench = load_script(SCRIPT, "cpu_decode")
 
 
 def test_quick_run_prints_the_table() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=300).stdout
-    rows = [line for line in out.splitlines() if line.startswith("| float") or line.startswith("| bfloat")]
-    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows), out
+    check_quick_table(SCRIPT, ("| float", "| bfloat"), 2)
 
 
 def test_a_wrong_output_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,11 @@ call gives each sequence's rows the same output), and a call whose output is wro
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import check_quick_table, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "nested.py"
@@ -17,10 +15,7 @@ bench = load_script(SCRIPT, "nested_benchmark")
 
 
 def test_quick_run_prints_the_table() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=300).stdout
-    rows = [line for line in out.splitlines() if line.startswith(("| float32", "| bfloat16"))]
-    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows), out
+    check_quick_table(SCRIPT, ("| float32", "| bfloat16"), 2)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")

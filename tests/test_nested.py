@@ -42,7 +42,8 @@ def dense(seq: Tensor) -> Tensor:
 
 
 # (query lengths, key lengths, H, Hkv, options): self- and cross-attention, an empty sequence, GQA,
-# both causal alignments, a window, softcap, sinks, temperature and a per-sequence scale tensor.
+# both causal alignments, a window, softcap, sinks, temperature, a per-sequence scale tensor, and
+# GQA decoding.
 CASES: List[Tuple[List[int], List[int] | None, int, int, Dict[str, Any]]] = [
     ([5, 0, 17, 1], None, 4, 2, dict(is_causal=True, scale="logn", train_length=8, enable_gqa=True)),
     ([3, 8], [10, 2], 2, 2, dict(temperature=0.7)),
@@ -50,6 +51,9 @@ CASES: List[Tuple[List[int], List[int] | None, int, int, Dict[str, Any]]] = [
                                 enable_gqa=True)),
     ([4, 12, 7], None, 2, 2, dict(is_causal=True, sinks=True)),
     ([7, 3], [5, 11], 2, 2, dict(scale="scale_tensor")),
+    # Decoding with GQA (varlen_attention's query heads packed as rows), a sequence without keys.
+    ([1, 1, 1], [7, 0, 12], 4, 2, dict(enable_gqa=True, scale="logn", train_length=4)),
+    ([1, 1], [5, 9], 4, 1, dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", softcap=3.0)),
 ]
 
 
@@ -100,24 +104,27 @@ def test_each_sequence_matches_the_reference(case: int, dtype: torch.dtype, devi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_gradients_match_each_sequence_alone(dtype: torch.dtype, device: str) -> None:
+@pytest.mark.parametrize("alignment,kv_heads", [("top_left", 2), ("bottom_right", 1)])
+def test_gradients_match_each_sequence_alone(alignment: str, kv_heads: int, dtype: torch.dtype, device: str) -> None:
     """Gradients of query, key, value, the sinks and a per-sequence scale tensor, through the output
-    and the entropy, against each sequence's own call."""
+    and the entropy, against each sequence's own call (bottom-right with GQA: through
+    varlen_attention)."""
     gen = torch.Generator().manual_seed(7)
     q_lens, k_lens, H = [6, 1, 11], [9, 4, 11], 2
-    qs, ks, vs = sequences(q_lens, H, 8, gen), sequences(k_lens, H, 8, gen), sequences(k_lens, H, 8, gen)
+    qs, ks, vs = (sequences(q_lens, H, 8, gen), sequences(k_lens, kv_heads, 8, gen),
+                  sequences(k_lens, kv_heads, 8, gen))
     sinks = torch.randn(H, generator=gen, dtype=F64).to(device=device, dtype=dtype).requires_grad_()
     scale = (0.3 + torch.rand(3, H, 1, generator=gen, dtype=F64)).to(device=device, dtype=dtype).requires_grad_()
     nq, nk, nv = (leaf(x, dtype, device) for x in (qs, ks, vs))
-    out, stats = torch_ext.attention(nq.transpose(1, 2), nk.transpose(1, 2), nv.transpose(1, 2), is_causal=True,
-                                     causal_alignment="bottom_right", sinks=sinks, scale=scale, return_stats=True)
+    options = dict(is_causal=True, causal_alignment=alignment, enable_gqa=True)
+    out, stats = torch_ext.attention(nq.transpose(1, 2), nk.transpose(1, 2), nv.transpose(1, 2), sinks=sinks,
+                                     scale=scale, return_stats=True, **options)
     (out.values().square().sum() + stats.entropy.values().sum()).backward()
     for b in range(3):
         q, k, v = (dense(x[b]).to(device=device, dtype=dtype).requires_grad_() for x in (qs, ks, vs))
         s = sinks.detach().clone().requires_grad_()
         c = scale.detach()[b : b + 1].clone().requires_grad_()
-        o, st = torch_ext.attention(q, k, v, is_causal=True, causal_alignment="bottom_right", sinks=s, scale=c,
-                                    return_stats=True)
+        o, st = torch_ext.attention(q, k, v, sinks=s, scale=c, return_stats=True, **options)
         (o.square().sum() + st.entropy.sum()).backward()
         # (the jagged tensors' components are (L, H, D), the dense call's (1, H, L, D))
         for got, expected in ((nq.grad.unbind()[b], q.grad[0].transpose(0, 1)),

@@ -377,11 +377,7 @@ def attention(
         if jagged is not None:
             if _functorch.transforms_active():
                 raise NotImplementedError("torch.func transforms of attention on jagged nested tensors")
-            if scale_tensor is not None:
-                scale_tensor = jagged.per_row(scale_tensor)
-            options = _explicit(options, _ATTENTION_DEFAULTS)
-            res = jagged.call(_ATTENTION, query, key, value, attn_mask, scale_tensor, sinks=sinks, **options)
-            res = (jagged.jagged(res[0]), *(jagged.jagged(x) if return_stats else x for x in res[1:]))
+            res = jagged.run(query, key, value, scale_tensor, sinks, options)
         elif _functorch.transforms_active():
             res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
         else:

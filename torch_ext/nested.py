@@ -14,7 +14,7 @@ in the query's layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.nested._internal.nested_tensor import NestedTensor, nested_view_from_values_offsets_lengths
@@ -108,15 +108,56 @@ class JaggedCall:
         sequence = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths.to(x.device), output_size=rows)
         return per_sequence[sequence].t().unsqueeze(0)
 
-    def call(self, op: Callable[..., tuple[torch.Tensor, ...]], *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        """``op(*args, **kwargs)`` with the sequences as its packed documents; an error about their
-        offsets says whose they are (the caller passed no cu_seq_q or cu_seq_k)."""
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor, ...]:
+        """The call on the packed (1, H, T, D) ``query``, ``key`` and ``value`` with ``attention``'s
+        keyword ``options`` (every one given), its results jagged (the output and, with
+        return_stats, each statistic). Calls whose rows see every key of their sequence or align
+        bottom-right with GQA go to ``varlen_attention``, the same call where alignment agrees,
+        which packs a group's query heads as rows where each row sees all of its sequence's keys
+        (decoding: csrc/varlen.cpp, query_head_rows), reading the offsets on the host (so not while
+        torch.compile traces). An error about the offsets says whose they are (the caller passed
+        no cu_seq_q or cu_seq_k)."""
+        if scale is not None:
+            scale = self.per_row(scale)
+        unbounded = not options["is_causal"] and tuple(options["window_size"]) == (-1, -1)
         try:
-            return op(*args, cu_seq_q=self.cu_seq_q, cu_seq_k=self.cu_seq_k, **kwargs)
+            if (
+                options["enable_gqa"]
+                and query.shape[1] != key.shape[1]
+                and (unbounded or options["causal_alignment"] == "bottom_right")
+                and not torch.compiler.is_compiling()
+            ):
+                varlen_options = {k: v for k, v in options.items() if k != "causal_alignment"}
+                res = torch.ops.entropy_attn.varlen_attention(
+                    *(x[0].transpose(0, 1) for x in (query, key, value)),
+                    self.cu_seq_q,
+                    self.cu_seq_k,
+                    _longest(self.cu_seq_q),
+                    _longest(self.cu_seq_k),
+                    None if scale is None else scale[0].t(),
+                    sinks=sinks,
+                    **varlen_options,
+                )
+                # (T, H, ...) as the dense call's (1, H, T, ...); empty statistics stay.
+                res = tuple(x.transpose(0, 1).unsqueeze(0) if x.dim() >= 2 else x for x in res)
+            else:
+                res = torch.ops.entropy_attn.attention(
+                    query, key, value, None, scale, sinks=sinks, cu_seq_q=self.cu_seq_q, cu_seq_k=self.cu_seq_k,
+                    **options,
+                )
         except ValueError as e:
             if "cu_seq_" not in str(e):
                 raise
             raise ValueError(f"{e} (cu_seq_q and cu_seq_k: the jagged query's and key's offsets)") from None
+        return (self.jagged(res[0]), *(self.jagged(x) if options["return_stats"] else x for x in res[1:]))
 
     def jagged(self, x: torch.Tensor) -> torch.Tensor:
         """The op's (1, H, T, ...) result as a jagged (B, H, j, ...) tensor in the query's layout:
@@ -180,6 +221,11 @@ def pack(query: object, key: object, value: object, attn_mask: object) -> Jagged
         jagged_query=q,
         query_rows=query_rows,
     )
+
+
+def _longest(offsets: torch.Tensor) -> int:
+    """The longest sequence of int32 offsets (read on the host)."""
+    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
 
 
 def _same_lengths(a: torch.Tensor, b: torch.Tensor) -> bool:

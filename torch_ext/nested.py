@@ -8,7 +8,7 @@ offsets are ``cu_seq_q`` (``cu_seq_k``). So no padding is computed, each sequenc
 its own keys, and n_i (the "logn" scales, the statistics) counts them. The output is a jagged
 tensor with the query's offsets, and each statistic one of shape (B, H, j). Jagged tensors with
 holes (``torch.nested.narrow``) have their sequences gathered first, and the output is put back
-in the query's layout.
+in the query's layout. GQA decoding goes through ``varlen_attention`` (:meth:`JaggedCall.run`).
 """
 
 from __future__ import annotations
@@ -117,14 +117,16 @@ class JaggedCall:
         sinks: torch.Tensor | None,
         options: dict[str, Any],
     ) -> tuple[torch.Tensor, ...]:
-        """The call on the packed (1, H, T, D) ``query``, ``key`` and ``value`` with ``attention``'s
-        keyword ``options`` (every one given), its results jagged (the output and, with
-        return_stats, each statistic). Calls whose rows see every key of their sequence or align
-        bottom-right with GQA go to ``varlen_attention``, the same call where alignment agrees,
-        which packs a group's query heads as rows where each row sees all of its sequence's keys
-        (decoding: csrc/varlen.cpp, query_head_rows), reading the offsets on the host (so not while
-        torch.compile traces). An error about the offsets says whose they are (the caller passed
-        no cu_seq_q or cu_seq_k)."""
+        """The call on the packed (1, H, T, D) ``query``, ``key`` and ``value`` (as attention()
+        passes them: GQA's head counts made one) with all of ``attention``'s keyword ``options``;
+        its results as jagged tensors (the output, and each statistic with return_stats).
+
+        With GQA, a call whose alignment does not matter (no causality or window) or is
+        bottom-right goes to ``varlen_attention``: the same call, which packs a group's query heads
+        as the rows of one head where every row sees all of its sequence's keys (decoding;
+        csrc/varlen.cpp: query_head_rows). It takes the longest lengths, read on the host: not
+        while torch.compile traces. A ValueError about the offsets says whose they are (the caller
+        passed no cu_seq_q or cu_seq_k)."""
         if scale is not None:
             scale = self.per_row(scale)
         unbounded = not options["is_causal"] and tuple(options["window_size"]) == (-1, -1)

@@ -341,3 +341,57 @@ def test_errors() -> None:
         torch_ext.attention(strided, strided, strided)
     with pytest.raises(ValueError, match="attn_mask is not supported"), torch_ext.replace_sdpa():
         F.scaled_dot_product_attention(q, k, k, attn_mask=torch.ones(1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multihead_attention_module(device: str) -> None:
+    """torch_ext.nn.MultiheadAttention on jagged (B, j, E) inputs: each sequence as torch's own module
+    computes it alone (scale=None), and as our module does alone under "logn" with a learnable
+    per-head scale; cross-attention with kdim/vdim; gradients of the weights; what it refuses."""
+    gen = torch.Generator().manual_seed(31)
+    lengths, k_lengths = [5, 1, 9], [7, 3, 4]
+    x = [torch.randn(n, 16, generator=gen, dtype=F64).to(device) for n in lengths]
+    mem = [torch.randn(n, 12, generator=gen, dtype=F64).to(device) for n in k_lengths]
+    nx = torch.nested.nested_tensor(x, layout=torch.jagged)
+    nmem = torch.nested.nested_tensor(mem, layout=torch.jagged)
+
+    torch.manual_seed(0)
+    ours = torch_ext.nn.MultiheadAttention(16, 4, batch_first=True, dtype=F64, device=device)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=F64, device=device)
+    theirs.load_state_dict(ours.state_dict())
+    out, weights = ours(nx, nx, nx, need_weights=False, is_causal=True)
+    assert weights is None and out.is_nested and out.shape[0] == 3
+    causal = [torch.ones(n, n, dtype=torch.bool, device=device).triu(1) for n in lengths]
+    for seq, o, c in zip(x, out.unbind(), causal):
+        expected = theirs(seq[None], seq[None], seq[None], need_weights=False, attn_mask=c)[0][0]
+        torch.testing.assert_close(o, expected, atol=1e-12, rtol=1e-12)
+
+    torch.manual_seed(1)
+    cross = torch_ext.nn.MultiheadAttention(16, 2, kdim=12, vdim=12, batch_first=True, dtype=F64, device=device,
+                                            scale="logn", train_length=4, learnable_scale=True)
+    with torch.no_grad():
+        cross.head_scale.copy_(torch.tensor([0.5, 2.0]))
+    out, _ = cross(nx, nmem, nmem, need_weights=False)
+    out.values().square().sum().backward()
+    grads = [p.grad.clone() for p in cross.parameters()]
+    cross.zero_grad()
+    total = 0
+    for seq, m, o in zip(x, mem, out.unbind()):
+        expected = cross(seq[None], m[None], m[None], need_weights=False)[0][0]
+        torch.testing.assert_close(o, expected, atol=1e-12, rtol=1e-12)
+        total = total + expected.square().sum()
+    total.backward()
+    for got, p in zip(grads, cross.parameters()):
+        torch.testing.assert_close(got, p.grad, atol=1e-10, rtol=1e-10)
+
+    refused = [
+        (dict(need_weights=True), "need_weights=True"),
+        (dict(need_weights=False, key_padding_mask=torch.zeros(3, 9, dtype=torch.bool)), "key_padding_mask"),
+    ]
+    for kwargs, match in refused:
+        with pytest.raises(ValueError, match=match):
+            ours(nx, nx, nx, **kwargs)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        torch_ext.nn.MultiheadAttention(16, 4, dtype=F64, device=device)(nx, nx, nx, need_weights=False)
+    with pytest.raises(ValueError, match="value is not a jagged nested tensor"):
+        ours(nx, nx, torch.zeros(3, 9, 16, dtype=F64, device=device), need_weights=False)

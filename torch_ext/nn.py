@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_ext.attention import _check_tensors, _flag, length_factor
+from torch_ext.nested import is_jagged
 from torch_ext.policy import AttentionPolicy, attend, hide_masked
 
 __all__ = ["MultiheadAttention"]
@@ -47,8 +48,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     A row with no allowed key attends to nothing: its attention output is 0, so the module returns
     ``out_proj``'s bias there (torch gives the same on its SDPA path with ``need_weights=False``
     and gradients enabled, and NaN with ``need_weights=True`` or on its fused inference path).
-    Nested-tensor inputs are not supported (build ``nn.TransformerEncoder`` with
-    ``enable_nested_tensor=False``: in eval mode with a padding mask its default would pass them).
+    Jagged nested tensors (``layout=torch.jagged``, (B, j, E) with ``batch_first=True`` and
+    ``need_weights=False``) run without padding, each sequence attending to its own keys, where
+    torch's module takes none; nested tensors of the strided layout are not supported (build
+    ``nn.TransformerEncoder`` with ``enable_nested_tensor=False``: in eval mode with a padding mask
+    its default would pass them).
     """
 
     def __init__(
@@ -139,13 +143,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         bias or padding keeps them, as torch's ``need_weights=True`` path keeps them. Unlike torch's
         module, ``is_causal`` needs no ``attn_mask``."""
         _check_tensors(attn_mask=(attn_mask, True), key_padding_mask=(key_padding_mask, True))
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise ValueError(
-                "torch_ext.nn.MultiheadAttention does not take nested tensors: build "
-                "nn.TransformerEncoder with enable_nested_tensor=False"
-            )
         dropout_p = float(self.dropout) if self.training else 0.0
         is_causal = _flag(is_causal, "is_causal")  # (not truthiness: is_causal="False" is no False)
+        if any(is_jagged(x) for x in (query, key, value)):
+            return self._forward_jagged(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                        dropout_p)
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError(
+                "torch_ext.nn.MultiheadAttention does not take nested tensors of the strided layout: build "
+                "nn.TransformerEncoder with enable_nested_tensor=False (or pass jagged ones, layout=torch.jagged)"
+            )
         batched = query.dim() == 3
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
@@ -214,6 +221,43 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_jagged(
+        self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], need_weights: bool,
+        attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float,
+    ) -> tuple[Tensor, None]:
+        """Jagged nested (B, j, E) query, key and value (``batch_first``): sequences of different
+        lengths without padding, each attending to its own keys, through the op's jagged path
+        (torch_ext/nested.py). What ragged rows cannot have raises, naming it: masks (there is no
+        padding to mask), ``need_weights=True`` (the weights of ragged rows have no tensor shape),
+        and the keys ``add_bias_kv`` and ``add_zero_attn`` append."""
+        named = {"query": query, "key": key, "value": value}
+        for name, x in named.items():
+            if not is_jagged(x):
+                raise ValueError(
+                    f"{name} is not a jagged nested tensor while another of query, key and value is: pass all "
+                    "three as nested tensors of layout torch.jagged, or none"
+                )
+            if x.dim() != 3 or x._ragged_idx != 1:
+                raise ValueError(f"{name} must be a jagged (B, j, E) tensor, ragged in dim 1, got {x.dim()} dims")
+        refused = (
+            ("batch_first=False", not self.batch_first),
+            ("attn_mask", attn_mask is not None),
+            ("key_padding_mask", key_padding_mask is not None),
+            ("need_weights=True (pass need_weights=False)", need_weights),
+            ("add_bias_kv", self.bias_k is not None),
+            ("add_zero_attn", self.add_zero_attn),
+        )
+        for what, given in refused:
+            if given:
+                raise ValueError(f"torch_ext.nn.MultiheadAttention with jagged nested tensors does not take {what}")
+        q, k, v = self._project(query, key, value)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+        multiplier = None if self.head_scale is None else self.head_scale.view(self.num_heads, 1)
+        out = attend(
+            q, k, v, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self, dropout_p=dropout_p
+        )
+        return self.out_proj(out.transpose(1, 2).flatten(2)), None
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         E = self.embed_dim

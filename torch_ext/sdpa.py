@@ -9,9 +9,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-
 from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+from torch.overrides import TorchFunctionMode
 
 from torch_ext.attention import _check_tensors, _dense_tensors, _gqa_kv_heads
 from torch_ext.nested import is_jagged, refuse_strided

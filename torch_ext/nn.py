@@ -173,8 +173,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # now (B, L, E), (B, S, kdim), (B, S, vdim)
         B, L, E = query.shape
         S, H = key.shape[1], self.num_heads
-        if E != self.embed_dim:
-            raise ValueError(f"query's embedding dim must be embed_dim={self.embed_dim}, got {E}")
+        self._check_embedding_dims(query, key, value)
         # (As torch's module: no broadcasting of a batch of 1, which attend() would do for SDPA.)
         if key.shape[0] != B or value.shape[0] != B:
             raise ValueError(
@@ -182,11 +181,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             )
         if value.shape[1] != S:
             raise ValueError(f"key and value must have the same sequence length, got {S} and {value.shape[1]}")
-        if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
-            raise ValueError(
-                f"key's and value's embedding dims must be kdim={self.kdim} and vdim={self.vdim}, got "
-                f"{key.shape[2]} and {value.shape[2]}"
-            )
 
         q, k, v = self._project(query, key, value)
         if self.bias_k is not None and self.bias_v is not None:
@@ -222,6 +216,17 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             out = out.transpose(0, 1)
         return out, weights
 
+    def _check_embedding_dims(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """A ValueError unless the last dims of (B, L, E) query, key and value are embed_dim, kdim
+        and vdim."""
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query's embedding dim must be embed_dim={self.embed_dim}, got {query.shape[-1]}")
+        if key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
+            raise ValueError(
+                f"key's and value's embedding dims must be kdim={self.kdim} and vdim={self.vdim}, got "
+                f"{key.shape[-1]} and {value.shape[-1]}"
+            )
+
     def _forward_jagged(
         self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], need_weights: bool,
         attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float,
@@ -239,7 +244,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                     "three as nested tensors of layout torch.jagged, or none"
                 )
             if x.dim() != 3 or x._ragged_idx != 1:
-                raise ValueError(f"{name} must be a jagged (B, j, E) tensor, ragged in dim 1, got {x.dim()} dims")
+                raise ValueError(
+                    f"{name} must be a jagged (B, j, E) tensor, ragged in dim 1, got {x.dim()} dims ragged in dim "
+                    f"{x._ragged_idx}"
+                )
+            if x.lengths() is not None:  # (torch's linear layers refuse them)
+                raise ValueError(
+                    f"{name} is a jagged tensor with holes (torch.nested.narrow), which the projections do not take: "
+                    f"pass {name}.contiguous()"
+                )
         refused = (
             ("batch_first=False", not self.batch_first),
             ("attn_mask", attn_mask is not None),
@@ -251,6 +264,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         for what, given in refused:
             if given:
                 raise ValueError(f"torch_ext.nn.MultiheadAttention with jagged nested tensors does not take {what}")
+        self._check_embedding_dims(query, key, value)
         q, k, v = self._project(query, key, value)
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
         multiplier = None if self.head_scale is None else self.head_scale.view(self.num_heads, 1)

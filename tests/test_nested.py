@@ -341,6 +341,27 @@ def test_errors() -> None:
         torch_ext.attention(strided, strided, strided)
     with pytest.raises(ValueError, match="attn_mask is not supported"), torch_ext.replace_sdpa():
         F.scaled_dot_product_attention(q, k, k, attn_mask=torch.ones(1, dtype=torch.bool))
+    # Ragged in a batch dim (SAM's): SDPA refuses a mask there too.
+    sam = torch.nested.nested_tensor([torch.zeros(n, 2, 10, 8) for n in (3, 1)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="attn_mask is not supported"), torch_ext.replace_sdpa():
+        F.scaled_dot_product_attention(sam, sam, sam, attn_mask=torch.ones(10, 10, dtype=torch.bool))
+
+
+def test_gqa_decoding_goes_through_varlen_attention() -> None:
+    """GQA calls whose alignment does not matter or is bottom-right run as varlen_attention (which
+    packs a group's query heads as rows when decoding); top-left causal ones as attention."""
+    gen = torch.Generator().manual_seed(37)
+    q = jagged(sequences([1, 1, 1], 8, 16, gen), torch.float32, "cpu")
+    k = jagged(sequences([5, 7, 9], 2, 16, gen), torch.float32, "cpu")
+
+    def ops(**options: Any) -> set:
+        with torch.profiler.profile() as prof:
+            torch_ext.attention(q, k, k, enable_gqa=True, **options)
+        return {e.name for e in prof.events() if e.name.startswith("entropy_attn::")}
+
+    assert "entropy_attn::varlen_attention" in ops()
+    assert "entropy_attn::varlen_attention" in ops(is_causal=True, causal_alignment="bottom_right")
+    assert "entropy_attn::varlen_attention" not in ops(is_causal=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

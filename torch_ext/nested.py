@@ -194,14 +194,15 @@ def pack(query: object, key: object, value: object, attn_mask: object) -> Jagged
                 f"{name} is {kind} while another of query, key and value is a jagged nested tensor: pass all three "
                 "as nested tensors of layout torch.jagged, or none"
             )
-        _check_shape(name, x)  # type: ignore[arg-type]
-    q, k, v = query, key, value
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    if attn_mask is not None:
+    if attn_mask is not None:  # (SDPA refuses it first too, whatever the jagged tensors' shapes)
         raise ValueError(
             "attn_mask is not supported with jagged query, key and value (as SDPA): each sequence attends to its own "
             "keys; use is_causal or window_size for more"
         )
+    for name, x in named.items():
+        _check_shape(name, x)  # type: ignore[arg-type]
+    q, k, v = query, key, value
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(
             f"query, key and value must hold the same number of sequences, got {q.shape[0]}, {k.shape[0]} and "

@@ -131,11 +131,11 @@ def _jagged_sdpa(
     """SDPA's two kinds of jagged nested inputs. Ragged in a batch dim in front of dense sequences
     ((B, j, ..., L, E), SAM's): the dense call on their buffers, its output given query's offsets.
     Otherwise (B, H, j, E), ragged in the sequences: packed documents (torch_ext/nested.py), whose
-    :func:`torch_ext.attention` raises what it does not take, naming it."""
-    if all(is_jagged(x) and x.dim() > 3 and x._ragged_idx == 1 for x in (query, key, value)):
-        mask = attn_mask.values() if is_jagged(attn_mask) else attn_mask
+    :func:`torch_ext.attention` raises what it does not take, naming it (as SDPA, an ``attn_mask``
+    with either kind)."""
+    if attn_mask is None and all(is_jagged(x) and x.dim() > 3 and x._ragged_idx == 1 for x in (query, key, value)):
         out = _routed_sdpa(
-            policy, query.values(), key.values(), value.values(), mask, dropout_p, is_causal, scale, enable_gqa
+            policy, query.values(), key.values(), value.values(), None, dropout_p, is_causal, scale, enable_gqa
         )
         return nested_view_from_values_offsets_lengths(
             out,

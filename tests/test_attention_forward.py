@@ -605,13 +605,15 @@ def test_output_follows_the_query_layout(device: str, layout: str) -> None:
         q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
     elif layout == "one_head":
         q = torch.randn(B, L, 1, D, generator=g).transpose(1, 2)
-    elif layout == "expanded_heads":  # stride 0 over the heads: inside the rows, by the strides
-        q = torch.randn(B, 1, L, D, generator=g).expand(B, H, L, D)
+    elif layout == "expanded_heads":  # stride 0 over the heads (expanded below, on the device)
+        q = torch.randn(B, 1, L, D, generator=g)
     else:
         q = torch.randn(B, H, L, D, generator=g)
-    H = q.shape[1]
+    H = H if layout == "expanded_heads" else q.shape[1]
     k, v = torch.randn(B, H, Lk, D, generator=g), torch.randn(B, H, Lk, Dv, generator=g)
     q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    if layout == "expanded_heads":  # inside the rows, by the strides (a copy to the GPU is contiguous)
+        q = q.expand(B, H, L, D)
     out, stats = torch_ext.attention(q, k, v, is_causal=True, return_stats=True)
     heads_inside = layout in ("projection", "expanded_heads")
     assert out.shape == (B, H, q.shape[2], Dv)

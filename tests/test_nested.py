@@ -418,7 +418,8 @@ def test_multihead_attention_module(device: str) -> None:
         ours(nx, nx, torch.zeros(3, 9, 16, dtype=F64, device=device), need_weights=False)
     with pytest.raises(ValueError, match="key's and value's embedding dims must be kdim=12 and vdim=12, got 16"):
         cross(nx, nx, nx, need_weights=False)
-    holes = torch.nested.narrow(torch.zeros(3, 9, 16, dtype=F64, device=device), 1, torch.tensor([0, 1, 2]),
-                                torch.tensor([4, 5, 6]), layout=torch.jagged)
+    holes = torch.nested.narrow(torch.zeros(3, 9, 16, dtype=F64, device=device), 1,
+                                torch.tensor([0, 1, 2], device=device), torch.tensor([4, 5, 6], device=device),
+                                layout=torch.jagged)
     with pytest.raises(ValueError, match=r"key is a jagged tensor with holes .* pass key.contiguous\(\)"):
         ours(nx, holes, holes, need_weights=False)

@@ -10,10 +10,9 @@ device code changes with the architecture (`ptx_changes_at`) compiles one PTX fo
 between two changes (BuildExtensionPerUnitTarget). ENTROPY_ATTN_CPU_ONLY=1 forces the CPU-only build.
 The host C++ sources of each directory compile as one translation unit (unity_sources).
 ENTROPY_ATTN_WERROR=1 (set by CI) turns compiler warnings in our sources into errors.
-ENTROPY_ATTN_UNTESTED_KERNELS=1 also compiles the kernels of the capabilities that are off by default
-until tested on a GPU (csrc/cuda/untested_kernels.h: head dim 256 in the tensor-core family, and
-two backward variants), which "auto" never selects; scripts/device_bundle.sh builds so for GPU
-sessions, whose tests force them.
+ENTROPY_ATTN_UNTESTED_KERNELS=1 also compiles the kernels of capabilities that are off by default
+until tested on a GPU (csrc/cuda/untested_kernels.h; none at present), which "auto" never selects;
+scripts/device_bundle.sh builds so for GPU sessions, whose tests force them.
 
 Packaging (pyproject.toml holds the static metadata): the version is torch_ext/_version.py's; the
 package requires the torch major.minor it is compiled against, and records the exact torch version

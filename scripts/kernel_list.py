@@ -204,17 +204,19 @@ def generated_files(families: dict[str, list[Instantiation]] | None = None, root
     return files
 
 
-def translation_units(untested: bool = True) -> list[Path]:
-    """The generated translation units, sorted; without `untested`, less those that hold only
-    instantiations compiled on request (ON_REQUEST), which a build without them leaves out."""
-    skipped = set() if untested else on_request_units()
-    return sorted(p for p in generated_files() if p.suffix == ".cu" and p not in skipped)
+def translation_units(untested: bool = True, families: dict[str, list[Instantiation]] | None = None) -> list[Path]:
+    """The generated translation units (of `families`, this tree's list by default), sorted;
+    without `untested`, less those that hold only instantiations compiled on request (ON_REQUEST),
+    which a build without them leaves out."""
+    skipped = set() if untested else on_request_units(families)
+    return sorted(p for p in generated_files(families) if p.suffix == ".cu" and p not in skipped)
 
 
-def on_request_units() -> set[Path]:
-    """The generated translation units all of whose instantiations are compiled on request."""
+def on_request_units(families: dict[str, list[Instantiation]] | None = None) -> set[Path]:
+    """The generated translation units (of `families`, this tree's list by default) all of whose
+    instantiations are compiled on request."""
     units: dict[Path, bool] = {}
-    for insts in load().values():
+    for insts in (load() if families is None else families).values():
         for inst in insts:
             path = unit_path(inst)
             units[path] = units.get(path, True) and inst.on_request

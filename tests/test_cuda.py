@@ -64,18 +64,6 @@ OUT_NAMES = (
 GRAD_NAMES = ("grad_query", "grad_key", "grad_value", "grad_row_scale")
 
 
-def skip_without_untested_kernels(what: str) -> None:
-    """Skips a test of `what` on a GPU when the build lacks the kernels compiled on request
-    (ENTROPY_ATTN_UNTESTED_KERNELS=1, csrc/cuda/untested_kernels.h: head dim 256 in the sm80
-    family, the sm80 backward's compact tiles), which the test forces; a dry run tests its logic on
-    the CPU regardless."""
-    from torch_ext import _build_info
-
-    if not DRY_RUN and not getattr(_build_info, "UNTESTED_KERNELS", False):
-        pytest.skip(f"{what}: not in this build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles it, as "
-                    "scripts/gpu_suite.sh and scripts/device_bundle.sh do)")
-
-
 #: The CUDA kernels' documented limits.
 CUDA_MAX_HEAD_DIM = 256
 CUDA_MAX_HEAD_DIM_F64 = 128
@@ -1263,8 +1251,6 @@ def test_families_agree(
     no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
     blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
     loss."""
-    if D == 256:
-        skip_without_untested_kernels("the sm80 family at head dim 256")
     torch.manual_seed(0)
     Lq, Lk = 177, 293
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, Lq, Lk, D, dtype=dtype))
@@ -1631,12 +1617,12 @@ HEAD_DIM_256_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
 @pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
 def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
                                         stats: bool) -> None:
-    """ENTROPY_ATTN_CUDA_FAMILY=sm80 runs head dim 256 in the tensor-core kernels (the forward in the
-    profile; the backward too where the GPU has its shared memory, the fallback's elsewhere) and
+    """The default choice ("auto": family.h, kTensorCoreHeadDim256ByDefault) runs head dim 256 in the
+    sm80 family's kernels (the forward in the profile; the backward too where the GPU has its shared
+    memory, the fallback's elsewhere), the Hopper family having none, and
     matches the float64 reference: output, lse and n_i, with statistics the entropy, sum p^2, max
     weight and derived statistics, and the gradients of q, k, v (and the sinks) through the output
     and, with statistics, the entropy. (Dry run: the CPU op against the same reference.)"""
-    skip_without_untested_kernels("the sm80 family at head dim 256")
     Lq, Lk, spec = HEAD_DIM_256_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask", "split")}
     H, Hkv, D = 4, 2, 256
@@ -1644,7 +1630,7 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     q, k, v = make_qkv(2, H, Hkv, Lq, Lk, D, dtype=dtype)
     sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
     sink_leaf = leaves[3] if sinks is not None else None
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "auto")
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", spec.get("split", "off"))
     res: list = []
     run = lambda: res.append(OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf,  # noqa: E731
@@ -1795,10 +1781,9 @@ def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, cas
     """With the shared memory per block of sm_86/89/120 (ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK, on any
     larger GPU) and ENTROPY_ATTN_CUDA_FAMILY=sm80, the backward at head dim 128 runs the sm80 main
     kernel with its compact tiles, and the gradients of q, k, v (and the sinks) through the output
-    and the entropy match the float64 reference; under "auto" the compact tiles do not run while they
-    are off by default (family.h: kTensorCoreCompactBackwardByDefault; the fallback takes such a
-    call, or the sm90 family on an H100). (Dry run: the CPU op against the same reference.)"""
-    skip_without_untested_kernels("the sm80 backward's compact tiles")
+    and the entropy match the float64 reference; "auto" takes them too (family.h:
+    kTensorCoreCompactBackwardByDefault) where the Hopper family does not take the call. (Dry run:
+    the CPU op against the same reference.)"""
     dtype, Hkv, Lq, Lk, spec, deterministic = COMPACT_BACKWARD_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", str(SMALL_GPU_SMEM))
@@ -1819,14 +1804,13 @@ def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, cas
             monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
             out = OP(*leaves[:3], cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
             grads: list = []
-            names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
+            names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [cuda(go), cuda(ge)], leaves)),
                                    "sm80", "main_kernel")
             # (BwdTraits<T, 128, kCompact, Ops>: the demangled name spells every argument.)
             compact = [n for n in names if re.search(r"BwdTraits<[^<>,]+, 128, true", n)]
-            if family == "sm80":
-                assert DRY_RUN or compact, "the sm80 backward's compact tiles did not run"
-            else:
-                assert not compact, f"the compact tiles ran under auto: {compact}"
+            # (Under "auto" an H100 runs the Hopper backward, but for a deterministic one.)
+            if family == "sm80" or deterministic or not is_hopper():
+                assert DRY_RUN or compact, f"{family}: the sm80 backward's compact tiles did not run"
             for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
                 assert rel_err(a, e) < GRAD_TOL[dtype], f"{family}: {name} vs reference"
     finally:
@@ -1849,18 +1833,19 @@ PADDED_HEAD_DIM_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any]]] = {
 
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("case", list(PADDED_HEAD_DIM_CASES))
-@pytest.mark.parametrize("family", TC_FAMILIES)
+@pytest.mark.parametrize("family", TC_FAMILIES + [
+    pytest.param("auto", marks=pytest.mark.skipif(not tensor_core_family_runs("sm80"),
+                                                  reason="the sm80 family does not run on this device"))])
 def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str,
                                           stats: bool) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=<family> runs head dims it does not compile in its kernels on
-    zero-padded inputs (the forward and backward kernels in the profile; a head dim padded to 256
+    zero-padded inputs, as "auto" does (family.h: kTensorCorePaddedHeadDimsByDefault; the Hopper
+    family on an H100) (the forward and backward kernels in the profile; a head dim padded to 256
     in the sm80 family's, its backward where the GPU has the shared memory) and matches the
     float64 reference: output, lse, n_i and, with statistics, every statistic, and the gradients of
     q, k, v through the output and the entropy. (Dry run: the CPU op against the same
     reference.)"""
     D, Dv, Lq, Lk, spec = PADDED_HEAD_DIM_CASES[case]
-    if max(D, Dv) > 128:
-        skip_without_untested_kernels("the sm80 family at head dim 256 (the padded head dim)")
     kw = {key: val for key, val in spec.items() if key != "mask"}
     torch.manual_seed(9)
     q, k, v = make_qkv(2, 4, 2, Lq, Lk, D, Dv, dtype=torch.bfloat16)
@@ -1868,7 +1853,8 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
     padded_to_256 = max(D, Dv) > 128
-    fwd_family = "sm80" if padded_to_256 else family
+    chosen = ("sm90" if is_hopper() else "sm80") if family == "auto" else family
+    fwd_family = "sm80" if padded_to_256 else chosen
     res: list = []
     ran = family_kernels(lambda: res.append(OP(*leaves, cuda(mask), None, enable_gqa=True,
                                                return_stats=stats, **kw)), fwd_family, "forward_kernel")

@@ -4,7 +4,7 @@
 // runtime), carried to the GPU machine as one file, run there:
 //
 //   build/kernel_harness [--quick] [--checks-only] [--families sm80,sm90,fallback] [--json F]
-//                        [--commit C] [--sm90-bulk-dq]
+//                        [--commit C] [--sm90-atomic-dq]
 //
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, bool and additive masks,
 //    D = 64 and 128, bf16 and fp16) through each family the device runs: the forward with and
@@ -24,9 +24,10 @@
 // when every check passed, 1 when one failed, 2 without a CUDA device of compute capability 8.0 or
 // newer or on a usage error, 3 on a CUDA error (named on stderr). Calls are launched as the op
 // launches them by default (csrc/cuda/family.cpp): split-KV's parts for the sm80 forward, the
-// launch order's sections, the backward left out where the op would not run it on the device;
-// --sm90-bulk-dq has the Hopper backward add dq by bulk reductions, as the op does where the family
-// is forced (csrc/cuda/family.h: kHopperBulkDqByDefault), for the calls without a mask.
+// launch order's sections, the Hopper backward's dq added by bulk reductions in the calls without
+// a mask (csrc/cuda/family.h: kHopperBulkDqByDefault), the backward left out where the op would not
+// run it on the device; --sm90-atomic-dq has the Hopper backward add dq by atomics in every call,
+// as the masked calls do, to time the two against each other.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -46,7 +47,6 @@
 #include "cuda/sm90/instantiations/dispatch.h"
 #include "cuda/sm90/launch.h"
 #include "cuda/split_kv.h"
-#include "cuda/untested_kernels.h"
 #include "kernel_harness.h"
 
 namespace {
@@ -220,11 +220,11 @@ bool launched(cudaError_t err) {
 }
 
 // What the op's launches read of the device (csrc/cuda/family.cpp, device_limits.h), and whether
-// the Hopper backward adds dq by bulk reductions (--sm90-bulk-dq: what the op does where
-// ENTROPY_ATTN_CUDA_FAMILY=sm90 forces the family, family.h: kHopperBulkDqByDefault).
+// the Hopper backward adds dq by bulk reductions where the call has no mask, as the op does
+// (family.h: kHopperBulkDqByDefault), or by atomics (--sm90-atomic-dq).
 struct Device {
   int sms = 0, l2_bytes = 0, smem_optin = 0;
-  bool sm90_bulk_dq = false;
+  bool sm90_bulk_dq = true;
 };
 
 // A call's sizes as csrc/cuda/launch_order_rule.h reads them.
@@ -259,17 +259,12 @@ struct OpLaunch {
     l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
     l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
     l.bulk_dq = f == Family::kSm90 && dev.sm90_bulk_dq && !masked;
-    // (The launcher takes the compact tiles where the full ones do not fit, if the build has them:
-    // launch.h, untested_kernels.h.)
+    // (The launcher takes the compact tiles where the full ones do not fit: launch.h.)
     const bool compact = sm80::backward_compact(d, dev.smem_optin);
     const int need = sm80::backward_main_smem_bytes(d, compact);
     if (f == Family::kSm80 && need > dev.smem_optin) {
       l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
-    } else if (f == Family::kSm80 && compact && !kUntestedKernels) {
-      l.bwd_skip =
-          "backward: not run (its compact tiles are not in this build: "
-          "ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)";
     }
     if (f != Family::kFallback) {
       const RuleShape r{s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.head_dim};
@@ -486,7 +481,7 @@ std::string json_number(double x) {
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0; }
 
 struct Options {
-  bool quick = false, checks_only = false, sm90_bulk_dq = false;
+  bool quick = false, checks_only = false, sm90_atomic_dq = false;
   std::vector<Family> families;
   std::string json, commit;
 };
@@ -494,7 +489,7 @@ struct Options {
 int usage(const char* why) {
   std::fprintf(stderr,
                "kernel_harness: %s\nusage: kernel_harness [--quick] [--checks-only] "
-               "[--families sm80,sm90,fallback] [--sm90-bulk-dq] [--json FILE] [--commit C]\n",
+               "[--families sm80,sm90,fallback] [--sm90-atomic-dq] [--json FILE] [--commit C]\n",
                why);
   return 2;
 }
@@ -511,14 +506,8 @@ int main(int argc, char** argv) {
       o.quick = true;
     } else if (arg == "--checks-only") {
       o.checks_only = true;
-    } else if (arg == "--sm90-bulk-dq") {
-      if (!kUntestedKernels) {
-        std::fprintf(stderr,
-                     "kernel_harness: --sm90-bulk-dq: the bulk-reduction kernels are not in this "
-                     "build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)\n");
-        return 2;
-      }
-      o.sm90_bulk_dq = true;
+    } else if (arg == "--sm90-atomic-dq") {
+      o.sm90_atomic_dq = true;
     } else if (arg == "--json" && has_value) {
       o.json = argv[++a];
     } else if (arg == "--commit" && has_value) {
@@ -567,7 +556,7 @@ int main(int argc, char** argv) {
   }
   Device dev;
   dev.sms = prop.multiProcessorCount, dev.l2_bytes = prop.l2CacheSize;
-  dev.sm90_bulk_dq = o.sm90_bulk_dq;
+  dev.sm90_bulk_dq = !o.sm90_atomic_dq;
   {  // (as the op and the launchers read it: under ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK)
     cudaError_t err = cudaSuccess;
     dev.smem_optin = smem_per_block(err);
@@ -589,9 +578,8 @@ int main(int argc, char** argv) {
   if (sm80::backward_compact(128, dev.smem_optin)) {
     std::printf(
         "%d bytes of shared memory per block: the sm80 backward at D = 128 runs its compact "
-        "tiles (64 x 64, one dO buffer)%s.\n\n",
-        dev.smem_optin,
-        kUntestedKernels ? "" : ", which this build lacks (ENTROPY_ATTN_UNTESTED_KERNELS=1)");
+        "tiles (64 x 64, one dO buffer).\n\n",
+        dev.smem_optin);
   }
 
   // 1. Checks, every family the device runs (the fallback included: it anchors the others).

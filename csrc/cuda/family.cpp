@@ -28,16 +28,6 @@
 namespace entropy_attn::cuda {
 namespace {
 
-// A capability "auto" takes needs its kernels in every build: turning one of these on means
-// compiling its kernels by default too (their gating in untested_kernels.h's users, and for head
-// dim 256 its `on_request` entry in kernels.toml), and dropping its check here.
-static_assert(!kTensorCoreHeadDim256ByDefault || kUntestedKernels,
-              "head dim 256 is on by default: compile its kernels by default (kernels.toml)");
-static_assert(!kTensorCoreCompactBackwardByDefault || kUntestedKernels,
-              "the compact backward is on by default: compile it by default (sm80/bwd_launch.cuh)");
-static_assert(!kHopperBulkDqByDefault || kUntestedKernels,
-              "bulk dq is on by default: compile its kernels by default (sm90/bwd_kernel.cuh)");
-
 template <typename T>
 bool is_dtype(at::ScalarType t) {
   if constexpr (std::is_same_v<T, float>) return t == at::kFloat;
@@ -155,7 +145,7 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
            "those on request need ENTROPY_ATTN_UNTESTED_KERNELS=1)";
   }
   if (s.head_dim == 256 && !tensor_core_capability(kTensorCoreHeadDim256ByDefault)) {
-    return "head_dim 256, off by default until tested on a GPU (kTensorCoreHeadDim256ByDefault)";
+    return "head_dim 256, off by default (kTensorCoreHeadDim256ByDefault)";
   }
   if (device_sm() < 80) return "the GPU is older than sm_80";
   for (const at::Tensor* t : rows) {
@@ -336,7 +326,7 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
 // The tensor-core backward also needs no mask gradient, and its shared memory, which at D = 128 is
 // more than some GPUs of sm_80 and newer offer a block (sm80/launch.h): there its launcher takes
 // the compact tiles, which need less, when they are on (family.h:
-// kTensorCoreCompactBackwardByDefault) and compiled (untested_kernels.h).
+// kTensorCoreCompactBackwardByDefault).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
@@ -351,11 +341,7 @@ std::string tensor_core_backward_obstacle(const BackwardCall& c) {
   const bool compact = sm80::backward_compact(d, smem);
   if (compact && !tensor_core_capability(kTensorCoreCompactBackwardByDefault)) {
     return "the backward's compact tiles (the GPU offers a block less shared memory than the full "
-           "ones need), off by default until tested on a GPU (kTensorCoreCompactBackwardByDefault)";
-  }
-  if (compact && !kUntestedKernels) {
-    return "the backward's compact tiles (the GPU offers a block less shared memory than the full "
-           "ones need), not in this build (ENTROPY_ATTN_UNTESTED_KERNELS=1 compiles them)";
+           "ones need), off by default (kTensorCoreCompactBackwardByDefault)";
   }
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const int need = std::max(sm80::backward_main_smem_bytes(d, compact),
@@ -420,9 +406,7 @@ std::optional<Family> requested_family() {
 int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype) {
   const bool on = tensor_core_capability(kTensorCorePaddedHeadDimsByDefault);
   if (!on || (dtype != at::kBFloat16 && dtype != at::kHalf)) return 0;
-  // (Head dim 256 only where the build has its kernels: untested_kernels.h.)
-  return kUntestedKernels ? padded_head_dim(shape, {64, 128, 256})
-                          : padded_head_dim(shape, {64, 128});
+  return padded_head_dim(shape, {64, 128, 256});
 }
 
 int forward_splits(const ForwardCall& c) {
@@ -487,9 +471,8 @@ Selection select_forward(const ForwardCall& c) {
 }
 
 bool hopper_bulk_dq(const AttentionBackwardCall& call) {
-  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers; and a build without
-  // the kernels on request has no bulk kernels: untested_kernels.h.)
-  return kUntestedKernels && !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
+  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers.)
+  return !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
 }
 
 Selection select_backward(const BackwardCall& c) {

@@ -12,9 +12,9 @@
 //   "sm90"             the Hopper family wherever it applies, else as "sm80".
 // "auto" picks both specialized families where they apply (kTensorCoreFamilyByDefault,
 // kHopperFamilyByDefault): the CUDA tests pass with each forced on an H100 (results/gpu/tests.md).
-// The kernels of the capabilities below that are off by default (head dim 256, the compact
-// backward, the bulk dq reductions) are compiled on request (untested_kernels.h): turning one on
-// by default means compiling its kernels by default as well.
+// A capability written without a GPU stays off by default, its kernels compiled on request
+// (untested_kernels.h), until the CUDA tests pass on one; turning it on by default means compiling
+// its kernels by default as well.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,41 +41,39 @@ constexpr bool kHopperFeaturesByDefault = true;
 // Whether "auto" has the Hopper backward add dq's partial sums G by bulk reductions of whole
 // query-block tiles from shared memory (cp.reduce.async.bulk, FlashAttention-3's way) instead of
 // 8-byte atomics from the registers, for the calls without a mask (sm90/bwd_kernel.cuh; its
-// dq_accum is then padded: sm90/launch.h, bulk_dq_accum). Off until it has passed the CUDA tests
-// and been timed against the atomics on a GPU; it passes the CPU emulation's
-// (tests/cpp/test_sm90_emulation.cpp). In a build with its kernels (untested_kernels.h) a forced
-// Hopper family (ENTROPY_ATTN_CUDA_FAMILY=sm90) takes it, so that the CUDA tests run it and a
-// benchmark compares "sm90" with "auto".
-constexpr bool kHopperBulkDqByDefault = false;
+// dq_accum is then padded: sm90/launch.h, bulk_dq_accum). On since it passed the CUDA tests on an
+// H200 (every CUDA test with the family forced, and the kernel harness's checks) and took 1-12%
+// less time than the atomics in the forward + backward of the harness's grid there, 7-12% at
+// D = 128 (results/gpu/tests.md).
+constexpr bool kHopperBulkDqByDefault = true;
 bool hopper_bulk_dq(const AttentionBackwardCall& call);
 
 // Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
 // at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
-// memory per block: an H100, not an A100). Off until they have passed the CUDA tests on a GPU
-// (tests/test_cuda.py: test_head_dim_256_matches_reference); in a build with their kernels
-// (untested_kernels.h) a forced tensor-core family takes them.
-constexpr bool kTensorCoreHeadDim256ByDefault = false;
+// memory per block: an H100, not an A100). On since they passed the CUDA tests on an H200
+// (tests/test_cuda.py: test_head_dim_256_matches_reference), where they took 1/22 of the
+// fallback's time (results/gpu/head_dims.md).
+constexpr bool kTensorCoreHeadDim256ByDefault = true;
 
 // Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
 // block less shared memory than its full tiles need (161 KB: sm_86, sm_89 and sm_120 offer 99 KB,
 // as ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK=101376 makes any GPU do), where its launcher takes the
-// compact tiles (64 x 64, one dO buffer: 97 KB; sm80/launch.h: backward_compact). Off until they
-// have passed the CUDA tests on a GPU (tests/test_cuda.py:
-// test_compact_backward_matches_reference); they pass the CPU emulation's
-// (tests/cpp/test_sm80_emulation.cpp). In a build with them (untested_kernels.h) a forced
-// tensor-core family takes them.
-constexpr bool kTensorCoreCompactBackwardByDefault = false;
+// compact tiles (64 x 64, one dO buffer: 97 KB; sm80/launch.h: backward_compact). On since they
+// passed the CUDA tests on an H200 with its shared memory per block capped at 99 KB
+// (tests/test_cuda.py: test_compact_backward_matches_reference; the kernel harness's checks); not
+// timed on such a GPU yet.
+constexpr bool kTensorCoreCompactBackwardByDefault = true;
 
 // Whether "auto" runs the calls whose head dims the tensor-core families do not compile (80, 96,
 // head_dim != v_head_dim, ...) in them with the inputs zero-padded to the next compiled head dim
-// (csrc/head_dim_padding.h), forward and backward. Off until tested on a GPU (tests/test_cuda.py:
-// test_padded_head_dims_match_reference); a forced tensor-core family pads.
-constexpr bool kTensorCorePaddedHeadDimsByDefault = false;
+// (csrc/head_dim_padding.h), forward and backward. On since they passed the CUDA tests on an H200
+// (tests/test_cuda.py: test_padded_head_dims_match_reference), where head dim 96 took 1/19 of the
+// fallback's time (results/gpu/head_dims.md).
+constexpr bool kTensorCorePaddedHeadDimsByDefault = true;
 
 // The head dim (64, 128 or 256) at which the tensor-core families would run a call of this shape
 // and dtype with zero-padded inputs, or 0: padding is off, the dtype is not bfloat16 or float16, or
-// the head dims need none or exceed 256 (128 in a build without head dim 256's kernels:
-// untested_kernels.h). The selection point then decides on the padded call.
+// the head dims need none or exceed 256. The selection point then decides on the padded call.
 int64_t tensor_core_padded_head_dim(const AttentionShape& shape, at::ScalarType dtype);
 
 // Whether "auto" splits the keys of a forward whose query tiles are too few to fill the GPU

@@ -49,13 +49,9 @@ elseif(_ea_cuda)
                                ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES} ${_ea_cccl_dirs}
                                "${ENTROPY_ATTN_CUTLASS_INCLUDE}")
     target_compile_features(${target} PRIVATE cxx_std_20)  # std::barrier-era atomics
-    # The emulation tests the kernels that a GPU has not tested yet as well (the sm80 backward's
-    # compact tiles, the Hopper backward's bulk dq: csrc/cuda/untested_kernels.h), whatever the
-    # library compiles; the tests that go through the library's selection (BulkDq: its backward
-    # lays dq out for the bulk reductions) need a library built with them (tests/run_all.sh
-    # configures so) and say whether it is.
-    target_compile_definitions(${target} PRIVATE ENTROPY_ATTN_UNTESTED_KERNELS
-      EA_LIBRARY_UNTESTED_KERNELS=$<BOOL:${ENTROPY_ATTN_UNTESTED_KERNELS}>)
+    # The emulation tests the kernels that a GPU has not tested yet as well (those compiled on
+    # request: csrc/cuda/untested_kernels.h), whatever the library compiles.
+    target_compile_definitions(${target} PRIVATE ENTROPY_ATTN_UNTESTED_KERNELS)
     # As the .cu files are compiled (CMakeLists.txt, setup.py): the kernels must not rely on the
     # implicit __half / __nv_bfloat16 conversions and operators.
     target_compile_definitions(${target} PRIVATE

@@ -59,23 +59,12 @@ TEST(EmulatedSm90Features, PackedDocuments) {
   run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
 }
 
-// dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes where the
-// family is forced (csrc/cuda/family.h: kHopperBulkDqByDefault): BackwardCall::allocate then lays
+// dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes in the calls
+// without a mask (csrc/cuda/family.h: kHopperBulkDqByDefault): BackwardCall::allocate then lays
 // dq_accum out for them (sm90/launch.h: bulk_dq_accum), for a window, dropout with sinks, and
 // packed documents (each document's last query block partial, added into the padding).
 TEST(EmulatedSm90Features, BulkDq) {
-  struct ForcedSm90 {
-    ForcedSm90() { setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90", 1); }
-    ~ForcedSm90() { unsetenv("ENTROPY_ATTN_CUDA_FAMILY"); }
-  } forced;
-  // (The library takes them where it was built with the kernels on request: untested_kernels.h;
-  // tests/run_all.sh builds it so.)
-  ASSERT_EQ(ec::hopper_bulk_dq(entropy_attn::AttentionBackwardCall{}),  // (no mask)
-            EA_LIBRARY_UNTESTED_KERNELS == 1);
-  if (EA_LIBRARY_UNTESTED_KERNELS != 1) {
-    GTEST_SKIP() << "the library is built without ENTROPY_ATTN_UNTESTED_KERNELS: its backward lays "
-                    "dq out for the atomics";
-  }
+  ASSERT_TRUE(ec::hopper_bulk_dq(entropy_attn::AttentionBackwardCall{}));  // (no mask)
   Feature f;
   f.window = {40, 0};
   run_feature<Sm90, __nv_bfloat16, 64>(f);

@@ -1,7 +1,6 @@
 // launch_backward of the tensor-core family (declared in launch.h): the delta preprocess, the
 // deterministic dq kernel when asked for, the main kernel over key blocks, the dq / d lambda
-// postprocess, all on one stream, with the tiles launch.h's backward_compact picks for the device
-// (the compact ones where the build has them: untested_kernels.h; cudaErrorNotSupported otherwise).
+// postprocess, all on one stream, with the tiles launch.h's backward_compact picks for the device.
 // A generated translation unit under instantiations/ includes this file and instantiates one (T,
 // head dim, causal, mask kind).
 #pragma once
@@ -10,7 +9,6 @@
 
 #include "../device_limits.h"
 #include "../params.h"
-#include "../untested_kernels.h"
 #include "bwd_kernel.cuh"
 #include "launch.h"
 
@@ -85,13 +83,8 @@ cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream) {
     const int smem = smem_per_block(err);
     if (err != cudaSuccess) return err;
     if (backward_compact(kHeadDim, smem)) {
-      // (Compiled on request until tested on a GPU: untested_kernels.h.)
-      if constexpr (kUntestedKernels) {
-        using Compact = bwd::BwdTraits<T, kHeadDim, true>;
-        return bwd::launch_tiles<Compact, Full, kCausal, kMask>(p, stream);
-      } else {
-        return cudaErrorNotSupported;
-      }
+      using Compact = bwd::BwdTraits<T, kHeadDim, true>;
+      return bwd::launch_tiles<Compact, Full, kCausal, kMask>(p, stream);
     }
   }
   return bwd::launch_tiles<Full, Full, kCausal, kMask>(p, stream);

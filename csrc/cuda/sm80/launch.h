@@ -47,8 +47,7 @@ constexpr int backward_dq_smem_bytes(int head_dim, bool compact = false) {
 
 // Whether launch_backward runs the compact tiles at head_dim on a device that grants a block
 // smem_per_block bytes (device_limits.h): at D = 128 where the others do not fit, as
-// FlashAttention-2 chooses its D = 128 backward tiles (in a build without them it then returns
-// cudaErrorNotSupported: untested_kernels.h).
+// FlashAttention-2 chooses its D = 128 backward tiles.
 constexpr bool backward_compact(int head_dim, int smem_per_block) {
   return head_dim == 128 && backward_main_smem_bytes(head_dim) > smem_per_block;
 }

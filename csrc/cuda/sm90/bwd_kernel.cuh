@@ -777,9 +777,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 // (launch.h: backward_covers routes such calls).
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 auto kernel_for(const BwdParams<float>& p) {
-  // (The bulk kernels are compiled on request until tested on a GPU: untested_kernels.h; without
-  // them launch.h's backward_covers rejects a bulk layout.)
-  if constexpr (kMask == MaskKind::kNone && kUntestedKernels) {
+  if constexpr (kMask == MaskKind::kNone) {
     if (p.dq_layout.bulk) return &main_kernel<T, Kt, kCausal, kMask, true>;
   }
   return &main_kernel<T, Kt, kCausal, kMask, false>;

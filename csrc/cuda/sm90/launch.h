@@ -26,7 +26,6 @@
 #include <cstdint>
 
 #include "../params.h"
-#include "../untested_kernels.h"
 
 namespace entropy_attn::cuda::sm90 {
 
@@ -105,15 +104,14 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// The backward also needs dq by atomics (pairs, or bulk reductions, which the masked kernels lack
-// and a build without the kernels on request has not: bwd_kernel.cuh, untested_kernels.h), a
-// dq_accum laid out for the one it is given, dout that TMA can describe, and no softcap or dropout
-// with a mask
+// The backward also needs dq by atomics (pairs, or bulk reductions, which the masked kernels lack:
+// bwd_kernel.cuh), a dq_accum laid out for the one it is given, dout that TMA can describe, and no
+// softcap or dropout with a mask
 // (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive mask
 // shifts; the masked kernels have no registers for the cap's derivative or for dropout).
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
   return covers(p, head_dim, causal) && !p.deterministic && dq_layout_ok(p) &&
-         !(p.dq_layout.bulk && (p.mask.kind != MaskKind::kNone || !kUntestedKernels)) &&
+         !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }

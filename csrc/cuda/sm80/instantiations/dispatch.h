@@ -23,12 +23,12 @@
   X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, false)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, true)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool, false)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool, true)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive, false)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive, true)) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone, true) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool, true) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive, false) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive, true) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
   X(__half, 64, true, MaskKind::kNone, false) \
@@ -45,12 +45,12 @@
   X(__half, 128, true, MaskKind::kBool, true) \
   X(__half, 128, true, MaskKind::kAdditive, false) \
   X(__half, 128, true, MaskKind::kAdditive, true) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, false)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, true)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool, false)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool, true)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive, false)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive, true)) \
+  X(__half, 256, true, MaskKind::kNone, false) \
+  X(__half, 256, true, MaskKind::kNone, true) \
+  X(__half, 256, true, MaskKind::kBool, false) \
+  X(__half, 256, true, MaskKind::kBool, true) \
+  X(__half, 256, true, MaskKind::kAdditive, false) \
+  X(__half, 256, true, MaskKind::kAdditive, true) \
   /* end of list */
 
 #define EA_SM80_BACKWARD_KERNELS(X) \
@@ -62,9 +62,9 @@
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool)) \
-  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive)) \
+  X(__nv_bfloat16, 256, true, MaskKind::kNone) \
+  X(__nv_bfloat16, 256, true, MaskKind::kBool) \
+  X(__nv_bfloat16, 256, true, MaskKind::kAdditive) \
   X(__half, 64, false, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kBool) \
@@ -73,7 +73,7 @@
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool)) \
-  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive)) \
+  X(__half, 256, true, MaskKind::kNone) \
+  X(__half, 256, true, MaskKind::kBool) \
+  X(__half, 256, true, MaskKind::kAdditive) \
   /* end of list */

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# What fits one command on a GPU lent for minutes (the device tool: 15 minutes a session, 10 a
+# command; scripts/gpu_suite.sh runs everything and takes longer): the extension from .device/,
+# the kernel harness's checks, every CUDA test under the default choice and with each tensor-core
+# family forced, and the benchmark against SDPA, each step bounded by what is left of DEADLINE.
+#
+#   bash scripts/device_bundle.sh make                # here, before the lease: .device/
+#   DEADLINE=420 bash scripts/gpu_session.sh          # there (carry .device); OUT: where results go
+#
+# Steps:
+#   1. the library and the kernel harness of .device/ (scripts/device_bundle.sh install);
+#   2. in the background, the harness's checks of every family (build/kernel_harness
+#      --checks-only), again with the shared memory per block capped at 99 KB (the sm80
+#      backward's compact tiles) and with the Hopper backward's dq by atomics;
+#   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
+#      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 and =sm80;
+#   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid) and the
+#      harness's timings of the sm90 family.
+# A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
+# OUT (default build/gpu_session) receives benchmark.md/.json, harness.md/.json and logs.tar.xz
+# (every log; packed after each step, so that a run cut short still returns what it did).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-420}
+OUT=${OUT:-build/gpu_session}
+LOGS=$(mktemp -d)/logs
+mkdir -p "$OUT" "$LOGS"
+PYTHON=${PYTHON:-python3}
+SHARDS=${SHARDS:-$(($(nproc) / 2 > 1 ? $(nproc) / 2 : 1))}
+
+note() { echo "::: $* [$(($(date +%s) - T0))s]"; }
+pack() { tar -C "$(dirname "$LOGS")" -cJf "$OUT/logs.tar.xz" logs 2>/dev/null || true; }
+# bounded SECONDS CMD...: CMD for at most SECONDS, or what is left before DEADLINE if less.
+bounded() {
+  local s=$1 left
+  shift
+  left=$((DEADLINE - ($(date +%s) - T0)))
+  ((left < s)) && s=$left
+  if ((s < 5)); then
+    echo "skipped (deadline): $*"
+    return 124
+  fi
+  timeout -k 5 "$s" "$@"
+}
+
+if ! nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >"$LOGS/smi.txt" 2>&1; then
+  echo "gpu_session: no GPU here (nvidia-smi: $(head -1 "$LOGS/smi.txt"))" >&2
+  exit 2
+fi
+cat "$LOGS/smi.txt"
+if [[ ! -d .device ]]; then
+  echo "gpu_session: no .device/ (make it with scripts/device_bundle.sh make and carry it)" >&2
+  exit 2
+fi
+note "install (scripts/device_bundle.sh install)"
+if ! bash scripts/device_bundle.sh install >"$LOGS/install.log" 2>&1; then
+  tail -20 "$LOGS/install.log"
+  pack
+  exit 1
+fi
+tail -1 "$LOGS/install.log"
+
+note "harness checks (in the background)"
+(
+  bounded 200 build/kernel_harness --checks-only --families fallback,sm80,sm90 >"$LOGS/harness_checks.md" 2>&1
+  echo "exit $?" >>"$LOGS/harness_checks.md"
+  ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK=101376 bounded 120 build/kernel_harness --checks-only --families sm80 \
+    >"$LOGS/harness_checks_99KB.md" 2>&1
+  echo "exit $?" >>"$LOGS/harness_checks_99KB.md"
+  bounded 120 build/kernel_harness --checks-only --families sm90 --sm90-atomic-dq \
+    >"$LOGS/harness_checks_atomic_dq.md" 2>&1
+  echo "exit $?" >>"$LOGS/harness_checks_atomic_dq.md"
+) &
+harness_pid=$!
+
+# tests NAME SECONDS: every CUDA test in $SHARDS processes, their last lines and failures printed.
+tests() {
+  local name=$1 seconds=$2 k pids=()
+  note "pytest ${name} (${SHARDS} processes)"
+  for ((k = 0; k < SHARDS; k++)); do
+    ENTROPY_ATTN_TEST_SHARD=$k/$SHARDS OMP_NUM_THREADS=2 ENTROPY_ATTN_REQUIRE_CUDA=1 \
+      bounded "$seconds" "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider --maxfail=12 \
+      -k "cuda or CUDA" --junitxml="$LOGS/$name.$k.xml" >"$LOGS/$name.$k.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for ((k = 0; k < SHARDS; k++)); do echo "  [$k] $(tail -1 "$LOGS/$name.$k.log")"; done
+  grep -h "^FAILED\|^ERROR" "$LOGS/$name".*.log | head -20
+  pack
+}
+tests auto 150
+wait "$harness_pid"
+for f in "$LOGS"/harness_checks*.md; do echo "  $(basename "$f"): $(grep -h "checks, " "$f" | tail -1)"; done
+ENTROPY_ATTN_CUDA_FAMILY=sm90 tests sm90 100
+ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
+
+note "benchmark against SDPA"
+bounded 130 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32:8 --head-dim 64 128 \
+  --seq 1024 4096 16384 --family auto --min-run-time 0.2 --out-md "$OUT/benchmark.md" \
+  --out-json "$OUT/benchmark.json" >"$LOGS/benchmark.log" 2>&1
+echo "  benchmark: exit $?"
+note "harness timings (sm90)"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$OUT/harness.json" \
+  >"$OUT/harness.md" 2>"$LOGS/harness.log"
+echo "  harness timings: exit $?"
+pack
+note "done (results in ${OUT})"

@@ -1,5 +1,7 @@
-"""A reduced grid of CUDA calls for compute-sanitizer: every kernel family, both tensor-core head
-dims, masks and the features (window, softcap, sinks, dropout, split-KV), forward and backward.
+"""A reduced grid of CUDA calls for compute-sanitizer: every kernel family at head dims 64, 128, 256
+and 96 (the tensor-core families' padded path), the sm80 backward's compact tiles (the shared
+memory per block capped at 99 KB), masks and the features (window, softcap, sinks, dropout,
+split-KV), forward and backward.
 
 Each call's output and gradients are compared with the same call on the CPU (float32), so a run
 under ``compute-sanitizer --tool memcheck|racecheck|synccheck`` checks values as well as memory,
@@ -36,6 +38,10 @@ VARIANTS: list[tuple[str, dict, str]] = [
 ]
 # Dropout draws other masks on the CPU: it runs without a comparison (its values finite).
 DROPOUT = {"is_causal": True, "dropout_p": 0.2}
+# (name, ENTROPY_ATTN_CUDA_FAMILY, other environment, head dims): the passes over the variants.
+PASSES: list[tuple[str, str, dict[str, str], tuple[int, ...]]] = [
+    (family, family, {}, (64, 128, 256, 96)) for family in ("fallback", "sm80", "sm90")
+] + [("sm80 at 99 KB per block", "sm80", {"ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK": "101376"}, (128,))]
 
 
 def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict,
@@ -60,12 +66,13 @@ def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict
 
 
 def main() -> int:
-    """Run the grid on DEVICE for each family; 1 if a call disagrees with the CPU."""
+    """Run the grid on DEVICE for each pass; 1 if a call disagrees with the CPU."""
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for family in ("fallback", "sm80", "sm90"):
-        os.environ["ENTROPY_ATTN_CUDA_FAMILY"] = family
-        for d in (64, 128):
+    for family, forced, env, dims in PASSES:
+        os.environ["ENTROPY_ATTN_CUDA_FAMILY"] = forced
+        os.environ.update(env)
+        for d in dims:
             base = [torch.randn(1, 2, 200, d, generator=gen) for _ in range(4)]
             mask = torch.rand(200, 200, generator=gen) > 0.3
             mask[:, 0] = True
@@ -86,7 +93,9 @@ def main() -> int:
                 failures += 1
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        print(f"{family}: {len(VARIANTS) + 1} variants x D 64, 128 run")
+        for key in env:
+            del os.environ[key]
+        print(f"{family}: {len(VARIANTS) + 1} variants x D {', '.join(map(str, dims))} run")
     return 1 if failures else 0
 
 

@@ -18,15 +18,19 @@ import cuda_sanitizer_grid as grid  # noqa: E402  (scripts/ is not a package)
 
 @pytest.fixture(autouse=True)
 def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grid's device is the CPU; the family and split settings it writes are restored."""
+    """The grid's device is the CPU; the family, split and shared-memory settings it writes are
+    restored."""
     monkeypatch.setattr(grid, "DEVICE", "cpu")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "auto")
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "auto")
+    monkeypatch.delenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", raising=False)
 
 
 def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert grid.main() == 0
-    assert capsys.readouterr().out.count("variants x D 64, 128 run") == 3
+    out = capsys.readouterr().out
+    assert out.count("variants x D 64, 128, 256, 96 run") == 3
+    assert "sm80 at 99 KB per block: 7 variants x D 128 run" in out
 
 
 def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,10 +15,13 @@
 #   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
 #      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 and =sm80;
 #   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid) and the
-#      harness's timings of the sm90 family.
+#      harness's timings of the sm90 family;
+#   5. as time allows, one decoding step (benchmarks/gpu_decode.py, split-KV settings) and the
+#      causal calls under both launch orders (gpu_vs_sdpa.py --launch-order auto heads).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
-# OUT (default build/gpu_session) receives benchmark.md/.json, harness.md/.json and logs.tar.xz
-# (every log; packed after each step, so that a run cut short still returns what it did).
+# OUT (default build/gpu_session) receives benchmark, decode and launch_order (.md and .json each),
+# harness.md and logs.tar.xz (every log and harness.json; packed after each step, so that a run cut
+# short still returns what it did): 8 files, what the device tool brings back.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -103,8 +106,18 @@ bounded 130 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32
 echo "  benchmark: exit $?"
 note "harness timings (sm90)"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$OUT/harness.json" \
+bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness.json" \
   >"$OUT/harness.md" 2>"$LOGS/harness.log"
 echo "  harness timings: exit $?"
+pack
+note "decoding"
+bounded 60 "$PYTHON" benchmarks/gpu_decode.py --split off auto 8 16 --out-md "$OUT/decode.md" \
+  --out-json "$OUT/decode.json" >"$LOGS/decode.log" 2>&1
+echo "  decode: exit $?"
+note "launch orders"
+bounded 90 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --seq 1024 4096 --causal yes \
+  --launch-order auto heads --out-md "$OUT/launch_order.md" --out-json "$OUT/launch_order.json" \
+  >"$LOGS/launch_order.log" 2>&1
+echo "  launch orders: exit $?"
 pack
 note "done (results in ${OUT})"

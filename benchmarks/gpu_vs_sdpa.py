@@ -497,7 +497,7 @@ def environment(command: str) -> Dict[str, Any]:
         # The kernels measured, exactly: scripts/sources_hash.sh gives the same at their commit.
         "sources_sha256": sources,
         # Whether the kernels compiled on request were in (csrc/cuda/untested_kernels.h): without
-        # them head dim 256 runs in the fallback.
+        # them "auto" runs as it does, and a forced family falls back where they would run.
         "untested_kernels": untested,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,

@@ -20,7 +20,8 @@
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
 # (default 9.0: an H100/H200; "8.0;9.0" for an A100 too), with the kernels that are compiled on
-# request (ENTROPY_ATTN_UNTESTED_KERNELS=1: a GPU session tests them; so does a build there). It packs the stripped library, the
+# request where kernels.toml lists any (ENTROPY_ATTN_UNTESTED_KERNELS=1: a GPU session tests them;
+# so does a build there). It packs the stripped library, the
 # kernel harness (scripts/kernel_harness.sh), the sources' hash and the wheels a build there needs
 # (nvidia-cutlass's headers, a setuptools that reads pyproject.toml). .device/ is ignored by git:
 # copy it along. DEVICE_VENV names an existing virtual environment with DEVICE_TORCH to build in
@@ -98,7 +99,7 @@ make_bundle() {
   start=$(date +%s)
   device_venv
   copy_tree
-  note "build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}, with the untested kernels"
+  note "build against torch ${DEVICE_TORCH}, TORCH_CUDA_ARCH_LIST=${DEVICE_ARCH}, with any kernels on request"
   build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH" ENTROPY_ATTN_UNTESTED_KERNELS=1
   # The resource report and the SASS check of these kernels (scripts/ptxas_report.py,
   # scripts/sass_check.py), which CI runs on its build, without the kernels compiled on request:

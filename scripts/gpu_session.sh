@@ -5,7 +5,8 @@
 # family forced, and the benchmark against SDPA, each step bounded by what is left of DEADLINE.
 #
 #   bash scripts/device_bundle.sh make                # here, before the lease: .device/
-#   DEADLINE=420 bash scripts/gpu_session.sh          # there (carry .device); OUT: where results go
+#   DEADLINE=420 bash scripts/gpu_session.sh          # there (carry .device); OUT: where results go,
+#                                                     # COMMIT: the commit to record (default git's)
 #
 # Steps:
 #   1. the library and the kernel harness of .device/ (scripts/device_bundle.sh install);
@@ -20,6 +21,8 @@
 #      padded, against the fallback) and the causal calls under both launch orders
 #      (gpu_vs_sdpa.py --launch-order auto heads).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
+# The exit code is 1 when a step failed or ran out of time, 2 when the run could not start (no GPU,
+# or a .device/ made from other sources: it would be built there, at the lease's expense).
 # OUT (default build/gpu_session) receives benchmark, decode and launch_order (.md and .json each),
 # harness.md and logs.tar.xz (every log and harness.json; packed after each step, so that a run cut
 # short still returns what it did): 8 files, what the device tool brings back.
@@ -58,6 +61,17 @@ if [[ ! -d .device ]]; then
   echo "gpu_session: no .device/ (make it with scripts/device_bundle.sh make and carry it)" >&2
   exit 2
 fi
+if [[ $(cat .device/sources.sha256 2>/dev/null) != "$(bash scripts/sources_hash.sh)" ]]; then
+  echo "gpu_session: .device/ was made from other sources than these (scripts/sources_hash.sh):" \
+    "make it again with scripts/device_bundle.sh make" >&2
+  exit 2
+fi
+status=0
+# record WHAT RC: prints the step's exit code; a failed step fails the run.
+record() {
+  echo "  $1: exit $2"
+  (($2 == 0)) || status=1
+}
 note "install (scripts/device_bundle.sh install)"
 if ! bash scripts/device_bundle.sh install >"$LOGS/install.log" 2>&1; then
   tail -20 "$LOGS/install.log"
@@ -89,44 +103,53 @@ tests() {
       -k "cuda or CUDA" --junitxml="$LOGS/$name.$k.xml" >"$LOGS/$name.$k.log" 2>&1 &
     pids+=($!)
   done
-  wait "${pids[@]}"
-  for ((k = 0; k < SHARDS; k++)); do echo "  [$k] $(tail -1 "$LOGS/$name.$k.log")"; done
+  local rc=0
+  for ((k = 0; k < SHARDS; k++)); do
+    wait "${pids[$k]}" || rc=1
+    echo "  [$k] $(tail -1 "$LOGS/$name.$k.log")"
+  done
   grep -h "^FAILED\|^ERROR" "$LOGS/$name".*.log | head -20
+  record "pytest ${name}" "$rc"
   pack
 }
 tests auto 150
-wait "$harness_pid"
-for f in "$LOGS"/harness_checks*.md; do echo "  $(basename "$f"): $(grep -h "checks, " "$f" | tail -1)"; done
 ENTROPY_ATTN_CUDA_FAMILY=sm90 tests sm90 100
 ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
+# (The harness's checks share the GPU with the tests, not with the timings below.)
+wait "$harness_pid"
+for f in "$LOGS"/harness_checks*.md; do
+  echo "  $(basename "$f"): $(grep -h "checks, " "$f" | tail -1)"
+  grep -q "^exit 0$" "$f" || status=1
+done
 
 note "benchmark against SDPA"
 bounded 130 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32:8 --head-dim 64 128 \
   --seq 1024 4096 16384 --family auto --min-run-time 0.2 --out-md "$OUT/benchmark.md" \
   --out-json "$OUT/benchmark.json" >"$LOGS/benchmark.log" 2>&1
-echo "  benchmark: exit $?"
+record benchmark $?
 note "harness timings (sm90)"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness.json" \
   >"$OUT/harness.md" 2>"$LOGS/harness.log"
-echo "  harness timings: exit $?"
+record "harness timings" $?
 pack
 note "decoding"
 bounded 60 "$PYTHON" benchmarks/gpu_decode.py --split off auto 8 16 --out-md "$OUT/decode.md" \
   --out-json "$OUT/decode.json" >"$LOGS/decode.log" 2>&1
-echo "  decode: exit $?"
+record decode $?
 # (Head dim 96 decodes on inputs padded to 128, copying the cache at each step: against the
 # fallback, which reads it as it is. Not measured yet.)
 for family in auto fallback; do
   bounded 40 "$PYTHON" benchmarks/gpu_decode.py --head-dim 96 --split auto \
     --family "$family" --out-md "$LOGS/decode_d96_$family.md" --out-json "$LOGS/decode_d96_$family.json" \
     >"$LOGS/decode_d96_$family.log" 2>&1
-  echo "  decode at head dim 96, ${family}: exit $?"
+  record "decode at head dim 96, ${family}" $?
 done
 note "launch orders"
 bounded 90 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --seq 1024 4096 --causal yes \
-  --launch-order auto heads --out-md "$OUT/launch_order.md" --out-json "$OUT/launch_order.json" \
-  >"$LOGS/launch_order.log" 2>&1
-echo "  launch orders: exit $?"
+  --launch-order auto heads --min-run-time 0.2 --out-md "$OUT/launch_order.md" \
+  --out-json "$OUT/launch_order.json" >"$LOGS/launch_order.log" 2>&1
+record "launch orders" $?
 pack
-note "done (results in ${OUT})"
+note "done (results in ${OUT}), exit code ${status}"
+exit "$status"

@@ -24,10 +24,10 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
-# A build here compiles the kernels that wait for a GPU to test them as well (csrc/cuda/
-# untested_kernels.h): the CUDA tests force them, and step 3 fails on a build without them.
-# ENTROPY_ATTN_UNTESTED_KERNELS=0 leaves them out of a build (scripts/setup.sh; the device bundle's
-# library has them) and accepts one without them.
+# A build here compiles the kernels that wait for a GPU to test them as well, if kernels.toml lists
+# any (`on_request`: csrc/cuda/untested_kernels.h; none at present): the CUDA tests force them, and
+# step 3 then fails on a build without them. ENTROPY_ATTN_UNTESTED_KERNELS=0 leaves them out of a
+# build (scripts/setup.sh; the device bundle's library has them) and accepts one without them.
 export ENTROPY_ATTN_UNTESTED_KERNELS=${ENTROPY_ATTN_UNTESTED_KERNELS:-1}
 PYTHON=${PYTHON:-python3}
 LOG_DIR=${LOG_DIR:-build/gpu_suite}
@@ -120,14 +120,18 @@ missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_ke
 if missing:
     sys.exit(f"no CUDA kernel registered for: {', '.join(missing)} (was the extension built with CUDA?)")
 print("CUDA kernels registered for", ", ".join(ops))
-# The kernels that wait for this machine's tests (csrc/cuda/untested_kernels.h) must be in the build
-# it tests, or their tests skip and this suite would pass without running them.
+# The kernels that wait for this machine's tests (csrc/cuda/untested_kernels.h), where kernels.toml
+# lists any, must be in the build it tests, or their tests skip and this suite would pass without
+# running them.
 import os
 
+sys.path.insert(0, "scripts")
+import kernel_list
 from torch_ext import _build_info
 
 built = getattr(_build_info, "UNTESTED_KERNELS", False)
-if os.environ.get("ENTROPY_ATTN_UNTESTED_KERNELS") == "1" and not built:
+wanted = os.environ.get("ENTROPY_ATTN_UNTESTED_KERNELS") == "1" and kernel_list.on_request_units()
+if wanted and not built:
     sys.exit("the build lacks the kernels compiled on request (torch_ext/_build_info.py: UNTESTED_KERNELS); "
              "rebuild with ENTROPY_ATTN_UNTESTED_KERNELS=1, or run with ENTROPY_ATTN_UNTESTED_KERNELS=0")
 print("kernels compiled on request:", "in" if built else "not built")

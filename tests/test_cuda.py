@@ -641,8 +641,8 @@ def test_strided_inputs(dtype: torch.dtype, layout: str) -> None:
     output in the query's layout and each gradient in its input's: (B, L, H, D) transposed,
     stride-2 last dim, stride-0 batch, rows of odd stride, storage offset of one element (rows
     not aligned to 16 bytes), with a transposed / expanded mask and scale. blhd_d80: a head dim
-    no kernel compiles, which the tensor-core families pad to 128 when forced (the padded
-    gradients cut back into the inputs' layouts)."""
+    no kernel compiles, which the tensor-core families pad to 128 (the padded gradients cut back
+    into the inputs' layouts)."""
     B, H, Lq, Lk, D = 2, 3, 65, 130, 80 if layout == "blhd_d80" else 64
     blhd = layout.startswith("blhd")
 
@@ -1688,8 +1688,8 @@ SMALL_GPU_SMEM = 101376
 #: Calls as such a GPU runs them with the sm80 family forced (dtype, head_dim, v_head_dim, Lq, Lk,
 #: the op's keyword arguments as TC_FEATURES): the 16-bit backward at head dims 129-256 in the
 #: fallback's compact tiles (Gemma's 256 with softcap + window, DeepSeek's 192 / 128), at 128 in the
-#: sm80 backward's compact tiles where the build has them (its full ones' 161 KB do not fit:
-#: test_compact_backward_...; the fallback's otherwise), at 64 in the sm80 backward (97 KB).
+#: sm80 backward's compact tiles (its full ones' 161 KB do not fit: test_compact_backward_...), at 64
+#: in the sm80 backward (97 KB).
 SMALL_GPU_CASES: Dict[str, Tuple[torch.dtype, int, int, int, int, Dict[str, Any]]] = {
     "bf16_d256_softcap_window": (torch.bfloat16, 256, 256, 150, 150,
                                  {"is_causal": True, "softcap": 30.0, "window_size": (60, 0)}),

@@ -581,6 +581,11 @@ int main(int argc, char** argv) {
         "tiles (64 x 64, one dO buffer).\n\n",
         dev.smem_optin);
   }
+  if (cc == 90) {
+    std::printf("The sm90 backward adds dq %s.\n\n",
+                dev.sm90_bulk_dq ? "by bulk reductions where the call has no mask (as the op does)"
+                                 : "by atomics in every call (--sm90-atomic-dq)");
+  }
 
   // 1. Checks, every family the device runs (the fallback included: it anchors the others).
   std::vector<CheckRow> checks;
@@ -663,9 +668,9 @@ int main(int argc, char** argv) {
     if (out == nullptr) return usage(("cannot write " + o.json).c_str());
     std::fprintf(out,
                  "{\"device\": %s, \"compute_capability\": %d, \"driver\": %d, "
-                 "\"runtime\": %d, \"commit\": %s,\n \"checks\": [",
-                 json_string(prop.name).c_str(), cc, driver, runtime,
-                 json_string(o.commit).c_str());
+                 "\"runtime\": %d, \"commit\": %s, \"sm90_dq\": %s,\n \"checks\": [",
+                 json_string(prop.name).c_str(), cc, driver, runtime, json_string(o.commit).c_str(),
+                 dev.sm90_bulk_dq ? "\"bulk\"" : "\"atomic\"");
     for (size_t i = 0; i < checks.size(); ++i) {
       const CheckRow& r = checks[i];
       std::fprintf(out,

@@ -23,7 +23,6 @@
 #include "sm90/instantiations/dispatch.h"
 #include "sm90/launch.h"
 #include "split_kv.h"
-#include "untested_kernels.h"
 
 namespace entropy_attn::cuda {
 namespace {
@@ -141,8 +140,7 @@ std::string tensor_core_obstacle(const AttentionShape& s, at::ScalarType dtype,
   if (s.q_len == 0 || s.kv_len == 0) return "an empty sequence";
   if (s.head_dim != s.v_head_dim) return "head_dim != v_head_dim";
   if (!has) {
-    return "no instantiation for this head_dim and flags in this build (csrc/cuda/kernels.toml; "
-           "those on request need ENTROPY_ATTN_UNTESTED_KERNELS=1)";
+    return "no instantiation for this head_dim and flags in this build (csrc/cuda/kernels.toml)";
   }
   if (s.head_dim == 256 && !tensor_core_capability(kTensorCoreHeadDim256ByDefault)) {
     return "head_dim 256, off by default (kTensorCoreHeadDim256ByDefault)";

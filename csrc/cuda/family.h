@@ -51,8 +51,8 @@ bool hopper_bulk_dq(const AttentionBackwardCall& call);
 // Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
 // at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
 // memory per block: an H100, not an A100). On since they passed the CUDA tests on an H200
-// (tests/test_cuda.py: test_head_dim_256_matches_reference), where they took 1/22 of the
-// fallback's time (results/gpu/head_dims.md).
+// (tests/test_cuda.py: test_head_dim_256_matches_reference), where they took 1/23-1/25 of the
+// fallback's forward time and 1/14 of its forward + backward (results/gpu/head_dims.md).
 constexpr bool kTensorCoreHeadDim256ByDefault = true;
 
 // Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
@@ -67,8 +67,9 @@ constexpr bool kTensorCoreCompactBackwardByDefault = true;
 // Whether "auto" runs the calls whose head dims the tensor-core families do not compile (80, 96,
 // head_dim != v_head_dim, ...) in them with the inputs zero-padded to the next compiled head dim
 // (csrc/head_dim_padding.h), forward and backward. On since they passed the CUDA tests on an H200
-// (tests/test_cuda.py: test_padded_head_dims_match_reference), where head dim 96 took 1/19 of the
-// fallback's time (results/gpu/head_dims.md).
+// (tests/test_cuda.py: test_padded_head_dims_match_reference), where head dim 96 in the sm80
+// family took 1/17-1/21 of the fallback's forward time and 1/11-1/12 of its forward + backward
+// (results/gpu/head_dims.md; the Hopper family, which runs it there, was not timed).
 constexpr bool kTensorCorePaddedHeadDimsByDefault = true;
 
 // The head dim (64, 128 or 256) at which the tensor-core families would run a call of this shape

@@ -5,6 +5,10 @@
 // launch the same kernels) and run as a CTest test of its own.
 #include "sm90_emulation.h"
 
+#include <cstdlib>
+#include <optional>
+#include <string>
+
 #include "cuda/family.h"
 #include "emulated_features.h"
 
@@ -64,6 +68,16 @@ TEST(EmulatedSm90Features, PackedDocuments) {
 // dq_accum out for them (sm90/launch.h: bulk_dq_accum), for a window, dropout with sinks, and
 // packed documents (each document's last query block partial, added into the padding).
 TEST(EmulatedSm90Features, BulkDq) {
+  struct DefaultChoice {  // ("auto", whatever ENTROPY_ATTN_CUDA_FAMILY the environment sets)
+    std::optional<std::string> saved;
+    DefaultChoice() {
+      if (const char* v = std::getenv("ENTROPY_ATTN_CUDA_FAMILY")) saved = v;
+      unsetenv("ENTROPY_ATTN_CUDA_FAMILY");
+    }
+    ~DefaultChoice() {
+      if (saved) setenv("ENTROPY_ATTN_CUDA_FAMILY", saved->c_str(), 1);
+    }
+  } default_choice;
   ASSERT_TRUE(ec::hopper_bulk_dq(entropy_attn::AttentionBackwardCall{}));  // (no mask)
   Feature f;
   f.window = {40, 0};

@@ -4,8 +4,7 @@
 // mask kind (MaskKind) as a compile-time flag. kCausal instantiations take any KeyPattern that
 // restricts a row's keys (causality, windows, either alignment, packed documents) and take softcap,
 // sinks and dropout (runtime features), except softcap with an additive mask in the backward (the
-// selection point, csrc/cuda/family.cpp, decides which calls come here; windows, documents,
-// softcap, sinks and dropout only when forced until tested on a GPU: family.h).
+// selection point, csrc/cuda/family.cpp, decides which calls come here: family.h).
 #pragma once
 
 #include <cuda_runtime_api.h>

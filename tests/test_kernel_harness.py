@@ -54,6 +54,10 @@ def test_usage(harness: Path) -> None:
     assert fam.returncode == 2 and "unknown family 'sm70'" in fam.stderr
     bare = subprocess.run([str(harness), "--json"], capture_output=True, text=True)
     assert bare.returncode == 2 and "--json needs a value" in bare.stderr
+    # (dq by bulk reductions is the default now; the switch left is to the atomics.)
+    assert "--sm90-atomic-dq" in ok.stderr
+    retired = subprocess.run([str(harness), "--sm90-bulk-dq"], capture_output=True, text=True)
+    assert retired.returncode == 2 and "unknown argument '--sm90-bulk-dq'" in retired.stderr
 
 
 def test_without_gpu_says_so(harness: Path) -> None:
@@ -62,6 +66,8 @@ def test_without_gpu_says_so(harness: Path) -> None:
         pytest.skip("a GPU is visible: test_checks_pass_on_gpu runs instead")
     done = subprocess.run([str(harness), "--checks-only"], capture_output=True, text=True)
     assert done.returncode == 2 and "no CUDA device" in done.stderr, done.stdout + done.stderr
+    atomics = subprocess.run([str(harness), "--checks-only", "--sm90-atomic-dq"], capture_output=True, text=True)
+    assert atomics.returncode == 2 and "no CUDA device" in atomics.stderr, atomics.stdout + atomics.stderr
 
 
 @pytest.mark.skipif(not _has_gpu(), reason="no GPU: the harness's checks need one (CUDA test)")

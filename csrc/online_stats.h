@@ -92,18 +92,29 @@ EA_HOST_DEVICE RowStats<acc_t> initial_state(bool has_sink, acc_t sink) {
 // Moves the running state to a new, larger-or-equal max m_new and returns the factor e^{m - m_new}
 // by which anything accumulated with weights e^{s - m} (the output row) must be multiplied.
 // With an empty state (l = 0, m = -inf) the factor is 0 and nothing is formed from -inf * 0.
+//
+// rescale_by is the same update with the factor alpha = Unit::exp(m - m_new) formed by the caller:
+// a kernel that needs the factor for its output row anyway forms it once, by its own exponential,
+// and the row's sums and its output are then moved by the same number. alpha is not read while
+// the state is empty.
+template <typename acc_t>
+EA_HOST_DEVICE void rescale_by(RowStats<acc_t>& st, acc_t m_new, acc_t alpha) {
+  if (st.l != acc_t(0)) {
+    const acc_t delta = st.m - m_new;  // <= 0
+    st.t = alpha * (st.t + delta * st.l);
+    st.l = alpha * st.l;
+    st.u = alpha * alpha * st.u;
+  }
+  st.m = m_new;
+}
 template <typename acc_t, typename Unit = NaturalLog>
 EA_HOST_DEVICE acc_t rescale(RowStats<acc_t>& st, acc_t m_new) {
   if (st.l == acc_t(0)) {
     st.m = m_new;
     return acc_t(0);
   }
-  const acc_t delta = st.m - m_new;  // <= 0
-  const acc_t alpha = Unit::exp(delta);
-  st.t = alpha * (st.t + delta * st.l);
-  st.l = alpha * st.l;
-  st.u = alpha * alpha * st.u;
-  st.m = m_new;
+  const acc_t alpha = Unit::exp(st.m - m_new);
+  rescale_by(st, m_new, alpha);
   return alpha;
 }
 

@@ -1,5 +1,6 @@
 // Pieces the tensor-core families (sm80, sm90) share: the CUTLASS element type of a torch-facing
-// CUDA type, exp2 by one MUFU.EX2, the reductions over the four lanes that hold an accumulator row,
+// CUDA type, exp2 by one MUFU.EX2, a row's max over a thread's columns, the reductions over the
+// four lanes that hold an accumulator row,
 // the dropout decisions of an accumulator tile, and the fp32 -> 16-bit conversion of a register
 // fragment.
 #pragma once
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cute/tensor.hpp>
+#include <limits>
 
 #include "../dropout.h"
 
@@ -65,6 +67,20 @@ CUTE_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
+
+// A row's running max over a thread's columns, kept as four independent maxima (column c goes to
+// the c % 4-th) and combined at the end: kCols / 4 + 2 dependent FMNMX before the row's quad
+// shuffles and first exponential instead of a chain of kCols, which left the issue slots of the
+// softmax's first phase idle (FlashAttention's CuTe kernels reduce so too). fmaxf is exact and
+// ignores a NaN operand in any order, so the value is the serial fold's.
+struct RowMax4 {
+  static constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float m[4] = {kNone, kNone, kNone, kNone};
+  // (c a compile-time column of an unrolled loop: m[c % 4] stays in registers.)
+  CUTE_DEVICE void add(int c, float y) { m[c % 4] = fmaxf(m[c % 4], y); }
+  CUTE_DEVICE float value() const { return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])); }
+};
+
 template <typename V>
 CUTE_DEVICE V quad_sum(V x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -13,8 +13,9 @@
 //     one wgmma) and raise their register budget to 240 (setmaxnreg.inc). Per key block:
 //       S = Q K^T          wgmma with both operands in shared memory (SS), fp32 accumulators;
 //       online softmax     the logits y = lambda_i log2(e) S (+ log2(e) mask) in log2 units,
-//                          their row max over the 4 lanes that share a row (2 shuffles), the row
-//                          state moved to the new max by online_stats.h (rescale<float, Log2>),
+//                          their row max (four partial maxima per thread, then over the 4 lanes
+//                          that share a row: 2 shuffles), the row state moved to the new max by
+//                          online_stats.h (rescale_by, with O's factor),
 //                          then e = 2^(y - m) (one MUFU.EX2) and l, t, u accumulated
 //                          (accumulate). Where no key is hidden, lambda_i folds into the
 //                          exponent: the max of the raw scores, and y - m as one FFMA per score;
@@ -476,11 +477,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     float m_use[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float mx = kNegInf;
+      float mx;
+      RowMax4 row_max;
       if constexpr (kFolded) {
         CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) mx = fmaxf(mx, s_rc(r, c));
-        mx = quad_max(mx) * scale2[r];
+        for (int c = 0; c < kCols; ++c) row_max.add(c, s_rc(r, c));
+        mx = quad_max(row_max.value()) * scale2[r];
       } else {
         const int row_in_tile = get<0>(cS_rc(r, 0));
         const int i = m0 + row_in_tile;
@@ -522,22 +524,29 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           y = allowed ? y : kNegInf;
           s_rc(r, c) = y;
           // fmaxf drops NaN; a NaN logit still makes the row NaN through e = 2^NaN in l and P V.
-          mx = fmaxf(mx, y);
+          row_max.add(c, y);
         }
-        mx = quad_max(mx);
+        mx = quad_max(row_max.value());
       }
       const float m_new = fmaxf(st[r].m, mx);
       // While the row has seen no allowed key (m = -inf) every weight is 0: exponentiate against 0
       // instead of forming -inf - (-inf).
       m_use[r] = m_new == kNegInf ? 0.f : m_new;
       // O's factor is the row's 2^(m_old - m_new) (0 while the row was empty), whatever this
-      // thread's partial l; rescale() moves the thread's partial sums (and returns the same
-      // factor where its l is not 0). (So a warp with an empty row, padding rows of the last tile
-      // in a predicated block, never skips O's rescale: a select here to make that factor 1 costs
-      // the other warps more, 8-13 instructions per block.)
+      // thread's partial l; rescale_by() moves the thread's partial sums by the same factor (it
+      // reads it only where the partial l is not 0, and then m_use = m_new): one exponential per
+      // row, and O and the sums moved alike. (So a warp with an empty row, padding rows of the last
+      // tile in a predicated block, never skips O's rescale: a select here to make that factor 1
+      // costs the other warps more, 8-13 instructions per block.)
       alpha[r] = exp2_approx(st[r].m - m_use[r]);
-      rescale<float, Log2>(st[r], m_new);
+      rescale_by(st[r], m_new, alpha[r]);
     }
+    // l and u take a row's even and odd columns in two partial sums, the odd ones added at the end
+    // of the block (the sums are linear in their terms). With one chain each, ptxas left their 128
+    // FADD and FFMA to a tail after the block's last exponential, while the warp waited on the SFU
+    // between exponentials (one MUFU.EX2 per 8 cycles of a warp); with two it interleaves them
+    // (results/sass/softmax_schedule.md). t stays one chain: a second one spills at D = 128.
+    float l_odd[kRows] = {}, u_odd[kRows] = {};
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -549,8 +558,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         // Where no key is hidden (kFolded) x is finite for finite scores, and the guard below
         // recomputes a row whose entropy a non-finite score made NaN: no clamp (one instruction
         // of the three the statistics add per score).
-        accumulate(st[r].l, st[r].t, st[r].u, kFolded ? x : clamp_finite(x), e);
+        float& l = c % 2 == 0 ? st[r].l : l_odd[r];
+        float& u = c % 2 == 0 ? st[r].u : u_odd[r];
+        accumulate(l, st[r].t, u, kFolded ? x : clamp_finite(x), e);
       }
+      st[r].l += l_odd[r];
+      st[r].u += u_odd[r];
     }
   };
   // Logit softcapping (docs/math.md section 6): the scores x of a block become the x' whose scaled

@@ -336,6 +336,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // routes such calls).
   constexpr bool kDropout = kCausal && kMask == MaskKind::kNone;
   const bool dropping = kDropout && p.dropout.on();
+  constexpr bool kSoftcap = kCausal && kMask == MaskKind::kNone;  // the kernels that may cap
 
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
   // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
@@ -522,9 +523,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             if constexpr (kGrads) {
               s = s_rc(r, c + e);
               pr = exp2_approx(fmaf(s, kLog2e, bias2[r]));
-              // 1 / c, or 0 (a derivative of 1); NaN where s = -inf: unused, p = 0 there.
-              const float th = s * (capped ? p.softcap.inv_cap : 0.f);
-              cap_grad = 1.f - th * th;
+              // Only the kernels that may cap form the cap's derivative: elsewhere it is 1, and
+              // s * 0 is no constant to the compiler (two instructions per element, 12-18% of the
+              // dS step's modelled cycles: results/sass/softmax_schedule.md).
+              if constexpr (kSoftcap) {
+                // 1 / c, or 0 (a derivative of 1); NaN where s = -inf: unused, p = 0 there.
+                const float th = s * (capped ? p.softcap.inv_cap : 0.f);
+                cap_grad = 1.f - th * th;
+              }
             } else {
               pr = s_rc(r, c + e);
             }

@@ -73,7 +73,8 @@ def opcode(text: str) -> str:
 
 
 def parse_functions(sass: str) -> dict[str, list[Instruction]]:
-    """Mangled function -> its instructions, from cuobjdump -sass output."""
+    """Mangled function -> its instructions with their addresses, from cuobjdump -sass output
+    (sass_diff.parse drops the addresses, which the branches here are followed by)."""
     found: dict[str, list[Instruction]] = {}
     current: list[Instruction] | None = None
     for line in sass.splitlines():

@@ -1,7 +1,9 @@
 // The online statistics of csrc/online_stats.h, which every kernel shares: one pass over a row's
 // logits (rescale + accumulate, in natural and log2 units) against the plain formulas, and the
 // state of a row split into key sets and merged (merge: the split-KV forward's combine) against
-// one pass over all its keys, with empty splits, an attention sink in one split, and -inf logits.
+// one pass over all its keys, with empty splits, an attention sink in one split, and -inf logits;
+// and the pass as the Hopper forward makes it (rescale_by with its own factor, the sums of a block
+// in partial sums).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -91,6 +93,60 @@ void check_merged_splits(std::mt19937& g) {
     }
     expect_result(entropy_attn::finalize<double, Unit>(merged), want, "merged splits");
   }
+}
+
+// A row as csrc/cuda/sm90/fwd_kernel.cuh walks it: blocks of keys, each moving the state to the
+// block's max by rescale_by with the factor formed by the caller (2^(m - m_new), O's factor), then
+// adding the block's terms with l and u split into even and odd columns, the odd ones added at the
+// end of the block. Against the plain formulas.
+RowStats<double> blocked_pass(const std::vector<double>& s, RowStats<double> st, size_t block) {
+  for (size_t b0 = 0; b0 < s.size(); b0 += block) {
+    const size_t b1 = std::min(s.size(), b0 + block);
+    double mx = -kInf;
+    for (size_t j = b0; j < b1; ++j) mx = std::max(mx, s[j] * kLog2e);
+    const double m_new = std::max(st.m, mx);
+    const double m_use = m_new == -kInf ? 0.0 : m_new;
+    entropy_attn::rescale_by(st, m_new, std::exp2(st.m - m_use));
+    double l_odd = 0, u_odd = 0;
+    for (size_t j = b0; j < b1; ++j) {
+      const double x = s[j] * kLog2e - m_use;
+      if (x == -kInf) continue;  // a hidden key adds nothing
+      double& l = (j - b0) % 2 == 0 ? st.l : l_odd;
+      double& u = (j - b0) % 2 == 0 ? st.u : u_odd;
+      entropy_attn::accumulate(l, st.t, u, x, std::exp2(x));
+    }
+    st.l += l_odd;
+    st.u += u_odd;
+  }
+  return st;
+}
+
+TEST(OnlineStats, BlockedPassWithCallersFactorEqualsPlainFormulas) {
+  std::mt19937 g(13);
+  std::normal_distribution<double> normal(0.0, 4.0);
+  for (int it = 0; it < 500; ++it) {
+    const int n = static_cast<int>(g() % 300);
+    std::vector<double> s(n);
+    // Later blocks with larger logits make the state move; some keys hidden.
+    for (int j = 0; j < n; ++j) s[j] = (g() % 9 == 0) ? -kInf : normal(g) + 0.05 * j;
+    const bool has_sink = g() % 3 == 0;
+    const double sink = normal(g);
+    const RowStats<double> init = entropy_attn::initial_state<double>(has_sink, sink * kLog2e);
+    const size_t block = 1 + g() % 64;
+    expect_result(entropy_attn::finalize<double, Log2>(blocked_pass(s, init, block)),
+                  plain(s, has_sink, sink), "blocked pass");
+  }
+}
+
+// rescale_by does not read the factor while the state is empty (the kernel's factor is 0 or
+// 2^(-inf - m) there): only m moves.
+TEST(OnlineStats, RescaleByLeavesAnEmptyStateEmpty) {
+  RowStats<double> st;
+  entropy_attn::rescale_by(st, 2.0, std::nan(""));
+  EXPECT_EQ(st.m, 2.0);
+  EXPECT_EQ(st.l, 0.0);
+  EXPECT_EQ(st.t, 0.0);
+  EXPECT_EQ(st.u, 0.0);
 }
 
 TEST(OnlineStats, MergedSplitsEqualOnePassNaturalUnits) {

@@ -8,6 +8,9 @@
 // proxy's fences (reported by the emulation, whose own checks are tested last), indexing, masking,
 // statistics and gradients; not the hardware's timing.
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h).
+#include <cmath>
+#include <random>
+
 #include "sm90_emulation.h"
 
 namespace {
@@ -318,6 +321,26 @@ TEST(EmulatedSm90Checks, ReportGenericStoresTheAsyncProxyReadsUnfenced) {
             std::string::npos)
       << report;
   EXPECT_EQ(report.find("byte 1024"), std::string::npos) << report;
+}
+
+// The forward's row max (cute_utils.cuh: RowMax4, four partial maxima) is the serial fold's value,
+// NaN and infinite scores included (fmaxf ignores a NaN operand in any order).
+TEST(RowMax4, EqualsTheSerialFold) {
+  std::mt19937 g(5);
+  std::normal_distribution<float> normal(0.f, 10.f);
+  const float specials[] = {std::nanf(""), INFINITY, -INFINITY};
+  for (int it = 0; it < 2000; ++it) {
+    float x[32];
+    for (float& v : x) v = g() % 6 == 0 ? specials[g() % 3] : normal(g);
+    entropy_attn::cuda::RowMax4 four;
+    float serial = -INFINITY;
+    for (int c = 0; c < 32; ++c) {
+      four.add(c, x[c]);
+      serial = std::fmax(serial, x[c]);
+    }
+    const float got = four.value();
+    EXPECT_TRUE(got == serial || (std::isnan(got) && std::isnan(serial))) << got << " " << serial;
+  }
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 //                                              // until all return
 //   cuda_emu::fibers::wait_while(gen, value);  // in a fiber: yield until `gen` differs from value
 //
-// The scheduler resumes the fibers round-robin, skipping those whose wait still holds; when no
+// The scheduler resumes the fibers round-robin, skipping those whose wait still holds (or, as a
+// test asks with set_order, always the lowest- or highest-numbered fiber that can go on: a block
+// whose threads miss a barrier may compute right in one order and not in another); when no
 // fiber can go on it aborts with a message (the emulation's own deadlock check, in
 // cuda_emulation.h, sees a block's deadlocks first and unwinds its threads). Variables that a CUDA
 // thread would have one of (threadIdx, a thread's pending asynchronous copies) are ordinary globals
@@ -203,8 +205,15 @@ struct Context {
 // ---------------------------------------------------------------------------------------------
 // The scheduler.
 // ---------------------------------------------------------------------------------------------
+// Which fiber that can go on runs next: after the one that ran last, in turn (the default); or the
+// lowest-numbered, or the highest-numbered, so that one warp or warpgroup runs as far as it can
+// before the others start, as a GPU may schedule it.
+enum class Order { kRoundRobin, kLowestFirst, kHighestFirst };
+
 class Scheduler {
  public:
+  void set_order(Order order) { order_ = order; }
+
   // Runs body(i) for i in [0, n) on n fibers of this thread until every one returns. One run at a
   // time (the emulation's launches take a mutex: cuda_emulation.h, g_launch_mutex); a run from a
   // fiber aborts.
@@ -222,7 +231,9 @@ class Scheduler {
     while (alive > 0) {
       int next = -1;
       for (int k = 1; k <= n; ++k) {
-        const int i = (last + k) % n;
+        const int i = order_ == Order::kRoundRobin    ? (last + k) % n
+                      : order_ == Order::kLowestFirst ? k - 1
+                                                      : n - k;
         const Fiber& f = fibers_[static_cast<size_t>(i)];
         if (!f.done && (f.waits_on == nullptr ||
                         f.waits_on->load(std::memory_order_relaxed) != f.wait_value)) {
@@ -342,6 +353,7 @@ class Scheduler {
 
   std::vector<std::unique_ptr<Stack>> stacks_;  // kept from run to run
   std::vector<Fiber> fibers_;
+  Order order_ = Order::kRoundRobin;
   Context scheduler_;
   const std::function<void(int)>* body_ = nullptr;
   int current_ = -1;
@@ -369,6 +381,8 @@ inline void Scheduler::trampoline() noexcept {
 }
 
 inline void run(int n, const std::function<void(int)>& body) { scheduler().run(n, body); }
+// The order of the runs that follow (Order::kRoundRobin until set).
+inline void set_order(Order order) { scheduler().set_order(order); }
 inline void wait_while(const std::atomic<uint32_t>& gen, uint32_t value) {
   scheduler().wait_while(gen, value);
 }

@@ -20,6 +20,22 @@ using namespace sm90_emulation;
 // Shape{batch, heads, kv_heads, q_len, kv_len, head_dim, causal, logn, stat_grads, mask,
 // heads_inside_rows}.
 
+// Runs `body` with the emulated threads resumed lowest-numbered first, then highest-numbered first
+// (fibers.h: Order), so that each consumer warpgroup in turn runs as far as it can before the
+// other; the round-robin order again afterwards, whatever fails.
+template <typename Body>
+void with_either_warpgroup_ahead(Body body) {
+  using cuda_emu::fibers::Order;
+  struct Restore {
+    ~Restore() { cuda_emu::fibers::set_order(Order::kRoundRobin); }
+  } restore;
+  for (const Order order : {Order::kLowestFirst, Order::kHighestFirst}) {
+    SCOPED_TRACE(order == Order::kLowestFirst ? "lowest first" : "highest first");
+    cuda_emu::fibers::set_order(order);
+    body();
+  }
+}
+
 TEST(EmulatedSm90Forward, FullAttention) {
   // GQA, a partial query tile and key block, Lq != Lk with logn row scales; with and without
   // statistics (the plain instantiations: the scale folded into the exponent), the latter's output
@@ -37,6 +53,16 @@ TEST(EmulatedSm90Forward, Causal) {
       eh::Shape{1, 2, 1, 200, 200, 64, true, true});
   run_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(
       eh::Shape{1, 2, 2, 130, 260, 128, true, false, false, MaskKind::kNone, true});
+}
+
+// With either consumer warpgroup ahead (EmulatedSm90Backward.EitherWarpgroupAhead, below).
+TEST(EmulatedSm90Forward, EitherWarpgroupAhead) {
+  with_either_warpgroup_ahead([] {
+    run_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(
+        eh::Shape{1, 2, 2, 130, 260, 128, true, false, false});
+    run_forward<__half, 64, false, MaskKind::kNone, false>(
+        eh::Shape{1, 2, 1, 150, 200, 64, false, true});
+  });
 }
 
 TEST(EmulatedSm90Forward, Masked) {
@@ -77,6 +103,20 @@ TEST(EmulatedSm90Backward, BulkDq) {
       eh::Shape{2, 2, 1, 90, 140, 128, false, true, true, MaskKind::kNone, true}, true);
   run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
       eh::Shape{1, 2, 2, 130, 130, 128, true, false, false}, true);
+}
+
+// The consumer warpgroups meet wherever one reads what the other stored (the backward's P before
+// dV, dS before G and dK; the forward's turns at the tensor cores). Run with one warpgroup going as
+// far as it can before the other, each way round: a missing barrier lets a wgmma read the other's
+// tile before its stores (the emulated wgmma reads its operands at issue, and its wait finds them
+// changed) in one order or the other, which the round-robin order of the other tests may hide.
+TEST(EmulatedSm90Backward, EitherWarpgroupAhead) {
+  with_either_warpgroup_ahead([] {
+    run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
+        eh::Shape{1, 2, 2, 130, 130, 128, true, false, false}, true);
+    run_backward<__half, 64, false, MaskKind::kNone>(
+        eh::Shape{1, 2, 2, 70, 200, 64, false, true, true});
+  });
 }
 
 TEST(EmulatedSm90Backward, BulkDqRefusedWithAMask) {

@@ -16,14 +16,19 @@
 //     keys (BwdTraits::kSlices: at D = 64 one slice, so its own 64 keys; at D = 128 keys
 //     [32 w, 32 w + 32) of each 64-key slice). Per query block:
 //       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
-//                                    memory by cp.async, waited for once S and dP of the first
-//                                    slice are issued (their latency beside those products);
+//                                    memory by cp.async, issued while the block before finishes
+//                                    (the masked kernels: at the block's start), waited for
+//                                    once S and dP of the first slice are issued;
 //       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per slice both issued, then
 //                                    waited in turn; each thread holds two query rows;
-//       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element;
+//       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element, P to shared
+//                                    memory (T); after the last slice's, a barrier of the two
+//                                    warpgroups and
+//       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major, in flight during
+//                                    the last slice's dS step (FlashAttention-3 issues it
+//                                    before its dS stores; here before the dS step itself);
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
-//       P, dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
-//       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major;
+//       dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
 //       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
 //                                    dq_accum with 8-byte fp32 atomics, or (a bulk_dq_accum
 //                                    layout, launch.h) stored to a shared fp32 tile that warp 1
@@ -202,12 +207,16 @@ struct BwdTraits {
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// The kernel's arguments: the call's parameters and the TMA descriptors built on the host.
+// The kernel's arguments: the call's parameters, the TMA descriptors built on the host, and the
+// sources of the per-row values indexed by their kStat* numbers (null for an absent gradient), so
+// that a thread finds the one it copies by one indexed load of the parameters instead of a chain
+// of comparisons.
 template <typename Kt>
 struct KernelArgs {
   BwdParams<float> p;
   typename Kt::TmaQ tma_q, tma_do;
   typename Kt::TmaK tma_k, tma_v;
+  const float* row_stats[Kt::kRowStats];
 };
 
 // The main kernel's arguments for a call: its parameters and the TMA descriptors of q, dout, k and
@@ -222,9 +231,14 @@ KernelArgs<Kt> make_kernel_args(const BwdParams<float>& p) {
   const auto tma = [&](const View4& t, int64_t len, int64_t heads, const auto& box) {
     return make_tma_copy(TmaLoad{}, tma_tensor<Element, kD>(t, len, heads, p.batch), box);
   };
-  return KernelArgs<Kt>{p, tma(p.q, p.q_len, p.heads, q_box), tma(p.dout, p.q_len, p.heads, q_box),
+  static_assert(Kt::kStatLse == 0 && Kt::kStatLambda == 1 && Kt::kStatDelta == 2 &&
+                Kt::kStatGH == 3 && Kt::kStatGU == 4 && Kt::kRowStats == 5);
+  return KernelArgs<Kt>{p,
+                        tma(p.q, p.q_len, p.heads, q_box),
+                        tma(p.dout, p.q_len, p.heads, q_box),
                         tma(p.k, p.kv_len, p.kv_heads, kv_box),
-                        tma(p.v, p.kv_len, p.kv_heads, kv_box)};
+                        tma(p.v, p.kv_len, p.kv_heads, kv_box),
+                        {p.lse, p.row_scale, p.delta, p.g_entropy, p.g_sum_p2}};
 }
 
 // The main kernel's dynamic shared memory for a call: without G's tile where G is added by atomics
@@ -243,13 +257,14 @@ dim3 grid(const BwdParams<float>& p) {
 
 // Named barriers (ids after CUTLASS's reserved ones). Of the two consumer warpgroups (256
 // threads): the row statistics of a query block staged (and the previous block's products done),
-// and P and dS of both warpgroups in shared memory. Of the consumers and the dq writer (warp 1 of
-// the producer warpgroup; bulk reductions only): G's shared tile free (the writer's last bulk
+// P of both warpgroups in shared memory, and dS of both. Of the consumers and the dq writer (warp 1
+// of the producer warpgroup; bulk reductions only): G's shared tile free (the writer's last bulk
 // reduction has read it) and full (both warpgroups' G stored).
 constexpr int kStatsBarrier = 0;
-constexpr int kdSBarrier = 1;
-constexpr int kdQEmptyBarrier = 2;
-constexpr int kdQFullBarrier = 3;
+constexpr int kPBarrier = 1;
+constexpr int kdSBarrier = 2;
+constexpr int kdQEmptyBarrier = 3;
+constexpr int kdQFullBarrier = 4;
 
 // The consumer warpgroups: everything but the loads. kBulkDq: G goes to the shared tile for the dq
 // writer's bulk reductions (a bulk_dq_accum layout), else to dq_accum by atomics.
@@ -338,6 +353,39 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const bool dropping = kDropout && p.dropout.on();
   constexpr bool kSoftcap = kCausal && kMask == MaskKind::kNone;  // the kernels that may cap
 
+  // The row statistics of query block t into shared memory, buffer t & 1 (padding rows and absent
+  // gradients read as 0), by 4-byte cp.async (zero-filled where no value is read) in one commit
+  // group: thread ctid copies entries ctid and ctid + 256 of the 5 x 64. Block t + 1's are issued
+  // in block t while its dK is in the tensor cores (after the barrier at which every consumer has
+  // read buffer (t + 1) & 1 for the last time, in block t - 1), off the path from one block's
+  // products to the next's; no register holds the values in between. Not in the masked kernels,
+  // where that took 8 bytes of local memory at D = 128 (causal): they copy a block's own at its
+  // start, as all did before.
+  constexpr bool kRowStatsAhead = kMask == MaskKind::kNone;
+  const auto copy_row_stats = [&](const int t) {
+    const int h = kvh * group + t / m_count;
+    const int i0 = (m_begin + t % m_count) * kBlockM;
+    const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
+    float (*srow)[kBlockM] = ss.rows[t & 1];
+    constexpr int kEntries = Kt::kRowStats * kBlockM;
+    static_assert(Kt::kConsumerThreads <= kEntries && kEntries <= 2 * Kt::kConsumerThreads);
+    CUTE_UNROLL
+    for (int k = 0; k < 2; ++k) {
+      int e = ctid + k * Kt::kConsumerThreads;
+      // Formed here, not hoisted out of the loop over the blocks: in the causal kernels at
+      // D = 128 the hoisted entries and addresses spilled to local memory.
+      asm volatile("" : "+r"(e));
+      if (k == 0 || e < kEntries) {
+        const int stat = e / kBlockM, r = e % kBlockM;
+        const float* src = args.row_stats[stat];
+        const bool read = i0 + r < q_len && src != nullptr;
+        // (p.lse, never null, stands in for the address of an entry not read.)
+        Ops::CpAsync4Zfill::copy(*(read ? src + row0 + r : p.lse), srow[stat][r], read);
+      }
+    }
+    Ops::cp_async_fence();
+  };
+
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
   // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
   // formed again for dS.
@@ -350,28 +398,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const bool edge =
         kMask != MaskKind::kNone ||
         tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len, kv_len);
-    const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
-
-    // The block's row statistics into shared memory (padding rows and absent gradients read as
-    // 0), buffer t & 1: every consumer passed this barrier of t - 1 after its reads of t - 2. The
-    // barrier also orders this block's stores of P and dS after every product of the last one.
-    // Copied by 4-byte cp.async (zero-filled where no value is read), waited for and published
-    // only once S and dP of the first slice are in the tensor cores, which need none of it: the
-    // loads' latency (L2, once per query block) runs beside those products instead of before
-    // them, and no register holds the values in between.
+    // The block's row statistics (copy_row_stats, issued during the block before, or here),
+    // waited for and published below once S and dP of the first slice are in the tensor cores.
+    if (!kRowStatsAhead) copy_row_stats(t);
     float (*srow)[kBlockM] = ss.rows[t & 1];
-    for (int e = ctid; e < Kt::kRowStats * kBlockM; e += Kt::kConsumerThreads) {
-      const int stat = e / kBlockM, r = e % kBlockM;
-      const float* src = stat == Kt::kStatLse      ? p.lse
-                         : stat == Kt::kStatLambda ? p.row_scale
-                         : stat == Kt::kStatDelta  ? p.delta
-                         : stat == Kt::kStatGH     ? p.g_entropy
-                                                   : p.g_sum_p2;
-      const bool read = i0 + r < q_len && src != nullptr;
-      // (p.lse, never null, stands in for the address of an entry not read.)
-      Ops::CpAsync4Zfill::copy(*(read ? src + row0 + r : p.lse), srow[stat][r], read);
-    }
-    Ops::cp_async_fence();
 
     // The thread's two rows: the keys [klo, khi) each may see (none for a padding row); lambda and
     // lse log2(e) once the row statistics are staged (below).
@@ -427,6 +457,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                                acc_dp);
       if (slice == 0) {
+        // Every consumer's copies of this block's row statistics landed and are published; the
+        // barrier also orders this block's stores of P and dS after every product of the last one
+        // and frees buffer (t + 1) & 1 for the next block's copies (issued below).
         Ops::cp_async_wait_all();
         Ops::NamedBarrier::sync(Kt::kConsumerThreads, kStatsBarrier);
         CUTE_UNROLL
@@ -498,9 +531,21 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         }
       }
 
+      // dV += P^T dO as soon as P of the whole key block is in shared memory (after the last
+      // slice's P step): the tensor cores run it beside the last slice's dS step instead of after
+      // it. Each warpgroup's keys hold P of both warpgroups (at D = 128 both compute S of every
+      // slice), so the stores go to the async proxy and a barrier of the two before the issue.
+      if (slice == Kt::kSlices - 1) {
+        Ops::fence_view_async_shared();
+        Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
+        wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+        Ops::template wgmma_wait<1>();  // dP (batches retire in order; dV stays in flight)
+      } else {
+        Ops::template wgmma_wait<0>();
+      }
+
       // dS = logit_grad(p, dP, s, delta_i, g_i), 0 where p = 0 (masked or underflowed: no
       // 0 * inf from s = -inf); dS and lambda_i dS to shared memory.
-      Ops::template wgmma_wait<0>();
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
@@ -554,8 +599,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Ops::fence_view_async_shared();
     Ops::NamedBarrier::sync(Kt::kConsumerThreads, kdSBarrier);
 
-    // dV += P^T dO, G = dS K, dK += (lambda dS)^T Q.
-    wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+    // G = dS K, dK += (lambda dS)^T Q (dV is in flight).
     Tensor acc_g = partition_fragment_C(mma_g, Shape<Int<kBlockM>, Int<kD>>{});
     wg_gemm_issue<Ops, true>(mma_g, tGrdS, tGrKt, acc_g);
     wg_gemm_issue<Ops, false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_state.index()), acc_dk);
@@ -585,6 +629,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQFullBarrier);
     } else {
       // Into dq_accum (packed), one 8-byte atomic per pair.
+      const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
       float* dq_accum = p.dq_accum + row0 * kD;
       CUTE_UNROLL
       for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
@@ -598,6 +643,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
 
+    // The next block's row statistics, while the tensor cores finish dK (where S, dP and G are
+    // dead: issued beside S and dP, or before G's stores, the copies spilled registers in the
+    // causal kernels at D = 128).
+    if (kRowStatsAhead && t + 1 < iters) copy_row_stats(t + 1);
     Ops::template wgmma_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
@@ -606,6 +655,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     ++read_state;
   };
 
+  if (kRowStatsAhead && iters > 0) copy_row_stats(0);
   // Uniform branch: keep s for the entropy term or the cap's derivative; dropout.
   if (grads || capped || dropping) {
 #pragma unroll 1

@@ -35,7 +35,9 @@
 //                                    of the producer warpgroup adds into dq_accum with one bulk
 //                                    reduction (cp.reduce.async.bulk), FlashAttention-3's way:
 //                                    a 32 KB copy in place of 4096 atomics per block and step;
-//       dK += (lambda dS)^T Q        wgmma SS.
+//       dK += (lambda dS)^T Q        wgmma SS, in flight into the next block, which waits for
+//                                    it once its own S and dP are issued (the masked kernels:
+//                                    at the block's end).
 //     lambda goes into dK's operand but not into the dS of G: the postprocess forms dq = lambda G
 //     and d lambda = q . G from the unscaled G (docs/math.md section 3). (FlashAttention-3 at
 //     D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK; with five per-row
@@ -336,6 +338,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
   if (iters > 0) Ops::TxBarrier::wait(&ss.barrier_kv, 0);
   typename Kt::PipelineState read_state;
+  // kDkAcrossBlocks: a block's dK is waited for in the next block, once its S and dP are issued,
+  // so that the tensor cores go from one block's dK to the next block's S without waiting for the
+  // warps in between; release_state is the stage that dK reads (its Q), released then (after the
+  // last block, below). Not in the masked kernels, which spilled 16 bytes so at D = 128 (causal):
+  // they wait at the end of each block.
+  constexpr bool kDkAcrossBlocks = kMask == MaskKind::kNone;
+  typename Kt::PipelineState release_state;
 
   // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
   // are the capped ones (cute_utils.cuh: softcap_row, as the forward); the cap's derivative
@@ -457,6 +466,16 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                                acc_dp);
       if (slice == 0) {
+        if constexpr (kDkAcrossBlocks) {
+          // The last block's dK retired (batches retire in order, and S and dP are the two after
+          // it), its stage back to the producer.
+          Ops::template wgmma_wait<2>();
+          warpgroup_fence_operand(acc_dk);
+          if (t > 0) {
+            pipeline_q.consumer_release(release_state);
+            pipeline_do.consumer_release(release_state);
+          }
+        }
         // Every consumer's copies of this block's row statistics landed and are published; the
         // barrier also orders this block's stores of P and dS after every product of the last one
         // and frees buffer (t + 1) & 1 for the next block's copies (issued below).
@@ -647,11 +666,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // dead: issued beside S and dP, or before G's stores, the copies spilled registers in the
     // causal kernels at D = 128).
     if (kRowStatsAhead && t + 1 < iters) copy_row_stats(t + 1);
-    Ops::template wgmma_wait<0>();  // dK
     warpgroup_fence_operand(acc_dv);
-    warpgroup_fence_operand(acc_dk);
-    pipeline_q.consumer_release(read_state);
-    pipeline_do.consumer_release(read_state);
+    if constexpr (kDkAcrossBlocks) {
+      release_state = read_state;  // dK stays in flight into the next block
+    } else {
+      Ops::template wgmma_wait<0>();  // dK
+      warpgroup_fence_operand(acc_dk);
+      pipeline_q.consumer_release(read_state);
+      pipeline_do.consumer_release(read_state);
+    }
     ++read_state;
   };
 
@@ -663,6 +686,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   } else {
 #pragma unroll 1
     for (int t = 0; t < iters; ++t) step(t, std::false_type{});
+  }
+  if constexpr (kDkAcrossBlocks) {  // the last block's dK
+    Ops::template wgmma_wait<0>();
+    warpgroup_fence_operand(acc_dk);
+    if (iters > 0) {
+      pipeline_q.consumer_release(release_state);
+      pipeline_do.consumer_release(release_state);
+    }
   }
 
   // Epilogue: dK and dV, rows j0 + r < Lk, as 4-byte pairs of adjacent columns from the

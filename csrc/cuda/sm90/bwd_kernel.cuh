@@ -338,12 +338,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
   if (iters > 0) Ops::TxBarrier::wait(&ss.barrier_kv, 0);
   typename Kt::PipelineState read_state;
-  // kDkAcrossBlocks: a block's dK is waited for in the next block, once its S and dP are issued,
-  // so that the tensor cores go from one block's dK to the next block's S without waiting for the
-  // warps in between; release_state is the stage that dK reads (its Q), released then (after the
-  // last block, below). Not in the masked kernels, which spilled 16 bytes so at D = 128 (causal):
-  // they wait at the end of each block.
-  constexpr bool kDkAcrossBlocks = kMask == MaskKind::kNone;
+  // kAcrossBlocks: a block's dK is waited for in the next block, once its S and dP are issued, so
+  // that the tensor cores go from one block's dK to the next block's S without waiting for the
+  // warps in between (release_state: the stage that dK reads, its Q, released then, and after the
+  // last block below); and the next block's row statistics are copied while that dK runs
+  // (copy_row_stats). Not in the masked kernels, which are at their register limit (either spilled
+  // 8-16 bytes at D = 128, causal): they copy a block's row statistics at its start and wait for
+  // its dK at its end.
+  constexpr bool kAcrossBlocks = kMask == MaskKind::kNone;
   typename Kt::PipelineState release_state;
 
   // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
@@ -367,10 +369,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // group: thread ctid copies entries ctid and ctid + 256 of the 5 x 64. Block t + 1's are issued
   // in block t while its dK is in the tensor cores (after the barrier at which every consumer has
   // read buffer (t + 1) & 1 for the last time, in block t - 1), off the path from one block's
-  // products to the next's; no register holds the values in between. Not in the masked kernels,
-  // where that took 8 bytes of local memory at D = 128 (causal): they copy a block's own at its
-  // start, as all did before.
-  constexpr bool kRowStatsAhead = kMask == MaskKind::kNone;
+  // products to the next's; no register holds the values in between (the masked kernels: at the
+  // block's start, kAcrossBlocks).
   const auto copy_row_stats = [&](const int t) {
     const int h = kvh * group + t / m_count;
     const int i0 = (m_begin + t % m_count) * kBlockM;
@@ -409,7 +409,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len, kv_len);
     // The block's row statistics (copy_row_stats, issued during the block before, or here),
     // waited for and published below once S and dP of the first slice are in the tensor cores.
-    if (!kRowStatsAhead) copy_row_stats(t);
+    if (!kAcrossBlocks) copy_row_stats(t);
     float (*srow)[kBlockM] = ss.rows[t & 1];
 
     // The thread's two rows: the keys [klo, khi) each may see (none for a padding row); lambda and
@@ -466,7 +466,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
                                acc_dp);
       if (slice == 0) {
-        if constexpr (kDkAcrossBlocks) {
+        if constexpr (kAcrossBlocks) {
           // The last block's dK retired (batches retire in order, and S and dP are the two after
           // it), its stage back to the producer.
           Ops::template wgmma_wait<2>();
@@ -662,12 +662,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
     }
 
-    // The next block's row statistics, while the tensor cores finish dK (where S, dP and G are
-    // dead: issued beside S and dP, or before G's stores, the copies spilled registers in the
-    // causal kernels at D = 128).
-    if (kRowStatsAhead && t + 1 < iters) copy_row_stats(t + 1);
+    // The next block's row statistics, while dK runs (S, dP and G are dead here).
+    if (kAcrossBlocks && t + 1 < iters) copy_row_stats(t + 1);
     warpgroup_fence_operand(acc_dv);
-    if constexpr (kDkAcrossBlocks) {
+    if constexpr (kAcrossBlocks) {
       release_state = read_state;  // dK stays in flight into the next block
     } else {
       Ops::template wgmma_wait<0>();  // dK
@@ -678,7 +676,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     ++read_state;
   };
 
-  if (kRowStatsAhead && iters > 0) copy_row_stats(0);
+  if (kAcrossBlocks && iters > 0) copy_row_stats(0);
   // Uniform branch: keep s for the entropy term or the cap's derivative; dropout.
   if (grads || capped || dropping) {
 #pragma unroll 1
@@ -687,7 +685,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 #pragma unroll 1
     for (int t = 0; t < iters; ++t) step(t, std::false_type{});
   }
-  if constexpr (kDkAcrossBlocks) {  // the last block's dK
+  if constexpr (kAcrossBlocks) {  // the last block's dK
     Ops::template wgmma_wait<0>();
     warpgroup_fence_operand(acc_dk);
     if (iters > 0) {

@@ -215,10 +215,18 @@ EA_HOST_DEVICE acc_t row_delta(acc_t do_dot_o, const RowGrads<acc_t>& g, acc_t l
          acc_t(2) * g.g_sum_p2 * sum_p2;
 }
 
+// dS of one entry without gradients of the entropy or sum p^2 (gH = gU = 0): what a loss of the
+// output and lse alone needs. Its own function, not the general one with g = 0: 0 * p is no
+// constant to the compiler (p may be inf or NaN), so that would spend an FFMA per entry on it.
+template <typename acc_t>
+EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t delta) {
+  return p * (dp - delta);
+}
+
 // dS of one entry, x = s - r with the r of the row's delta.
 template <typename acc_t>
 EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t x, acc_t delta, const RowGrads<acc_t>& g) {
-  return p * (dp - g.g_entropy * x + acc_t(2) * g.g_sum_p2 * p - delta);
+  return logit_grad(p, dp - g.g_entropy * x + acc_t(2) * g.g_sum_p2 * p, delta);
 }
 
 }  // namespace entropy_attn

@@ -188,4 +188,48 @@ TEST(OnlineStats, NaNSinkRowWithoutKeysIsNaN) {
   EXPECT_TRUE(std::isnan(seen.lse) && std::isnan(seen.entropy));
 }
 
+// The backward of one row (logit_grad with row_delta's D~) is the derivative of
+//   f(s) = sum_j p_j w_j + gL lse + gH H + gU sum_j p_j^2
+// (w_j: the upstream gradient of p_j, dP), against central differences, for references r = 0 and
+// r = lse; and the form without statistic gradients equals the general one with g = 0, bit for bit.
+TEST(OnlineStats, LogitGradIsTheRowsDerivative) {
+  const std::vector<double> s0 = {0.3, -1.2, 2.0, 0.7, -0.4}, w = {0.5, -2.0, 1.5, 0.25, -0.75};
+  const entropy_attn::RowGrads<double> g{0.6, -0.9, 1.7};
+  const auto f = [&](const std::vector<double>& s) {
+    const double m = *std::max_element(s.begin(), s.end());
+    double l = 0;
+    for (double x : s) l += std::exp(x - m);
+    const double lse = m + std::log(l);
+    double pw = 0, h = 0, p2 = 0;
+    for (size_t j = 0; j < s.size(); ++j) {
+      const double p = std::exp(s[j] - lse);
+      pw += p * w[j], h -= p * (s[j] - lse), p2 += p * p;
+    }
+    return pw + g.g_lse * lse + g.g_entropy * h + g.g_sum_p2 * p2;
+  };
+  const RowResult<double> r = entropy_attn::finalize<double, NaturalLog>(
+      one_pass<NaturalLog>(s0, entropy_attn::initial_state<double>(false, 0.0)));
+  double pw = 0;
+  for (size_t j = 0; j < s0.size(); ++j) pw += std::exp(s0[j] - r.lse) * w[j];
+  for (const double ref : {0.0, r.lse}) {
+    const double delta = entropy_attn::row_delta(pw, g, r.lse, r.entropy, r.sum_p2, ref);
+    for (size_t j = 0; j < s0.size(); ++j) {
+      std::vector<double> up = s0, down = s0;
+      up[j] += 1e-6, down[j] -= 1e-6;
+      const double want = (f(up) - f(down)) / 2e-6;
+      const double p = std::exp(s0[j] - r.lse);
+      EXPECT_NEAR(entropy_attn::logit_grad(p, w[j], s0[j] - ref, delta, g), want, 1e-8)
+          << "key " << j << ", reference " << ref;
+    }
+  }
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> u(-4.f, 4.f);
+  for (int k = 0; k < 1000; ++k) {
+    const float p = std::abs(u(gen)) / 4.f, dp = u(gen), x = u(gen), delta = u(gen);
+    const float general =
+        entropy_attn::logit_grad(p, dp, x, delta, entropy_attn::RowGrads<float>{});
+    EXPECT_EQ(entropy_attn::logit_grad(p, dp, delta), general);
+  }
+}
+
 }  // namespace

@@ -409,7 +409,8 @@ CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const&
       }
       float dp = acc_dp(mi, ni);
       if constexpr (kDrop) dp = (keep >> (mi * kCols + ni)) & 1u ? dp * keep_scale : 0.f;
-      const float ds = logit_grad(pr, dp, s, delta, g) * cap_grad;
+      const float ds = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
+                              : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
       acc_dp(mi, ni) = pr != 0.f ? ds : 0.f;
     }
   }

@@ -22,11 +22,14 @@
 //       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per slice both issued, then
 //                                    waited in turn; each thread holds two query rows;
 //       s = lambda_i x (+ mask), p = 2^(s log2 e - lse_i log2 e)   per element, P to shared
-//                                    memory (T); after the last slice's, a barrier of the two
-//                                    warpgroups and
+//                                    memory (T); once P of the warpgroup's keys is there (a
+//                                    barrier of the two warpgroups),
 //       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major, in flight during
-//                                    the last slice's dS step (FlashAttention-3 issues it
-//                                    before its dS stores; here before the dS step itself);
+//                                    a dS step (FlashAttention-3 issues it before its dS
+//                                    stores; here before the dS step itself): at D = 64 the
+//                                    only slice's; at D = 128 slice 0's for warpgroup 0 (its
+//                                    keys are that slice) and slice 1's for warpgroup 1 (the
+//                                    masked kernels: both slice 1's);
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
 //       dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
 //       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
@@ -267,6 +270,10 @@ constexpr int kPBarrier = 1;
 constexpr int kdSBarrier = 2;
 constexpr int kdQEmptyBarrier = 3;
 constexpr int kdQFullBarrier = 4;
+// kEarlyFirst (D = 128): P of slice 0 (the first warpgroup's keys) in shared memory; the second
+// warpgroup arrives, the first waits. An id of its own, not kPBarrier's: the second may reach
+// kPBarrier (slice 1) before the first has waited here, and would count for the first.
+constexpr int kP0Barrier = 5;
 
 // The consumer warpgroups: everything but the loads. kBulkDq: G goes to the shared tile for the dq
 // writer's bulk reductions (a bulk_dq_accum layout), else to dq_accum by atomics.
@@ -347,6 +354,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // its dK at its end.
   constexpr bool kAcrossBlocks = kMask == MaskKind::kNone;
   typename Kt::PipelineState release_state;
+  // kEarlyFirst: at D = 128 the keys of the first warpgroup's dV (the first 64) are slice 0, so it
+  // issues its dV after slice 0's P step, into the window where the tensor cores otherwise wait
+  // for slice 0's dS step; the second issues its own after slice 1's, as both do at D = 64. (Its
+  // dK too, behind S and dP of slice 1: ptxas spilled 56-1,296 bytes. The masked kernels issue
+  // both dV after slice 1: 64 bytes of local memory otherwise.)
+  constexpr bool kEarlyFirst = Kt::kSlices == 2 && kAcrossBlocks;
+  const bool first = ctid < 128;
 
   // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
   // are the capped ones (cute_utils.cuh: softcap_row, as the forward); the cap's derivative
@@ -422,7 +436,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Tensor cG = mma_g.get_thread_slice(otid).partition_C(
         make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
     Tensor cG_rc = make_tensor(cG.data(), acc_rowcol(cG.layout()));
-    float lam[kRows], bias2[kRows];
+    // Without kGrads s serves only p (the additive mask adds to s, not to its exponent).
+    constexpr bool kFoldScale = !kGrads && kMask != MaskKind::kAdditive;
+    float lam[kRows], lam2[kRows], bias2[kRows];
     int klo[kRows], khi[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -485,10 +501,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         for (int r = 0; r < kRows; ++r) {
           const int q = get<0>(cS_rc(r, 0));
           lam[r] = srow[Kt::kStatLambda][q];
+          lam2[r] = lam[r] * kLog2e;
           bias2[r] = -srow[Kt::kStatLse][q] * kLog2e;
         }
       }
-      Ops::template wgmma_wait<1>();
+      Ops::template wgmma_wait<1>();  // S (dP behind it)
       warpgroup_fence_operand(acc_s);
       if (kGrads && capped) {
         Tensor x_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -519,7 +536,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           for (int e = 0; e < 2; ++e) {
             const int j = jh + get<1>(cS_rc(r, c + e));
             const float x = s_rc(r, c + e);
-            float s = lam[r] * x;
+            // Where s itself is not needed again (kFoldScale), s log2 e - lse_i log2 e in one
+            // FFMA for an FMUL and an FFMA.
+            float s = kFoldScale ? fmaf(x, lam2[r], bias2[r]) : lam[r] * x;
             if (edge) {
               bool allowed = j >= klo[r] && j < khi[r];
               if constexpr (kMask != MaskKind::kNone) {
@@ -536,7 +555,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
               }
               s = allowed ? s : kNegInf;
             }
-            pr[e] = exp2_approx(fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
+            pr[e] = exp2_approx(kFoldScale ? s : fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
             s_rc(r, c + e) = kGrads ? s : pr[e];
             if constexpr (kGrads && kDropout) {
               pr[e] = (keep >> (r * kCols + c + e)) & 1u ? pr[e] * p.dropout.keep_scale : 0.f;
@@ -550,15 +569,32 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         }
       }
 
-      // dV += P^T dO as soon as P of the whole key block is in shared memory (after the last
-      // slice's P step): the tensor cores run it beside the last slice's dS step instead of after
-      // it. Each warpgroup's keys hold P of both warpgroups (at D = 128 both compute S of every
-      // slice), so the stores go to the async proxy and a barrier of the two before the issue.
-      if (slice == Kt::kSlices - 1) {
+      // dV += P^T dO as soon as P of the warpgroup's keys is in shared memory: the tensor cores
+      // run it beside a dS step instead of after it. Each warpgroup's keys hold P of both
+      // warpgroups (at D = 128 both compute S of every slice), so the stores go to the async
+      // proxy and a barrier of the two before the issue. kEarlyFirst: the first warpgroup's keys
+      // are slice 0, so its dV runs beside slice 0's dS step (the other arrives without waiting),
+      // and the second's beside slice 1's.
+      if (kEarlyFirst && slice == 0) {
         Ops::fence_view_async_shared();
-        Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
-        wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
-        Ops::template wgmma_wait<1>();  // dP (batches retire in order; dV stays in flight)
+        if (first) {
+          Ops::NamedBarrier::sync(Kt::kConsumerThreads, kP0Barrier);
+          wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+          Ops::template wgmma_wait<1>();  // dP (batches retire in order; dV stays in flight)
+        } else {
+          Ops::NamedBarrier::arrive(Kt::kConsumerThreads, kP0Barrier);
+          Ops::template wgmma_wait<0>();
+        }
+      } else if (slice == Kt::kSlices - 1) {
+        Ops::fence_view_async_shared();
+        if (kEarlyFirst && first) {
+          Ops::NamedBarrier::arrive(Kt::kConsumerThreads, kPBarrier);
+          Ops::template wgmma_wait<0>();  // dP
+        } else {
+          Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
+          wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
+          Ops::template wgmma_wait<1>();  // dP (dV stays in flight)
+        }
       } else {
         Ops::template wgmma_wait<0>();
       }
@@ -603,7 +639,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
             if constexpr (kGrads && kDropout) {
               dp = (keep >> (r * kCols + c + e)) & 1u ? dp * p.dropout.keep_scale : 0.f;
             }
-            ds[e] = pr != 0.f ? logit_grad(pr, dp, s, delta, g) * cap_grad : 0.f;
+            const float d = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
+                                   : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
+            ds[e] = pr != 0.f ? d : 0.f;
           }
           Ops::store_shared(
               reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))),

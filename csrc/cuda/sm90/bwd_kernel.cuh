@@ -357,8 +357,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // kEarlyFirst: at D = 128 the keys of the first warpgroup's dV (the first 64) are slice 0, so it
   // issues its dV after slice 0's P step, into the window where the tensor cores otherwise wait
   // for slice 0's dS step; the second issues its own after slice 1's, as both do at D = 64. (Its
-  // dK too, behind S and dP of slice 1: ptxas spilled 56-1,296 bytes. The masked kernels issue
-  // both dV after slice 1: 64 bytes of local memory otherwise.)
+  // dK early too, behind S and dP of slice 1 or after slice 1's P step: ptxas spilled 56-1,296
+  // and 64-72 bytes. The masked kernels issue both dV after slice 1: 64 bytes of local memory
+  // otherwise.)
   constexpr bool kEarlyFirst = Kt::kSlices == 2 && kAcrossBlocks;
   const bool first = ctid < 128;
 

@@ -119,6 +119,21 @@ TEST(EmulatedSm90Backward, EitherWarpgroupAhead) {
   });
 }
 
+// A loss of the output alone (no statistic gradients): the step that folds lambda_i log2 e into
+// the exponent (kFoldScale) and forms dS by logit_grad(p, dp, delta). Row scales that differ from
+// row to row (logn with causality), both head dims (at D = 128 warpgroup 0's early dV), a bool mask
+// (the fold with the mask's predicate) and an additive one (no fold).
+TEST(EmulatedSm90Backward, WithoutStatisticGradients) {
+  run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 100, 150, 64, true, true, false});
+  run_backward<__half, 128, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 1, 130, 130, 128, true, true, false}, true);
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kBool>(
+      eh::Shape{1, 2, 1, 70, 150, 128, false, true, false, MaskKind::kBool});
+  run_backward<__half, 64, true, MaskKind::kAdditive>(
+      eh::Shape{1, 2, 2, 80, 80, 64, true, true, false, MaskKind::kAdditive});
+}
+
 TEST(EmulatedSm90Backward, BulkDqRefusedWithAMask) {
   // The masked kernels add G by atomics only: their launcher refuses a bulk layout.
   const eh::Shape s{1, 2, 1, 70, 150, 128, false, false, false, MaskKind::kBool};

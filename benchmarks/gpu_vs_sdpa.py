@@ -10,7 +10,9 @@ causal; forward+backward 3.5x) and as a fraction of the matmul peak measured at 
 sets ENTROPY_ATTN_CUDA_FAMILY before ours runs; a point records the family requested (the extension
 may still fall back where it has no kernel). ``--launch-order`` likewise sets
 ENTROPY_ATTN_CUDA_LAUNCH_ORDER (the tensor-core kernels' block order, csrc/cuda/launch_order.h:
-``auto``, ``heads`` or a number of sections), each family timed under each order. Points over 70% of the free memory, or out of memory,
+``auto``, ``heads`` or a number of sections), each family timed under each order, and
+``--persistent`` ENTROPY_ATTN_CUDA_PERSISTENT (the Hopper forward's grid, csrc/cuda/family.h:
+``default`` leaves it unset, ``on``, ``off`` or a number of blocks), each under each. Points over 70% of the free memory, or out of memory,
 are recorded as skipped. ``--dropout-p`` runs both with attention dropout (training: the cost of
 drawing the mask; no ``--check``, the masks differ). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
@@ -22,6 +24,8 @@ nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ou
         --heads-kv 32:8 --family fallback sm80 --no-backward --out-json ''
     python3 benchmarks/gpu_vs_sdpa.py --causal yes --seq 1024 4096 --launch-order auto heads \\
         --out-md results/gpu/launch_order.md --out-json results/gpu/launch_order.json
+    python3 benchmarks/gpu_vs_sdpa.py --dtype bf16 --seq 4096 16384 --persistent off on --no-backward \\
+        --out-md results/gpu/persistent.md --out-json results/gpu/persistent.json
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ SDPA_BACKENDS: Dict[str, SDPBackend] = {
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 FAMILIES = ("auto", "fallback", "sm80", "sm90")
 LAUNCH_ORDER_ENV = "ENTROPY_ATTN_CUDA_LAUNCH_ORDER"
+PERSISTENT_ENV = "ENTROPY_ATTN_CUDA_PERSISTENT"
 KINDS = ("fwd_stats", "fwd", "fwd_bwd")
 TFLOPS_KEYS = ("ours_fwd_stats", "ours_fwd", "ours_fwd_bwd", "sdpa_fwd", "sdpa_fwd_bwd")
 ERR_KEYS = ("out", "dq", "dk", "dv")
@@ -132,6 +137,14 @@ def parse_launch_order(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, heads or a number of sections >= 1, got {text!r}")
 
 
+def parse_persistent(text: str) -> str:
+    """A value for ENTROPY_ATTN_CUDA_PERSISTENT: 'on', 'off', a number of blocks >= 1, or
+    'default' (the variable unset: the extension's default)."""
+    if text in ("default", "on", "off") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"expected default, on, off or a number of blocks >= 1, got {text!r}")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line arguments; grid flags left out take --quick's or the full grid's values."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +158,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--family", nargs="+", choices=FAMILIES, default=["auto"], help=f"sets {FAMILY_ENV}")
     p.add_argument("--launch-order", nargs="+", type=parse_launch_order, default=["auto"], metavar="ORDER",
                    help=f"sets {LAUNCH_ORDER_ENV}: auto, heads or a number of sections (default auto)")
+    p.add_argument("--persistent", nargs="+", type=parse_persistent, default=["default"], metavar="SETTING",
+                   help=f"sets {PERSISTENT_ENV}: on, off or a number of blocks; default: unset")
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip fwd_bwd")
     p.add_argument("--dropout-p", type=float, default=0.0, help="attention dropout of both (default 0)")
     p.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["bhld"],
@@ -201,16 +216,18 @@ def fastest(by_backend: Dict[str, Times], kind: str) -> Tuple[Optional[str], Opt
 
 def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], peak: Optional[float], *,
                 skipped: Optional[str] = None, errors: Sequence[str] = (), max_abs_err: Optional[Times] = None,
-                mismatch: Optional[bool] = None, launch_order: str = "auto") -> Dict[str, Any]:  # fmt: skip
+                mismatch: Optional[bool] = None, launch_order: str = "auto",
+                persistent: str = "default") -> Dict[str, Any]:  # fmt: skip
     """The JSON record of one point from ours' times by kind and SDPA's by backend then kind (missing
     ones None). "sdpa_backend" is the fastest backend in the forward; each measurement also names the
-    backend it is compared with. "launch_order" is the ENTROPY_ATTN_CUDA_LAUNCH_ORDER it ran under."""
+    backend it is compared with. "launch_order" is the ENTROPY_ATTN_CUDA_LAUNCH_ORDER it ran under,
+    "persistent" the ENTROPY_ATTN_CUDA_PERSISTENT ("default": unset)."""
     by_backend = {name: {k: sdpa.get(name, {}).get(k) for k in ("fwd", "fwd_bwd")} for name in SDPA_BACKENDS}
     fwd_name, fwd_ms = fastest(by_backend, "fwd")
     bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
     point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
     point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, layout=shape.layout,
-                 family=family, launch_order=launch_order, sdpa_backend=fwd_name)  # fmt: skip
+                 family=family, launch_order=launch_order, persistent=persistent, sdpa_backend=fwd_name)  # fmt: skip
     against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
     for kind, (name, ms) in against.items():
         point[kind] = {"ours_ms": ours.get(kind), "sdpa_ms": ms, "ratio": ratio(ours.get(kind), ms), "sdpa_backend": name}
@@ -415,11 +432,15 @@ def check_point(x: Inputs, shape: Shape, run: Run) -> Tuple[Times, bool]:
 
 
 def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times], run: Run, peak: Optional[float],
-                   launch_order: str = "auto") -> Dict[str, Any]:  # fmt: skip
-    """One point: set the family and the launch order, check against SDPA (with --check), time ours,
-    build the record."""
+                   launch_order: str = "auto", persistent: str = "default") -> Dict[str, Any]:  # fmt: skip
+    """One point: set the family, the launch order and the persistent grid, check against SDPA
+    (with --check), time ours, build the record."""
     os.environ[FAMILY_ENV] = family
     os.environ[LAUNCH_ORDER_ENV] = launch_order
+    if persistent == "default":
+        os.environ.pop(PERSISTENT_ENV, None)
+    else:
+        os.environ[PERSISTENT_ENV] = persistent
     errors: List[str] = []
     errs, bad = None, None
     if run.check:
@@ -431,29 +452,31 @@ def measure_family(x: Inputs, shape: Shape, family: str, sdpa: Dict[str, Times],
             errors.append(f"check: {describe(e)}")
     ours = measure_ours(x, shape, run, errors)
     return build_point(shape, family, ours, sdpa, peak, errors=errors, max_abs_err=errs, mismatch=bad,
-                       launch_order=launch_order)  # fmt: skip
+                       launch_order=launch_order, persistent=persistent)  # fmt: skip
 
 
 def measure_shape(shape: Shape, families: Sequence[str], run: Run, peak: Optional[float], free: Optional[int],
-                  launch_orders: Sequence[str] = ("auto",)) -> List[Dict[str, Any]]:  # fmt: skip
-    """The points of one shape, one per family and launch order (SDPA timed once for all); skipped
-    ones when the memory guard says so (`free` bytes free; None: no guard) or on out of memory."""
-    variants = [(f, o) for f in families for o in launch_orders]
+                  launch_orders: Sequence[str] = ("auto",),
+                  persistents: Sequence[str] = ("default",)) -> List[Dict[str, Any]]:  # fmt: skip
+    """The points of one shape, one per family, launch order and persistent setting (SDPA timed once
+    for all); skipped ones when the memory guard says so (`free` bytes free; None: no guard) or on
+    out of memory."""
+    variants = [(f, o, g) for f in families for o in launch_orders for g in persistents]
     reason = None if free is None else memory_skip_reason(estimate_bytes(shape, run.backward, run.check), free)
     points: List[Dict[str, Any]] = []
     if reason is None:
         try:
             x = make_inputs(shape, run.device)
             sdpa = measure_sdpa(x, shape, run)
-            for family, order in variants:
-                points.append(measure_family(x, shape, family, sdpa, run, peak, order))
+            for family, order, grid in variants:
+                points.append(measure_family(x, shape, family, sdpa, run, peak, order, grid))
         except torch.cuda.OutOfMemoryError:
             reason = "out of memory"
         x = sdpa = None  # type: ignore[assignment]  # freed (the exception and its frames are gone here)
         if run.device == "cuda":
             torch.cuda.empty_cache()
-    return points + [build_point(shape, f, {}, {}, peak, skipped=reason, launch_order=o)
-                     for f, o in variants[len(points) :]]  # fmt: skip
+    return points + [build_point(shape, f, {}, {}, peak, skipped=reason, launch_order=o, persistent=g)
+                     for f, o, g in variants[len(points) :]]  # fmt: skip
 
 
 def matmul_peak_tflops(dtype: str, min_run_time: float, n: int = MATMUL_N) -> Optional[float]:
@@ -540,6 +563,8 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
             order, layout = p.get("launch_order", "auto"), p.get("layout", "bhld")
             family = p["family"] if order == "auto" else f"{p['family']}, order {order}"
             family += "" if layout == "bhld" else f", {layout} layout"
+            grid = p.get("persistent", "default")
+            family += "" if grid == "default" else f", persistent {grid}"
             key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", family]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in key + cells(p)) + " |")
 
@@ -578,11 +603,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = environment(command.strip())
     result["dropout_p"] = args.dropout_p
     result["matmul_peak_tflops"] = peaks = {dt: matmul_peak_tflops(dt, args.min_run_time) for dt in args.dtype}
-    saved, points = {k: os.environ.get(k) for k in (FAMILY_ENV, LAUNCH_ORDER_ENV)}, []
+    saved, points = {k: os.environ.get(k) for k in (FAMILY_ENV, LAUNCH_ORDER_ENV, PERSISTENT_ENV)}, []
     try:
         for shape in tqdm(expand_grid(args), desc="gpu_vs_sdpa", unit="shape", file=sys.stderr):
             points += measure_shape(shape, args.family, run, peaks[shape.dtype], torch.cuda.mem_get_info()[0],
-                                    args.launch_order)  # fmt: skip
+                                    args.launch_order, args.persistent)  # fmt: skip
     finally:  # the variables as they were
         for key, value in saved.items():
             if value is None:

@@ -14,18 +14,20 @@
 #      --checks-only), again with the shared memory per block capped at 99 KB (the sm80
 #      backward's compact tiles) and with the Hopper backward's dq by atomics;
 #   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
-#      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 and =sm80;
-#   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid) and the
-#      harness's timings of the sm90 family;
+#      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 (and the Hopper
+#      forward's persistent grid on) and =sm80;
+#   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid), the
+#      harness's timings of the sm90 family, and the Hopper forward on a block per tile against a
+#      persistent grid (--persistent off on: family.h, kHopperPersistentByDefault);
 #   5. as time allows, one decoding step (benchmarks/gpu_decode.py, split-KV settings; head dim 96,
 #      padded, against the fallback) and the causal calls under both launch orders
 #      (gpu_vs_sdpa.py --launch-order auto heads).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed or ran out of time, 2 when the run could not start (no GPU,
 # or a .device/ made from other sources: it would be built there, at the lease's expense).
-# OUT (default build/gpu_session) receives benchmark, decode and launch_order (.md and .json each),
-# harness.md and logs.tar.xz (every log and harness.json; packed after each step, so that a run cut
-# short still returns what it did): 8 files, what the device tool brings back.
+# OUT (default build/gpu_session) receives benchmark, persistent, decode and launch_order (.md and
+# .json each), harness.md and logs.tar.xz (every log and harness.json; packed after each step, so
+# that a run cut short still returns what it did): 10 files, what the device tool brings back.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -113,7 +115,9 @@ tests() {
   pack
 }
 tests auto 150
-ENTROPY_ATTN_CUDA_FAMILY=sm90 tests sm90 100
+# (The forced sm90 pass runs the Hopper forward on its persistent grid, "auto" on a block per tile:
+# both pass before kHopperPersistentByDefault changes.)
+ENTROPY_ATTN_CUDA_FAMILY=sm90 ENTROPY_ATTN_CUDA_PERSISTENT=on tests sm90 100
 ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
 # (The harness's checks share the GPU with the tests, not with the timings below.)
 wait "$harness_pid"
@@ -132,6 +136,12 @@ commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness.json" \
   >"$OUT/harness.md" 2>"$LOGS/harness.log"
 record "harness timings" $?
+pack
+note "persistent grid (sm90 forward)"
+bounded 80 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32:8 --head-dim 64 128 \
+  --seq 1024 4096 16384 --family auto --persistent off on --no-backward --min-run-time 0.2 \
+  --out-md "$OUT/persistent.md" --out-json "$OUT/persistent.json" >"$LOGS/persistent.log" 2>&1
+record "persistent grid" $?
 pack
 note "decoding"
 bounded 60 "$PYTHON" benchmarks/gpu_decode.py --split off auto 8 16 --out-md "$OUT/decode.md" \

@@ -2057,6 +2057,65 @@ def test_launch_order_only_renames_blocks(monkeypatch: pytest.MonkeyPatch, famil
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
 
 
+#: ENTROPY_ATTN_CUDA_PERSISTENT settings (family.h): a block per tile, a block per SM, and grids of 1
+#: and 7 blocks (every tile on one block; blocks that walk tiles of several heads and batch entries).
+PERSISTENT_SETTINGS = ("off", "on", "1", "7")
+
+
+@pytest.mark.skipif(not tensor_core_family_runs("sm90"), reason="the sm90 family does not run on this device")
+@pytest.mark.parametrize("stats", [True, False], ids=["stats", "no_stats"])
+@pytest.mark.parametrize("pattern", ["full", "causal", "window", "bool_mask", "bottom_right"])
+def test_persistent_grid_only_moves_tiles(monkeypatch: pytest.MonkeyPatch, pattern: str, stats: bool) -> None:
+    """The Hopper forward on a persistent grid (csrc/cuda/sm90/fwd_kernel.cuh: blocks that walk
+    several tiles) computes every tile as a grid of one block per tile does: under each setting its
+    outputs and statistics are the bits of "off", which match the float64 reference. GQA, 3 batch
+    entries, partial tiles; causal tiles in launch order; a window; a bool mask (the masked
+    instantiations); bottom-right alignment with more queries than keys, whose first tile sees no
+    key. (Dry run: the CPU op, which has no grid, against the same reference.)"""
+    B, H, Hkv, Lq, D = 3, 4, 2, 300, 128
+    Lk = 120 if pattern == "bottom_right" else 300
+    torch.manual_seed(13)
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
+    mask = torch.rand(B, 1, Lq, Lk) > 0.3 if pattern == "bool_mask" else None
+    kw: Dict[str, Any] = dict(enable_gqa=True, return_stats=stats, scale_mode="logn",
+                              is_causal=pattern in ("causal", "window", "bottom_right"))
+    if pattern == "window":
+        kw["window_size"] = [100, 0]
+    if pattern == "bottom_right":
+        kw["causal_alignment"] = "bottom_right"
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
+    runs: Dict[str, Tuple[Tensor, ...]] = {}
+    for setting in PERSISTENT_SETTINGS:
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_PERSISTENT", setting)
+        res: list = []
+        ran = family_kernels(lambda: res.append(OP(cuda(q), cuda(k), cuda(v), cuda(mask), None, **kw)), "sm90",
+                             "forward_kernel")
+        assert DRY_RUN or ran, "the sm90 forward did not run"
+        runs[setting] = tuple(t.cpu() for t in res[0])
+    for setting, out in runs.items():
+        for a, e, name in zip(out, runs["off"], OUT_NAMES):
+            assert torch.equal(a, e), f"{name} under ENTROPY_ATTN_CUDA_PERSISTENT={setting}"
+    ref = reference_attention_raw(q, k, v, mask, None, **{**kw, "window_size": tuple(kw.get("window_size", (-1, -1)))})
+    assert_matches_reference(runs["off"], ref, torch.bfloat16, stats)
+
+
+@real_cuda
+@pytest.mark.skipif(not tensor_core_family_runs("sm90"), reason="the Hopper forward reads it")
+def test_persistent_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ENTROPY_ATTN_CUDA_PERSISTENT is a ValueError naming it; the documented values are
+    accepted."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    q = cuda(torch.randn(1, 2, 100, 64, dtype=torch.bfloat16))
+    for bad in ("0", "-2", "all", "1.5"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_PERSISTENT", bad)
+        with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_PERSISTENT"):
+            OP(q, q, q)
+    for good in ("on", "off", "1", "1000"):
+        monkeypatch.setenv("ENTROPY_ATTN_CUDA_PERSISTENT", good)
+        OP(q, q, q)
+
+
 @real_cuda
 @pytest.mark.skipif(not tensor_core_family_runs("sm80"), reason="the tensor-core families read it")
 def test_launch_order_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

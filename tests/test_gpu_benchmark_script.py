@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
@@ -210,6 +210,35 @@ def test_launch_orders_are_variants_of_each_family(monkeypatch: pytest.MonkeyPat
     for bad in ("0", "lpt", "-1"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--launch-order", bad])
+
+
+def test_persistent_settings_are_variants_of_each_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--persistent times each family under each ENTROPY_ATTN_CUDA_PERSISTENT, set before the call
+    (unset for "default") and recorded; the table names a setting; bad values are refused."""
+    import torch_ext
+
+    seen: List[Optional[str]] = []
+
+    class Recording:  # the CPU op, noting the setting each call ran under
+        def attention(self, *a: Any, **kw: Any) -> Any:
+            seen.append(os.environ.get(bench.PERSISTENT_ENV))
+            return torch_ext.attention(*a, **kw)
+
+    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
+    monkeypatch.setenv(bench.PERSISTENT_ENV, "7")  # (replaced, then unset for "default")
+    s = shape(heads=4, kv_heads=2, seq_len=64)
+    points = bench.measure_shape(s, ["sm90"], cpu_run(Recording()), None, None, persistents=["default", "on"])
+    assert [(p["family"], p["persistent"]) for p in points] == [("sm90", "default"), ("sm90", "on")]
+    assert None in seen and "on" in seen and "7" not in seen
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {"bfloat16": 50.0},
+                           "points": points}, True)  # fmt: skip
+    assert "| sm90, persistent on |" in text and "| sm90 |" in text
+    assert bench.parse_args(["--persistent", "off", "on", "132"]).persistent == ["off", "on", "132"]
+    assert bench.parse_args([]).persistent == ["default"]
+    for bad in ("0", "all", "-1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--persistent", bad])
 
 
 def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,

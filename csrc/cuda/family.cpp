@@ -430,6 +430,19 @@ int forward_splits(const ForwardCall& c) {
   return static_cast<int>(std::min<int64_t>(n, INT32_MAX / tiles));
 }
 
+int hopper_persistent_blocks() {
+  const char* env = std::getenv("ENTROPY_ATTN_CUDA_PERSISTENT");
+  const std::string_view v = env ? env : "";
+  if (v.empty() ? !kHopperPersistentByDefault : v == "off") return 0;
+  if (v.empty() || v == "on") return device_sm_count();
+  const int n = env_count(v, 9);
+  TORCH_CHECK_VALUE(n >= 1,
+                    "ENTROPY_ATTN_CUDA_PERSISTENT must be 'on', 'off' or a number of blocks of at "
+                    "least 1, got '",
+                    std::string(v), "'");
+  return n;
+}
+
 int launch_order_sections(const AttentionShape& s, const KeyPattern& pattern, int64_t element_size,
                           bool backward, int blocks_per_sm, int splits) {
   const char* env = std::getenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER");
@@ -560,6 +573,7 @@ cudaError_t launch_forward(const ForwardCall& c, Family f, cudaStream_t stream) 
   // (Two blocks of the sm80 forward fit on an SM, one of the others.)
   p.launch_sections = launch_order_sections(s, p.pattern, c.q.element_size(), false,
                                             f == Family::kSm80 ? 2 : 1, p.num_splits);
+  if (f == Family::kSm90) p.persistent_blocks = hopper_persistent_blocks();
   const auto launch =
       f == Family::kSm90
           ? sm90_forward_of(c)

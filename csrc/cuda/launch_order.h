@@ -57,6 +57,39 @@ EA_HOST_DEVICE GridTile launch_tile(uint32_t block, uint32_t x_dim, uint32_t y_d
           static_cast<int>(entry / y_dim)};
 }
 
+// The tile of linear index `index` (x + X (y + Y z)) of an instantiation's X x Y x Z grid of tiles,
+// for a kernel whose blocks walk several tiles (a persistent grid): launch_tile's order in the
+// instantiations that take it (this_block_tile, below), the grid's own in the others.
+template <bool kCausal, MaskKind kMask>
+EA_HOST_DEVICE GridTile tile_at(uint32_t index, uint32_t x_dim, uint32_t y_dim, uint32_t z_dim,
+                                int sections) {
+  constexpr bool kOrdered = kCausal && kMask == MaskKind::kNone;
+  if (kOrdered && sections >= 1) return launch_tile(index, x_dim, y_dim, z_dim, sections);
+  const uint32_t entry = index / x_dim;
+  return {static_cast<int>(index - entry * x_dim), static_cast<int>(entry % y_dim),
+          static_cast<int>(entry / y_dim)};
+}
+
+// The linear index of the tile that block `block` of a persistent grid of `blocks` blocks takes in
+// its round `round` (0, 1, ...; the block stops at the first index past the grid's tiles). Each
+// round deals the next `blocks` tiles in launch order, one per block, in alternate directions: in
+// launch order the tiles of a causal call come heaviest first, and with one direction the block
+// that took round 0's heaviest tile would take every round's, so that the blocks' sums of work
+// drifted apart by about a tile per round; a block that goes first in one round goes last in the
+// next, and their sums stay within about a tile of each other (tests/cpp/test_launch_order.cpp).
+// With one block per tile (blocks = tiles) each block takes tile `block` in round 0 and stops.
+// Indices stay below 2^32 for fewer than 2^31 tiles (a round starts below the tile count).
+EA_HOST_DEVICE uint32_t persistent_tile(uint32_t round, uint32_t block, uint32_t blocks) {
+  return round * blocks + (round % 2 == 0 ? block : blocks - 1 - block);
+}
+// The round of a tile index (each round's indices are [round blocks, (round + 1) blocks)), and the
+// index the same block takes next: a kernel carries the index alone from tile to tile (one register
+// across the key loop instead of the round and the index).
+EA_HOST_DEVICE uint32_t persistent_round(uint32_t index, uint32_t blocks) { return index / blocks; }
+EA_HOST_DEVICE uint32_t next_persistent_tile(uint32_t index, uint32_t block, uint32_t blocks) {
+  return persistent_tile(persistent_round(index, blocks) + 1, block, blocks);
+}
+
 #if defined(__CUDACC__) || defined(ENTROPY_ATTN_CUDA_EMULATION)
 // This block's coordinates in an instantiation (causality, mask kind) of a tensor-core kernel: the
 // launch order's in the general (causal) instantiations without a mask, whose tiles differ in

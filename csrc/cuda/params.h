@@ -77,6 +77,10 @@ struct FwdParams : AttentionArgs<acc_t> {
   // above.
   int num_splits = 1;
   float *o_partial = nullptr, *state_partial = nullptr;
+  // The Hopper forward's grid (sm90/fwd_kernel.cuh): 0, one thread block per query tile; n >= 1, a
+  // persistent grid of at most n blocks (one per SM: family.cpp, ENTROPY_ATTN_CUDA_PERSISTENT),
+  // each walking several tiles.
+  int persistent_blocks = 0;
 };
 
 // How the tensor-core families' dq_accum (BwdParams) is laid out: (B, H, rows, ld) float32, query

@@ -71,14 +71,19 @@ void launch_backward(const ec::BwdParams<float>& p) {
   emulate_launch(sb::postprocess_kernel<Rows>, l, p);
 }
 
-// One forward against the reference (sm80_emulation.h: expect_forward).
+// One forward against the reference (sm80_emulation.h: expect_forward), on a grid of one block per
+// tile, or a persistent grid of `persistent_blocks` blocks (params.h), with the tiles in launch
+// order over `sections` sections (launch_order.h).
 template <typename T, int kD, bool kCausal, MaskKind kMask, bool kStats>
-void run_forward(const eh::Shape& s) {
+void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
   eh::HostCall<T> c(s, 11);
-  launch_forward<T, kD, kCausal, kMask, kStats>(eh::forward_params(s, c.b, kStats));
+  ec::FwdParams<float> p = eh::forward_params(s, c.b, kStats);
+  p.persistent_blocks = persistent_blocks;
+  p.launch_sections = sections;
+  launch_forward<T, kD, kCausal, kMask, kStats>(p);
   sm80_emulation::expect_forward<T, kStats>(s, c);
 }
 

@@ -1,9 +1,12 @@
 // The tensor-core kernels' launch order (csrc/cuda/launch_order.h), on the host: the renaming of a
 // grid's blocks is a bijection that keeps the grid's own order with one entry per section, starts
 // every entry's tile of rank r before any entry's tile of rank r + 1 within a section, and keeps
-// the sections in order; the number of sections follows the L2 budget and the GPU's size.
+// the sections in order; the number of sections follows the L2 budget and the GPU's size. A
+// persistent grid's blocks take every tile once, their sums of work even (persistent_tile), and
+// tile_at follows each instantiation's order.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <set>
 #include <tuple>
@@ -23,6 +26,8 @@ using entropy_attn::cuda::launch_tile;
 using entropy_attn::cuda::launch_tile_fits;
 using entropy_attn::cuda::LaunchDevice;
 using entropy_attn::cuda::LaunchOrderSetting;
+using entropy_attn::cuda::persistent_tile;
+using entropy_attn::cuda::tile_at;
 
 // The tiles of an X x Y x Z grid in launch order.
 std::vector<GridTile> order(int x_dim, int y_dim, int z_dim, int sections) {
@@ -116,6 +121,80 @@ TEST(LaunchOrder, GridsJustUnder2To32Blocks) {
   EXPECT_FALSE(launch_tile_fits(0, 8));
   // launch_sections keeps such grids in their own order.
   EXPECT_EQ(launch_sections(int64_t{1} << 17, int64_t{1} << 16, 1, 50 << 20, 132), 0);
+}
+
+// The tiles block `block` of a persistent grid of `blocks` blocks takes, round by round.
+std::vector<uint32_t> block_tiles(uint32_t block, uint32_t blocks, uint32_t tiles) {
+  std::vector<uint32_t> taken;
+  for (uint32_t round = 0;; ++round) {
+    const uint32_t t = persistent_tile(round, block, blocks);
+    if (t >= tiles) break;
+    taken.push_back(t);
+  }
+  return taken;
+}
+
+TEST(PersistentTiles, EveryTileOnceWhateverTheBlocks) {
+  for (uint32_t tiles : {1u, 5u, 8u, 133u, 2048u}) {
+    for (uint32_t blocks : {1u, 2u, 3u, 7u, 132u, 1000u}) {
+      if (blocks > tiles) continue;  // (the launcher's grid: at most one block per tile)
+      std::vector<int> count(tiles, 0);
+      for (uint32_t c = 0; c < blocks; ++c) {
+        for (uint32_t t : block_tiles(c, blocks, tiles)) ++count[t];
+      }
+      for (uint32_t t = 0; t < tiles; ++t) {
+        ASSERT_EQ(count[t], 1) << "tile " << t << " of " << tiles << ", " << blocks << " blocks";
+      }
+    }
+  }
+  // One block per tile: block c takes tile c alone, as a grid of one block per tile.
+  for (uint32_t c = 0; c < 9; ++c) EXPECT_EQ(block_tiles(c, 9, 9), std::vector<uint32_t>{c});
+}
+
+TEST(PersistentTiles, EvenOutTilesInDecreasingWork) {
+  // A causal forward's tiles in launch order (one section): every entry's tile of rank x before
+  // any entry's of rank x + 1, that tile walking X - x key blocks. The blocks' sums of key blocks
+  // stay within a quarter of the heaviest tile of each other (dealt in one direction, the first
+  // block takes each round's heaviest: 32, 8, 125, 32 and 14 blocks above the last here).
+  struct Grid {
+    uint32_t x_dim, entries, blocks;
+  };
+  for (const Grid g : {Grid{32, 64, 132}, Grid{8, 64, 132}, Grid{128, 64, 132}, Grid{32, 16, 132},
+                       Grid{16, 2, 7}}) {
+    const uint32_t tiles = g.x_dim * g.entries;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (uint32_t c = 0; c < g.blocks; ++c) {
+      uint32_t work = 0;
+      for (uint32_t t : block_tiles(c, g.blocks, tiles)) {
+        work += g.x_dim - launch_tile(t, g.x_dim, g.entries, 1, 1).x;
+      }
+      lo = std::min(lo, work), hi = std::max(hi, work);
+    }
+    EXPECT_LE(hi - lo, g.x_dim / 4 + 2)
+        << g.x_dim << " tiles x " << g.entries << " entries on " << g.blocks << " blocks";
+  }
+}
+
+TEST(PersistentTiles, TileAtFollowsTheInstantiationsOrder) {
+  // The causal instantiations without a mask take the launch order; the others, and any with no
+  // sections, the grid's own (x fastest).
+  using entropy_attn::MaskKind;
+  const uint32_t x_dim = 5, y_dim = 3, z_dim = 2;
+  for (uint32_t t = 0; t < x_dim * y_dim * z_dim; ++t) {
+    const GridTile ordered = tile_at<true, MaskKind::kNone>(t, x_dim, y_dim, z_dim, 2);
+    const GridTile want = launch_tile(t, x_dim, y_dim, z_dim, 2);
+    EXPECT_EQ(std::make_tuple(ordered.x, ordered.y, ordered.z),
+              std::make_tuple(want.x, want.y, want.z));
+    const GridTile own = launch_tile(t, x_dim, y_dim, z_dim, 0);
+    for (const GridTile g : {tile_at<false, MaskKind::kNone>(t, x_dim, y_dim, z_dim, 2),
+                             tile_at<true, MaskKind::kBool>(t, x_dim, y_dim, z_dim, 2),
+                             tile_at<true, MaskKind::kNone>(t, x_dim, y_dim, z_dim, 0)}) {
+      EXPECT_EQ(std::make_tuple(g.x, g.y, g.z),
+                std::make_tuple(static_cast<int>(t % x_dim), static_cast<int>(t / x_dim % y_dim),
+                                static_cast<int>(t / (x_dim * y_dim))));
+      EXPECT_EQ(std::make_tuple(g.x, g.y, g.z), std::make_tuple(own.x, own.y, own.z));
+    }
+  }
 }
 
 TEST(LaunchSections, FollowTheL2Budget) {

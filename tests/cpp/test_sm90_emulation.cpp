@@ -65,6 +65,30 @@ TEST(EmulatedSm90Forward, EitherWarpgroupAhead) {
   });
 }
 
+// Persistent grids (params.h: persistent_blocks): blocks that walk several tiles, so that the
+// consumers hand Q back for the next tile's load (barrier_q_empty), the pipelines' stages and
+// phases and the scheduler barriers' hand-offs carry over from tile to tile, and each tile's rows
+// start from a fresh state. Tiles dealt in alternate directions (launch_order.h:
+// persistent_tile), in launch order over sections where the instantiation takes it.
+TEST(EmulatedSm90Forward, PersistentGrid) {
+  // 8 tiles on 3 blocks (3, 3 and 2 each); 6 on one block, the output in (B, Lq, H, D) memory.
+  run_forward<__nv_bfloat16, 64, false, MaskKind::kNone, true>(
+      eh::Shape{2, 2, 1, 150, 200, 64, false, true}, 3);
+  run_forward<__half, 128, false, MaskKind::kNone, false>(
+      eh::Shape{1, 2, 2, 300, 130, 128, false, false, false, MaskKind::kNone, true}, 1);
+  // Causal tiles of different lengths in launch order (2 sections), 9 tiles on 2 blocks; a masked
+  // instantiation, 4 tiles on 3 blocks.
+  run_forward<__nv_bfloat16, 128, true, MaskKind::kNone, true>(
+      eh::Shape{1, 3, 1, 300, 300, 128, true, true}, 2, 2);
+  run_forward<__half, 64, true, MaskKind::kBool, true>(
+      eh::Shape{1, 2, 1, 200, 150, 64, true, true, false, MaskKind::kBool}, 3);
+  // Either consumer warpgroup ahead, across the tiles of one block.
+  with_either_warpgroup_ahead([] {
+    run_forward<__nv_bfloat16, 64, true, MaskKind::kNone, true>(
+        eh::Shape{1, 2, 1, 200, 200, 64, true, false}, 1);
+  });
+}
+
 TEST(EmulatedSm90Forward, Masked) {
   // The masked instantiations: the mask tile by cp.async, n_i counted over the allowed keys; at
   // D = 128 112-key blocks (S as one m64n112 wgmma).

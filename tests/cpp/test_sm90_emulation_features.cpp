@@ -32,6 +32,17 @@ struct Sm90 {
   }
 };
 
+// The same on a persistent grid of 3 blocks (params.h: persistent_blocks), its tiles in launch
+// order over 2 sections: blocks that walk several tiles, one of them with no key to see.
+struct Sm90Persistent : Sm90 {
+  template <typename T, int kD>
+  static void forward(ec::FwdParams<float> p) {
+    p.persistent_blocks = 3;
+    p.launch_sections = 2;
+    launch_forward<T, kD, true, MaskKind::kNone, true>(p);
+  }
+};
+
 TEST(EmulatedSm90Features, WindowsAndAlignment) {
   Feature f;
   f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output and gradients with it)
@@ -53,6 +64,17 @@ TEST(EmulatedSm90Features, SoftcapSinksDropout) {
   run_feature<Sm90, __nv_bfloat16, 128>(f);
   f.dropout_p = 0.1, f.sinks = true;
   run_feature<Sm90, __half, 64>(f);
+}
+
+TEST(EmulatedSm90Features, PersistentGrid) {
+  // Bottom-right alignment with more queries than keys: the first tile's rows see no key (it
+  // loads none, and hands Q back at once); sinks and dropout, whose decisions follow the tile.
+  Feature f;
+  f.alignment = "bottom_right", f.q_len = 300, f.kv_len = 90, f.sinks = true, f.dropout_p = 0.1;
+  run_feature<Sm90Persistent, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.window = {70, 0}, f.softcap = 3.0;
+  run_feature<Sm90Persistent, __half, 128>(f);
 }
 
 TEST(EmulatedSm90Features, PackedDocuments) {

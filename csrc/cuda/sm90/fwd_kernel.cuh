@@ -30,6 +30,13 @@
 // Across the warpgroups, two named "scheduler" barriers hand the tensor cores from one to the
 // other (FlashAttention-3's ping-pong), so that one's softmax overlaps the other's products.
 //
+// The grid is 1-D: a block per tile, or (params.h: persistent_blocks) a persistent grid of a block
+// per SM whose blocks walk several tiles (launch_order.h: persistent_tile), as FlashAttention-3's
+// tile scheduler does: the producer's pipeline stages run on from one tile into the next, and it
+// loads the next tile's Q as soon as the consumers have waited for the tile's last S (a second
+// mbarrier, barrier_q_empty), so that the loads of the next tile overlap the tile's last softmax,
+// P V and epilogue.
+//
 // Key blocks are visited from the last to the first, as in the sm80 family: the blocks that need
 // the causal / sequence-end predicate (the last partial block and the blocks crossing the
 // diagonal) come first, the loop over the others carries none. Keys past the last row's causal
@@ -73,6 +80,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -200,7 +208,17 @@ struct FwdTraits {
     // consumer thread across the key loop.
     int row_n[kBlockM];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    // Q's tile landed (the producer's TMA, counted in bytes), and the consumers done reading it
+    // (every consumer thread arrives), so that a block that walks several tiles loads the next
+    // tile's Q while its consumers finish the tile before.
     alignas(8) uint64_t barrier_q;
+    alignas(8) uint64_t barrier_q_empty;
+    // The block's next tiles for the producer (ProducerTile below): the tile of round r in slot
+    // r % 2, written by a consumer thread at the start of round r - 1, before it arrives on
+    // barrier_q_empty, and read by the producer once it has waited there. (Two slots: the consumer
+    // writes before it waits for round r - 1's Q, when the producer may not have read round
+    // r - 1's tile yet; it has read round r - 2's, before it loaded Q of round r - 2.)
+    int next_tile[2][5];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -233,12 +251,59 @@ KernelArgs<Kt> make_kernel_args(const FwdParams<float>& p) {
                     kv_box)};
 }
 
-// One block of three warpgroups per (query tile, head, batch): a 3-D grid, so that no index is a
-// product that could overflow 32 bits.
+// The call's tiles: (query tiles, heads, batch), x fastest in their linear index.
+template <typename Kt>
+EA_HOST_DEVICE int64_t query_tiles(const FwdParams<float>& p) {
+  return (p.q_len + Kt::kBlockM - 1) / Kt::kBlockM;
+}
+template <typename Kt>
+EA_HOST_DEVICE int64_t tile_count(const FwdParams<float>& p) {
+  return query_tiles<Kt>(p) * p.heads * p.batch;
+}
+
+// A 1-D grid: one block per tile, or, with p.persistent_blocks >= 1 (params.h), that many blocks
+// at most, each walking its tiles in rounds (launch_order.h: persistent_tile). Fewer than 2^31
+// tiles (launch_forward checks; a call with more would need 2^38 query rows).
 template <typename Kt>
 dim3 grid(const FwdParams<float>& p) {
-  return dim3(static_cast<unsigned>((p.q_len + Kt::kBlockM - 1) / Kt::kBlockM),
-              static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+  const int64_t tiles = tile_count<Kt>(p);
+  const int64_t blocks =
+      p.persistent_blocks >= 1 ? std::min<int64_t>(tiles, p.persistent_blocks) : tiles;
+  return dim3(static_cast<unsigned>(blocks));
+}
+
+// One tile of a block: its grid coordinates (x: query tile in launch order, y: head, z: batch
+// entry), its first query row and its key blocks (key_ranges.cuh), the same in every thread.
+struct ForwardTile {
+  GridTile at;
+  int m_block, m0;
+  TileBlocks tb;
+};
+template <typename Kt, bool kCausal, MaskKind kMask>
+__device__ __forceinline__ ForwardTile forward_tile(const FwdParams<float>& p, uint32_t index) {
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const uint32_t x_dim = static_cast<uint32_t>(query_tiles<Kt>(p));
+  const GridTile at = tile_at<kCausal, kMask>(index, x_dim, static_cast<uint32_t>(p.heads),
+                                              static_cast<uint32_t>(p.batch), p.launch_sections);
+  // Causal tiles further down do more work: start them first (the launch order puts every head's
+  // first x before any head's second), so that the short ones fill the tail. (Windows make the
+  // tiles alike: no harm.)
+  const int m_block = kCausal ? static_cast<int>(x_dim) - 1 - at.x : at.x;
+  const int m0 = m_block * Kt::kBlockM;
+  const int rows = min(Kt::kBlockM, q_len - m0);
+  return {at, m_block, m0,
+          tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, Kt::kBlockN)};
+}
+
+// What the producer needs of a tile: its query tile, head, batch entry and key blocks. It does not
+// compute them: its 24 registers spilled on the launch order's divisions and the key ranges'
+// 64-bit arithmetic. Every block computes its first tile before the warpgroups part, and the
+// consumers hand the producer each next one through shared memory (m_block < 0: none left).
+struct ProducerTile {
+  int m_block = -1, h = 0, b = 0, n_begin = 0, n_end = 0;
+};
+__device__ __forceinline__ ProducerTile producer_tile(const ForwardTile& ft) {
+  return {ft.m_block, ft.at.y, ft.at.z, ft.tb.n_begin, ft.tb.n_end};
 }
 
 // Copies the mask words (mask_words.cuh) of one consumer warpgroup's 64 tile rows (from `row0`;
@@ -277,21 +342,28 @@ __device__ __forceinline__ void scheduler_arrive(int wg) {
   Ops::NamedBarrier::arrive(256, kSchedulerBarrier + (1 - wg));
 }
 
-// The consumer warpgroups: everything but the loads.
+// The consumer warpgroups on the tile of index `index` (launch_order.h: persistent_tile):
+// everything but the loads. read_state is the stage of the tile's first key block, left at the
+// next tile's.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_k,
-                                        typename Kt::Pipeline& pipeline_v, const GridTile tile,
-                                        int m0, const TileBlocks tb) {
+                                        typename Kt::Pipeline& pipeline_v,
+                                        typename Kt::PipelineState& read_state, uint32_t index) {
   using Element = typename Kt::Element;
   using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr bool kHasMask = kMask != MaskKind::kNone;
   const FwdParams<float>& p = args.p;
-  const int h = tile.y, b = tile.z;
+  const ForwardTile ft = forward_tile<Kt, kCausal, kMask>(p, index);
+  const int h = ft.at.y, b = ft.at.z, m0 = ft.m0;
+  const TileBlocks& tb = ft.tb;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int heads = static_cast<int>(p.heads);
   const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
+  // The tile before's epilogue read its rows' ss.row_n in this warp's other lanes: done before
+  // this tile's rows are written.
+  __syncwarp();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
@@ -409,16 +481,17 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     }
   }
   clear(acc_o);
-  Ops::TxBarrier::wait(&ss.barrier_q, 0);
-  typename Kt::PipelineState read_state;
+  Ops::TxBarrier::wait(&ss.barrier_q, persistent_round(index, gridDim.x) % 2);
 
   // The consumer warpgroup (0 or 1) and its first tile row: the tiled wgmma gives warpgroup w the
   // rows [64 w, 64 w + 64). Its threads sync on their own named barrier around the mask tile.
   [[maybe_unused]] const int wg = ctid / 128;
   [[maybe_unused]] const int rows = min(kBlockM, q_len - m0);
   [[maybe_unused]] uint32_t* s_mask = ss.mask;
-  const bool any_block = tb.n_end > tb.n_begin;         // the same in every thread of the block
-  if (wg == 1 && any_block) scheduler_arrive<Ops>(wg);  // warpgroup 0 issues first
+  const bool any_block = tb.n_end > tb.n_begin;  // the same in every thread of the block
+  // Every wgmma that reads Q has completed: the producer may load the next tile's.
+  auto release_q = [&] { Ops::TxBarrier::arrive(&ss.barrier_q_empty); };
+  if (!any_block) release_q();
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
   // (they land while the wgmma runs), then the warpgroup's turn at the tensor cores (ping-pong).
@@ -440,10 +513,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     pipeline_v.consumer_wait(v_state);
     wg_gemm_issue<Ops, false>(mma_o, tOrP, tOrV(_, _, _, v_state.index()), acc_o);
   };
-  // Once S of block n has landed: its K stage back to the producer, the mask tile visible.
-  auto s_landed = [&](auto& acc_s) {
+  // Once S of block n has landed: its K stage back to the producer (and Q, after the last block),
+  // the mask tile visible.
+  auto s_landed = [&](const int n, auto& acc_s) {
     warpgroup_fence_operand(acc_s);
     pipeline_k.consumer_release(read_state);
+    if (n == tb.n_begin) release_q();
     if constexpr (kHasMask) {
       Ops::cp_async_wait_all();
       Ops::NamedBarrier::sync(128, kMaskBarrier + wg);  // the warpgroup's rows visible
@@ -618,7 +693,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     issue_s(n, acc_s);
     scheduler_arrive<Ops>(wg);
     Ops::template wgmma_wait<0>();
-    s_landed(acc_s);
+    s_landed(n, acc_s);
     softmax_of(n, acc_s);  // O is still 0: its factor is moot
     Tensor rP = convert_fragment<Element>(acc_s);
     drop_weights(n, rP);
@@ -630,7 +705,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       issue_pv(rP, v_state);
       scheduler_arrive<Ops>(wg);
       Ops::template wgmma_wait<1>();  // S of block n (wgmma batches complete in order)
-      s_landed(acc_s);
+      s_landed(n, acc_s);
       softmax_of(n, acc_s);
       Ops::template wgmma_wait<0>();  // P V of the block before
       warpgroup_fence_operand(acc_o);
@@ -702,7 +777,63 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
-// Grid: (query tiles, heads, batch); 384 threads (three warpgroups), one block per SM.
+// The producer's loads of one tile (the consumers are done with the tile before's Q): Q, then K and
+// V of every key block into the stages from write_state on.
+template <typename Kt>
+__device__ __forceinline__ void produce(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
+                                        typename Kt::Pipeline& pipeline_k,
+                                        typename Kt::Pipeline& pipeline_v,
+                                        typename Kt::PipelineState& write_state,
+                                        const ProducerTile& pt) {
+  using Ops = typename Kt::Ops;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  const FwdParams<float>& p = args.p;
+  const int h = pt.h, b = pt.b;
+  const int kv_head = h / static_cast<int>(p.heads / p.kv_heads);  // GQA
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const int heads = static_cast<int>(p.heads), kv_heads = static_cast<int>(p.kv_heads);
+  const int batch = static_cast<int>(p.batch);
+  // The global tensors as coordinates for TMA, the tiles of this block.
+  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, kHeadDim, heads, batch));
+  Tensor mK = args.tma_k.get_tma_tensor(make_shape(kv_len, kHeadDim, kv_heads, batch));
+  Tensor mV = args.tma_v.get_tma_tensor(make_shape(kv_len, kHeadDim, kv_heads, batch));
+  Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                         make_coord(pt.m_block, 0));  // (M, D)
+  Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));  // (N, D, blocks)
+  Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));  // (N, D, blocks)
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutK{});
+  auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+  auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+
+  Ops::TxBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
+  copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+  // Not unrolled: each iteration is a few instructions, and the producer has 24 registers.
+#pragma unroll 1
+  for (int n = pt.n_end - 1; n >= pt.n_begin; --n) {
+    pipeline_k.producer_acquire(write_state);
+    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_state)), tKgK(_, n),
+         tKsK(_, write_state.index()));
+    pipeline_v.producer_acquire(write_state);
+    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_state)), tVgV(_, n),
+         tVsV(_, write_state.index()));
+    ++write_state;
+  }
+}
+
+// A 1-D grid of 384 threads (three warpgroups) per block, one block per SM: each block walks the
+// tiles launch_order.h's persistent_tile deals it (one, where the grid has a block per tile). In a
+// persistent grid the producer loads the next tile's K and V, and its Q once the consumers have
+// issued and waited for the tile's last S, while the consumers finish the tile (its last softmax,
+// P V and the epilogue), which a block per tile leaves to a new block's start: its barriers'
+// setup, its first loads' latency and a first softmax that no product overlaps.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kStats>
 __global__ void __launch_bounds__(Kt::kThreads, 1)
     forward_kernel([[maybe_unused]] const __grid_constant__ KernelArgs<Kt> args) {
@@ -712,21 +843,11 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 #if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || \
     defined(ENTROPY_ATTN_CUDA_EMULATION)
   using Ops = typename Kt::Ops;
-  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN;
   extern __shared__ __align__(1024) char ea_sm90_fwd_smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_fwd_smem);
   const FwdParams<float>& p = args.p;
-
-  // Causal tiles further down do more work: start them first (blocks are dispatched in order, and
-  // launch_order.h puts every head's first x before any head's second), so that the short ones
-  // fill the tail of the wave. (Windows make the tiles alike: no harm.)
-  const GridTile tile = this_block_tile<kCausal, kMask>(p.launch_sections);
-  const int m_block = kCausal ? static_cast<int>(gridDim.x) - 1 - tile.x : tile.x;
-  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
-  const int m0 = m_block * kBlockM;
-  const int rows = min(kBlockM, q_len - m0);
-  // The key blocks the tile walks and those that need the predicate (key_ranges.cuh).
-  const TileBlocks tb = tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, kBlockN);
+  // (The launcher's grid has at most a block per tile: every block has a first tile.)
+  const ForwardTile first = forward_tile<Kt, kCausal, kMask>(p, blockIdx.x);
 
   const int warp_group = Ops::warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
@@ -735,7 +856,10 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   // Warp 0 initializes the barriers of both pipelines and Q's; the barrier below publishes them.
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) Ops::TxBarrier::init(&ss.barrier_q, 1);
+  if (threadIdx.x == 0) {
+    Ops::TxBarrier::init(&ss.barrier_q, 1);
+    Ops::TxBarrier::init(&ss.barrier_q_empty, Kt::kConsumerThreads);
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -745,43 +869,18 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     Ops::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     Ops::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     Ops::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    const int h = tile.y, b = tile.z;
-    const int kv_head = h / static_cast<int>(p.heads / p.kv_heads);  // GQA
-    const int head_dim = Kt::kHeadDim, heads = static_cast<int>(p.heads);
-    const int kv_heads = static_cast<int>(p.kv_heads), batch = static_cast<int>(p.batch);
-    // The global tensors as coordinates for TMA, the tiles of this block.
-    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(q_len, head_dim, heads, batch));
-    Tensor mK = args.tma_k.get_tma_tensor(make_shape(kv_len, head_dim, kv_heads, batch));
-    Tensor mV = args.tma_v.get_tma_tensor(make_shape(kv_len, head_dim, kv_heads, batch));
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<Kt::kHeadDim>>{},
-                           make_coord(m_block, 0));  // (M, D)
-    Tensor gK = local_tile(mK(_, _, kv_head, b), Shape<Int<kBlockN>, Int<Kt::kHeadDim>>{},
-                           make_coord(_, 0));  // (N, D, blocks)
-    Tensor gV = local_tile(mV(_, _, kv_head, b), Shape<Int<kBlockN>, Int<Kt::kHeadDim>>{},
-                           make_coord(_, 0));  // (N, D, blocks)
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Kt::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Kt::SmemLayoutK{});
-    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
-
-    Ops::TxBarrier::arrive_and_expect_tx(&ss.barrier_q, Kt::kTmaBytesQ);
-    copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
     auto write_state = cutlass::make_producer_start_state<Pipeline>();
-    // Not unrolled: each iteration is a few instructions, and the producer has 24 registers.
+    ProducerTile tile = producer_tile(first);
 #pragma unroll 1
-    for (int n = tb.n_end - 1; n >= tb.n_begin; --n) {
-      pipeline_k.producer_acquire(write_state);
-      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_state)), tKgK(_, n),
-           tKsK(_, write_state.index()));
-      pipeline_v.producer_acquire(write_state);
-      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_state)), tVgV(_, n),
-           tVsV(_, write_state.index()));
-      ++write_state;
+    for (uint32_t round = 0;; ++round) {
+      if (round > 0) {
+        // The consumers are done with Q, and have written the next tile.
+        Ops::TxBarrier::wait(&ss.barrier_q_empty, (round - 1) % 2);
+        const int* next = ss.next_tile[round % 2];
+        tile = {next[0], next[1], next[2], next[3], next[4]};
+        if (tile.m_block < 0) break;
+      }
+      produce<Kt>(args, ss, pipeline_k, pipeline_v, write_state, tile);
     }
     // Stay until the consumers have released every stage: the block's barriers must outlive
     // every arrival on them.
@@ -789,7 +888,29 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_v.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, tile, m0, tb);
+    typename Kt::PipelineState read_state;
+    // Warpgroup 0 issues first: warpgroup 1 hands it the tensor cores once for all tiles (each
+    // tile's last hand-off to warpgroup 0 is the next tile's first; a block without a key block
+    // ends with this arrival pending, as any block ends with its last).
+    if (threadIdx.x / 128 == 2) scheduler_arrive<Ops>(1);
+    // Only the tile index lives across a tile's key loop (its round follows from it), and the
+    // tile count is read again from the parameters: values kept over the loop spilled.
+#pragma unroll 1
+    for (uint32_t index = blockIdx.x; index < static_cast<uint32_t>(tile_count<Kt>(p));
+         index = next_persistent_tile(index, blockIdx.x, gridDim.x)) {
+      if (threadIdx.x == 128) {
+        // The producer's next tile, published by this thread's arrival on barrier_q_empty in the
+        // tile's consumption (computed here, where the consumers hold no tile state).
+        const uint32_t next = next_persistent_tile(index, blockIdx.x, gridDim.x);
+        const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
+                                    ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
+                                    : ProducerTile{};
+        int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
+        slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
+        slot[4] = pt.n_end;
+      }
+      consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, read_state, index);
+    }
   }
 #endif
 }

@@ -18,6 +18,8 @@ cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream) {
   cudaError_t err = device_is_sm90();
   if (err != cudaSuccess) return err;
   if (!covers(p, kHeadDim, kCausal)) return cudaErrorNotSupported;
+  // (A 1-D grid's limit; 2^31 tiles would be 2^38 query rows.)
+  if (fwd_impl::tile_count<Kt>(p) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const fwd_impl::KernelArgs<Kt> args = fwd_impl::make_kernel_args<Kt>(p);
   const auto kernel = &fwd_impl::forward_kernel<T, Kt, kCausal, kMask, kStats>;
   constexpr int kSmem = Kt::kSmemBytes;

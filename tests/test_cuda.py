@@ -1984,22 +1984,6 @@ def test_split_kv_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
 
 
-@real_cuda
-@pytest.mark.skipif(not tensor_core_family_runs("sm80"), reason="split-KV is the sm80 family's")
-def test_split_kv_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bad ENTROPY_ATTN_SPLIT_KV is a ValueError naming it; 'off' and 'auto' are accepted."""
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
-    q = cuda(torch.randn(1, 2, 1, 64, dtype=torch.bfloat16))
-    k = cuda(torch.randn(1, 2, 300, 64, dtype=torch.bfloat16))
-    for bad in ("0", "129", "two", "-1"):
-        monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", bad)
-        with pytest.raises(ValueError, match="ENTROPY_ATTN_SPLIT_KV"):
-            OP(q, k, k)
-    for good in ("off", "auto", "1", "128"):
-        monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", good)
-        OP(q, k, k)
-
-
 #: ENTROPY_ATTN_CUDA_LAUNCH_ORDER settings (family.h): the grid's own order, the rule, one section
 #: (every entry's first tile before any entry's second) and 3 sections of unequal width.
 LAUNCH_ORDERS = ("heads", "auto", "1", "3")
@@ -2071,8 +2055,9 @@ def test_persistent_grid_only_moves_tiles(monkeypatch: pytest.MonkeyPatch, patte
     outputs and statistics are the bits of "off", which match the float64 reference. GQA, 3 batch
     entries, partial tiles; causal tiles in launch order; a window; a bool mask (the masked
     instantiations); bottom-right alignment with more queries than keys, whose first tile sees no
-    key. (Dry run: the CPU op, which has no grid, against the same reference.)"""
-    B, H, Hkv, Lq, D = 3, 4, 2, 300, 128
+    key. 240 tiles of 128 rows: more than an H100's or H200's 132 SMs, so that under "on" blocks
+    walk two tiles. (Dry run: the CPU op, which has no grid, against the same reference.)"""
+    B, H, Hkv, Lq, D = 5, 16, 8, 300, 128
     Lk = 120 if pattern == "bottom_right" else 300
     torch.manual_seed(13)
     q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
@@ -2100,36 +2085,41 @@ def test_persistent_grid_only_moves_tiles(monkeypatch: pytest.MonkeyPatch, patte
     assert_matches_reference(runs["off"], ref, torch.bfloat16, stats)
 
 
-@real_cuda
-@pytest.mark.skipif(not tensor_core_family_runs("sm90"), reason="the Hopper forward reads it")
-def test_persistent_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bad ENTROPY_ATTN_CUDA_PERSISTENT is a ValueError naming it; the documented values are
-    accepted."""
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
-    q = cuda(torch.randn(1, 2, 100, 64, dtype=torch.bfloat16))
-    for bad in ("0", "-2", "all", "1.5"):
-        monkeypatch.setenv("ENTROPY_ATTN_CUDA_PERSISTENT", bad)
-        with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_PERSISTENT"):
-            OP(q, q, q)
-    for good in ("on", "off", "1", "1000"):
-        monkeypatch.setenv("ENTROPY_ATTN_CUDA_PERSISTENT", good)
-        OP(q, q, q)
+#: Each tuning variable of the tensor-core families (family.h): the family that reads it, values it
+#: refuses, the documented values it accepts, and a call that reads it (query and key lengths,
+#: causality): split-KV is for decoding, the launch order for causal calls.
+TUNING_SETTINGS = [
+    pytest.param("ENTROPY_ATTN_SPLIT_KV", "sm80", ("0", "129", "two", "-1"), ("off", "auto", "1", "128"), (1, 300, False),
+                 id="split_kv", marks=pytest.mark.skipif(not tensor_core_family_runs("sm80"),
+                                                         reason="split-KV is the sm80 family's")),
+    pytest.param("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", "sm80", ("0", "-2", "lpt", "1.5"), ("auto", "heads", "1", "1000"),
+                 (100, 100, True), id="launch_order",
+                 marks=pytest.mark.skipif(not tensor_core_family_runs("sm80"),
+                                          reason="the tensor-core families read it")),
+    pytest.param("ENTROPY_ATTN_CUDA_PERSISTENT", "sm90", ("0", "-2", "all", "1.5"), ("on", "off", "1", "1000"),
+                 (100, 100, False), id="persistent",
+                 marks=pytest.mark.skipif(not tensor_core_family_runs("sm90"), reason="the Hopper forward reads it")),
+]  # fmt: skip
 
 
 @real_cuda
-@pytest.mark.skipif(not tensor_core_family_runs("sm80"), reason="the tensor-core families read it")
-def test_launch_order_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bad ENTROPY_ATTN_CUDA_LAUNCH_ORDER is a ValueError naming it; the documented values are
-    accepted."""
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm80")
-    q = cuda(torch.randn(1, 2, 100, 64, dtype=torch.bfloat16))
-    for bad in ("0", "-2", "lpt", "1.5"):
-        monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", bad)
-        with pytest.raises(ValueError, match="ENTROPY_ATTN_CUDA_LAUNCH_ORDER"):
-            OP(q, q, q, is_causal=True)
-    for good in ("auto", "heads", "1", "1000"):
-        monkeypatch.setenv("ENTROPY_ATTN_CUDA_LAUNCH_ORDER", good)
-        OP(q, q, q, is_causal=True)
+@pytest.mark.parametrize("variable, family, bad_values, good_values, call", TUNING_SETTINGS)
+def test_tuning_setting_is_checked(monkeypatch: pytest.MonkeyPatch, variable: str, family: str,
+                                   bad_values: Tuple[str, ...], good_values: Tuple[str, ...],
+                                   call: Tuple[int, int, bool]) -> None:
+    """A bad value of a tuning variable is a ValueError naming the variable; the documented values
+    are accepted."""
+    lq, lk, causal = call
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    q = cuda(torch.randn(1, 2, lq, 64, dtype=torch.bfloat16))
+    k = cuda(torch.randn(1, 2, lk, 64, dtype=torch.bfloat16))
+    for bad in bad_values:
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValueError, match=variable):
+            OP(q, k, k, is_causal=causal)
+    for good in good_values:
+        monkeypatch.setenv(variable, good)
+        OP(q, k, k, is_causal=causal)
 
 
 @pytest.mark.parametrize("family", ["auto", "fallback", *TC_FAMILIES])

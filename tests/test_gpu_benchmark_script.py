@@ -18,11 +18,17 @@ from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_vs_sdpa.py"
-
-
-
-
 bench = load_script(SCRIPT, "gpu_vs_sdpa")
+
+
+@pytest.fixture(autouse=True)
+def unset_kernel_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts each test with the kernel settings the script writes to os.environ unset, and puts
+    back what they were after it. (monkeypatch.delenv of an unset variable records nothing, so the
+    script's own writes would outlive the test: each is set first, then deleted.)"""
+    for name in (bench.FAMILY_ENV, bench.LAUNCH_ORDER_ENV, bench.PERSISTENT_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 POINT_KEYS = {
     "dtype", "head_dim", "seq_len", "batch", "heads", "kv_heads", "causal", "family", "sdpa_backend",
     "fwd_stats", "fwd", "fwd_bwd", "sdpa_ms_by_backend", "tflops", "peak_fraction",
@@ -159,10 +165,9 @@ def cpu_run(ext: Any, **kw: Any) -> Any:
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measuring_plumbing_on_cpu(kv_heads: int) -> None:
     import torch_ext
 
-    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
     s = shape(heads=4, kv_heads=kv_heads, seq_len=64, causal=True)
     points: List[dict] = bench.measure_shape(s, ["auto", "fallback"], cpu_run(torch_ext, check=True), 50.0, None)
     assert [p["family"] for p in points] == ["auto", "fallback"]
@@ -181,7 +186,7 @@ def test_measuring_plumbing_on_cpu(kv_heads: int, monkeypatch: pytest.MonkeyPatc
     assert "sources 0123456789ab" in text  # the kernels measured, named by the hash of their sources
 
 
-def test_launch_orders_are_variants_of_each_family(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_orders_are_variants_of_each_family() -> None:
     """--launch-order times each family under each ENTROPY_ATTN_CUDA_LAUNCH_ORDER, set before the
     call and recorded; the table names a non-default order; bad values are refused."""
     import torch_ext
@@ -193,8 +198,6 @@ def test_launch_orders_are_variants_of_each_family(monkeypatch: pytest.MonkeyPat
             seen.append(os.environ[bench.LAUNCH_ORDER_ENV])
             return torch_ext.attention(*a, **kw)
 
-    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
-    monkeypatch.delenv(bench.LAUNCH_ORDER_ENV, raising=False)
     s = shape(heads=4, kv_heads=2, seq_len=64, causal=True)
     points = bench.measure_shape(s, ["auto", "sm80"], cpu_run(Recording()), None, None, ["auto", "heads"])
     assert [(p["family"], p["launch_order"]) for p in points] == [
@@ -224,7 +227,6 @@ def test_persistent_settings_are_variants_of_each_family(monkeypatch: pytest.Mon
             seen.append(os.environ.get(bench.PERSISTENT_ENV))
             return torch_ext.attention(*a, **kw)
 
-    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
     monkeypatch.setenv(bench.PERSISTENT_ENV, "7")  # (replaced, then unset for "default")
     s = shape(heads=4, kv_heads=2, seq_len=64)
     points = bench.measure_shape(s, ["sm90"], cpu_run(Recording()), None, None, persistents=["default", "on"])
@@ -241,13 +243,11 @@ def test_persistent_settings_are_variants_of_each_family(monkeypatch: pytest.Mon
             bench.parse_args(["--persistent", bad])
 
 
-def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_dropout_runs_in_both_and_refuses_check(capsys: pytest.CaptureFixture[str]) -> None:
     """--dropout-p reaches ours and SDPA (the point and the report say so); --check with it, whose
     masks differ, and a p outside [0, 1) are argument errors."""
     import torch_ext
 
-    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
     args = bench.parse_args(["--quick", "--dropout-p", "0.1"])
     assert {s.dropout_p for s in bench.expand_grid(args)} == {0.1}
     calls: List[float] = []
@@ -270,14 +270,13 @@ def test_dropout_runs_in_both_and_refuses_check(monkeypatch: pytest.MonkeyPatch,
         assert exc.value.code == 2 and "--dropout-p" in capsys.readouterr().err
 
 
-def test_projection_layout_calls_both_as_a_model_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_projection_layout_calls_both_as_a_model_layer() -> None:
     """--layout projection gives ours and SDPA (B, L, H * D) projections, split into heads inside
     the timed call (so fwd_bwd's gradients go back through the split), and times the merge of their
     outputs into (B, L, H * Dv) with them (the point and the table say so); ours' output then merges
     without a copy, and the check still compares the two."""
     import torch_ext
 
-    monkeypatch.delenv(bench.FAMILY_ENV, raising=False)
     args = bench.parse_args(["--quick", "--layout", "bhld", "projection"])
     assert [s.layout for s in bench.expand_grid(args)][:2] == ["bhld", "projection"]
     seen: List[Any] = []

@@ -107,11 +107,11 @@ int forward_splits(const ForwardCall& call);
 int launch_order_sections(const AttentionShape& shape, const KeyPattern& pattern,
                           int64_t element_size, bool backward, int blocks_per_sm, int splits);
 
-// Whether "auto" runs the Hopper forward on a persistent grid: one thread block per SM, each
-// walking several tiles, whose producer loads the next tile's operands while the consumers finish
-// the tile before (sm90/fwd_kernel.cuh), instead of one block per tile. Off until it is timed on a
-// GPU: it passes the CPU emulation of the family (tests/cpp/test_sm90_emulation.cpp:
-// PersistentGrid).
+// Whether the Hopper forward runs on a persistent grid when ENTROPY_ATTN_CUDA_PERSISTENT is unset:
+// one thread block per SM, each walking several tiles, whose producer loads the next tile's
+// operands while the consumers finish the tile before (sm90/fwd_kernel.cuh), instead of one block
+// per tile. Off until it is timed on a GPU: it passes the CPU emulation of the family
+// (tests/cpp/test_sm90_emulation.cpp: PersistentGrid).
 constexpr bool kHopperPersistentByDefault = false;
 
 // The blocks of the Hopper forward's grid (params.h: persistent_blocks): 0, one per tile; else

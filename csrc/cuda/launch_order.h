@@ -78,7 +78,9 @@ EA_HOST_DEVICE GridTile tile_at(uint32_t index, uint32_t x_dim, uint32_t y_dim, 
 // drifted apart by about a tile per round; a block that goes first in one round goes last in the
 // next, and their sums stay within about a tile of each other (tests/cpp/test_launch_order.cpp).
 // With one block per tile (blocks = tiles) each block takes tile `block` in round 0 and stops.
-// Indices stay below 2^32 for fewer than 2^31 tiles (a round starts below the tile count).
+// Indices stay below 2^32 for fewer than 2^31 tiles with one block per tile (a block stops after
+// round 0) or at most 2^30 blocks (sm90/fwd_kernel.cuh: grid): a block's next index is below its
+// index plus two rounds' worth of blocks.
 EA_HOST_DEVICE uint32_t persistent_tile(uint32_t round, uint32_t block, uint32_t blocks) {
   return round * blocks + (round % 2 == 0 ? block : blocks - 1 - block);
 }

@@ -263,12 +263,14 @@ EA_HOST_DEVICE int64_t tile_count(const FwdParams<float>& p) {
 
 // A 1-D grid: one block per tile, or, with p.persistent_blocks >= 1 (params.h), that many blocks
 // at most, each walking its tiles in rounds (launch_order.h: persistent_tile). Fewer than 2^31
-// tiles (launch_forward checks; a call with more would need 2^38 query rows).
+// tiles (launch_forward checks; a call with more would need 2^38 query rows); a persistent grid of
+// at most 2^30 blocks, so that no block's next tile index wraps past 2^32.
 template <typename Kt>
 dim3 grid(const FwdParams<float>& p) {
   const int64_t tiles = tile_count<Kt>(p);
-  const int64_t blocks =
-      p.persistent_blocks >= 1 ? std::min<int64_t>(tiles, p.persistent_blocks) : tiles;
+  const int64_t blocks = p.persistent_blocks >= 1
+                             ? std::min({tiles, int64_t{p.persistent_blocks}, int64_t{1} << 30})
+                             : tiles;
   return dim3(static_cast<unsigned>(blocks));
 }
 
@@ -294,6 +296,13 @@ __device__ __forceinline__ ForwardTile forward_tile(const FwdParams<float>& p, u
   return {at, m_block, m0,
           tile_key_blocks<kCausal>(p.pattern, m0, rows, q_len, kv_len, Kt::kBlockN)};
 }
+
+// Keeps the compiler from moving plain loads and stores of shared memory across it. CUTLASS's
+// mbarrier arrivals and waits are asm without a "memory" clobber: the hardware orders the next
+// tile's slot (SharedStorage::next_tile) by the arrival and the wait on barrier_q_empty, but the
+// compiler could still sink the consumer's stores below the arrival or hoist the producer's loads
+// above the wait.
+EA_HOST_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 
 // What the producer needs of a tile: its query tile, head, batch entry and key blocks. It does not
 // compute them: its 24 registers spilled on the launch order's divisions and the key ranges'
@@ -490,7 +499,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   [[maybe_unused]] uint32_t* s_mask = ss.mask;
   const bool any_block = tb.n_end > tb.n_begin;  // the same in every thread of the block
   // Every wgmma that reads Q has completed: the producer may load the next tile's.
-  auto release_q = [&] { Ops::TxBarrier::arrive(&ss.barrier_q_empty); };
+  auto release_q = [&] {
+    compiler_fence();  // thread 128's write of the producer's next tile (kernel) comes first
+    Ops::TxBarrier::arrive(&ss.barrier_q_empty);
+  };
   if (!any_block) release_q();
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
@@ -876,6 +888,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
       if (round > 0) {
         // The consumers are done with Q, and have written the next tile.
         Ops::TxBarrier::wait(&ss.barrier_q_empty, (round - 1) % 2);
+        compiler_fence();
         const int* next = ss.next_tile[round % 2];
         tile = {next[0], next[1], next[2], next[3], next[4]};
         if (tile.m_block < 0) break;

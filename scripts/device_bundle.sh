@@ -16,6 +16,7 @@
 #                                           # the tests, which write in the tree
 #   bash scripts/device_bundle.sh venv      # only the virtual environment of make and check (CI
 #                                           # makes it while setup compiles)
+#   bash scripts/device_bundle.sh baseline  # only the baseline harness (below), into .device/
 #
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
@@ -26,6 +27,12 @@
 # (nvidia-cutlass's headers, a setuptools that reads pyproject.toml). .device/ is ignored by git:
 # copy it along. DEVICE_VENV names an existing virtual environment with DEVICE_TORCH to build in
 # instead of build/device/venv.
+#
+# `make` also packs the kernel harness of BASELINE (default: the kernels last timed on a GPU, see
+# below; BASELINE=none: not), built the same way from that commit's tree, so that a GPU session
+# times the kernels changed since against them in the same lease (scripts/gpu_session.sh,
+# harness_ab.md): a GPU lent for minutes, on another machine each time, cannot compare with the
+# figures of an earlier lease to a few percent.
 #
 # `check` is the cheap half of `make`, for every CI run: a CPU-only build of the copy against
 # DEVICE_TORCH with warnings as errors, the host sources of the CUDA kernels (which only a CUDA
@@ -48,6 +55,10 @@ CUTLASS=nvidia-cutlass==$(cat csrc/cuda/cutlass_version.txt)
 # The GPU machines' versions where they matter to the tests (transformers: the HF backend).
 TEST_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 transformers==5.17.0)
 SRC=build/device/src
+# The last kernels timed on a GPU: 818c147's (results/gpu/benchmark.md, 2026-12-04) with the Hopper
+# backward's dq by bulk reductions, their default since d499297, which changed nothing else in
+# the kernels. Move it when a GPU session has timed newer kernels and kept them.
+BASELINE=${BASELINE:-d499297}
 venv=${DEVICE_VENV:-build/device/venv}
 
 # A failed build's first errors, and the end of the script.
@@ -124,8 +135,34 @@ make_bundle() {
   bash "$SRC/scripts/sources_hash.sh" >"$BUNDLE/sources.sha256"
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
+  [[ $BASELINE == none ]] || make_baseline
   ls -l "$BUNDLE" "$BUNDLE/wheels"
   note "${BUNDLE}/ made in $(($(date +%s) - start))s (torch ${DEVICE_TORCH}, arch ${DEVICE_ARCH})"
+}
+
+# The kernel harness of commit BASELINE, for DEVICE_ARCH, as .device/kernel_harness_baseline.xz
+# and the commit's name in .device/baseline: that commit's tree (git archive) built with its own
+# setup.py and scripts/kernel_harness.sh in build/device/baseline (ccache makes a second make cheap).
+make_baseline() {
+  local dir=build/device/baseline name
+  device_venv
+  name=$(git rev-parse --short "$BASELINE^{commit}") || {
+    echo "BASELINE=${BASELINE} names no commit" >&2
+    exit 1
+  }
+  note "the baseline harness: the kernels of ${name}"
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  git archive "$name" | tar -x -C "$dir"
+  local saved_src=$SRC
+  SRC=$dir
+  build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH"
+  SRC=$saved_src
+  (cd "$dir" && bash scripts/kernel_harness.sh build) >build/device/harness_baseline.log 2>&1 ||
+    { tail -5 build/device/harness_baseline.log >&2; exit 1; }
+  mkdir -p "$BUNDLE"
+  xz -T0 -c "$dir/build/kernel_harness" >"$BUNDLE/kernel_harness_baseline.xz"
+  echo "$name" >"$BUNDLE/baseline"
 }
 
 check_build() {
@@ -177,6 +214,13 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyf
       "$BUNDLE/kernel_harness.xz" build/kernel_harness
     chmod +x build/kernel_harness
     note "build/kernel_harness unpacked (the kernels checked and timed without torch)"
+    if [[ -f $BUNDLE/kernel_harness_baseline.xz ]]; then
+      "$python" -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
+        "$BUNDLE/kernel_harness_baseline.xz" build/kernel_harness_baseline
+      chmod +x build/kernel_harness_baseline
+      note "build/kernel_harness_baseline unpacked (the kernels of $(cat "$BUNDLE/baseline"))"
+    fi
   fi
   torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
   if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]] &&
@@ -208,8 +252,9 @@ case ${1:-} in
   copy) copy_tree ;;
   install) install_bundle ;;
   venv) device_venv ;;
+  baseline) make_baseline ;;
   *)
-    echo "usage: $0 make|check|copy|install|venv" >&2
+    echo "usage: $0 make|check|copy|install|venv|baseline" >&2
     exit 2
     ;;
 esac

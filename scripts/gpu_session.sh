@@ -17,17 +17,22 @@
 #      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 (and the Hopper
 #      forward's persistent grid on) and =sm80;
 #   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid), the
-#      harness's timings of the sm90 family, and the Hopper forward on a block per tile against a
-#      persistent grid (--persistent off on: family.h, kHopperPersistentByDefault);
+#      harness's timings of the sm90 family, then the same timings of the baseline harness of
+#      .device/ (the kernels last timed on a GPU: scripts/device_bundle.sh, BASELINE) and their
+#      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), and
+#      the Hopper forward on a block per tile against a persistent grid (--persistent off on:
+#      family.h, kHopperPersistentByDefault);
 #   5. as time allows, one decoding step (benchmarks/gpu_decode.py, split-KV settings; head dim 96,
 #      padded, against the fallback) and the causal calls under both launch orders
 #      (gpu_vs_sdpa.py --launch-order auto heads).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed or ran out of time, 2 when the run could not start (no GPU,
 # or a .device/ made from other sources: it would be built there, at the lease's expense).
-# OUT (default build/gpu_session) receives benchmark, persistent, decode and launch_order (.md and
-# .json each), harness.md and logs.tar.xz (every log and harness.json; packed after each step, so
-# that a run cut short still returns what it did): 10 files, what the device tool brings back.
+# OUT (default build/gpu_session) receives benchmark.md and .json, harness.md, harness_ab.md,
+# persistent.md, decode.md, launch_order.md and logs.tar.xz (every log, and the JSON of the
+# harnesses, the persistent grid, decoding and the launch orders; packed after each step, so that a
+# run cut short still returns what it did): 8 files, as many as the device tool brings back
+# (tests/test_gpu_session_script.py).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -136,16 +141,26 @@ commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness.json" \
   >"$OUT/harness.md" 2>"$LOGS/harness.log"
 record "harness timings" $?
+if [[ -x build/kernel_harness_baseline ]]; then
+  baseline=$(cat .device/baseline 2>/dev/null || echo baseline)
+  note "baseline harness timings (sm90, the kernels of ${baseline})"
+  bounded 60 build/kernel_harness_baseline --quick --families sm90 --commit "$baseline" \
+    --json "$LOGS/harness_baseline.json" >"$LOGS/harness_baseline.md" 2>"$LOGS/harness_baseline.log"
+  record "baseline harness timings" $?
+  "$PYTHON" scripts/harness_ab.py "$LOGS/harness_baseline.json" "$LOGS/harness.json" \
+    --out-md "$OUT/harness_ab.md"
+  record "harness comparison" $?
+fi
 pack
 note "persistent grid (sm90 forward)"
 bounded 80 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32:8 --head-dim 64 128 \
   --seq 1024 4096 16384 --family auto --persistent off on --no-backward --min-run-time 0.2 \
-  --out-md "$OUT/persistent.md" --out-json "$OUT/persistent.json" >"$LOGS/persistent.log" 2>&1
+  --out-md "$OUT/persistent.md" --out-json "$LOGS/persistent.json" >"$LOGS/persistent.log" 2>&1
 record "persistent grid" $?
 pack
 note "decoding"
 bounded 60 "$PYTHON" benchmarks/gpu_decode.py --split off auto 8 16 --out-md "$OUT/decode.md" \
-  --out-json "$OUT/decode.json" >"$LOGS/decode.log" 2>&1
+  --out-json "$LOGS/decode.json" >"$LOGS/decode.log" 2>&1
 record decode $?
 # (Head dim 96 decodes on inputs padded to 128, copying the cache at each step: against the
 # fallback, which reads it as it is. Not measured yet.)
@@ -158,7 +173,7 @@ done
 note "launch orders"
 bounded 90 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --seq 1024 4096 --causal yes \
   --launch-order auto heads --min-run-time 0.2 --out-md "$OUT/launch_order.md" \
-  --out-json "$OUT/launch_order.json" >"$LOGS/launch_order.log" 2>&1
+  --out-json "$LOGS/launch_order.json" >"$LOGS/launch_order.log" 2>&1
 record "launch orders" $?
 pack
 note "done (results in ${OUT}), exit code ${status}"

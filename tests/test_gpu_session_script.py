@@ -1,11 +1,16 @@
 """scripts/gpu_session.sh, the checks that fit one command on a GPU lent for minutes: without a GPU
-it stops at once, with exit code 2 and a message, before it installs or writes anything."""
+it stops at once, with exit code 2 and a message, before it installs or writes anything; with a
+bundle of other sources it stops before installing; run through (stand-ins for everything it
+calls), every file it leaves in OUT comes back from the device tool."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -46,3 +51,62 @@ def test_refuses_a_bundle_of_other_sources(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "made from other sources" in done.stderr and not (tmp_path / "installed.txt").exists()
+
+
+#: A stand-in kernel harness: its checks pass, and its timings (--json) hold one point.
+FAKE_HARNESS = """#!/bin/bash
+json=""; prev=""
+for a in "$@"; do [[ $prev == --json ]] && json=$a; prev=$a; done
+[[ -n $json ]] && echo '{"device": "stub", "commit": "c", "checks": [], "points": [{"family": "sm90",
+  "dtype": "bf16", "batch": 4, "heads": 16, "kv_heads": 16, "head_dim": 128, "seq_len": 4096,
+  "causal": false, "fwd_ms": 1.0, "fwd_stats_ms": 1.1, "fwd_bwd_ms": 4.0}]}' > "$json"
+echo "3 checks, 0 failed"
+"""
+
+
+def test_every_result_comes_back(tmp_path: Path) -> None:
+    """Run through with stand-ins for the GPU, the bundle, Python and the harnesses, the script
+    leaves in OUT at most the 8 files the device tool brings back (names of letters, digits, '.',
+    '_' and '-'), the harnesses' comparison among them, and the JSON of the other steps in the
+    packed logs."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu_session.sh", "harness_ab.py"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts")
+    (tmp_path / "scripts" / "sources_hash.sh").write_text("echo these-sources\n")
+    (tmp_path / "scripts" / "device_bundle.sh").write_text("echo installed\n")
+    (tmp_path / ".device").mkdir()
+    (tmp_path / ".device" / "sources.sha256").write_text("these-sources\n")
+    (tmp_path / ".device" / "baseline").write_text("d499297\n")
+    bin_dir, build = tmp_path / "bin", tmp_path / "build"
+    bin_dir.mkdir()
+    build.mkdir()
+    stubs = {
+        bin_dir / "nvidia-smi": "#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 345 MHz'\n",
+        build / "kernel_harness": FAKE_HARNESS,
+        build / "kernel_harness_baseline": FAKE_HARNESS,
+        # Python: pytest passes, harness_ab.py runs, the benchmarks write their --out-md/--out-json.
+        bin_dir / "fake-python": f"""#!/bin/bash
+[[ $1 == -m ]] && {{ echo "3 passed in 0.1s"; exit 0; }}
+[[ $1 == scripts/harness_ab.py ]] && exec "{sys.executable}" "$@"
+prev=""
+for a in "$@"; do [[ $prev == --out-md || $prev == --out-json ]] && echo stub > "$a"; prev=$a; done
+exit 0
+""",
+    }
+    for path, text in stubs.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHON": str(bin_dir / "fake-python"), "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, f"{len(files)} files in OUT, the device tool brings back 8: {files}"
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and all((out / f).is_file() for f in files)
+    assert {"benchmark.md", "benchmark.json", "harness.md", "harness_ab.md", "logs.tar.xz"} <= set(files)
+    assert "(1.000)" in (out / "harness_ab.md").read_text()
+    with tarfile.open(out / "logs.tar.xz") as logs:
+        names = {Path(n).name for n in logs.getnames()}
+    assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json"} <= names

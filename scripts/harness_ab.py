@@ -1,0 +1,138 @@
+"""Compares two runs of the kernel harness made in one GPU lease: the kernels of a baseline commit
+(the last ones timed on a GPU; scripts/device_bundle.sh packs their harness) against the current
+ones, point by point.
+
+A GPU is lent for minutes, a different machine each time: the figures of an earlier lease differ
+from today's by a few percent of clocks and neighbours, as much as the changes to be judged. Two
+harnesses run back to back on the same GPU do not (scripts/gpu_session.sh runs both).
+
+    python3 scripts/harness_ab.py BASELINE.json CURRENT.json [--out-md F]
+
+prints (or writes) a Markdown table: per timed point, the milliseconds of the forward without and
+with statistics, of the backward alone (forward + statistics + backward less the forward with
+statistics) and of the three together, each as baseline → current and their ratio (below 1: the
+current kernels take less time), then the geometric mean of each ratio and the checks that failed
+in either run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+Key = Tuple[Any, ...]
+#: What makes two timed points the same call.
+KEY_FIELDS = ("family", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "causal")
+#: The columns: a name and how to read its milliseconds from a point.
+COLUMNS = (
+    ("fwd", lambda p: p.get("fwd_ms")),
+    ("fwd+stats", lambda p: p.get("fwd_stats_ms")),
+    ("bwd", lambda p: None if p.get("fwd_bwd_ms") is None or p.get("fwd_stats_ms") is None
+     else p["fwd_bwd_ms"] - p["fwd_stats_ms"]),
+    ("fwd+stats+bwd", lambda p: p.get("fwd_bwd_ms")),
+)  # fmt: skip
+
+
+def key_of(point: Dict[str, Any]) -> Key:
+    """The call a timed point measured."""
+    return tuple(point.get(f) for f in KEY_FIELDS)
+
+
+def ratio(base: Optional[float], current: Optional[float]) -> Optional[float]:
+    """current / base, or None where either is missing or the base is not positive."""
+    if base is None or current is None or base <= 0:
+        return None
+    return current / base
+
+
+def geometric_mean(values: Sequence[float]) -> Optional[float]:
+    """The geometric mean of positive values; None for none."""
+    good = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in good) / len(good)) if good else None
+
+
+def failed_checks(run: Dict[str, Any]) -> List[str]:
+    """The checks of a run that failed, as 'family dtype call: what'."""
+    return [f"{c.get('family')} {c.get('dtype')} {c.get('call')}: {c.get('what')}"
+            for c in run.get("checks", []) if not c.get("ok", False)]
+
+
+def fmt_ms(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
+    """The Markdown report of two harness runs (their JSON, as `kernel_harness --json` writes it)."""
+    base_points = {key_of(p): p for p in base.get("points", [])}
+    current_points = {key_of(p): p for p in current.get("points", [])}
+    keys = list(base_points) + [k for k in current_points if k not in base_points]
+    lines = [
+        f"# Kernel harness: {current.get('commit', '?')} against {base.get('commit', '?')}, "
+        f"{current.get('device', '?')}",
+        "",
+        f"Both runs in one lease: baseline on {base.get('device', '?')} (commit {base.get('commit', '?')}), "
+        f"current on {current.get('device', '?')} (commit {current.get('commit', '?')}). Milliseconds "
+        "(medians of CUDA events), baseline → current, and current / baseline (below 1: less time now). "
+        "bwd = fwd+stats+bwd − fwd+stats.",
+        "",
+        "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "|" + "---|" * (7 + len(COLUMNS)),
+    ]
+    ratios: Dict[str, List[float]] = {name: [] for name, _ in COLUMNS}
+    for k in keys:
+        b, c = base_points.get(k), current_points.get(k)
+        p = c or b
+        cells = []
+        for name, read in COLUMNS:
+            bm, cm = (read(b) if b else None), (read(c) if c else None)
+            r = ratio(bm, cm)
+            if r is not None:
+                ratios[name].append(r)
+            cells.append(f"{fmt_ms(bm)} → {fmt_ms(cm)} ({fmt_ratio(r)})")
+        causal = "yes" if p.get("causal") else "no"
+        lines.append(f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:"
+                     f"{p.get('kv_heads')} | {p.get('head_dim')} | {p.get('seq_len')} | {causal} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Geometric mean of current / baseline over the points both timed: "
+              + ", ".join(f"{name} {fmt_ratio(geometric_mean(ratios[name]))}" for name, _ in COLUMNS) + "."]
+    for label, run in (("baseline", base), ("current", current)):
+        failed = failed_checks(run)
+        lines.append("")
+        if failed:
+            lines.append(f"Checks failed in the {label} run ({len(failed)} of {len(run.get('checks', []))}):")
+            lines += [f"- {f}" for f in failed[:20]]
+        else:
+            lines.append(f"Checks of the {label} run: {len(run.get('checks', []))}, none failed.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("baseline", type=Path, help="the baseline harness's --json")
+    parser.add_argument("current", type=Path, help="the current harness's --json")
+    parser.add_argument("--out-md", type=Path, help="write the report here (default: stdout)")
+    args = parser.parse_args(argv)
+    try:
+        base = json.loads(args.baseline.read_text())
+        current = json.loads(args.current.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"harness_ab: {e}", file=sys.stderr)
+        return 1
+    text = compare(base, current)
+    if args.out_md:
+        args.out_md.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

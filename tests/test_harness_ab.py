@@ -1,0 +1,68 @@
+"""scripts/harness_ab.py, the comparison of two kernel-harness runs made in one GPU lease: the
+ratios per point and column (the backward alone derived), points timed by one run only, the
+geometric means and the failed checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+ab = load_script(ROOT / "scripts" / "harness_ab.py", "harness_ab")
+
+
+def point(seq_len: int, fwd: float, fwd_stats: float, fwd_bwd: float, causal: bool = False) -> Dict[str, Any]:
+    return {"family": "sm90", "dtype": "bf16", "batch": 4, "heads": 16, "kv_heads": 16, "head_dim": 128,
+            "seq_len": seq_len, "causal": causal, "fwd_ms": fwd, "fwd_stats_ms": fwd_stats, "fwd_bwd_ms": fwd_bwd}
+
+
+def run(commit: str, *points: Dict[str, Any], failed: int = 0) -> Dict[str, Any]:
+    checks = [{"family": "sm90", "dtype": "bf16", "call": f"call {i}", "what": "backward: dq", "ok": i >= failed}
+              for i in range(3)]
+    return {"device": "NVIDIA H200", "commit": commit, "checks": checks, "points": list(points)}
+
+
+def row_of(text: str, seq_len: int, causal: str = "no") -> str:
+    return next(line for line in text.splitlines() if f"| {seq_len} | {causal} |" in line)
+
+
+def test_ratios_per_column_with_the_backward_alone() -> None:
+    base = run("aaa", point(4096, 1.0, 1.2, 4.2))
+    current = run("bbb", point(4096, 0.9, 1.1, 3.8))
+    text = ab.compare(base, current)
+    assert "bbb against aaa" in text.splitlines()[0]
+    row = row_of(text, 4096)
+    # fwd 0.9, fwd+stats 1.1/1.2, bwd (3.8 - 1.1) / (4.2 - 1.2) = 0.9, total 3.8/4.2.
+    assert "1 → 0.9 (0.900)" in row and "1.2 → 1.1 (0.917)" in row
+    assert "3 → 2.7 (0.900)" in row and "4.2 → 3.8 (0.905)" in row
+    assert "Checks of the baseline run: 3, none failed." in text
+
+
+def test_points_of_one_run_and_geometric_means() -> None:
+    base = run("aaa", point(1024, 1.0, 1.0, 2.0), point(4096, 2.0, 2.0, 4.0))
+    current = run("bbb", point(1024, 0.5, 1.0, 2.0), point(4096, 4.0, 2.0, 4.0), point(16384, 1.0, 1.0, 1.0, True))
+    text = ab.compare(base, current)
+    assert "— → 1 (—)" in row_of(text, 16384, "yes")  # timed by the current run only
+    # fwd ratios 0.5 and 2: geometric mean 1; the lone point does not count.
+    assert "fwd 1.000, fwd+stats 1.000, bwd 1.000" in text
+
+
+def test_failed_checks_are_listed() -> None:
+    text = ab.compare(run("aaa", failed=0), run("bbb", failed=2))
+    assert "Checks failed in the current run (2 of 3):" in text
+    assert "- sm90 bf16 call 0: backward: dq" in text and "call 2" not in text
+
+
+def test_main_writes_the_report_and_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, current, out = tmp_path / "base.json", tmp_path / "current.json", tmp_path / "ab.md"
+    base.write_text(json.dumps(run("aaa", point(4096, 1.0, 1.2, 4.2))))
+    current.write_text(json.dumps(run("bbb", point(4096, 1.0, 1.2, 4.2))))
+    assert ab.main([str(base), str(current), "--out-md", str(out)]) == 0
+    assert "(1.000)" in row_of(out.read_text(), 4096)
+    current.write_text("{not json")
+    assert ab.main([str(base), str(current)]) == 1
+    assert "harness_ab:" in capsys.readouterr().err

@@ -4,18 +4,25 @@
 // suite, and slower still under the sanitizers) compile in parallel rather than in one unit.
 #pragma once
 
+#include <cstdint>
+
 #include "cuda/params.h"
 
 namespace emulated {
 
+// The grids of the launchers (fwd_launch.cuh, bwd_launch.cuh), or at most max_blocks blocks where
+// that is positive: the kernels' blocks then stride over the tiles, as a guard's do past
+// kGuardTileBlocks (a test of the striding on calls of a few tiles).
 template <typename T>
-void launch_forward(const entropy_attn::cuda::FwdParams<entropy_attn::cuda::AccType<T>>& p);
+void launch_forward(const entropy_attn::cuda::FwdParams<entropy_attn::cuda::AccType<T>>& p,
+                    int64_t max_blocks = 0);
 // With the preprocess and, as after a tensor-core backward, the postprocess kernel; the main
 // kernel with the tiles bwd_launch.cuh chooses on a device granting smem_optin bytes per block (by
 // default one that takes every kernel).
+constexpr int kEveryKernelFits = 232448;  // bytes of shared memory per block
 template <typename T>
 void launch_backward(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p,
-                     int smem_optin = 232448);
+                     int smem_optin = kEveryKernelFits, int64_t max_blocks = 0);
 template <typename T>
 void launch_sparsity(const entropy_attn::cuda::SparsityParams<entropy_attn::cuda::AccType<T>>& p);
 

@@ -32,20 +32,24 @@ namespace ef = entropy_attn::cuda::fallback;
 
 namespace {
 int head_dim_bucket_of(int64_t d, int64_t dv) { return ec::head_dim_bucket(std::max(d, dv)); }
+// A launcher's grid, or max_blocks blocks where that is positive and fewer.
+int64_t capped(int64_t grid, int64_t max_blocks) {
+  return max_blocks > 0 && max_blocks < grid ? max_blocks : grid;
+}
 }  // namespace
 
 template <typename T, int kD>
-void launch_forward_d(const ec::FwdParams<ec::AccType<T>>& p) {
+void launch_forward_d(const ec::FwdParams<ec::AccType<T>>& p, int64_t max_blocks) {
   using L = ef::FwdLayout<T, kD>;
-  emulate_launch(ef::attention_fwd_kernel<T, kD>, L::blocks(p), L::kBytes, p);
+  emulate_launch(ef::attention_fwd_kernel<T, kD>, capped(L::grid(p), max_blocks), L::kBytes, p);
 }
 
 template <typename T>
-void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
+void launch_forward(const ec::FwdParams<ec::AccType<T>>& p, int64_t max_blocks) {
   const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
-#define EA_MATCH(U, D)                            \
-  if constexpr (std::is_same_v<T, U>) {           \
-    if (d == D) return launch_forward_d<T, D>(p); \
+#define EA_MATCH(U, D)                                        \
+  if constexpr (std::is_same_v<T, U>) {                       \
+    if (d == D) return launch_forward_d<T, D>(p, max_blocks); \
   }
   EA_FALLBACK_FORWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
@@ -53,7 +57,7 @@ void launch_forward(const ec::FwdParams<ec::AccType<T>>& p) {
 }
 
 template <typename T, int kD>
-void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
+void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin, int64_t max_blocks) {
   if (ef::use_compact_backward<T, kD>(p, smem_optin)) {
     using C = ef::CompactBwdLayout<T, kD>;
     return emulate_launch(ef::attention_bwd_compact_kernel<T, kD>, C::blocks(p), C::kBytes, p);
@@ -62,23 +66,24 @@ void launch_backward_d(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
   ASSERT_LE(L::kBytes, static_cast<size_t>(smem_optin)) << "no backward kernel fits";
   if constexpr (ef::kIs16Bit<T>) {
     if (ef::grouped(p)) {
-      return emulate_launch(ef::attention_bwd_kernel<T, kD, true>, L::blocks(p), L::kBytes, p);
+      return emulate_launch(ef::attention_bwd_kernel<T, kD, true>, capped(L::grid(p), max_blocks),
+                            L::kBytes, p);
     }
   }
-  emulate_launch(ef::attention_bwd_kernel<T, kD, false>, L::blocks(p), L::kBytes, p);
+  emulate_launch(ef::attention_bwd_kernel<T, kD, false>, L::grid(p), L::kBytes, p);
 }
 
 template <typename T>
-void launch_backward(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
+void launch_backward(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin, int64_t max_blocks) {
   emulate_launch(ef::attention_bwd_preprocess_kernel<T>, ef::preprocess_blocks(p), 0, p);
   const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
   bool launched = false;
-#define EA_MATCH(U, D)                        \
-  if constexpr (std::is_same_v<T, U>) {       \
-    if (d == D && !launched) {                \
-      launch_backward_d<T, D>(p, smem_optin); \
-      launched = true;                        \
-    }                                         \
+#define EA_MATCH(U, D)                                    \
+  if constexpr (std::is_same_v<T, U>) {                   \
+    if (d == D && !launched) {                            \
+      launch_backward_d<T, D>(p, smem_optin, max_blocks); \
+      launched = true;                                    \
+    }                                                     \
   }
   EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
 #undef EA_MATCH
@@ -110,8 +115,10 @@ void launch_sparsity(const ec::SparsityParams<ec::AccType<T>>& p) {
   }
 }
 
-template void launch_forward<EA_EMULATED_T>(const ec::FwdParams<ec::AccType<EA_EMULATED_T>>&);
-template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&, int);
+template void launch_forward<EA_EMULATED_T>(const ec::FwdParams<ec::AccType<EA_EMULATED_T>>&,
+                                            int64_t);
+template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&, int,
+                                             int64_t);
 template void launch_sparsity<EA_EMULATED_T>(const ec::SparsityParams<ec::AccType<EA_EMULATED_T>>&);
 
 }  // namespace emulated

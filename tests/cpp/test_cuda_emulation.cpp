@@ -823,14 +823,16 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
 
 // A bf16 call's emulated forward, its backward by a plain fallback call, and by the fallback as the
 // guard of a tensor-core backward (the family's outputs, filled with 7 beforehand; G with 5, as a
-// tensor-core backward leaves it): first with the flag at 0, which must write nothing, then at 1.
+// tensor-core backward leaves it): first with the flag at 0, which must write nothing, then at 1
+// (the main kernel on at most max_blocks blocks where that is positive).
 struct GuardRun {
   AttentionOutputs fwd;
   entropy_attn::AttentionGrads plain, guarded;
-  int64_t guard_row_blocks;  // the grid of the guard's preprocess and postprocess
+  int64_t guard_row_blocks;           // the grid of the guard's preprocess and postprocess
+  ec::BwdParams<float> guard_params;  // (its pointers dangle: for the grids only)
 };
 
-GuardRun run_backward_guard(const Case& c, const Inputs& in) {
+GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0) {
   const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
       in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
@@ -858,8 +860,8 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in) {
     EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
   }
   flag = 1;
-  launch_backward<__nv_bfloat16>(p);
-  return {fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p)};
+  launch_backward<__nv_bfloat16>(p, emulated::kEveryKernelFits, max_blocks);
+  return {fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p), p};
 }
 
 void expect_grads_close(const entropy_attn::AttentionGrads& got,
@@ -910,6 +912,64 @@ TEST(EmulatedGuard, BackwardRowsBeyondTheCappedGrid) {
   ASSERT_GT(c.B * c.H * c.Lq, ef::kGuardRowBlocks * ef::kWarps);
   const GuardRun run = run_backward_guard(c, make_inputs(c));
   ASSERT_EQ(run.guard_row_blocks, ef::kGuardRowBlocks);
+  expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
+}
+
+// The grids of the fallback's tile kernels (nonfinite_rows.cuh: tile_grid): a block per tile in a
+// plain call, at most kGuardTileBlocks as a guard (the forward's with the flag's pointer set, the
+// backward's main kernel grouped over a GQA group: per key/value head).
+TEST(EmulatedGuard, TileKernelGrids) {
+  int flag = 0;
+  ec::FwdParams<float> f;
+  f.batch = 2, f.heads = 3, f.kv_heads = 1, f.q_len = 64 * 100;
+  using F = ef::FwdLayout<__nv_bfloat16, 64>;
+  EXPECT_EQ(F::grid(f), 600);
+  f.nonfinite = &flag;
+  EXPECT_EQ(F::blocks(f), 600);
+  EXPECT_EQ(F::grid(f), ef::kGuardTileBlocks);
+  f.q_len = 64 * 80;
+  EXPECT_EQ(F::grid(f), 480);  // fewer tiles than the cap: one block each
+  ec::BwdParams<float> b;
+  b.batch = 1, b.heads = 4, b.kv_heads = 2, b.kv_len = 32 * 300;
+  using B = ef::BwdLayout<__nv_bfloat16, 64>;
+  EXPECT_EQ(B::grid(b), 1200);
+  b.dk_out.data = &flag, b.nonfinite = &flag;
+  EXPECT_EQ(B::blocks(b), 600);
+  EXPECT_EQ(B::grid(b), ef::kGuardTileBlocks);
+}
+
+// Where the guard's grid has fewer blocks than there are tiles, they stride over the tiles: a
+// flagged call is recomputed as a plain fallback call, bitwise in the forward (16 query tiles on 3
+// blocks: GQA, causal), to the gradients' tolerance in the backward (14 key tiles of key/value
+// heads on 3 blocks, each summing its GQA group).
+TEST(EmulatedGuard, ForwardBlocksStrideOverTheTiles) {
+  Case c = mk("bf16_guard_fwd_strided", at::kBFloat16, 200, 90, 64);
+  c.B = 2, c.H = 2, c.Hkv = 1, c.causal = true;
+  const Inputs in = make_inputs(c);
+  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
+      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const ec::ForwardCall plain(in.q, in.k, in.v, call);
+  launch_forward<__nv_bfloat16>(plain.params<float>());
+  const ec::ForwardCall guarded(in.q, in.k, in.v, call);
+  int flag = 1;
+  ec::FwdParams<float> p = guarded.params<float>();
+  p.nonfinite = &flag;
+  ASSERT_EQ((ef::FwdLayout<__nv_bfloat16, 64>::blocks(p)), 16);
+  launch_forward<__nv_bfloat16>(p, /*max_blocks=*/3);
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = guarded.outputs;
+  const auto& want = plain.outputs;
+  EXPECT_TRUE(at::equal(out, std::get<0>(want))) << "output";
+  EXPECT_TRUE(at::equal(lse, std::get<1>(want))) << "lse";
+  EXPECT_TRUE(at::equal(entropy, std::get<2>(want))) << "entropy";
+  EXPECT_TRUE(at::equal(n_keys, std::get<5>(want))) << "n_keys";
+}
+
+TEST(EmulatedGuard, BackwardBlocksStrideOverTheTiles) {
+  Case c = mk("bf16_guard_bwd_strided", at::kBFloat16, 40, 200, 64);
+  c.H = 4, c.Hkv = 2, c.causal = true, c.bottom_right = true;
+  const GuardRun run = run_backward_guard(c, make_inputs(c), /*max_blocks=*/3);
+  ASSERT_EQ((ef::BwdLayout<__nv_bfloat16, 64>::blocks(run.guard_params)), 14);
   expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
 }
 

@@ -65,11 +65,13 @@ struct BwdLayout {
   static constexpr size_t kScratch = kFlags + align128(kFlagBytes);
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
-  // The grid: one block per (batch, query head, key tile); as the guard of a tensor-core backward
-  // (grouped(p)), one per (batch, key/value head, key tile).
-  static int64_t blocks(const BwdParams<Acc>& p) {
+  // The tiles: one per (batch, query head, key tile); as the guard of a tensor-core backward
+  // (grouped(p)), one per (batch, key/value head, key tile). And the main kernel's grid: a block
+  // per tile, or as a guard the capped grid of nonfinite_rows.cuh (tile_grid).
+  __host__ __device__ static int64_t blocks(const BwdParams<Acc>& p) {
     return (p.kv_len + kBN - 1) / kBN * p.batch * (grouped(p) ? p.kv_heads : p.heads);
   }
+  static int64_t grid(const BwdParams<Acc>& p) { return tile_grid(blocks(p), grouped(p)); }
 };
 
 // The shared memory per block of the GPUs with the least of it among those the kernels run on:
@@ -157,15 +159,14 @@ __device__ __forceinline__ int64_t first_query_tile(const AttentionArgs<Acc>& a,
   return lo;
 }
 
-// The main kernel's work for the key tile of one block, with the tiles of layout L. kGrouped: the
-// guard of a tensor-core backward (grouped(p)), instantiated for 16-bit inputs only; a compile-time
-// flag, so that the plain kernel keeps its registers.
+// The main kernel's work for key tile `index` (L::blocks), by one block, with the tiles of
+// layout L. kGrouped: the guard of a tensor-core backward (grouped(p)), instantiated for 16-bit
+// inputs only; a compile-time flag, so that the plain kernel keeps its registers.
 template <typename T, int kD, bool kGrouped, typename L>
-__device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p) {
+__device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p, unsigned index) {
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
   constexpr int kBM = L::kBM, kBN = L::kBN;
-  if (guard_idle(p)) return;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
@@ -192,7 +193,7 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
 
   // A block takes the key tile of one query head, or as a guard those of a whole GQA group.
   const BlockIndex blk =
-      block_index((p.kv_len + kBN - 1) / kBN, kGrouped ? p.kv_heads : p.heads, p.kv_heads);
+      block_index(index, (p.kv_len + kBN - 1) / kBN, kGrouped ? p.kv_heads : p.heads, p.kv_heads);
   const int64_t b = blk.b, kvh = blk.kvh, j0 = blk.tile * kBN;
   const int64_t h_begin = kGrouped ? kvh * (p.heads / p.kv_heads) : blk.h;
   const int64_t h_end = kGrouped ? h_begin + p.heads / p.kv_heads : h_begin + 1;
@@ -414,10 +415,22 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
   }
 }
 
+// A block per key tile; the guard (kGrouped), fewer blocks that stride over the tiles
+// (nonfinite_rows.cuh: tile_grid), and none past the flag where it is 0.
 template <typename T, int kD, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(BwdLayout<T, kD>::kBytes))
     attention_bwd_kernel(const BwdParams<AccType<T>> p) {
-  backward_key_tile<T, kD, kGrouped, BwdLayout<T, kD>>(p);
+  if constexpr (kGrouped) {
+    if (guard_idle(p)) return;
+    const int64_t tiles = BwdLayout<T, kD>::blocks(p);
+#pragma unroll 1
+    for (int64_t index = blockIdx.x; index < tiles; index += gridDim.x) {
+      backward_key_tile<T, kD, true, BwdLayout<T, kD>>(p, static_cast<unsigned>(index));
+      __syncthreads();  // the tile's last reads of shared memory before the next tile's writes
+    }
+  } else {
+    backward_key_tile<T, kD, false, BwdLayout<T, kD>>(p, blockIdx.x);
+  }
 }
 
 // The same with the compact tiles (kHasCompactBackward), for GPUs of 99 KB per block.
@@ -425,7 +438,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads,
                                   blocks_by_shared_memory(CompactBwdLayout<T, kD>::kBytes))
     attention_bwd_compact_kernel(const BwdParams<AccType<T>> p) {
-  backward_key_tile<T, kD, false, CompactBwdLayout<T, kD>>(p);
+  backward_key_tile<T, kD, false, CompactBwdLayout<T, kD>>(p, blockIdx.x);
 }
 
 // The guard's last kernel: dq = lambda G in the input type and d lambda = q . G (the tensor-core

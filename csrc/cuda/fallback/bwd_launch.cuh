@@ -30,7 +30,7 @@ cudaError_t launch_main(Kernel kernel, const Params& p, cudaStream_t stream) {
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (err != cudaSuccess || L::blocks(p) == 0) return err;
-  kernel<<<static_cast<unsigned>(L::blocks(p)), kThreads, L::kBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(L::grid(p)), kThreads, L::kBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -109,17 +109,18 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
   }
 }
 
-// The (batch, head, tile) of this block in a 1-D grid of batch x heads x tiles blocks, tiles
-// fastest; also the key/value head of the query head (GQA). 32-bit division: the host keeps the
-// grid below 2^31 blocks, and 64-bit division would be a called subroutine (register spills around
-// the call).
+// The (batch, head, tile) of work item `index` of batch x heads x tiles, tiles fastest (a block's
+// own, blockIdx.x, in a grid of a block per item); also the key/value head of the query head
+// (GQA). 32-bit division: the host keeps the items below 2^31, and 64-bit division would be a
+// called subroutine (register spills around the call).
 struct BlockIndex {
   int64_t bh, b, h, kvh, tile;  // bh = b * heads + h
 };
-__device__ __forceinline__ BlockIndex block_index(int64_t tiles, int64_t heads, int64_t kv_heads) {
+__device__ __forceinline__ BlockIndex block_index(unsigned index, int64_t tiles, int64_t heads,
+                                                  int64_t kv_heads) {
   const unsigned t = static_cast<unsigned>(tiles), nh = static_cast<unsigned>(heads);
-  const unsigned bh = blockIdx.x / t, h = bh % nh;
-  return {bh, bh / nh, h, h / (nh / static_cast<unsigned>(kv_heads)), blockIdx.x % t};
+  const unsigned bh = index / t, h = bh % nh;
+  return {bh, bh / nh, h, h / (nh / static_cast<unsigned>(kv_heads)), index % t};
 }
 
 // Shared-memory layout helpers: 16 bytes of padding per row (WMMA needs leading dimensions that are

@@ -63,9 +63,13 @@ struct QueryTileLayout : FwdTiles<T, kD> {
   static constexpr size_t kScratch = kFlags + align128(2 * (kBN + 1));
   static constexpr size_t kBytes = kScratch + (kIs16Bit<T> ? sizeof(float) * kWarps * 256 : 0);
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
-  // The grid: one block per (batch, head, query tile).
-  static int64_t blocks(const AttentionArgs<Acc>& p) {
+  // The tiles: one per (batch, head, query tile), and the forward's grid (a block per tile, or as
+  // a guard the capped grid of nonfinite_rows.cuh: tile_grid).
+  __host__ __device__ static int64_t blocks(const AttentionArgs<Acc>& p) {
     return (p.q_len + kBM - 1) / kBM * p.batch * p.heads;
+  }
+  static int64_t grid(const AttentionArgs<Acc>& p) {
+    return tile_grid(blocks(p), p.nonfinite != nullptr);
   }
 };
 
@@ -200,14 +204,13 @@ __device__ __forceinline__ void softmax_row(const RowLogits<Acc>& logits,
   if (lane == 0) state = st, alpha_out = alpha;
 }
 
+// The forward of query tile `index` (batch x heads x query tiles, tiles fastest) by one block.
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T, kD>::kBytes))
-    attention_fwd_kernel(const FwdParams<AccType<T>> p) {
+__device__ __forceinline__ void forward_query_tile(const FwdParams<AccType<T>>& p, unsigned index) {
   using L = FwdLayout<T, kD>;
   using Acc = typename L::Acc;
   using OpT = typename L::OpT;
   constexpr int kBM = L::kBM, kBN = L::kBN;
-  if (guard_idle(p)) return;  // the guard of a tensor-core forward with finite results
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sK = reinterpret_cast<T*>(smem + L::kK);
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
   uint8_t* const sVFlags = smem + L::kFlags;
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
-  const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
+  const BlockIndex blk = block_index(index, (p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
   const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, i0 = blk.tile * kBM;
   const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
   const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
@@ -306,6 +309,20 @@ __global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T,
         store_row_statistics(p, row, res, tr.n[r], has_sink_entry(p.sinks, h));
       }
     }
+  }
+}
+
+// A block per query tile; as the guard of a tensor-core forward, fewer blocks that stride over the
+// tiles (nonfinite_rows.cuh: tile_grid), and none past the flag where it is 0.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads, blocks_by_shared_memory(FwdLayout<T, kD>::kBytes))
+    attention_fwd_kernel(const FwdParams<AccType<T>> p) {
+  if (guard_idle(p)) return;  // the guard of a tensor-core forward with finite results
+  const int64_t tiles = FwdLayout<T, kD>::blocks(p);
+#pragma unroll 1
+  for (int64_t index = blockIdx.x; index < tiles; index += gridDim.x) {
+    forward_query_tile<T, kD>(p, static_cast<unsigned>(index));
+    __syncthreads();  // the tile's last reads of shared memory before the next tile's writes
   }
 }
 

@@ -20,7 +20,7 @@ cudaError_t launch_forward(const FwdParams<AccType<T>>& p, cudaStream_t stream) 
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(L::blocks(p)), kThreads, L::kBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(L::grid(p)), kThreads, L::kBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -22,6 +22,17 @@ __device__ __forceinline__ bool guard_idle(const AttentionArgs<acc_t>& a) {
   return a.nonfinite != nullptr && *a.nonfinite == 0;
 }
 
+// The grid of a kernel with a block per tile (the forward; the backward's main kernel, whose
+// tiles are key tiles): `tiles` blocks, or as a guard at most kGuardTileBlocks, which stride over
+// the tiles. An idle guard's blocks only read the flag and return, but a
+// full grid of them is launched wave after wave on every call: 5.5 us after the forward of an H200
+// at B = 4, H = 16, L = 4096, D = 128 (4,096 blocks, two per SM; results/gpu/profile_h200.md),
+// where 512 blocks are two waves. (The per-row kernels cap theirs likewise: kGuardRowBlocks.)
+constexpr int64_t kGuardTileBlocks = 512;
+inline int64_t tile_grid(int64_t tiles, bool guard) {
+  return guard && tiles > kGuardTileBlocks ? kGuardTileBlocks : tiles;
+}
+
 // A tile's flags: kRows + 1 bytes in shared memory, flags[r] = 1 for a row holding a NaN or an
 // infinity and flags[kRows] = 1 when some row does; load_tile sets them as it copies the tile.
 // None of these functions synchronizes: the kernels place them between the barriers they already

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Acc* sAlpha = reinterpret_cast<Acc*>(smem + L::kAlpha);  // unused e^{m_old - m_new}
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
 
-  const BlockIndex blk = block_index((p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
+  const BlockIndex blk = block_index(blockIdx.x, (p.q_len + kBM - 1) / kBM, p.heads, p.kv_heads);
   const int64_t b = blk.b, h = blk.h, kvh = blk.kvh, i0 = blk.tile * kBM;
   const int rows = static_cast<int>(p.q_len - i0 < kBM ? p.q_len - i0 : kBM);
   const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;

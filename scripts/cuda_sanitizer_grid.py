@@ -1,24 +1,29 @@
 """A reduced grid of CUDA calls for compute-sanitizer: every kernel family at head dims 64, 128, 256
 and 96 (the tensor-core families' padded path), the sm80 backward's compact tiles (the shared
-memory per block capped at 99 KB), masks and the features (window, softcap, sinks, dropout,
-split-KV), forward and backward.
+memory per block capped at 99 KB), the Hopper forward on a persistent grid of one block (which
+then walks every tile: the hand-offs between its tiles), masks and the features (window, softcap,
+sinks, dropout, split-KV), forward and backward.
 
 Each call's output and gradients are compared with the same call on the CPU (float32), so a run
 under ``compute-sanitizer --tool memcheck|racecheck|synccheck`` checks values as well as memory,
 races and barriers:
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/cuda_sanitizer_grid.py
+    compute-sanitizer --tool racecheck python3 scripts/cuda_sanitizer_grid.py --passes persistent
 
 Small shapes (200 rows: a partial tile in every family) keep a run short (under a minute per tool
 at D = 64 and 128 alone, on an H200; the grid as it stands has not been timed).
-Exits 1 on a mismatch, 0 when every call agrees; prints one line per family.
+--passes WORD... runs only the passes whose names hold one of the words. Exits 1 on a mismatch
+(2 when --passes selects nothing), 0 when every call agrees; prints one line per pass.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -42,7 +47,12 @@ DROPOUT = {"is_causal": True, "dropout_p": 0.2}
 # (name, ENTROPY_ATTN_CUDA_FAMILY, other environment, head dims): the passes over the variants.
 PASSES: list[tuple[str, str, dict[str, str], tuple[int, ...]]] = [
     (family, family, {}, (64, 128, 256, 96)) for family in ("fallback", "sm80", "sm90")
-] + [("sm80 at 99 KB per block", "sm80", {"ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK": "101376"}, (128,))]
+] + [
+    ("sm80 at 99 KB per block", "sm80", {"ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK": "101376"}, (128,)),
+    # One block walks the 4 query tiles of a call (2 heads x 2 tiles of 128 rows), through both
+    # slots of its next tile and every hand-off of sm90/fwd_kernel.cuh's persistent loop.
+    ("sm90 on a persistent grid of one block", "sm90", {"ENTROPY_ATTN_CUDA_PERSISTENT": "1"}, (64, 128)),
+]
 
 
 def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict,
@@ -66,11 +76,20 @@ def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict
             v.grad.float()]
 
 
-def main() -> int:
-    """Run the grid on DEVICE for each pass; 1 if a call disagrees with the CPU."""
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the grid on DEVICE for each pass (those --passes names); 1 if a call disagrees with
+    the CPU."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--passes", nargs="+", metavar="WORD",
+                        help="only the passes whose names hold one of these words")
+    args = parser.parse_args(argv)
+    passes = [p for p in PASSES if not args.passes or any(w in p[0] for w in args.passes)]
+    if not passes:
+        print(f"no pass is named by {args.passes}: {[p[0] for p in PASSES]}", file=sys.stderr)
+        return 2
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for family, forced, env, dims in PASSES:
+    for family, forced, env, dims in passes:
         os.environ["ENTROPY_ATTN_CUDA_FAMILY"] = forced
         os.environ.update(env)
         for d in dims:

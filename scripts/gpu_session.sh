@@ -19,9 +19,9 @@
 #   4. benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024 to 16384, the README's grid), the
 #      harness's timings of the sm90 family, then the same timings of the baseline harness of
 #      .device/ (the kernels last timed on a GPU: scripts/device_bundle.sh, BASELINE) and their
-#      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), and
-#      the Hopper forward on a block per tile against a persistent grid (--persistent off on:
-#      family.h, kHopperPersistentByDefault);
+#      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), the
+#      Hopper forward on a block per tile against a persistent grid (--persistent off on:
+#      family.h, kHopperPersistentByDefault) and compute-sanitizer's racecheck of that grid;
 #   5. as time allows, one decoding step (benchmarks/gpu_decode.py, split-KV settings; head dim 96,
 #      padded, against the fallback) and the causal calls under both launch orders
 #      (gpu_vs_sdpa.py --launch-order auto heads).
@@ -157,6 +157,17 @@ bounded 80 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32:
   --seq 1024 4096 16384 --family auto --persistent off on --no-backward --min-run-time 0.2 \
   --out-md "$OUT/persistent.md" --out-json "$LOGS/persistent.json" >"$LOGS/persistent.log" 2>&1
 record "persistent grid" $?
+# compute-sanitizer's racecheck over the persistent grid's pass of scripts/cuda_sanitizer_grid.py
+# (one block walking every tile: the next tile's slots and the hand-offs between tiles), before
+# kHopperPersistentByDefault may change. SANITIZER: the tool (default: the machine's).
+sanitizer=${SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
+if [[ -n $sanitizer ]]; then
+  note "racecheck of the persistent grid"
+  bounded 90 "$sanitizer" --tool racecheck --error-exitcode 9 "$PYTHON" scripts/cuda_sanitizer_grid.py \
+    --passes persistent >"$LOGS/racecheck_persistent.log" 2>&1
+  record "racecheck (persistent grid)" $?
+  tail -3 "$LOGS/racecheck_persistent.log"
+fi
 pack
 note "decoding"
 bounded 60 "$PYTHON" benchmarks/gpu_decode.py --split off auto 8 16 --out-md "$OUT/decode.md" \

@@ -4,6 +4,7 @@ wrong gradient makes it fail."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,14 +24,29 @@ def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grid, "DEVICE", "cpu")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "auto")
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "auto")
-    monkeypatch.delenv("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", raising=False)
+    for name in ("ENTROPY_ATTN_CUDA_SMEM_PER_BLOCK", "ENTROPY_ATTN_CUDA_PERSISTENT"):
+        monkeypatch.setenv(name, "")  # (recorded, so that a value the grid leaves is undone)
+        monkeypatch.delenv(name)
 
 
 def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert grid.main() == 0
+    assert grid.main([]) == 0
     out = capsys.readouterr().out
     assert out.count("variants x D 64, 128, 256, 96 run") == 3
     assert "sm80 at 99 KB per block: 7 variants x D 128 run" in out
+    assert "sm90 on a persistent grid of one block: 7 variants x D 64, 128 run" in out
+
+
+def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--passes runs the passes whose names hold a word, with their settings; none is an error."""
+    seen: list = []
+    monkeypatch.setattr(grid, "run_call", lambda device, *a: seen.append(
+        (os.environ["ENTROPY_ATTN_CUDA_FAMILY"], os.environ.get("ENTROPY_ATTN_CUDA_PERSISTENT"))) or [torch.zeros(1)])
+    assert grid.main(["--passes", "persistent"]) == 0
+    assert set(seen) == {("sm90", "1")}
+    assert capsys.readouterr().out.splitlines() == ["sm90 on a persistent grid of one block: 7 variants x D 64, 128 run"]
+    assert "ENTROPY_ATTN_CUDA_PERSISTENT" not in os.environ  # the pass's setting undone
+    assert grid.main(["--passes", "nothing"]) == 2
 
 
 def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,5 +60,5 @@ def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
     monkeypatch.setattr(grid, "run_call", wrong)
     monkeypatch.setattr(grid, "VARIANTS", grid.VARIANTS[:1])
-    assert grid.main() == 1
+    assert grid.main(["--passes", "sm80 at 99"]) == 1
     assert "causal: output 3 differs" in capsys.readouterr().out

@@ -65,10 +65,10 @@ echo "3 checks, 0 failed"
 
 
 def test_every_result_comes_back(tmp_path: Path) -> None:
-    """Run through with stand-ins for the GPU, the bundle, Python and the harnesses, the script
-    leaves in OUT at most the 8 files the device tool brings back (names of letters, digits, '.',
-    '_' and '-'), the harnesses' comparison among them, and the JSON of the other steps in the
-    packed logs."""
+    """Run through with stand-ins for the GPU, the bundle, Python, the harnesses and
+    compute-sanitizer, the script leaves in OUT at most the 8 files the device tool brings back
+    (names of letters, digits, '.', '_' and '-'), the harnesses' comparison among them, and the JSON
+    of the other steps in the packed logs; it runs the persistent grid's racecheck."""
     (tmp_path / "scripts").mkdir()
     for name in ("gpu_session.sh", "harness_ab.py"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts")
@@ -84,6 +84,7 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
         bin_dir / "nvidia-smi": "#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 345 MHz'\n",
         build / "kernel_harness": FAKE_HARNESS,
         build / "kernel_harness_baseline": FAKE_HARNESS,
+        bin_dir / "fake-sanitizer": '#!/bin/bash\necho "$@" >> sanitizer_calls.txt\n',
         # Python: pytest passes, harness_ab.py runs, the benchmarks write their --out-md/--out-json.
         bin_dir / "fake-python": f"""#!/bin/bash
 [[ $1 == -m ]] && {{ echo "3 passed in 0.1s"; exit 0; }}
@@ -98,7 +99,8 @@ exit 0
         path.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHON": str(bin_dir / "fake-python"), "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
+           "PYTHON": str(bin_dir / "fake-python"), "SANITIZER": str(bin_dir / "fake-sanitizer"),
+           "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -110,3 +112,6 @@ exit 0
     with tarfile.open(out / "logs.tar.xz") as logs:
         names = {Path(n).name for n in logs.getnames()}
     assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json"} <= names
+    # The persistent grid's pass of the sanitizer grid, under racecheck.
+    assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
+    assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()

@@ -500,14 +500,19 @@ void expect_matches_cpu_op(const Case& c, const Inputs& in, const AttentionOutpu
   if (dmask_kernel.defined()) expect_close(dmask_kernel, dmask, tol.grad, "grad_attn_mask");
 }
 
+// The checked, normalized call of a case's inputs, as the op prepares it.
+entropy_attn::AttentionCall prepared_call(const Case& c, const Inputs& in) {
+  return entropy_attn::prepare_attention(in.q, in.k, in.v, in.mask, in.scale, in.sinks,
+                                         documents(in), options(c));
+}
+
 template <typename T>
 void run_case_typed(const Case& c, bool backward) {
   using Acc = ec::AccType<T>;
   const Inputs in = make_inputs(c);
   const Tolerances tol = tolerances(c.dtype);
 
-  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
-      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
@@ -789,8 +794,7 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
   Case c = mk("bf16_guard_hidden_nonfinite", at::kBFloat16, 70, 70, 64);
   c.causal = true, c.hidden_nonfinite = true, c.H = 2, c.Hkv = 1, c.mask = MaskType::kAdditive;
   const Inputs in = make_inputs(c);
-  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
-      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall plain(in.q, in.k, in.v, call);
   launch_forward<__nv_bfloat16>(plain.params<float>());
 
@@ -833,8 +837,7 @@ struct GuardRun {
 };
 
 GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0) {
-  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
-      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<__nv_bfloat16>(fwd.params<float>());
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
@@ -946,8 +949,7 @@ TEST(EmulatedGuard, ForwardBlocksStrideOverTheTiles) {
   Case c = mk("bf16_guard_fwd_strided", at::kBFloat16, 200, 90, 64);
   c.B = 2, c.H = 2, c.Hkv = 1, c.causal = true;
   const Inputs in = make_inputs(c);
-  const entropy_attn::AttentionCall call = entropy_attn::prepare_attention(
-      in.q, in.k, in.v, in.mask, in.scale, in.sinks, documents(in), options(c));
+  const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall plain(in.q, in.k, in.v, call);
   launch_forward<__nv_bfloat16>(plain.params<float>());
   const ec::ForwardCall guarded(in.q, in.k, in.v, call);

@@ -6,13 +6,16 @@ A GPU is lent for minutes, a different machine each time: the figures of an earl
 from today's by a few percent of clocks and neighbours, as much as the changes to be judged. Two
 harnesses run back to back on the same GPU do not (scripts/gpu_session.sh runs both).
 
-    python3 scripts/harness_ab.py BASELINE.json CURRENT.json [--out-md F]
+    python3 scripts/harness_ab.py --baseline B.json [B2.json ...] --current C.json [C2.json ...]
+                                  [--out-md F]
 
 prints (or writes) a Markdown table: per timed point, the milliseconds of the forward without and
 with statistics, of the backward alone (forward + statistics + backward less the forward with
 statistics) and of the three together, each as baseline → current and their ratio (below 1: the
 current kernels take less time), then the geometric mean of each ratio and the checks that failed
-in either run.
+in any run. With several runs of a side, each point takes that side's least time over its runs
+(what the clocks and neighbours of a lease add to a kernel's time is never negative: two runs of
+the same kernels in one lease differed by up to 11% at a point).
 """
 
 from __future__ import annotations
@@ -69,8 +72,26 @@ def fmt_ratio(x: Optional[float]) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def least_times(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One run of several of the same kernels: each point's least time over the runs for each
+    timing (a timing missing in every run stays missing), and every run's checks."""
+    merged = dict(runs[0])
+    points: Dict[Key, Dict[str, Any]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            have = points.setdefault(key_of(p), dict(p))
+            for field in ("fwd_ms", "fwd_stats_ms", "fwd_bwd_ms"):
+                times = [t for t in (have.get(field), p.get(field)) if t is not None]
+                have[field] = min(times) if times else None
+    merged["points"] = list(points.values())
+    merged["checks"] = [c for run in runs for c in run.get("checks", [])]
+    merged["runs"] = len(runs)
+    return merged
+
+
 def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
-    """The Markdown report of two harness runs (their JSON, as `kernel_harness --json` writes it)."""
+    """The Markdown report of two harness runs (their JSON, as `kernel_harness --json` writes it,
+    or least_times of several)."""
     base_points = {key_of(p): p for p in base.get("points", [])}
     current_points = {key_of(p): p for p in current.get("points", [])}
     keys = list(base_points) + [k for k in current_points if k not in base_points]
@@ -78,10 +99,11 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
         f"# Kernel harness: {current.get('commit', '?')} against {base.get('commit', '?')}, "
         f"{current.get('device', '?')}",
         "",
-        f"Both runs in one lease: baseline on {base.get('device', '?')} (commit {base.get('commit', '?')}), "
-        f"current on {current.get('device', '?')} (commit {current.get('commit', '?')}). Milliseconds "
-        "(medians of CUDA events), baseline → current, and current / baseline (below 1: less time now). "
-        "bwd = fwd+stats+bwd − fwd+stats.",
+        f"In one lease: baseline on {base.get('device', '?')} (commit {base.get('commit', '?')}, "
+        f"{base.get('runs', 1)} run(s)), current on {current.get('device', '?')} (commit "
+        f"{current.get('commit', '?')}, {current.get('runs', 1)} run(s)). Milliseconds (medians of CUDA "
+        "events; the least over a side's runs), baseline → current, and current / baseline (below 1: "
+        "less time now). bwd = fwd+stats+bwd − fwd+stats.",
         "",
         "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(name for name, _ in COLUMNS) + " |",
         "|" + "---|" * (7 + len(COLUMNS)),
@@ -116,13 +138,15 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("baseline", type=Path, help="the baseline harness's --json")
-    parser.add_argument("current", type=Path, help="the current harness's --json")
+    parser.add_argument("--baseline", type=Path, nargs="+", required=True,
+                        help="the baseline harness's --json, one file per run")
+    parser.add_argument("--current", type=Path, nargs="+", required=True,
+                        help="the current harness's --json, one file per run")
     parser.add_argument("--out-md", type=Path, help="write the report here (default: stdout)")
     args = parser.parse_args(argv)
     try:
-        base = json.loads(args.baseline.read_text())
-        current = json.loads(args.current.read_text())
+        base = least_times([json.loads(f.read_text()) for f in args.baseline])
+        current = least_times([json.loads(f.read_text()) for f in args.current])
     except (OSError, json.JSONDecodeError) as e:
         print(f"harness_ab: {e}", file=sys.stderr)
         return 1

@@ -111,7 +111,9 @@ exit 0
     assert "(1.000)" in (out / "harness_ab.md").read_text()
     with tarfile.open(out / "logs.tar.xz") as logs:
         names = {Path(n).name for n in logs.getnames()}
-    assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json"} <= names
+    assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json",
+            "harness_2.json", "harness_baseline_2.json"} <= names
+    assert "2 run(s)" in (out / "harness_ab.md").read_text()  # compared again over both runs
     # The persistent grid's pass of the sanitizer grid, under racecheck.
     assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
     assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()

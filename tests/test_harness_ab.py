@@ -61,8 +61,22 @@ def test_main_writes_the_report_and_refuses_bad_input(tmp_path: Path, capsys: py
     base, current, out = tmp_path / "base.json", tmp_path / "current.json", tmp_path / "ab.md"
     base.write_text(json.dumps(run("aaa", point(4096, 1.0, 1.2, 4.2))))
     current.write_text(json.dumps(run("bbb", point(4096, 1.0, 1.2, 4.2))))
-    assert ab.main([str(base), str(current), "--out-md", str(out)]) == 0
+    assert ab.main(["--baseline", str(base), "--current", str(current), "--out-md", str(out)]) == 0
     assert "(1.000)" in row_of(out.read_text(), 4096)
     current.write_text("{not json")
-    assert ab.main([str(base), str(current)]) == 1
+    assert ab.main(["--baseline", str(base), "--current", str(current)]) == 1
     assert "harness_ab:" in capsys.readouterr().err
+
+
+def test_several_runs_take_each_points_least_time() -> None:
+    """Two runs of a side: each timing of a point is the least of the two (the noise of a lease only
+    adds time); a point of one run counts; checks of both runs are reported."""
+    first = run("aaa", point(4096, 1.0, 1.3, 4.0), point(1024, 0.5, 0.6, 2.0), failed=1)
+    second = run("aaa", point(4096, 1.1, 1.2, 4.4))
+    merged = ab.least_times([first, second])
+    by_len = {p["seq_len"]: p for p in merged["points"]}
+    assert (by_len[4096]["fwd_ms"], by_len[4096]["fwd_stats_ms"], by_len[4096]["fwd_bwd_ms"]) == (1.0, 1.2, 4.0)
+    assert by_len[1024]["fwd_ms"] == 0.5 and merged["runs"] == 2 and len(merged["checks"]) == 6
+    text = ab.compare(merged, run("bbb", point(4096, 1.0, 1.2, 4.0)))
+    assert "2 run(s)" in text and "Checks failed in the baseline run (1 of 6):" in text
+    assert "1 → 1 (1.000)" in row_of(text, 4096)

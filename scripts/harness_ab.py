@@ -30,14 +30,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 Key = Tuple[Any, ...]
 #: What makes two timed points the same call.
 KEY_FIELDS = ("family", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "causal")
-#: The columns: a name and how to read its milliseconds from a point.
+#: The timings of a point, as the harness's JSON names them.
+FIELDS = ("fwd_ms", "fwd_stats_ms", "fwd_bwd_ms")
+#: The columns: a name, how to read its milliseconds from a point, and the timings it comes from.
 COLUMNS = (
-    ("fwd", lambda p: p.get("fwd_ms")),
-    ("fwd+stats", lambda p: p.get("fwd_stats_ms")),
+    ("fwd", lambda p: p.get("fwd_ms"), ("fwd_ms",)),
+    ("fwd+stats", lambda p: p.get("fwd_stats_ms"), ("fwd_stats_ms",)),
     ("bwd", lambda p: None if p.get("fwd_bwd_ms") is None or p.get("fwd_stats_ms") is None
-     else p["fwd_bwd_ms"] - p["fwd_stats_ms"]),
-    ("fwd+stats+bwd", lambda p: p.get("fwd_bwd_ms")),
+     else p["fwd_bwd_ms"] - p["fwd_stats_ms"], ("fwd_stats_ms", "fwd_bwd_ms")),
+    ("fwd+stats+bwd", lambda p: p.get("fwd_bwd_ms"), ("fwd_bwd_ms",)),
 )  # fmt: skip
+#: Where a side's runs of a timing differ by more than this factor (largest / least), its cells are
+#: marked: two runs of the same kernels in one lease mostly agreed within 3.5%.
+NOISY = 1.035
 
 
 def key_of(point: Dict[str, Any]) -> Key:
@@ -74,15 +79,22 @@ def fmt_ratio(x: Optional[float]) -> str:
 
 def least_times(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One run of several of the same kernels: each point's least time over the runs for each
-    timing (a timing missing in every run stays missing), and every run's checks."""
+    timing (a timing missing in every run stays missing) and, in "spread", the largest over the
+    least; every run's checks."""
     merged = dict(runs[0])
+    times: Dict[Key, Dict[str, List[float]]] = {}
     points: Dict[Key, Dict[str, Any]] = {}
     for run in runs:
         for p in run.get("points", []):
-            have = points.setdefault(key_of(p), dict(p))
-            for field in ("fwd_ms", "fwd_stats_ms", "fwd_bwd_ms"):
-                times = [t for t in (have.get(field), p.get(field)) if t is not None]
-                have[field] = min(times) if times else None
+            points.setdefault(key_of(p), dict(p))
+            for field in FIELDS:
+                if p.get(field) is not None:
+                    times.setdefault(key_of(p), {}).setdefault(field, []).append(p[field])
+    for k, p in points.items():
+        seen = times.get(k, {})
+        for field in FIELDS:
+            p[field] = min(seen[field]) if field in seen else None
+        p["spread"] = {f: max(t) / min(t) for f, t in seen.items() if min(t) > 0}
     merged["points"] = list(points.values())
     merged["checks"] = [c for run in runs for c in run.get("checks", [])]
     merged["runs"] = len(runs)
@@ -105,26 +117,29 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
         "events; the least over a side's runs), baseline → current, and current / baseline (below 1: "
         "less time now). bwd = fwd+stats+bwd − fwd+stats.",
         "",
-        "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(c[0] for c in COLUMNS) + " |",
         "|" + "---|" * (7 + len(COLUMNS)),
     ]
-    ratios: Dict[str, List[float]] = {name: [] for name, _ in COLUMNS}
+    ratios: Dict[str, List[float]] = {c[0]: [] for c in COLUMNS}
     for k in keys:
         b, c = base_points.get(k), current_points.get(k)
         p = c or b
         cells = []
-        for name, read in COLUMNS:
+        for name, read, fields in COLUMNS:
             bm, cm = (read(b) if b else None), (read(c) if c else None)
             r = ratio(bm, cm)
             if r is not None:
                 ratios[name].append(r)
-            cells.append(f"{fmt_ms(bm)} → {fmt_ms(cm)} ({fmt_ratio(r)})")
+            noisy = any(q.get("spread", {}).get(f, 1.0) > NOISY for q in (b, c) if q for f in fields)
+            cells.append(f"{fmt_ms(bm)} → {fmt_ms(cm)} ({fmt_ratio(r)}){' ~' if noisy else ''}")
         causal = "yes" if p.get("causal") else "no"
         lines.append(f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:"
                      f"{p.get('kv_heads')} | {p.get('head_dim')} | {p.get('seq_len')} | {causal} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Geometric mean of current / baseline over the points both timed: "
-              + ", ".join(f"{name} {fmt_ratio(geometric_mean(ratios[name]))}" for name, _ in COLUMNS) + "."]
+              + ", ".join(f"{c[0]} {fmt_ratio(geometric_mean(ratios[c[0]]))}" for c in COLUMNS) + ".",
+              "", f"~: a side's runs of that timing differed by more than {(NOISY - 1) * 100:.1f}% at that point "
+              "(only with several runs of a side)."]
     for label, run in (("baseline", base), ("current", current)):
         failed = failed_checks(run)
         lines.append("")

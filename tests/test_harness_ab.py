@@ -79,4 +79,13 @@ def test_several_runs_take_each_points_least_time() -> None:
     assert by_len[1024]["fwd_ms"] == 0.5 and merged["runs"] == 2 and len(merged["checks"]) == 6
     text = ab.compare(merged, run("bbb", point(4096, 1.0, 1.2, 4.0)))
     assert "2 run(s)" in text and "Checks failed in the baseline run (1 of 6):" in text
-    assert "1 → 1 (1.000)" in row_of(text, 4096)
+    # fwd 1.0 / 1.1 and fwd+stats+bwd 4.0 / 4.4 differ by 10% between the runs: marked, and the
+    # backward alone with them; fwd+stats (1.3 / 1.2) too; the lone point of one run is not.
+    cells = row_of(text, 4096).split(" | ")[7:]
+    assert cells[0] == "1 → 1 (1.000) ~" and all(c.endswith("~") for c in cells[1:3])
+    assert "~" not in row_of(text, 1024)
+
+
+def test_runs_that_agree_are_not_marked() -> None:
+    same = ab.least_times([run("aaa", point(4096, 1.0, 1.2, 4.0)), run("aaa", point(4096, 1.01, 1.2, 4.02))])
+    assert "~" not in row_of(ab.compare(same, run("bbb", point(4096, 1.0, 1.2, 4.0))), 4096)

@@ -133,17 +133,19 @@ for f in "$LOGS"/harness_checks*.md; do
   grep -q "^exit 0$" "$f" || status=1
 done
 
+# harness_timings EXECUTABLE COMMIT NAME: the harness's sm90 timings into $LOGS/NAME.{json,md,log}.
+harness_timings() {
+  bounded 60 "$1" --quick --families sm90 --commit "$2" --json "$LOGS/$3.json" >"$LOGS/$3.md" 2>"$LOGS/$3.log"
+  record "harness timings (${3})" $?
+}
 note "harness timings (sm90)"
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness.json" \
-  >"$OUT/harness.md" 2>"$LOGS/harness.log"
-record "harness timings" $?
+harness_timings build/kernel_harness "$commit" harness
+cp "$LOGS/harness.md" "$OUT/harness.md"
 if [[ -x build/kernel_harness_baseline ]]; then
   baseline=$(cat .device/baseline 2>/dev/null || echo baseline)
   note "baseline harness timings (sm90, the kernels of ${baseline})"
-  bounded 60 build/kernel_harness_baseline --quick --families sm90 --commit "$baseline" \
-    --json "$LOGS/harness_baseline.json" >"$LOGS/harness_baseline.md" 2>"$LOGS/harness_baseline.log"
-  record "baseline harness timings" $?
+  harness_timings build/kernel_harness_baseline "$baseline" harness_baseline
   "$PYTHON" scripts/harness_ab.py --baseline "$LOGS/harness_baseline.json" \
     --current "$LOGS/harness.json" --out-md "$OUT/harness_ab.md"
   record "harness comparison" $?
@@ -179,12 +181,8 @@ pack
 # each point's least time).
 if [[ -x build/kernel_harness_baseline && -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
   note "second harness timings (current, then baseline)"
-  bounded 60 build/kernel_harness --quick --families sm90 --commit "$commit" --json "$LOGS/harness_2.json" \
-    >"$LOGS/harness_2.md" 2>"$LOGS/harness_2.log"
-  record "second harness timings" $?
-  bounded 60 build/kernel_harness_baseline --quick --families sm90 --commit "$baseline" \
-    --json "$LOGS/harness_baseline_2.json" >"$LOGS/harness_baseline_2.md" 2>"$LOGS/harness_baseline_2.log"
-  record "second baseline harness timings" $?
+  harness_timings build/kernel_harness "$commit" harness_2
+  harness_timings build/kernel_harness_baseline "$baseline" harness_baseline_2
   if [[ -s $LOGS/harness_2.json && -s $LOGS/harness_baseline_2.json ]]; then
     "$PYTHON" scripts/harness_ab.py --baseline "$LOGS/harness_baseline.json" "$LOGS/harness_baseline_2.json" \
       --current "$LOGS/harness.json" "$LOGS/harness_2.json" --out-md "$OUT/harness_ab.md"

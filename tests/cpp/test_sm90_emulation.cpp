@@ -9,6 +9,7 @@
 // statistics and gradients; not the hardware's timing.
 // Against the kernel harness's float64 reference (benchmarks/harness/kernel_harness.h).
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "sm90_emulation.h"
@@ -87,6 +88,27 @@ TEST(EmulatedSm90Forward, PersistentGrid) {
     run_forward<__nv_bfloat16, 64, true, MaskKind::kNone, true>(
         eh::Shape{1, 2, 1, 200, 200, 64, true, false}, 1);
   });
+}
+
+// The persistent grid's size (sm90/fwd_kernel.cuh: grid): the blocks asked for, at most one per
+// tile, and at most 2^30, so that no block's next tile index (launch_order.h:
+// next_persistent_tile) passes 2^32, here with 2,113,929,216 tiles and INT32_MAX blocks asked for.
+TEST(EmulatedSm90Forward, PersistentGridSize) {
+  using Kt = s9f::FwdTraits<__nv_bfloat16, 64, MaskKind::kNone, cuda_emu::sm90::Ops>;
+  ec::FwdParams<float> p;
+  p.batch = 63, p.heads = 1 << 12, p.q_len = int64_t{Kt::kBlockM} << 13;
+  const int64_t tiles = s9f::tile_count<Kt>(p);
+  ASSERT_GT(tiles, int64_t{1} << 30);
+  EXPECT_EQ(s9f::grid<Kt>(p).x, tiles);  // a block per tile
+  p.persistent_blocks = 132;
+  EXPECT_EQ(s9f::grid<Kt>(p).x, 132u);
+  p.persistent_blocks = std::numeric_limits<int>::max();
+  EXPECT_EQ(s9f::grid<Kt>(p).x, 1u << 30);
+  const uint32_t last = (1u << 30) - 1;  // the last block's next index from round 1, in range
+  EXPECT_GT(ec::next_persistent_tile(ec::persistent_tile(1, last, 1u << 30), last, 1u << 30),
+            ec::persistent_tile(1, last, 1u << 30));
+  p.q_len = Kt::kBlockM, p.heads = 2, p.batch = 1;
+  EXPECT_EQ(s9f::grid<Kt>(p).x, 2u);  // never more blocks than tiles
 }
 
 TEST(EmulatedSm90Forward, Masked) {

@@ -103,7 +103,7 @@ constexpr int64_t kGuardRowBlocks = 2048;
 template <typename acc_t>
 int64_t preprocess_blocks(const BwdParams<acc_t>& p) {
   const int64_t blocks = (p.batch * p.heads * p.q_len + kWarps - 1) / kWarps;
-  return grouped(p) && blocks > kGuardRowBlocks ? kGuardRowBlocks : blocks;
+  return guard_grid(blocks, grouped(p), kGuardRowBlocks);
 }
 
 // D~_i (online_stats.h: row_delta) of one row, by one warp.

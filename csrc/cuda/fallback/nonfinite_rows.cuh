@@ -22,15 +22,18 @@ __device__ __forceinline__ bool guard_idle(const AttentionArgs<acc_t>& a) {
   return a.nonfinite != nullptr && *a.nonfinite == 0;
 }
 
-// The grid of a kernel with a block per tile (the forward; the backward's main kernel, whose
-// tiles are key tiles): `tiles` blocks, or as a guard at most kGuardTileBlocks, which stride over
-// the tiles. An idle guard's blocks only read the flag and return, but a
-// full grid of them is launched wave after wave on every call: 5.5 us after the forward of an H200
-// at B = 4, H = 16, L = 4096, D = 128 (4,096 blocks, two per SM; results/gpu/profile_h200.md),
-// where 512 blocks are two waves. (The per-row kernels cap theirs likewise: kGuardRowBlocks.)
+// The grid of a fallback kernel whose blocks can stride over its work: `blocks`, or as a guard at
+// most `cap`. An idle guard's blocks only read the flag and return, but a full grid of them is
+// launched wave after wave on every call: 5.5 us after the forward of an H200 at B = 4, H = 16,
+// L = 4096, D = 128 (4,096 blocks, two per SM; results/gpu/profile_h200.md).
+inline int64_t guard_grid(int64_t blocks, bool guard, int64_t cap) {
+  return guard && blocks > cap ? cap : blocks;
+}
+// The cap of the kernels with a block per tile (the forward; the backward's main kernel, whose
+// tiles are key tiles): two waves on an H100 or H200. (The per-row kernels': kGuardRowBlocks.)
 constexpr int64_t kGuardTileBlocks = 512;
 inline int64_t tile_grid(int64_t tiles, bool guard) {
-  return guard && tiles > kGuardTileBlocks ? kGuardTileBlocks : tiles;
+  return guard_grid(tiles, guard, kGuardTileBlocks);
 }
 
 // A tile's flags: kRows + 1 bytes in shared memory, flags[r] = 1 for a row holding a NaN or an

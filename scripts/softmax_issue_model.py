@@ -25,6 +25,13 @@ the source moves that; a GPU says what the time does.
 
 prints a Markdown table: per bf16 forward instantiation without a mask (head dim, causal,
 statistics), the instructions of that softmax path, its MUFU.EX2 and the modelled cycles.
+
+With --backward it replays the sm90 backward instead (bf16, no mask, dq by bulk reductions): per
+head dim and causal, one query block of the loop that a loss of the output alone runs (no gradient
+of the statistics: the loop with fewer FFMA), along its shortest path, which is a block that needs
+no per-score check (the longer alternatives check each score against its row's keys, or search
+packed documents). The replay counts the warp's own issue only: the waits for the tensor cores and
+the barriers are not in it.
 """
 
 from __future__ import annotations
@@ -199,10 +206,87 @@ def row(code: list[Instruction]) -> tuple[int, int, int, str]:
     return len(run), ops["MUFU.EX2"], result.cycles, waits
 
 
+BACKWARD = re.compile(r"sm908bwd_impl11main_kernelI13__nv_bfloat16NS2_9BwdTraitsIS4_Li(\d+)E.*?ELb([01])ELNS_8MaskKindE0ELb1E")
+
+
+def shortest_path(code: list[Instruction], first: int, last: int) -> list[Instruction]:
+    """The fewest instructions from code[first] to code[last] (indices), following the branches
+    inside that range (a guarded branch may fall through or jump; others jump)."""
+    index = {a: i for i, (a, _) in enumerate(code)}
+    came: dict[int, int | None] = {first: None}
+    queue = collections.deque([first])
+    while queue and last not in came:  # unit weights: breadth first
+        i = queue.popleft()
+        text = code[i][1]
+        target = branch_target(text)
+        nexts = []
+        if target is not None and target in index and first <= index[target] <= last:
+            nexts.append(index[target])
+        if target is None or text.startswith("@") or re.search(r"BRA\s+!?U?P\d,", text):
+            nexts.append(i + 1)
+        for j in nexts:
+            if j <= last and j not in came:
+                came[j] = i
+                queue.append(j)
+    if last not in came:
+        raise ValueError("no path")
+    path, i = [], last
+    while i is not None:
+        path.append(code[i])
+        i = came[i]
+    return path[::-1]
+
+
+def step_loops(code: list[Instruction]) -> list[tuple[int, int]]:
+    """(first, last) indices of the loops over query blocks: the two smallest backward branches'
+    bodies that issue wgmma."""
+    index = {a: i for i, (a, _) in enumerate(code)}
+    found = []
+    for i, (a, text) in enumerate(code):
+        target = branch_target(text)
+        if target is not None and target < a and target in index:
+            if any("HGMMA" in t for _, t in code[index[target]:i + 1]):
+                found.append((index[target], i))
+    return sorted(found, key=lambda r: r[1] - r[0])[:2]
+
+
+def backward_row(code: list[Instruction]) -> tuple[int, int, int, str]:
+    """Instructions, exponentials, modelled cycles and the two largest waits of a query block of
+    the backward's loop without the statistics' gradients, along its shortest path."""
+    def ffma(loop: tuple[int, int]) -> int:
+        return sum(opcode(t).startswith("FFMA") for _, t in code[loop[0]:loop[1] + 1])
+
+    first, last = min(step_loops(code), key=ffma)
+    path = shortest_path(code, first, last)
+    ops = collections.Counter(opcode(t) for _, t in path)
+    result = replay(path)
+    waits = ", ".join(f"{why} {n}" for why, n in result.waits.most_common(2))
+    return len(path), ops["MUFU.EX2"], result.cycles, waits
+
+
+def backward_main(libraries: list[Path]) -> None:
+    builds = []
+    for lib in libraries:
+        sass = subprocess.run([tool("cuobjdump"), "-sass", "-arch", "sm_90", str(lib)], capture_output=True,
+                              text=True, check=True).stdout
+        builds.append({(int(m[1]), m[2] == "1"): code for name, code in parse_functions(sass).items()
+                       if (m := BACKWARD.search(name))})
+    print("| D | causal |" + "".join(f" {lib.name}: instructions | MUFU | cycles | largest waits |"
+                                    for lib in libraries))
+    print("|---|---|" + "---|---|---|---|" * len(builds))
+    for key in sorted(builds[0]):
+        cells = "".join(" {} | {} | {} | {} |".format(*backward_row(b[key])) for b in builds if key in b)
+        print(f"| {key[0]} | {'yes' if key[1] else 'no'} |{cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("libraries", nargs="+", type=Path, help="built extension(s): torch_ext/_C*.so")
+    parser.add_argument("--backward", action="store_true", help="the sm90 backward's loop instead")
     args = parser.parse_args()
+    if args.backward:
+        backward_main(args.libraries)
+        return
     builds = [forward_kernels(lib) for lib in args.libraries]
     header = "| D | causal | statistics |" + "".join(
         f" {lib.name}: instructions | MUFU | cycles | largest waits |" for lib in args.libraries)

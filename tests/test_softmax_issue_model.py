@@ -58,3 +58,33 @@ def test_main_loop_and_kernel_key() -> None:
     assert m is not None and (int(m[1]), m[2], m[3]) == (64, "0", "1")
     loop = model.main_loop(instructions)
     assert [a for a, _ in loop] == list(range(0x10, 0x90, 0x10))
+
+
+BACKWARD_SASS = """
+        Function : _ZN12entropy_attn4cuda4sm908bwd_impl11main_kernelI13__nv_bfloat16NS2_9BwdTraitsIS4_Li128ENS1_7Sm90OpsEEELb1ELNS_8MaskKindE0ELb1EEEvNS2_10KernelArgsIT0_EE
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR24], RZ, !UPT ;
+        /*0020*/              @P0 BRA 0x60 ;
+        /*0030*/                   FFMA R2, R24, R3, R4 ;
+        /*0040*/                   MUFU.EX2 R24, R2 ;
+        /*0050*/                   BRA 0xa0 ;
+        /*0060*/                   ISETP.GE.AND P2, PT, R5, R6, PT ;
+        /*0070*/                   ISETP.LT.AND P2, PT, R5, R7, P2 ;
+        /*0080*/                   FSEL R24, R24, -INF , P2 ;
+        /*0090*/                   MUFU.EX2 R24, R24 ;
+        /*00a0*/              @P1 BRA 0x10 ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_backward_block_takes_the_shortest_path() -> None:
+    # A block inside the causal bounds skips the per-score check (the branch to 0x60).
+    ((name, instructions),) = model.parse_functions(BACKWARD_SASS).items()
+    m = model.BACKWARD.search(name)
+    assert m is not None and (int(m[1]), m[2]) == (128, "1")
+    ((first, last),) = model.step_loops(instructions)
+    assert (instructions[first][0], instructions[last][0]) == (0x10, 0xA0)
+    path = model.shortest_path(instructions, first, last)
+    assert [a for a, _ in path] == [0x10, 0x20, 0x30, 0x40, 0x50, 0xA0]
+    count, exps, _, _ = model.backward_row(instructions)
+    assert (count, exps) == (6, 1)

@@ -42,6 +42,9 @@ struct Feature {
   // q, k, v and dout as views of (B, L, H, D) (projections split into heads), which the op's
   // output and gradients follow (attention_call.h: empty_in_layout_of).
   bool heads_inside_rows = false;
+  // The backward with the entropy's gradient (the kernels' steps that keep the logits), or of the
+  // output alone (the others: a call that caps or drops takes the first kind anyway).
+  bool entropy_grad = true;
 };
 
 // (B, H, L, D) random values, as a view of (B, L, H, D) memory or contiguous.
@@ -71,7 +74,8 @@ void run_feature(const Feature& f) {
                    k = random_bhld(1, 2, f.kv_len, kD, opt, f.heads_inside_rows),
                    v = random_bhld(1, 2, f.kv_len, kD, opt, f.heads_inside_rows),
                    dout = random_bhld(1, 4, f.q_len, kD, opt, f.heads_inside_rows);
-  const at::Tensor g_entropy = at::randn({1, 4, f.q_len});
+  const std::optional<at::Tensor> g_entropy =
+      f.entropy_grad ? std::optional<at::Tensor>(at::randn({1, 4, f.q_len})) : std::nullopt;
   const std::optional<at::Tensor> sinks =
       f.sinks ? std::optional<at::Tensor>(at::randn({4}, opt)) : std::nullopt;
   const int64_t seed = 0x5eed;
@@ -123,7 +127,7 @@ void run_feature(const Feature& f) {
 // launched through the family and the fallback.
 template <typename Family, typename T, int kD>
 void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
-                   std::array<int64_t, 2> window) {
+                   std::array<int64_t, 2> window, bool entropy_grad = true) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(22);
   const auto opt = at::TensorOptions().dtype(dtype);
@@ -132,7 +136,8 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
                    k = random_bhld(1, 2, lk, kD, opt, true),
                    v = random_bhld(1, 2, lk, kD, opt, true),
                    dout = random_bhld(1, 4, lq, kD, opt, true);
-  const at::Tensor g_entropy = at::randn({1, 4, lq});
+  const std::optional<at::Tensor> g_entropy =
+      entropy_grad ? std::optional<at::Tensor>(at::randn({1, 4, lq})) : std::nullopt;
   const auto int32 = [](const std::vector<int32_t>& x) {
     return at::tensor(at::ArrayRef<int32_t>(x), at::TensorOptions().dtype(at::kInt));
   };

@@ -55,6 +55,20 @@ TEST(EmulatedSm90Features, WindowsAndAlignment) {
   run_feature<Sm90, __nv_bfloat16, 128>(f);
 }
 
+// A loss of the output alone: the backward's steps without the logits, which choose once per
+// slice between the loop that checks each score against its row's keys and the one that does not
+// (sm90/bwd_kernel.cuh: kSplitChecks), for blocks on a window's edges and inside it.
+TEST(EmulatedSm90Features, WindowsWithoutEntropyGradient) {
+  Feature f;
+  f.entropy_grad = false, f.window = {250, 0}, f.q_len = f.kv_len = 500;
+  run_feature<Sm90, __nv_bfloat16, 128>(f);
+  f.causal = false, f.window = {150, 80};
+  run_feature<Sm90, __half, 64>(f);
+  f = Feature{};
+  f.entropy_grad = false, f.alignment = "bottom_right", f.q_len = 130, f.kv_len = 330;
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+}
+
 TEST(EmulatedSm90Features, SoftcapSinksDropout) {
   Feature f;
   f.softcap = 2.0, f.sinks = true, f.window = {63, 0};
@@ -83,6 +97,9 @@ TEST(EmulatedSm90Features, PackedDocuments) {
   run_documents<Sm90, __nv_bfloat16, 64>({0, 1, 130, 190, 200}, {0, 1, 130, 250, 300}, true,
                                          {-1, 0});
   run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
+  // Without the entropy's gradient (documents long enough for blocks inside one).
+  run_documents<Sm90, __nv_bfloat16, 128>({0, 200, 210, 260}, {0, 200, 210, 260}, true, {-1, 0},
+                                          /*entropy_grad=*/false);
 }
 
 // dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes in the calls

@@ -440,11 +440,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // Without kGrads s serves only p (the additive mask adds to s, not to its exponent).
     constexpr bool kFoldScale = !kGrads && kMask != MaskKind::kAdditive;
     float lam[kRows], lam2[kRows], bias2[kRows];
-    int klo[kRows], khi[kRows];
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + get<0>(cS_rc(r, 0)), q_len, kv_len);
-      klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
+    // The general kernels' steps without kGrads form them only for a block on an edge, the only
+    // one that reads them (kSplitChecks below); full attention's are two selects.
+    int klo[kRows] = {}, khi[kRows] = {};
+    if (!kCausal || kGrads || edge) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const KeyRange keys = row_keys<kCausal>(p.pattern, i0 + get<0>(cS_rc(r, 0)), q_len, kv_len);
+        klo[r] = static_cast<int>(keys.lo), khi[r] = static_cast<int>(keys.hi);
+      }
     }
     // Dropout (kGrads): the decisions of each slice's weights (the forward's), bit r * kCols + c;
     // all kept without dropout, whose keep_scale is 1. Drawn here, before the products of the
@@ -525,49 +529,70 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // every s = -inf) gets p = 0.
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor tPsP_rc = make_tensor(tPsP.data(), acc_rowcol(tPsP.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int i = i0 + get<0>(cS_rc(r, 0));
-        [[maybe_unused]] const int64_t mask_row =
-            kMask != MaskKind::kNone ? mask.row_offset(b, h, i) : 0;
+      // kChecked: the per-element check compiled in, applied where `edge`. The steps without kGrads
+      // choose between two loops once per slice: with the check under the runtime flag inside one
+      // loop, ptxas if-converted it, and every block of the general kernels (causal, windows,
+      // documents) paid two compares and a select per score for the few on an edge (cuobjdump,
+      // bf16, D = 128, causal: 1,918 instructions in that loop where full attention's had 1,297).
+      // The kGrads steps keep one loop with the runtime flag (two there spilled 432-440 bytes at
+      // D = 128, causal), and so does full attention at D = 64, whose only edges are partial
+      // blocks: two loops there gave it 51 instructions fewer but, in
+      // scripts/softmax_issue_model.py's replay of one warp, 6% more cycles (the exponentials back
+      // to back, waiting on the MUFU), and the kGrads loop 62 instructions more of index
+      // arithmetic.
+      constexpr bool kSplitChecks =
+          !kGrads && kMask == MaskKind::kNone && (kCausal || Kt::kHeadDim == 128);
+      const auto scores_to_probs = [&](auto edge_tag) {
+        constexpr bool kChecked = decltype(edge_tag)::value;
         CUTE_UNROLL
-        for (int c = 0; c < kCols; c += 2) {
-          float pr[2];
+        for (int r = 0; r < kRows; ++r) {
+          const int i = i0 + get<0>(cS_rc(r, 0));
+          [[maybe_unused]] const int64_t mask_row =
+              kMask != MaskKind::kNone ? mask.row_offset(b, h, i) : 0;
           CUTE_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const int j = jh + get<1>(cS_rc(r, c + e));
-            const float x = s_rc(r, c + e);
-            // Where s itself is not needed again (kFoldScale), s log2 e - lse_i log2 e in one
-            // FFMA for an FMUL and an FFMA.
-            float s = kFoldScale ? fmaf(x, lam2[r], bias2[r]) : lam[r] * x;
-            if (edge) {
-              bool allowed = j >= klo[r] && j < khi[r];
-              if constexpr (kMask != MaskKind::kNone) {
-                if (allowed) {  // the mask is read only inside [0, Lq) x [0, Lk)
-                  const int64_t off = mask_row + j * mask.sj;
-                  if constexpr (kMask == MaskKind::kBool) {
-                    allowed = mask.bool_bytes()[off] != 0;
-                  } else {
-                    // -inf hides the key whatever its score (NaN + -inf would be NaN).
-                    const float m = mask.additive_data()[off];
-                    s = m == kNegInf ? m : fmaf(lam[r], x, m);
+          for (int c = 0; c < kCols; c += 2) {
+            float pr[2];
+            CUTE_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              const int j = jh + get<1>(cS_rc(r, c + e));
+              const float x = s_rc(r, c + e);
+              // Where s itself is not needed again (kFoldScale), s log2 e - lse_i log2 e in one
+              // FFMA for an FMUL and an FFMA.
+              float s = kFoldScale ? fmaf(x, lam2[r], bias2[r]) : lam[r] * x;
+              if (kChecked && edge) {
+                bool allowed = j >= klo[r] && j < khi[r];
+                if constexpr (kMask != MaskKind::kNone) {
+                  if (allowed) {  // the mask is read only inside [0, Lq) x [0, Lk)
+                    const int64_t off = mask_row + j * mask.sj;
+                    if constexpr (kMask == MaskKind::kBool) {
+                      allowed = mask.bool_bytes()[off] != 0;
+                    } else {
+                      // -inf hides the key whatever its score (NaN + -inf would be NaN).
+                      const float m = mask.additive_data()[off];
+                      s = m == kNegInf ? m : fmaf(lam[r], x, m);
+                    }
                   }
                 }
+                s = allowed ? s : kNegInf;
               }
-              s = allowed ? s : kNegInf;
+              pr[e] = exp2_approx(kFoldScale ? s : fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
+              s_rc(r, c + e) = kGrads ? s : pr[e];
+              if constexpr (kGrads && kDropout) {
+                pr[e] = (keep >> (r * kCols + c + e)) & 1u ? pr[e] * p.dropout.keep_scale : 0.f;
+              }
             }
-            pr[e] = exp2_approx(kFoldScale ? s : fmaf(s, kLog2e, bias2[r]));  // 2^-inf = 0
-            s_rc(r, c + e) = kGrads ? s : pr[e];
-            if constexpr (kGrads && kDropout) {
-              pr[e] = (keep >> (r * kCols + c + e)) & 1u ? pr[e] * p.dropout.keep_scale : 0.f;
-            }
+            // Columns c and c + 1 are adjacent keys: one 4-byte store.
+            const cutlass::Array<Element, 2> pair = to_pair(cutlass::Array<float, 2>{pr[0], pr[1]});
+            Ops::store_shared(
+                reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))),
+                pair);
           }
-          // Columns c and c + 1 are adjacent keys: one 4-byte store.
-          const cutlass::Array<Element, 2> pair = to_pair(cutlass::Array<float, 2>{pr[0], pr[1]});
-          Ops::store_shared(
-              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tPsP_rc(r, c))),
-              pair);
         }
+      };
+      if (!kSplitChecks || edge) {
+        scores_to_probs(std::true_type{});
+      } else {
+        scores_to_probs(std::false_type{});
       }
 
       // dV += P^T dO as soon as P of the warpgroup's keys is in shared memory: the tensor cores

@@ -27,11 +27,11 @@ prints a Markdown table: per bf16 forward instantiation without a mask (head dim
 statistics), the instructions of that softmax path, its MUFU.EX2 and the modelled cycles.
 
 With --backward it replays the sm90 backward instead (bf16, no mask, dq by bulk reductions): per
-head dim and causal, one query block of the loop that a loss of the output alone runs (no gradient
-of the statistics: the loop with fewer FFMA), along its shortest path, which is a block that needs
-no per-score check (the longer alternatives check each score against its row's keys, or search
-packed documents). The replay counts the warp's own issue only: the waits for the tensor cores and
-the barriers are not in it.
+head dim, causal, and loop (a loss of the output alone, or with the statistics' gradients, whose
+loop keeps the logits: the one with more FFMA), one query block along its shortest path, which is
+a block that needs no per-score check (the longer alternatives check each score against its row's
+keys, or search packed documents). The replay counts the warp's own issue only: the waits for the
+tensor cores and the barriers are not in it.
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ BACKWARD = re.compile(r"sm908bwd_impl11main_kernelI13__nv_bfloat16NS2_9BwdTraits
 
 
 def shortest_path(code: list[Instruction], first: int, last: int) -> list[Instruction]:
-    """The fewest instructions from code[first] to code[last] (indices), following the branches
-    inside that range (a guarded branch may fall through or jump; others jump)."""
+    """The fewest instructions from code[first] to code[last] (indices), following the branches (a
+    guarded branch may fall through or jump; others jump), also to the pieces of a loop that ptxas
+    placed after its last instruction, but not back before its first or through `last`."""
     index = {a: i for i, (a, _) in enumerate(code)}
     came: dict[int, int | None] = {first: None}
     queue = collections.deque([first])
@@ -220,12 +221,12 @@ def shortest_path(code: list[Instruction], first: int, last: int) -> list[Instru
         text = code[i][1]
         target = branch_target(text)
         nexts = []
-        if target is not None and target in index and first <= index[target] <= last:
+        if target is not None and target in index and index[target] >= first:
             nexts.append(index[target])
         if target is None or text.startswith("@") or re.search(r"BRA\s+!?U?P\d,", text):
             nexts.append(i + 1)
         for j in nexts:
-            if j <= last and j not in came:
+            if j < len(code) and j not in came and not opcode(code[j][1]).startswith("EXIT"):
                 came[j] = i
                 queue.append(j)
     if last not in came:
@@ -238,25 +239,26 @@ def shortest_path(code: list[Instruction], first: int, last: int) -> list[Instru
 
 
 def step_loops(code: list[Instruction]) -> list[tuple[int, int]]:
-    """(first, last) indices of the loops over query blocks: the two smallest backward branches'
-    bodies that issue wgmma."""
+    """(first, last) indices of the loops over query blocks: the two smallest bodies that issue
+    wgmma under a guarded backward branch (the unguarded ones return from the out-of-line retries
+    of a barrier's wait into a loop's middle)."""
     index = {a: i for i, (a, _) in enumerate(code)}
     found = []
     for i, (a, text) in enumerate(code):
         target = branch_target(text)
-        if target is not None and target < a and target in index:
+        if target is not None and target < a and target in index and text.startswith("@"):
             if any("HGMMA" in t for _, t in code[index[target]:i + 1]):
                 found.append((index[target], i))
     return sorted(found, key=lambda r: r[1] - r[0])[:2]
 
 
-def backward_row(code: list[Instruction]) -> tuple[int, int, int, str]:
+def backward_row(code: list[Instruction], gradients: bool = False) -> tuple[int, int, int, str]:
     """Instructions, exponentials, modelled cycles and the two largest waits of a query block of
-    the backward's loop without the statistics' gradients, along its shortest path."""
+    the backward's loop without the statistics' gradients (or with them), along its shortest path."""
     def ffma(loop: tuple[int, int]) -> int:
         return sum(opcode(t).startswith("FFMA") for _, t in code[loop[0]:loop[1] + 1])
 
-    first, last = min(step_loops(code), key=ffma)
+    first, last = (max if gradients else min)(step_loops(code), key=ffma)
     path = shortest_path(code, first, last)
     ops = collections.Counter(opcode(t) for _, t in path)
     result = replay(path)
@@ -271,12 +273,14 @@ def backward_main(libraries: list[Path]) -> None:
                               text=True, check=True).stdout
         builds.append({(int(m[1]), m[2] == "1"): code for name, code in parse_functions(sass).items()
                        if (m := BACKWARD.search(name))})
-    print("| D | causal |" + "".join(f" {lib.name}: instructions | MUFU | cycles | largest waits |"
-                                    for lib in libraries))
-    print("|---|---|" + "---|---|---|---|" * len(builds))
+    print("| D | causal | statistics' gradients |" + "".join(
+        f" {lib.name}: instructions | MUFU | cycles | largest waits |" for lib in libraries))
+    print("|---|---|---|" + "---|---|---|---|" * len(builds))
     for key in sorted(builds[0]):
-        cells = "".join(" {} | {} | {} | {} |".format(*backward_row(b[key])) for b in builds if key in b)
-        print(f"| {key[0]} | {'yes' if key[1] else 'no'} |{cells}")
+        for gradients in (False, True):
+            cells = "".join(" {} | {} | {} | {} |".format(*backward_row(b[key], gradients))
+                            for b in builds if key in b)
+            print(f"| {key[0]} | {'yes' if key[1] else 'no'} | {'yes' if gradients else 'no'} |{cells}")
 
 
 def main() -> None:

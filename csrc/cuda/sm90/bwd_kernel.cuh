@@ -529,21 +529,25 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // every s = -inf) gets p = 0.
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor tPsP_rc = make_tensor(tPsP.data(), acc_rowcol(tPsP.layout()));
-      // kChecked: the per-element check compiled in, applied where `edge`. The steps without kGrads
-      // choose between two loops once per slice: with the check under the runtime flag inside one
-      // loop, ptxas if-converted it, and every block of the general kernels (causal, windows,
-      // documents) paid two compares and a select per score for the few on an edge (cuobjdump,
-      // bf16, D = 128, causal: 1,918 instructions in that loop where full attention's had 1,297).
-      // The kGrads steps keep one loop with the runtime flag (two there spilled 432-440 bytes at
-      // D = 128, causal), and so does full attention at D = 64, whose only edges are partial
-      // blocks: two loops there gave it 51 instructions fewer but, in
-      // scripts/softmax_issue_model.py's replay of one warp, 6% more cycles (the exponentials back
-      // to back, waiting on the MUFU), and the kGrads loop 62 instructions more of index
-      // arithmetic.
-      constexpr bool kSplitChecks =
-          !kGrads && kMask == MaskKind::kNone && (kCausal || Kt::kHeadDim == 128);
-      const auto scores_to_probs = [&](auto edge_tag) {
+      // Where each score is checked against its row's keys (kChecked, applied where `edge`: a
+      // block on the diagonal, a window's edge, a document's boundary or a partial block). Under
+      // the runtime flag inside the loop over the scores, ptxas if-converted the check, and every
+      // block of the general kernels (causal, windows, documents) paid two compares and a select
+      // per score (cuobjdump, bf16, D = 128, causal: 1,918 instructions in the loop of a loss of
+      // the output alone, where full attention's had 1,297). kOwnChecks: the check is a branch
+      // of its own. Without kGrads the step chooses between two loops once per slice; with kGrads
+      // (two loops there spilled 432-440 bytes at D = 128, causal) it forms s in place, checks it
+      // in a pass under the flag, then forms p. Full attention at D = 64, whose only edges are
+      // partial blocks, keeps the check in the loop: the two loops gave it 51 instructions fewer
+      // but 6% more cycles in scripts/softmax_issue_model.py's replay of one warp (the
+      // exponentials back to back on the MUFU), and the kGrads loop 62 instructions more of index
+      // arithmetic; the masked kernels, whose blocks all check, too.
+      constexpr bool kOwnChecks = kMask == MaskKind::kNone && (kCausal || Kt::kHeadDim == 128);
+      constexpr bool kSplitChecks = kOwnChecks && !kGrads;
+      // kScaled: S holds s already (checked where needed).
+      const auto scores_to_probs = [&](auto edge_tag, auto scaled_tag) {
         constexpr bool kChecked = decltype(edge_tag)::value;
+        constexpr bool kScaled = decltype(scaled_tag)::value;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int i = i0 + get<0>(cS_rc(r, 0));
@@ -558,7 +562,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
               const float x = s_rc(r, c + e);
               // Where s itself is not needed again (kFoldScale), s log2 e - lse_i log2 e in one
               // FFMA for an FMUL and an FFMA.
-              float s = kFoldScale ? fmaf(x, lam2[r], bias2[r]) : lam[r] * x;
+              float s = kScaled ? x : kFoldScale ? fmaf(x, lam2[r], bias2[r]) : lam[r] * x;
               if (kChecked && edge) {
                 bool allowed = j >= klo[r] && j < khi[r];
                 if constexpr (kMask != MaskKind::kNone) {
@@ -589,10 +593,28 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           }
         }
       };
-      if (!kSplitChecks || edge) {
-        scores_to_probs(std::true_type{});
+      if constexpr (kOwnChecks && kGrads) {
+        // s in place, then the check as a pass of its own under the flag, before the exponentials.
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) s_rc(r, c) = lam[r] * s_rc(r, c);
+        }
+        if (edge) {
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+              const int j = jh + get<1>(cS_rc(r, c));
+              s_rc(r, c) = j >= klo[r] && j < khi[r] ? s_rc(r, c) : kNegInf;
+            }
+          }
+        }
+        scores_to_probs(std::false_type{}, std::true_type{});
+      } else if (!kSplitChecks || edge) {
+        scores_to_probs(std::true_type{}, std::false_type{});
       } else {
-        scores_to_probs(std::false_type{});
+        scores_to_probs(std::false_type{}, std::false_type{});
       }
 
       // dV += P^T dO as soon as P of the warpgroup's keys is in shared memory: the tensor cores

@@ -57,7 +57,8 @@ TEST(EmulatedSm90Features, WindowsAndAlignment) {
 
 // A loss of the output alone: the backward's steps without the logits, which choose once per
 // slice between the loop that checks each score against its row's keys and the one that does not
-// (sm90/bwd_kernel.cuh: kSplitChecks), for blocks on a window's edges and inside it.
+// (sm90/bwd_kernel.cuh: kSplitChecks), for blocks on a window's edges and inside it, and for a
+// causal call aligned bottom-right (its diagonal off the blocks' corners).
 TEST(EmulatedSm90Features, WindowsWithoutEntropyGradient) {
   Feature f;
   f.entropy_grad = false, f.window = {250, 0}, f.q_len = f.kv_len = 500;

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -59,12 +60,14 @@ def launch_tile(block: int, x_dim: int, entries: int, sections: int) -> Tuple[in
 
 
 def launch_sections(entries: int, x_dim: int, nbytes: int, l2_bytes: int, resident_blocks: int) -> int:
-    """csrc/cuda/launch_order.h's launch_sections (0: the grid's own order)."""
+    """csrc/cuda/launch_order.h's launch_sections (0: the grid's own order): sections whose entries'
+    operands fit in 5/8 of L2, but each, once the widths are evened out, at least one and a half
+    waves of blocks."""
     if entries <= 1 or x_dim < 1 or nbytes <= 0 or l2_bytes <= 0:
         return 0
     fit = max(1, l2_bytes // 8 * 5 // nbytes)
-    per_section = max(fit, ceil_div(max(resident_blocks, 1), x_dim))
-    sections = ceil_div(entries, per_section)
+    min_width = max(1, ceil_div(3 * max(resident_blocks, 1), 2 * x_dim))
+    sections = max(1, min(ceil_div(entries, fit), entries // min_width))
     return 0 if sections >= entries else sections
 
 
@@ -153,6 +156,56 @@ def markdown(rows: List[dict], sms: int, l2_mb: float, overhead: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+SWEEP_BATCHES = (1, 2, 4, 8)
+SWEEP_HEADS = ((8, 8), (16, 16), (32, 32), (16, 2), (32, 8), (64, 8))
+SWEEP_DIMS = (64, 128)
+SWEEP_SEQS = (1024, 2048, 4096, 8192, 16384)
+
+
+def sweep_row(points: Sequence[Point], sms: int, l2_bytes: int, overhead: float) -> dict:
+    """Geometric mean and maximum of both orders' makespans over a perfect balance, over the
+    directions of `points` whose grids hold two waves of blocks or more (a smaller grid's time is
+    set by its heaviest tile, whatever the order)."""
+    grid, sectioned = [], []
+    for p in points:
+        for times_of, section in zip((forward_times, backward_times), sections(p, l2_bytes, sms)):
+            own = times_of(p, 0, overhead)
+            if len(own) < 2 * sms:
+                continue
+            ideal = sum(own) / sms
+            grid.append(makespan(own, sms) / ideal)
+            sectioned.append(makespan(times_of(p, section, overhead), sms) / ideal)
+
+    def summary(values: List[float]) -> Tuple[float, float, int]:
+        return math.exp(sum(map(math.log, values)) / len(values)), max(values), sum(v > 1.05 for v in values)
+
+    return {"sms": sms, "grids": len(grid), "grid_order": summary(grid), "sectioned": summary(sectioned)}
+
+
+def sweep_markdown(rows: List[dict], l2_mb: float, overhead: float, points: int) -> str:
+    """The table of the sweep's rows, one per GPU size."""
+    lines = [
+        "# The launch order of causal calls over a wider grid: a model (no GPU)",
+        "",
+        f"`python benchmarks/launch_order_model.py --sweep --l2-mb {l2_mb:g} --overhead {overhead:g} "
+        f"--sweep-sms {' '.join(str(r['sms']) for r in rows)}`: {points} causal calls (B in "
+        f"{', '.join(map(str, SWEEP_BATCHES))}; H:Hkv in {', '.join(f'{h}:{k}' for h, k in SWEEP_HEADS)}; "
+        f"D in {', '.join(map(str, SWEEP_DIMS))}; L in {', '.join(map(str, SWEEP_SEQS))}), forward and "
+        "backward, of which the grids of two waves of blocks or more count. Makespan over a perfect "
+        "balance as in launch_order_model.md: its geometric mean, its maximum and the grids above "
+        "1.05x, in the grid's own order and in the rule's sections.",
+        "",
+        "| SMs | grids | grid order: geo mean | max | > 1.05x | sectioned: geo mean | max | > 1.05x |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        g, s = r["grid_order"], r["sectioned"]
+        lines.append(
+            f"| {r['sms']} | {r['grids']} | {g[0]:.4f} | {g[1]:.3f} | {g[2]} | {s[0]:.4f} | {s[1]:.3f} | {s[2]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Model the benchmark's causal grid and print or write the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -160,13 +213,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--l2-mb", type=float, default=50.0, help="L2 in MB (50: H100, H200)")
     ap.add_argument("--overhead", type=float, default=1.0, help="fixed time of a block, in block steps")
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--sweep", action="store_true", help="summarize the wider grid instead (slow: about a minute)")
+    ap.add_argument("--sweep-sms", type=int, nargs="+", default=[108, 114, 132, 264], help="GPU sizes of --sweep, in resident blocks")
     ap.add_argument("--out", help="write the Markdown table here instead of printing it")
     args = ap.parse_args(argv)
-    points = [
-        Point(4, h, hkv, d, seq) for d in (64, 128) for h, hkv in ((16, 16), (32, 8)) for seq in args.seq
-    ]
     l2 = int(args.l2_mb * 2**20)
-    text = markdown([model_row(p, args.sms, l2, args.overhead) for p in points], args.sms, args.l2_mb, args.overhead)
+    if args.sweep:
+        points = [
+            Point(b, h, hkv, d, seq)
+            for b in SWEEP_BATCHES
+            for h, hkv in SWEEP_HEADS
+            for d in SWEEP_DIMS
+            for seq in SWEEP_SEQS
+        ]
+        rows = [sweep_row(points, sms, l2, args.overhead) for sms in args.sweep_sms]
+        text = sweep_markdown(rows, args.l2_mb, args.overhead, len(points))
+    else:
+        points = [
+            Point(4, h, hkv, d, seq) for d in (64, 128) for h, hkv in ((16, 16), (32, 8)) for seq in args.seq
+        ]
+        text = markdown([model_row(p, args.sms, l2, args.overhead) for p in points], args.sms, args.l2_mb, args.overhead)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -41,3 +41,36 @@ def test_committed_table_is_the_scripts(tmp_path: Path) -> None:
     out = tmp_path / "model.md"
     model.main(["--out", str(out)])
     assert out.read_text() == (ROOT / "results" / "gpu" / "launch_order_model.md").read_text()
+
+
+def test_sections_hold_a_wave_and_a_half() -> None:
+    # The benchmark's GQA backward at L = 4096 (32 KV-head entries of 32 key blocks, 17 MB each):
+    # sections of 7 entries (224 blocks on 132 SMs) at least, evened out to 4 of 8; sections of a
+    # wave (5 entries, then 4) left the SMs waiting at the end (1.099x a perfect balance).
+    assert model.launch_sections(32, 32, 17 * 2**20, 50 * 2**20, 132) == 4
+    p = model.Point(4, 32, 8, 128, 4096)
+    assert model.sections(p, 50 * 2**20, 132)[1] == 4
+    assert model.model_row(p, 132, 50 * 2**20, 1.0)["bwd"]["sectioned"] < 1.01
+    # Whatever the budget and the grid, every section holds 1.5 waves unless one holds the grid.
+    for x_dim in (1, 3, 8, 32, 100, 128, 500):
+        for nbytes in (2**17, 2**20, 2**24, 2**28):
+            k = model.launch_sections(256, x_dim, nbytes, 50 * 2**20, 264)
+            assert 0 <= k < 256
+            if k > 1:
+                assert 256 // k * x_dim * 2 >= 3 * 264, (x_dim, nbytes, k)
+
+
+def test_sweep_summarizes_both_orders() -> None:
+    points = [model.Point(4, 32, 8, 128, 4096), model.Point(1, 8, 8, 64, 1024)]
+    row = model.sweep_row(points, 132, 50 * 2**20, 1.0)
+    # The second call's grids hold fewer than two waves of blocks (8 x 8 and 8 x 8 tiles): left out.
+    assert row["grids"] == 2
+    geo, worst, above = row["sectioned"]
+    assert 1.0 <= geo <= worst < 1.01 and above == 0
+    assert row["grid_order"][1] > 1.05
+
+
+def test_committed_sweep_is_the_scripts(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.md"
+    model.main(["--sweep", "--out", str(out)])
+    assert out.read_text() == (ROOT / "results" / "gpu" / "launch_order_sweep.md").read_text()

@@ -122,18 +122,24 @@ inline bool launch_tile_fits(int64_t entries, int64_t x_dim) {
 // every tile of the entry reads, should fit in the part of L2 given to them, 5/8 (FlashAttention-3
 // gives K and V 32 MB of an H100's 50): `bytes` is an entry's share (a forward's query head: its K
 // and V over the query heads of its GQA group, which read the same; a backward's KV head: the Q, dO
-// and dq accumulator of its group). But a section is meant to hold the entries whose tiles fill
-// the `resident_blocks` the GPU runs at once (half of them at least, once the widths are evened
-// out): the blocks running together would span several narrower sections anyway, and each section
-// would start its heaviest tiles only after the light ones of the one before.
+// and dq accumulator of its group). But every section, once the widths are evened out, holds at
+// least one and a half waves of the `resident_blocks` the GPU runs at once, even where L2 holds
+// less. A section's heavy tiles start in its first wave and its light ones fill the SMs around
+// them while they run; the last section's heavy tiles start only after every earlier tile has, and
+// with less than half a wave of light tiles behind them the SMs wait at the end of the grid. A
+// replay of the blocks onto the SMs (benchmarks/launch_order_model.py --sweep, 240 causal calls on
+// 108 to 264 SMs) puts the worst grid at 1.03-1.15x a perfect balance with this width, where
+// sections of at least half a wave gave 1.18-1.40x, and no grid there ends later with it.
 inline int launch_sections(int64_t entries, int64_t x_dim, int64_t bytes, int64_t l2_bytes,
                            int64_t resident_blocks) {
   if (entries <= 1 || x_dim < 1 || bytes <= 0 || l2_bytes <= 0) return 0;
   if (!launch_tile_fits(entries, x_dim)) return 0;
   const int64_t fit = std::max<int64_t>(1, l2_bytes / 8 * 5 / bytes);
-  const int64_t wave = (std::max<int64_t>(resident_blocks, 1) + x_dim - 1) / x_dim;
-  const int64_t per_section = std::max(fit, wave);
-  const int64_t sections = (entries + per_section - 1) / per_section;
+  const int64_t resident = std::max<int64_t>(resident_blocks, 1);
+  const int64_t min_width = std::max<int64_t>(1, (3 * resident + 2 * x_dim - 1) / (2 * x_dim));
+  // At most entries / min_width sections keeps every evened width at min_width or more.
+  const int64_t sections =
+      std::max<int64_t>(1, std::min((entries + fit - 1) / fit, entries / min_width));
   return sections >= entries ? 0 : static_cast<int>(std::min<int64_t>(sections, INT32_MAX));
 }
 

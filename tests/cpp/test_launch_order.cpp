@@ -205,9 +205,10 @@ TEST(LaunchSections, FollowTheL2Budget) {
   EXPECT_EQ(launch_sections(64, 32, 2 * kMB, l2, 132), 5);
   // Heads of 256 KB: the whole grid fits, one section.
   EXPECT_EQ(launch_sections(64, 8, kMB / 4, l2, 132), 1);
-  // A head larger than the budget: sections of a wave's entries (132 blocks: 5 entries of 32
-  // tiles), or the grid's own order where that is one entry.
-  EXPECT_EQ(launch_sections(64, 32, 64 * kMB, l2, 132), 13);
+  // A head larger than the budget: sections of one and a half waves' entries (198 blocks: 7
+  // entries of 32 tiles, so 9 sections of 7 or 8), or the grid's own order where that is one
+  // entry.
+  EXPECT_EQ(launch_sections(64, 32, 64 * kMB, l2, 132), 9);
   EXPECT_EQ(launch_sections(64, 256, 64 * kMB, l2, 132), 0);
   // Nothing to order, or nothing known.
   EXPECT_EQ(launch_sections(1, 32, kMB, l2, 132), 0);
@@ -216,20 +217,24 @@ TEST(LaunchSections, FollowTheL2Budget) {
   EXPECT_EQ(launch_sections(64, 0, kMB, l2, 132), 0);
 }
 
-TEST(LaunchSections, AreNeverNarrowerThanAWave) {
-  // 32 KV heads of 8 key blocks whose data does not fit twice in L2: a section holds the 17
-  // entries whose 136 blocks fill 132 SMs, so 2 sections, not 32.
+TEST(LaunchSections, HoldAWaveAndAHalf) {
   constexpr int64_t kMB = 1 << 20;
-  EXPECT_EQ(launch_sections(32, 8, 20 * kMB, 50 * kMB, 132), 2);
-  // Whatever the budget, the sections (as wide as each other as the entries allow) hold at least
-  // half a wave's entries.
+  // 32 KV heads of 8 key blocks whose data does not fit twice in L2: a section needs the 25
+  // entries whose 200 blocks make one and a half waves of 132 SMs, so one section, not 32.
+  EXPECT_EQ(launch_sections(32, 8, 20 * kMB, 50 * kMB, 132), 1);
+  // The benchmark's GQA backward (B = 4, 8 KV heads, L = 4096: 32 entries of 32 key blocks, 17 MB
+  // each): 4 sections of 8 entries (256 blocks), where sections of a wave (5 entries, then 4)
+  // left its grid at 1.099x a perfect balance in the model (results/gpu/launch_order_model.md).
+  EXPECT_EQ(launch_sections(32, 32, 17 * kMB, 50 * kMB, 132), 4);
+  // Whatever the budget, every section (as wide as each other as the entries allow) holds at
+  // least one and a half waves of blocks, unless one section holds the whole grid.
   for (int64_t bytes = kMB / 8; bytes <= 256 * kMB; bytes *= 2) {
-    for (int64_t x_dim : {1, 3, 8, 32, 100, 128}) {
+    for (int64_t x_dim : {1, 3, 8, 32, 100, 128, 500}) {
       const int k = launch_sections(256, x_dim, bytes, 50 * kMB, 264);
       ASSERT_GE(k, 0);
       ASSERT_LT(k, 256);
-      if (k > 0) {
-        EXPECT_GE(256 / k, (264 + x_dim - 1) / x_dim / 2) << bytes << " " << x_dim;
+      if (k > 1) {
+        EXPECT_GE(256 / k * x_dim * 2, 3 * 264) << bytes << " " << x_dim;
       }
     }
   }
@@ -257,7 +262,7 @@ TEST(LaunchOrderRule, MatchesTheModelsTable) {
     int fwd, bwd;
   };
   for (const Row& r : {Row{16, 16, 64, 1024, 1, 2}, Row{16, 16, 64, 4096, 3, 5},
-                       Row{16, 16, 128, 4096, 5, 10}, Row{32, 8, 128, 4096, 3, 7},
+                       Row{16, 16, 128, 4096, 5, 9}, Row{32, 8, 128, 4096, 3, 4},
                        Row{16, 16, 128, 16384, 22, 32}, Row{32, 8, 128, 16384, 9, 16}}) {
     const Shape s{4, r.heads, r.kv_heads, r.len, r.len, r.head_dim, r.head_dim};
     EXPECT_EQ(launch_order_rule(s, causal(), 2, false, 1, {}, kHopper), r.fwd)

@@ -65,6 +65,8 @@ def launch_sections(entries: int, x_dim: int, nbytes: int, l2_bytes: int, reside
     waves of blocks."""
     if entries <= 1 or x_dim < 1 or nbytes <= 0 or l2_bytes <= 0:
         return 0
+    if entries >= 2**32 // x_dim:  # launch_tile_fits: 32-bit block indices
+        return 0
     fit = max(1, l2_bytes // 8 * 5 // nbytes)
     min_width = max(1, ceil_div(3 * max(resident_blocks, 1), 2 * x_dim))
     sections = max(1, min(ceil_div(entries, fit), entries // min_width))
@@ -177,6 +179,8 @@ def sweep_row(points: Sequence[Point], sms: int, l2_bytes: int, overhead: float)
             sectioned.append(makespan(times_of(p, section, overhead), sms) / ideal)
 
     def summary(values: List[float]) -> Tuple[float, float, int]:
+        if not values:  # no grid of two waves on this GPU size
+            return math.nan, math.nan, 0
         return math.exp(sum(map(math.log, values)) / len(values)), max(values), sum(v > 1.05 for v in values)
 
     return {"sms": sms, "grids": len(grid), "grid_order": summary(grid), "sectioned": summary(sectioned)}
@@ -213,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--l2-mb", type=float, default=50.0, help="L2 in MB (50: H100, H200)")
     ap.add_argument("--overhead", type=float, default=1.0, help="fixed time of a block, in block steps")
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--sweep", action="store_true", help="summarize the wider grid instead (slow: about a minute)")
+    ap.add_argument("--sweep", action="store_true", help="summarize the wider grid instead (about 10 s)")
     ap.add_argument("--sweep-sms", type=int, nargs="+", default=[108, 114, 132, 264], help="GPU sizes of --sweep, in resident blocks")
     ap.add_argument("--out", help="write the Markdown table here instead of printing it")
     args = ap.parse_args(argv)

@@ -74,3 +74,14 @@ def test_committed_sweep_is_the_scripts(tmp_path: Path) -> None:
     out = tmp_path / "sweep.md"
     model.main(["--sweep", "--out", str(out)])
     assert out.read_text() == (ROOT / "results" / "gpu" / "launch_order_sweep.md").read_text()
+
+
+def test_grids_of_2_32_blocks_keep_their_order() -> None:
+    # As launch_order.h's launch_tile_fits: the kernels' block indices are 32-bit.
+    assert model.launch_sections(2**17, 2**16, 1, 50 * 2**20, 132) == 0
+    assert model.launch_sections(2**15, 2**16, 1, 50 * 2**20, 132) > 0
+
+
+def test_sweep_without_a_grid_of_two_waves() -> None:
+    row = model.sweep_row([model.Point(1, 8, 8, 64, 1024)], 132, 50 * 2**20, 1.0)
+    assert row["grids"] == 0 and row["sectioned"][2] == 0

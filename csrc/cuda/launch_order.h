@@ -128,8 +128,9 @@ inline bool launch_tile_fits(int64_t entries, int64_t x_dim) {
 // them while they run; the last section's heavy tiles start only after every earlier tile has, and
 // with less than half a wave of light tiles behind them the SMs wait at the end of the grid. A
 // replay of the blocks onto the SMs (benchmarks/launch_order_model.py --sweep, 240 causal calls on
-// 108 to 264 SMs) puts the worst grid at 1.03-1.15x a perfect balance with this width, where
-// sections of at least half a wave gave 1.18-1.40x, and no grid there ends later with it.
+// GPUs running 108 to 264 blocks at once) puts the worst grid at 1.03-1.15x a perfect balance with
+// this width, where sections of about a wave gave 1.18-1.40x, and no grid there ends later with
+// it (docs/cuda.md).
 inline int launch_sections(int64_t entries, int64_t x_dim, int64_t bytes, int64_t l2_bytes,
                            int64_t resident_blocks) {
   if (entries <= 1 || x_dim < 1 || bytes <= 0 || l2_bytes <= 0) return 0;

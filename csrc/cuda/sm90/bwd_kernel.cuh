@@ -441,9 +441,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     constexpr bool kFoldScale = !kGrads && kMask != MaskKind::kAdditive;
     float lam[kRows], lam2[kRows], bias2[kRows];
     // The general kernels' steps without kGrads form them only for a block on an edge, the only
-    // one that reads them (kSplitChecks below); full attention's are two selects. The steps with
-    // kGrads form them for every block, as before their check pass had a branch of its own
-    // (which reads them only on an edge too); forming them under the flag there is untried.
+    // one that reads them (kSplitChecks below); full attention's are two selects. The kGrads
+    // steps form them for every block, as they did before kOwnChecks gave their check a pass of
+    // its own (which reads them only on an edge); forming them under the flag there is untried.
     int klo[kRows] = {}, khi[kRows] = {};
     if (!kCausal || kGrads || edge) {
       CUTE_UNROLL

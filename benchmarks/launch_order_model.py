@@ -199,7 +199,7 @@ def sweep_markdown(rows: List[dict], l2_mb: float, overhead: float, points: int)
         "balance as in launch_order_model.md: its geometric mean, its maximum and the grids above "
         "1.05x, in the grid's own order and in the rule's sections.",
         "",
-        "| SMs | grids | grid order: geo mean | max | > 1.05x | sectioned: geo mean | max | > 1.05x |",
+        "| blocks at once | grids | grid order: geo mean | max | > 1.05x | sectioned: geo mean | max | > 1.05x |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -209,18 +209,10 @@ TEST(EmulatedSm90Backward, FullAttentionEdgesWithLogitsFarBelowZero) {
     std::memcpy(to, from.data(), from.size() * sizeof(from[0]));
   });
   launch_backward<__half, 128, false, MaskKind::kNone>(sm80_emulation::backward_inputs(s, c));
-  const eh::Backward ref = eh::reference_backward(s, c.in, eh::reference_forward(s, c.in));
-  const double tol = eh::tolerance<__half>().grad;
-  sm80_emulation::expect_ok(
-      eh::relative("dq", eh::output_in_head_order(s, c.widen(c.b.dq, s.q_elems())), ref.dq, tol));
-  sm80_emulation::expect_ok(
-      eh::relative("dk", eh::kv_in_head_order(s, c.widen(c.b.dk, s.kv_elems())), ref.dk, tol));
-  sm80_emulation::expect_ok(
-      eh::relative("dv", eh::kv_in_head_order(s, c.widen(c.b.dv, s.kv_elems())), ref.dv, tol));
   // d lambda_i sums dS_ij s_ij over scores all near -1,280 whose spread is about 13, where
   // sum_j dS_ij is 0: the 16-bit operands' rounding comes back amplified (2% here, where the
-  // tolerance of ordinary logits is 0.6%). Checked finite and within 10%.
-  sm80_emulation::expect_ok(eh::relative("d lambda", c.rows(c.b.d_row_scale), ref.dlam, 0.1));
+  // tolerance of ordinary logits is 0.6%). Checked finite and within 10%; the rest as usual.
+  sm80_emulation::expect_backward(s, c, 0.1);
 }
 
 TEST(EmulatedSm90Backward, BulkDqRefusedWithAMask) {

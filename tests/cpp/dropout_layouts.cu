@@ -145,9 +145,11 @@ void sm90_forward(const char* name) {
 template <typename T, int kD>
 void sm90_backward(const char* name) {
   using Kt = ec::sm90::bwd_impl::BwdTraits<T, kD>;
+  // Dropout runs in the steps that keep s: their slices (BwdTraits::slices(true)).
+  constexpr int kSlices = Kt::slices(true);
   auto view = [](int tid) {
-    return typename Kt::TiledMmaSdP{}.get_thread_slice(tid).partition_C(
-        make_identity_tensor(Shape<Int<Kt::kBlockM>, Int<Kt::kSliceN>>{}));
+    return typename Kt::template TiledMmaSdP<kSlices>{}.get_thread_slice(tid).partition_C(
+        make_identity_tensor(Shape<Int<Kt::kBlockM>, Int<Kt::kBlockN / kSlices>>{}));
   };
   check_tile<true>(name, Kt::kConsumerThreads, view,
                    [](auto l) { return ec::sm90::acc_rowcol(l); });

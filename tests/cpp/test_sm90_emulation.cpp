@@ -122,7 +122,7 @@ TEST(EmulatedSm90Forward, Masked) {
 }
 
 TEST(EmulatedSm90Backward, D64) {
-  // One 64 x 64 slice per warpgroup (BwdTraits::kSlices = 1), GQA, causal, the statistics'
+  // One 64 x 64 slice per warpgroup (BwdTraits::slices), GQA, causal, the statistics'
   // gradients, the gradients in (B, L, H, D) memory; and full attention with logn over two key
   // blocks.
   run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
@@ -132,7 +132,8 @@ TEST(EmulatedSm90Backward, D64) {
 }
 
 TEST(EmulatedSm90Backward, D128) {
-  // Two slices of 64 keys.
+  // Two slices of 64 keys (the statistics' gradients), and one 64 x 64 slice per warpgroup (a
+  // loss of the output alone).
   run_backward<__half, 128, false, MaskKind::kNone>(
       eh::Shape{1, 2, 1, 90, 140, 128, false, true, true});
   run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
@@ -168,7 +169,8 @@ TEST(EmulatedSm90Backward, EitherWarpgroupAhead) {
 
 // A loss of the output alone (no statistic gradients): the step that folds lambda_i log2 e into
 // the exponent (kFoldScale) and forms dS by logit_grad(p, dp, delta). Row scales that differ from
-// row to row (logn with causality), both head dims (at D = 128 warpgroup 0's early dV), full
+// row to row (logn with causality), both head dims (at D = 128 one 64 x 64 slice per warpgroup
+// without a mask, and lambda_i read again for lambda dS; two slices with the bool mask), full
 // attention at D = 128 (whose partial blocks take the loop with the check, kSplitChecks, and the
 // others the one without), a bool mask (the fold with the mask's predicate) and an additive one
 // (no fold).

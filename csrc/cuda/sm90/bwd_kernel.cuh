@@ -13,8 +13,9 @@
 //     (cutlass::PipelineTmaAsync, one pipeline each);
 //   warpgroups 1 and 2, the consumers (240 registers): warpgroup w accumulates dK and dV of keys
 //     [64 w, 64 w + 64) of the block, and computes S and dP for half of each slice of the block's
-//     keys (BwdTraits::kSlices: at D = 64 one slice, so its own 64 keys; at D = 128 keys
-//     [32 w, 32 w + 32) of each 64-key slice). Per query block:
+//     keys (BwdTraits::slices: one slice, so its own 64 keys, at D = 64 and in a D = 128 loss of
+//     the output alone without a mask; else at D = 128 keys [32 w, 32 w + 32) of each 64-key
+//     slice). Per query block:
 //       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
 //                                    memory by cp.async, issued while the block before finishes
 //                                    (the masked kernels: at the block's start), waited for
@@ -26,8 +27,8 @@
 //                                    barrier of the two warpgroups),
 //       dV += P^T dO                 wgmma SS, P^T and dO^T read MN-major, in flight during
 //                                    a dS step (FlashAttention-3 issues it before its dS
-//                                    stores; here before the dS step itself): at D = 64 the
-//                                    only slice's; at D = 128 slice 0's for warpgroup 0 (its
+//                                    stores; here before the dS step itself): with one slice
+//                                    that slice's; with two slice 0's for warpgroup 0 (its
 //                                    keys are that slice) and slice 1's for warpgroup 1 (the
 //                                    masked kernels: both slice 1's);
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
@@ -99,7 +100,8 @@ namespace bwd_impl {
 using namespace cute;
 
 // Tile traits. 64 query rows by 128 keys (FlashAttention-3's backward tile at D = 128). Registers
-// per consumer thread: dK and dV D / 2 each (64 + 64 at D = 128), S and dP 32 each, G D / 4.
+// per consumer thread: dK and dV D / 2 each (64 + 64 at D = 128), S and dP 32 each (16 in two
+// slices), G D / 4.
 // Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
 // one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
 // after every product of the one before), the row statistics (two buffers: a block's copies
@@ -120,22 +122,25 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  // S = Q K^T and dP = dO V^T: (queries, keys) over kSlices slices of the key block, one after
-  // the other, each warpgroup taking half of a slice's keys.
-  //   D = 64: one slice, a warpgroup's 64 keys as one m64n64 product each (S and dP 32 registers
-  //     each, beside dK and dV's 32 + 32). At N = 32 each wgmma's shared-memory operands (64 x 16
-  //     of A, N x 16 of B: 3 KB for 32K multiply-adds) take 24 cycles of the SM's 128 bytes per
-  //     cycle against 16 of tensor-core work, about 2/3 of the pipe's rate; at N = 64 the two
-  //     balance (4 KB, 32 cycles each).
-  //   D = 128: two slices of 64 keys, 32 per warpgroup, so that S and dP hold 16 registers each
-  //     beside dK and dV's 64 + 64: the consumers use 237 of their 240 registers so, and whole
-  //     slices would need 32 more.
-  static constexpr int kSlices = kHeadDim == 64 ? 1 : 2;
-  static constexpr int kSliceN = kBlockN / kSlices;
+  // S = Q K^T and dP = dO V^T: (queries, keys) over slices(narrow) slices of the key block, one
+  // after the other, each warpgroup taking half of a slice's keys.
+  //   One slice (D = 64, and D = 128 where the registers allow): a warpgroup's 64 keys as one
+  //     m64n64 product each (S and dP 32 registers each), FlashAttention-3's backward tile. At
+  //     N = 32 each wgmma's shared-memory operands (64 x 16 of A, N x 16 of B: 3 KB for 32K
+  //     multiply-adds) take 24 cycles of the SM's 128 bytes per cycle against 16 of tensor-core
+  //     work, about 2/3 of the pipe's rate; at N = 64 the two balance (4 KB, 32 cycles each).
+  //   Two slices of 64 keys, 32 per warpgroup (D = 128, `narrow`: the steps that keep the
+  //     logits s for the statistics' gradients, softcap or dropout, and every step of the masked
+  //     kernels), so that S and dP hold 16 registers each beside dK and dV's 64 + 64: whole
+  //     slices spilled 88-112 bytes there (the kGrads step of full attention) and 20 bytes (the
+  //     step of the causal bool-masked kernel without kGrads).
+  static constexpr int slices(bool narrow) { return kHeadDim == 128 && narrow ? 2 : 1; }
+  template <int kSlices>
   using TiledMmaSdP = decltype(make_tiled_mma(
       typename Ops::template Gmma<
-          decltype(GMMA::ss_op_selector<Element, Element, float,
-                                        Shape<Int<kBlockM>, Int<kSliceN / 2>, Int<kHeadDim>>>())>{},
+          decltype(GMMA::ss_op_selector<
+                   Element, Element, float,
+                   Shape<Int<kBlockM>, Int<kBlockN / kSlices / 2>, Int<kHeadDim>>>())>{},
       Layout<Shape<_1, _2, _1>>{}));
   // dV += P^T dO and dK += (lambda dS)^T Q: (keys, D), the warpgroups along the keys; every
   // operand read MN-major (the transposed views of tiles stored K-major).
@@ -202,6 +207,10 @@ struct BwdTraits {
     alignas(16) float rows[2][kRowStats][kBlockM];
     typename Pipeline::SharedStorage pipeline_q, pipeline_do;
     alignas(8) uint64_t barrier_kv;
+    // The first query block the thread block walks (main_kernel): the consumers read it where they
+    // form a block's rows instead of holding it across the loop (a register they lack at D = 128,
+    // causal: ptxas spilled it to local memory).
+    int m_begin;
     // G of a query block, laid out as a block of bulk_dq_accum (launch.h); last, so that a launch
     // that adds G by atomics leaves it out (smem_bytes below).
     alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
@@ -281,7 +290,7 @@ template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kBulkDq>
 __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt::SharedStorage& ss,
                                         typename Kt::Pipeline& pipeline_q,
                                         typename Kt::Pipeline& pipeline_do, const GridTile tile,
-                                        int m_begin, int m_count, int iters) {
+                                        int m_count, int iters) {
   using Element = typename Kt::Element;
   using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
@@ -307,18 +316,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   Tensor sdSl = make_tensor(make_smem_ptr(ss.ds_scaled.data()), typename Kt::SmemLayoutPdS{});
   Tensor sdSlt = make_tensor(make_smem_ptr(ss.ds_scaled.data()), typename Kt::SmemLayoutPdSt{});
 
-  typename Kt::TiledMmaSdP mma_sdp;
   typename Kt::TiledMmadKV mma_dkv;
   typename Kt::TiledMmaG mma_g;
-  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
   auto thr_g = mma_g.get_thread_slice(ctid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
-  // K and V by slices of the key block: (kSliceN, D, kSlices).
-  const auto slice_tile = Shape<Int<Kt::kSliceN>, Int<kD>>{};
-  Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
-  Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, slice_tile, make_coord(_, _0{})));
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);     // (MMA, MMA_keys, MMA_queries)
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);   // (MMA, MMA_D, MMA_queries, stages)
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSlt);  // (MMA, MMA_keys, MMA_queries)
@@ -330,14 +331,6 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
   clear(acc_dk);
   clear(acc_dv);
-
-  // (query, key) in the tile of every S accumulator, as (thread rows, columns); (query, d) of
-  // every G accumulator.
-  using RowCol = decltype(acc_rowcol(
-      thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kSliceN>>{})).layout()));
-  constexpr int kRows = decltype(size<0>(RowCol{}))::value;
-  constexpr int kCols = decltype(size<1>(RowCol{}))::value;
-  static_assert(kRows == 2 && kCols % 2 == 0);
 
   // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
   MaskArg<float> mask = p.mask;
@@ -354,13 +347,6 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // its dK at its end.
   constexpr bool kAcrossBlocks = kMask == MaskKind::kNone;
   typename Kt::PipelineState release_state;
-  // kEarlyFirst: at D = 128 the keys of the first warpgroup's dV (the first 64) are slice 0, so it
-  // issues its dV after slice 0's P step, into the window where the tensor cores otherwise wait
-  // for slice 0's dS step; the second issues its own after slice 1's, as both do at D = 64. (Its
-  // dK early too, behind S and dP of slice 1 or after slice 1's P step: ptxas spilled 56-1,296
-  // and 64-72 bytes. The masked kernels issue both dV after slice 1: 64 bytes of local memory
-  // otherwise.)
-  constexpr bool kEarlyFirst = Kt::kSlices == 2 && kAcrossBlocks;
   const bool first = ctid < 128;
 
   // Logit softcapping (docs/math.md section 6): S of a slice becomes the scores whose scaled logits
@@ -388,7 +374,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // block's start, kAcrossBlocks).
   const auto copy_row_stats = [&](const int t) {
     const int h = kvh * group + t / m_count;
-    const int i0 = (m_begin + t % m_count) * kBlockM;
+    const int i0 = (ss.m_begin + t % m_count) * kBlockM;
     const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
     float (*srow)[kBlockM] = ss.rows[t & 1];
     constexpr int kEntries = Kt::kRowStats * kBlockM;
@@ -415,8 +401,20 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // formed again for dS.
   auto step = [&](const int t, auto grads_tag) {
     constexpr bool kGrads = decltype(grads_tag)::value;
+    // S and dP by slices of the key block (BwdTraits::slices): two at D = 128 where s is kept or a
+    // mask is read, else one.
+    constexpr int kSlices = Kt::slices(kGrads || kMask != MaskKind::kNone);
+    constexpr int kSliceN = kBlockN / kSlices;
+    using TiledMmaSdP = typename Kt::template TiledMmaSdP<kSlices>;
+    // kEarlyFirst: with two slices the keys of the first warpgroup's dV (the first 64) are slice 0,
+    // so it issues its dV after slice 0's P step, into the window where the tensor cores otherwise
+    // wait for slice 0's dS step; the second issues its own after slice 1's, as both do with one
+    // slice. (Its dK early too, behind S and dP of slice 1 or after slice 1's P step: ptxas
+    // spilled 56-1,296 and 64-72 bytes. The masked kernels issue both dV after slice 1: 64 bytes
+    // of local memory otherwise.)
+    constexpr bool kEarlyFirst = kSlices == 2 && kAcrossBlocks;
     const int h = kvh * group + t / m_count;
-    const int i0 = (m_begin + t % m_count) * kBlockM;
+    const int i0 = (ss.m_begin + t % m_count) * kBlockM;
     // Without a predicate only where every row of the block sees every key of it (key_ranges.cuh)
     // and no mask applies.
     const bool edge =
@@ -431,8 +429,22 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // lse log2(e) once the row statistics are staged (below).
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
+    TiledMmaSdP mma_sdp;
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
+    // K and V by slices of the key block: (kSliceN, D, kSlices).
+    const auto slice_tile = Shape<Int<kSliceN>, Int<kD>>{};
+    Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
+    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
+    Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, slice_tile, make_coord(_, _0{})));
+    // (query, key) in the slice of every S accumulator, as (thread rows, columns).
+    using RowCol = decltype(acc_rowcol(
+        thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kSliceN>>{})).layout()));
+    constexpr int kRows = decltype(size<0>(RowCol{}))::value;
+    constexpr int kCols = decltype(size<1>(RowCol{}))::value;
+    static_assert(kRows == 2 && kCols % 2 == 0);
     auto othr = mma_sdp.get_thread_slice(otid);
-    Tensor cS0 = othr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kSliceN>>{}));
+    Tensor cS0 = othr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kSliceN>>{}));
     Tensor cS_rc = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));  // (query, key in slice)
     Tensor cG = mma_g.get_thread_slice(otid).partition_C(
         make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));
@@ -455,14 +467,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     // Dropout (kGrads): the decisions of each slice's weights (the forward's), bit r * kCols + c;
     // all kept without dropout, whose keep_scale is 1. Drawn here, before the products of the
     // slices hold their accumulators (drawn next to them, the masked kernels spill at D = 128).
-    [[maybe_unused]] uint32_t keep_slice[Kt::kSlices];
+    [[maybe_unused]] uint32_t keep_slice[kSlices];
     CUTE_UNROLL
-    for (int slice = 0; slice < Kt::kSlices; ++slice) keep_slice[slice] = ~0u;
+    for (int slice = 0; slice < kSlices; ++slice) keep_slice[slice] = ~0u;
     if (kGrads && dropping) {
       CUTE_UNROLL
-      for (int slice = 0; slice < Kt::kSlices; ++slice) {
+      for (int slice = 0; slice < kSlices; ++slice) {
         keep_slice[slice] = dropout_keep_bits<true>(p.dropout, static_cast<int64_t>(b) * heads + h,
-                                                    i0, j0 + slice * Kt::kSliceN, cS_rc);
+                                                    i0, j0 + slice * kSliceN, cS_rc);
       }
     }
     pipeline_q.consumer_wait(read_state);
@@ -471,19 +483,19 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
     // One slice of the key block: keys [kSliceN slice, kSliceN (slice + 1)).
     CUTE_UNROLL
-    for (int slice = 0; slice < Kt::kSlices; ++slice) {
+    for (int slice = 0; slice < kSlices; ++slice) {
       const auto slice_of = [&](auto& tile) {
         return as_position_independent_swizzle_tensor(
-            local_tile(tile, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{}, make_coord(_0{}, slice)));
+            local_tile(tile, Shape<Int<kBlockM>, Int<kSliceN>>{}, make_coord(_0{}, slice)));
       };
-      Tensor tPsP = othr.partition_C(slice_of(sP));
-      Tensor tdSsdS = othr.partition_C(slice_of(sdS));
-      Tensor tdSsdSl = othr.partition_C(slice_of(sdSl));
-      const int jh = j0 + slice * Kt::kSliceN;
+      Tensor tPsP = thr_sdp.partition_C(slice_of(sP));
+      Tensor tdSsdS = thr_sdp.partition_C(slice_of(sdS));
+      Tensor tdSsdSl = thr_sdp.partition_C(slice_of(sdSl));
+      const int jh = j0 + slice * kSliceN;
 
       // S = Q K^T and dP = dO V^T of the slice, both in flight.
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<Kt::kSliceN>>{});
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kSliceN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kSliceN>>{});
       wg_gemm_issue<Ops, true>(mma_sdp, tSrQ(_, _, _, read_state.index()), tSrK(_, _, _, slice),
                                acc_s);
       wg_gemm_issue<Ops, true>(mma_sdp, tdPrdO(_, _, _, read_state.index()), tdPrV(_, _, _, slice),
@@ -635,7 +647,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           Ops::NamedBarrier::arrive(Kt::kConsumerThreads, kP0Barrier);
           Ops::template wgmma_wait<0>();
         }
-      } else if (slice == Kt::kSlices - 1) {
+      } else if (slice == kSlices - 1) {
         Ops::fence_view_async_shared();
         if (kEarlyFirst && first) {
           Ops::NamedBarrier::arrive(Kt::kConsumerThreads, kPBarrier);
@@ -659,6 +671,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       for (int r = 0; r < kRows; ++r) {
         const int q = get<0>(cS_rc(r, 0));
         const float delta = srow[Kt::kStatDelta][q];
+        // Where s took lambda_i folded into one FFMA (kFoldScale), lambda_i is read again here
+        // rather than held across the products.
+        const float lam_ds = kFoldScale ? srow[Kt::kStatLambda][q] : lam[r];
         RowGrads<float> g;  // g_lse enters through delta only
         if constexpr (kGrads) {
           g.g_entropy = srow[Kt::kStatGH][q];
@@ -698,7 +713,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
               to_pair(cutlass::Array<float, 2>{ds[0], ds[1]}));
           Ops::store_shared(
               reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))),
-              to_pair(cutlass::Array<float, 2>{lam[r] * ds[0], lam[r] * ds[1]}));
+              to_pair(cutlass::Array<float, 2>{lam_ds * ds[0], lam_ds * ds[1]}));
         }
       }
     }
@@ -876,7 +891,10 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
       tma_pipeline_params<Pipeline>(warp_group, Kt::kTmaBytesQ, Kt::kConsumerThreads);
   Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) Ops::TxBarrier::init(&ss.barrier_kv, 1);
+  if (threadIdx.x == 0) {
+    Ops::TxBarrier::init(&ss.barrier_kv, 1);
+    ss.m_begin = m_begin;
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -938,8 +956,8 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     pipeline_do.producer_tail(write_state);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<T, Kt, kCausal, kMask, kBulkDq>(args, ss, pipeline_q, pipeline_do, tile, m_begin,
-                                            m_count, iters);
+    consume<T, Kt, kCausal, kMask, kBulkDq>(args, ss, pipeline_q, pipeline_do, tile, m_count,
+                                            iters);
   }
 #endif
 }

@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <utility>
 #include <vector>
 
 namespace entropy_attn {
@@ -224,7 +225,7 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
-    const AttentionOptions& options, bool grad_mask) {
+    const AttentionOptions& options, bool grad_mask, bool grad_scale) {
   AttentionBackwardCall c;
   const SymAttentionShape s = check_attention_backward_inputs(
       grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
@@ -238,6 +239,7 @@ AttentionBackwardCall prepare_attention_backward(
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.row_scale_dtype = row_scale.scalar_type();
+  c.grad_row_scale = grad_scale;
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
   auto row_stat = [&](const at::Tensor& t) { return t.to(c.acc).contiguous(); };
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
@@ -263,6 +265,11 @@ AttentionBackwardCall prepare_attention_backward(
     c.grad_logits = at::zeros(sizes, query.options().dtype(c.acc));
   }
   return c;
+}
+
+at::Tensor row_scale_grad(at::Tensor dlam, const at::Tensor& row_scale,
+                          const AttentionBackwardCall& call) {
+  return call.grad_row_scale ? std::move(dlam) : at::empty({0}, row_scale.options());
 }
 
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& c,

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 #include "attention_inputs.h"
 #include "dropout.h"
@@ -141,6 +142,9 @@ struct AttentionBackwardCall : CallPattern {
   // the kernels add the entries of the keys each row sees, through logit_grad_arg(). Undefined
   // otherwise.
   at::Tensor grad_logits;
+  // grad_scale: d lambda (grad_row_scale) is asked for; else the kernels skip it and return it
+  // empty.
+  bool grad_row_scale = true;
 
   // grad_logits seen as (B, H, Lq, Lk): stride 0 along the dims the mask broadcasts along.
   template <typename acc_t>
@@ -161,12 +165,17 @@ AttentionBackwardCall prepare_attention_backward(
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& lse,
     const at::Tensor& entropy, const at::Tensor& sum_p2, const at::Tensor& row_scale,
     const std::optional<at::Tensor>& sinks, const DocumentArgs& docs,
-    const AttentionOptions& options, bool grad_mask);
+    const AttentionOptions& options, bool grad_mask, bool grad_scale);
 
 // The gradient of the additive mask `attn_mask` from the call's grad_logits, with its shape and
 // dtype; empty without grad_mask.
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& call,
                      const at::Tensor& query);
+
+// The gradient of row_scale: the implementation's d lambda, or empty (row_scale's dtype and device)
+// where the call does not ask for it (grad_scale).
+at::Tensor row_scale_grad(at::Tensor dlam, const at::Tensor& row_scale,
+                          const AttentionBackwardCall& call);
 
 // The gradient of the sinks (H,) from the backward's row quantities (docs/math.md section 6):
 // the sink is one more softmax entry whose value is 0, so its logit gradient follows the same
@@ -180,7 +189,8 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
 //                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
 //                        const AttentionBackwardCall& call);
 // returning (grad_query, grad_key, grad_value, grad_row_scale) and writing call.grad_logits when
-// it is defined; the adaptor adds grad_sinks and grad_attn_mask.
+// it is defined; the adaptor adds grad_sinks and grad_attn_mask, and returns grad_row_scale empty
+// where call.grad_row_scale is false (the implementation may then return anything there).
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <AttentionGrads (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&,
@@ -194,17 +204,21 @@ AttentionBackwardOutputs attention_backward_kernel(
     bool is_causal, c10::IntArrayRef window_size, c10::string_view causal_alignment, double softcap,
     const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
-    const std::optional<at::Tensor>& seqused_k, bool grad_mask) {
+    const std::optional<at::Tensor>& seqused_k, bool grad_mask, bool grad_scale) {
   AttentionOptions options = AttentionOptions::from_schema(
       is_causal, std::nullopt, "fixed", 1.0, 512.0, /*enable_gqa=*/true, /*return_stats=*/true,
       window_size, causal_alignment, softcap, dropout_p, dropout_seed);
-  const AttentionBackwardCall call =
-      prepare_attention_backward(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
-                                 value, attn_mask, output, lse, entropy, sum_p2, row_scale, sinks,
-                                 {cu_seq_q, cu_seq_k, seqused_k, std::nullopt}, options, grad_mask);
+  const AttentionBackwardCall call = prepare_attention_backward(
+      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
+      entropy, sum_p2, row_scale, sinks, {cu_seq_q, cu_seq_k, seqused_k, std::nullopt}, options,
+      grad_mask, grad_scale);
   auto [dq, dk, dv, dlam] = Impl(grad_output, query, key, value, output, call);
-  return {
-      dq, dk, dv, dlam, sink_grad(grad_output, output, call), mask_grad(attn_mask, call, query)};
+  return {dq,
+          dk,
+          dv,
+          row_scale_grad(std::move(dlam), row_scale, call),
+          sink_grad(grad_output, output, call),
+          mask_grad(attn_mask, call, query)};
 }
 
 // The parameters of `attention` with the schema's names (ops.cpp), for the kernels that take them
@@ -283,19 +297,20 @@ inline AttentionOutputs call_attention(const at::Tensor& query, const at::Tensor
 }
 
 // Calls `attention_backward` through the dispatcher with the options of the forward (and the
-// mask's gradient with grad_mask).
+// mask's gradient with grad_mask, d lambda with grad_scale).
 inline AttentionBackwardOutputs call_attention_backward(
     const at::Tensor& grad_output, const OptTensor& grad_lse, const OptTensor& grad_entropy,
     const OptTensor& grad_sum_p2, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const OptTensor& attn_mask, const at::Tensor& output,
     const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& sum_p2,
     const at::Tensor& row_scale, const OptTensor& sinks, const DocumentArgs& docs,
-    const AttentionOptions& o, bool grad_mask = false) {
+    const AttentionOptions& o, bool grad_mask = false, bool grad_scale = true) {
   const std::array<int64_t, 2> window = o.window_size();
-  return attention_backward_op().call(
-      grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key, value, attn_mask, output, lse,
-      entropy, sum_p2, row_scale, o.causal, window, o.causal_alignment_name(), o.softcap, sinks,
-      o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k, docs.seqused_k, grad_mask);
+  return attention_backward_op().call(grad_output, grad_lse, grad_entropy, grad_sum_p2, query, key,
+                                      value, attn_mask, output, lse, entropy, sum_p2, row_scale,
+                                      o.causal, window, o.causal_alignment_name(), o.softcap, sinks,
+                                      o.dropout_p, o.dropout_seed, docs.cu_seq_q, docs.cu_seq_k,
+                                      docs.seqused_k, grad_mask, grad_scale);
 }
 
 }  // namespace entropy_attn

@@ -182,12 +182,15 @@ AttentionInputGrads attention_grad(
   }
   // A bool mask has no gradient.
   const bool grad_mask = output_mask[0] && attn_mask.has_value() && attn_mask->is_floating_point();
+  // d lambda only for a scale tensor that needs a gradient (the common call, a scale policy, has
+  // none, and its kernels skip d lambda's work).
+  const bool grad_scale = scale.has_value() && output_mask[1];
   auto [dq, dk, dv, dlam, dsinks, dmask] = call_attention_backward(
       g_out, grad_lse, defined_or_null(g_entropy), defined_or_null(g_sum_p2), query, key, value,
       attn_mask, output, lse, entropy, sum_p2, row_scale, sinks,
-      {cu_seq_q, cu_seq_k, std::nullopt, std::nullopt}, options, grad_mask);
+      {cu_seq_q, cu_seq_k, std::nullopt, std::nullopt}, options, grad_mask, grad_scale);
   at::Tensor dscale, dsink;
-  if (scale.has_value() && output_mask[1]) {
+  if (grad_scale) {
     // lambda_i = c_i * g(n_i) / temperature, so dc_i = dlambda_i * g(n_i) / temperature, summed
     // over the dims along which c was broadcast.
     dscale = (dlam * length_factor).sum_to_size_symint(scale->sym_sizes()).to(scale->scalar_type());

@@ -52,7 +52,7 @@ AttentionBackwardOutputs attention_backward_meta(
     double /*softcap*/, const std::optional<at::Tensor>& sinks, double /*dropout_p*/,
     c10::SymInt /*dropout_seed*/, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    bool grad_mask) {
+    bool grad_mask, bool grad_scale) {
   const std::pair<const char*, std::optional<at::Tensor>> tensors[] = {
       {"grad_output", grad_output},
       {"grad_lse", grad_lse},
@@ -79,7 +79,8 @@ AttentionBackwardOutputs attention_backward_meta(
   return {empty_in_layout_of(query, query.sym_sizes(), query.options()),
           empty_in_layout_of(key, key.sym_sizes(), key.options()),
           empty_in_layout_of(value, value.sym_sizes(), value.options()),
-          at::empty_like(row_scale, at::MemoryFormat::Contiguous),
+          grad_scale ? at::empty_like(row_scale, at::MemoryFormat::Contiguous)
+                     : at::empty({0}, row_scale.options()),
           sinks.has_value() ? at::empty_symint(sinks->sym_sizes(), sinks->options().dtype(acc))
                             : at::empty({0}, query.options().dtype(acc)),
           grad_mask ? at::empty_like(*attn_mask, at::MemoryFormat::Contiguous)

@@ -35,7 +35,7 @@ using AttentionSignature = AttentionOutputs(const at::Tensor&, const at::Tensor&
 using AttentionBackwardSignature = AttentionBackwardOutputs(
     const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS, bool);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, EA_PATTERN_ARGS, bool, bool);
 using AttentionSparsitySignature = at::Tensor(const at::Tensor&, const at::Tensor&,
                                               const OptTensor&, const OptTensor&, c10::string_view,
                                               bool, std::optional<double>, c10::string_view, double,

@@ -41,7 +41,10 @@ TORCH_LIBRARY(entropy_attn, m) {
   // sum_p2 (docs/math.md sections 3 and 6), with the forward's key pattern, softcap, sinks and
   // dropout. entropy and sum_p2 may be empty (a forward without statistics) when their gradients
   // are absent. grad_sinks is empty without sinks; grad_attn_mask is empty without grad_mask, else
-  // the gradient of each logit (dS before the softcap) summed to attn_mask's shape, in its dtype.
+  // the gradient of each logit (dS before the softcap) summed to attn_mask's shape, in its dtype;
+  // grad_row_scale is empty with grad_scale=False (a call whose scale is no tensor that needs a
+  // gradient, which spares the kernels d lambda's work: most Hopper kernels then form dq = lambda
+  // dS K directly and store one dS tile instead of two).
   m.def(
       "attention_backward(Tensor grad_output, Tensor? grad_lse, Tensor? grad_entropy, "
       "Tensor? grad_sum_p2, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
@@ -49,8 +52,8 @@ TORCH_LIBRARY(entropy_attn, m) {
       "bool is_causal, *, int[2] window_size=[-1, -1], str causal_alignment=\"top_left\", "
       "float softcap=0.0, Tensor? sinks=None, float dropout_p=0.0, SymInt dropout_seed=0, "
       "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, Tensor? seqused_k=None, "
-      "bool grad_mask=False) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
-      "Tensor grad_row_scale, Tensor grad_sinks, Tensor grad_attn_mask)");
+      "bool grad_mask=False, bool grad_scale=True) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value, Tensor grad_row_scale, Tensor grad_sinks, Tensor grad_attn_mask)");
   // The gradients of `attention`'s inputs (query, key, value, and where output_mask asks: the
   // additive attn_mask, the scale tensor, the sinks; else undefined) from the upstream gradients
   // of its outputs (absent: 0; the derived statistics' chained into entropy's and sum_p2's) and

@@ -284,6 +284,51 @@ def test_attention_backward_op_upstream_in_another_dtype(upstream: torch.dtype) 
         assert a.dtype == torch.float32 and torch.equal(a, e), name
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_stats_grads", [False, True])
+def test_attention_backward_op_without_grad_scale(device: str, dtype: torch.dtype, with_stats_grads: bool) -> None:
+    """grad_scale=False: grad_row_scale comes back empty (row_scale's dtype and device) and the other
+    gradients are those of grad_scale=True: the same values on the CPU, which only skips d lambda; on
+    CUDA to the order of the atomic additions (float32 and float64: the fallback's dq) or to the
+    16-bit rounding (the Hopper family sums G from lambda dS instead of dS: dq = G there, not
+    lambda G)."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 150, 64
+    q, k, v = (rand(b, h, n, D, dtype=dtype, device=device, rg=False) for b, h, n in ((B, H, Lq), (B, Hkv, Lk), (B, Hkv, Lk)))
+    out, lse, ent, sp2, _, _, rs = OP(q, k, v, None, None, is_causal=True, enable_gqa=True, scale_mode="logn")[:7]
+    go = torch.randn_like(out)
+    gl, ge, gp = (torch.randn_like(t) if with_stats_grads else None for t in (lse, ent, sp2))
+    args = (go, gl, ge, gp, q, k, v, None, out, lse, ent, sp2, rs, True)
+    with_scale = torch.ops.entropy_attn.attention_backward(*args)
+    without = torch.ops.entropy_attn.attention_backward(*args, grad_scale=False)
+    gs = without[3]
+    assert gs.shape == (0,) and gs.dtype == rs.dtype and gs.device == rs.device
+    assert with_scale[3].shape == rs.shape
+    tol = 0.0 if device == "cpu" else 1e-6 if dtype in (F64, torch.float32) else GRAD_TOL[dtype]
+    for name, a, e in zip(["query", "key", "value"], without[:3], with_scale[:3]):
+        if tol == 0.0:
+            assert torch.equal(a, e), name
+        else:
+            assert rel_err(a, e) < tol, f"{name}: {rel_err(a, e):.3g}"
+
+
+def test_scale_tensor_without_grad(device: str) -> None:
+    """A scale tensor that needs no gradient (attention_grad asks for no d lambda) leaves the
+    gradients of query, key and value as they are when it needs one."""
+    B, H, Lq, Lk = 2, 2, 9, 12
+    base = [rand(B, H, n, 8, device=device, rg=False) for n in (Lq, Lk, Lk)]
+    lam = (0.3 + torch.rand(B, H, Lq, dtype=F64)).to(device)
+    up = torch.randn(B, H, Lq, 8, dtype=F64, device=device)
+    grads = []
+    for scale_grad in (False, True):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        scale = lam.clone().requires_grad_(scale_grad)
+        out = OP(q, k, v, None, scale, is_causal=True)[0]
+        inputs = [q, k, v] + ([scale] if scale_grad else [])
+        grads.append(torch.autograd.grad((out * up).sum(), inputs)[:3])
+    for name, a, e in zip(["query", "key", "value"], *grads):
+        assert torch.equal(a, e), name
+
+
 # ----------------------------------------------------------------------------------------
 # fully masked rows, Lk = 0, edge cases
 # ----------------------------------------------------------------------------------------

@@ -160,6 +160,12 @@ def test_opcheck_attention_backward(device: str, config: Tuple[str, Tuple[int, .
     torch.library.opcheck(ops.attention_backward.default, backward_args(config, device))
 
 
+@pytest.mark.parametrize("config", BW_CONFIGS[:2], ids=[c[0] for c in BW_CONFIGS[:2]])
+def test_opcheck_attention_backward_without_grad_scale(device: str, config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> None:
+    """opcheck entropy_attn.attention_backward with grad_scale=False (grad_row_scale empty)."""
+    torch.library.opcheck(ops.attention_backward.default, backward_args(config, device), {"grad_scale": False})
+
+
 @pytest.mark.parametrize("config", BW_CONFIGS, ids=[c[0] for c in BW_CONFIGS])
 def test_opcheck_attention_grad(device: str, config: Tuple[str, Tuple[int, ...], str, bool, Dict[str, Any]]) -> None:
     """opcheck entropy_attn.attention_grad (the autograd functions' backward) on a real forward's

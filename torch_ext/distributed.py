@@ -236,8 +236,11 @@ class _RingAttention(torch.autograd.Function):
         rows = [t.chunk(per, 2) for t in (q, lam, out, lse, ent, sum_p2, g_out)]
         grads = [None if g is None else g.chunk(per, 2) for g in (g_lse, g_ent, g_sum_p2)]
         acc = _acc_dtype(q)
+        # d lambda only where lambda needs a gradient (a scale tensor that does): the kernels skip it
+        # otherwise.
+        grad_scale = ctx.needs_input_grad[3]
         dq = [torch.zeros(p.shape, dtype=acc, device=q.device) for p in rows[0]]
-        dlam = [torch.zeros(p.shape, dtype=lse.dtype, device=q.device) for p in rows[1]]
+        dlam = [torch.zeros(p.shape, dtype=lse.dtype, device=q.device) for p in rows[1]] if grad_scale else []
         k_cur, v_cur = k, v
         dk_cur = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_cur = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -251,9 +254,11 @@ class _RingAttention(torch.autograd.Function):
                     qp, lp, op, lsep, entp, p2p, gop = (r[qi] for r in rows)
                     g = [None if gr is None else gr[qi].contiguous() for gr in grads]
                     dqp, dkp, dvp, dlp, _, _ = torch.ops.entropy_attn.attention_backward(
-                        gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag)
+                        gop, g[0], g[1], g[2], qp, k_parts[ki], v_parts[ki], None, op, lsep, entp, p2p, lp, diag,
+                        grad_scale=grad_scale)
                     dq[qi] += dqp
-                    dlam[qi] += dlp
+                    if grad_scale:
+                        dlam[qi] += dlp
                     dk_parts[ki].add_(dkp)  # views of dk_cur, dv_cur
                     dv_parts[ki].add_(dvp)
             if pending is not None:
@@ -265,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
                 for req in requests:
                     req.wait()
         return (torch.cat(dq, 2).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype),
-                torch.cat(dlam, 2).to(lam.dtype), None, None, None)
+                torch.cat(dlam, 2).to(lam.dtype) if grad_scale else None, None, None, None)
 
 
 def _empty_state(q: torch.Tensor, v: torch.Tensor) -> RowState:

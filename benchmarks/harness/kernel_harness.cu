@@ -16,8 +16,9 @@
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
-//    and with statistics and of the forward with statistics + backward (dq's accumulator zeroed
-//    in the timed span, as the op does), and their TFLOP/s. No SDPA here: ratios against it come
+//    and with statistics and of the forward with statistics + backward (without d lambda, as
+//    autograd asks for it with a scale policy; dq's accumulator zeroed in the timed span, as the
+//    op does), and their TFLOP/s. No SDPA here: ratios against it come
 //    from benchmarks/gpu_vs_sdpa.py.
 //
 // Markdown tables on stdout (progress on stderr), and --json F writes them as JSON. Exit code 0
@@ -433,7 +434,9 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   const Inputs<T> in = make_inputs<T>(s, 11, false);
   fill_inputs(s, c.b, in, [&](void* to, const auto& from) { c.upload(to, from); });
   const FwdParams<float> pf = l.forward(c, false), ps = l.forward(c, true);
-  const BwdParams<float> pb = l.backward(c, tensor_core);
+  BwdParams<float> pb = l.backward(c, tensor_core);
+  // Timed as autograd calls it with a scale policy (no scale tensor): no d lambda (grad_scale).
+  pb.d_row_scale = nullptr;
   // (Only the layout's bytes, as the op allocates and zeroes them: the buffer fits either layout.)
   const int64_t g_bytes = dq_accum_elems(s, pb.dq_layout) * 4;
   if (!launched(l.fwd_stats(ps, nullptr))) return row;

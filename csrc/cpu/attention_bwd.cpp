@@ -76,7 +76,7 @@ struct BwdArgs {
   Dropout<acc_t> dropout;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
-  acc_t* d_row_scale;            // (chunks, B, H, Lq), partials as dq
+  acc_t* d_row_scale;            // (chunks, B, H, Lq), partials as dq; null: not asked for
   LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
 };
 
@@ -399,11 +399,13 @@ void backward_q_block(const BwdArgs<acc_t>& a, const BwdUnit<acc_t>& u, int64_t 
   }
   if (pairs) release_bf16_products();
 
-  // dlambda_i = q_i . G_i, then dQ = lambda G in place of G.
+  // dlambda_i = q_i . G_i (where asked for), then dQ = lambda G in place of G.
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* g = buf.g.data() + r * D;
     const acc_t lam = a.row_scale[row0 + r];
-    a.d_row_scale[chunk * sh.batch * sh.heads * sh.q_len + row0 + r] = dot(q + r * D, g, D);
+    if (a.d_row_scale != nullptr) {
+      a.d_row_scale[chunk * sh.batch * sh.heads * sh.q_len + row0 + r] = dot(q + r * D, g, D);
+    }
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) g[d] *= lam;
   }
@@ -562,7 +564,8 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
                       : at::empty({chunks * sh.batch, sh.heads, sh.q_len, sh.head_dim}, opts);
   at::Tensor dk = empty_in_layout_of(key, key.sym_sizes(), key.options());
   at::Tensor dv = empty_in_layout_of(value, value.sym_sizes(), value.options());
-  at::Tensor dlam = at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts);
+  at::Tensor dlam =
+      call.grad_row_scale ? at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts) : at::Tensor();
 
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
     auto opt_ptr = [](const at::Tensor& t) {
@@ -591,15 +594,15 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.row_scale = call.row_scale.const_data_ptr<scalar_t>();
     a.g_lse = opt_ptr(call.g_lse), a.g_entropy = opt_ptr(call.g_entropy);
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
-    a.d_row_scale = dlam.data_ptr<scalar_t>();
+    a.d_row_scale = dlam.defined() ? dlam.data_ptr<scalar_t>() : nullptr;
     a.d_logits = call.logit_grad_arg<scalar_t>();
     backward_kernel(a, tasks, split);
   });
   if (chunks > 1) {  // the key chunks' partial dQ and dlambda
     dq = in_layout_of(query, dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0),
                       query.scalar_type());
-    dlam = dlam.sum(0);
-  } else {
+    if (dlam.defined()) dlam = dlam.sum(0);
+  } else if (dlam.defined()) {
     dlam = dlam.squeeze(0);
   }
   if (parts > 1) {  // the head parts' partial dK and dV, summed into the first (no new buffer)
@@ -614,7 +617,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     transposed_copy_into(dkt, dk);
     transposed_copy_into(dvt, dv);
   }
-  return {dq, dk, dv, dlam.to(call.row_scale_dtype)};
+  return {dq, dk, dv, dlam.defined() ? dlam.to(call.row_scale_dtype) : dlam};
 }
 
 }  // namespace

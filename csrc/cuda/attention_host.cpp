@@ -145,7 +145,7 @@ void BackwardCall::allocate(Family f) {
         empty_in_layout_of(given_key, {sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim}, q.options());
     dv = empty_in_layout_of(given_value, {sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim},
                             q.options());
-    dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
+    if (call.grad_row_scale) dlam = at::empty({sh.batch, sh.heads, sh.q_len}, opts);
   }
 }
 
@@ -167,7 +167,7 @@ BwdParams<acc_t> BackwardCall::params() const {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   } else {
     p.dq_out = out_view_of(dq), p.dk_out = out_view_of(dk), p.dv_out = out_view_of(dv);
-    p.d_row_scale = dlam.data_ptr<acc_t>();
+    p.d_row_scale = dlam.defined() ? dlam.data_ptr<acc_t>() : nullptr;
     p.deterministic = at::globalContext().deterministicAlgorithms();
   }
   return p;
@@ -176,20 +176,25 @@ template BwdParams<float> BackwardCall::params<float>() const;
 template BwdParams<double> BackwardCall::params<double>() const;
 
 AttentionGrads BackwardCall::finish() const {
-  if (family != Family::kFallback) return {dq, dk, dv, dlam.to(call.row_scale_dtype)};
+  // (d lambda undefined where the call does not ask for it: attention_backward_kernel)
+  if (family != Family::kFallback) {
+    return {dq, dk, dv, dlam.defined() ? dlam.to(call.row_scale_dtype) : dlam};
+  }
   const AttentionShape& sh = call.shape;
   // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
   // dq is formed in the input type and the query's layout in the same pass.
   at::Tensor grad_q = empty_in_layout_of(given_query, g.sym_sizes(), g.options().dtype(call.dtype));
   at::mul_out(grad_q, g, call.row_scale.unsqueeze(-1));
-  const at::Tensor dlam = (q.to(g.scalar_type()) * g).sum(-1);
+  const at::Tensor dlam = call.grad_row_scale
+                              ? (q.to(g.scalar_type()) * g).sum(-1).to(call.row_scale_dtype)
+                              : at::Tensor();
   at::Tensor dk_sum = dk, dv_sum = dv;
   if (sh.heads != sh.kv_heads) {  // GQA: sum the per-query-head dK, dV over each group
     dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);
     dv_sum = dv.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.v_head_dim}).sum(2);
   }
   return {grad_q, in_layout_of(given_key, dk_sum, call.dtype),
-          in_layout_of(given_value, dv_sum, call.dtype), dlam.to(call.row_scale_dtype)};
+          in_layout_of(given_value, dv_sum, call.dtype), dlam};
 }
 
 SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind_,

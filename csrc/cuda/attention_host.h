@@ -49,7 +49,7 @@ struct BackwardCall {
   // Kernel outputs, allocated by allocate() for the family that runs: D~ and G = sum_j dS_ij k_j
   // (accumulate type) for both; the fallback's dK, dV per query head (accumulate type), or the
   // tensor-core family's dq, dk, dv (input type, dk and dv per key/value head, each in its input's
-  // layout: attention_call.h, empty_in_layout_of) and d lambda.
+  // layout: attention_call.h, empty_in_layout_of) and d lambda (where the call asks for it).
   Family family = Family::kFallback;
   at::Tensor delta, g, dk, dv, dq, dlam;
   DqAccumLayout dq_layout;  // g's (params.h), which the tensor-core families read

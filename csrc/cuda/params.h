@@ -108,10 +108,10 @@ struct BwdParams : AttentionArgs<acc_t> {
   const acc_t *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *row_scale = nullptr;
   const acc_t *g_lse = nullptr, *g_entropy = nullptr, *g_sum_p2 = nullptr;
   acc_t* delta = nullptr;  // D~_i, written by the preprocess kernel
-  // Contiguous accumulators: G = sum_j dS_ij k_j (B, H, Lq, D), for the tensor-core families as
-  // dq_layout says, zero-filled by the caller (the host, or the tensor-core families' postprocess,
-  // turns it into dq = lambda G and d lambda = q . G); dK and dV per query head (B, H, Lk, D) and
-  // (B, H, Lk, Dv), summed over GQA groups by the host.
+  // Contiguous accumulators: G = sum_j dS_ij k_j (B, H, Lq, D) (lambda_i G_i with g_scaled), for
+  // the tensor-core families as dq_layout says, zero-filled by the caller (the host, or the
+  // tensor-core families' postprocess, turns it into dq = lambda G and d lambda = q . G); dK and dV
+  // per query head (B, H, Lk, D) and (B, H, Lk, Dv), summed over GQA groups by the host.
   acc_t *dq_accum = nullptr, *dk = nullptr, *dv = nullptr;
   DqAccumLayout dq_layout;  // the tensor-core families' dq_accum (set by whoever allocates it)
   // The tensor-core family writes the gradients itself, in the input type and strided as the host
@@ -119,9 +119,14 @@ struct BwdParams : AttentionArgs<acc_t> {
   // 16-byte aligned: dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D) summed over each GQA group in the
   // kernel; and d lambda (B, H, Lq) in acc_t, contiguous (a postprocess kernel forms dq = lambda G,
   // d lambda = q . G from dq_accum). `deterministic` asks for a dq computed without atomics.
+  // d_row_scale null: d lambda is not asked for (the call's grad_scale), so the postprocess forms
+  // dq alone; and where the Hopper launcher sets g_scaled (its kernels without a mask at D = 128,
+  // and causal at D = 64: sm90/bwd_kernel.cuh, kScalesG), the main kernel stores lambda_i dS alone
+  // and sums G = lambda dS K, which is dq itself (docs/math.md section 3).
   OutView4 dq_out, dk_out, dv_out;
   acc_t* d_row_scale = nullptr;
   bool deterministic = false;
+  bool g_scaled = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the
   // fallback adds into it); else null.
   LogitGradArg<acc_t> d_logits;

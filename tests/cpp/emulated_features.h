@@ -104,7 +104,7 @@ void run_feature(const Feature& f) {
 
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, out, lse, entropy, sum_p2,
-      row_scale, sinks, {}, o, /*grad_mask=*/false);
+      row_scale, sinks, {}, o, /*grad_mask=*/false, /*grad_scale=*/true);
   ec::BackwardCall bwd(dout, q, k, v, out, bcall);
   bwd.allocate(Family::kFamily);
   Family::template backward<T, kD>(bwd.params<float>());
@@ -163,7 +163,7 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, std::get<0>(f),
       std::get<1>(f), std::get<2>(f), std::get<3>(f), std::get<6>(f), std::nullopt, docs, o,
-      /*grad_mask=*/false);
+      /*grad_mask=*/false, /*grad_scale=*/true);
   ec::BackwardCall tb(dout, q, k, v, std::get<0>(f), bcall),
       bb(dout, q, k, v, std::get<0>(f), bcall);
   tb.allocate(Family::kFamily);

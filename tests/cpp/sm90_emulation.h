@@ -52,7 +52,8 @@ void launch_forward(const ec::FwdParams<float>& p) {
 // sm90/bwd_launch.cuh's launch_backward: the sm80 family's delta preprocess, the Hopper main
 // kernel, the sm80 family's dq / d lambda postprocess.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
-void launch_backward(const ec::BwdParams<float>& p) {
+void launch_backward(const ec::BwdParams<float>& given) {
+  const ec::BwdParams<float> p = s9b::launch_params<kD, kCausal, kMask>(given);
   using Kt = s9b::BwdTraits<T, kD, cuda_emu::sm90::Ops>;
   using Rows = sm80_emulation::EmulatedTraits<T, kD, false>;
   namespace sb = entropy_attn::cuda::sm80::bwd;
@@ -88,18 +89,19 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 }
 
 // One backward: the fallback forward's statistics, the Hopper backward (with bulk_dq, dq's partial
-// sums added by bulk reductions: sm90/launch.h, bulk_dq_accum), and its gradients against the
-// reference.
+// sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
+// G summed from lambda dS, params.h: g_scaled), and its gradients against the reference.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
-void run_backward(const eh::Shape& s, bool bulk_dq = false) {
+void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
   eh::HostCall<T> c(s, 11);
   ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);
+  if (!dlam) p.d_row_scale = nullptr;
   launch_backward<T, kD, kCausal, kMask>(p);
-  sm80_emulation::expect_backward(s, c);
+  sm80_emulation::expect_backward(s, c, 0, dlam);
 }
 
 }  // namespace sm90_emulation

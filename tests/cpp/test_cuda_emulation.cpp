@@ -553,7 +553,7 @@ void run_case_typed(const Case& c, bool backward) {
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
       in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, documents(in),
-      options(c), /*grad_mask=*/additive_mask(in));
+      options(c), /*grad_mask=*/additive_mask(in), /*grad_scale=*/true);
   ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>(), c.smem_optin);
@@ -844,7 +844,8 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks 
                normalized_entropy, sparsity, effective_keys] = fwd.outputs;
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
-      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false);
+      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false,
+      /*grad_scale=*/true);
 
   ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
   plain.allocate(ec::Family::kFallback);

@@ -130,6 +130,12 @@ TEST(EmulatedSm80Backward, DeterministicDq) {
       eh::Shape{1, 2, 2, 70, 140, 64, false, false, false}, true);
 }
 
+TEST(EmulatedSm80Backward, WithoutDLambda) {
+  // No d lambda asked for: the postprocess forms dq = lambda G alone (no q read, no d lambda).
+  run_case<__nv_bfloat16, 128, false, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 70, 90, 128, true, true, true}, false, false);
+}
+
 TEST(EmulatedSm80Backward, CompactOnlyWhereTheFullTilesDoNotFit) {
   EXPECT_FALSE(ec::sm80::backward_compact(128, 232448));  // H100
   EXPECT_FALSE(ec::sm80::backward_compact(128, 166912));  // A100

@@ -187,6 +187,25 @@ TEST(EmulatedSm90Backward, WithoutStatisticGradients) {
       eh::Shape{1, 2, 2, 80, 80, 64, true, true, false, MaskKind::kAdditive});
 }
 
+// No d lambda asked for (params.h: g_scaled): the warps store lambda dS alone, which G reads
+// too, and the postprocess takes G for dq. The plain loop of each head dim (at D = 128 one slice,
+// with either consumer warpgroup ahead), the statistics' gradients (two slices at D = 128), causal
+// with bulk reductions, and a bool mask (the masked kernel's two slices and stores).
+TEST(EmulatedSm90Backward, WithoutDLambda) {
+  with_either_warpgroup_ahead([] {
+    run_backward<__nv_bfloat16, 128, false, MaskKind::kNone>(
+        eh::Shape{1, 2, 1, 90, 140, 128, false, true, false}, false, false);
+  });
+  run_backward<__half, 64, false, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 70, 200, 64, false, true, false}, false, false);
+  run_backward<__half, 128, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 130, 130, 128, true, true, true}, true, false);
+  run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 100, 150, 64, true, false, true, MaskKind::kNone, true}, true, false);
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kBool>(
+      eh::Shape{1, 2, 1, 70, 150, 128, false, true, false, MaskKind::kBool}, false, false);
+}
+
 // Full attention's partial blocks with every logit far below zero: q_i.k_j near -1,280 (lambda s
 // near -113), so that lse_i is near -108. The keys past kv_len, which TMA fills with zeros, score
 // 0 there and would weigh exp(-lse_i), an infinity in float32, whose product with their zero rows

@@ -8,7 +8,7 @@
 // (which holds the sink, if any):
 //   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s - lse, D~) o cap',
 //   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator; the host forms
-//   dq = lambda G and d lambda = q . G),
+//   dq = lambda G and, where asked for, d lambda = q . G),
 // with Z the dropout factors (1 without dropout) and cap' the softcap's derivative at the scaled
 // score (1 without softcap), as the CPU kernel.
 #pragma once
@@ -23,7 +23,8 @@ namespace entropy_attn::cuda::fallback {
 
 // Whether the kernels run as the guard of a tensor-core backward (params.h: nonfinite): they then
 // write that family's outputs, dk and dv of each key/value head summed over its GQA group by the
-// block of a key tile (no per-query-head buffer), dq and d lambda by the postprocess.
+// block of a key tile (no per-query-head buffer), dq and d lambda (where asked for) by the
+// postprocess.
 template <typename acc_t>
 __host__ __device__ __forceinline__ bool grouped(const BwdParams<acc_t>& p) {
   return p.dk_out.data != nullptr;
@@ -441,9 +442,9 @@ __global__ void __launch_bounds__(kThreads,
   backward_key_tile<T, kD, false, CompactBwdLayout<T, kD>>(p, blockIdx.x);
 }
 
-// The guard's last kernel: dq = lambda G in the input type and d lambda = q . G (the tensor-core
-// family's outputs, which a plain fallback call forms on the host), one warp per query row
-// (preprocess_blocks: the grid).
+// The guard's last kernel: dq = lambda G in the input type and d lambda = q . G where asked for
+// (the tensor-core family's outputs, which a plain fallback call forms on the host), one warp per
+// query row (preprocess_blocks: the grid).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_bwd_postprocess_kernel(const BwdParams<AccType<T>> p) {
@@ -463,7 +464,7 @@ __global__ void __launch_bounds__(kThreads)
       dq[d] = from_acc<T>(lam * g[d]);
     }
     dot = warp_sum(dot);
-    if (lane == 0) p.d_row_scale[row] = dot;
+    if (lane == 0 && p.d_row_scale != nullptr) p.d_row_scale[row] = dot;
   }
 }
 

@@ -11,7 +11,7 @@
 //                dV in registers, while the CTA walks the query blocks of every query head of
 //                its GQA group: S = Q K^T, P = exp(S - lse), dP = dO V^T, dS = logit_grad(...),
 //                dV += P^T dO, dK += dS^T (lambda Q), G += dS K (fp32 atomics into dq_accum).
-//   postprocess: dq_i = lambda_i G_i (to T) and d lambda_i = q_i . G_i.
+//   postprocess: dq_i = lambda_i G_i (to T) and d lambda_i = q_i . G_i where asked for.
 //
 // The instantiations compiled with causality (kCausal) are the general ones: they take any
 // KeyPattern (key_ranges.cuh: causality, a sliding window, either alignment, packed documents,
@@ -1014,10 +1014,10 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Postprocess: dq_i = lambda_i G_i (T) and d lambda_i = q_i . G_i (docs/math.md section 3:
-// s_ij = lambda_i q_i . k_j), 4 elements per thread; G in dq_accum as p.dq_layout says (the
-// Hopper family's main kernel runs between this family's pre- and postprocess). Grid (ceil(Lq /
-// kPostRows), H, B).
+// Postprocess: dq_i = lambda_i G_i (T) and, where asked for (d_row_scale), d lambda_i = q_i . G_i
+// (docs/math.md section 3: s_ij = lambda_i q_i . k_j), 4 elements per thread; G in dq_accum as
+// p.dq_layout says (the Hopper family's main kernel runs between this family's pre- and
+// postprocess; with g_scaled its G is lambda_i G_i, dq itself). Grid (ceil(Lq / kPostRows), H, B).
 template <typename Kt>
 CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   using Element = typename Kt::Element;
@@ -1030,9 +1030,10 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
   // G's row in dq_accum: packed from the sm80 kernels, padded from the Hopper bulk reductions
   // (params.h: DqAccumLayout; its rows are multiples of 4 floats, so float4 loads stay aligned).
   const int64_t g_row = p.dq_layout.offset(static_cast<int64_t>(b) * p.heads + h, i);
+  const bool want_dot = p.d_row_scale != nullptr;
   float dot = 0.f;
   if (valid) {
-    const float lam = p.row_scale[row];
+    const float lam = p.g_scaled ? 1.f : p.row_scale[row];
     // A non-finite dq row (a hidden key's NaN in dS K gives one): the fallback recomputes the call
     // (params.h: nonfinite).
     bool nonfinite = false;
@@ -1040,13 +1041,15 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
     for (int step = 0; step < Kt::kPostSteps; ++step) {
       const int col = (step * kTpr + lane) * 4;
       const float4 g = *reinterpret_cast<const float4*>(p.dq_accum + g_row + col);
-      const Element* q =
-          static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl + col;
-      Tensor rq = make_tensor<Element>(Shape<_4>{});
-      cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{},
-                 make_tensor(make_gmem_ptr(q), Shape<_4>{}), rq);
-      dot += static_cast<float>(rq(0)) * g.x + static_cast<float>(rq(1)) * g.y +
-             static_cast<float>(rq(2)) * g.z + static_cast<float>(rq(3)) * g.w;
+      if (want_dot) {  // (q is read only for d lambda)
+        const Element* q =
+            static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.sl + col;
+        Tensor rq = make_tensor<Element>(Shape<_4>{});
+        cute::copy(AutoVectorizingCopyWithAssumedAlignment<64>{},
+                   make_tensor(make_gmem_ptr(q), Shape<_4>{}), rq);
+        dot += static_cast<float>(rq(0)) * g.x + static_cast<float>(rq(1)) * g.y +
+               static_cast<float>(rq(2)) * g.z + static_cast<float>(rq(3)) * g.w;
+      }
       Tensor rdq = make_tensor<Element>(Shape<_4>{});
       rdq(0) = static_cast<Element>(lam * g.x);
       rdq(1) = static_cast<Element>(lam * g.y);
@@ -1061,6 +1064,7 @@ CUTE_DEVICE void postprocess_block(const BwdParams<float>& p) {
     }
     if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;
   }
+  if (!want_dot) return;
   CUTE_UNROLL
   for (int o = kTpr / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   if (valid && lane == 0) {

@@ -32,7 +32,8 @@
 //                                    keys are that slice) and slice 1's for warpgroup 1 (the
 //                                    masked kernels: both slice 1's);
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
-//       dS and lambda_i dS to shared memory (T), then, after a barrier of the two warpgroups,
+//       lambda_i dS, and dS unless g_scaled (below), to shared memory (T), then, after a
+//       barrier of the two warpgroups,
 //       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
 //                                    dq_accum with 8-byte fp32 atomics, or (a bulk_dq_accum
 //                                    layout, launch.h) stored to a shared fp32 tile that warp 1
@@ -42,11 +43,15 @@
 //       dK += (lambda dS)^T Q        wgmma SS, in flight into the next block, which waits for
 //                                    it once its own S and dP are issued (the masked kernels:
 //                                    at the block's end).
-//     lambda goes into dK's operand but not into the dS of G: the postprocess forms dq = lambda G
-//     and d lambda = q . G from the unscaled G (docs/math.md section 3). (FlashAttention-3 at
-//     D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK; with five per-row
-//     values instead of two, the transposed layout's 16 query columns per thread cost registers
-//     that dK and dV need, so P and dS go through shared memory.)
+//     lambda goes into dK's operand. Where d lambda is asked for (d_row_scale), not into the dS of
+//     G: the postprocess forms dq = lambda G and d lambda = q . G from the unscaled G (docs/math.md
+//     section 3). Else (g_scaled, the common call: a scale policy, no scale tensor that needs a
+//     gradient; the kernels without a mask at D = 128, and causal at D = 64: kScalesG) G's operand
+//     is lambda dS too, so that G is dq itself and the warps store one dS
+//     tile instead of two (a conversion and a 4-byte store less per two elements).
+//     (FlashAttention-3 at D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK;
+//     with five per-row values instead of two, the transposed layout's 16 query columns per thread
+//     cost registers that dK and dV need, so P and dS go through shared memory.)
 // dK and dV (zero for a key block no query row sees) are written from the registers, summed over
 // the GQA group, in T, contiguous (B, Hkv, Lk, D).
 //
@@ -284,6 +289,22 @@ constexpr int kdQFullBarrier = 4;
 // kPBarrier (slice 1) before the first has waited here, and would count for the first.
 constexpr int kP0Barrier = 5;
 
+// Whether a kernel sums G from lambda dS where no d lambda is asked for (params.h: g_scaled): not
+// the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal),
+// nor full attention at D = 64, where ptxas then formed the loop's wgmma descriptors in vector
+// registers (35 instructions more per query block than the dS stores saved:
+// scripts/softmax_issue_model.py --backward).
+template <int kD, bool kCausal, MaskKind kMask>
+constexpr bool kScalesG = kMask == MaskKind::kNone && (kD == 128 || kCausal);
+
+// The parameters of a launch's main kernel and postprocess: g_scaled where the kernel takes it and
+// no d lambda is asked for.
+template <int kD, bool kCausal, MaskKind kMask>
+BwdParams<float> launch_params(BwdParams<float> p) {
+  p.g_scaled = kScalesG<kD, kCausal, kMask> && p.d_row_scale == nullptr;
+  return p;
+}
+
 // The consumer warpgroups: everything but the loads. kBulkDq: G goes to the shared tile for the dq
 // writer's bulk reductions (a bulk_dq_accum layout), else to dq_accum by atomics.
 template <typename T, typename Kt, bool kCausal, MaskKind kMask, bool kBulkDq>
@@ -302,6 +323,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const int group = heads / static_cast<int>(p.kv_heads);
   const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
   const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
+  const bool g_scaled = kScalesG<kD, kCausal, kMask> && p.g_scaled;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutKt{});
@@ -324,8 +346,10 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);   // (MMA, MMA_D, MMA_queries, stages)
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSlt);  // (MMA, MMA_keys, MMA_queries)
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);     // (MMA, MMA_D, MMA_queries, stages)
-  Tensor tGrdS = thr_g.partition_fragment_A(sdS);        // (MMA, MMA_queries, MMA_keys)
-  Tensor tGrKt = thr_g.partition_fragment_B(sKt);        // (MMA, MMA_D, MMA_keys)
+  // G's dS: lambda dS where d lambda is not asked for (g_scaled: G is then dq itself, and dS is not
+  // stored), else dS.
+  Tensor tGrdS = thr_g.partition_fragment_A(g_scaled ? sdSl : sdS);  // (MMA, MMA_queries, keys)
+  Tensor tGrKt = thr_g.partition_fragment_B(sKt);                    // (MMA, MMA_D, MMA_keys)
   // This thread's elements of P, dS and lambda dS in shared memory (the S accumulator's places).
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
@@ -662,59 +686,71 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
 
       // dS = logit_grad(p, dP, s, delta_i, g_i), 0 where p = 0 (masked or underflowed: no
-      // 0 * inf from s = -inf); dS and lambda_i dS to shared memory.
+      // 0 * inf from s = -inf); lambda_i dS to shared memory, and with kBoth dS too (G's operand
+      // where d lambda is asked for). Two copies of the loop under a uniform branch: predicated
+      // stores would still issue the dS conversions and stores that g_scaled drops.
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
       Tensor tdSsdSl_rc = make_tensor(tdSsdSl.data(), acc_rowcol(tdSsdSl.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int q = get<0>(cS_rc(r, 0));
-        const float delta = srow[Kt::kStatDelta][q];
-        // Where s took lambda_i folded into one FFMA (kFoldScale), lambda_i is read again here
-        // rather than held across the products.
-        const float lam_ds = kFoldScale ? srow[Kt::kStatLambda][q] : lam[r];
-        RowGrads<float> g;  // g_lse enters through delta only
-        if constexpr (kGrads) {
-          g.g_entropy = srow[Kt::kStatGH][q];
-          g.g_sum_p2 = srow[Kt::kStatGU][q];
-        }
+      const auto ds_step = [&](auto both_tag) {
+        constexpr bool kBoth = decltype(both_tag)::value;
         CUTE_UNROLL
-        for (int c = 0; c < kCols; c += 2) {
-          float ds[2];
-          CUTE_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            float pr, s = 0.f, cap_grad = 1.f;
-            if constexpr (kGrads) {
-              s = s_rc(r, c + e);
-              pr = exp2_approx(fmaf(s, kLog2e, bias2[r]));
-              // Only the kernels that may cap form the cap's derivative: elsewhere it is 1, and
-              // s * 0 is no constant to the compiler (two instructions per element, 12-18% of the
-              // dS step's modelled cycles: results/sass/softmax_schedule.md).
-              if constexpr (kSoftcap) {
-                // 1 / c, or 0 (a derivative of 1); NaN where s = -inf: unused, p = 0 there.
-                const float th = s * (capped ? p.softcap.inv_cap : 0.f);
-                cap_grad = 1.f - th * th;
-              }
-            } else {
-              pr = s_rc(r, c + e);
-            }
-            // dP of the weight before dropout: that of the dropped weight times z / (1 - p').
-            float dp = dp_rc(r, c + e);
-            if constexpr (kGrads && kDropout) {
-              dp = (keep >> (r * kCols + c + e)) & 1u ? dp * p.dropout.keep_scale : 0.f;
-            }
-            const float d = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
-                                   : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
-            ds[e] = pr != 0.f ? d : 0.f;
+        for (int r = 0; r < kRows; ++r) {
+          const int q = get<0>(cS_rc(r, 0));
+          const float delta = srow[Kt::kStatDelta][q];
+          // Where s took lambda_i folded into one FFMA (kFoldScale), lambda_i is read again here
+          // rather than held across the products.
+          const float lam_ds = kFoldScale ? srow[Kt::kStatLambda][q] : lam[r];
+          RowGrads<float> g;  // g_lse enters through delta only
+          if constexpr (kGrads) {
+            g.g_entropy = srow[Kt::kStatGH][q];
+            g.g_sum_p2 = srow[Kt::kStatGU][q];
           }
-          Ops::store_shared(
-              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))),
-              to_pair(cutlass::Array<float, 2>{ds[0], ds[1]}));
-          Ops::store_shared(
-              reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))),
-              to_pair(cutlass::Array<float, 2>{lam_ds * ds[0], lam_ds * ds[1]}));
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; c += 2) {
+            float ds[2];
+            CUTE_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              float pr, s = 0.f, cap_grad = 1.f;
+              if constexpr (kGrads) {
+                s = s_rc(r, c + e);
+                pr = exp2_approx(fmaf(s, kLog2e, bias2[r]));
+                // Only the kernels that may cap form the cap's derivative: elsewhere it is 1, and
+                // s * 0 is no constant to the compiler (two instructions per element, 12-18% of the
+                // dS step's modelled cycles: results/sass/softmax_schedule.md).
+                if constexpr (kSoftcap) {
+                  // 1 / c, or 0 (a derivative of 1); NaN where s = -inf: unused, p = 0 there.
+                  const float th = s * (capped ? p.softcap.inv_cap : 0.f);
+                  cap_grad = 1.f - th * th;
+                }
+              } else {
+                pr = s_rc(r, c + e);
+              }
+              // dP of the weight before dropout: that of the dropped weight times z / (1 - p').
+              float dp = dp_rc(r, c + e);
+              if constexpr (kGrads && kDropout) {
+                dp = (keep >> (r * kCols + c + e)) & 1u ? dp * p.dropout.keep_scale : 0.f;
+              }
+              const float d = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
+                                     : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
+              ds[e] = pr != 0.f ? d : 0.f;
+            }
+            if constexpr (kBoth) {
+              Ops::store_shared(
+                  reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))),
+                  to_pair(cutlass::Array<float, 2>{ds[0], ds[1]}));
+            }
+            Ops::store_shared(
+                reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))),
+                to_pair(cutlass::Array<float, 2>{lam_ds * ds[0], lam_ds * ds[1]}));
+          }
         }
+      };
+      if (g_scaled) {
+        ds_step(std::false_type{});
+      } else {
+        ds_step(std::true_type{});
       }
     }
     // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.

@@ -122,9 +122,10 @@ inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool ca
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask, bool kStats>
 cudaError_t launch_forward(const FwdParams<float>& p, cudaStream_t stream);
 
-// Backward: delta, dq_accum (G), then dq_out, dk_out, dv_out and d_row_scale, as the sm80 family
-// writes them (params.h). Returns cudaErrorNotSupported, having launched nothing, on a device
-// other than compute capability 9.0 or for a call backward_covers() rejects.
+// Backward: delta, dq_accum (G, or lambda G with g_scaled), then dq_out, dk_out, dv_out and
+// d_row_scale (where not null), as the sm80 family writes them (params.h). Returns
+// cudaErrorNotSupported, having launched nothing, on a device other than compute capability 9.0 or
+// for a call backward_covers() rejects.
 template <typename T, int kHeadDim, bool kCausal, MaskKind kMask>
 cudaError_t launch_backward(const BwdParams<float>& p, cudaStream_t stream);
 

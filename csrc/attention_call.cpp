@@ -238,7 +238,6 @@ AttentionBackwardCall prepare_attention_backward(
   c.set_documents(docs);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
-  c.row_scale_dtype = row_scale.scalar_type();
   c.grad_row_scale = grad_scale;
   if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
   auto row_stat = [&](const at::Tensor& t) { return t.to(c.acc).contiguous(); };
@@ -269,7 +268,8 @@ AttentionBackwardCall prepare_attention_backward(
 
 at::Tensor row_scale_grad(at::Tensor dlam, const at::Tensor& row_scale,
                           const AttentionBackwardCall& call) {
-  return call.grad_row_scale ? std::move(dlam) : at::empty({0}, row_scale.options());
+  return call.grad_row_scale ? dlam.to(row_scale.scalar_type())
+                             : at::empty({0}, row_scale.options());
 }
 
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& c,

@@ -133,7 +133,6 @@ AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionSha
 struct AttentionBackwardCall : CallPattern {
   AttentionShape shape;
   at::ScalarType dtype, acc;
-  at::ScalarType row_scale_dtype;  // of the row_scale argument, for its gradient
   std::optional<at::Tensor> mask;
   at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;
   // With grad_mask: the additive mask's gradient, the sum of dS_ij before the softcap over the
@@ -172,8 +171,8 @@ AttentionBackwardCall prepare_attention_backward(
 at::Tensor mask_grad(const std::optional<at::Tensor>& attn_mask, const AttentionBackwardCall& call,
                      const at::Tensor& query);
 
-// The gradient of row_scale: the implementation's d lambda, or empty (row_scale's dtype and device)
-// where the call does not ask for it (grad_scale).
+// The gradient of row_scale: the implementation's d lambda in row_scale's dtype, or empty (that
+// dtype, its device) where the call does not ask for it (grad_scale).
 at::Tensor row_scale_grad(at::Tensor dlam, const at::Tensor& row_scale,
                           const AttentionBackwardCall& call);
 
@@ -188,9 +187,9 @@ at::Tensor sink_grad(const at::Tensor& grad_output, const at::Tensor& output,
 //   std::tuple<...> impl(const at::Tensor& grad_output, const at::Tensor& query,
 //                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
 //                        const AttentionBackwardCall& call);
-// returning (grad_query, grad_key, grad_value, grad_row_scale) and writing call.grad_logits when
-// it is defined; the adaptor adds grad_sinks and grad_attn_mask, and returns grad_row_scale empty
-// where call.grad_row_scale is false (the implementation may then return anything there).
+// returning (grad_query, grad_key, grad_value, d lambda in the accumulate type, undefined where
+// call.grad_row_scale is false) and writing call.grad_logits when it is defined; the adaptor adds
+// grad_sinks and grad_attn_mask, and forms grad_row_scale (row_scale_grad).
 using AttentionGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <AttentionGrads (*Impl)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&,

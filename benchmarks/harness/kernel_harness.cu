@@ -18,8 +18,8 @@
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
 //    and with statistics and of the forward with statistics + backward (without d lambda, as
 //    autograd asks for it with a scale policy; dq's accumulator zeroed in the timed span, as the
-//    op does), and their TFLOP/s. No SDPA here: ratios against it come
-//    from benchmarks/gpu_vs_sdpa.py.
+//    op does), and their TFLOP/s. No SDPA here: ratios against it come from
+//    benchmarks/gpu_vs_sdpa.py.
 //
 // Markdown tables on stdout (progress on stderr), and --json F writes them as JSON. Exit code 0
 // when every check passed, 1 when one failed, 2 without a CUDA device of compute capability 8.0 or

@@ -617,7 +617,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     transposed_copy_into(dkt, dk);
     transposed_copy_into(dvt, dv);
   }
-  return {dq, dk, dv, dlam.defined() ? dlam.to(call.row_scale_dtype) : dlam};
+  return {dq, dk, dv, dlam};
 }
 
 }  // namespace

@@ -176,18 +176,15 @@ template BwdParams<float> BackwardCall::params<float>() const;
 template BwdParams<double> BackwardCall::params<double>() const;
 
 AttentionGrads BackwardCall::finish() const {
-  // (d lambda undefined where the call does not ask for it: attention_backward_kernel)
-  if (family != Family::kFallback) {
-    return {dq, dk, dv, dlam.defined() ? dlam.to(call.row_scale_dtype) : dlam};
-  }
+  // (d lambda in the accumulate type, undefined where the call does not ask for it:
+  // attention_backward_kernel)
+  if (family != Family::kFallback) return {dq, dk, dv, dlam};
   const AttentionShape& sh = call.shape;
   // G = sum_j dS_ij k_j: dq_i = lambda_i G_i and d lambda_i = q_i . G_i (s_ij = lambda_i q_i.k_j).
   // dq is formed in the input type and the query's layout in the same pass.
   at::Tensor grad_q = empty_in_layout_of(given_query, g.sym_sizes(), g.options().dtype(call.dtype));
   at::mul_out(grad_q, g, call.row_scale.unsqueeze(-1));
-  const at::Tensor dlam = call.grad_row_scale
-                              ? (q.to(g.scalar_type()) * g).sum(-1).to(call.row_scale_dtype)
-                              : at::Tensor();
+  const at::Tensor dlam = call.grad_row_scale ? (q.to(g.scalar_type()) * g).sum(-1) : at::Tensor();
   at::Tensor dk_sum = dk, dv_sum = dv;
   if (sh.heads != sh.kv_heads) {  // GQA: sum the per-query-head dK, dV over each group
     dk_sum = dk.view({sh.batch, sh.kv_heads, sh.group(), sh.kv_len, sh.head_dim}).sum(2);

@@ -828,7 +828,8 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
 // A bf16 call's emulated forward, its backward by a plain fallback call, and by the fallback as the
 // guard of a tensor-core backward (the family's outputs, filled with 7 beforehand; G with 5, as a
 // tensor-core backward leaves it): first with the flag at 0, which must write nothing, then at 1
-// (the main kernel on at most max_blocks blocks where that is positive).
+// (the main kernel on at most max_blocks blocks where that is positive); d lambda where grad_scale
+// asks for it.
 struct GuardRun {
   AttentionOutputs fwd;
   entropy_attn::AttentionGrads plain, guarded;
@@ -836,7 +837,8 @@ struct GuardRun {
   ec::BwdParams<float> guard_params;  // (its pointers dangle: for the grids only)
 };
 
-GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0) {
+GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0,
+                            bool grad_scale = true) {
   const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<__nv_bfloat16>(fwd.params<float>());
@@ -844,8 +846,7 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks 
                normalized_entropy, sparsity, effective_keys] = fwd.outputs;
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
-      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false,
-      /*grad_scale=*/true);
+      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false, grad_scale);
 
   ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
   plain.allocate(ec::Family::kFallback);
@@ -854,14 +855,19 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks 
   ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
   guarded.allocate(ec::Family::kSm80);
   EXPECT_EQ(guarded.dk.size(1), c.Hkv);  // the family's outputs: per key/value head
-  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) t.fill_(7);
+  EXPECT_EQ(guarded.dlam.defined(), grad_scale);
+  for (at::Tensor t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) {
+    if (t.defined()) t.fill_(7);
+  }
   guarded.g.fill_(5);
   int flag = 0;
   ec::BwdParams<float> p = guarded.params<float>();
   p.nonfinite = &flag;
   launch_backward<__nv_bfloat16>(p);
   for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) {
-    EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
+    if (t.defined()) {
+      EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
+    }
   }
   flag = 1;
   launch_backward<__nv_bfloat16>(p, emulated::kEveryKernelFits, max_blocks);
@@ -875,7 +881,11 @@ void expect_grads_close(const entropy_attn::AttentionGrads& got,
   expect_close(dq, wdq, tol, std::string("grad_query vs ") + what);
   expect_close(dk, wdk, tol, std::string("grad_key vs ") + what);
   expect_close(dv, wdv, tol, std::string("grad_value vs ") + what);
-  expect_close(dlam, wdlam, tol, std::string("grad_row_scale vs ") + what);
+  if (wdlam.defined()) {
+    expect_close(dlam, wdlam, tol, std::string("grad_row_scale vs ") + what);
+  } else {
+    EXPECT_FALSE(dlam.defined()) << "grad_row_scale not asked for, vs " << what;
+  }
 }
 
 // With the flag set the guard writes dk, dv summed over a GQA group by one block and dq, d lambda
@@ -916,6 +926,15 @@ TEST(EmulatedGuard, BackwardRowsBeyondTheCappedGrid) {
   ASSERT_GT(c.B * c.H * c.Lq, ef::kGuardRowBlocks * ef::kWarps);
   const GuardRun run = run_backward_guard(c, make_inputs(c));
   ASSERT_EQ(run.guard_row_blocks, ef::kGuardRowBlocks);
+  expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
+}
+
+// Without d lambda asked for (grad_scale=False: a null d_row_scale) the guard's postprocess writes
+// dq alone, equal to a plain fallback call's, which forms it on the host.
+TEST(EmulatedGuard, BackwardWithoutDLambda) {
+  Case c = mk("bf16_guard_bwd_without_dlambda", at::kBFloat16, 70, 90, 64);
+  c.causal = true, c.H = 4, c.Hkv = 2;
+  const GuardRun run = run_backward_guard(c, make_inputs(c), 0, /*grad_scale=*/false);
   expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
 }
 

@@ -458,13 +458,15 @@ __global__ void __launch_bounds__(kThreads)
     T* dq = static_cast<T*>(p.dq_out.data) + p.dq_out.offset(b, h, i);
     const Acc* g = p.dq_accum + row * p.head_dim;
     const Acc lam = p.row_scale[row];
+    const bool want_dot = p.d_row_scale != nullptr;
     Acc dot = 0;
     for (int64_t d = lane; d < p.head_dim; d += 32) {
-      dot += to_acc(q[d]) * g[d];
+      if (want_dot) dot += to_acc(q[d]) * g[d];
       dq[d] = from_acc<T>(lam * g[d]);
     }
+    if (!want_dot) continue;
     dot = warp_sum(dot);
-    if (lane == 0 && p.d_row_scale != nullptr) p.d_row_scale[row] = dot;
+    if (lane == 0) p.d_row_scale[row] = dot;
   }
 }
 

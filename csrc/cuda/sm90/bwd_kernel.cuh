@@ -47,8 +47,8 @@
 //     G: the postprocess forms dq = lambda G and d lambda = q . G from the unscaled G (docs/math.md
 //     section 3). Else (g_scaled, the common call: a scale policy, no scale tensor that needs a
 //     gradient; the kernels without a mask at D = 128, and causal at D = 64: kScalesG) G's operand
-//     is lambda dS too, so that G is dq itself and the warps store one dS
-//     tile instead of two (a conversion and a 4-byte store less per two elements).
+//     is lambda dS too, so that G is dq itself and the warps store one dS tile instead of two (a
+//     conversion and a 4-byte store less per two elements).
 //     (FlashAttention-3 at D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK;
 //     with five per-row values instead of two, the transposed layout's 16 query columns per thread
 //     cost registers that dK and dV need, so P and dS go through shared memory.)
@@ -323,6 +323,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const int group = heads / static_cast<int>(p.kv_heads);
   const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
   const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
+  // (kScalesG here too, so that the other kernels compile no copy of the dS loop without dS.)
   const bool g_scaled = kScalesG<kD, kCausal, kMask> && p.g_scaled;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});

@@ -16,7 +16,8 @@
 #                                           # the tests, which write in the tree
 #   bash scripts/device_bundle.sh venv      # only the virtual environment of make and check (CI
 #                                           # makes it while setup compiles)
-#   bash scripts/device_bundle.sh baseline  # only the baseline harness (below), into .device/
+#   bash scripts/device_bundle.sh baseline  # only the harnesses of BASELINE and STEPS (below),
+#                                           # packed again into .device/ with make's own
 #
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
@@ -32,7 +33,12 @@
 # below; BASELINE=none: not), built the same way from that commit's tree, so that a GPU session
 # times the kernels changed since against them in the same lease (scripts/gpu_session.sh,
 # harness_ab.md): a GPU lent for minutes, on another machine each time, cannot compare with the
-# figures of an earlier lease to a few percent.
+# figures of an earlier lease to a few percent. And the harnesses of STEPS, commits between the
+# two, so that harness_ab.md also says what each group of changes made since bought (several
+# sessions without a GPU may have changed the kernels, each by a modelled gain). The harnesses go
+# into one archive, compressed as one stream with a window wider than a harness: the kernels that
+# did not change between the commits are the same bytes, stored once (five harnesses of 69 MB for
+# sm_90: 19.5 MiB together, 47 MB compressed one by one, where everything carried must fit 64 MiB).
 #
 # `check` is the cheap half of `make`, for every CI run: a CPU-only build of the copy against
 # DEVICE_TORCH with warnings as errors, the host sources of the CUDA kernels (which only a CUDA
@@ -55,10 +61,22 @@ CUTLASS=nvidia-cutlass==$(cat csrc/cuda/cutlass_version.txt)
 # The GPU machines' versions where they matter to the tests (transformers: the HF backend).
 TEST_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 transformers==5.17.0)
 SRC=build/device/src
+HARNESSES=build/device/harnesses
 # The last kernels timed on a GPU: 818c147's (results/gpu/benchmark.md, 2026-12-04) with the Hopper
 # backward's dq by bulk reductions, their default since d499297, which changed nothing else in
 # the kernels. Move it when a GPU session has timed newer kernels and kept them.
 BASELINE=${BASELINE:-d499297}
+# The commits between BASELINE and these sources whose kernels a GPU session times as well, oldest
+# first (STEPS="": none). Each ends a group of kernel changes compiled and emulated, not timed:
+#   7ae3efb  the forward's row max and sums in partial chains (f258482); the backward's dV issued
+#            early, dK left in flight, lambda folded into the exponent (31a8340, 141de3e, 08e41de);
+#   73fc850  the backward's query blocks without a per-score check (9881e58, af02a2a) and the causal
+#            launch order's sections of 1.5 waves (e5b3e31);
+#   0f6cce5  the backward's S and dP as whole 64 x 64 slices at D = 128;
+# the current sources then store one dS tile where no d lambda is asked for (c0437a2; the harness of
+# these sources times the backward without d lambda, those of the commits before with it). Move
+# them with BASELINE.
+STEPS=${STEPS-7ae3efb 73fc850 0f6cce5}
 venv=${DEVICE_VENV:-build/device/venv}
 
 # A failed build's first errors, and the end of the script.
@@ -131,38 +149,76 @@ make_bundle() {
   # kernels checked and timed without torch, whatever the machine's torch accepts.
   (cd "$SRC" && bash scripts/kernel_harness.sh build) >build/device/harness.log 2>&1 ||
     { tail -5 build/device/harness.log >&2; exit 1; }
-  xz -T0 -c "$SRC/build/kernel_harness" >"$BUNDLE/kernel_harness.xz"
+  rm -rf "$HARNESSES"
+  mkdir -p "$HARNESSES"
+  cp "$SRC/build/kernel_harness" "$HARNESSES/kernel_harness"
   bash "$SRC/scripts/sources_hash.sh" >"$BUNDLE/sources.sha256"
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
-  [[ $BASELINE == none ]] || make_baseline
+  make_history
   ls -l "$BUNDLE" "$BUNDLE/wheels"
   note "${BUNDLE}/ made in $(($(date +%s) - start))s (torch ${DEVICE_TORCH}, arch ${DEVICE_ARCH})"
 }
 
-# The kernel harness of commit BASELINE, for DEVICE_ARCH, as .device/kernel_harness_baseline.xz
-# and the commit's name in .device/baseline: that commit's tree (git archive) built with its own
-# setup.py and scripts/kernel_harness.sh in build/device/baseline (ccache makes a second make cheap).
-make_baseline() {
-  local dir=build/device/baseline name
-  device_venv
-  name=$(git rev-parse --short "$BASELINE^{commit}") || {
-    echo "BASELINE=${BASELINE} names no commit" >&2
+# short_name REV: the short name of commit REV, or a message and exit.
+short_name() {
+  git rev-parse --short "$1^{commit}" 2>/dev/null || {
+    echo "device_bundle: ${1} names no commit (BASELINE, STEPS)" >&2
     exit 1
   }
-  note "the baseline harness: the kernels of ${name}"
+}
+
+# harness_of REV FILE: the kernel harness of commit REV, for DEVICE_ARCH, as FILE: that commit's
+# tree (git archive) built with its own setup.py and scripts/kernel_harness.sh in build/device/at
+# (ccache makes the kernels that no commit since changed cheap).
+harness_of() {
+  local rev=$1 file=$2 dir=build/device/at saved_src=$SRC
+  note "the harness of ${rev}"
   rm -rf "$dir"
   mkdir -p "$dir"
-  git archive "$name" | tar -x -C "$dir"
-  local saved_src=$SRC
+  git archive "$rev" | tar -x -C "$dir"
   SRC=$dir
   build_copy TORCH_CUDA_ARCH_LIST="$DEVICE_ARCH"
   SRC=$saved_src
-  (cd "$dir" && bash scripts/kernel_harness.sh build) >build/device/harness_baseline.log 2>&1 ||
-    { tail -5 build/device/harness_baseline.log >&2; exit 1; }
+  (cd "$dir" && bash scripts/kernel_harness.sh build) >"build/device/harness_${rev}.log" 2>&1 ||
+    { tail -5 "build/device/harness_${rev}.log" >&2; exit 1; }
+  cp "$dir/build/kernel_harness" "$file"
+}
+
+# The harnesses of BASELINE and STEPS beside make's own in $HARNESSES (kernel_harness_baseline,
+# kernel_harness_<commit>; their names in .device/baseline and .device/steps, oldest first), then
+# all of them packed as .device/harnesses.tar.xz: one xz stream whose 256 MiB window spans more than
+# a harness, so that what one shares with the one before it is stored once (install unpacks it).
+make_history() {
+  local name rev names=()
+  [[ -x $HARNESSES/kernel_harness ]] || {
+    echo "device_bundle: no ${HARNESSES}/kernel_harness (run make first)" >&2
+    exit 1
+  }
+  device_venv
+  rm -f "$HARNESSES"/kernel_harness_* "$BUNDLE/baseline" "$BUNDLE/steps"
   mkdir -p "$BUNDLE"
-  xz -T0 -c "$dir/build/kernel_harness" >"$BUNDLE/kernel_harness_baseline.xz"
-  echo "$name" >"$BUNDLE/baseline"
+  if [[ $BASELINE != none ]]; then
+    name=$(short_name "$BASELINE")
+    harness_of "$name" "$HARNESSES/kernel_harness_baseline"
+    echo "$name" >"$BUNDLE/baseline"
+    for rev in $STEPS; do
+      rev=$(short_name "$rev")
+      # (A step not after the baseline, or not in these sources' history, says nothing of them.)
+      if [[ $rev == "$name" ]] || ! git merge-base --is-ancestor "$name" "$rev" ||
+         ! git merge-base --is-ancestor "$rev" HEAD; then
+        note "step ${rev} left out: not between ${name} and HEAD"
+        continue
+      fi
+      names+=("$rev")
+      harness_of "$rev" "$HARNESSES/kernel_harness_${rev}"
+    done
+    echo "${names[*]}" >"$BUNDLE/steps"
+  fi
+  note "pack the harnesses (one xz stream)"
+  # (-T1: one block, so that a later harness finds the earlier ones in the window; the window takes
+  # about 2.7 GiB to compress, 2 minutes for five harnesses, and 256 MiB to unpack.)
+  tar -C "$HARNESSES" --sort=name -cf - . | xz -T1 --lzma2=preset=9,dict=256MiB >"$BUNDLE/harnesses.tar.xz"
 }
 
 check_build() {
@@ -205,22 +261,15 @@ PY
 
 install_bundle() {
   local python=${PYTHON:-python3} torch_version
-  # The kernel harness first: it needs no torch (scripts/kernel_harness.sh run).
-  if [[ -f $BUNDLE/kernel_harness.xz && -f $BUNDLE/sources.sha256 &&
+  # The kernel harnesses first: they need no torch (scripts/kernel_harness.sh run).
+  if [[ -f $BUNDLE/harnesses.tar.xz && -f $BUNDLE/sources.sha256 &&
         $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]]; then
     mkdir -p build
-    "$python" -c "import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
-      "$BUNDLE/kernel_harness.xz" build/kernel_harness
-    chmod +x build/kernel_harness
-    note "build/kernel_harness unpacked (the kernels checked and timed without torch)"
-    if [[ -f $BUNDLE/kernel_harness_baseline.xz ]]; then
-      "$python" -c "import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], 'wb') as dst: shutil.copyfileobj(src, dst)" \
-        "$BUNDLE/kernel_harness_baseline.xz" build/kernel_harness_baseline
-      chmod +x build/kernel_harness_baseline
-      note "build/kernel_harness_baseline unpacked (the kernels of $(cat "$BUNDLE/baseline"))"
-    fi
+    "$python" -c "import sys, tarfile
+with tarfile.open(sys.argv[1], 'r:xz') as tar: tar.extractall(sys.argv[2], filter='tar')" \
+      "$BUNDLE/harnesses.tar.xz" build
+    note "build/kernel_harness unpacked (the kernels checked and timed without torch)" \
+      "$([[ -f $BUNDLE/baseline ]] && echo "with those of $(cat "$BUNDLE/baseline") and of: $(cat "$BUNDLE/steps")")"
   fi
   torch_version=$("$python" -c "import torch; print(torch.__version__.split('+')[0])")
   if [[ -f $BUNDLE/sources.sha256 && $(cat "$BUNDLE/sources.sha256") == "$(bash scripts/sources_hash.sh)" ]] &&
@@ -252,7 +301,7 @@ case ${1:-} in
   copy) copy_tree ;;
   install) install_bundle ;;
   venv) device_venv ;;
-  baseline) make_baseline ;;
+  baseline) make_history ;;
   *)
     echo "usage: $0 make|check|copy|install|venv|baseline" >&2
     exit 2

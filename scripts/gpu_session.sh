@@ -14,19 +14,22 @@
 #      --checks-only), again with the shared memory per block capped at 99 KB (the sm80
 #      backward's compact tiles) and with the Hopper backward's dq by atomics;
 #   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
-#      JUnit records), under "auto", then with ENTROPY_ATTN_CUDA_FAMILY=sm90 (and the Hopper
-#      forward's persistent grid on) and =sm80;
+#      JUnit records), under "auto";
 #   4. the harness's timings of the sm90 family, then the same timings of the baseline harness of
 #      .device/ (the kernels last timed on a GPU: scripts/device_bundle.sh, BASELINE) and their
 #      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), the
 #      Hopper forward on a block per tile against a persistent grid (--persistent off on:
 #      family.h, kHopperPersistentByDefault), benchmarks/gpu_vs_sdpa.py (bf16, D 64 and 128, L 1024
-#      to 16384, the README's grid) and compute-sanitizer's racecheck of the persistent grid (what
-#      decides what to keep first, then the record against SDPA);
-#   5. as time allows, a second run of both harnesses, whose comparison then takes each point's
-#      least time over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
+#      to 16384, the README's grid), the CUDA tests again with ENTROPY_ATTN_CUDA_FAMILY=sm90 (and the
+#      Hopper forward's persistent grid on) and =sm80, and compute-sanitizer's racecheck of the
+#      persistent grid (what decides what to keep first, then the record against SDPA);
+#   5. as time allows, the harnesses of the commits between the baseline and these kernels
+#      (device_bundle.sh: STEPS), whose comparison then says what each step did; a second run of
+#      the current and baseline harnesses, whose comparison then takes each point's least time
+#      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
-#      orders (gpu_vs_sdpa.py --launch-order auto heads).
+#      orders (gpu_vs_sdpa.py --launch-order auto heads); the Nsight Compute profile of the default
+#      path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed or ran out of time, 2 when the run could not start (no GPU,
 # or a .device/ made from other sources: it would be built there, at the lease's expense).
@@ -122,10 +125,6 @@ tests() {
   pack
 }
 tests auto 150
-# (The forced sm90 pass runs the Hopper forward on its persistent grid, "auto" on a block per tile:
-# both pass before kHopperPersistentByDefault changes.)
-ENTROPY_ATTN_CUDA_FAMILY=sm90 ENTROPY_ATTN_CUDA_PERSISTENT=on tests sm90 100
-ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
 # (The harness's checks share the GPU with the tests, not with the timings below.)
 wait "$harness_pid"
 for f in "$LOGS"/harness_checks*.md; do
@@ -164,6 +163,11 @@ bounded 130 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 32
   --seq 1024 4096 16384 --family auto --min-run-time 0.2 --out-md "$OUT/benchmark.md" \
   --out-json "$OUT/benchmark.json" >"$LOGS/benchmark.log" 2>&1
 record benchmark $?
+# The tests with each tensor-core family forced, after what decides which kernels to keep: on an
+# H100 or H200 "auto" above ran the Hopper family, but its forward on a block per tile. (The forced
+# sm90 pass runs it on its persistent grid: both pass before kHopperPersistentByDefault changes.)
+ENTROPY_ATTN_CUDA_FAMILY=sm90 ENTROPY_ATTN_CUDA_PERSISTENT=on tests sm90 100
+ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
 # compute-sanitizer's racecheck over the persistent grid's pass of scripts/cuda_sanitizer_grid.py
 # (one block walking every tile: the next tile's slots and the hand-offs between tiles), before
 # kHopperPersistentByDefault may change. SANITIZER: the tool (default: the machine's).
@@ -176,6 +180,25 @@ if [[ -n $sanitizer ]]; then
   tail -3 "$LOGS/racecheck_persistent.log"
 fi
 pack
+# As time allows, the harnesses of the commits between the baseline and these kernels
+# (device_bundle.sh: STEPS), once each, and the comparison again with what each step bought
+# (harness_ab.md): after the record against SDPA, which their runs (each with its checks) would
+# otherwise push past the deadline.
+steps=()
+if [[ -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
+  for step in $(cat .device/steps 2>/dev/null); do
+    [[ -x build/kernel_harness_$step ]] || continue
+    note "harness timings of step ${step}"
+    harness_timings "build/kernel_harness_$step" "$step" "harness_$step"
+    [[ -s $LOGS/harness_$step.json ]] && steps+=("$LOGS/harness_$step.json")
+  done
+  if ((${#steps[@]} > 0)); then
+    "$PYTHON" scripts/harness_ab.py --baseline "$LOGS/harness_baseline.json" \
+      --current "$LOGS/harness.json" --steps "${steps[@]}" --out-md "$OUT/harness_ab.md"
+    record "harness comparison with the steps" $?
+  fi
+  pack
+fi
 # As time allows, a second run of each harness, in the other order (a drift of the clocks over the
 # lease then favours neither), and their comparison again over both runs of each (harness_ab.py:
 # each point's least time).
@@ -185,7 +208,8 @@ if [[ -x build/kernel_harness_baseline && -s $LOGS/harness.json && -s $LOGS/harn
   harness_timings build/kernel_harness_baseline "$baseline" harness_baseline_2
   if [[ -s $LOGS/harness_2.json && -s $LOGS/harness_baseline_2.json ]]; then
     "$PYTHON" scripts/harness_ab.py --baseline "$LOGS/harness_baseline.json" "$LOGS/harness_baseline_2.json" \
-      --current "$LOGS/harness.json" "$LOGS/harness_2.json" --out-md "$OUT/harness_ab.md"
+      --current "$LOGS/harness.json" "$LOGS/harness_2.json" --steps "${steps[@]}" \
+      --out-md "$OUT/harness_ab.md"
     record "harness comparison over both runs" $?
   fi
   pack
@@ -208,5 +232,15 @@ bounded 90 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --
   --out-json "$LOGS/launch_order.json" >"$LOGS/launch_order.log" 2>&1
 record "launch orders" $?
 pack
+# The Nsight Compute profile of the default path (bf16, L = 4096, D = 128, causal: the tensor
+# pipe's use and the stall reasons of each kernel, what explains the gap left), into the logs.
+# NCU: the profiler (default: the machine's).
+ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+if [[ -n $ncu ]]; then
+  note "profile (Nsight Compute)"
+  bounded 120 "$PYTHON" benchmarks/gpu_profile.py --ncu "$ncu" --out "$LOGS/profile.md" >"$LOGS/profile.log" 2>&1
+  record profile $?
+  pack
+fi
 note "done (results in ${OUT}), exit code ${status}"
 exit "$status"

@@ -7,7 +7,7 @@ from today's by a few percent of clocks and neighbours, as much as the changes t
 harnesses run back to back on the same GPU do not (scripts/gpu_session.sh runs both).
 
     python3 scripts/harness_ab.py --baseline B.json [B2.json ...] --current C.json [C2.json ...]
-                                  [--out-md F]
+                                  [--steps S.json ...] [--out-md F]
 
 prints (or writes) a Markdown table: per timed point, the milliseconds of the forward without and
 with statistics, of the backward alone (forward + statistics + backward less the forward with
@@ -16,6 +16,15 @@ current kernels take less time), then the geometric mean of each ratio and the c
 in any run. With several runs of a side, each point takes that side's least time over its runs
 (what the clocks and neighbours of a lease add to a kernel's time is never negative: two runs of
 the same kernels in one lease differed by up to 11% at a point).
+
+    ... --steps S1.json [S1b.json] S2.json ...
+
+also times the commits between the two (scripts/device_bundle.sh: STEPS), oldest first, their runs
+told apart by the commit each JSON names (several runs of one commit: its least times): the report
+then adds what each step bought, baseline → S1 → S2 → ... → current, each step's geometric mean
+ratio to the commit before it per column, then each column's milliseconds per point along the
+chain. Several changes untimed since the baseline are then judged each by its own step, not by
+their product alone.
 """
 
 from __future__ import annotations
@@ -151,21 +160,81 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def group_by_commit(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The runs of each commit merged by least_times, in the order each commit first appears."""
+    order: Dict[str, List[Dict[str, Any]]] = {}
+    for run in runs:
+        order.setdefault(str(run.get("commit", "?")), []).append(run)
+    return [least_times(group) for group in order.values()]
+
+
+def steps(chain: Sequence[Dict[str, Any]]) -> str:
+    """The Markdown section of what each step of a chain of runs bought (baseline first, current
+    last): per step and column the geometric mean of its ratio to the commit before it over the
+    points both timed, then per column each point's milliseconds along the chain and each step's
+    ratio to the one before."""
+    names = [str(run.get("commit", "?")) for run in chain]
+    points = [{key_of(p): p for p in run.get("points", [])} for run in chain]
+    keys: List[Key] = []
+    for by_key in points:
+        keys += [k for k in by_key if k not in keys]
+    lines = [
+        "## What each step bought",
+        "",
+        f"The same points timed with the kernels of each commit, in this lease: {' → '.join(names)}. "
+        "Each ratio is a commit's time over that of the commit before it (below 1: the step took time off); "
+        "at a point, the steps' ratios multiply to its current / baseline ratio above. Geometric means over the "
+        "points both commits timed:",
+        "",
+        "| step | " + " | ".join(c[0] for c in COLUMNS) + " | checks failed |",
+        "|" + "---|" * (2 + len(COLUMNS)),
+    ]
+    for i in range(1, len(chain)):
+        before, after = points[i - 1], points[i]
+        both = [k for k in keys if k in before and k in after]
+        means = []
+        for _, read, _ in COLUMNS:
+            rs = [ratio(read(before[k]), read(after[k])) for k in both]
+            means.append(fmt_ratio(geometric_mean([r for r in rs if r is not None])))
+        lines.append(f"| {names[i - 1]} → {names[i]} | " + " | ".join(means)
+                     + f" | {len(failed_checks(chain[i]))} |")
+    for name, read, _ in COLUMNS:
+        lines += ["", f"### {name} (ms; in brackets, the ratio to the commit before)", "",
+                  "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(names) + " |",
+                  "|" + "---|" * (7 + len(names))]
+        for k in keys:
+            ms = [read(by_key[k]) if k in by_key else None for by_key in points]
+            cells = [fmt_ms(ms[0])] + [f"{fmt_ms(ms[j])} ({fmt_ratio(ratio(ms[j - 1], ms[j]))})"
+                                       for j in range(1, len(ms))]
+            p = next(by_key[k] for by_key in points if k in by_key)
+            causal = "yes" if p.get("causal") else "no"
+            lines.append(f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:"
+                         f"{p.get('kv_heads')} | {p.get('head_dim')} | {p.get('seq_len')} | {causal} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, nargs="+", required=True,
                         help="the baseline harness's --json, one file per run")
     parser.add_argument("--current", type=Path, nargs="+", required=True,
                         help="the current harness's --json, one file per run")
+    parser.add_argument("--steps", type=Path, nargs="*", default=[],
+                        help="the harness's --json of the commits between, oldest first (a commit's "
+                        "runs told apart by its name)")
     parser.add_argument("--out-md", type=Path, help="write the report here (default: stdout)")
     args = parser.parse_args(argv)
     try:
         base = least_times([json.loads(f.read_text()) for f in args.baseline])
         current = least_times([json.loads(f.read_text()) for f in args.current])
+        between = group_by_commit([json.loads(f.read_text()) for f in args.steps])
     except (OSError, json.JSONDecodeError) as e:
         print(f"harness_ab: {e}", file=sys.stderr)
         return 1
     text = compare(base, current)
+    if between:
+        text += "\n" + steps([base, *between, current])
     if args.out_md:
         args.out_md.write_text(text)
     else:

@@ -55,9 +55,9 @@ def test_refuses_a_bundle_of_other_sources(tmp_path: Path) -> None:
 
 #: A stand-in kernel harness: its checks pass, and its timings (--json) hold one point.
 FAKE_HARNESS = """#!/bin/bash
-json=""; prev=""
-for a in "$@"; do [[ $prev == --json ]] && json=$a; prev=$a; done
-[[ -n $json ]] && echo '{"device": "stub", "commit": "c", "checks": [], "points": [{"family": "sm90",
+json=""; commit=""; prev=""
+for a in "$@"; do [[ $prev == --json ]] && json=$a; [[ $prev == --commit ]] && commit=$a; prev=$a; done
+[[ -n $json ]] && echo '{"device": "stub", "commit": "'$commit'", "checks": [], "points": [{"family": "sm90",
   "dtype": "bf16", "batch": 4, "heads": 16, "kv_heads": 16, "head_dim": 128, "seq_len": 4096,
   "causal": false, "fwd_ms": 1.0, "fwd_stats_ms": 1.1, "fwd_bwd_ms": 4.0}]}' > "$json"
 echo "3 checks, 0 failed"
@@ -67,8 +67,9 @@ echo "3 checks, 0 failed"
 def test_every_result_comes_back(tmp_path: Path) -> None:
     """Run through with stand-ins for the GPU, the bundle, Python, the harnesses and
     compute-sanitizer, the script leaves in OUT at most the 8 files the device tool brings back
-    (names of letters, digits, '.', '_' and '-'), the harnesses' comparison among them, and the JSON
-    of the other steps in the packed logs; it runs the persistent grid's racecheck."""
+    (names of letters, digits, '.', '_' and '-'), the harnesses' comparison among them (with the
+    steps between the baseline and the current kernels), and the JSON of the other steps in the
+    packed logs (the profile's among them); it runs the persistent grid's racecheck."""
     (tmp_path / "scripts").mkdir()
     for name in ("gpu_session.sh", "harness_ab.py"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts")
@@ -77,6 +78,7 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     (tmp_path / ".device").mkdir()
     (tmp_path / ".device" / "sources.sha256").write_text("these-sources\n")
     (tmp_path / ".device" / "baseline").write_text("d499297\n")
+    (tmp_path / ".device" / "steps").write_text("7ae3efb 73fc850\n")
     bin_dir, build = tmp_path / "bin", tmp_path / "build"
     bin_dir.mkdir()
     build.mkdir()
@@ -84,13 +86,15 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
         bin_dir / "nvidia-smi": "#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 345 MHz'\n",
         build / "kernel_harness": FAKE_HARNESS,
         build / "kernel_harness_baseline": FAKE_HARNESS,
+        build / "kernel_harness_7ae3efb": FAKE_HARNESS,
+        build / "kernel_harness_73fc850": FAKE_HARNESS,
         bin_dir / "fake-sanitizer": '#!/bin/bash\necho "$@" >> sanitizer_calls.txt\n',
         # Python: pytest passes, harness_ab.py runs, the benchmarks write their --out-md/--out-json.
         bin_dir / "fake-python": f"""#!/bin/bash
 [[ $1 == -m ]] && {{ echo "3 passed in 0.1s"; exit 0; }}
 [[ $1 == scripts/harness_ab.py ]] && exec "{sys.executable}" "$@"
 prev=""
-for a in "$@"; do [[ $prev == --out-md || $prev == --out-json ]] && echo stub > "$a"; prev=$a; done
+for a in "$@"; do [[ $prev == --out-md || $prev == --out-json || $prev == --out ]] && echo stub > "$a"; prev=$a; done
 exit 0
 """,
     }
@@ -99,7 +103,7 @@ exit 0
         path.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHON": str(bin_dir / "fake-python"), "SANITIZER": str(bin_dir / "fake-sanitizer"),
+           "PYTHON": str(bin_dir / "fake-python"), "SANITIZER": str(bin_dir / "fake-sanitizer"), "NCU": "fake-ncu",
            "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -112,8 +116,12 @@ exit 0
     with tarfile.open(out / "logs.tar.xz") as logs:
         names = {Path(n).name for n in logs.getnames()}
     assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json",
-            "harness_2.json", "harness_baseline_2.json"} <= names
+            "harness_2.json", "harness_baseline_2.json", "harness_7ae3efb.json", "harness_73fc850.json",
+            "profile.md"} <= names
     assert "2 run(s)" in (out / "harness_ab.md").read_text()  # compared again over both runs
+    # With the steps between (device_bundle.sh: STEPS), in their order, in both comparisons.
+    assert "| d499297 → 7ae3efb | 1.000 |" in (out / "harness_ab.md").read_text()
+    assert "| 73fc850 → abc | 1.000 |" in (out / "harness_ab.md").read_text()
     # The persistent grid's pass of the sanitizer grid, under racecheck.
     assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
     assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()

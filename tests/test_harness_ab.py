@@ -89,3 +89,35 @@ def test_several_runs_take_each_points_least_time() -> None:
 def test_runs_that_agree_are_not_marked() -> None:
     same = ab.least_times([run("aaa", point(4096, 1.0, 1.2, 4.0)), run("aaa", point(4096, 1.01, 1.2, 4.02))])
     assert "~" not in row_of(ab.compare(same, run("bbb", point(4096, 1.0, 1.2, 4.0))), 4096)
+
+
+def test_steps_say_what_each_step_bought(tmp_path: Path) -> None:
+    """With the commits between (--steps, runs told apart by commit, two runs of one merged): each
+    step's geometric mean ratio to the commit before it per column, and each point's milliseconds
+    along the chain; a point a step did not time stays out of that step's means."""
+    base = run("aaa", point(4096, 1.0, 1.2, 4.2), point(1024, 0.2, 0.25, 1.0))
+    step_1 = run("s1", point(4096, 1.0, 1.1, 4.0), point(1024, 0.1, 0.25, 1.0))
+    step_1_again = run("s1", point(4096, 1.2, 1.3, 4.4))
+    step_2 = run("s2", point(4096, 1.0, 1.1, 3.0), failed=1)
+    current = run("bbb", point(4096, 0.9, 1.1, 2.7), point(1024, 0.1, 0.25, 1.0))
+    files = {}
+    for name, data in (("base", base), ("s1", step_1), ("s1b", step_1_again), ("s2", step_2), ("cur", current)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(data))
+    out = tmp_path / "ab.md"
+    assert ab.main(["--baseline", str(files["base"]), "--current", str(files["cur"]), "--steps", str(files["s1"]),
+                    str(files["s2"]), str(files["s1b"]), "--out-md", str(out)]) == 0
+    text = out.read_text()
+    assert "aaa → s1 → s2 → bbb" in text
+    # fwd: aaa → s1 at 4096 (1.0) and 1024 (0.5): geometric mean 0.707; s1 → s2 at 4096 only (1.0);
+    # bwd (fwd+stats+bwd less fwd+stats): (4.0 - 1.1) / 3.0 = 0.967 and 1; s2 → bbb 1.8 / 1.9.
+    assert "| aaa → s1 | 0.707 | 0.957 | 0.983 | 0.976 | 0 |" in text
+    assert "| s1 → s2 | 1.000 | 1.000 | 0.655 | 0.750 | 1 |" in text
+    assert "| s2 → bbb | 0.900 | 1.000 | 0.842 | 0.900 | 0 |" in text
+    bwd = text[text.index("### bwd"):text.index("### fwd+stats+bwd")]
+    assert "| 3 | 2.9 (0.967) | 1.9 (0.655) | 1.6 (0.842) |" in row_of(bwd, 4096)
+    assert "| 0.75 | 0.75 (1.000) | — (—) | 0.75 (—) |" in row_of(bwd, 1024)
+
+
+def test_without_steps_the_report_has_no_steps_section() -> None:
+    assert "What each step bought" not in ab.compare(run("aaa"), run("bbb"))

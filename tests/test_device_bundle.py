@@ -1,0 +1,72 @@
+"""scripts/device_bundle.sh install, on the GPU machine: the kernel harnesses that `make` packed as
+one archive (the current kernels', the baseline's and the steps' between) come out executable under
+build/, beside the packed library, when the bundle was made from these sources; from other sources,
+no harness is unpacked."""
+
+from __future__ import annotations
+
+import io
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESSES = ("kernel_harness", "kernel_harness_baseline", "kernel_harness_7ae3efb")
+
+
+def make_tree(tmp_path: Path, bundle_sources: str) -> Path:
+    """A tree with the script, a stand-in sources hash, a stand-in package and a bundle made from
+    bundle_sources: the harnesses as make packs them, a library and its build info for this torch."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "device_bundle.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "sources_hash.sh").write_text("echo these-sources\n")
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    shutil.copy(ROOT / "csrc" / "cuda" / "cutlass_version.txt", tmp_path / "csrc" / "cuda")
+    (tmp_path / "torch_ext").mkdir()
+    (tmp_path / "torch_ext" / "__init__.py").write_text("__version__ = 'stub'\n")
+    bundle = tmp_path / ".device"
+    bundle.mkdir()
+    (bundle / "sources.sha256").write_text(f"{bundle_sources}\n")
+    (bundle / "baseline").write_text("d499297\n")
+    (bundle / "steps").write_text("7ae3efb\n")
+    (bundle / "arch").write_text("9.0\n")
+    (bundle / "_build_info.py").write_text(f"TORCH_VERSION = '{torch.__version__.split('+')[0]}'\n")
+    (bundle / "_C.abi3.so.xz").write_bytes(lzma.compress(b"library"))
+    with tarfile.open(bundle / "harnesses.tar.xz", "w:xz") as tar:
+        for name in HARNESSES:
+            data = f"#!/bin/sh\necho {name}\n".encode()
+            info = tarfile.TarInfo(f"./{name}")
+            info.size, info.mode = len(data), 0o755
+            tar.addfile(info, io.BytesIO(data))
+    return tmp_path
+
+
+def install(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", "scripts/device_bundle.sh", "install"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_install_unpacks_every_harness(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path, "these-sources")
+    done = install(tree)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in HARNESSES:
+        ran = subprocess.run([str(tree / "build" / name)], capture_output=True, text=True)
+        assert ran.stdout.strip() == name
+    assert "with those of d499297 and of: 7ae3efb" in done.stdout
+    assert (tree / "torch_ext" / "_C.abi3.so").read_bytes() == b"library"
+
+
+def test_a_bundle_of_other_sources_unpacks_no_harness(tmp_path: Path) -> None:
+    """(It then builds the library there, which this tree cannot: only the harnesses are checked.)"""
+    tree = make_tree(tmp_path, "other-sources")
+    assert "no packed library for these sources" in install(tree).stdout
+    assert not any((tree / "build" / name).exists() for name in HARNESSES)

@@ -18,6 +18,7 @@
 #                                           # makes it while setup compiles)
 #   bash scripts/device_bundle.sh baseline  # only the harnesses of BASELINE and STEPS (below),
 #                                           # packed again into .device/ with make's own
+#   bash scripts/device_bundle.sh history   # the baseline and the steps `make` would build
 #
 # `make` builds a copy of the working tree (uncommitted edits included) in build/device/ with a
 # virtual environment holding DEVICE_TORCH (default 2.11.0), for the architectures of DEVICE_ARCH
@@ -185,12 +186,34 @@ harness_of() {
   cp "$dir/build/kernel_harness" "$file"
 }
 
+# kept_steps BASE: the short names of the commits of STEPS that make a chain from commit BASE to
+# HEAD, on one line: each after the one before it (BASE first) and before HEAD, HEAD itself not
+# (its kernels are the current ones); the others left out with a line on stderr (a step out of
+# that order would say nothing of the changes between). A name that is no commit fails it.
+kept_steps() {
+  local prev=$1 rev head kept=()
+  head=$(git rev-parse --short HEAD)
+  for rev in $STEPS; do
+    # (Explicitly: errexit does not reach into a command substitution.)
+    rev=$(short_name "$rev") || exit 1
+    if [[ $rev == "$prev" || $rev == "$head" ]] || ! git merge-base --is-ancestor "$prev" "$rev" ||
+       ! git merge-base --is-ancestor "$rev" HEAD; then
+      echo "device_bundle: step ${rev} left out: not after ${prev} and before HEAD" >&2
+      continue
+    fi
+    kept+=("$rev")
+    prev=$rev
+  done
+  echo "${kept[*]}"
+}
+
 # The harnesses of BASELINE and STEPS beside make's own in $HARNESSES (kernel_harness_baseline,
 # kernel_harness_<commit>; their names in .device/baseline and .device/steps, oldest first), then
-# all of them packed as .device/harnesses.tar.xz: one xz stream whose 256 MiB window spans more than
-# a harness, so that what one shares with the one before it is stored once (install unpacks it).
+# all of them packed as .device/harnesses.tar.xz: one xz stream, in the order of their commits,
+# whose 256 MiB window spans more than a harness, so that what one shares with the one before it
+# is stored once (install unpacks it).
 make_history() {
-  local name rev names=()
+  local name kept names=() members=()
   [[ -x $HARNESSES/kernel_harness ]] || {
     echo "device_bundle: no ${HARNESSES}/kernel_harness (run make first)" >&2
     exit 1
@@ -200,25 +223,34 @@ make_history() {
   mkdir -p "$BUNDLE"
   if [[ $BASELINE != none ]]; then
     name=$(short_name "$BASELINE")
+    kept=$(kept_steps "$name")
+    read -ra names <<<"$kept"
     harness_of "$name" "$HARNESSES/kernel_harness_baseline"
     echo "$name" >"$BUNDLE/baseline"
-    for rev in $STEPS; do
-      rev=$(short_name "$rev")
-      # (A step not after the baseline, or not in these sources' history, says nothing of them.)
-      if [[ $rev == "$name" ]] || ! git merge-base --is-ancestor "$name" "$rev" ||
-         ! git merge-base --is-ancestor "$rev" HEAD; then
-        note "step ${rev} left out: not between ${name} and HEAD"
-        continue
-      fi
-      names+=("$rev")
+    members+=(kernel_harness_baseline)
+    for rev in "${names[@]}"; do
       harness_of "$rev" "$HARNESSES/kernel_harness_${rev}"
+      members+=("kernel_harness_${rev}")
     done
     echo "${names[*]}" >"$BUNDLE/steps"
   fi
+  members+=(kernel_harness)
   note "pack the harnesses (one xz stream)"
   # (-T1: one block, so that a later harness finds the earlier ones in the window; the window takes
   # about 2.7 GiB to compress, 2 minutes for five harnesses, and 256 MiB to unpack.)
-  tar -C "$HARNESSES" --sort=name -cf - . | xz -T1 --lzma2=preset=9,dict=256MiB >"$BUNDLE/harnesses.tar.xz"
+  tar -C "$HARNESSES" -cf - "${members[@]}" | xz -T1 --lzma2=preset=9,dict=256MiB >"$BUNDLE/harnesses.tar.xz"
+}
+
+# What make_history would build: the baseline and the steps kept (kept_steps), on one line.
+list_history() {
+  local name kept
+  if [[ $BASELINE == none ]]; then
+    echo "no baseline"
+    return
+  fi
+  name=$(short_name "$BASELINE")
+  kept=$(kept_steps "$name")
+  echo "baseline ${name}, steps: ${kept}"
 }
 
 check_build() {
@@ -302,8 +334,9 @@ case ${1:-} in
   install) install_bundle ;;
   venv) device_venv ;;
   baseline) make_history ;;
+  history) list_history ;;
   *)
-    echo "usage: $0 make|check|copy|install|venv|baseline" >&2
+    echo "usage: $0 make|check|copy|install|venv|baseline|history" >&2
     exit 2
     ;;
 esac

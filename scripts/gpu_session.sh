@@ -194,8 +194,9 @@ if [[ -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
   done
   if ((${#steps[@]} > 0)); then
     "$PYTHON" scripts/harness_ab.py --baseline "$LOGS/harness_baseline.json" \
-      --current "$LOGS/harness.json" --steps "${steps[@]}" --out-md "$OUT/harness_ab.md"
+      --current "$LOGS/harness.json" --steps "${steps[@]}" --out-md "$LOGS/harness_ab_steps.md"
     record "harness comparison with the steps" $?
+    cp "$LOGS/harness_ab_steps.md" "$OUT/harness_ab.md"
   fi
   pack
 fi

@@ -20,11 +20,11 @@ the same kernels in one lease differed by up to 11% at a point).
     ... --steps S1.json [S1b.json] S2.json ...
 
 also times the commits between the two (scripts/device_bundle.sh: STEPS), oldest first, their runs
-told apart by the commit each JSON names (several runs of one commit: its least times): the report
-then adds what each step bought, baseline → S1 → S2 → ... → current, each step's geometric mean
-ratio to the commit before it per column, then each column's milliseconds per point along the
-chain. Several changes untimed since the baseline are then judged each by its own step, not by
-their product alone.
+told apart by the commit each JSON names: the report then adds what each step bought, baseline →
+S1 → S2 → ... → current, each step's geometric mean ratio to the commit before it per column, then
+each column's milliseconds per point along the chain (each commit by its least times over as many
+runs as the commit with the fewest has, its first ones). Several changes untimed since the
+baseline are then judged each by its own step, not by their product alone.
 """
 
 from __future__ import annotations
@@ -160,12 +160,19 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def group_by_commit(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The runs of each commit merged by least_times, in the order each commit first appears."""
-    order: Dict[str, List[Dict[str, Any]]] = {}
-    for run in runs:
-        order.setdefault(str(run.get("commit", "?")), []).append(run)
-    return [least_times(group) for group in order.values()]
+def chain_of(base_runs: Sequence[Dict[str, Any]], step_runs: Sequence[Dict[str, Any]],
+             current_runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The chain of steps(): the baseline, the steps' commits in the order each first appears among
+    step_runs (told apart by the commit each run names), the current kernels; each commit's least
+    times over as many of its runs as the commit with the fewest has (its first ones): a least time
+    over two runs against one run is biased low (two runs of the same kernels, 1.04 and 1.00 ms,
+    would make the step after a single run look 4% faster)."""
+    by_commit: Dict[str, List[Dict[str, Any]]] = {}
+    for run in step_runs:
+        by_commit.setdefault(str(run.get("commit", "?")), []).append(run)
+    groups = [list(base_runs), *by_commit.values(), list(current_runs)]
+    runs = min(len(group) for group in groups)
+    return [least_times(group[:runs]) for group in groups]
 
 
 def steps(chain: Sequence[Dict[str, Any]]) -> str:
@@ -226,15 +233,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out-md", type=Path, help="write the report here (default: stdout)")
     args = parser.parse_args(argv)
     try:
-        base = least_times([json.loads(f.read_text()) for f in args.baseline])
-        current = least_times([json.loads(f.read_text()) for f in args.current])
-        between = group_by_commit([json.loads(f.read_text()) for f in args.steps])
+        base_runs = [json.loads(f.read_text()) for f in args.baseline]
+        current_runs = [json.loads(f.read_text()) for f in args.current]
+        step_runs = [json.loads(f.read_text()) for f in args.steps]
     except (OSError, json.JSONDecodeError) as e:
         print(f"harness_ab: {e}", file=sys.stderr)
         return 1
-    text = compare(base, current)
-    if between:
-        text += "\n" + steps([base, *between, current])
+    text = compare(least_times(base_runs), least_times(current_runs))
+    if step_runs:
+        text += "\n" + steps(chain_of(base_runs, step_runs, current_runs))
     if args.out_md:
         args.out_md.write_text(text)
     else:

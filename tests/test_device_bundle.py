@@ -1,7 +1,7 @@
 """scripts/device_bundle.sh install, on the GPU machine: the kernel harnesses that `make` packed as
 one archive (the current kernels', the baseline's and the steps' between) come out executable under
 build/, beside the packed library, when the bundle was made from these sources; from other sources,
-no harness is unpacked."""
+no harness is unpacked. And which steps `make` builds (`history`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,3 +69,33 @@ def test_a_bundle_of_other_sources_unpacks_no_harness(tmp_path: Path) -> None:
     tree = make_tree(tmp_path, "other-sources")
     assert "no packed library for these sources" in install(tree).stdout
     assert not any((tree / "build" / name).exists() for name in HARNESSES)
+
+
+def test_history_keeps_the_steps_that_chain_from_the_baseline_to_head(tmp_path: Path) -> None:
+    """`make` builds the harnesses of BASELINE and of the STEPS that lie, in the order given,
+    between it and HEAD (`history` lists them): a step before the one given ahead of it, or HEAD
+    itself, is left out with a message; a name that is no commit stops it."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "device_bundle.sh", tmp_path / "scripts")
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    shutil.copy(ROOT / "csrc" / "cuda" / "cutlass_version.txt", tmp_path / "csrc" / "cuda")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    commits = []
+    for i in range(4):
+        subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", f"c{i}"], cwd=tmp_path, check=True)
+        commits.append(subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, check=True,
+                                      capture_output=True, text=True).stdout.strip())
+
+    def history(steps: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "BASELINE": commits[0], "STEPS": steps}
+        return subprocess.run(["bash", "scripts/device_bundle.sh", "history"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    a, b, c, head = commits
+    assert history(f"{b} {c}").stdout.strip() == f"baseline {a}, steps: {b} {c}"
+    done = history(f"{c} {b} {head} {a}")
+    assert done.stdout.strip() == f"baseline {a}, steps: {c}"
+    assert all(f"step {x} left out" in done.stderr for x in (b, head, a))
+    done = history(f"{b} nosuchcommit")
+    assert done.returncode == 1 and "nosuchcommit names no commit" in done.stderr

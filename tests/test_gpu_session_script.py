@@ -117,11 +117,22 @@ exit 0
         names = {Path(n).name for n in logs.getnames()}
     assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json",
             "harness_2.json", "harness_baseline_2.json", "harness_7ae3efb.json", "harness_73fc850.json",
-            "profile.md"} <= names
+            "profile.md", "harness_ab_steps.md"} <= names
+    with tarfile.open(out / "logs.tar.xz") as logs:
+        member = next(m for m in logs.getmembers() if m.name.endswith("harness_ab_steps.md"))
+        first = logs.extractfile(member).read().decode()
+    assert "| d499297 → 7ae3efb | 1.000 |" in first and "1 run(s)" in first  # before the second runs
     assert "2 run(s)" in (out / "harness_ab.md").read_text()  # compared again over both runs
     # With the steps between (device_bundle.sh: STEPS), in their order, in both comparisons.
     assert "| d499297 → 7ae3efb | 1.000 |" in (out / "harness_ab.md").read_text()
     assert "| 73fc850 → abc | 1.000 |" in (out / "harness_ab.md").read_text()
+    # What decides which kernels to keep (the harnesses), then the record against SDPA, before the
+    # tests with a family forced; the steps' harnesses after those.
+    notes = [line for line in done.stdout.splitlines() if line.startswith(":::")]
+    order = ["pytest auto", "harness timings (sm90)", "benchmark against SDPA", "pytest sm90", "pytest sm80",
+             "harness timings of step 7ae3efb", "second harness timings"]
+    at = [next(i for i, line in enumerate(notes) if line.startswith(f"::: {name}")) for name in order]
+    assert at == sorted(at), notes
     # The persistent grid's pass of the sanitizer grid, under racecheck.
     assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
     assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()

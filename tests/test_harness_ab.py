@@ -92,12 +92,13 @@ def test_runs_that_agree_are_not_marked() -> None:
 
 
 def test_steps_say_what_each_step_bought(tmp_path: Path) -> None:
-    """With the commits between (--steps, runs told apart by commit, two runs of one merged): each
-    step's geometric mean ratio to the commit before it per column, and each point's milliseconds
-    along the chain; a point a step did not time stays out of that step's means."""
+    """With the commits between (--steps, runs told apart by commit): each step's geometric mean
+    ratio to the commit before it per column, and each point's milliseconds along the chain; a
+    point a step did not time stays out of that step's means. One run of every other commit: s1's
+    second run does not count."""
     base = run("aaa", point(4096, 1.0, 1.2, 4.2), point(1024, 0.2, 0.25, 1.0))
     step_1 = run("s1", point(4096, 1.0, 1.1, 4.0), point(1024, 0.1, 0.25, 1.0))
-    step_1_again = run("s1", point(4096, 1.2, 1.3, 4.4))
+    step_1_again = run("s1", point(4096, 0.5, 0.5, 2.0))
     step_2 = run("s2", point(4096, 1.0, 1.1, 3.0), failed=1)
     current = run("bbb", point(4096, 0.9, 1.1, 2.7), point(1024, 0.1, 0.25, 1.0))
     files = {}
@@ -119,5 +120,26 @@ def test_steps_say_what_each_step_bought(tmp_path: Path) -> None:
     assert "| 0.75 | 0.75 (1.000) | — (—) | 0.75 (—) |" in row_of(bwd, 1024)
 
 
-def test_without_steps_the_report_has_no_steps_section() -> None:
-    assert "What each step bought" not in ab.compare(run("aaa"), run("bbb"))
+def test_without_steps_the_report_has_no_steps_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, current = tmp_path / "base.json", tmp_path / "current.json"
+    base.write_text(json.dumps(run("aaa", point(4096, 1.0, 1.2, 4.2))))
+    current.write_text(json.dumps(run("bbb", point(4096, 1.0, 1.2, 4.2))))
+    assert ab.main(["--baseline", str(base), "--current", str(current), "--steps"]) == 0
+    assert "What each step bought" not in capsys.readouterr().out
+
+
+def test_the_chain_takes_as_many_runs_of_each_commit() -> None:
+    """Two runs of the baseline and of the current kernels, one of a step, all the same kernels: the
+    chain takes the first run of each, so that the least time over two runs does not make the step
+    look slower than the baseline and the current kernels faster than the step."""
+    first, second = point(4096, 1.04, 1.04, 4.16), point(4096, 1.0, 1.0, 4.0)
+    chain = ab.chain_of([run("aaa", first), run("aaa", second)], [run("s1", first)],
+                        [run("bbb", first), run("bbb", second)])
+    assert [c["commit"] for c in chain] == ["aaa", "s1", "bbb"] and all(c["runs"] == 1 for c in chain)
+    text = ab.steps(chain)
+    assert "| aaa → s1 | 1.000 | 1.000 | 1.000 | 1.000 | 0 |" in text
+    assert "| s1 → bbb | 1.000 | 1.000 | 1.000 | 1.000 | 0 |" in text
+    # With two runs of the step too, each commit takes its least time over both.
+    chain = ab.chain_of([run("aaa", first), run("aaa", second)], [run("s1", second), run("s1", first)],
+                        [run("bbb", first), run("bbb", second)])
+    assert all(c["runs"] == 2 and c["points"][0]["fwd_ms"] == 1.0 for c in chain)

@@ -24,7 +24,8 @@
 #      Hopper forward's persistent grid on) and =sm80, and compute-sanitizer's racecheck of the
 #      persistent grid (what decides what to keep first, then the record against SDPA);
 #   5. as time allows, the harnesses of the commits between the baseline and these kernels
-#      (device_bundle.sh: STEPS), whose comparison then says what each step did; a second run of
+#      (device_bundle.sh: STEPS), whose comparison then says what each step did; racecheck over
+#      the Hopper family's forward and backward (cuda_sanitizer_grid.py --passes sm90); a second run of
 #      the current and baseline harnesses, whose comparison then takes each point's least time
 #      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
@@ -198,6 +199,18 @@ if [[ -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
     record "harness comparison with the steps" $?
     cp "$LOGS/harness_ab_steps.md" "$OUT/harness_ab.md"
   fi
+  pack
+fi
+# As time allows, racecheck over the Hopper family's pass of the sanitizer grid (forward and
+# backward of every variant: the backward's schedule changed since the last GPU run, dV issued
+# before the dS step, dK in flight into the next block, one dS tile, checked so far in the CPU
+# emulation only).
+if [[ -n $sanitizer ]]; then
+  note "racecheck of the Hopper family"
+  bounded 150 "$sanitizer" --tool racecheck --error-exitcode 9 "$PYTHON" scripts/cuda_sanitizer_grid.py \
+    --passes sm90 >"$LOGS/racecheck_sm90.log" 2>&1
+  record "racecheck (sm90)" $?
+  tail -3 "$LOGS/racecheck_sm90.log"
   pack
 fi
 # As time allows, a second run of each harness, in the other order (a drift of the clocks over the

@@ -136,3 +136,5 @@ exit 0
     # The persistent grid's pass of the sanitizer grid, under racecheck.
     assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
     assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()
+    # And, as time allows, over the Hopper family's forward and backward.
+    assert "scripts/cuda_sanitizer_grid.py --passes sm90" in (tmp_path / "sanitizer_calls.txt").read_text()

@@ -154,6 +154,7 @@ make_bundle() {
   mkdir -p "$HARNESSES"
   cp "$SRC/build/kernel_harness" "$HARNESSES/kernel_harness"
   bash "$SRC/scripts/sources_hash.sh" >"$BUNDLE/sources.sha256"
+  bash "$SRC/scripts/sources_hash.sh" --harness >"$BUNDLE/harness.sha256"
   echo "$DEVICE_ARCH" >"$BUNDLE/arch"
   "$venv/bin/pip" download -q --no-deps -d "$BUNDLE/wheels" "$CUTLASS" "$SETUPTOOLS" 2> >(grep -v "is ignored" >&2)
   make_history

@@ -79,6 +79,11 @@ if [[ $(cat .device/sources.sha256 2>/dev/null) != "$(bash scripts/sources_hash.
     "make it again with scripts/device_bundle.sh make" >&2
   exit 2
 fi
+if [[ $(cat .device/harness.sha256 2>/dev/null) != "$(bash scripts/sources_hash.sh --harness)" ]]; then
+  echo "gpu_session: the kernel harness of .device/ was built from another harness source" \
+    "(scripts/sources_hash.sh --harness): make it again with scripts/device_bundle.sh make" >&2
+  exit 2
+fi
 status=0
 # record WHAT RC: prints the step's exit code; a failed step fails the run.
 record() {

@@ -53,6 +53,39 @@ def test_refuses_a_bundle_of_other_sources(tmp_path: Path) -> None:
     assert "made from other sources" in done.stderr and not (tmp_path / "installed.txt").exists()
 
 
+def test_refuses_a_harness_of_another_source(tmp_path: Path) -> None:
+    """A .device/ whose library matches these sources but whose harness was built from another
+    harness source (scripts/sources_hash.sh --harness) is refused too: its timings would leave out
+    what the harness's change added."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "gpu_session.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "sources_hash.sh").write_text(
+        '[[ ${1:-} == --harness ]] && echo this-harness || echo these-sources\n')
+    (tmp_path / "scripts" / "device_bundle.sh").write_text("echo installed > installed.txt\n")
+    (tmp_path / ".device").mkdir()
+    (tmp_path / ".device" / "sources.sha256").write_text("these-sources\n")
+    (tmp_path / ".device" / "harness.sha256").write_text("another-harness\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 345 MHz'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    # (DEADLINE=1: past the install, every step is skipped.)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "DEADLINE": "1"}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    done = run()
+    assert done.returncode == 2 and "another harness source" in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "installed.txt").exists()
+    # With the harness's hash matching, it goes on to install.
+    (tmp_path / ".device" / "harness.sha256").write_text("this-harness\n")
+    run()
+    assert (tmp_path / "installed.txt").exists()
+
+
 #: A stand-in kernel harness: its checks pass, and its timings (--json) hold one point.
 FAKE_HARNESS = """#!/bin/bash
 json=""; commit=""; prev=""
@@ -77,6 +110,7 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     (tmp_path / "scripts" / "device_bundle.sh").write_text("echo installed\n")
     (tmp_path / ".device").mkdir()
     (tmp_path / ".device" / "sources.sha256").write_text("these-sources\n")
+    (tmp_path / ".device" / "harness.sha256").write_text("these-sources\n")
     (tmp_path / ".device" / "baseline").write_text("d499297\n")
     (tmp_path / ".device" / "steps").write_text("7ae3efb 73fc850\n")
     bin_dir, build = tmp_path / "bin", tmp_path / "build"

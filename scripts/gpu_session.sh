@@ -174,18 +174,22 @@ record benchmark $?
 # sm90 pass runs it on its persistent grid: both pass before kHopperPersistentByDefault changes.)
 ENTROPY_ATTN_CUDA_FAMILY=sm90 ENTROPY_ATTN_CUDA_PERSISTENT=on tests sm90 100
 ENTROPY_ATTN_CUDA_FAMILY=sm80 tests sm80 100
-# compute-sanitizer's racecheck over the persistent grid's pass of scripts/cuda_sanitizer_grid.py
-# (one block walking every tile: the next tile's slots and the hand-offs between tiles), before
-# kHopperPersistentByDefault may change. SANITIZER: the tool (default: the machine's).
+# racecheck SECONDS WORD: compute-sanitizer's racecheck over the passes of
+# scripts/cuda_sanitizer_grid.py that WORD names, into $LOGS/racecheck_WORD.log. SANITIZER: the
+# tool (default: the machine's; none: nothing runs).
 sanitizer=${SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
-if [[ -n $sanitizer ]]; then
-  note "racecheck of the persistent grid"
-  bounded 90 "$sanitizer" --tool racecheck --error-exitcode 9 "$PYTHON" scripts/cuda_sanitizer_grid.py \
-    --passes persistent >"$LOGS/racecheck_persistent.log" 2>&1
-  record "racecheck (persistent grid)" $?
-  tail -3 "$LOGS/racecheck_persistent.log"
-fi
-pack
+racecheck() {
+  [[ -n $sanitizer ]] || return 0
+  note "racecheck of the grid's passes named ${2}"
+  bounded "$1" "$sanitizer" --tool racecheck --error-exitcode 9 "$PYTHON" scripts/cuda_sanitizer_grid.py \
+    --passes "$2" >"$LOGS/racecheck_$2.log" 2>&1
+  record "racecheck (${2})" $?
+  tail -3 "$LOGS/racecheck_$2.log"
+  pack
+}
+# The persistent grid's pass (one block walking every tile: the next tile's slots and the
+# hand-offs between tiles), before kHopperPersistentByDefault may change.
+racecheck 90 persistent
 # As time allows, the harnesses of the commits between the baseline and these kernels
 # (device_bundle.sh: STEPS), once each, and the comparison again with what each step bought
 # (harness_ab.md): after the record against SDPA, which their runs (each with its checks) would
@@ -206,18 +210,10 @@ if [[ -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
   fi
   pack
 fi
-# As time allows, racecheck over the Hopper family's pass of the sanitizer grid (forward and
-# backward of every variant: the backward's schedule changed since the last GPU run, dV issued
-# before the dS step, dK in flight into the next block, one dS tile, checked so far in the CPU
-# emulation only).
-if [[ -n $sanitizer ]]; then
-  note "racecheck of the Hopper family"
-  bounded 150 "$sanitizer" --tool racecheck --error-exitcode 9 "$PYTHON" scripts/cuda_sanitizer_grid.py \
-    --passes sm90 >"$LOGS/racecheck_sm90.log" 2>&1
-  record "racecheck (sm90)" $?
-  tail -3 "$LOGS/racecheck_sm90.log"
-  pack
-fi
+# As time allows, the Hopper family's passes (forward and backward of every variant: the
+# backward's schedule changed since the last GPU run, dV issued before the dS step, dK in flight
+# into the next block, one dS tile, checked so far in the CPU emulation only).
+racecheck 150 sm90
 # As time allows, a second run of each harness, in the other order (a drift of the clocks over the
 # lease then favours neither), and their comparison again over both runs of each (harness_ab.py:
 # each point's least time).

@@ -86,6 +86,13 @@ def fmt_ratio(x: Optional[float]) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def point_cells(p: Dict[str, Any]) -> str:
+    """The cells that name a timed point's call, the row's start in both reports' tables."""
+    causal = "yes" if p.get("causal") else "no"
+    return (f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:{p.get('kv_heads')} | "
+            f"{p.get('head_dim')} | {p.get('seq_len')} | {causal} | ")
+
+
 def least_times(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One run of several of the same kernels: each point's least time over the runs for each
     timing (a timing missing in every run stays missing) and, in "spread", the largest over the
@@ -141,10 +148,7 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
                 ratios[name].append(r)
             noisy = any(q.get("spread", {}).get(f, 1.0) > NOISY for q in (b, c) if q for f in fields)
             cells.append(f"{fmt_ms(bm)} → {fmt_ms(cm)} ({fmt_ratio(r)}){' ~' if noisy else ''}")
-        causal = "yes" if p.get("causal") else "no"
-        lines.append(f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:"
-                     f"{p.get('kv_heads')} | {p.get('head_dim')} | {p.get('seq_len')} | {causal} | "
-                     + " | ".join(cells) + " |")
+        lines.append(point_cells(p) + " | ".join(cells) + " |")
     lines += ["", "Geometric mean of current / baseline over the points both timed: "
               + ", ".join(f"{c[0]} {fmt_ratio(geometric_mean(ratios[c[0]]))}" for c in COLUMNS) + ".",
               "", f"~: a side's runs of that timing differed by more than {(NOISY - 1) * 100:.1f}% at that point "
@@ -190,8 +194,9 @@ def steps(chain: Sequence[Dict[str, Any]]) -> str:
         "",
         f"The same points timed with the kernels of each commit, in this lease: {' → '.join(names)}. "
         "Each ratio is a commit's time over that of the commit before it (below 1: the step took time off); "
-        "at a point, the steps' ratios multiply to its current / baseline ratio above. Geometric means over the "
-        "points both commits timed:",
+        "at a point, the steps' ratios multiply to the current kernels' time over the baseline's (from the "
+        "same number of runs of each commit, so it may differ a little from the table above). Geometric "
+        "means over the points both commits timed:",
         "",
         "| step | " + " | ".join(c[0] for c in COLUMNS) + " | checks failed |",
         "|" + "---|" * (2 + len(COLUMNS)),
@@ -214,10 +219,7 @@ def steps(chain: Sequence[Dict[str, Any]]) -> str:
             cells = [fmt_ms(ms[0])] + [f"{fmt_ms(ms[j])} ({fmt_ratio(ratio(ms[j - 1], ms[j]))})"
                                        for j in range(1, len(ms))]
             p = next(by_key[k] for by_key in points if k in by_key)
-            causal = "yes" if p.get("causal") else "no"
-            lines.append(f"| {p.get('family')} | {p.get('dtype')} | {p.get('batch')} | {p.get('heads')}:"
-                         f"{p.get('kv_heads')} | {p.get('head_dim')} | {p.get('seq_len')} | {causal} | "
-                         + " | ".join(cells) + " |")
+            lines.append(point_cells(p) + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -33,20 +33,28 @@ def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert grid.main([]) == 0
     out = capsys.readouterr().out
     assert out.count("variants x D 64, 128, 256, 96 run") == 3
-    assert "sm80 at 99 KB per block: 7 variants x D 128 run" in out
-    assert "sm90 on a persistent grid of one block: 7 variants x D 64, 128 run" in out
+    assert "sm80-99KB: 7 variants x D 128 run" in out
+    assert "sm90-persistent: 7 variants x D 64, 128 run" in out
 
 
 def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """--passes runs the passes whose names hold a word, with their settings; none is an error."""
+    """--passes runs the passes it names, each with its settings, and no other: sm90 is not the
+    persistent grid's pass too; a name of no pass is a usage error."""
     seen: list = []
     monkeypatch.setattr(grid, "run_call", lambda device, *a: seen.append(
         (os.environ["ENTROPY_ATTN_CUDA_FAMILY"], os.environ.get("ENTROPY_ATTN_CUDA_PERSISTENT"))) or [torch.zeros(1)])
-    assert grid.main(["--passes", "persistent"]) == 0
+    assert grid.main(["--passes", "sm90-persistent"]) == 0
     assert set(seen) == {("sm90", "1")}
-    assert capsys.readouterr().out.splitlines() == ["sm90 on a persistent grid of one block: 7 variants x D 64, 128 run"]
+    assert capsys.readouterr().out.splitlines() == ["sm90-persistent: 7 variants x D 64, 128 run"]
     assert "ENTROPY_ATTN_CUDA_PERSISTENT" not in os.environ  # the pass's setting undone
-    assert grid.main(["--passes", "nothing"]) == 2
+    seen.clear()
+    assert grid.main(["--passes", "sm90"]) == 0
+    assert set(seen) == {("sm90", None)}
+    assert capsys.readouterr().out.splitlines() == ["sm90: 7 variants x D 64, 128, 256, 96 run"]
+    with pytest.raises(SystemExit) as exit_:
+        grid.main(["--passes", "persistent"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'persistent'" in capsys.readouterr().err
 
 
 def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,5 +68,5 @@ def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
     monkeypatch.setattr(grid, "run_call", wrong)
     monkeypatch.setattr(grid, "VARIANTS", grid.VARIANTS[:1])
-    assert grid.main(["--passes", "sm80 at 99"]) == 1
+    assert grid.main(["--passes", "sm80-99KB"]) == 1
     assert "causal: output 3 differs" in capsys.readouterr().out

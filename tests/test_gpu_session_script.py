@@ -97,12 +97,10 @@ echo "3 checks, 0 failed"
 """
 
 
-def test_every_result_comes_back(tmp_path: Path) -> None:
-    """Run through with stand-ins for the GPU, the bundle, Python, the harnesses and
-    compute-sanitizer, the script leaves in OUT at most the 8 files the device tool brings back
-    (names of letters, digits, '.', '_' and '-'), the harnesses' comparison among them (with the
-    steps between the baseline and the current kernels), and the JSON of the other steps in the
-    packed logs (the profile's among them); it runs the persistent grid's racecheck."""
+def _stand_ins(tmp_path: Path) -> dict[str, str]:
+    """A tree in tmp_path with the script, stand-ins for the GPU, the bundle, Python, the
+    harnesses (the baseline, steps 7ae3efb and 73fc850) and compute-sanitizer; the environment
+    that runs it there (DEADLINE 120)."""
     (tmp_path / "scripts").mkdir()
     for name in ("gpu_session.sh", "harness_ab.py"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts")
@@ -135,13 +133,22 @@ exit 0
     for path, text in stubs.items():
         path.write_text(text)
         path.chmod(0o755)
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "PYTHON": str(bin_dir / "fake-python"), "SANITIZER": str(bin_dir / "fake-sanitizer"), "NCU": "fake-ncu",
+            "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
+
+
+def test_every_result_comes_back(tmp_path: Path) -> None:
+    """Run through with stand-ins, the script leaves in OUT at most the 8 files the device tool
+    brings back (names of letters, digits, '.', '_' and '-'), the harnesses' comparison among them
+    (with the steps between the baseline and the current kernels), and the JSON of the other steps
+    in the packed logs (the profile's among them); it runs the persistent grid's racecheck."""
+    env = _stand_ins(tmp_path)
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHON": str(bin_dir / "fake-python"), "SANITIZER": str(bin_dir / "fake-sanitizer"), "NCU": "fake-ncu",
-           "COMMIT": "abc", "SHARDS": "1", "DEADLINE": "120"}
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "cut by the deadline" not in done.stdout
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, f"{len(files)} files in OUT, the device tool brings back 8: {files}"
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and all((out / f).is_file() for f in files)
@@ -169,6 +176,37 @@ exit 0
     assert at == sorted(at), notes
     # The persistent grid's pass of the sanitizer grid, under racecheck.
     assert "--tool racecheck" in (tmp_path / "sanitizer_calls.txt").read_text()
-    assert "scripts/cuda_sanitizer_grid.py --passes persistent" in (tmp_path / "sanitizer_calls.txt").read_text()
+    calls = (tmp_path / "sanitizer_calls.txt").read_text().splitlines()
+    assert calls[0].endswith("scripts/cuda_sanitizer_grid.py --passes sm90-persistent"), calls
     # And, as time allows, over the Hopper family's forward and backward.
-    assert "scripts/cuda_sanitizer_grid.py --passes sm90" in (tmp_path / "sanitizer_calls.txt").read_text()
+    assert calls[1].endswith("scripts/cuda_sanitizer_grid.py --passes sm90"), calls
+
+
+#: A stand-in timeout: the step harness of 7ae3efb runs out of its time, everything else runs.
+FAKE_TIMEOUT = """#!/bin/bash
+[[ $1 == -k ]] && shift 2
+shift
+[[ $1 == */kernel_harness_7ae3efb ]] && exit 124
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("deadline, code", [(30, 0), (1000, 1)])
+def test_a_step_as_time_allows_cut_by_the_deadline(tmp_path: Path, deadline: int, code: int) -> None:
+    """A step as time allows (a step's harness) that times out when the deadline capped its time
+    is listed as cut, and the run passes (DEADLINE 30, under that step's 60 s); the same time-out
+    within its own bound, the deadline far, is a hang: the run fails."""
+    env = _stand_ins(tmp_path)
+    (tmp_path / "bin" / "timeout").write_text(FAKE_TIMEOUT)
+    (tmp_path / "bin" / "timeout").chmod(0o755)
+    env["DEADLINE"] = str(deadline)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stdout + done.stderr
+    if code == 0:
+        assert "harness timings (harness_7ae3efb): cut by the deadline" in done.stdout
+        assert "::: cut by the deadline: harness timings (harness_7ae3efb);" in done.stdout
+    else:
+        assert "harness timings (harness_7ae3efb): exit 124" in done.stdout
+    # The steps before the ones as time allows passed either way.
+    assert "harness timings (harness): exit 0" in done.stdout and "benchmark: exit 0" in done.stdout

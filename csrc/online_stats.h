@@ -223,6 +223,17 @@ EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t delta) {
   return p * (dp - delta);
 }
 
+// lambda_i dS of one entry without gradients of the entropy or sum p^2, from lambda_i and
+// lambda_i delta_i of its row: lambda p (dp - delta) as p (lambda dp - lambda delta), an FFMA and
+// an FMUL per entry for an FADD and two FMULs. It is the operand of dK = (lambda dS)^T Q, and of dq
+// itself where d lambda is not asked for (docs/math.md section 3); lambda delta is formed once per
+// row.
+template <typename acc_t>
+EA_HOST_DEVICE acc_t scaled_logit_grad(acc_t p, acc_t dp, acc_t lam, acc_t lam_delta) {
+  using std::fma;
+  return p * fma(lam, dp, -lam_delta);
+}
+
 // dS of one entry, x = s - r with the r of the row's delta.
 template <typename acc_t>
 EA_HOST_DEVICE acc_t logit_grad(acc_t p, acc_t dp, acc_t x, acc_t delta, const RowGrads<acc_t>& g) {

@@ -74,10 +74,11 @@ BASELINE=${BASELINE:-d499297}
 #   73fc850  the backward's query blocks without a per-score check (9881e58, af02a2a) and the causal
 #            launch order's sections of 1.5 waves (e5b3e31);
 #   0f6cce5  the backward's S and dP as whole 64 x 64 slices at D = 128;
-# the current sources then store one dS tile where no d lambda is asked for (c0437a2; the harness of
-# these sources times the backward without d lambda, those of the commits before with it). Move
-# them with BASELINE.
-STEPS=${STEPS-7ae3efb 73fc850 0f6cce5}
+#   eaf5345  one dS tile where no d lambda is asked for (c0437a2; the harnesses from here on time
+#            the backward without d lambda, those of the commits before with it);
+# the current sources then form the dS loop of the blocks off every edge without the select, and
+# lambda dS in one FFMA and an FMUL. Move them with BASELINE.
+STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345}
 venv=${DEVICE_VENV:-build/device/venv}
 
 # A failed build's first errors, and the end of the script.

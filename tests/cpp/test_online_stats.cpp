@@ -232,4 +232,20 @@ TEST(OnlineStats, LogitGradIsTheRowsDerivative) {
   }
 }
 
+// The tensor-core kernels' lambda dS, p (lambda dp - lambda delta), is lambda times logit_grad's dS
+// to within float32 rounding of the terms it cancels: |lambda| (|dp| + |delta|) p eps a few times.
+// (A mutation that drops lambda from dp, or the sign of lambda delta, is far outside it.)
+TEST(OnlineStats, ScaledLogitGradIsLambdaTimesLogitGrad) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> u(-4.f, 4.f);
+  for (int k = 0; k < 1000; ++k) {
+    const float p = std::abs(u(gen)) / 4.f, dp = u(gen), delta = u(gen), lam = u(gen) / 2.f;
+    const double want = static_cast<double>(lam) * p * (static_cast<double>(dp) - delta);
+    const double tol = 4 * std::numeric_limits<float>::epsilon() * std::abs(lam) * p *
+                       (std::abs(dp) + std::abs(delta));
+    EXPECT_NEAR(entropy_attn::scaled_logit_grad(p, dp, lam, lam * delta), want, tol)
+        << "p " << p << ", dp " << dp << ", delta " << delta << ", lambda " << lam;
+  }
+}
+
 }  // namespace

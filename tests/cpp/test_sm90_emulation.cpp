@@ -206,6 +206,50 @@ TEST(EmulatedSm90Backward, WithoutDLambda) {
       eh::Shape{1, 2, 1, 70, 150, 128, false, true, false, MaskKind::kBool}, false, false);
 }
 
+// Causal blocks off the diagonal, where every row sees every key of the tile: the dS loop
+// without the select that keeps dS = 0 where p = 0 (kEveryKey), which the causal shapes above
+// (130 rows and fewer) never reach. 320 rows give query blocks 2-4 of key block 0 and block 4 of
+// key block 1, with d lambda (dS and lambda dS stored) and without (lambda dS alone, in
+// scaled_logit_grad's form); logn's row scales differ from row to row.
+TEST(EmulatedSm90Backward, CausalBlocksOffTheDiagonal) {
+  for (const bool dlam : {true, false}) {
+    run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
+        eh::Shape{1, 2, 1, 320, 320, 128, true, true, false}, true, dlam);
+    run_backward<__half, 64, true, MaskKind::kNone>(
+        eh::Shape{1, 2, 2, 320, 320, 64, true, true, false}, false, dlam);
+  }
+}
+
+// An infinite value at keys that no row sees (top-left causality with 150 keys for 100 rows:
+// keys 100-149 are nobody's, and key block 0 meets them in two blocks on an edge) stays out of
+// every gradient without the guard: the select of the dS loop on an edge keeps dS = 0 where
+// dP = inf, so that dK of those keys stays 0 and nothing flags the call (params.h: nonfinite).
+// The loop without it (kEveryKey) taken there would form 0 * inf. With d lambda and without.
+TEST(EmulatedSm90Backward, InfiniteValuesNoRowSees) {
+  for (const bool dlam : {true, false}) {
+    const eh::Shape s{1, 2, 1, 100, 150, 128, true, true, false};
+    eh::HostCall<__nv_bfloat16> c(s, 11);
+    // (The reference keeps the finite values: no row weighs these keys.)
+    for (const int64_t j : {101, 127}) {
+      for (int64_t d = 0; d < s.head_dim; ++d) {
+        c.in.v[j * s.head_dim + d] =
+            eh::from_float<__nv_bfloat16>(d % 2 ? std::numeric_limits<float>::infinity()
+                                                : -std::numeric_limits<float>::infinity());
+      }
+    }
+    eh::fill_inputs(s, c.b, c.in, [](void* to, const auto& from) {
+      std::memcpy(to, from.data(), from.size() * sizeof(from[0]));
+    });
+    ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
+    int flag = 0;
+    p.nonfinite = &flag;
+    if (!dlam) p.d_row_scale = nullptr;
+    launch_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(p);
+    EXPECT_EQ(flag, 0) << "dlam " << dlam;
+    sm80_emulation::expect_backward(s, c, 0, dlam);
+  }
+}
+
 // Full attention's partial blocks with every logit far below zero: q_i.k_j near -1,280 (lambda s
 // near -113), so that lse_i is near -108. The keys past kv_len, which TMA fills with zeros, score
 // 0 there and would weigh exp(-lse_i), an infinity in float32, whose product with their zero rows

@@ -31,9 +31,11 @@
 //                                    that slice's; with two slice 0's for warpgroup 0 (its
 //                                    keys are that slice) and slice 1's for warpgroup 1 (the
 //                                    masked kernels: both slice 1's);
-//       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0;
+//       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0 (a select
+//                                    that blocks off every edge skip: kEveryKey);
 //       lambda_i dS, and dS unless g_scaled (below), to shared memory (T), then, after a
-//       barrier of the two warpgroups,
+//       barrier of the two warpgroups (lambda_i dS alone: scaled_logit_grad, in one FFMA and
+//       an FMUL per entry),
 //       G = dS K                     wgmma SS (queries x D, the warpgroups splitting D), added to
 //                                    dq_accum with 8-byte fp32 atomics, or (a bulk_dq_accum
 //                                    layout, launch.h) stored to a shared fp32 tile that warp 1
@@ -687,15 +689,28 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
 
       // dS = logit_grad(p, dP, s, delta_i, g_i), 0 where p = 0 (masked or underflowed: no
-      // 0 * inf from s = -inf); lambda_i dS to shared memory, and with kBoth dS too (G's operand
-      // where d lambda is asked for). Two copies of the loop under a uniform branch: predicated
-      // stores would still issue the dS conversions and stores that g_scaled drops.
+      // 0 * inf from s = -inf, nor from dP = inf at a key the row does not see); lambda_i dS to
+      // shared memory, and with kBoth dS too (G's operand where d lambda is asked for). Two copies
+      // of the loop under a uniform branch: predicated stores would still issue the dS conversions
+      // and stores that g_scaled drops. Without kBoth or kGrads, lambda_i dS is formed as
+      // p (lambda_i dP - lambda_i delta_i) (scaled_logit_grad): an FFMA and an FMUL per entry for
+      // an FADD and two FMULs.
+      //
+      // kEveryKey: a block off every edge (no mask, every row sees every key of it) without
+      // kGrads, where no weight is masked: p = 0 only where it underflowed, at a key the row sees,
+      // and there dP = inf (an infinite value) leaves the row's output no finite value either, so
+      // the loop drops the select (a compare and an FSEL per entry) that keeps dS = 0 where p = 0.
+      // Only where the checks have a branch of their own (kSplitChecks): full attention at D = 64
+      // took 4 instructions fewer along the path of a block but 5% more modelled cycles with it,
+      // and 8% more in its kGrads step, which it does not change (ptxas placed it anew).
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
       Tensor tdSsdSl_rc = make_tensor(tdSsdSl.data(), acc_rowcol(tdSsdSl.layout()));
-      const auto ds_step = [&](auto both_tag) {
+      const auto ds_step = [&](auto both_tag, auto every_key_tag) {
         constexpr bool kBoth = decltype(both_tag)::value;
+        constexpr bool kEveryKey = decltype(every_key_tag)::value;
+        constexpr bool kScaledForm = !kBoth && !kGrads;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int q = get<0>(cS_rc(r, 0));
@@ -703,6 +718,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           // Where s took lambda_i folded into one FFMA (kFoldScale), lambda_i is read again here
           // rather than held across the products.
           const float lam_ds = kFoldScale ? srow[Kt::kStatLambda][q] : lam[r];
+          [[maybe_unused]] const float lam_delta = lam_ds * delta;
           RowGrads<float> g;  // g_lse enters through delta only
           if constexpr (kGrads) {
             g.g_entropy = srow[Kt::kStatGH][q];
@@ -733,25 +749,36 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
               if constexpr (kGrads && kDropout) {
                 dp = (keep >> (r * kCols + c + e)) & 1u ? dp * p.dropout.keep_scale : 0.f;
               }
-              const float d = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
-                                     : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
-              ds[e] = pr != 0.f ? d : 0.f;
+              // ds: lambda_i dS in the scaled form, else dS.
+              const float d = kScaledForm ? scaled_logit_grad(pr, dp, lam_ds, lam_delta)
+                              : kGrads    ? logit_grad(pr, dp, s, delta, g) * cap_grad
+                                          : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
+              ds[e] = kEveryKey || pr != 0.f ? d : 0.f;
             }
             if constexpr (kBoth) {
               Ops::store_shared(
                   reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdS_rc(r, c))),
                   to_pair(cutlass::Array<float, 2>{ds[0], ds[1]}));
             }
+            const cutlass::Array<float, 2> lam_pair =
+                kScaledForm ? cutlass::Array<float, 2>{ds[0], ds[1]}
+                            : cutlass::Array<float, 2>{lam_ds * ds[0], lam_ds * ds[1]};
             Ops::store_shared(
                 reinterpret_cast<cutlass::Array<Element, 2>*>(raw_pointer_cast(&tdSsdSl_rc(r, c))),
-                to_pair(cutlass::Array<float, 2>{lam_ds * ds[0], lam_ds * ds[1]}));
+                to_pair(lam_pair));
           }
         }
       };
+      const auto ds_steps = [&](auto both_tag) {
+        if constexpr (kSplitChecks) {
+          if (!edge) return ds_step(both_tag, std::true_type{});
+        }
+        ds_step(both_tag, std::false_type{});
+      };
       if (g_scaled) {
-        ds_step(std::false_type{});
+        ds_steps(std::false_type{});
       } else {
-        ds_step(std::true_type{});
+        ds_steps(std::true_type{});
       }
     }
     // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.

@@ -76,9 +76,11 @@ BASELINE=${BASELINE:-d499297}
 #   0f6cce5  the backward's S and dP as whole 64 x 64 slices at D = 128;
 #   eaf5345  one dS tile where no d lambda is asked for (c0437a2; the harnesses from here on time
 #            the backward without d lambda, those of the commits before with it);
-# the current sources then form the dS loop of the blocks off every edge without the select, and
-# lambda dS in one FFMA and an FMUL. Move them with BASELINE.
-STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345}
+#   948b773  the dS loop of the blocks off every edge without the select, lambda dS in one FFMA and
+#            an FMUL;
+# the current sources then slice the products' operands by the warpgroup (their descriptors in
+# uniform registers). Move them with BASELINE.
+STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345 948b773}
 venv=${DEVICE_VENV:-build/device/venv}
 
 # A failed build's first errors, and the end of the script.

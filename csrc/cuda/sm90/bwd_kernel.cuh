@@ -343,8 +343,17 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
   typename Kt::TiledMmadKV mma_dkv;
   typename Kt::TiledMmaG mma_g;
-  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
-  auto thr_g = mma_g.get_thread_slice(ctid);
+  // The operands' shared-memory descriptors depend on the thread's warpgroup alone: sliced by its
+  // first thread, an index the compiler knows to be warp-uniform (Ops::warp_group_idx, a shuffle),
+  // they are formed in uniform registers, where each wgmma reads them. Sliced by ctid, ptxas formed
+  // them in vector registers and moved them over (R2UR, 53-64 per query block) before every wgmma
+  // (FlashAttention-3 slices its products by the warpgroup too). Full attention at D = 64 keeps
+  // ctid: ptxas formed its descriptors in vector registers either way, and its loop took 6% more
+  // modelled cycles (results/sass/softmax_schedule.md).
+  constexpr bool kUniformOperands = kMask != MaskKind::kNone || kCausal || kD == 128;
+  const int wg_tid = kUniformOperands ? (Ops::warp_group_idx() - 1) * 128 : ctid;
+  auto thr_dkv = mma_dkv.get_thread_slice(wg_tid);
+  auto thr_g = mma_g.get_thread_slice(wg_tid);
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);     // (MMA, MMA_keys, MMA_queries)
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);   // (MMA, MMA_D, MMA_queries, stages)
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSlt);  // (MMA, MMA_keys, MMA_queries)
@@ -457,13 +466,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     TiledMmaSdP mma_sdp;
-    auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);   // the accumulators' places
+    auto wg_sdp = mma_sdp.get_thread_slice(wg_tid);  // the operands' descriptors (above)
+    Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);   // (MMA, MMA_queries, MMA_D, stages)
     // K and V by slices of the key block: (kSliceN, D, kSlices).
     const auto slice_tile = Shape<Int<kSliceN>, Int<kD>>{};
-    Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
-    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
-    Tensor tdPrV = thr_sdp.partition_fragment_B(local_tile(sV, slice_tile, make_coord(_, _0{})));
+    Tensor tSrK = wg_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
+    Tensor tdPrdO = wg_sdp.partition_fragment_A(sdO);  // (MMA, MMA_queries, MMA_D, stages)
+    Tensor tdPrV = wg_sdp.partition_fragment_B(local_tile(sV, slice_tile, make_coord(_, _0{})));
     // (query, key) in the slice of every S accumulator, as (thread rows, columns).
     using RowCol = decltype(acc_rowcol(
         thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kSliceN>>{})).layout()));
@@ -863,7 +873,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 
   // Epilogue: dK and dV, rows j0 + r < Lk, as 4-byte pairs of adjacent columns from the
   // registers, into (B, Hkv, Lk, D) in the host's strides (each in its input's layout).
-  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));
+  // (The thread's own slice: thr_dkv is its warpgroup's first thread's.)
+  Tensor cKV = mma_dkv.get_thread_slice(ctid).partition_C(
+      make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));
   Tensor cKV_rc = make_tensor(cKV.data(), acc_rowcol(cKV.layout()));
   Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol(acc_dk.layout()));
   Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol(acc_dv.layout()));

@@ -78,8 +78,8 @@ BASELINE=${BASELINE:-d499297}
 #            the backward without d lambda, those of the commits before with it);
 #   948b773  the dS loop of the blocks off every edge without the select, lambda dS in one FFMA and
 #            an FMUL;
-# the current sources then slice the products' operands by the warpgroup (their descriptors in
-# uniform registers). Move them with BASELINE.
+# the current sources then slice the products' operands by the warpgroup, in the backward and the
+# forward (their descriptors in uniform registers). Move them with BASELINE.
 STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345 948b773}
 venv=${DEVICE_VENV:-build/device/venv}
 

@@ -382,9 +382,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   typename Kt::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
   auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors (MMA, MMA_M, MMA_K)
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_Keys, stages)
+  // The operands' descriptors by the warpgroup's first thread, a warp-uniform index
+  // (Ops::warp_group_idx), so that ptxas forms them in uniform registers (the backward's
+  // consume() says more).
+  const int wg_tid = (Ops::warp_group_idx() - 1) * 128;
+  auto wg_s = mma_s.get_thread_slice(wg_tid);
+  Tensor tSrQ = wg_s.partition_fragment_A(sQ);  // wgmma descriptors (MMA, MMA_M, MMA_K)
+  Tensor tSrK = wg_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV =
+      mma_o.get_thread_slice(wg_tid).partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_Keys, stages)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
 

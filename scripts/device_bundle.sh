@@ -78,9 +78,12 @@ BASELINE=${BASELINE:-d499297}
 #            the backward without d lambda, those of the commits before with it);
 #   948b773  the dS loop of the blocks off every edge without the select, lambda dS in one FFMA and
 #            an FMUL;
-# the current sources then slice the products' operands by the warpgroup, in the backward and the
-# forward (their descriptors in uniform registers). Move them with BASELINE.
-STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345 948b773}
+#   40e6e8e  the products' operands sliced by the warpgroup, in the backward and the forward (their
+#            descriptors in uniform registers);
+# the current sources then give the backward of full attention at D = 64 what the other kernels
+# without a mask have (the warpgroup's slice, the checks' own branch, one dS tile). Move them with
+# BASELINE.
+STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345 948b773 40e6e8e}
 venv=${DEVICE_VENV:-build/device/venv}
 
 # A failed build's first errors, and the end of the script.

@@ -120,8 +120,8 @@ struct BwdParams : AttentionArgs<acc_t> {
   // kernel; and d lambda (B, H, Lq) in acc_t, contiguous (a postprocess kernel forms dq = lambda G,
   // d lambda = q . G from dq_accum). `deterministic` asks for a dq computed without atomics.
   // d_row_scale null: d lambda is not asked for (the call's grad_scale), so the postprocess forms
-  // dq alone; and where the Hopper launcher sets g_scaled (its kernels without a mask at D = 128,
-  // and causal at D = 64: sm90/bwd_kernel.cuh, kScalesG), the main kernel stores lambda_i dS alone
+  // dq alone; and where the Hopper launcher sets g_scaled (its kernels without a mask:
+  // sm90/bwd_kernel.cuh, kScalesG), the main kernel stores lambda_i dS alone
   // and sums G = lambda dS K, which is dq itself (docs/math.md section 3).
   OutView4 dq_out, dk_out, dv_out;
   acc_t* d_row_scale = nullptr;

@@ -53,7 +53,7 @@ void launch_forward(const ec::FwdParams<float>& p) {
 // kernel, the sm80 family's dq / d lambda postprocess.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
 void launch_backward(const ec::BwdParams<float>& given) {
-  const ec::BwdParams<float> p = s9b::launch_params<kD, kCausal, kMask>(given);
+  const ec::BwdParams<float> p = s9b::launch_params<kMask>(given);
   using Kt = s9b::BwdTraits<T, kD, cuda_emu::sm90::Ops>;
   using Rows = sm80_emulation::EmulatedTraits<T, kD, false>;
   namespace sb = entropy_attn::cuda::sm80::bwd;

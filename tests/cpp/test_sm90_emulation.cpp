@@ -250,34 +250,43 @@ TEST(EmulatedSm90Backward, InfiniteValuesNoRowSees) {
   }
 }
 
-// Full attention's partial blocks with every logit far below zero: q_i.k_j near -1,280 (lambda s
-// near -113), so that lse_i is near -108. The keys past kv_len, which TMA fills with zeros, score
-// 0 there and would weigh exp(-lse_i), an infinity in float32, whose product with their zero rows
-// of K is NaN in dq. Only the per-score check of a block on an edge hides them (kSplitChecks'
-// loop with it): with random logits those weights stay finite and their products zero, so that
-// the other tests pass without the check.
-TEST(EmulatedSm90Backward, FullAttentionEdgesWithLogitsFarBelowZero) {
-  const eh::Shape s{1, 2, 1, 90, 140, 128, false, false, false};
-  eh::HostCall<__half> c(s, 11);
-  // q_i = 2 sigma and k_j = -5 sigma + k_j / 2 for one sign pattern sigma over the head dim.
-  const auto sigma = [](int64_t e) { return e % 128 % 3 == 0 ? -1.f : 1.f; };
+// Full attention's partial blocks with every logit far below zero: lambda s near -113 (q_i.k_j
+// near -1,280 at D = 128), so that lse_i is near -108. The keys past kv_len, which TMA
+// fills with zeros, score 0 there and would weigh exp(-lse_i), an infinity in float32, whose
+// product with their zero rows of K is NaN in dq. Only the per-score check of a block on an edge
+// hides them (kSplitChecks' loop with it): with random logits those weights stay finite and their
+// products zero, so that the other tests pass without the check.
+template <typename T, int kD>
+void run_full_attention_edges_with_logits_far_below_zero() {
+  const eh::Shape s{1, 2, 1, 90, 140, kD, false, false, false};
+  eh::HostCall<T> c(s, 11);
+  // q_i = a sigma and k_j = -5 sigma + k_j / 2 for one sign pattern sigma over the head dim, with
+  // a = 2 sqrt(128 / D), so that lambda q_i.k_j = -5 a sqrt(D) is the same at either head dim.
+  const float a = 2.f * std::sqrt(128.f / kD);
+  const auto sigma = [](int64_t e) { return e % kD % 3 == 0 ? -1.f : 1.f; };
   for (size_t e = 0; e < c.in.q.size(); ++e) {
-    c.in.q[e] = eh::from_float<__half>(2.f * sigma(static_cast<int64_t>(e)));
+    c.in.q[e] = eh::from_float<T>(a * sigma(static_cast<int64_t>(e)));
     c.in.qd[e] = eh::to_double(c.in.q[e]);
   }
   for (size_t e = 0; e < c.in.k.size(); ++e) {
     const double k = -5.0 * sigma(static_cast<int64_t>(e)) + 0.5 * eh::to_double(c.in.k[e]);
-    c.in.k[e] = eh::from_float<__half>(static_cast<float>(k));
+    c.in.k[e] = eh::from_float<T>(static_cast<float>(k));
     c.in.kd[e] = eh::to_double(c.in.k[e]);
   }
   eh::fill_inputs(s, c.b, c.in, [](void* to, const auto& from) {
     std::memcpy(to, from.data(), from.size() * sizeof(from[0]));
   });
-  launch_backward<__half, 128, false, MaskKind::kNone>(sm80_emulation::backward_inputs(s, c));
+  launch_backward<T, kD, false, MaskKind::kNone>(sm80_emulation::backward_inputs(s, c));
   // d lambda_i sums dS_ij s_ij over scores all near -1,280 whose spread is about 13, where
   // sum_j dS_ij is 0: the 16-bit operands' rounding comes back amplified (2% here, where the
   // tolerance of ordinary logits is 0.6%). Checked finite and within 10%; the rest as usual.
   sm80_emulation::expect_backward(s, c, 0.1);
+}
+
+// Both head dims: full attention at D = 64 checks its partial blocks in a loop of its own too.
+TEST(EmulatedSm90Backward, FullAttentionEdgesWithLogitsFarBelowZero) {
+  run_full_attention_edges_with_logits_far_below_zero<__half, 128>();
+  run_full_attention_edges_with_logits_far_below_zero<__half, 64>();
 }
 
 TEST(EmulatedSm90Backward, BulkDqRefusedWithAMask) {

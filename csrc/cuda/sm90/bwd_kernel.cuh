@@ -48,7 +48,7 @@
 //     lambda goes into dK's operand. Where d lambda is asked for (d_row_scale), not into the dS of
 //     G: the postprocess forms dq = lambda G and d lambda = q . G from the unscaled G (docs/math.md
 //     section 3). Else (g_scaled, the common call: a scale policy, no scale tensor that needs a
-//     gradient; the kernels without a mask at D = 128, and causal at D = 64: kScalesG) G's operand
+//     gradient; the kernels without a mask: kScalesG) G's operand
 //     is lambda dS too, so that G is dq itself and the warps store one dS tile instead of two (a
 //     conversion and a 4-byte store less per two elements).
 //     (FlashAttention-3 at D = 128 keeps P^T and dS^T in registers as the A operands of dV and dK;
@@ -292,18 +292,19 @@ constexpr int kdQFullBarrier = 4;
 constexpr int kP0Barrier = 5;
 
 // Whether a kernel sums G from lambda dS where no d lambda is asked for (params.h: g_scaled): not
-// the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal),
-// nor full attention at D = 64, where ptxas then formed the loop's wgmma descriptors in vector
-// registers (35 instructions more per query block than the dS stores saved:
-// scripts/softmax_issue_model.py --backward).
-template <int kD, bool kCausal, MaskKind kMask>
-constexpr bool kScalesG = kMask == MaskKind::kNone && (kD == 128 || kCausal);
+// the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal).
+// (Full attention at D = 64 took it alone for 35 instructions more per query block, as ptxas
+// formed its descriptors in vector registers; with the operands sliced by the warpgroup and the
+// checks in a branch of their own, as the other kernels, it takes 56 fewer and 6% fewer modelled
+// cycles: results/sass/softmax_schedule.md.)
+template <MaskKind kMask>
+constexpr bool kScalesG = kMask == MaskKind::kNone;
 
 // The parameters of a launch's main kernel and postprocess: g_scaled where the kernel takes it and
 // no d lambda is asked for.
-template <int kD, bool kCausal, MaskKind kMask>
+template <MaskKind kMask>
 BwdParams<float> launch_params(BwdParams<float> p) {
-  p.g_scaled = kScalesG<kD, kCausal, kMask> && p.d_row_scale == nullptr;
+  p.g_scaled = kScalesG<kMask> && p.d_row_scale == nullptr;
   return p;
 }
 
@@ -326,7 +327,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const int ctid = threadIdx.x - 128;  // thread index among the consumers, [0, 256)
   const bool grads = p.g_entropy != nullptr || p.g_sum_p2 != nullptr;
   // (kScalesG here too, so that the other kernels compile no copy of the dS loop without dS.)
-  const bool g_scaled = kScalesG<kD, kCausal, kMask> && p.g_scaled;
+  const bool g_scaled = kScalesG<kMask> && p.g_scaled;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Kt::SmemLayoutKt{});
@@ -347,11 +348,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // first thread, an index the compiler knows to be warp-uniform (Ops::warp_group_idx, a shuffle),
   // they are formed in uniform registers, where each wgmma reads them. Sliced by ctid, ptxas formed
   // them in vector registers and moved them over (R2UR, 53-64 per query block) before every wgmma
-  // (FlashAttention-3 slices its products by the warpgroup too). Full attention at D = 64 keeps
-  // ctid: ptxas formed its descriptors in vector registers either way, and its loop took 6% more
-  // modelled cycles (results/sass/softmax_schedule.md).
-  constexpr bool kUniformOperands = kMask != MaskKind::kNone || kCausal || kD == 128;
-  const int wg_tid = kUniformOperands ? (Ops::warp_group_idx() - 1) * 128 : ctid;
+  // (FlashAttention-3 slices its products by the warpgroup too).
+  const int wg_tid = (Ops::warp_group_idx() - 1) * 128;
   auto thr_dkv = mma_dkv.get_thread_slice(wg_tid);
   auto thr_g = mma_g.get_thread_slice(wg_tid);
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);     // (MMA, MMA_keys, MMA_queries)
@@ -588,12 +586,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // the output alone, where full attention's had 1,297). kOwnChecks: the check is a branch
       // of its own. Without kGrads the step chooses between two loops once per slice; with kGrads
       // (two loops there spilled 432-440 bytes at D = 128, causal) it forms s in place, checks it
-      // in a pass under the flag, then forms p. Full attention at D = 64, whose only edges are
-      // partial blocks, keeps the check in the loop: the two loops gave it 51 instructions fewer
-      // but 6% more cycles in scripts/softmax_issue_model.py's replay of one warp (the
-      // exponentials back to back on the MUFU), and the kGrads loop 62 instructions more of index
-      // arithmetic; the masked kernels, whose blocks all check, too.
-      constexpr bool kOwnChecks = kMask == MaskKind::kNone && (kCausal || Kt::kHeadDim == 128);
+      // in a pass under the flag, then forms p. The masked kernels, whose blocks all check, keep
+      // the check in the loop.
+      constexpr bool kOwnChecks = kMask == MaskKind::kNone;
       constexpr bool kSplitChecks = kOwnChecks && !kGrads;
       // kScaled: S holds s already (checked where needed).
       const auto scores_to_probs = [&](auto edge_tag, auto scaled_tag) {
@@ -710,9 +705,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // kGrads, where no weight is masked: p = 0 only where it underflowed, at a key the row sees,
       // and there dP = inf (an infinite value) leaves the row's output no finite value either, so
       // the loop drops the select (a compare and an FSEL per entry) that keeps dS = 0 where p = 0.
-      // Only where the checks have a branch of their own (kSplitChecks): full attention at D = 64
-      // took 4 instructions fewer along the path of a block but 5% more modelled cycles with it,
-      // and 8% more in its kGrads step, which it does not change (ptxas placed it anew).
+      // (Where the checks have a branch of their own: kSplitChecks.)
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));

@@ -20,9 +20,9 @@ cudaError_t launch_backward(const BwdParams<float>& given, cudaStream_t stream) 
   using Kt = bwd_impl::BwdTraits<T, kHeadDim>;
   using Kt80 = sm80::bwd::BwdTraits<T, kHeadDim>;  // the pre- and postprocess
 
-  // Without d lambda most kernels without a mask sum G = lambda dS K, which is dq (params.h:
+  // Without d lambda the kernels without a mask sum G = lambda dS K, which is dq (params.h:
   // g_scaled; bwd_kernel.cuh: kScalesG).
-  const BwdParams<float> p = bwd_impl::launch_params<kHeadDim, kCausal, kMask>(given);
+  const BwdParams<float> p = bwd_impl::launch_params<kMask>(given);
 
   cudaError_t err = device_is_sm90();
   if (err != cudaSuccess) return err;

@@ -93,10 +93,15 @@ build_failed() {
   exit 1
 }
 
-# $venv with DEVICE_TORCH and the build and test dependencies; an absolute path afterwards.
+# $venv with DEVICE_TORCH and the build and test dependencies; an absolute path afterwards. The
+# one made here is complete once it holds its stamp (the packages it was made with): one whose
+# making was cut short (torch installed, not yet CUTLASS's headers) or that other pins made is made
+# again. A given DEVICE_VENV is checked for its torch only.
 device_venv() {
+  local pins="torch==${DEVICE_TORCH} ${SETUPTOOLS} ninja ${TEST_DEPS[*]} ${CUTLASS}"
   if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c "import torch, sys
-sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null; then
+sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null ||
+     [[ -z ${DEVICE_VENV:-} && $(cat "$venv/device_venv.pins" 2>/dev/null) != "$pins" ]]; then
     if [[ -n ${DEVICE_VENV:-} ]]; then
       echo "DEVICE_VENV=${DEVICE_VENV} has no torch ${DEVICE_TORCH}" >&2
       exit 1
@@ -106,6 +111,7 @@ sys.exit(torch.__version__.split('+')[0] != '$DEVICE_TORCH')" 2>/dev/null; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "torch==${DEVICE_TORCH}" "$SETUPTOOLS" ninja "${TEST_DEPS[@]}"
     "$venv/bin/pip" install -q --no-deps "$CUTLASS"
+    echo "$pins" >"$venv/device_venv.pins"
   fi
   venv=$(cd "$venv" && pwd)
 }

@@ -1,7 +1,8 @@
 """scripts/device_bundle.sh install, on the GPU machine: the kernel harnesses that `make` packed as
 one archive (the current kernels', the baseline's and the steps' between) come out executable under
 build/, beside the packed library, when the bundle was made from these sources; from other sources,
-no harness is unpacked. And which steps `make` builds (`history`)."""
+no harness is unpacked. Which steps `make` builds (`history`), and when its virtual environment is
+made again (`venv`)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,52 @@ def test_history_keeps_the_steps_that_chain_from_the_baseline_to_head(tmp_path: 
     assert all(f"step {x} left out" in done.stderr for x in (b, head, a))
     done = history(f"{b} nosuchcommit")
     assert done.returncode == 1 and "nosuchcommit names no commit" in done.stderr
+
+
+def test_a_virtual_environment_cut_short_is_made_again(tmp_path: Path) -> None:
+    """`venv` makes build/device/venv again where its making stopped before the end (torch in it,
+    no stamp of the pins it was made with: CUTLASS's headers may be missing, as they were after an
+    interrupted `make`) and keeps one made to the end. Stand-ins for python3 -m venv and pip log
+    what they are asked."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "device_bundle.sh", tmp_path / "scripts")
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    shutil.copy(ROOT / "csrc" / "cuda" / "cutlass_version.txt", tmp_path / "csrc" / "cuda")
+    stand_ins = tmp_path / "stand_ins"
+    stand_ins.mkdir()
+    log = tmp_path / "pip.log"
+    # python3 -m venv DIR: a DIR whose python has "torch" of any version asked (exits 0) and whose
+    # pip logs its arguments.
+    (stand_ins / "python3").write_text(
+        "#!/bin/bash\n"
+        "[[ $1 == -m && $2 == venv ]] || exit 3\n"
+        'mkdir -p "$3/bin"\n'
+        "printf '#!/bin/bash\\nexit 0\\n' > \"$3/bin/python\"\n"
+        f"printf '#!/bin/bash\\necho \"$*\" >> {log}\\n' > \"$3/bin/pip\"\n"
+        'chmod +x "$3/bin/python" "$3/bin/pip"\n')
+    (stand_ins / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stand_ins}:{os.environ['PATH']}"}
+    env.pop("DEVICE_VENV", None)
+
+    def venv() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/device_bundle.sh", "venv"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    # A venv whose python has torch but that holds no stamp: made again, CUTLASS included.
+    made = tmp_path / "build" / "device" / "venv"
+    (made / "bin").mkdir(parents=True)
+    (made / "bin" / "python").write_text("#!/bin/bash\nexit 0\n")
+    (made / "bin" / "python").chmod(0o755)
+    done = venv()
+    assert done.returncode == 0, done.stdout + done.stderr
+    installs = log.read_text().splitlines()
+    assert len(installs) == 2 and "torch==2.11.0" in installs[0] and "nvidia-cutlass==" in installs[1]
+    assert (made / "device_venv.pins").exists()
+    # Made to the end: kept.
+    log.unlink()
+    done = venv()
+    assert done.returncode == 0 and "virtual environment" not in done.stdout and not log.exists()
+    # Other pins (another CUTLASS): made again.
+    (tmp_path / "csrc" / "cuda" / "cutlass_version.txt").write_text("0.0.0\n")
+    done = venv()
+    assert done.returncode == 0 and "nvidia-cutlass==0.0.0" in log.read_text()

@@ -81,8 +81,9 @@ BASELINE=${BASELINE:-d499297}
 #   40e6e8e  the products' operands sliced by the warpgroup, in the backward and the forward (their
 #            descriptors in uniform registers);
 # the current sources then give the backward of full attention at D = 64 what the other kernels
-# without a mask have (the warpgroup's slice, the checks' own branch, one dS tile). Move them with
-# BASELINE.
+# without a mask have (the warpgroup's slice, the checks' own branch, one dS tile: e5868d1), and
+# let each consumer warpgroup wait for its own P where S is one slice (kOwnP; at D = 128 the only
+# change after 40e6e8e). Move them with BASELINE.
 STEPS=${STEPS-7ae3efb 73fc850 0f6cce5 eaf5345 948b773 40e6e8e}
 venv=${DEVICE_VENV:-build/device/venv}
 

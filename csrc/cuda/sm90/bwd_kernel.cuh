@@ -278,9 +278,10 @@ dim3 grid(const BwdParams<float>& p) {
 
 // Named barriers (ids after CUTLASS's reserved ones). Of the two consumer warpgroups (256
 // threads): the row statistics of a query block staged (and the previous block's products done),
-// P of both warpgroups in shared memory, and dS of both. Of the consumers and the dq writer (warp 1
-// of the producer warpgroup; bulk reductions only): G's shared tile free (the writer's last bulk
-// reduction has read it) and full (both warpgroups' G stored).
+// P of both warpgroups in shared memory (two slices; with one, each warpgroup's own: kOwnP), and
+// dS of both. Of the consumers and the dq writer (warp 1 of the producer warpgroup; bulk
+// reductions only): G's shared tile free (the writer's last bulk reduction has read it) and full
+// (both warpgroups' G stored).
 constexpr int kStatsBarrier = 0;
 constexpr int kPBarrier = 1;
 constexpr int kdSBarrier = 2;
@@ -290,6 +291,9 @@ constexpr int kdQFullBarrier = 4;
 // warpgroup arrives, the first waits. An id of its own, not kPBarrier's: the second may reach
 // kPBarrier (slice 1) before the first has waited here, and would count for the first.
 constexpr int kP0Barrier = 5;
+// kOwnP (one slice): P of the second warpgroup's keys in shared memory, a barrier of its 128
+// threads alone (the first warpgroup's is kPBarrier, counted to 128 then).
+constexpr int kP1Barrier = 6;
 
 // Whether a kernel sums G from lambda dS where no d lambda is asked for (params.h: g_scaled): not
 // the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal).
@@ -664,11 +668,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       }
 
       // dV += P^T dO as soon as P of the warpgroup's keys is in shared memory: the tensor cores
-      // run it beside a dS step instead of after it. Each warpgroup's keys hold P of both
-      // warpgroups (at D = 128 both compute S of every slice), so the stores go to the async
-      // proxy and a barrier of the two before the issue. kEarlyFirst: the first warpgroup's keys
-      // are slice 0, so its dV runs beside slice 0's dS step (the other arrives without waiting),
-      // and the second's beside slice 1's.
+      // run it beside a dS step instead of after it. With two slices each warpgroup's keys hold P
+      // of both warpgroups (both compute S of every slice), so the stores go to the async proxy
+      // and a barrier of the two before the issue. kEarlyFirst: the first warpgroup's keys are
+      // slice 0, so its dV runs beside slice 0's dS step (the other arrives without waiting), and
+      // the second's beside slice 1's. kOwnP: with one slice the S of each warpgroup covers its
+      // own keys (TiledMmaSdP splits the slice's keys between the warpgroups as TiledMmadKV splits
+      // the block's), so its dV reads its own stores alone, and the barrier is the warpgroup's
+      // own: neither waits for the other's P step (FlashAttention-3 syncs both there).
+      constexpr bool kOwnP = kSlices == 1;
       if (kEarlyFirst && slice == 0) {
         Ops::fence_view_async_shared();
         if (first) {
@@ -685,7 +693,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           Ops::NamedBarrier::arrive(Kt::kConsumerThreads, kPBarrier);
           Ops::template wgmma_wait<0>();  // dP
         } else {
-          Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
+          if constexpr (kOwnP) {
+            Ops::NamedBarrier::sync(Kt::kConsumerThreads / 2, first ? kPBarrier : kP1Barrier);
+          } else {
+            Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
+          }
           wg_gemm_issue<Ops, false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_state.index()), acc_dv);
           Ops::template wgmma_wait<1>();  // dP (dV stays in flight)
         }

@@ -297,10 +297,9 @@ constexpr int kP1Barrier = 6;
 
 // Whether a kernel sums G from lambda dS where no d lambda is asked for (params.h: g_scaled): not
 // the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal).
-// (Full attention at D = 64 took it alone for 35 instructions more per query block, as ptxas
-// formed its descriptors in vector registers; with the operands sliced by the warpgroup and the
-// checks in a branch of their own, as the other kernels, it takes 56 fewer and 6% fewer modelled
-// cycles: results/sass/softmax_schedule.md.)
+// (Full attention at D = 64 gains from it only together with the warpgroup's slice and kOwnChecks:
+// alone it cost 35 instructions per query block, with them it saves 56 and 6% of the modelled
+// cycles; results/sass/softmax_schedule.md.)
 template <MaskKind kMask>
 constexpr bool kScalesG = kMask == MaskKind::kNone;
 

@@ -36,7 +36,9 @@
 # harness_ab.md): a GPU lent for minutes, on another machine each time, cannot compare with the
 # figures of an earlier lease to a few percent. And the harnesses of STEPS, commits between the
 # two, so that harness_ab.md also says what each group of changes made since bought (several
-# sessions without a GPU may have changed the kernels, each by a modelled gain). The harnesses go
+# sessions without a GPU may have changed the kernels, each by a modelled gain); each commit's is
+# built once (build/device/harness_cache), so that a `make` after an edit builds only the current
+# one again. The harnesses go
 # into one archive, compressed as one stream with a window wider than a harness: the kernels that
 # did not change between the commits are the same bytes, stored once (five harnesses of 69 MB for
 # sm_90: 19.5 MiB together, 47 MB compressed one by one, where everything carried must fit 64 MiB).
@@ -63,6 +65,7 @@ CUTLASS=nvidia-cutlass==$(cat csrc/cuda/cutlass_version.txt)
 TEST_DEPS=(pytest==9.0.3 hypothesis==6.155.2 numpy==2.4.6 packaging==26.2 tqdm==4.70.1 transformers==5.17.0)
 SRC=build/device/src
 HARNESSES=build/device/harnesses
+HARNESS_CACHE=build/device/harness_cache
 # The last kernels timed on a GPU: 818c147's (results/gpu/benchmark.md, 2026-12-04) with the Hopper
 # backward's dq by bulk reductions, their default since d499297, which changed nothing else in
 # the kernels. Move it when a GPU session has timed newer kernels and kept them.
@@ -183,11 +186,29 @@ short_name() {
   }
 }
 
+# What a commit's harness is built with besides its tree: the architectures, the virtual
+# environment's pins (torch and CUTLASS's headers) and nvcc, as one short hash.
+harness_toolchain() {
+  {
+    echo "$DEVICE_ARCH"
+    cat "$venv/device_venv.pins" 2>/dev/null || echo "$DEVICE_TORCH"
+    nvcc --version 2>/dev/null || echo "no nvcc"
+  } | sha256sum | cut -c1-16
+}
+
 # harness_of REV FILE: the kernel harness of commit REV, for DEVICE_ARCH, as FILE: that commit's
 # tree (git archive) built with its own setup.py and scripts/kernel_harness.sh in build/device/at
-# (ccache makes the kernels that no commit since changed cheap).
+# (ccache makes the kernels that no commit since changed cheap). Kept in $HARNESS_CACHE under the
+# commit and harness_toolchain: a commit's tree never changes, so a `make` after an edit builds the
+# current harness again, not those of the baseline and the steps (each minutes on 2 cores).
 harness_of() {
-  local rev=$1 file=$2 dir=build/device/at saved_src=$SRC
+  local rev=$1 file=$2 dir=build/device/at saved_src=$SRC cached
+  cached=$HARNESS_CACHE/$(git rev-parse "${rev}^{commit}")_$(harness_toolchain)
+  if [[ -x $cached ]]; then
+    note "the harness of ${rev}, built before (${cached})"
+    cp "$cached" "$file"
+    return
+  fi
   note "the harness of ${rev}"
   rm -rf "$dir"
   mkdir -p "$dir"
@@ -198,6 +219,8 @@ harness_of() {
   (cd "$dir" && bash scripts/kernel_harness.sh build) >"build/device/harness_${rev}.log" 2>&1 ||
     { tail -5 "build/device/harness_${rev}.log" >&2; exit 1; }
   cp "$dir/build/kernel_harness" "$file"
+  mkdir -p "$HARNESS_CACHE"
+  cp "$file" "$cached.part" && mv "$cached.part" "$cached"
 }
 
 # kept_steps BASE: the short names of the commits of STEPS that make a chain from commit BASE to

@@ -149,3 +149,56 @@ def test_a_virtual_environment_cut_short_is_made_again(tmp_path: Path) -> None:
     (tmp_path / "csrc" / "cuda" / "cutlass_version.txt").write_text("0.0.0\n")
     done = venv()
     assert done.returncode == 0 and "nvidia-cutlass==0.0.0" in log.read_text()
+
+
+def test_the_harnesses_of_commits_are_built_once(tmp_path: Path) -> None:
+    """`baseline` (as `make` after its own build) builds the harness of each commit, baseline and
+    steps, once: a second run takes them from build/device/harness_cache, and other architectures
+    build them again. Stand-ins: the virtual environment's python (setup.py) and each commit's
+    scripts/kernel_harness.sh log their builds."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "device_bundle.sh", tmp_path / "scripts")
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    shutil.copy(ROOT / "csrc" / "cuda" / "cutlass_version.txt", tmp_path / "csrc" / "cuda")
+    log = tmp_path / "builds.log"
+    (tmp_path / "scripts" / "kernel_harness.sh").write_text(
+        f'mkdir -p build\nprintf "#!/bin/sh\\n" > build/kernel_harness\nchmod +x build/kernel_harness\n'
+        f'echo "harness $(cat commit)" >> {log}\n')
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/bash\nexit 0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    commits = []
+    for i in range(3):
+        (tmp_path / "commit").write_text(f"c{i}\n")
+        subprocess.run(["git", "add", "-A", "scripts", "csrc", "commit"], cwd=tmp_path, check=True)
+        subprocess.run(git + ["commit", "-q", "-m", f"c{i}"], cwd=tmp_path, check=True)
+        commits.append(subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, check=True,
+                                      capture_output=True, text=True).stdout.strip())
+    harnesses = tmp_path / "build" / "device" / "harnesses"
+    harnesses.mkdir(parents=True)
+    (harnesses / "kernel_harness").write_text("#!/bin/sh\n")
+    (harnesses / "kernel_harness").chmod(0o755)
+
+    def baseline(arch: str = "9.0") -> subprocess.CompletedProcess:
+        env = {**os.environ, "BASELINE": commits[0], "STEPS": commits[1], "DEVICE_VENV": str(venv),
+               "DEVICE_ARCH": arch}
+        return subprocess.run(["bash", "scripts/device_bundle.sh", "baseline"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    def packed() -> list[str]:
+        with tarfile.open(tmp_path / ".device" / "harnesses.tar.xz") as tar:
+            return sorted(tar.getnames())
+
+    expected = sorted(["kernel_harness", "kernel_harness_baseline", f"kernel_harness_{commits[1]}"])
+    for run in range(2):
+        done = baseline()
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert log.read_text().splitlines() == ["harness c0", "harness c1"]  # built in the first run only
+        assert packed() == expected
+    assert "built before" in done.stdout
+    done = baseline("8.0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert log.read_text().splitlines()[2:] == ["harness c0", "harness c1"]

@@ -7,7 +7,8 @@ warm-up outside the profiled range, one call of each inside it) and writes a Mar
     python3 benchmarks/gpu_profile.py --seq 1024 --head-dim 64 --out results/gpu/profile_d64.md
 
 Per kernel: duration, SM and memory throughput, issue slots busy, the tensor pipe's active cycles,
-warp cycles per issued instruction, achieved occupancy, and the stall reasons: the average number
+the SFU (exponentials), FMA and ALU pipes', warp cycles per issued instruction, achieved occupancy,
+the SM clock it ran at, and the stall reasons: the average number
 of warps stalled for each reason per issued instruction (hardware counters, so no PC sampling,
 which the lent GPUs' profiler could not read: results/gpu/profile_h200.md). Clocks are left to the
 GPU (``--clock-control none``), so durations differ from the benchmark's. The raw CSV goes next to
@@ -40,16 +41,25 @@ SUMMARY: Tuple[Tuple[str, str], ...] = (
     ("issue slots busy", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
     ("tensor pipe (wgmma)", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("tensor pipe (mma.sync)", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("SFU pipe (exp)", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+    ("FMA pipe", "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("ALU pipe", "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"),
     ("warp cycles per issue", "smsp__average_warp_latency_per_inst_issued.ratio"),
     ("occupancy", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    # The clock the kernel ran at (left to the GPU): a power-capped GPU lowers it under load, so that
+    # work a kernel adds beside the tensor cores can cost time without holding any pipe up.
+    ("SM clock (GHz)", "sm__cycles_elapsed.avg.per_second"),
 )
+#: Metrics asked for by pattern (below), not by name: a chip may lack them.
+PATTERNED = ("tensor_op", "pipe_xu", "pipe_fma", "pipe_alu")
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 #: What ncu collects: the summary's metrics by name, the tensor pipes (wgmma exists on sm_90 only) and
 #: the stall reasons by pattern, which names no metric a chip lacks.
 METRICS = ",".join(
-    [m for _, m in SUMMARY if "tensor_op" not in m]
+    [m for _, m in SUMMARY if not any(p in m for p in PATTERNED)]
     + [r"regex:^sm__pipe_tensor_op_(gmma|hmma)_cycles_active\.avg\.pct_of_peak_sustained_active$",
+       r"regex:^sm__(inst_executed_pipe_xu|pipe_(fma|alu)_cycles_active)\.avg\.pct_of_peak_sustained_active$",
        rf"regex:^{STALL_PREFIX}.*_per_issue_active\.ratio$"]
 )
 #: Stall reasons shown per kernel (the largest).
@@ -193,7 +203,10 @@ def markdown(profiled: List[Tuple[str, List[Tuple[str, Dict[str, float]]]]], hea
                 value = metrics.get(metric)
                 if metric == "gpu__time_duration.sum" and value is not None:
                     value /= 1e3  # ns -> µs
-                cells.append(fmt(value, "" if column in ("duration (µs)", "warp cycles per issue") else "%"))
+                if metric == "sm__cycles_elapsed.avg.per_second" and value is not None:
+                    value /= 1e9  # Hz -> GHz
+                plain = column in ("duration (µs)", "warp cycles per issue", "SM clock (GHz)")
+                cells.append(fmt(value, "" if plain else "%"))
             top = ", ".join(f"{r} {v:.2f}" for r, v in stalls(metrics)[:TOP_STALLS]) or "n/a"
             lines.append(f"| {call} | `{short_name(name)}` | " + " | ".join(cells) + f" | {top} |")
     return "\n".join(lines) + "\n"

@@ -21,11 +21,12 @@ WIDE = "\n".join([
     "==PROF== Connected to process 1234 (python3)",
     '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device",'
     f'"CC","gpu__time_duration.sum","sm__inst_issued.avg.pct_of_peak_sustained_active","{STALL.format("barrier")}",'
-    f'"{STALL.format("long_scoreboard")}","{STALL.format("wait")}"',
-    '"","","","","","","","","","","","nsecond","%","","",""',
-    f'"0","1234","python3","host","{KERNEL}","1","7","(384, 1, 1)","(32, 16, 4)","0","9.0","541,000","36.4","0.5","2.25","1.1"',
+    f'"{STALL.format("long_scoreboard")}","{STALL.format("wait")}","sm__cycles_elapsed.avg.per_second"',
+    '"","","","","","","","","","","","nsecond","%","","","","hertz"',
+    f'"0","1234","python3","host","{KERNEL}","1","7","(384, 1, 1)","(32, 16, 4)","0","9.0","541,000","36.4","0.5","2.25","1.1",'
+    '"1,620,000,000"',
     '"1","1234","python3","host","void entropy_attn::cuda::fallback::attention_fwd_kernel<float>(FwdParams)","1","7",'
-    '"(128, 1, 1)","(128, 16, 4)","0","9.0","5500","2.9","","0.1",""',
+    '"(128, 1, 1)","(128, 16, 4)","0","9.0","5500","2.9","","0.1","",""',
     "==PROF== Disconnected from process 1234",
 ])  # fmt: skip
 
@@ -57,13 +58,16 @@ def test_stall_reasons_largest_first_and_the_report() -> None:
     rows = [line for line in text.splitlines() if line.startswith("| fwd_stats")]
     assert len(rows) == 2
     assert "| 541 |" in rows[0] and "| 36.4% |" in rows[0] and "long_scoreboard 2.25, wait 1.10, barrier 0.50" in rows[0]
+    assert "| 1.62 |" in rows[0]  # the SM clock in GHz
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    assert cells.count("n/a") == len(prof.SUMMARY) - 2  # the metrics not in the CSV
+    assert cells.count("n/a") == len(prof.SUMMARY) - 3  # the metrics not in the CSV
 
 
 def test_metrics_name_no_chip_specific_counter_by_name() -> None:
     names = prof.METRICS.split(",")
-    assert not [m for m in names if "gmma" in m and not m.startswith("regex:")]
+    assert not [m for m in names if any(p in m for p in ("gmma", "pipe_xu", "pipe_fma", "pipe_alu"))
+                and not m.startswith("regex:")]
+    assert "sm__cycles_elapsed.avg.per_second" in names
     assert any(m.startswith("regex:^" + prof.STALL_PREFIX) for m in names)
 
 

@@ -68,3 +68,45 @@ def test_decode_reads_the_forwards_instructions() -> None:
     (mbar,) = path("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR46+0x28608], R17")
     assert mbar.kind == "mbar_wait" and mbar.dst == ["P0"] and mbar.src == ["R17"]
     assert path("BRA 0x10", "@!P0 BRA 0xe8e0") == []
+
+
+def test_shared_memory_is_shared_by_the_products_and_the_producer() -> None:
+    # One SS 64x64x16 per warpgroup and block: 32 cycles of tensor cores and 4 KB of operands (32
+    # cycles at 128 bytes per cycle) each. The producer's 16 KB a block take the shared memory
+    # 128 cycles more: the block takes 2 x 32 + 128 cycles, where unlimited bandwidth leaves 64.
+    loop = path("BAR.SYNC.DEFER_BLOCKING R1, 0x100", "WARPGROUP.ARRIVE",
+                "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0", "BAR.ARV R2, 0x100",
+                "WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    assert loop[2].shared_bytes == 2 * 16 * (64 + 64)
+    assert model.simulate(loop, model.Settings(), tma_bytes=16384).period == 192
+    assert model.simulate(loop, model.Settings(shared_bandwidth=0), tma_bytes=16384).period == 64
+    # A (P) from registers: B alone is read.
+    (rs,) = path("HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR12].tnspB, R88, gsb0")
+    assert rs.shared_bytes == 2 * 16 * 128
+
+
+def test_a_fence_waits_for_the_warps_stores() -> None:
+    # A store of 8 bytes a lane (1 KB from the SM's four SMSPs: 8 cycles of shared memory), then
+    # MEMBAR: each block the warp waits for its store to complete (30 cycles after its turn) and
+    # the fence (20). Without the fence the two warps' stores go back to back, 16 cycles a block.
+    store = "STS.64 [R20+0x100], R40"
+    settings = model.Settings(shared_latency=30, fence_latency=20)
+    assert path(store)[0].shared_bytes == 4 * 32 * 8
+    assert model.simulate(path(store), settings, pre_arrivals=()).period == 16
+    assert model.simulate(path(store, "MEMBAR.ALL.CTA"), settings, pre_arrivals=()).period >= 8 + 30 + 20
+
+
+def test_named_barriers_of_the_backward() -> None:
+    both, own, with_producer = path("BAR.SYNC.DEFER_BLOCKING 0x8, 0x100", "BAR.SYNC.DEFER_BLOCKING R210, 0x80",
+                                    "BAR.ARV 0xc, 0x120")
+    assert (both.barrier, both.barrier_warps) == ("8", 2)
+    assert (own.barrier, own.barrier_warps) == ("reg", 1)
+    assert (with_producer.kind, with_producer.barrier, with_producer.barrier_warps) == ("bar_arv", "12", 2)
+    # A chain of 100 dependent FFMAs before a barrier of both warpgroups: the two warps run their
+    # chains side by side and meet there, ~400 cycles a block; the barrier's release adds its
+    # latency once per block.
+    chain = ["FFMA R10, R10, R11, R12"] * 100
+    met = model.simulate(path(*chain, "BAR.SYNC.DEFER_BLOCKING 0x8, 0x100"), model.Settings(barrier_latency=50),
+                         pre_arrivals=())
+    alone = model.simulate(path(*chain), model.Settings(), pre_arrivals=())
+    assert alone.period < 410 and met.period >= alone.period + 50

@@ -5,6 +5,7 @@ warm-up outside the profiled range, one call of each inside it) and writes a Mar
 
     python3 benchmarks/gpu_profile.py                              # bf16, B 4, H 16, L 4096, D 128, causal
     python3 benchmarks/gpu_profile.py --seq 1024 --head-dim 64 --out results/gpu/profile_d64.md
+    python3 benchmarks/gpu_profile.py --causal no --calls fwd fwd_stats   # what the statistics cost
 
 Per kernel: duration, SM and memory throughput, issue slots busy, the tensor pipe's active cycles,
 the SFU (exponentials), FMA and ALU pipes', warp cycles per issued instruction, achieved occupancy,
@@ -76,6 +77,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", choices=("yes", "no"), default="yes")
+    p.add_argument("--calls", nargs="+", choices=CALLS, default=list(CALLS),
+                   help="the calls to profile (default: all three)")
     p.add_argument("--ncu", default="ncu", help="the Nsight Compute command")
     p.add_argument("--out", default=DEFAULT_OUT, help="Markdown report ('' to print only)")
     p.add_argument("--child", choices=CALLS, help=argparse.SUPPRESS)  # the profiled process
@@ -222,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"gpu_profile: '{args.ncu}' (Nsight Compute) is not on the PATH: nothing profiled, nothing written")
         return 1
     profiled, raw = [], []
-    for call in CALLS:
+    for call in args.calls:
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
                "-k", KERNEL_FILTER, "--metrics", METRICS,
                sys.executable, os.path.abspath(__file__), "--child", call, *shape_flags(args)]  # fmt: skip
@@ -237,7 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     props = torch.cuda.get_device_properties(0)
     header = (f"# Nsight Compute profile: {props.name}\n\ntorch {torch.__version__}, "
-              f"`python3 benchmarks/gpu_profile.py {shlex.join(shape_flags(args))}`: one call of each after two "
+              f"`python3 benchmarks/gpu_profile.py {shlex.join(shape_flags(args) + ['--calls', *args.calls])}`: "
+              "one call of each after two "
               "warm-up calls, `ncu --clock-control none --page raw --metrics ...` (the raw CSV beside this "
               "file); percentages of the peak sustained; stall reasons: the average number of warps stalled "
               "for the reason per issued instruction.")  # fmt: skip

@@ -24,7 +24,9 @@
 #      Hopper forward's persistent grid on) and =sm80, and compute-sanitizer's racecheck of the
 #      persistent grid (what decides what to keep first, then the record against SDPA);
 #   5. as time allows, the harnesses of the commits between the baseline and these kernels
-#      (device_bundle.sh: STEPS), whose comparison then says what each step did; racecheck over
+#      (device_bundle.sh: STEPS), whose comparison then says what each step did; the forward with
+#      and without statistics under Nsight Compute (gpu_profile.py --calls fwd fwd_stats: the SM
+#      clock and pipes of each); racecheck over
 #      the Hopper family's forward and backward (cuda_sanitizer_grid.py --passes sm90); a second run of
 #      the current and baseline harnesses, whose comparison then takes each point's least time
 #      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
@@ -230,6 +232,18 @@ if [[ -s $LOGS/harness.json && -s $LOGS/harness_baseline.json ]]; then
   fi
   pack
 fi
+# As time allows, the forward with and without statistics under Nsight Compute (D = 128, full
+# attention, L = 4096): the SM clock and the pipes of each say whether the statistics' cost at
+# D = 128, which no static replay of the loop shows (results/sass/pingpong_model.md), is the
+# clock under the power cap. (The whole profile comes last.)
+ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+if [[ -n $ncu ]]; then
+  note "profile of the statistics (Nsight Compute)"
+  bounded 60 "$PYTHON" benchmarks/gpu_profile.py --ncu "$ncu" --causal no --calls fwd fwd_stats \
+    --out "$LOGS/profile_stats.md" >"$LOGS/profile_stats.log" 2>&1
+  record "profile of the statistics" $?
+  pack
+fi
 # As time allows, the Hopper family's passes (forward and backward of every variant: the
 # backward's schedule changed since the last GPU run, dV issued before the dS step, dK in flight
 # into the next block, one dS tile, checked so far in the CPU emulation only).
@@ -269,8 +283,7 @@ record "launch orders" $?
 pack
 # The Nsight Compute profile of the default path (bf16, L = 4096, D = 128, causal: the tensor
 # pipe's use and the stall reasons of each kernel, what explains the gap left), into the logs.
-# NCU: the profiler (default: the machine's).
-ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+# NCU: the profiler (default: the machine's; found above).
 if [[ -n $ncu ]]; then
   note "profile (Nsight Compute)"
   bounded 120 "$PYTHON" benchmarks/gpu_profile.py --ncu "$ncu" --out "$LOGS/profile.md" >"$LOGS/profile.log" 2>&1

@@ -77,3 +77,8 @@ def test_without_ncu_nothing_is_written(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and "not on the PATH" in done.stdout
     assert not out.exists()
+
+
+def test_calls_chosen() -> None:
+    assert prof.parse_args([]).calls == list(prof.CALLS)
+    assert prof.parse_args(["--causal", "no", "--calls", "fwd", "fwd_stats"]).calls == ["fwd", "fwd_stats"]

@@ -51,6 +51,8 @@ SUMMARY: Tuple[Tuple[str, str], ...] = (
     # work a kernel adds beside the tensor cores can cost time without holding any pipe up.
     ("SM clock (GHz)", "sm__cycles_elapsed.avg.per_second"),
 )
+#: Divisors of the metrics shown in other units: ns -> µs, Hz -> GHz.
+SCALE = {"gpu__time_duration.sum": 1e3, "sm__cycles_elapsed.avg.per_second": 1e9}
 #: Metrics asked for by pattern (below), not by name: a chip may lack them.
 PATTERNED = ("tensor_op", "pipe_xu", "pipe_fma", "pipe_alu")
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
@@ -204,12 +206,9 @@ def markdown(profiled: List[Tuple[str, List[Tuple[str, Dict[str, float]]]]], hea
             cells = []
             for column, metric in SUMMARY:
                 value = metrics.get(metric)
-                if metric == "gpu__time_duration.sum" and value is not None:
-                    value /= 1e3  # ns -> µs
-                if metric == "sm__cycles_elapsed.avg.per_second" and value is not None:
-                    value /= 1e9  # Hz -> GHz
-                plain = column in ("duration (µs)", "warp cycles per issue", "SM clock (GHz)")
-                cells.append(fmt(value, "" if plain else "%"))
+                if value is not None:
+                    value /= SCALE.get(metric, 1.0)
+                cells.append(fmt(value, "%" if ".pct_of_peak_" in metric else ""))
             top = ", ".join(f"{r} {v:.2f}" for r, v in stalls(metrics)[:TOP_STALLS]) or "n/a"
             lines.append(f"| {call} | `{short_name(name)}` | " + " | ".join(cells) + f" | {top} |")
     return "\n".join(lines) + "\n"

@@ -51,25 +51,25 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_check import tool  # noqa: E402
 from softmax_issue_model import (  # noqa: E402
     BACKWARD,
     KERNEL,
     Instruction,
+    decode_operands,
     main_loop,
     opcode,
-    parse_functions,
     pipe_of,
     registers,
+    sass_functions,
     shortest_path,
-    step_loops,
+    step_loop,
 )
+from softmax_issue_model import writes as one_warp_writes  # noqa: E402
 
 
 @dataclass
@@ -111,15 +111,7 @@ def decode(text: str) -> Op | None:
     op = opcode(text)
     if op in ("BRA", "BSSY", "BSYNC", "NOP") or op.startswith("EXIT") or text.startswith("@!PT"):
         return None
-    guard = re.match(r"^@!?(P\d)", text)
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)[len(op):]
-    operands = [o.strip() for o in body.split(",")] if body.strip() else []
-    writes = 2 if op.startswith(("FSETP", "ISETP", "SHFL", "SYNCS.PHASECHK")) else 1
-    if op.startswith(("STG", "STS", "SYNCS.ARRIVE", "BAR", "WARPGROUP", "HGMMA", "RED", "ATOM", "MEMBAR",
-                      "FENCE", "LDGDEPBAR", "DEPBAR")):
-        writes = 0
-    dst = [r for o in operands[:writes] for r in registers(o)]
-    src = [r for o in operands[writes:] for r in registers(o)] + ([guard[1]] if guard else [])
+    op, operands, dst, src = decode_operands(text, writes)
     pipe, latency, occupancy = pipe_of(op)
     decoded = Op(text, op, pipe, latency, occupancy, dst, src)
     if op.startswith("HGMMA"):
@@ -152,6 +144,16 @@ def decode(text: str) -> Op | None:
     elif op.startswith(("LDGDEPBAR", "DEPBAR")):  # cp.async groups: taken as landed
         decoded.pipe = "other"
     return decoded
+
+
+def writes(op: str) -> int:
+    """softmax_issue_model.writes, but for the mbarrier waits, whose predicate the replay waits on,
+    and the fences, which write nothing."""
+    if op.startswith("SYNCS.PHASECHK"):
+        return 2
+    if op.startswith(("MEMBAR", "FENCE", "LDGDEPBAR", "DEPBAR")):
+        return 0
+    return one_warp_writes(op)
 
 
 @dataclass
@@ -250,12 +252,12 @@ def simulate(path: list[Op], settings: Settings, blocks: int = 24, warmup: int =
             elif o.kind == "shared":
                 shared_free = max(shared_free, cycle) + o.shared_bytes / bandwidth
                 done_at = int(shared_free) + settings.shared_latency
+                if o.op.startswith("STS"):
+                    w.stores_done = max(w.stores_done, done_at)
             elif o.kind == "bar_sync":
                 w.waiting = None
             elif o.kind == "bar_arv":
                 barriers.arrive(w, o, cycle)
-            if o.kind == "shared" and o.op.startswith("STS"):
-                w.stores_done = max(w.stores_done, done_at)
             elif o.kind == "fence":
                 w.fenced_until = cycle + settings.fence_latency
             pipe_free[o.pipe] = cycle + o.occupancy
@@ -302,12 +304,8 @@ def loop_path(code: list[Instruction]) -> list[Op]:
 
 def backward_path(code: list[Instruction], gradients: bool = False) -> list[Op]:
     """The decoded shortest path through the backward's loop over query blocks, without the
-    statistics' gradients or with them (softmax_issue_model.py: backward_row)."""
-    def ffma(loop: tuple[int, int]) -> int:
-        return sum(opcode(t).startswith("FFMA") for _, t in code[loop[0]:loop[1] + 1])
-
-    first, last = (max if gradients else min)(step_loops(code), key=ffma)
-    return decoded(shortest_path(code, first, last))
+    statistics' gradients or with them (softmax_issue_model.py: step_loop)."""
+    return decoded(shortest_path(code, *step_loop(code, gradients)))
 
 
 def decoded(path: list[Instruction]) -> list[Op]:
@@ -316,10 +314,8 @@ def decoded(path: list[Instruction]) -> list[Op]:
 
 def kernels(binary: Path, pattern: re.Pattern) -> dict[tuple, list[Instruction]]:
     """The groups of `pattern` (converted: the head dim to int, flags to bool) -> the kernel's code."""
-    sass = subprocess.run([tool("cuobjdump"), "-sass", "-arch", "sm_90", str(binary)], capture_output=True,
-                          text=True, check=True).stdout
     found = {}
-    for name, code in parse_functions(sass).items():
+    for name, code in sass_functions(binary).items():
         if m := pattern.search(name):
             found[(int(m[1]), *(g == "1" for g in m.groups()[1:]))] = code
     return found
@@ -344,7 +340,8 @@ def main() -> None:
                         help="the backward's loop over query blocks (bf16, no mask, dq by bulk reductions)")
     defaults = Settings()
     for name in Settings.__dataclass_fields__:
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = parser.parse_args()
     settings = Settings(**{name: getattr(args, name) for name in Settings.__dataclass_fields__})
     pattern = BACKWARD if args.backward else KERNEL

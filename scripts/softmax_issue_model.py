@@ -148,6 +148,33 @@ class Replay:
     waits: collections.Counter  # cycles without an issue, by reason ("dep:MUFU", "pipe:mufu", ...)
 
 
+def writes(op: str) -> int:
+    """How many of an instruction's leading operands it writes."""
+    if op.startswith(("STG", "STS", "SYNCS", "BAR", "WARPGROUP", "HGMMA", "RED", "ATOM")):
+        return 0
+    return 2 if op.startswith(("FSETP", "ISETP", "SHFL")) else 1
+
+
+def decode_operands(text: str, writes_of=writes) -> tuple[str, list[str], list[str], list[str]]:
+    """An instruction's opcode, its operands, the registers it writes (its first writes_of(opcode)
+    operands) and those it reads (the rest, and its guard predicate)."""
+    op = opcode(text)
+    guard = re.match(r"^@!?(P\d)", text)
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)[len(op):]
+    operands = [o.strip() for o in body.split(",")] if body.strip() else []
+    n = writes_of(op)
+    dst = [r for o in operands[:n] for r in registers(o)]
+    src = [r for o in operands[n:] for r in registers(o)] + ([guard[1]] if guard else [])
+    return op, operands, dst, src
+
+
+def sass_functions(binary: Path) -> dict[str, list[Instruction]]:
+    """The sm_90 functions of a built library, kernel harness or object file (cuobjdump)."""
+    sass = subprocess.run([tool("cuobjdump"), "-sass", "-arch", "sm_90", str(binary)], capture_output=True,
+                          text=True, check=True).stdout
+    return parse_functions(sass)
+
+
 def replay(code: list[Instruction]) -> Replay:
     """Issues `code` in order under the model: the cycle after the last result is ready. Branches
     fall through (an interior block runs the row state's rescale)."""
@@ -160,14 +187,7 @@ def replay(code: list[Instruction]) -> Replay:
         op = opcode(text)
         if op in ("BRA", "BSSY", "BSYNC", "NOP"):
             continue
-        guard = re.match(r"^@!?(P\d)", text)
-        body = re.sub(r"^@!?U?P\w+\s+", "", text)[len(op):]
-        operands = [o.strip() for o in body.split(",")] if body.strip() else []
-        writes = 2 if op.startswith(("FSETP", "ISETP", "SHFL")) else 1
-        if op.startswith(("STG", "STS", "SYNCS", "BAR", "WARPGROUP", "HGMMA", "RED", "ATOM")):
-            writes = 0
-        dst = [r for o in operands[:writes] for r in registers(o)]
-        src = [r for o in operands[writes:] for r in registers(o)] + ([guard[1]] if guard else [])
+        _, _, dst, src = decode_operands(text, writes)
         pipe, latency, occupancy = pipe_of(op)
         dep = max(src, key=lambda r: ready[r], default=None)
         operands_ready = ready[dep] if dep else 0
@@ -188,10 +208,8 @@ KERNEL = re.compile(r"sm908fwd_impl14forward_kernelI13__nv_bfloat16.*?Li(\d+)ELN
 
 def forward_kernels(library: Path) -> dict[tuple[int, bool, bool], list[Instruction]]:
     """(head dim, causal, statistics) -> the sm90 bf16 forward without a mask, from a built library."""
-    sass = subprocess.run([tool("cuobjdump"), "-sass", "-arch", "sm_90", str(library)], capture_output=True,
-                          text=True, check=True).stdout
     found = {}
-    for name, code in parse_functions(sass).items():
+    for name, code in sass_functions(library).items():
         if m := KERNEL.search(name):
             found[(int(m[1]), m[2] == "1", m[3] == "1")] = code
     return found
@@ -252,14 +270,19 @@ def step_loops(code: list[Instruction]) -> list[tuple[int, int]]:
     return sorted(found, key=lambda r: r[1] - r[0])[:2]
 
 
-def backward_row(code: list[Instruction], gradients: bool = False) -> tuple[int, int, int, str]:
-    """Instructions, exponentials, modelled cycles and the two largest waits of a query block of
-    the backward's loop without the statistics' gradients (or with them), along its shortest path."""
+def step_loop(code: list[Instruction], gradients: bool) -> tuple[int, int]:
+    """(first, last) of the loop over query blocks without the statistics' gradients (a loss of the
+    output alone) or with them: of step_loops' two, the one with fewer FFMA or more."""
     def ffma(loop: tuple[int, int]) -> int:
         return sum(opcode(t).startswith("FFMA") for _, t in code[loop[0]:loop[1] + 1])
 
-    first, last = (max if gradients else min)(step_loops(code), key=ffma)
-    path = shortest_path(code, first, last)
+    return (max if gradients else min)(step_loops(code), key=ffma)
+
+
+def backward_row(code: list[Instruction], gradients: bool = False) -> tuple[int, int, int, str]:
+    """Instructions, exponentials, modelled cycles and the two largest waits of a query block of
+    the backward's loop without the statistics' gradients (or with them), along its shortest path."""
+    path = shortest_path(code, *step_loop(code, gradients))
     ops = collections.Counter(opcode(t) for _, t in path)
     result = replay(path)
     waits = ", ".join(f"{why} {n}" for why, n in result.waits.most_common(2))
@@ -269,9 +292,7 @@ def backward_row(code: list[Instruction], gradients: bool = False) -> tuple[int,
 def backward_main(libraries: list[Path]) -> None:
     builds = []
     for lib in libraries:
-        sass = subprocess.run([tool("cuobjdump"), "-sass", "-arch", "sm_90", str(lib)], capture_output=True,
-                              text=True, check=True).stdout
-        builds.append({(int(m[1]), m[2] == "1"): code for name, code in parse_functions(sass).items()
+        builds.append({(int(m[1]), m[2] == "1"): code for name, code in sass_functions(lib).items()
                        if (m := BACKWARD.search(name))})
     print("| D | causal | statistics' gradients |" + "".join(
         f" {lib.name}: instructions | MUFU | cycles | largest waits |" for lib in libraries))

@@ -82,3 +82,18 @@ def test_without_ncu_nothing_is_written(tmp_path: Path) -> None:
 def test_calls_chosen() -> None:
     assert prof.parse_args([]).calls == list(prof.CALLS)
     assert prof.parse_args(["--causal", "no", "--calls", "fwd", "fwd_stats"]).calls == ["fwd", "fwd_stats"]
+
+
+def test_units_of_the_cells() -> None:
+    # Percentages of either peak (active or elapsed) carry %, durations in µs, the clock in GHz, the
+    # ratios plain.
+    metrics = {"gpu__time_duration.sum": 541000.0, "sm__throughput.avg.pct_of_peak_sustained_elapsed": 55.2,
+               "sm__inst_issued.avg.pct_of_peak_sustained_active": 36.4,
+               "smsp__average_warp_latency_per_inst_issued.ratio": 5.75,
+               "sm__cycles_elapsed.avg.per_second": 1.62e9}
+    row = prof.markdown([("fwd", [(KERNEL, metrics)])], "#").splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    columns = ["call", "kernel"] + [c for c, _ in prof.SUMMARY]
+    got = dict(zip(columns, cells))
+    assert (got["duration (µs)"], got["SM throughput"], got["issue slots busy"]) == ("541", "55.2%", "36.4%")
+    assert (got["warp cycles per issue"], got["SM clock (GHz)"]) == ("5.75", "1.62")

@@ -838,6 +838,11 @@ struct Ops {
   static void cp_async_wait_all() { cuda_emu::cp_async_wait_all(); }
   static int warp_group_idx() { return static_cast<int>(threadIdx.x) / 128; }
   static void prefetch_tma_descriptor(const cute::TmaDescriptor*) {}
+  // A hint on the GPU; here a read of the byte, so that an address outside every allocation shows
+  // (AddressSanitizer in the C++ suite; one past a buffer of the emulation's arena does not).
+  static void prefetch_l1(const void* p) {
+    [[maybe_unused]] const unsigned char byte = *static_cast<const volatile unsigned char*>(p);
+  }
   static void wgmma_fence() {}
   static void wgmma_commit() { sm90::wgmma_commit(); }
   template <int kPending>

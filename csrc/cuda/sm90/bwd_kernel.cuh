@@ -18,7 +18,8 @@
 //     slice). Per query block:
 //       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
 //                                    memory by cp.async, issued while the block before finishes
-//                                    (the masked kernels: at the block's start), waited for
+//                                    (the masked kernels: at the block's start, with an L1
+//                                    prefetch of the block's mask lines), waited for
 //                                    once S and dP of the first slice are issued;
 //       S = Q K^T, dP = dO V^T       wgmma SS (queries x keys), per slice both issued, then
 //                                    waited in turn; each thread holds two query rows;
@@ -96,6 +97,7 @@
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
 #include "../launch_order.h"
+#include "../mask_words.cuh"
 #include "../params.h"
 #include "launch.h"
 #include "ops.cuh"
@@ -433,6 +435,29 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Ops::cp_async_fence();
   };
 
+  // The masked kernels read a mask entry per score in their P steps from global memory, loads that
+  // ptxas issues after the wait for S, on the path to the exponentials: where they went to L2 the
+  // P step waited for them. The lines of query block t are prefetched into L1 at the block's start,
+  // the time of S's product ahead of those loads: thread ctid prefetches the line of row ctid / 4
+  // that holds keys [j0 + 32 (ctid % 4), + 32), which covers the tile of a key-contiguous mask (128
+  // bytes a row for bool, 512 for additive; one of other strides in part). Tried and left out:
+  // prefetching block t + 1 during block t (ptxas spilled 4-16 bytes at D = 128 wherever it was
+  // issued after the dS barrier), and a mask tile in shared memory as the forwards' (a 32-bit word
+  // per score by cp.async: 32 KB written and 32 KB read per query block on the shared memory that
+  // the products' operands keep busy; scripts/pingpong_model.py: 5,656 -> 6,029 cycles per block,
+  // bool mask, D = 128).
+  const auto prefetch_mask = [&](const int t) {
+    static_assert(Kt::kConsumerThreads == 4 * kBlockM && 4 * 32 == kBlockN);
+    int mtid = ctid;
+    asm volatile("" : "+r"(mtid));  // formed here, not held across the blocks
+    const int h = kvh * group + t / m_count;
+    const int i = (ss.m_begin + t % m_count) * kBlockM + mtid / 4;
+    const int j = j0 + 32 * (mtid % 4);
+    if (i < q_len && j < kv_len) {
+      Ops::prefetch_l1(mask_word<kMask>(mask, mask.row_offset(b, h, i) + j * mask.sj));
+    }
+  };
+
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or
   // dropout, so S keeps the logits s (logit_grad and the cap's derivative need them) and p is
   // formed again for dS.
@@ -459,6 +484,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         tile_needs_predicate<kCausal>(p.pattern, i0, j0, kBlockM, kBlockN, q_len, kv_len);
     // The block's row statistics (copy_row_stats, issued during the block before, or here),
     // waited for and published below once S and dP of the first slice are in the tensor cores.
+    if constexpr (kMask != MaskKind::kNone) prefetch_mask(t);
     if (!kAcrossBlocks) copy_row_stats(t);
     float (*srow)[kBlockM] = ss.rows[t & 1];
 

@@ -41,6 +41,11 @@ struct Sm90Ops {
   static __device__ __forceinline__ void prefetch_tma_descriptor(const cute::TmaDescriptor* d) {
     cute::prefetch_tma_descriptor(d);
   }
+  // prefetch.global.L1: the line that holds *p into the SM's L1, a hint that nothing waits for.
+  // p must point into an allocation (the emulation reads *p).
+  static __device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+  }
   // wgmma.fence, wgmma.commit_group and wgmma.wait_group.
   static __device__ __forceinline__ void wgmma_fence() { cute::warpgroup_arrive(); }
   static __device__ __forceinline__ void wgmma_commit() { cute::warpgroup_commit_batch(); }

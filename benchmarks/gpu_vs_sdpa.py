@@ -14,7 +14,10 @@ ENTROPY_ATTN_CUDA_LAUNCH_ORDER (the tensor-core kernels' block order, csrc/cuda/
 ``--persistent`` ENTROPY_ATTN_CUDA_PERSISTENT (the Hopper forward's grid, csrc/cuda/family.h:
 ``default`` leaves it unset, ``on``, ``off`` or a number of blocks), each under each. Points over 70% of the free memory, or out of memory,
 are recorded as skipped. ``--dropout-p`` runs both with attention dropout (training: the cost of
-drawing the mask; no ``--check``, the masks differ). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
+drawing the mask; no ``--check``, the masks differ). ``--mask bool additive`` gives both an attention
+mask as a Hugging Face model passes one for a padded batch: (B, 1, L, L), batch element b's last
+b·L/(2B) keys hidden from every query, and with causality the causal mask folded in (``is_causal``
+then off for both, as the model calls it), so that the masked kernels are timed too. Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
 --check found a mismatch.
 
@@ -26,6 +29,8 @@ nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ou
         --out-md results/gpu/launch_order.md --out-json results/gpu/launch_order.json
     python3 benchmarks/gpu_vs_sdpa.py --dtype bf16 --seq 4096 16384 --persistent off on --no-backward \\
         --out-md results/gpu/persistent.md --out-json results/gpu/persistent.json
+    python3 benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 --head-dim 64 128 --seq 4096 \\
+        --mask none bool additive --out-md results/gpu/masks.md --out-json results/gpu/masks.json
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class Shape:
     causal: bool
     dropout_p: float = 0.0
     layout: str = "bhld"  # LAYOUTS
+    mask: str = "none"  # MASKS
 
 
     @property
@@ -106,6 +112,9 @@ class Shape:
 #: output merged back into (B, L, H * Dv). The merge copies an output that is not laid out as
 #: (B, L, H, Dv), and the split's backward a gradient that is not laid out as (B, L, H, D).
 LAYOUTS = ("bhld", "projection")
+#: The attention mask of the timed calls: none, or a padded batch's (B, 1, L, L) mask (padding_mask)
+#: as bool (True: attend) or additive (0 or -inf, in the inputs' dtype).
+MASKS = ("none", "bool", "additive")
 
 
 @dataclass
@@ -117,6 +126,7 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
+    mask: Optional[torch.Tensor] = None
 
 
 def parse_heads_kv(text: str) -> Tuple[int, int]:
@@ -164,6 +174,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dropout-p", type=float, default=0.0, help="attention dropout of both (default 0)")
     p.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["bhld"],
                    help="inputs and output: contiguous (B, H, L, D), or split from and merged into projections")
+    p.add_argument("--mask", nargs="+", choices=MASKS, default=["none"],
+                   help="attention masks of a padded batch, each a variant of every point (default none)")
     p.add_argument("--check", action="store_true", help="compare output (and grads) with SDPA's first")
     p.add_argument("--min-run-time", type=float, help="seconds per measurement (default 0.5, --quick 0.1)")
     p.add_argument("--out-md", default=DEFAULT_MD, help="Markdown file ('' to skip)")
@@ -185,9 +197,9 @@ def expand_grid(args: argparse.Namespace) -> List[Shape]:
     """The shapes of the grid (families apart), in table order."""
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     return [
-        Shape(dt, args.batch, h, hkv, d, seq, c, args.dropout_p, layout)
+        Shape(dt, args.batch, h, hkv, d, seq, c, args.dropout_p, layout, mask)
         for dt in args.dtype for h, hkv in args.heads_kv for d in args.head_dim for c in causal for seq in args.seq
-        for layout in args.layout
+        for layout in args.layout for mask in args.mask
     ]  # fmt: skip
 
 
@@ -226,7 +238,7 @@ def build_point(shape: Shape, family: str, ours: Times, sdpa: Dict[str, Times], 
     fwd_name, fwd_ms = fastest(by_backend, "fwd")
     bwd_name, bwd_ms = fastest(by_backend, "fwd_bwd")
     point: Dict[str, Any] = {k: getattr(shape, k) for k in ("dtype", "head_dim", "seq_len", "batch", "heads")}
-    point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, layout=shape.layout,
+    point.update(kv_heads=shape.kv_heads, causal=shape.causal, dropout_p=shape.dropout_p, layout=shape.layout, mask=shape.mask,
                  family=family, launch_order=launch_order, persistent=persistent, sdpa_backend=fwd_name)  # fmt: skip
     against = {"fwd_stats": (fwd_name, fwd_ms), "fwd": (fwd_name, fwd_ms), "fwd_bwd": (bwd_name, bwd_ms)}
     for kind, (name, ms) in against.items():
@@ -260,7 +272,8 @@ def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
     if shape.layout == "projection":  # a merge that copies the output, a split's backward each gradient
         elems += nq + ((nq + 2 * nkv) if backward else 0)
     workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
-    return elems * DTYPES[shape.dtype].itemsize + workspace
+    mask = shape.batch * shape.seq_len**2 * {"none": 0, "bool": 1, "additive": DTYPES[shape.dtype].itemsize}[shape.mask]
+    return elems * DTYPES[shape.dtype].itemsize + workspace + mask
 
 
 def memory_skip_reason(need: int, free: int) -> Optional[str]:
@@ -333,7 +346,34 @@ def make_inputs(shape: Shape, device: str) -> Inputs:
         size = (b, l, heads * d) if projection else (b, heads, l, d)
         return torch.randn(size, device=device, dtype=DTYPES[shape.dtype], generator=gen).requires_grad_(grad)
 
-    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), rand(shape.heads, False))
+    return Inputs(rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads), rand(shape.heads, False),
+                  padding_mask(shape, device))
+
+
+def padding_mask(shape: Shape, device: str) -> Optional[torch.Tensor]:
+    """The (B, 1, L, L) mask of a padded batch (None for mask "none"): batch element b's last
+    b·L // (2B) keys hidden from every query (so at least half of them seen), and with causality
+    key j hidden from query i < j too; bool (True: attend) or additive (0 or -inf)."""
+    if shape.mask == "none":
+        return None
+    b, l = shape.batch, shape.seq_len
+    lengths = torch.tensor([l - i * l // (2 * b) for i in range(b)], device=device)
+    keys = torch.arange(l, device=device)
+    allowed = (keys < lengths[:, None])[:, None, None, :].expand(b, 1, l, l)
+    if shape.causal:
+        allowed = allowed & (keys[None, :] <= keys[:, None])
+    allowed = allowed.contiguous()
+    if shape.mask == "bool":
+        return allowed
+    zero = torch.zeros((), device=device, dtype=DTYPES[shape.dtype])
+    return torch.where(allowed, zero, zero - math.inf)
+
+
+def attention_kwargs(shape: Shape, x: Inputs) -> Dict[str, Any]:
+    """The mask arguments of both calls: is_causal alone, or the mask with the causal one folded in."""
+    if x.mask is None:
+        return {"is_causal": shape.causal}
+    return {"attn_mask": x.mask, "is_causal": False}
 
 
 def merged_heads(out: torch.Tensor) -> torch.Tensor:
@@ -372,18 +412,20 @@ def timed_calls(attn: Callable[..., Any], x: Inputs) -> Tuple[Callable[[], objec
     return fwd, fwd_bwd
 
 
-def ours_fn(ext: Any, shape: Shape, stats: bool = False) -> Callable[..., Any]:
-    """ours(q, k, v) for a shape (in_layout)."""
+def ours_fn(ext: Any, shape: Shape, x: Inputs, stats: bool = False) -> Callable[..., Any]:
+    """ours(q, k, v) for a shape (in_layout), with x's mask."""
+    masks = attention_kwargs(shape, x)
     return in_layout(shape, lambda q, k, v: ext.attention(
-        q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, return_stats=stats, dropout_p=shape.dropout_p
+        q, k, v, enable_gqa=shape.gqa, return_stats=stats, dropout_p=shape.dropout_p, **masks
     ))  # fmt: skip
 
 
 def measure_sdpa(x: Inputs, shape: Shape, run: Run) -> Dict[str, Times]:
     """SDPA's times by backend name and kind; None where the backend refuses the point."""
+    masks = attention_kwargs(shape, x)
     fwd, fwd_bwd = timed_calls(
         in_layout(shape, lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, dropout_p=shape.dropout_p
+            q, k, v, enable_gqa=shape.gqa, dropout_p=shape.dropout_p, **masks
         )),
         x,
     )  # fmt: skip
@@ -398,9 +440,9 @@ def measure_sdpa(x: Inputs, shape: Shape, run: Run) -> Dict[str, Times]:
 
 def measure_ours(x: Inputs, shape: Shape, run: Run, errors: List[str]) -> Times:
     """Ours' times by kind; None where a call failed (noted in `errors`)."""
-    fwd, fwd_bwd = timed_calls(ours_fn(run.ext, shape), x)
+    fwd, fwd_bwd = timed_calls(ours_fn(run.ext, shape, x), x)
     return {
-        "fwd_stats": try_time(timed_calls(ours_fn(run.ext, shape, True), x)[0], run, errors, "fwd_stats"),
+        "fwd_stats": try_time(timed_calls(ours_fn(run.ext, shape, x, True), x)[0], run, errors, "fwd_stats"),
         "fwd": try_time(fwd, run, errors, "fwd"),
         "fwd_bwd": try_time(fwd_bwd, run, errors, "fwd_bwd") if run.backward else None,
     }
@@ -421,10 +463,10 @@ def check_point(x: Inputs, shape: Shape, run: Run) -> Tuple[Times, bool]:
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)) if shape.gqa else (k, v)
         with sdpa_kernel(list(SDPA_BACKENDS.values())):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+            return F.scaled_dot_product_attention(q, k, v, **attention_kwargs(shape, x))
 
     ref = outputs_and_grads(in_layout(shape, reference))
-    ours = outputs_and_grads(ours_fn(run.ext, shape))
+    ours = outputs_and_grads(ours_fn(run.ext, shape, x))
     errs = {k: None if a is None else (a.float() - b.float()).abs().max().item() for k, a, b in zip(ERR_KEYS, ours, ref)}
     scales = {k: 0.0 if b is None else b.float().abs().max().item() for k, b in zip(ERR_KEYS, ref)}
     bad = is_mismatch(errs, scales, shape.dtype)
@@ -563,6 +605,7 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
             order, layout = p.get("launch_order", "auto"), p.get("layout", "bhld")
             family = p["family"] if order == "auto" else f"{p['family']}, order {order}"
             family += "" if layout == "bhld" else f", {layout} layout"
+            family += "" if p.get("mask", "none") == "none" else f", {p['mask']} mask"
             grid = p.get("persistent", "default")
             family += "" if grid == "default" else f", persistent {grid}"
             key = [p["dtype"], p["batch"], f"{p['heads']}:{p['kv_heads']}", p["head_dim"], p["seq_len"], "yes" if p["causal"] else "no", family]  # fmt: skip

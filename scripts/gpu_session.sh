@@ -31,7 +31,8 @@
 #      the current and baseline harnesses, whose comparison then takes each point's least time
 #      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
-#      orders (gpu_vs_sdpa.py --launch-order auto heads); the Nsight Compute profile of the default
+#      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
+#      additive, into the logs); the Nsight Compute profile of the default
 #      path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed, or when a step of 1-4 ran out of time; a step of 5 that the
@@ -280,6 +281,15 @@ bounded 90 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --head-dim 64 128 --
   --launch-order auto heads --min-run-time 0.2 --out-md "$OUT/launch_order.md" \
   --out-json "$LOGS/launch_order.json" >"$LOGS/launch_order.log" 2>&1
 record "launch orders" $?
+pack
+# The masked kernels, which no other step times: a padded batch's (B, 1, L, L) mask as a Hugging
+# Face model passes it, bool and additive, against SDPA with the same mask (their backward's mask
+# lines prefetched into L1 since 2026-12-06, not yet timed).
+note "masks"
+bounded 60 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 --head-dim 64 128 --seq 4096 \
+  --causal yes --mask none bool additive --min-run-time 0.2 --out-md "$LOGS/masks.md" \
+  --out-json "$LOGS/masks.json" >"$LOGS/masks.log" 2>&1
+record masks $?
 pack
 # The Nsight Compute profile of the default path (bf16, L = 4096, D = 128, causal: the tensor
 # pipe's use and the stall reasons of each kernel, what explains the gap left), into the logs.

@@ -302,6 +302,56 @@ def test_projection_layout_calls_both_as_a_model_layer() -> None:
         bench.parse_args(["--layout", "blhd"])
 
 
+def test_padding_mask_hides_each_rows_padding_and_the_future() -> None:
+    """padding_mask: batch element b sees its first L - b L // (2B) keys, with causality only those
+    up to the query too; the additive mask hides exactly what the bool one does."""
+    s = shape(batch=2, seq_len=8, causal=True, mask="bool")
+    allowed = bench.padding_mask(s, "cpu")
+    assert allowed.shape == (2, 1, 8, 8) and allowed.dtype == torch.bool
+    lengths = [8, 6]
+    for b, n in enumerate(lengths):
+        for i in range(8):
+            assert allowed[b, 0, i].tolist() == [j < n and j <= i for j in range(8)]
+    additive = bench.padding_mask(bench.Shape(**{**s.__dict__, "mask": "additive"}), "cpu")
+    assert additive.dtype == torch.bfloat16 and torch.equal(additive == 0, allowed)
+    assert torch.isinf(additive[~allowed]).all() and (additive[~allowed] < 0).all()
+    assert bench.padding_mask(shape(mask="none"), "cpu") is None
+    full = bench.padding_mask(shape(batch=2, seq_len=8, causal=False, mask="bool"), "cpu")
+    assert full[1, 0, 0].tolist() == [j < 6 for j in range(8)]  # no causal part without causality
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_reach_both_calls_and_the_check(kind: str) -> None:
+    """--mask: ours and SDPA get the same mask with is_causal off, the check compares them under it
+    (and finds ours wrong where it drops the mask), and the point and the table name the mask."""
+    import torch_ext
+
+    args = bench.parse_args(["--quick", "--mask", "none", kind])
+    assert [s.mask for s in bench.expand_grid(args)][:2] == ["none", kind]
+    seen: List[Any] = []
+
+    class Recording:
+        def __init__(self, drop_mask: bool = False) -> None:
+            self.drop_mask = drop_mask
+
+        def attention(self, *a: Any, **kw: Any) -> Any:
+            seen.append((kw.get("attn_mask") is not None, kw["is_causal"]))
+            if self.drop_mask:
+                kw = {**kw, "attn_mask": None}
+            return torch_ext.attention(*a, **kw)
+
+    s = shape(seq_len=48, causal=True, mask=kind)
+    (p,) = bench.measure_shape(s, ["auto"], cpu_run(Recording(), check=True), None, None)
+    assert p["mask"] == kind and p["errors"] == [] and p["mismatch"] is False
+    assert seen and set(seen) == {(True, False)}
+    text = bench.markdown({"device": "cpu", "driver": "-", "torch": "-", "cuda": "-", "commit": "abc", "dirty": False,
+                           "date": "today", "command": "cmd", "matmul_peak_tflops": {}, "points": [p]}, True)  # fmt: skip
+    assert f"| auto, {kind} mask |" in text
+    (bad,) = bench.measure_shape(s, ["auto"], cpu_run(Recording(drop_mask=True), check=True), None, None)
+    assert bad["mismatch"] is True
+    assert bench.estimate_bytes(s, True, False) > bench.estimate_bytes(shape(seq_len=48, causal=True), True, False)
+
+
 def test_failures_and_out_of_memory_do_not_stop_the_run() -> None:
     s = shape(seq_len=32)
     failed = bench.measure_shape(s, ["auto"], cpu_run(FailingExt(RuntimeError("no kernel\nmore"))), None, None)

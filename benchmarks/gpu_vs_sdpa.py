@@ -15,9 +15,11 @@ ENTROPY_ATTN_CUDA_LAUNCH_ORDER (the tensor-core kernels' block order, csrc/cuda/
 ``default`` leaves it unset, ``on``, ``off`` or a number of blocks), each under each. Points over 70% of the free memory, or out of memory,
 are recorded as skipped. ``--dropout-p`` runs both with attention dropout (training: the cost of
 drawing the mask; no ``--check``, the masks differ). ``--mask bool additive`` gives both an attention
-mask as a Hugging Face model passes one for a padded batch: (B, 1, L, L), batch element b's last
-b·L/(2B) keys hidden from every query, and with causality the causal mask folded in (``is_causal``
-then off for both, as the model calls it), so that the masked kernels are timed too. Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
+mask of a padded batch: (B, 1, L, L), batch element b's last b·L/(2B) keys hidden from every
+query, and with causality the causal mask folded in (``is_causal`` then off for both), as a Hugging
+Face model passes its bool mask to SDPA, so that the masked kernels are timed too (the additive
+one holds 0 and -inf, in the inputs' dtype: ours converts it to float32 in each call, SDPA a bool
+one to an additive one, both inside the timed calls). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
 --check found a mismatch.
 
@@ -272,8 +274,11 @@ def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
     if shape.layout == "projection":  # a merge that copies the output, a split's backward each gradient
         elems += nq + ((nq + 2 * nkv) if backward else 0)
     workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
-    mask = shape.batch * shape.seq_len**2 * {"none": 0, "bool": 1, "additive": DTYPES[shape.dtype].itemsize}[shape.mask]
-    return elems * DTYPES[shape.dtype].itemsize + workspace + mask
+    # The mask, and the copy one side makes of it per call: ours takes an additive mask as float32,
+    # SDPA a bool one as an additive mask in the inputs' dtype.
+    item = DTYPES[shape.dtype].itemsize
+    mask = shape.batch * shape.seq_len**2 * {"none": 0, "bool": 1 + item, "additive": item + 4}[shape.mask]
+    return elems * item + workspace + mask
 
 
 def memory_skip_reason(need: int, free: int) -> Optional[str]:
@@ -620,7 +625,8 @@ def markdown(result: Dict[str, Any], backward: bool) -> str:
     table("SDPA by backend (ms; n/a: refused)", [f"{b} {k}" for b in SDPA_BACKENDS for k in sdpa_kinds],
           lambda p: [fmt(p["sdpa_ms_by_backend"][b][k]) for b in SDPA_BACKENDS for k in sdpa_kinds])  # fmt: skip
     errors = [f"- {p['dtype']} {p['heads']}:{p['kv_heads']} D={p['head_dim']} L={p['seq_len']} causal={p['causal']} "
-              f"{p['family']}: {e}" for p in result["points"] for e in p["errors"]]  # fmt: skip
+              f"{p['family']} ({p.get('layout', 'bhld')} layout, mask {p.get('mask', 'none')}): {e}"
+              for p in result["points"] for e in p["errors"]]  # fmt: skip
     return "\n".join(lines + (["", "## Failures", ""] + errors if errors else [])) + "\n"
 
 

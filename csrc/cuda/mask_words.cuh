@@ -44,4 +44,31 @@ __device__ __forceinline__ bool bool_mask_allows(uint32_t word, uint32_t selecto
   return __byte_perm(word, 0u, selector) != 0u;
 }
 
+// The backward kernels read their mask entries from global memory, one per score, right after the
+// product that forms the scores and ahead of the exponentials that need them: this prefetches the
+// L1 lines of a kTileRows x kTileCols tile's entries (rows [0, rows), keys [0, cols); entry (0, 0)
+// at element offset `off`) before that product, so that those loads find them in L1 instead of
+// waiting for L2. Per row, where the keys are contiguous, the entry that starts each 128 bytes (a
+// bool mask's key 0, 128, ...; an additive one's, float32, key 0, 32, ...), and the row's last
+// where one prefetch per thread leaves room for it: the lines the row's entries span wherever it
+// starts (without the last, all but the last of a row that does not start on a line). One prefetch
+// per thread (more spilled in the masked kernels at D = 128); a mask of other strides is covered in
+// part. A hint that nothing waits for (Ops::prefetch_l1: prefetch.global.L1).
+template <MaskKind kMask, typename Ops, int kTileRows, int kTileCols, int kThreads>
+__device__ __forceinline__ void prefetch_mask_tile(const MaskArg<float>& mask, int64_t off,
+                                                   int rows, int cols, int tid) {
+  constexpr int kPartKeys = kMask == MaskKind::kBool ? 128 : 32;
+  constexpr int kParts = (kTileCols + kPartKeys - 1) / kPartKeys;
+  constexpr bool kWithLast = kTileRows * (kParts + 1) <= kThreads;
+  constexpr int kPoints = kParts + (kWithLast ? 1 : 0);  // per row
+  static_assert(kTileRows * kPoints <= kThreads, "one prefetch per thread");
+  const int r = tid / kPoints, point = tid % kPoints;
+  const int last = (cols < kTileCols ? cols : kTileCols) - 1;
+  const int c = kWithLast && point == kPoints - 1 ? last : point * kPartKeys;
+  // (Only entries of the tile: an address past the mask's allocation may be in no mapped page.)
+  if (r < rows && r < kTileRows && c <= last) {
+    Ops::prefetch_l1(mask_word<kMask>(mask, off + r * mask.si + c * mask.sj));
+  }
+}
+
 }  // namespace entropy_attn::cuda

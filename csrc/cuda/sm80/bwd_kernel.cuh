@@ -40,6 +40,7 @@
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
 #include "../launch_order.h"
+#include "../mask_words.cuh"
 #include "../params.h"
 #include "launch.h"
 #include "ops.cuh"
@@ -656,6 +657,11 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
     Kt::Ops::cp_async_wait_all();
     __syncthreads();  // Q, dO and the row statistics of t have landed; t - 1 read all it needed
+    // The tile's mask lines into L1 before S's product, whose scores then read them there.
+    if constexpr (kMask != MaskKind::kNone) {
+      prefetch_mask_tile<kMask, typename Kt::Ops, kBlockM, kBlockN, Kt::kNThreads>(
+          p.mask, p.mask.row_offset(b, h, i0) + j0 * p.mask.sj, q_len - i0, kv_len - j0, tid);
+    }
     Tensor tdPsdO_t = in_do_buffer(tdPsdO, t);
     Tensor tdVsdOt_t = in_do_buffer(tdVsdOt, t);
 
@@ -945,6 +951,10 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   for (int n = n_begin; n < n_end; ++n) {
     const int j0 = n * kBlockN;
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
+    if constexpr (kMask != MaskKind::kNone) {  // (as the main kernel)
+      prefetch_mask_tile<kMask, typename Kt::Ops, kBlockM, kBlockN, Kt::kNThreads>(
+          p.mask, p.mask.row_offset(b, h, i0) + j0 * p.mask.sj, q_len - i0, kv_len - j0, tid);
+    }
     // The tile's dropout decisions, drawn before dP and S hold registers (as the main kernel).
     uint32_t keep = 0;
     if (dropping) keep = dropout_keep_bits<false>(p.dropout, bh, i0, j0, coord_s);

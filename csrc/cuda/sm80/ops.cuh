@@ -33,6 +33,12 @@ struct Sm80Ops {
 #endif
   }
   static __device__ __forceinline__ void cp_async_wait_all() { cute::cp_async_wait<0>(); }
+  // prefetch.global.L1: the line that holds *p into the SM's L1, a hint that nothing waits for
+  // (the generic address of global memory, as CuTe's prefetch.global.L2 and __ldg pass theirs).
+  // p must point into an allocation (the emulation reads *p).
+  static __device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+  }
 };
 
 }  // namespace entropy_attn::cuda::sm80

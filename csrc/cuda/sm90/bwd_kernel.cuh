@@ -435,27 +435,21 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Ops::cp_async_fence();
   };
 
-  // The masked kernels read a mask entry per score in their P steps from global memory, loads that
-  // ptxas issues after the wait for S, on the path to the exponentials: where they went to L2 the
-  // P step waited for them. The lines of query block t are prefetched into L1 at the block's start,
-  // the time of S's product ahead of those loads: thread ctid prefetches the line of row ctid / 4
-  // that holds keys [j0 + 32 (ctid % 4), + 32), which covers the tile of a key-contiguous mask (128
-  // bytes a row for bool, 512 for additive; one of other strides in part). Tried and left out:
-  // prefetching block t + 1 during block t (ptxas spilled 4-16 bytes at D = 128 wherever it was
-  // issued after the dS barrier), and a mask tile in shared memory as the forwards' (a 32-bit word
-  // per score by cp.async: 32 KB written and 32 KB read per query block on the shared memory that
-  // the products' operands keep busy; scripts/pingpong_model.py: 5,656 -> 6,029 cycles per block,
-  // bool mask, D = 128).
+  // The masked kernels read a mask entry per score in their P steps, loads that ptxas issues after
+  // the wait for S: the lines of query block t are prefetched into L1 at the block's start, the
+  // time of S's product ahead of them (mask_words.cuh: prefetch_mask_tile). Tried and left out
+  // (docs/cuda.md): prefetching block t + 1 during block t (ptxas spilled 4-16 bytes at D = 128
+  // wherever it went after the dS barrier), and a mask tile in shared memory as the forwards' (a
+  // 32-bit word per score by cp.async: 32 KB written and 32 KB read per query block on the shared
+  // memory that the products' operands keep busy; scripts/pingpong_model.py: 5,656 -> 6,029 cycles
+  // per block, bool mask, D = 128).
   const auto prefetch_mask = [&](const int t) {
-    static_assert(Kt::kConsumerThreads == 4 * kBlockM && 4 * 32 == kBlockN);
     int mtid = ctid;
     asm volatile("" : "+r"(mtid));  // formed here, not held across the blocks
     const int h = kvh * group + t / m_count;
-    const int i = (ss.m_begin + t % m_count) * kBlockM + mtid / 4;
-    const int j = j0 + 32 * (mtid % 4);
-    if (i < q_len && j < kv_len) {
-      Ops::prefetch_l1(mask_word<kMask>(mask, mask.row_offset(b, h, i) + j * mask.sj));
-    }
+    const int i0 = (ss.m_begin + t % m_count) * kBlockM;
+    prefetch_mask_tile<kMask, Ops, kBlockM, kBlockN, Kt::kConsumerThreads>(
+        mask, mask.row_offset(b, h, i0) + j0 * mask.sj, q_len - i0, kv_len - j0, mtid);
   };
 
   // One query block. kGrads: the entropy / sum p^2 gradients are asked for, softcapping or

@@ -41,7 +41,8 @@ struct Sm90Ops {
   static __device__ __forceinline__ void prefetch_tma_descriptor(const cute::TmaDescriptor* d) {
     cute::prefetch_tma_descriptor(d);
   }
-  // prefetch.global.L1: the line that holds *p into the SM's L1, a hint that nothing waits for.
+  // prefetch.global.L1: the line that holds *p into the SM's L1, a hint that nothing waits for
+  // (the generic address of global memory, as CuTe's prefetch.global.L2 and __ldg pass theirs).
   // p must point into an allocation (the emulation reads *p).
   static __device__ __forceinline__ void prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));

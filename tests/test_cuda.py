@@ -1001,22 +1001,29 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
     """A NaN key masked by an additive -inf is hidden from the logits in every family (-inf, not
     NaN + -inf = NaN), and from dQ = dS K (the fallback keeps non-finite rows out of its products;
     the tensor-core families' 0 * NaN there sends the call to the fallback, their guard): outputs,
-    statistics and the three gradients stay finite."""
+    statistics and the three gradients stay finite. The mask requires grad (a learned bias): the
+    sm80 backward has added into its gradient before the guard recomputes the call, which zeroes
+    it first, so that it equals the CPU op's, not twice it."""
     if family != "fallback" and dtype == torch.float32:
         pytest.skip("the tensor-core families take 16-bit inputs")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     B, H, L, D = 1, 2, 200, 64
     q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
     k[0, :, 37] = float("nan")
-    mask = torch.zeros(L, L, dtype=dtype)
+    mask = randn(L, L, scale=0.5).to(dtype)
     mask[:, 37] = float("-inf")
-    q, k, v = (cuda(t).requires_grad_(True) for t in (q, k, v))
-    out, st = torch_ext.attention(q, k, v, cuda(mask), return_stats=True)
+    leaves = [cuda(t).requires_grad_(True) for t in (q, k, v, mask)]
+    out, st = torch_ext.attention(*leaves, return_stats=True)
     (out.float().sum() + st.entropy.sum()).backward()
+    q, k, v, m = leaves
     checks = [("output", out), ("lse", st.lse), ("entropy", st.entropy), ("dq", q.grad),
-              ("dk", k.grad), ("dv", v.grad)]
+              ("dk", k.grad), ("dv", v.grad), ("dmask", m.grad)]
     for name, t in checks:
         assert torch.isfinite(t).all(), f"{family}: {name} is not finite"
+    cpu = [t.detach().cpu().requires_grad_(True) for t in leaves]
+    out_cpu, st_cpu = torch_ext.attention(*cpu, return_stats=True)
+    (out_cpu.float().sum() + st_cpu.entropy.sum()).backward()
+    assert rel_err(m.grad.cpu(), cpu[3].grad) < GRAD_TOL[dtype], f"{family}: dmask vs the CPU op"
 
 
 def _same_nonfinite_then_close(got: Tensor, want: Tensor, tol: Tuple[float, float] | float,
@@ -1815,6 +1822,85 @@ def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, cas
                 assert rel_err(a, e) < GRAD_TOL[dtype], f"{family}: {name} vs reference"
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+#: Additive masks whose gradient a call asks for (learned biases), as (mask shape, the fraction of
+#: -inf entries, the op's keyword arguments) over B = 2, H = 4, Hkv = 2, Lq = 200, Lk = 260: T5's
+#: per-head bias under causality with logn row scales, a per-key offset (padding), a per-row one
+#: (whose gradient is lse's alone: a row's softmax does not move with it; none hidden, a hidden row
+#: has no lse to differentiate), and the call's full shape (each entry from one logit).
+MASK_GRAD_CASES: Dict[str, Tuple[Tuple[int, ...], float, Dict[str, Any]]] = {
+    "per_head_t5_causal_logn": ((1, 4, 200, 260), 0.2, {"is_causal": True, "scale_mode": "logn", "log_base": 64.0}),
+    "per_key": ((2, 1, 1, 260), 0.2, {}),
+    "per_row_causal": ((2, 4, 200, 1), 0.0, {"is_causal": True}),
+    "full": ((2, 4, 200, 260), 0.2, {}),
+}
+
+
+@pytest.mark.parametrize("family", ["auto", *FAMILY_PARAMS])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
+def test_mask_grad_runs_in_the_tensor_core_backward(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
+                                                    head_dim: int, family: str) -> None:
+    """A 16-bit call that asks for its additive mask's gradient runs its backward in the sm80
+    family (add_logit_grads: fp32 atomics from the tiles' dS into the mask's entries), under "auto"
+    and with either tensor-core family forced (the Hopper family leaves such calls to it), over
+    several query and key tiles with partial edges and GQA; the gradients of q, k, v and the mask
+    through the output, lse and the entropy match the float64 reference, and hidden entries get 0.
+    (Dry run: the CPU op against the same reference.)"""
+    shape, fraction, kw = MASK_GRAD_CASES[case]
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    torch.manual_seed(17)
+    q, k, v = make_qkv(2, 4, 2, 200, 260, head_dim, dtype=dtype)
+    hidden = torch.rand(shape, generator=torch.Generator().manual_seed(7)) < fraction
+    mask = randn(*shape, scale=0.5).masked_fill(hidden, -math.inf).to(dtype)
+    go, gl, ge = randn(2, 4, 200, head_dim).to(dtype), randn(2, 4, 200), randn(2, 4, 200)
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v, mask)]
+    grads: List[Tensor] = []
+
+    def run() -> None:
+        out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
+        grads.extend(grads_of(out[:3], [cuda(go), cuda(gl), cuda(ge)], leaves))
+
+    names = family_kernels(run, "sm80", "main_kernel")
+    assert DRY_RUN or names, f"{family}: the sm80 backward did not run"
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
+    ref_grads = grads_of([r.output, r.lse, r.entropy], [go, gl, ge], rin)
+    assert ref_grads[3].abs().max() > 1e-3, "the case gives the mask a gradient"
+    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dmask")):
+        assert a.shape == e.shape and a.dtype == dtype, name
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"{family}: {name} vs reference: {rel_err(a, e):.3g}"
+    assert (grads[3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
+
+
+@real_cuda
+@pytest.mark.parametrize("case", ["full", "per_head_t5_causal_logn"])
+def test_mask_grad_under_deterministic_algorithms(case: str) -> None:
+    """Under torch.use_deterministic_algorithms(True) the gradient of a mask of the call's full
+    shape stays in the sm80 family (each entry from one logit, the dq kernel without atomics: two
+    runs agree bit for bit), while a broadcast mask's entries would be summed by atomics in any
+    order: that call goes to the fallback, which raises torch's nondeterminism alert."""
+    shape, _, kw = MASK_GRAD_CASES[case]
+    torch.manual_seed(18)
+    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, 200, 260, 64, dtype=torch.bfloat16))
+    mask = cuda(randn(*shape, scale=0.5).to(torch.bfloat16)).requires_grad_()
+
+    def grads() -> List[Tensor]:
+        out = OP(q, k, v, mask, None, enable_gqa=True, **kw)[0]
+        return list(torch.autograd.grad(out.float().square().sum(), (q, k, v, mask)))
+
+    with torch_deterministic(True):
+        if case != "full":
+            with pytest.raises(RuntimeError, match="deterministic"):
+                grads()
+            return
+        names = family_kernels(grads, "sm80", "main_kernel")
+        assert names, "the sm80 backward did not run"
+        first, second = grads(), grads()
+    for a, b, name in zip(first, second, ("dq", "dk", "dv", "dmask")):
+        assert torch.equal(a, b), f"{name} differs between two runs"
 
 
 #: Head dims the tensor-core families do not compile, which they run on zero-padded inputs

@@ -193,12 +193,13 @@ std::string describe(const Shape& s) {
   const char* mask = s.mask == MaskKind::kBool       ? " bool mask"
                      : s.mask == MaskKind::kAdditive ? " additive mask"
                                                      : "";
-  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s",
+  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s%s",
                 static_cast<long long>(s.batch), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
                 static_cast<long long>(s.kv_len), static_cast<long long>(s.head_dim),
                 s.causal ? " causal" : "", s.logn ? " logn" : "",
-                s.stat_grads ? " +statistic gradients" : "", mask);
+                s.stat_grads ? " +statistic gradients" : "", mask,
+                s.mask_grad ? " +its gradient" : "");
   return buf;
 }
 
@@ -266,6 +267,9 @@ struct OpLaunch {
     if (f == Family::kSm80 && need > dev.smem_optin) {
       l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
+    }
+    if (f == Family::kSm90 && s.mask_grad) {
+      l.bwd_skip = "backward: not run (the op runs a mask's gradient in the sm80 family)";
     }
     if (f != Family::kFallback) {
       const RuleShape r{s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.head_dim};
@@ -350,6 +354,7 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   }
 
   EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
+  if (s.mask_grad) EA_CHECK_CUDA(cudaMemset(c.b.d_mask, 0, c.bytes_of(c.b.d_mask)));
   if (!launched(l.bwd(l.backward(c, tensor_core), nullptr))) {
     r.missing = "backward";
     return r;
@@ -358,12 +363,15 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
   if (tensor_core) {
     r.grads = {output_in_head_order(s, widen(c.download<T>(c.b.dq))),
                kv_in_head_order(s, widen(c.download<T>(c.b.dk))),
-               kv_in_head_order(s, widen(c.download<T>(c.b.dv))), rows(c.b.d_row_scale)};
+               kv_in_head_order(s, widen(c.download<T>(c.b.dv))),
+               rows(c.b.d_row_scale),
+               {}};
   } else {
     r.grads = finish_fallback(s, widen(in.q), c.download<float>(c.b.dq_accum),
                               c.download<float>(c.b.row_scale), c.download<float>(c.b.dk_heads),
                               c.download<float>(c.b.dv_heads));
   }
+  if (s.mask_grad) r.grads.dmask = rows(c.b.d_mask);
   return r;
 }
 
@@ -392,6 +400,7 @@ void add_checks(Family f, const char* dtype, const Shape& s, const Results& got,
   add(relative("backward: dk", got.grads.dk, want_grads.dk, tol.grad));
   add(relative("backward: dv", got.grads.dv, want_grads.dv, tol.grad));
   add(relative("backward: d lambda", got.grads.dlam, want_grads.dlam, tol.grad));
+  if (s.mask_grad) add(relative("backward: d mask", got.grads.dmask, want_grads.dmask, tol.grad));
 }
 
 // The checks of one call of type T through each family: against the float64 reference, or, with
@@ -599,12 +608,14 @@ int main(int argc, char** argv) {
   for (int d : {64, 128}) {
     for (bool causal : {false, true}) {
       // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales; the
-      // statistics' gradients; bool and additive masks (the masked instantiations).
+      // statistics' gradients; bool and additive masks (the masked instantiations), the additive
+      // one's gradient.
       for (const Shape& s :
            {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kBool},
             Shape{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive},
+            Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kAdditive, false, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, false, MaskKind::kNone, true}}) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);

@@ -60,6 +60,9 @@ struct Shape {
   // The output and the gradients in (B, L, heads, D) memory, as the op allocates them for inputs
   // split from projections (attention_call.h: empty_in_layout_of), rather than in (B, heads, L, D).
   bool heads_inside_rows = false;
+  // With an additive mask: the backward also writes the mask's gradient (Buffers::d_mask), the
+  // logits' gradient summed over the heads the mask is shared by.
+  bool mask_grad = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
@@ -224,9 +227,11 @@ Forward reference_forward(const Shape& s, const Inputs<T>& in) {
 // dS_ij = p_ij (dP_ij - delta_i) + g_lse p_ij - g_H p_ij (s_ij - lse_i + H_i)
 // + 2 g_U p_ij (p_ij - U_i), dP_ij = dO_i . v_j, delta_i = dO_i . O_i; with the raw score
 // x_ij = q_i . k_j (s_ij = lambda_i x_ij, plus an additive mask): dq_i = lambda_i sum_j dS_ij k_j,
-// dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij.
+// dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij; with
+// mask_grad, the additive mask's gradient (B, 1, Lq, Lk): dmask_ij = sum_h dS_ij (the logit adds
+// the mask entry as it is).
 struct Backward {
-  std::vector<double> dq, dk, dv, dlam;
+  std::vector<double> dq, dk, dv, dlam, dmask;
 };
 
 template <typename T>
@@ -235,6 +240,7 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
   Backward g;
   g.dq.assign(s.q_elems(), 0.0), g.dk.assign(s.kv_elems(), 0.0), g.dv.assign(s.kv_elems(), 0.0);
   g.dlam.assign(s.rows(), 0.0);
+  if (s.mask_grad) g.dmask.assign(s.batch * s.q_len * s.kv_len, 0.0);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kv0 = ((b * s.kv_heads + h / s.group()) * s.kv_len) * d;
@@ -259,6 +265,7 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
                             gh * w[j] * (logit[j] - lse + f.entropy[row]) +
                             2 * gu * w[j] * (w[j] - f.sum_p2[row]);
           g.dlam[row] += ds * x;
+          if (s.mask_grad) g.dmask[(b * s.q_len + i) * s.kv_len + static_cast<int64_t>(j)] += ds;
           for (int64_t c = 0; c < d; ++c) {
             g.dq[row * d + c] += lam * ds * k[j * d + c];
             g.dk[kv0 + j * d + c] += lam * ds * q[c];
@@ -318,7 +325,8 @@ inline std::vector<double> kv_in_head_order(const Shape& s, const std::vector<do
 // dK and dV in float32.
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
-  void* mask = nullptr;  // (B, 1, Lq, Lk): bool or float32
+  void* mask = nullptr;     // (B, 1, Lq, Lk): bool or float32
+  float* d_mask = nullptr;  // with mask_grad: (B, 1, Lq, Lk), the mask's gradient (zero-filled)
   float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   float *row_scale = nullptr, *length_factor = nullptr;
   float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
@@ -359,6 +367,7 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
                        (s.mask == MaskKind::kBool       ? 1
                         : s.mask == MaskKind::kAdditive ? 4
                                                         : 0);
+  const int64_t d_mask = s.mask_grad ? s.batch * s.q_len * s.kv_len * 4 : 0;
   return {{slot(b.mask), mask},
           {slot(b.q), q * elem},
           {slot(b.k), kv * elem},
@@ -385,7 +394,8 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
           {slot(b.dv_heads), kv_heads},
           {slot(b.dq), q * elem},
           {slot(b.dk), kv * elem},
-          {slot(b.dv), kv * elem}};
+          {slot(b.dv), kv * elem},
+          {slot(b.d_mask), d_mask}};
 }
 
 // A call's inputs into its buffers b, each vector through copy(to, vector): cudaMemcpy on a GPU,
@@ -434,7 +444,8 @@ inline FwdParams<float> forward_params(const Shape& s, const Buffers& b, bool st
 // The backward of a forward with statistics into b (lse, row_scale, entropy, sum_p2), for the
 // fallback (G, per-query-head dK and dV in float32; finish_fallback forms the gradients) or a
 // tensor-core family (dq, dk, dv in T), dq_accum packed (the Hopper backward's bulk reductions
-// want another layout: sm90/launch.h, bulk_dq_accum). dq_accum must be zero-filled.
+// want another layout: sm90/launch.h, bulk_dq_accum). dq_accum (and d_mask, with mask_grad) must
+// be zero-filled.
 inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool tensor_core) {
   BwdParams<float> p;
   fill_args(p, s, b);
@@ -445,6 +456,11 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   p.lse = b.lse, p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.row_scale = b.row_scale;
   p.delta = b.delta, p.dq_accum = b.dq_accum;
   if (s.stat_grads) p.g_lse = b.g_lse, p.g_entropy = b.g_entropy, p.g_sum_p2 = b.g_sum_p2;
+  if (s.mask_grad) {  // (B, H, Lq, Lk) over the (B, 1, Lq, Lk) entries: a head stride of 0
+    p.d_logits.data = b.d_mask;
+    p.d_logits.sb = s.q_len * s.kv_len, p.d_logits.sh = 0, p.d_logits.si = s.kv_len;
+    p.d_logits.sj = 1;
+  }
   if (tensor_core) {
     p.dq_out = output_view(s, b.dq), p.dk_out = kv_view(s, b.dk), p.dv_out = kv_view(s, b.dv);
     p.d_row_scale = b.d_row_scale;

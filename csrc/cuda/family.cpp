@@ -250,9 +250,23 @@ std::string softcap_backward_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// Only the fallback backward writes the logits' gradient (the additive mask's, params.h: d_logits).
-std::string mask_grad_backward_obstacle(const BackwardCall& c) {
+// The Hopper backward does not write the logits' gradient (the additive mask's, params.h:
+// d_logits): the sm80 family's and the fallback's do.
+std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
   return c.call.grad_logits.defined() ? "the additive mask's gradient (grad_mask)" : "";
+}
+
+// The sm80 backward adds the logits' gradient into the mask's entries by atomics (sm80/
+// bwd_kernel.cuh: add_logit_grads): in an unspecified order where logits share an entry (a mask
+// broadcast along some dim), which deterministic algorithms rule out. (The fallback's atomics are
+// no better: it raises the nondeterminism alert there, attention_cuda.cpp.) A mask of the call's
+// full (B, H, Lq, Lk) shape gets each entry from one logit, whatever the order.
+std::string mask_grad_determinism_obstacle(const BackwardCall& c) {
+  const at::Tensor& g = c.call.grad_logits;
+  const AttentionShape& s = c.call.shape;
+  if (!g.defined() || !at::globalContext().deterministicAlgorithms()) return {};
+  if (g.numel() == s.batch * s.heads * s.q_len * s.kv_len) return {};
+  return "deterministic algorithms with a broadcast additive mask's gradient (summed by atomics)";
 }
 
 Sm90Backward sm90_backward_of(const BackwardCall& c) {
@@ -303,10 +317,11 @@ std::string hopper_forward_obstacle(const ForwardCall& c) {
                          sm90_forward_of(c) != nullptr, hopper_features());
 }
 
-// The Hopper backward also needs dq by atomics (not deterministic algorithms), no mask gradient,
-// and no softcap or dropout with a mask (sm90/launch.h: backward_covers).
+// The Hopper backward also needs dq by atomics (not deterministic algorithms), no mask gradient
+// (the sm80 family's backward takes those calls), and no softcap or dropout with a mask
+// (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
-  if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
+  if (std::string why = hopper_mask_grad_obstacle(c); !why.empty()) return why;
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms (its dq accumulates by atomics)";
   }
@@ -321,12 +336,12 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
                          sm90_backward_of(c) != nullptr, hopper_features());
 }
 
-// The tensor-core backward also needs no mask gradient, and its shared memory, which at D = 128 is
-// more than some GPUs of sm_80 and newer offer a block (sm80/launch.h): there its launcher takes
-// the compact tiles, which need less, when they are on (family.h:
-// kTensorCoreCompactBackwardByDefault).
+// The tensor-core backward also needs a mask gradient it can sum deterministically when asked to,
+// and its shared memory, which at D = 128 is more than some GPUs of sm_80 and newer offer a block
+// (sm80/launch.h): there its launcher takes the compact tiles, which need less, when they are on
+// (family.h: kTensorCoreCompactBackwardByDefault).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
-  if (std::string why = mask_grad_backward_obstacle(c); !why.empty()) return why;
+  if (std::string why = mask_grad_determinism_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call),
                                  mask_kind(c.call.mask)) != nullptr;

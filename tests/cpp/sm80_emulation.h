@@ -110,9 +110,9 @@ ec::BwdParams<float> backward_inputs(const eh::Shape& s, eh::HostCall<T>& c) {
   return eh::backward_params(s, c.b, true);
 }
 
-// A call's gradients against the reference; d lambda (unless the call did not ask for it: dlam
-// false) within `dlam_tol` where given (a call whose d lambda cancels more than ordinary logits
-// make it), else the gradients' tolerance.
+// A call's gradients against the reference (the additive mask's too, with s.mask_grad); d lambda
+// (unless the call did not ask for it: dlam false) within `dlam_tol` where given (a call whose d
+// lambda cancels more than ordinary logits make it), else the gradients' tolerance.
 template <typename T>
 void expect_backward(const eh::Shape& s, const eh::HostCall<T>& c, double dlam_tol = 0,
                      bool dlam = true) {
@@ -124,6 +124,10 @@ void expect_backward(const eh::Shape& s, const eh::HostCall<T>& c, double dlam_t
       eh::relative("dk", eh::kv_in_head_order(s, c.widen(c.b.dk, s.kv_elems())), gref.dk, tol));
   expect_ok(
       eh::relative("dv", eh::kv_in_head_order(s, c.widen(c.b.dv, s.kv_elems())), gref.dv, tol));
+  if (s.mask_grad) {
+    const std::vector<float> d_mask(c.b.d_mask, c.b.d_mask + s.batch * s.q_len * s.kv_len);
+    expect_ok(eh::relative("d mask", d_mask, gref.dmask, tol));
+  }
   if (!dlam) return;
   expect_ok(
       eh::relative("d lambda", c.rows(c.b.d_row_scale), gref.dlam, dlam_tol > 0 ? dlam_tol : tol));

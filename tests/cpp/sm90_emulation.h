@@ -96,6 +96,7 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
+  ASSERT_FALSE(s.mask_grad) << "the op runs a mask's gradient in the sm80 family (family.cpp)";
   eh::HostCall<T> c(s, 11);
   ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);

@@ -829,30 +829,35 @@ TEST(EmulatedGuard, ForwardRecomputesOnlyFlaggedCalls) {
 // guard of a tensor-core backward (the family's outputs, filled with 7 beforehand; G with 5, as a
 // tensor-core backward leaves it): first with the flag at 0, which must write nothing, then at 1
 // (the main kernel on at most max_blocks blocks where that is positive); d lambda where grad_scale
-// asks for it.
+// asks for it; with grad_mask, the additive mask's gradient (its accumulator filled with 5 too, as
+// the sm80 backward leaves it).
 struct GuardRun {
   AttentionOutputs fwd;
   entropy_attn::AttentionGrads plain, guarded;
-  int64_t guard_row_blocks;           // the grid of the guard's preprocess and postprocess
-  ec::BwdParams<float> guard_params;  // (its pointers dangle: for the grids only)
+  int64_t guard_row_blocks;               // the grid of the guard's preprocess and postprocess
+  ec::BwdParams<float> guard_params;      // (its pointers dangle: for the grids only)
+  at::Tensor plain_dmask, guarded_dmask;  // with grad_mask
 };
 
 GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0,
-                            bool grad_scale = true) {
+                            bool grad_scale = true, bool grad_mask = false) {
   const entropy_attn::AttentionCall call = prepared_call(c, in);
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<__nv_bfloat16>(fwd.params<float>());
   const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
                normalized_entropy, sparsity, effective_keys] = fwd.outputs;
-  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
-      in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
-      sum_p2, row_scale, in.sinks, documents(in), options(c), /*grad_mask=*/false, grad_scale);
+  // (A call each: a call holds the mask's gradient accumulator.)
+  const auto backward_call = [&] {
+    return entropy_attn::prepare_attention_backward(
+        in.dout, in.g_lse, in.g_entropy, in.g_sum_p2, in.q, in.k, in.v, in.mask, out, lse, entropy,
+        sum_p2, row_scale, in.sinks, documents(in), options(c), grad_mask, grad_scale);
+  };
 
-  ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, bcall);
+  ec::BackwardCall plain(in.dout, in.q, in.k, in.v, out, backward_call());
   plain.allocate(ec::Family::kFallback);
   launch_backward<__nv_bfloat16>(plain.params<float>());
 
-  ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, bcall);
+  ec::BackwardCall guarded(in.dout, in.q, in.k, in.v, out, backward_call());
   guarded.allocate(ec::Family::kSm80);
   EXPECT_EQ(guarded.dk.size(1), c.Hkv);  // the family's outputs: per key/value head
   EXPECT_EQ(guarded.dlam.defined(), grad_scale);
@@ -860,18 +865,27 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks 
     if (t.defined()) t.fill_(7);
   }
   guarded.g.fill_(5);
+  const at::Tensor& d_logits = guarded.call.grad_logits;
+  EXPECT_EQ(d_logits.defined(), grad_mask);
+  if (grad_mask) d_logits.fill_(5);
   int flag = 0;
   ec::BwdParams<float> p = guarded.params<float>();
   p.nonfinite = &flag;
   launch_backward<__nv_bfloat16>(p);
-  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam}) {
+  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam, d_logits}) {
     if (t.defined()) {
-      EXPECT_TRUE(at::equal(t, at::full_like(t, 7))) << "a block ran with the flag at 0";
+      EXPECT_TRUE(at::equal(t, at::full_like(t, t.is_same(d_logits) ? 5 : 7)))
+          << "a block ran with the flag at 0";
     }
   }
   flag = 1;
   launch_backward<__nv_bfloat16>(p, emulated::kEveryKernelFits, max_blocks);
-  return {fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p), p};
+  GuardRun run{fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p), p};
+  if (grad_mask) {
+    run.plain_dmask = entropy_attn::mask_grad(in.mask, plain.call, in.q);
+    run.guarded_dmask = entropy_attn::mask_grad(in.mask, guarded.call, in.q);
+  }
+  return run;
 }
 
 void expect_grads_close(const entropy_attn::AttentionGrads& got,
@@ -915,6 +929,21 @@ TEST(EmulatedGuard, BackwardRecomputesOnlyFlaggedCalls) {
   expect_matches_cpu_op(c, in, run.fwd, run.guarded, at::Tensor(), tol);
   EXPECT_GT(std::get<2>(run.guarded).select(1, 1).select(-1, 2).isinf().sum().item<int64_t>(), 0)
       << "no infinite dV entry from head 3's dO";
+}
+
+// The additive mask's gradient, which the sm80 backward adds into before its guard runs: the guard
+// zeroes it (its preprocess) and adds its own, equal to a plain fallback call's and the CPU op's (a
+// (Lq, Lk) mask shared by the batch and the heads, a NaN key it hides).
+TEST(EmulatedGuard, BackwardRecomputesTheMaskGradient) {
+  Case c = mk("bf16_guard_bwd_mask_grad", at::kBFloat16, 70, 90, 64);
+  c.causal = true, c.hidden_nonfinite = true, c.H = 4, c.Hkv = 2, c.mask = MaskType::kAdditiveQK;
+  const Inputs in = make_inputs(c);
+  ASSERT_TRUE(additive_mask(in));
+  const GuardRun run = run_backward_guard(c, in, 0, true, /*grad_mask=*/true);
+  const Tolerances tol = tolerances(c.dtype);
+  expect_grads_close(run.guarded, run.plain, tol.grad, "plain fallback");
+  expect_close(run.guarded_dmask, run.plain_dmask, tol.grad, "grad_attn_mask vs plain fallback");
+  expect_matches_cpu_op(c, in, run.fwd, run.guarded, run.guarded_dmask, tol);
 }
 
 // The guard's per-row kernels (preprocess, postprocess) take a capped grid whose warps stride over

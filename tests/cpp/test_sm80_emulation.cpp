@@ -11,8 +11,8 @@
 //             D = 256 (64 x 32 tiles, the general instantiations alone) with each mask kind;
 //   backward: the full tiles and the compact ones (64 x 64, one dO buffer: GPUs with 99 KB of
 //             shared memory per block), with and without masks, the atomic and the deterministic
-//             dq; D = 256 (64 x 64 tiles, G = dS K in two column halves). Its statistics come
-//             from the emulated fallback forward.
+//             dq; D = 256 (64 x 64 tiles, G = dS K in two column halves); the additive mask's
+//             gradient. Its statistics come from the emulated fallback forward.
 // The features of the general instantiations: test_sm80_emulation_features.cpp. Last, a test that
 // the cp.async checks catch the mistakes they are for.
 #include <cstring>
@@ -134,6 +134,24 @@ TEST(EmulatedSm80Backward, WithoutDLambda) {
   // No d lambda asked for: the postprocess forms dq = lambda G alone (no q read, no d lambda).
   run_case<__nv_bfloat16, 128, false, true, MaskKind::kNone>(
       eh::Shape{1, 4, 2, 70, 90, 128, true, true, true}, false, false);
+}
+
+TEST(EmulatedSm80Backward, AdditiveMaskGradient) {
+  // The mask's gradient (add_logit_grads) summed over the heads the (B, 1, Lq, Lk) mask is shared
+  // by, from the 4 query heads of 2 CTAs' GQA groups: causal with logn row scales and the
+  // statistics' gradients (D = 64, two batches); partial key blocks and gradients in (B, L, H, D)
+  // memory (D = 128); the compact tiles; D = 256; and the deterministic dq (the main kernel
+  // still writes it).
+  run_case<__half, 64, false, true, MaskKind::kAdditive>(
+      eh::Shape{2, 4, 2, 70, 150, 64, true, true, true, MaskKind::kAdditive, false, true});
+  run_case<__nv_bfloat16, 128, false, true, MaskKind::kAdditive>(
+      eh::Shape{1, 4, 2, 90, 200, 128, false, false, true, MaskKind::kAdditive, true, true});
+  run_case<__half, 128, true, true, MaskKind::kAdditive>(
+      eh::Shape{1, 2, 1, 70, 80, 128, true, true, false, MaskKind::kAdditive, false, true});
+  run_case<__nv_bfloat16, 256, false, true, MaskKind::kAdditive>(
+      eh::Shape{1, 2, 2, 50, 70, 256, false, false, true, MaskKind::kAdditive, false, true});
+  run_case<__half, 64, false, true, MaskKind::kAdditive>(
+      eh::Shape{1, 4, 2, 100, 70, 64, false, true, true, MaskKind::kAdditive, false, true}, true);
 }
 
 TEST(EmulatedSm80Backward, CompactOnlyWhereTheFullTilesDoNotFit) {

@@ -1,5 +1,6 @@
-// The features the sm80 family's general (causal) instantiations take (emulated_features.h), run
-// on the CPU as test_sm80_emulation.cpp runs the family (sm80_emulation.h). A file of its own,
+// The features the sm80 family's general (causal) instantiations take (emulated_features.h), and
+// the additive mask's gradient of its masked backward, run on the CPU as test_sm80_emulation.cpp
+// runs the family (sm80_emulation.h). A file of its own,
 // compiled with that one as one unit (cuda_emulation.cmake: they launch the same kernels) and run
 // as a CTest test of its own.
 #include "sm80_emulation.h"
@@ -33,6 +34,70 @@ template <typename T, int kD, bool kCompact>
 void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
                    std::array<int64_t, 2> window) {
   emulated_features::run_documents<Sm80<kCompact>, T, kD>(cu_q, cu_k, causal, window);
+}
+
+// The additive mask's gradient through the op's own call preparation (grad_mask: an accumulator
+// with the mask's sizes, seen as (B, H, Lq, Lk) with stride 0 along the dims it broadcasts along)
+// and the family's masked backward, against the CPU op's backward of the same call: 2 batches,
+// 4 query heads over 2 key/value heads, logn row scales, the entropy's gradient, a fifth of the
+// entries -inf. The mask in the inputs' dtype, as a model's learned bias is.
+template <typename T, int kD>
+void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0) {
+  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
+  at::manual_seed(23);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const int64_t lq = 100, lk = 130;
+  const at::Tensor q = at::randn({2, 4, lq, kD}, opt), k = at::randn({2, 2, lk, kD}, opt),
+                   v = at::randn({2, 2, lk, kD}, opt), dout = at::randn({2, 4, lq, kD}, opt);
+  const at::Tensor mask =
+      (at::randn(mask_sizes) * 0.5).masked_fill(at::rand(mask_sizes) < 0.2, -INFINITY).to(dtype);
+  const std::optional<at::Tensor> g_entropy(at::randn({2, 4, lq}));
+  const int64_t seed = 0x5eed;
+  const std::array<int64_t, 2> window{-1, -1};
+  const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
+      causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true, window,
+      "top_left", 0.0, dropout_p, seed);
+  const entropy_attn::AttentionResult r =
+      entropy_attn::attention(q, k, v, mask, std::nullopt, causal, std::nullopt, "logn", 1.0, 64.0,
+                              true, true, window, "top_left", 0.0, std::nullopt, dropout_p, seed);
+
+  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy,
+      r.sum_p2, r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true, /*grad_scale=*/true);
+  ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
+  bwd.allocate(ec::Family::kSm80);
+  launch_backward<T, kD, false, true, MaskKind::kAdditive>(bwd.params<float>());
+  const entropy_attn::AttentionGrads got = bwd.finish();
+  const at::Tensor dmask = entropy_attn::mask_grad(mask, bwd.call, q);
+  const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
+      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy,
+      r.sum_p2, r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);
+  const double tol = eh::tolerance<T>().grad;
+  using emulated_features::rel_norm;
+  EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol) << "grad_query";
+  EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol) << "grad_key";
+  EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol) << "grad_value";
+  EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol) << "grad_row_scale";
+  const at::Tensor& want_dmask = std::get<5>(want);
+  ASSERT_EQ(dmask.sizes(), mask.sizes());
+  EXPECT_EQ(dmask.scalar_type(), dtype);
+  EXPECT_GT(want_dmask.abs().max().item<double>(), 1e-3) << "the case gives the mask a gradient";
+  EXPECT_LT(rel_norm(dmask, want_dmask), tol) << "grad_attn_mask";
+  EXPECT_TRUE(at::equal(dmask.masked_select(at::isneginf(mask)),
+                        at::zeros({at::isneginf(mask).sum().item<int64_t>()}, dmask.options())))
+      << "a hidden key's entry has no gradient";
+}
+
+TEST(EmulatedSm80Features, AdditiveMaskGradient) {
+  // The mask shapes of real models: per head (T5's relative positions, causal), shared by the
+  // batch and heads, per key (padding with a learned offset), per row, and the call's full shape;
+  // and one with dropout.
+  run_mask_grad<__nv_bfloat16, 128>({1, 4, 100, 130}, true);
+  run_mask_grad<__nv_bfloat16, 128>({100, 130}, false);
+  run_mask_grad<__half, 64>({2, 1, 1, 130}, false);
+  run_mask_grad<__half, 64>({2, 4, 100, 1}, true);
+  run_mask_grad<__half, 64>({2, 4, 100, 130}, false);
+  run_mask_grad<__nv_bfloat16, 128>({2, 1, 100, 130}, true, 0.2);
 }
 
 TEST(EmulatedSm80Features, WindowsAndAlignment) {

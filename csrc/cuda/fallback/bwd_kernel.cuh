@@ -112,11 +112,16 @@ template <typename T>
 __device__ __forceinline__ void preprocess_row(const BwdParams<AccType<T>>& p, int64_t row,
                                                int lane) {
   using Acc = AccType<T>;
-  // As a guard, G starts again from zero (the tensor-core kernels accumulated it).
+  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
+  // As a guard, G starts again from zero (the tensor-core kernels accumulated it), and so does the
+  // additive mask's gradient (the sm80 family's added into it: each row zeroes its entries, an
+  // entry that rows share once by each, all before the main kernel adds).
   if (grouped(p)) {
     for (int64_t d = lane; d < p.head_dim; d += 32) p.dq_accum[row * p.head_dim + d] = Acc(0);
+    if (p.d_logits.data != nullptr) {
+      for (int64_t j = lane; j < p.kv_len; j += 32) *p.d_logits.at(b, h, i, j) = Acc(0);
+    }
   }
-  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
   const T* o = static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
   const T* d_o = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl;
   Acc dot = 0;

@@ -10,7 +10,8 @@
 //   main:        one CTA per (key block, kv head, batch). K and V stay in shared memory, dK and
 //                dV in registers, while the CTA walks the query blocks of every query head of
 //                its GQA group: S = Q K^T, P = exp(S - lse), dP = dO V^T, dS = logit_grad(...),
-//                dV += P^T dO, dK += dS^T (lambda Q), G += dS K (fp32 atomics into dq_accum).
+//                dV += P^T dO, dK += dS^T (lambda Q), G += dS K (fp32 atomics into dq_accum);
+//                with an additive mask whose gradient is asked for, dS into it (add_logit_grads).
 //   postprocess: dq_i = lambda_i G_i (to T) and d lambda_i = q_i . G_i where asked for.
 //
 // The instantiations compiled with causality (kCausal) are the general ones: they take any
@@ -417,6 +418,29 @@ CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const&
   }
 }
 
+// The additive mask's gradient (params.h: d_logits): the tile's dS_ij (rowcol view, fp32, before
+// its rounding to T for the products) added into the mask entry of each logit. Logits share an
+// entry where the mask broadcasts (the query heads of the GQA group this CTA walks, the other
+// heads' and batches' CTAs, a row's keys or a key's rows): fp32 atomics onto the zero-filled
+// accumulator, as the fallback adds them. Nothing is added for keys >= Lk or rows >= Lq, nor for
+// dS = 0 (a hidden or underflowed weight), which adds nothing.
+template <typename DS, typename Coord>
+CUTE_DEVICE void add_logit_grads(const LogitGradArg<float>& g, int b, int h, int i0, int j0,
+                                 int q_len, int kv_len, DS const& ds, Coord const& coord) {
+  float* tile = g.at(b, h, i0, j0);
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(ds); ++mi) {
+    const int r = get<0>(coord(mi, 0));
+    if (i0 + r >= q_len) continue;
+    float* row = tile + r * g.si;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(ds); ++ni) {
+      const int c = get<1>(coord(mi, ni));
+      if (j0 + c < kv_len && ds(mi, ni) != 0.f) atomicAdd(row + c * g.sj, ds(mi, ni));
+    }
+  }
+}
+
 // Logit softcapping (docs/math.md section 6): raw scores x (accumulator layout, rowcol view) become
 // the scores whose scaled logits lambda_i x' are the capped ones (cute_utils.cuh: softcap_row, as
 // the forward).
@@ -739,9 +763,22 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
         dropping ? to_dlogits(std::false_type{}, std::true_type{})
                  : to_dlogits(std::false_type{}, std::false_type{});
       }
+      // With the mask's gradient: the part's fp32 dS in its S registers, which nothing reads
+      // again, for add_logit_grads after the last part (inside a part at D = 128, with dP's half
+      // and the next part's S live, the atomics' addresses spilled).
+      if constexpr (kMask == MaskKind::kAdditive) {
+        if (p.d_logits.data != nullptr) {
+          cute::copy(acc_dp, make_tensor(acc_s.data() + part * size(acc_dp), acc_dp.layout()));
+        }
+      }
       cute::copy(convert_fragment<Element>(acc_dp),
                  thr_sdp.partition_C(local_tile(sdS, PartS{}, make_coord(_0{}, part))));
     });
+    if constexpr (kMask == MaskKind::kAdditive) {
+      if (p.d_logits.data != nullptr) {
+        add_logit_grads(p.d_logits, b, h, i0, j0, q_len, kv_len, s_rc, coord_s);
+      }
+    }
     __syncthreads();  // P, dS, lambda Q visible; Q and the row statistics of t no longer read
 
     if (t + 1 < iters) {  // overlaps the three products below; dO of t - 1 was read before the

@@ -1,8 +1,8 @@
 """A reduced grid of CUDA calls for compute-sanitizer: every kernel family at head dims 64, 128, 256
 and 96 (the tensor-core families' padded path), the sm80 backward's compact tiles (the shared
 memory per block capped at 99 KB), the Hopper forward on a persistent grid of one block (which
-then walks every tile: the hand-offs between its tiles), masks and the features (window, softcap,
-sinks, dropout, split-KV), forward and backward.
+then walks every tile: the hand-offs between its tiles), masks (a learned bias's gradient too) and
+the features (window, softcap, sinks, dropout, split-KV), forward and backward.
 
 Each call's output and gradients are compared with the same call on the CPU (float32), so a run
 under ``compute-sanitizer --tool memcheck|racecheck|synccheck`` checks values as well as memory,
@@ -39,6 +39,9 @@ VARIANTS: list[tuple[str, dict, str]] = [
     ("causal", {"is_causal": True}, "off"),
     ("bool_mask", {"mask": "bool"}, "off"),
     ("additive_mask", {"mask": "additive"}, "off"),
+    # A learned bias: the additive mask requires grad (the sm80 backward's atomics into its gradient,
+    # which the Hopper family leaves to it).
+    ("learned_bias", {"mask": "learned", "is_causal": True}, "off"),
     ("window_softcap", {"is_causal": True, "window_size": (64, 0), "softcap": 30.0}, "off"),
     ("sinks", {"is_causal": True, "sinks": "sinks"}, "off"),
     ("split_kv", {}, "4"),
@@ -60,23 +63,24 @@ PASSES: list[tuple[str, str, dict[str, str], tuple[int, ...]]] = [
 
 def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict,
              mask: torch.Tensor, sinks: torch.Tensor) -> list[torch.Tensor]:
-    """Forward with statistics and backward of one call; the output, lse, entropy and grads."""
+    """Forward with statistics and backward of one call; the output, lse, entropy and grads (the
+    mask's last where it requires grad)."""
     q, k, v, g = (t.to(device, dtype) for t in base)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     kw = dict(kw)
     if "mask" in kw:
         kind = kw.pop("mask")
         kw["attn_mask"] = (mask if kind == "bool" else torch.where(mask, 0.0, -1e4)).to(device)
-        if kind == "additive":
-            kw["attn_mask"] = kw["attn_mask"].to(dtype)
+        if kind != "bool":
+            kw["attn_mask"] = kw["attn_mask"].to(dtype).requires_grad_(kind == "learned")
     if kw.get("sinks") == "sinks":
         kw["sinks"] = sinks.to(device)
     if kw.get("dropout_p"):
         kw["generator"] = torch.Generator(device).manual_seed(3)
     out, stats = torch_ext.attention(q, k, v, return_stats=True, **kw)
     out.backward(g)
-    return [out.float(), stats.lse.float(), stats.entropy.float(), q.grad.float(), k.grad.float(),
-            v.grad.float()]
+    grads = [t.grad.float() for t in (q, k, v, kw.get("attn_mask")) if t is not None and t.requires_grad]
+    return [out.float(), stats.lse.float(), stats.entropy.float(), *grads]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

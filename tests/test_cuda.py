@@ -995,15 +995,18 @@ FAMILY_PARAMS = ["sm80", pytest.param("sm90", marks=needs_hopper)]
 
 
 @real_cuda
+@pytest.mark.parametrize("mask_grad", [False, True], ids=["fixed_mask", "learned_mask"])
 @pytest.mark.parametrize("family", ["fallback", *FAMILY_PARAMS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype) -> None:
+def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype,
+                                         mask_grad: bool) -> None:
     """A NaN key masked by an additive -inf is hidden from the logits in every family (-inf, not
     NaN + -inf = NaN), and from dQ = dS K (the fallback keeps non-finite rows out of its products;
     the tensor-core families' 0 * NaN there sends the call to the fallback, their guard): outputs,
-    statistics and the three gradients stay finite. The mask requires grad (a learned bias): the
-    sm80 backward has added into its gradient before the guard recomputes the call, which zeroes
-    it first, so that it equals the CPU op's, not twice it."""
+    statistics and the three gradients stay finite. Where the mask requires grad (a learned bias,
+    whose backward the Hopper family leaves to sm80), the sm80 backward has added into its
+    gradient before the guard recomputes the call, which zeroes it first, so that it equals the
+    CPU op's, not twice it."""
     if family != "fallback" and dtype == torch.float32:
         pytest.skip("the tensor-core families take 16-bit inputs")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
@@ -1012,14 +1015,16 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
     k[0, :, 37] = float("nan")
     mask = randn(L, L, scale=0.5).to(dtype)
     mask[:, 37] = float("-inf")
-    leaves = [cuda(t).requires_grad_(True) for t in (q, k, v, mask)]
+    leaves = [cuda(t).requires_grad_(True) for t in (q, k, v)] + [cuda(mask).requires_grad_(mask_grad)]
     out, st = torch_ext.attention(*leaves, return_stats=True)
     (out.float().sum() + st.entropy.sum()).backward()
     q, k, v, m = leaves
     checks = [("output", out), ("lse", st.lse), ("entropy", st.entropy), ("dq", q.grad),
-              ("dk", k.grad), ("dv", v.grad), ("dmask", m.grad)]
+              ("dk", k.grad), ("dv", v.grad)] + ([("dmask", m.grad)] if mask_grad else [])
     for name, t in checks:
         assert torch.isfinite(t).all(), f"{family}: {name} is not finite"
+    if not mask_grad:
+        return
     cpu = [t.detach().cpu().requires_grad_(True) for t in leaves]
     out_cpu, st_cpu = torch_ext.attention(*cpu, return_stats=True)
     (out_cpu.float().sum() + st_cpu.entropy.sum()).backward()

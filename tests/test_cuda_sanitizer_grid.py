@@ -33,8 +33,8 @@ def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert grid.main([]) == 0
     out = capsys.readouterr().out
     assert out.count("variants x D 64, 128, 256, 96 run") == 3
-    assert "sm80-99KB: 7 variants x D 128 run" in out
-    assert "sm90-persistent: 7 variants x D 64, 128 run" in out
+    assert "sm80-99KB: 8 variants x D 128 run" in out
+    assert "sm90-persistent: 8 variants x D 64, 128 run" in out
 
 
 def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,12 +45,12 @@ def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         (os.environ["ENTROPY_ATTN_CUDA_FAMILY"], os.environ.get("ENTROPY_ATTN_CUDA_PERSISTENT"))) or [torch.zeros(1)])
     assert grid.main(["--passes", "sm90-persistent"]) == 0
     assert set(seen) == {("sm90", "1")}
-    assert capsys.readouterr().out.splitlines() == ["sm90-persistent: 7 variants x D 64, 128 run"]
+    assert capsys.readouterr().out.splitlines() == ["sm90-persistent: 8 variants x D 64, 128 run"]
     assert "ENTROPY_ATTN_CUDA_PERSISTENT" not in os.environ  # the pass's setting undone
     seen.clear()
     assert grid.main(["--passes", "sm90"]) == 0
     assert set(seen) == {("sm90", None)}
-    assert capsys.readouterr().out.splitlines() == ["sm90: 7 variants x D 64, 128, 256, 96 run"]
+    assert capsys.readouterr().out.splitlines() == ["sm90: 8 variants x D 64, 128, 256, 96 run"]
     with pytest.raises(SystemExit) as exit_:
         grid.main(["--passes", "persistent"])
     assert exit_.value.code == 2

@@ -39,10 +39,11 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // The additive mask's gradient through the op's own call preparation (grad_mask: an accumulator
 // with the mask's sizes, seen as (B, H, Lq, Lk) with stride 0 along the dims it broadcasts along)
 // and the family's masked backward, against the CPU op's backward of the same call: 2 batches,
-// 4 query heads over 2 key/value heads, logn row scales, the entropy's gradient, a fifth of the
-// entries -inf. The mask in the inputs' dtype, as a model's learned bias is.
+// 4 query heads over 2 key/value heads, logn row scales, the gradients of lse and the entropy,
+// `hidden` of the entries -inf. The mask in the inputs' dtype, as a model's learned bias is.
 template <typename T, int kD>
-void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0) {
+void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
+                   double hidden = 0.2) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(23);
   const auto opt = at::TensorOptions().dtype(dtype);
@@ -50,8 +51,8 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
   const at::Tensor q = at::randn({2, 4, lq, kD}, opt), k = at::randn({2, 2, lk, kD}, opt),
                    v = at::randn({2, 2, lk, kD}, opt), dout = at::randn({2, 4, lq, kD}, opt);
   const at::Tensor mask =
-      (at::randn(mask_sizes) * 0.5).masked_fill(at::rand(mask_sizes) < 0.2, -INFINITY).to(dtype);
-  const std::optional<at::Tensor> g_entropy(at::randn({2, 4, lq}));
+      (at::randn(mask_sizes) * 0.5).masked_fill(at::rand(mask_sizes) < hidden, -INFINITY).to(dtype);
+  const std::optional<at::Tensor> g_lse(at::randn({2, 4, lq})), g_entropy(at::randn({2, 4, lq}));
   const int64_t seed = 0x5eed;
   const std::array<int64_t, 2> window{-1, -1};
   const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
@@ -62,16 +63,16 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
                               true, true, window, "top_left", 0.0, std::nullopt, dropout_p, seed);
 
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
-      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy,
-      r.sum_p2, r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true, /*grad_scale=*/true);
+      dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
+      r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true, /*grad_scale=*/true);
   ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
   bwd.allocate(ec::Family::kSm80);
   launch_backward<T, kD, false, true, MaskKind::kAdditive>(bwd.params<float>());
   const entropy_attn::AttentionGrads got = bwd.finish();
   const at::Tensor dmask = entropy_attn::mask_grad(mask, bwd.call, q);
   const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
-      dout, std::nullopt, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy,
-      r.sum_p2, r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);
+      dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
+      r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);
   const double tol = eh::tolerance<T>().grad;
   using emulated_features::rel_norm;
   EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol) << "grad_query";
@@ -90,12 +91,13 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
 
 TEST(EmulatedSm80Features, AdditiveMaskGradient) {
   // The mask shapes of real models: per head (T5's relative positions, causal), shared by the
-  // batch and heads, per key (padding with a learned offset), per row, and the call's full shape;
-  // and one with dropout.
+  // batch and heads, per key (padding with a learned offset), per row (whose gradient is lse's
+  // alone, a row's softmax not moving with it; none hidden: a hidden row has no lse to
+  // differentiate), and the call's full shape; and one with dropout.
   run_mask_grad<__nv_bfloat16, 128>({1, 4, 100, 130}, true);
   run_mask_grad<__nv_bfloat16, 128>({100, 130}, false);
   run_mask_grad<__half, 64>({2, 1, 1, 130}, false);
-  run_mask_grad<__half, 64>({2, 4, 100, 1}, true);
+  run_mask_grad<__half, 64>({2, 4, 100, 1}, true, 0, /*hidden=*/0);
   run_mask_grad<__half, 64>({2, 4, 100, 130}, false);
   run_mask_grad<__nv_bfloat16, 128>({2, 1, 100, 130}, true, 0.2);
 }

@@ -279,6 +279,18 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   return t;
 }
 
+// The lines of a tile's mask entries into L1 before S's product, whose scores then read them there
+// (mask_words.cuh: prefetch_mask_tile); the main and the dq kernel's, t from tile_spot.
+template <MaskKind kMask, typename Kt>
+CUTE_DEVICE void prefetch_tile_mask(const BwdParams<float>& p, const TileSpot& t, int b, int h,
+                                    int tid) {
+  if constexpr (kMask != MaskKind::kNone) {
+    prefetch_mask_tile<kMask, typename Kt::Ops, Kt::kBlockM, Kt::kBlockN, Kt::kNThreads>(
+        p.mask, p.mask.row_offset(b, h, t.i0) + t.j0 * p.mask.sj, t.q_len - t.i0, t.kv_len - t.j0,
+        tid);
+  }
+}
+
 // Turns raw scores x = q_i . k_j (accumulator layout, viewed by rowcol) into
 //   s_ij = lambda_i x (+ additive mask), -inf where masked (causal limit, bool mask, j >= Lk, or a
 //          padding row i >= Lq), and p_ij = e^{s_ij - lse_i} = 2^{s log2(e) - lse log2(e)}.
@@ -681,11 +693,7 @@ CUTE_DEVICE void main_block(const BwdParams<float>& p, char* smem) {
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
     Kt::Ops::cp_async_wait_all();
     __syncthreads();  // Q, dO and the row statistics of t have landed; t - 1 read all it needed
-    // The tile's mask lines into L1 before S's product, whose scores then read them there.
-    if constexpr (kMask != MaskKind::kNone) {
-      prefetch_mask_tile<kMask, typename Kt::Ops, kBlockM, kBlockN, Kt::kNThreads>(
-          p.mask, p.mask.row_offset(b, h, i0) + j0 * p.mask.sj, q_len - i0, kv_len - j0, tid);
-    }
+    prefetch_tile_mask<kMask, Kt>(p, spot, b, h, tid);
     Tensor tdPsdO_t = in_do_buffer(tdPsdO, t);
     Tensor tdVsdOt_t = in_do_buffer(tdVsdOt, t);
 
@@ -988,10 +996,7 @@ CUTE_DEVICE void dq_block(const BwdParams<float>& p, char* smem) {
   for (int n = n_begin; n < n_end; ++n) {
     const int j0 = n * kBlockN;
     const TileSpot spot = tile_spot<kCausal, kMask, Kt>(p, b, h, i0, j0);
-    if constexpr (kMask != MaskKind::kNone) {  // (as the main kernel)
-      prefetch_mask_tile<kMask, typename Kt::Ops, kBlockM, kBlockN, Kt::kNThreads>(
-          p.mask, p.mask.row_offset(b, h, i0) + j0 * p.mask.sj, q_len - i0, kv_len - j0, tid);
-    }
+    prefetch_tile_mask<kMask, Kt>(p, spot, b, h, tid);
     // The tile's dropout decisions, drawn before dP and S hold registers (as the main kernel).
     uint32_t keep = 0;
     if (dropping) keep = dropout_keep_bits<false>(p.dropout, bh, i0, j0, coord_s);

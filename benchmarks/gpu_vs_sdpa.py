@@ -18,8 +18,8 @@ drawing the mask; no ``--check``, the masks differ). ``--mask bool additive`` gi
 mask of a padded batch: (B, 1, L, L), batch element b's last b·L/(2B) keys hidden from every
 query, and with causality the causal mask folded in (``is_causal`` then off for both), as a Hugging
 Face model passes its bool mask to SDPA, so that the masked kernels are timed too (the additive
-one holds 0 and -inf, in the inputs' dtype: ours converts it to float32 in each call, SDPA a bool
-one to an additive one, both inside the timed calls). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
+one holds 0 and -inf, in the inputs' dtype, which ours reads as it is; SDPA converts a bool one
+to an additive one inside the timed calls). Writes results/gpu/benchmark.{md,json}. Without a GPU: says so, writes
 nothing, exits 0 (1 with --require-gpu). Exits 1, after writing, if a call of ours failed or
 --check found a mismatch.
 
@@ -274,10 +274,10 @@ def estimate_bytes(shape: Shape, backward: bool, check: bool) -> int:
     if shape.layout == "projection":  # a merge that copies the output, a split's backward each gradient
         elems += nq + ((nq + 2 * nkv) if backward else 0)
     workspace = 12 * shape.batch * shape.heads * shape.seq_len * 4 + (4 * nq if backward else 0)
-    # The mask, and the copy one side makes of it per call: ours takes an additive mask as float32,
-    # SDPA a bool one as an additive mask in the inputs' dtype.
+    # The mask, and the copy SDPA makes of a bool one per call (an additive mask in the inputs'
+    # dtype; ours reads either kind, and an additive mask of the inputs' dtype, in place).
     item = DTYPES[shape.dtype].itemsize
-    mask = shape.batch * shape.seq_len**2 * {"none": 0, "bool": 1 + item, "additive": item + 4}[shape.mask]
+    mask = shape.batch * shape.seq_len**2 * {"none": 0, "bool": 1 + item, "additive": item}[shape.mask]
     return elems * item + workspace + mask
 
 

@@ -118,7 +118,9 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
   c.set_documents(docs);
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
-  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
+  if (attn_mask.has_value()) {
+    c.mask = expand_mask(*attn_mask, c.shape, c.acc, keeps_mask_dtype(*attn_mask, c.dtype));
+  }
   if (scale.has_value()) c.scale = expand_scale(*scale, c.shape, c.acc);
   if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
   return c;
@@ -239,7 +241,9 @@ AttentionBackwardCall prepare_attention_backward(
   c.dtype = query.scalar_type();
   c.acc = accumulate_type(c.dtype);
   c.grad_row_scale = grad_scale;
-  if (attn_mask.has_value()) c.mask = expand_mask(*attn_mask, c.shape, c.acc);
+  if (attn_mask.has_value()) {
+    c.mask = expand_mask(*attn_mask, c.shape, c.acc, keeps_mask_dtype(*attn_mask, c.dtype));
+  }
   auto row_stat = [&](const at::Tensor& t) { return t.to(c.acc).contiguous(); };
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
     return t.has_value() ? row_stat(*t) : at::Tensor();

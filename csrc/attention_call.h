@@ -57,15 +57,18 @@ struct CallPattern {
 // The checked call of `attention` (or `attention_sparsity`, whose value is its key).
 struct AttentionCall : CallPattern {
   AttentionShape shape;
-  at::ScalarType dtype;            // of query, key and value
-  at::ScalarType acc;              // accumulate type: float64 for float64 inputs, else float32
-  std::optional<at::Tensor> mask;  // expanded to (B, H, Lq, Lk): bool, or additive in `acc`
+  at::ScalarType dtype;  // of query, key and value
+  at::ScalarType acc;    // accumulate type: float64 for float64 inputs, else float32
+  // Expanded to (B, H, Lq, Lk): bool, or additive in `acc` or (CUDA, attention_inputs.h:
+  // keeps_mask_dtype) in the inputs' 16-bit dtype.
+  std::optional<at::Tensor> mask;
   at::Tensor scale;  // the scale tensor c expanded to (B, H, Lq) in `acc`, or undefined
 
-  // The kernel views of the mask and the scale policy.
+  // The kernel views of the mask (for the CPU kernels, which read additive masks in acc_t alone)
+  // and the scale policy.
   template <typename acc_t>
   MaskArg<acc_t> mask_arg() const {
-    return make_mask_arg<acc_t>(mask);
+    return make_cpu_mask_arg<acc_t>(mask);
   }
   template <typename acc_t>
   ScalePolicy<acc_t> scale_policy() const {
@@ -133,7 +136,7 @@ AttentionOutputs unpack_query_heads(AttentionOutputs outputs, const AttentionSha
 struct AttentionBackwardCall : CallPattern {
   AttentionShape shape;
   at::ScalarType dtype, acc;
-  std::optional<at::Tensor> mask;
+  std::optional<at::Tensor> mask;  // as AttentionCall's
   at::Tensor lse, entropy, sum_p2, row_scale, g_lse, g_entropy, g_sum_p2;
   // With grad_mask: the additive mask's gradient, the sum of dS_ij before the softcap over the
   // logits that share each mask entry, in `acc`, zero-filled, with the mask's sizes (left-padded to

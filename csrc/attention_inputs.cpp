@@ -354,15 +354,23 @@ void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask)
                     attn_mask.has_value() ? "a bool mask" : "none");
 }
 
-at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc) {
+bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input) {
+  return attn_mask.is_cuda() && attn_mask.scalar_type() == input &&
+         (input == at::kBFloat16 || input == at::kHalf);
+}
+
+at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
+                       bool keep_dtype) {
   at::Tensor m = attn_mask;
+  TORCH_INTERNAL_ASSERT(!keep_dtype || m.scalar_type() == at::kBFloat16 ||
+                        m.scalar_type() == at::kHalf);
   if (m.scalar_type() == at::kDouble && acc == at::kFloat) {
     // A finite float64 value beyond float32's range is an offset, not a mask (docs/math.md
     // section 8): it becomes +-FLT_MAX, not the +-inf a plain cast would make of it.
     constexpr double kMax = std::numeric_limits<float>::max();
     m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
   }
-  if (m.scalar_type() != at::kBool) m = m.to(acc);
+  if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
   return m.expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 

@@ -99,8 +99,17 @@ SparsityKind parse_sparsity_kind(std::string_view kind);
 // The dtype of statistics and accumulators: float64 for float64 inputs, float32 otherwise.
 at::ScalarType accumulate_type(at::ScalarType input);
 
-// Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk), bool or in `acc`.
-at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc);
+// Whether an additive mask keeps its own dtype for the kernels: a bf16 or fp16 mask of the inputs'
+// dtype on CUDA, whose kernels read 16-bit entries (kernel_args.h: MaskElem). Elsewhere a mask
+// becomes the accumulate type: the CPU kernels read only that, and a 16-bit mask of the other
+// 16-bit type, or a float32 one with 16-bit inputs, holds values the inputs' type does not.
+bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input);
+
+// Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
+// keep_dtype (keeps_mask_dtype) in its own 16-bit dtype, without the float32 copy of every entry
+// a conversion would make.
+at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
+                       bool keep_dtype);
 
 // Returns the per-row scale factor c expanded to (B, H, Lq) in `acc`.
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc);
@@ -125,8 +134,24 @@ MaskArg<acc_t> make_mask_arg(const std::optional<at::Tensor>& expanded) {
   if (!expanded.has_value()) return m;
   const at::Tensor& t = *expanded;
   m.kind = t.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+  m.elem = t.scalar_type() == at::kBFloat16 ? MaskElem::kBFloat16
+           : t.scalar_type() == at::kHalf   ? MaskElem::kFloat16
+                                            : MaskElem::kAcc;
+  TORCH_INTERNAL_ASSERT(m.kind == MaskKind::kBool || m.elem != MaskElem::kAcc ||
+                            t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
+                        "an additive mask in ", t.scalar_type(), " for kernels of ",
+                        c10::CppTypeToScalarType<acc_t>::value);
   m.data = t.const_data_ptr();
   m.sb = t.stride(0), m.sh = t.stride(1), m.si = t.stride(2), m.sj = t.stride(3);
+  return m;
+}
+
+// The same for the CPU kernels, which read additive masks in acc_t alone (keeps_mask_dtype
+// keeps 16-bit ones on CUDA only).
+template <typename acc_t>
+MaskArg<acc_t> make_cpu_mask_arg(const std::optional<at::Tensor>& expanded) {
+  const MaskArg<acc_t> m = make_mask_arg<acc_t>(expanded);
+  TORCH_INTERNAL_ASSERT(m.elem == MaskElem::kAcc, "a 16-bit additive mask for the CPU kernels");
   return m;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "scale_policy.h"
@@ -15,11 +16,41 @@ enum class MaskKind : int8_t { kNone, kBool, kAdditive };
 // The attention function f of attention_sparsity: a = exp(s), relu(s)^2 or s.
 enum class SparsityKind : int8_t { kExp, kRelu2, kIdentity };
 
+// The storage type of an additive mask's entries: the accumulate type, or the 16-bit type of the
+// inputs, which the CUDA kernels read as it is (attention_inputs.h: expand_mask keeps a bf16 or
+// fp16 mask of the inputs' dtype on CUDA, so that a call does not copy a (B, H, Lq, Lk) bias into
+// float32, twice its size; the CPU kernels always get the accumulate type).
+enum class MaskElem : int8_t { kAcc, kBFloat16, kFloat16 };
+
+// The float value of a bfloat16 (the high half of a float32) and of an IEEE half given as bits:
+// exact, as every value of either type is a float32 (the CUDA kernels convert with their own
+// instructions: mask_words.cuh).
+EA_HOST_DEVICE float bfloat16_bits_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+EA_HOST_DEVICE float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  // Infinities and NaNs keep an all-ones exponent; normal numbers rebias it from 15 to 127.
+  const uint32_t bits = sign | (exponent == 0x1fu ? 0xffu : exponent + 112u) << 23 | mantissa << 13;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // A (B, H, Lq, Lk) mask as strided storage (broadcast dims have stride 0): bool (true = attend) or
-// additive in the accumulate type.
+// additive, in the accumulate type or (elem) the inputs' 16-bit type.
 template <typename acc_t>
 struct MaskArg {
   MaskKind kind = MaskKind::kNone;
+  MaskElem elem = MaskElem::kAcc;
   const void* data = nullptr;
   int64_t sb = 0, sh = 0, si = 0, sj = 0;
 
@@ -30,14 +61,30 @@ struct MaskArg {
   // hold any nonzero byte for True (as torch's own ops read it): the kernels compare a byte with 0
   // and never load it as a C++ bool, which the compiler may take for its lowest bit or add as is.
   EA_HOST_DEVICE const uint8_t* bool_bytes() const { return static_cast<const uint8_t*>(data); }
+  // An additive mask's entries in the accumulate type (elem == kAcc).
   EA_HOST_DEVICE const acc_t* additive_data() const { return static_cast<const acc_t*>(data); }
+  // The bits of a 16-bit additive mask (elem != kAcc).
+  EA_HOST_DEVICE const uint16_t* additive_bits() const {
+    return static_cast<const uint16_t*>(data);
+  }
+  // The additive mask's entry at element offset `off`, whatever its storage type.
+  EA_HOST_DEVICE acc_t additive(int64_t off) const {
+    if (elem == MaskElem::kBFloat16) return bfloat16_bits_to_float(additive_bits()[off]);
+    if (elem == MaskElem::kFloat16) return half_bits_to_float(additive_bits()[off]);
+    return additive_data()[off];
+  }
 
   // Whether key j (at offset row_off + j * sj) counts toward the row's n_i: allowed by a bool mask,
   // or an additive value other than -inf.
   EA_HOST_DEVICE bool counts(int64_t row_off, int64_t j) const {
     if (kind == MaskKind::kBool) return bool_bytes()[row_off + j * sj] != 0;
     if (kind == MaskKind::kAdditive) {
-      return additive_data()[row_off + j * sj] != -std::numeric_limits<acc_t>::infinity();
+      const int64_t off = row_off + j * sj;
+      // A 16-bit entry is compared as bits with its type's -inf (0xff80 in bf16, 0xfc00 in fp16).
+      if (elem != MaskElem::kAcc) {
+        return additive_bits()[off] != (elem == MaskElem::kBFloat16 ? 0xff80u : 0xfc00u);
+      }
+      return additive_data()[off] != -std::numeric_limits<acc_t>::infinity();
     }
     return true;
   }
@@ -49,7 +96,7 @@ struct MaskArg {
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     if (kind == MaskKind::kBool) return bool_bytes()[row_off + j * sj] != 0 ? x : kNegInf;
     if (kind == MaskKind::kAdditive) {
-      const acc_t m = additive_data()[row_off + j * sj];
+      const acc_t m = additive(row_off + j * sj);
       return m == kNegInf ? kNegInf : x + m;
     }
     return x;

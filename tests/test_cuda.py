@@ -1908,6 +1908,91 @@ def test_mask_grad_under_deterministic_algorithms(case: str) -> None:
         assert torch.equal(a, b), f"{name} differs between two runs"
 
 
+#: Layouts of a 16-bit additive mask: (its shape over B = 2, H = 4, Lq = 150, Lk = 201, how it is
+#: viewed) as a model passes it: a padded batch's mask folded with causality (B, 1, L, L), T5's
+#: per-head bias (1, H, L, L), a per-key offset, and a transposed view with an odd storage offset
+#: (a slice of a larger tensor: key stride Lq, entries at either half of a 4-byte word).
+MASK16_LAYOUTS: Dict[str, Tuple[Tuple[int, ...], str]] = {
+    "batch_causal": ((2, 1, 150, 201), "plain"),
+    "per_head": ((1, 4, 150, 201), "plain"),
+    "per_key": ((2, 1, 1, 201), "plain"),
+    "transposed_odd_offset": ((2, 4, 150, 201), "transposed_slice"),
+}
+
+
+def mask16(shape: Tuple[int, ...], view: str, dtype: torch.dtype) -> Tensor:
+    """A 16-bit additive mask of `shape` (a fifth -inf) on the device under test, viewed as named."""
+    g = torch.Generator().manual_seed(29)
+    values = (torch.randn(shape, generator=g, dtype=F64) * 0.5).masked_fill(torch.rand(shape, generator=g) < 0.2,
+                                                                              -math.inf)
+    if view == "transposed_slice":
+        # (B, H, Lk + 1, Lq) storage, sliced at key 1 and transposed: a key stride of Lq, an odd offset.
+        store = torch.zeros(*shape[:2], shape[3] + 1, shape[2], dtype=F64)
+        store[:, :, 1:] = values.transpose(-1, -2)
+        return cuda(store.to(dtype))[:, :, 1:].transpose(-1, -2)
+    return cuda(values.to(dtype))
+
+
+@pytest.mark.parametrize("family", ["auto", "fallback", *FAMILY_PARAMS])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout", list(MASK16_LAYOUTS))
+def test_16bit_mask_read_as_it_is(monkeypatch: pytest.MonkeyPatch, layout: str, dtype: torch.dtype, head_dim: int,
+                                  family: str) -> None:
+    """A bf16 or fp16 additive mask of the inputs' dtype reaches the kernels as it is
+    (kernel_args.h: MaskElem; no float32 copy of it per call). Every value of either type is a
+    float32, so the forward gives bit for bit what the same mask converted to float32 gives, and the
+    gradients (the mask's included, learned) agree within rounding (atomics add them in any order),
+    in every family, for each layout a model passes. (Dry run: the CPU op, which converts both.)"""
+    shape, view = MASK16_LAYOUTS[layout]
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    torch.manual_seed(31)
+    q, k, v = (cuda(t) for t in make_qkv(2, 4, 2, 150, 201, head_dim, dtype=dtype))
+    m16 = mask16(shape, view, dtype)
+    kw: Dict[str, Any] = {"enable_gqa": True, "return_stats": True, "scale_mode": "logn", "log_base": 64.0,
+                          "is_causal": layout == "batch_causal"}
+    go, ge = cuda(randn(2, 4, 150, head_dim).to(dtype)), cuda(randn(2, 4, 150))
+    results = []
+    for mask in (m16, m16.float()):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, mask)]
+        out = OP(*leaves, None, **kw)
+        results.append((out, grads_of([out[0], out[2]], [go, ge], leaves)))
+    (out16, g16), (out32, g32) = results
+    for a, b, name in zip(out16, out32, OUT_NAMES):
+        assert torch.equal(a, b), f"{family}: {name} differs between the bf16/fp16 mask and its float32 copy"
+    assert g16[3].dtype == dtype and g32[3].dtype == torch.float32
+    for a, b, name in zip(g16, g32, ("dq", "dk", "dv", "dmask")):
+        assert rel_err(a.float(), b.float()) < GRAD_TOL[dtype] / 4, f"{family}: {name}: {rel_err(a.float(), b.float()):.3g}"
+
+
+@real_cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_16bit_mask_not_copied_cuda(dtype: torch.dtype) -> None:
+    """A (B, H, L, L) bias in the inputs' 16-bit dtype is read in place: the forward and the
+    backward grow the allocated memory by much less than the float32 copy of it (twice its
+    128 MiB) that a conversion per call made."""
+    B_, H_, L_, D_ = 2, 8, 2048, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B_, H_, L_, D_, generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+    bias = (torch.randn(B_, H_, L_, L_, generator=g) * 0.5).to("cuda", dtype)
+    mask_bytes = bias.numel() * bias.element_size()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = OP(q, k, v, bias, None)
+    torch.cuda.synchronize()
+    outputs = sum(t.numel() * t.element_size() for t in out)
+    grown = torch.cuda.max_memory_allocated() - before - outputs
+    assert grown < mask_bytes / 4, f"the forward took {grown / 2**20:.0f} MiB beyond its outputs"
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out[0].sum().backward()
+    torch.cuda.synchronize()
+    gradients = sum(t.numel() * t.element_size() for t in (q, k, v))
+    grown = torch.cuda.max_memory_allocated() - before - gradients
+    assert grown < mask_bytes / 4, f"the backward took {grown / 2**20:.0f} MiB beyond the gradients"
+
+
 #: Head dims the tensor-core families do not compile, which they run on zero-padded inputs
 #: (csrc/head_dim_padding.h): (head_dim, v_head_dim, Lq, Lk, the op's keyword arguments, as
 #: TC_FEATURES). Phi-2's 80 and Phi-3's 96 (padded to 128), 32 (to 64), head_dim != v_head_dim (to

@@ -190,9 +190,11 @@ double median_ms(const std::function<void()>& fn, int warmup, int reps) {
 
 std::string describe(const Shape& s) {
   char buf[160];
-  const char* mask = s.mask == MaskKind::kBool       ? " bool mask"
-                     : s.mask == MaskKind::kAdditive ? " additive mask"
-                                                     : "";
+  const char* mask = s.mask == MaskKind::kBool            ? " bool mask"
+                     : s.mask != MaskKind::kAdditive      ? ""
+                     : s.mask_elem == MaskElem::kBFloat16 ? " additive mask (bf16)"
+                     : s.mask_elem == MaskElem::kFloat16  ? " additive mask (fp16)"
+                                                          : " additive mask";
   std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s%s",
                 static_cast<long long>(s.batch), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
@@ -609,7 +611,7 @@ int main(int argc, char** argv) {
     for (bool causal : {false, true}) {
       // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales; the
       // statistics' gradients; bool and additive masks (the masked instantiations), the additive
-      // one's gradient.
+      // one's gradient, in float32 and in the inputs' type.
       for (const Shape& s :
            {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true},
@@ -620,6 +622,12 @@ int main(int argc, char** argv) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);
       }
+      // An additive mask in the inputs' own type (a model's bf16 or fp16 bias), with its gradient.
+      Shape s16{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive, false, true};
+      s16.mask_elem = MaskElem::kBFloat16;
+      check_call<__nv_bfloat16>(checked, dev, "bf16", s16, false, checks);
+      s16.mask_elem = MaskElem::kFloat16;
+      check_call<__half>(checked, dev, "fp16", s16, false, checks);
       // Against the fallback: many key and query blocks per row, as the timed calls have.
       check_call<__nv_bfloat16>(checked, dev, "bf16",
                                 Shape{1, 4, 2, 2048, 2048, d, causal, false, true}, true, checks);

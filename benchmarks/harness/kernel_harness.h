@@ -63,6 +63,10 @@ struct Shape {
   // With an additive mask: the backward also writes the mask's gradient (Buffers::d_mask), the
   // logits' gradient summed over the heads the mask is shared by.
   bool mask_grad = false;
+  // The additive mask's storage: float32 (kAcc), or the inputs' own 16-bit type (kBFloat16 with
+  // bf16 inputs, kFloat16 with fp16 ones), as a model's bias in bf16 or fp16 reaches the kernels
+  // (attention_inputs.h: keeps_mask_dtype). mask_bias's values are exact in either.
+  MaskElem mask_elem = MaskElem::kAcc;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
@@ -113,9 +117,11 @@ template <typename T>
 struct Inputs {
   std::vector<T> q, k, v, dout;
   std::vector<double> qd, kd, vd, doutd;
-  // The mask (B, 1, Lq, Lk): bool as bytes, or additive in float32; empty without one.
+  // The mask (B, 1, Lq, Lk): bool as bytes, or additive in float32 or (Shape::mask_elem) in T;
+  // empty without one.
   std::vector<uint8_t> mask_bool;
   std::vector<float> mask_add;
+  std::vector<T> mask_add_t;
   // The statistics' upstream gradients (B, H, Lq) in float32, empty without stat_grads.
   std::vector<float> g_lse, g_entropy, g_sum_p2;
 };
@@ -137,6 +143,11 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
     }
   };
   Inputs<T> in;
+  if (s.mask == MaskKind::kAdditive && s.mask_elem != MaskElem::kAcc &&
+      (s.mask_elem == MaskElem::kBFloat16) != std::is_same_v<T, __nv_bfloat16>) {
+    std::fprintf(stderr, "kernel_harness: a 16-bit additive mask must be of the inputs' type\n");
+    std::abort();
+  }
   fill(s.q_elems(), 2.f, in.q, in.qd);
   fill(s.kv_elems(), 2.f, in.k, in.kd);
   fill(s.kv_elems(), 1.f, in.v, in.vd);
@@ -146,8 +157,10 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
       for (int64_t j = 0; j < s.kv_len; ++j) {
         if (s.mask == MaskKind::kBool) {
           in.mask_bool.push_back(mask_allows(i, j) ? mask_true_byte(i, j) : 0);
-        } else {
+        } else if (s.mask_elem == MaskElem::kAcc) {
           in.mask_add.push_back(mask_bias(i, j));
+        } else {
+          in.mask_add_t.push_back(from_float<T>(mask_bias(i, j)));
         }
       }
     }
@@ -325,7 +338,7 @@ inline std::vector<double> kv_in_head_order(const Shape& s, const std::vector<do
 // dK and dV in float32.
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
-  void* mask = nullptr;     // (B, 1, Lq, Lk): bool or float32
+  void* mask = nullptr;     // (B, 1, Lq, Lk): bool, float32 or (Shape::mask_elem) T
   float* d_mask = nullptr;  // with mask_grad: (B, 1, Lq, Lk), the mask's gradient (zero-filled)
   float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   float *row_scale = nullptr, *length_factor = nullptr;
@@ -365,7 +378,7 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
   const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
   const int64_t mask = s.batch * s.q_len * s.kv_len *
                        (s.mask == MaskKind::kBool       ? 1
-                        : s.mask == MaskKind::kAdditive ? 4
+                        : s.mask == MaskKind::kAdditive ? (s.mask_elem == MaskElem::kAcc ? 4 : 2)
                                                         : 0);
   const int64_t d_mask = s.mask_grad ? s.batch * s.q_len * s.kv_len * 4 : 0;
   return {{slot(b.mask), mask},
@@ -404,7 +417,13 @@ template <typename T, typename Copy>
 void fill_inputs(const Shape& s, const Buffers& b, const Inputs<T>& in, Copy&& copy) {
   copy(b.q, in.q), copy(b.k, in.k), copy(b.v, in.v), copy(b.dout, in.dout);
   if (s.mask == MaskKind::kBool) copy(b.mask, in.mask_bool);
-  if (s.mask == MaskKind::kAdditive) copy(b.mask, in.mask_add);
+  if (s.mask == MaskKind::kAdditive) {
+    if (s.mask_elem == MaskElem::kAcc) {
+      copy(b.mask, in.mask_add);
+    } else {
+      copy(b.mask, in.mask_add_t);
+    }
+  }
   if (s.stat_grads)
     copy(b.g_lse, in.g_lse), copy(b.g_entropy, in.g_entropy), copy(b.g_sum_p2, in.g_sum_p2);
 }
@@ -420,6 +439,7 @@ inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b)
   a.pattern.right = s.causal ? 0 : -1;  // (attention_options.h: key_pattern)
   if (s.mask != MaskKind::kNone) {      // (B, H, Lq, Lk) with a head stride of 0
     a.mask.kind = s.mask, a.mask.data = b.mask;
+    a.mask.elem = s.mask == MaskKind::kAdditive ? s.mask_elem : MaskElem::kAcc;
     a.mask.sb = s.q_len * s.kv_len, a.mask.sh = 0, a.mask.si = s.kv_len, a.mask.sj = 1;
   }
 }

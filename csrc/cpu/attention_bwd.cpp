@@ -584,7 +584,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.dq = RawOperand::output(dq);
     a.dk = RawOperand::output(dk), a.dv = RawOperand::output(dv);
     a.dkt = opt_strided(dkt), a.dvt = opt_strided(dvt);
-    a.mask = make_mask_arg<scalar_t>(call.mask);
+    a.mask = make_cpu_mask_arg<scalar_t>(call.mask);
     a.pattern = call.key_pattern();
     a.softcap = call.options.logit_softcap<scalar_t>();
     a.dropout = call.dropout<scalar_t>();

@@ -27,6 +27,7 @@ namespace ec = entropy_attn::cuda;
 namespace eh = entropy_attn::harness;
 namespace sb = entropy_attn::cuda::sm80::bwd;
 namespace sf = entropy_attn::cuda::sm80::fwd_impl;
+using entropy_attn::MaskElem;
 using entropy_attn::MaskKind;
 
 template <typename T, int kD, bool kCompact>

@@ -24,6 +24,7 @@ namespace ec = entropy_attn::cuda;
 namespace eh = entropy_attn::harness;
 namespace s9f = entropy_attn::cuda::sm90::fwd_impl;
 namespace s9b = entropy_attn::cuda::sm90::bwd_impl;
+using entropy_attn::MaskElem;
 using entropy_attn::MaskKind;
 
 // An emulated launch of a Hopper kernel: 384 threads, the kernel's shared memory (whose offsets

@@ -114,7 +114,10 @@ struct Case {
   MaskType mask = MaskType::kNone;
   bool masked_rows = false;      // some rows (or a batch for kBoolKeys/kAdditiveKeys) fully masked
   bool mask_transposed = false;  // the mask as a transposed view (strides of Lq and Lk swapped)
-  bool scale_tensor = false;     // a (B, H, 1) scale tensor
+  // A 16-bit additive mask read by the kernels in its dtype, as the call preparation keeps it on a
+  // GPU (attention_inputs.h: keeps_mask_dtype; a CPU call, as here, converts it to float32).
+  bool mask_keeps_dtype = false;
+  bool scale_tensor = false;  // a (B, H, 1) scale tensor
   std::optional<double> scale_factor;
   const char* mode = "fixed";
   double log_base = 16, temperature = 1;
@@ -506,13 +509,22 @@ entropy_attn::AttentionCall prepared_call(const Case& c, const Inputs& in) {
                                          documents(in), options(c));
 }
 
+// The case's 16-bit additive mask expanded in its own dtype (Case::mask_keeps_dtype).
+at::Tensor kept_mask(const Inputs& in, const entropy_attn::AttentionShape& shape,
+                     at::ScalarType acc) {
+  const at::Tensor m = entropy_attn::expand_mask(*in.mask, shape, acc, /*keep_dtype=*/true);
+  EXPECT_EQ(m.scalar_type(), in.mask->scalar_type());
+  return m;
+}
+
 template <typename T>
 void run_case_typed(const Case& c, bool backward) {
   using Acc = ec::AccType<T>;
   const Inputs in = make_inputs(c);
   const Tolerances tol = tolerances(c.dtype);
 
-  const entropy_attn::AttentionCall call = prepared_call(c, in);
+  entropy_attn::AttentionCall call = prepared_call(c, in);
+  if (c.mask_keeps_dtype) call.mask = kept_mask(in, call.shape, call.acc);
   const ec::ForwardCall fwd(in.q, in.k, in.v, call);
   launch_forward<T>(fwd.params<Acc>());
   if (::testing::Test::HasFatalFailure()) return;
@@ -550,10 +562,11 @@ void run_case_typed(const Case& c, bool backward) {
   }
   if (!backward) return;
 
-  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+  entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2), in.q,
       in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, documents(in),
       options(c), /*grad_mask=*/additive_mask(in), /*grad_scale=*/true);
+  if (c.mask_keeps_dtype) bcall.mask = kept_mask(in, bcall.shape, bcall.acc);
   ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
   bwd.allocate(ec::Family::kFallback);
   launch_backward<T>(bwd.params<Acc>(), c.smem_optin);
@@ -694,6 +707,15 @@ std::vector<Case> attention_cases() {
   c = mk("f16_d256_dv40_17x33", kHalf, 17, 33, 256, 40), v.push_back(c);
   c = mk("bf16_d64_additive_gqa", kBFloat16, 33, 65, 64), c.mask = MaskType::kAdditive;
   c.masked_rows = true, c.H = 2, c.Hkv = 1, v.push_back(c);
+  // The same masks read as 16-bit entries by the kernels (MaskElem), -inf, masked rows, a
+  // transposed view (a key stride of Lq) and one shared by a batch's rows included.
+  c = mk("bf16_d64_additive_in_bf16", kBFloat16, 33, 65, 64), c.mask = MaskType::kAdditive;
+  c.masked_rows = true, c.H = 2, c.Hkv = 1, c.mask_keeps_dtype = true, v.push_back(c);
+  c = mk("f16_d128_additive_qk_transposed_in_f16", kHalf, 33, 17, 128), c.causal = true;
+  c.mask = MaskType::kAdditiveQK, c.mask_transposed = true, c.mode = "logn";
+  c.mask_keeps_dtype = true, v.push_back(c);
+  c = mk("f16_d40_additive_keys_in_f16", kHalf, 31, 47, 40), c.mask = MaskType::kAdditiveKeys;
+  c.masked_rows = true, c.B = 2, c.mask_keeps_dtype = true, v.push_back(c);
   c = mk("bf16_d128_causal_noncontig", kBFloat16, 33, 17, 100), c.causal = true;
   c.noncontig = true, v.push_back(c);
   c = mk("bf16_d256_scale_tensor", kBFloat16, 17, 33, 256), c.scale_tensor = true;

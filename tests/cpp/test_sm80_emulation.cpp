@@ -51,6 +51,21 @@ TEST(EmulatedSm80Forward, CausalAndMasked) {
       eh::Shape{1, 2, 2, 100, 100, 64, true, true, false, MaskKind::kAdditive});
 }
 
+TEST(EmulatedSm80Forward, AdditiveMaskInTheInputsType) {
+  // A bf16 or fp16 bias read as it is (kernel_args.h: MaskElem): an odd key count puts every
+  // other row's entries at the second half of their 4-byte words (mask_words.cuh's selectors),
+  // in the 64 x 64 tiles of a masked D = 128 kernel and the 128 x 64 ones at D = 64.
+  eh::Shape s{1, 2, 2, 90, 101, 128, true, true, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, true>(s);
+  s = eh::Shape{2, 2, 1, 140, 133, 64, false, false, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kFloat16;
+  run_forward<__half, 64, true, MaskKind::kAdditive, false>(s);
+  s = eh::Shape{1, 2, 2, 70, 99, 256, true, false, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, true>(s);
+}
+
 TEST(EmulatedSm80Forward, SplitKv) {
   // A few query rows against many keys in 3 parts (one of them over a partial block), combined
   // (the second into an output in (B, Lq, H, D) memory).
@@ -152,6 +167,19 @@ TEST(EmulatedSm80Backward, AdditiveMaskGradient) {
       eh::Shape{1, 2, 2, 50, 70, 256, false, false, true, MaskKind::kAdditive, false, true});
   run_case<__half, 64, false, true, MaskKind::kAdditive>(
       eh::Shape{1, 4, 2, 100, 70, 64, false, true, true, MaskKind::kAdditive, false, true}, true);
+}
+
+TEST(EmulatedSm80Backward, AdditiveMaskInTheInputsType) {
+  // The mask read from global memory as 16-bit entries (an odd key count: rows at both halves of
+  // a word), with its gradient: full tiles, the compact ones, and the deterministic dq kernel.
+  eh::Shape s{1, 4, 2, 70, 101, 128, true, true, true, MaskKind::kAdditive, false, true};
+  s.mask_elem = MaskElem::kFloat16;
+  run_case<__half, 128, false, true, MaskKind::kAdditive>(s);
+  s.mask_elem = MaskElem::kBFloat16;
+  run_case<__nv_bfloat16, 128, true, true, MaskKind::kAdditive>(s);
+  s = eh::Shape{2, 2, 2, 90, 77, 64, false, false, true, MaskKind::kAdditive, true, true};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_case<__nv_bfloat16, 64, false, true, MaskKind::kAdditive>(s, true);
 }
 
 TEST(EmulatedSm80Backward, CompactOnlyWhereTheFullTilesDoNotFit) {

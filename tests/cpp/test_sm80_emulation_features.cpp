@@ -40,14 +40,17 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // with the mask's sizes, seen as (B, H, Lq, Lk) with stride 0 along the dims it broadcasts along)
 // and the family's masked backward, against the CPU op's backward of the same call: 2 batches,
 // 4 query heads over 2 key/value heads, logn row scales, the gradients of lse and the entropy,
-// `hidden` of the entries -inf. The mask in the inputs' dtype, as a model's learned bias is.
+// `hidden` of the entries -inf. The mask in the inputs' dtype, as a model's learned bias is; with
+// keep_dtype the kernels read it so, as the op's call preparation keeps it on a GPU
+// (attention_inputs.h: keeps_mask_dtype; on the CPU it becomes float32), and the forward is
+// emulated too.
 template <typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
-                   double hidden = 0.2) {
+                   double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(23);
   const auto opt = at::TensorOptions().dtype(dtype);
-  const int64_t lq = 100, lk = 130;
+  const int64_t lq = 100;
   const at::Tensor q = at::randn({2, 4, lq, kD}, opt), k = at::randn({2, 2, lk, kD}, opt),
                    v = at::randn({2, 2, lk, kD}, opt), dout = at::randn({2, 4, lq, kD}, opt);
   const at::Tensor mask =
@@ -62,9 +65,26 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
       entropy_attn::attention(q, k, v, mask, std::nullopt, causal, std::nullopt, "logn", 1.0, 64.0,
                               true, true, window, "top_left", 0.0, std::nullopt, dropout_p, seed);
 
-  const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+  const double tol = eh::tolerance<T>().grad;
+  using emulated_features::rel_norm;
+  if (keep_dtype) {
+    entropy_attn::AttentionCall call =
+        entropy_attn::prepare_attention(q, k, v, mask, std::nullopt, std::nullopt, {}, o);
+    call.mask = entropy_attn::expand_mask(mask, call.shape, call.acc, /*keep_dtype=*/true);
+    const ec::ForwardCall fwd(q, k, v, call);
+    launch_forward<T, kD, true, MaskKind::kAdditive, true>(fwd.params<float>());
+    EXPECT_LT(rel_norm(std::get<0>(fwd.outputs), r.output), tol) << "output";
+    EXPECT_LT(rel_norm(std::get<1>(fwd.outputs), r.lse), eh::tolerance<T>().rtol) << "lse";
+    EXPECT_LT(rel_norm(std::get<2>(fwd.outputs), r.entropy), eh::tolerance<T>().rtol) << "entropy";
+    EXPECT_TRUE(at::equal(std::get<5>(fwd.outputs), r.n_keys)) << "n_keys";
+  }
+  entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
       r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true, /*grad_scale=*/true);
+  if (keep_dtype) {
+    ASSERT_EQ(bcall.mask->scalar_type(), at::kFloat) << "a CPU call converts the mask";
+    bcall.mask = entropy_attn::expand_mask(mask, bcall.shape, bcall.acc, /*keep_dtype=*/true);
+  }
   ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
   bwd.allocate(ec::Family::kSm80);
   launch_backward<T, kD, false, true, MaskKind::kAdditive>(bwd.params<float>());
@@ -73,8 +93,6 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
   const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
       dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
       r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);
-  const double tol = eh::tolerance<T>().grad;
-  using emulated_features::rel_norm;
   EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol) << "grad_query";
   EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol) << "grad_key";
   EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol) << "grad_value";
@@ -100,6 +118,16 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
   run_mask_grad<__half, 64>({2, 4, 100, 1}, true, 0, /*hidden=*/0);
   run_mask_grad<__half, 64>({2, 4, 100, 130}, false);
   run_mask_grad<__nv_bfloat16, 128>({2, 1, 100, 130}, true, 0.2);
+}
+
+TEST(EmulatedSm80Features, AdditiveMaskInTheInputsType) {
+  // The same masks read by the kernels in the inputs' 16-bit type (forward and backward): the
+  // strides of each layout (0 where the mask broadcasts), odd key counts putting entries at
+  // either half of their 4-byte words, dropout.
+  run_mask_grad<__nv_bfloat16, 128>({1, 4, 100, 131}, true, 0, 0.2, true, 131);
+  run_mask_grad<__half, 64>({2, 1, 1, 131}, false, 0, 0.2, true, 131);
+  run_mask_grad<__half, 128>({2, 4, 100, 1}, true, 0, /*hidden=*/0, true, 131);
+  run_mask_grad<__nv_bfloat16, 64>({2, 4, 100, 131}, false, 0.2, 0.2, true, 131);
 }
 
 TEST(EmulatedSm80Features, WindowsAndAlignment) {

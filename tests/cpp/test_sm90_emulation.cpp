@@ -121,6 +121,17 @@ TEST(EmulatedSm90Forward, Masked) {
       eh::Shape{1, 2, 2, 140, 140, 64, true, true, false, MaskKind::kAdditive});
 }
 
+TEST(EmulatedSm90Forward, AdditiveMaskInTheInputsType) {
+  // A bf16 or fp16 bias read as it is (kernel_args.h: MaskElem), its entries picked out of the
+  // tile's words (mask_words.cuh): an odd key count puts every other row at a word's second half.
+  eh::Shape s{1, 2, 1, 90, 251, 128, false, true, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_forward<__nv_bfloat16, 128, true, MaskKind::kAdditive, true>(s);
+  s = eh::Shape{1, 2, 2, 140, 141, 64, true, true, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kFloat16;
+  run_forward<__half, 64, true, MaskKind::kAdditive, false>(s);
+}
+
 TEST(EmulatedSm90Backward, D64) {
   // One 64 x 64 slice per warpgroup (BwdTraits::slices), GQA, causal, the statistics'
   // gradients, the gradients in (B, L, H, D) memory; and full attention with logn over two key
@@ -309,6 +320,16 @@ TEST(EmulatedSm90Backward, Masked) {
       eh::Shape{1, 2, 1, 70, 150, 128, false, false, true, MaskKind::kBool});
   run_backward<__half, 64, true, MaskKind::kAdditive>(
       eh::Shape{1, 2, 2, 80, 80, 64, true, true, true, MaskKind::kAdditive});
+}
+
+TEST(EmulatedSm90Backward, AdditiveMaskInTheInputsType) {
+  // The mask's 16-bit entries from global memory (odd key counts: rows at either half of a word).
+  eh::Shape s{1, 2, 2, 80, 81, 64, true, true, true, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kFloat16;
+  run_backward<__half, 64, true, MaskKind::kAdditive>(s);
+  s = eh::Shape{1, 2, 1, 70, 151, 128, false, true, true, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kAdditive>(s);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ using namespace cute;
 // 16 each, G 64; 209 KB of shared memory, which an H100 has and an A100 has not (launch.h).
 template <typename T, int kHeadDim_, bool kCompact_ = false, typename Ops_ = Sm80Ops>
 struct BwdTraits {
+  using Input = T;  // __nv_bfloat16 or __half (a 16-bit additive mask's type too)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   using Ops = Ops_;
   using CpAsync4 = typename Ops::CpAsync4;
@@ -250,8 +251,9 @@ struct TileSpot {
   int q_len, kv_len;
   KeyPattern pattern;  // the keys each row sees (kCausal instantiations)
   bool edge;  // some element needs a per-element check (a row's range, mask, or a partial block)
-  const void* mask;  // mask element (b, h, i0, j0), or null without a mask
-  int64_t msi, msj;  // mask strides of a row and a key (0 for broadcast)
+  const void* mask;    // mask element (b, h, i0, j0), or null without a mask
+  MaskElem mask_elem;  // an additive mask's entry type
+  int64_t msi, msj;    // mask strides of a row and a key (0 for broadcast)
 };
 
 template <bool kCausal, MaskKind kMask, typename Kt>
@@ -268,13 +270,15 @@ CUTE_DEVICE TileSpot tile_spot(const BwdParams<float>& p, int b, int h, int i0, 
   t.edge = kMask != MaskKind::kNone || tile_needs_predicate<kCausal>(p.pattern, i0, j0, Kt::kBlockM,
                                                                      Kt::kBlockN, q_len, kv_len);
   t.mask = nullptr;
+  t.mask_elem = p.mask.elem;
   t.msi = p.mask.si;
   t.msj = p.mask.sj;
   if constexpr (kMask != MaskKind::kNone) {
     const int64_t off = p.mask.row_offset(b, h, i0) + j0 * p.mask.sj;
-    t.mask = kMask == MaskKind::kBool
-                 ? static_cast<const void*>(p.mask.bool_bytes() + off)
-                 : static_cast<const void*>(static_cast<const float*>(p.mask.data) + off);
+    t.mask = kMask == MaskKind::kBool ? static_cast<const void*>(p.mask.bool_bytes() + off)
+             : p.mask.elem != MaskElem::kAcc
+                 ? static_cast<const void*>(p.mask.additive_bits() + off)
+                 : static_cast<const void*>(p.mask.additive_data() + off);
   }
   return t;
 }
@@ -369,7 +373,7 @@ CUTE_DEVICE void scores_to_probs(Acc& acc, Probs& probs, Coord const& coord, con
           if (static_cast<const uint8_t*>(t.mask)[off] != 0) s = lam * x;
         } else if constexpr (kMask == MaskKind::kAdditive) {
           // -inf hides the key whatever its score (a NaN key must not give NaN + -inf = NaN).
-          const float m = static_cast<const float*>(t.mask)[off];
+          const float m = load_additive_mask<typename Kt::Input>(t.mask, t.mask_elem, off);
           if (m != kNegInf) s = fmaf(lam, x, m);
         } else {
           s = lam * x;

@@ -87,6 +87,7 @@ using namespace cute;
 // Ops: the instructions (ops.cuh).
 template <typename T, int kHeadDim_, MaskKind kMask, bool kStats, typename Ops_ = Sm80Ops>
 struct FwdTraits {
+  using Input = T;  // __nv_bfloat16 or __half (a 16-bit additive mask's type too)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   using Ops = Ops_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -556,10 +557,13 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
       // The byte selectors of the thread's first two columns serve all its columns
       // (mask_words.cuh).
       [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
-      if constexpr (kMask == MaskKind::kBool) {
+      if constexpr (kHasMask) {
         CUTE_UNROLL
         for (int c = 0; c < 2; ++c) {
-          selector[c] = bool_mask_selector(mask, b_k, h, i, j0 + get<1>(tScS_rc(r, c)));
+          const int j = j0 + get<1>(tScS_rc(r, c));
+          selector[c] = kMask == MaskKind::kBool
+                            ? bool_mask_selector(mask, b_k, h, i, j)
+                            : additive_mask_selector<typename Kt::Input>(mask, b_k, h, i, j);
         }
       }
       float mx = kNegInf;
@@ -576,8 +580,9 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
         float y;
         if constexpr (kMask == MaskKind::kAdditive) {
           // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
-          allowed = allowed && __uint_as_float(word) != kNegInf;
-          y = fmaf(s_rc(r, c), scale2, __uint_as_float(word) * kLog2e);
+          const float m = additive_mask_value<typename Kt::Input>(mask, word, selector[c % 2]);
+          allowed = allowed && m != kNegInf;
+          y = fmaf(s_rc(r, c), scale2, m * kLog2e);
         } else {
           y = s_rc(r, c) * scale2;
         }

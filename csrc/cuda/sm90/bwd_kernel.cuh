@@ -641,7 +641,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                       allowed = mask.bool_bytes()[off] != 0;
                     } else {
                       // -inf hides the key whatever its score (NaN + -inf would be NaN).
-                      const float m = mask.additive_data()[off];
+                      const float m = load_additive_mask<T>(mask.data, mask.elem, off);
                       s = m == kNegInf ? m : fmaf(lam[r], x, m);
                     }
                   }

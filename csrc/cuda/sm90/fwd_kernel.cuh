@@ -589,10 +589,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         // The byte selectors of the thread's first two columns serve all its columns
         // (mask_words.cuh).
         [[maybe_unused]] uint32_t selector[2] = {0u, 0u};
-        if constexpr (kMask == MaskKind::kBool) {
+        if constexpr (kHasMask) {
           CUTE_UNROLL
           for (int c = 0; c < 2; ++c) {
-            selector[c] = bool_mask_selector(mask, b, h, i, j0 + get<1>(cS_rc(r, c)));
+            const int j = j0 + get<1>(cS_rc(r, c));
+            selector[c] = kMask == MaskKind::kBool ? bool_mask_selector(mask, b, h, i, j)
+                                                   : additive_mask_selector<T>(mask, b, h, i, j);
           }
         }
         CUTE_UNROLL
@@ -609,8 +611,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           float y;
           if constexpr (kMask == MaskKind::kAdditive) {
             // -inf hides the key whatever its score: a NaN key must not give NaN + -inf = NaN.
-            allowed = allowed && __uint_as_float(word) != kNegInf;
-            y = fmaf(s_rc(r, c), scale2[r], __uint_as_float(word) * kLog2e);
+            const float m = additive_mask_value<T>(mask, word, selector[c % 2]);
+            allowed = allowed && m != kNegInf;
+            y = fmaf(s_rc(r, c), scale2[r], m * kLog2e);
           } else {
             y = s_rc(r, c) * scale2[r];
           }

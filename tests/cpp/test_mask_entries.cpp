@@ -1,0 +1,99 @@
+// The entries of a mask as the kernels read them (kernel_args.h: MaskArg): a 16-bit additive mask
+// (MaskElem), which the CUDA kernels read in the inputs' own type instead of a float32 copy, must
+// give every entry the value of that copy. Checked here on the host, where the fallback's and the
+// CPU emulation's reads run the same functions: every bf16 and fp16 bit pattern against c10's
+// conversion, and n_i's count and the logits of a mask in each storage type against the float32
+// one. And the call preparation's rule (attention_inputs.h: keeps_mask_dtype, expand_mask).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "attention_inputs.h"
+#include "kernel_args.h"
+
+namespace {
+
+using entropy_attn::MaskArg;
+using entropy_attn::MaskElem;
+using entropy_attn::MaskKind;
+
+// Equal as values, NaN equal to NaN (and -0 distinct from +0: the bits must carry the sign).
+void expect_same_float(float got, float want, uint32_t bits) {
+  if (std::isnan(want)) {
+    EXPECT_TRUE(std::isnan(got)) << "bits " << bits;
+    return;
+  }
+  EXPECT_EQ(got, want) << "bits " << bits;
+  EXPECT_EQ(std::signbit(got), std::signbit(want)) << "bits " << bits;
+}
+
+TEST(MaskEntries, EveryBFloat16AndHalfConvertsExactly) {
+  for (uint32_t bits = 0; bits <= 0xffffu; ++bits) {
+    const auto h = static_cast<uint16_t>(bits);
+    expect_same_float(entropy_attn::bfloat16_bits_to_float(h),
+                      static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits())), bits);
+    expect_same_float(entropy_attn::half_bits_to_float(h),
+                      static_cast<float>(c10::Half(h, c10::Half::from_bits())), bits);
+  }
+}
+
+// A (1, 1, 1, n) additive mask of every kind of value (-inf, finfo.min, subnormals, zeros of
+// either sign, +inf, NaN) in `dtype`, viewed as MaskArg<float>, against its float32 copy.
+void check_mask_in(at::ScalarType dtype, MaskElem elem) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const at::Tensor values = at::tensor({-inf, -3.0e38f, -65504.f, -1.5f, -0.f, 0.f, 6.0e-8f,
+                                        1.0e-40f, 0.25f, 7.f, inf, std::nanf("")});
+  const at::Tensor narrow = values.to(dtype), wide = narrow.to(at::kFloat);
+  MaskArg<float> m16, m32;
+  m16.kind = m32.kind = MaskKind::kAdditive;
+  m16.elem = elem;
+  m16.data = narrow.const_data_ptr(), m32.data = wide.const_data_ptr();
+  m16.sj = m32.sj = 1;
+  for (int64_t j = 0; j < values.numel(); ++j) {
+    const float want = wide[j].item<float>();
+    expect_same_float(m16.additive(j), want, static_cast<uint32_t>(j));
+    EXPECT_EQ(m16.counts(0, j), m32.counts(0, j)) << "entry " << j;
+    expect_same_float(m16.logit(0, j, 0.5f), m32.logit(0, j, 0.5f), static_cast<uint32_t>(j));
+  }
+  // A NaN score hidden by -inf stays hidden: -inf, not NaN.
+  EXPECT_EQ(m16.logit(0, 0, std::nanf("")), -inf);
+  EXPECT_FALSE(m16.counts(0, 0)) << "-inf does not count toward n_i";
+}
+
+TEST(MaskEntries, SixteenBitMasksReadAsTheirFloat32Copy) {
+  check_mask_in(at::kBFloat16, MaskElem::kBFloat16);
+  check_mask_in(at::kHalf, MaskElem::kFloat16);
+}
+
+TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
+  const at::Tensor bf16 = at::zeros({2, 3}, at::kBFloat16);
+  // On the CPU (whose kernels read float32 alone) and for other dtypes a mask is converted.
+  EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16, at::kBFloat16));
+  EXPECT_FALSE(entropy_attn::keeps_mask_dtype(at::zeros({2, 3}, at::kFloat), at::kFloat));
+  entropy_attn::AttentionShape s{};
+  s.batch = 1, s.heads = 2, s.q_len = 2, s.kv_len = 3;
+  EXPECT_EQ(entropy_attn::expand_mask(bf16, s, at::kFloat, false).scalar_type(), at::kFloat);
+  // Kept: the same storage, expanded as a view.
+  const at::Tensor kept = entropy_attn::expand_mask(bf16, s, at::kFloat, true);
+  EXPECT_EQ(kept.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(kept.const_data_ptr(), bf16.const_data_ptr());
+  EXPECT_EQ(entropy_attn::make_mask_arg<float>(kept).elem, MaskElem::kBFloat16);
+  EXPECT_EQ(entropy_attn::make_mask_arg<float>(kept.to(at::kHalf)).elem, MaskElem::kFloat16);
+  EXPECT_EQ(entropy_attn::make_mask_arg<float>(kept.to(at::kFloat)).elem, MaskElem::kAcc);
+  // The CPU kernels refuse a 16-bit one (an internal error, never a silent misread).
+  EXPECT_THROW(entropy_attn::make_cpu_mask_arg<float>(kept), c10::Error);
+  if (at::hasCUDA()) {
+    EXPECT_TRUE(entropy_attn::keeps_mask_dtype(bf16.cuda(), at::kBFloat16));
+    EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16.cuda(), at::kHalf));
+    EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16.cuda().to(at::kFloat), at::kBFloat16));
+  }
+}
+
+}  // namespace

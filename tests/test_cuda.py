@@ -1909,14 +1909,16 @@ def test_mask_grad_under_deterministic_algorithms(case: str) -> None:
 
 
 #: Layouts of a 16-bit additive mask: (its shape over B = 2, H = 4, Lq = 150, Lk = 201, how it is
-#: viewed) as a model passes it: a padded batch's mask folded with causality (B, 1, L, L), T5's
-#: per-head bias (1, H, L, L), a per-key offset, and a transposed view with an odd storage offset
-#: (a slice of a larger tensor: key stride Lq, entries at either half of a 4-byte word).
-MASK16_LAYOUTS: Dict[str, Tuple[Tuple[int, ...], str]] = {
-    "batch_causal": ((2, 1, 150, 201), "plain"),
-    "per_head": ((1, 4, 150, 201), "plain"),
-    "per_key": ((2, 1, 1, 201), "plain"),
-    "transposed_odd_offset": ((2, 4, 150, 201), "transposed_slice"),
+#: viewed, whether it is learned) as a model passes it: a padded batch's fixed mask folded with
+#: causality (B, 1, L, L), T5's learned per-head bias (1, H, L, L), a learned per-key offset, and a
+#: fixed transposed view at an odd storage offset (a slice of a larger tensor: a key stride of
+#: Lq + 1, odd, so that a row's entries lie at either half of their 4-byte words, as its start
+#: does). The fixed ones keep the Hopper backward, which leaves learned masks to the sm80 family.
+MASK16_LAYOUTS: Dict[str, Tuple[Tuple[int, ...], str, bool]] = {
+    "batch_causal": ((2, 1, 150, 201), "plain", False),
+    "per_head_learned": ((1, 4, 150, 201), "plain", True),
+    "per_key_learned": ((2, 1, 1, 201), "plain", True),
+    "transposed_odd_offset": ((2, 4, 150, 201), "transposed_slice", False),
 }
 
 
@@ -1926,10 +1928,12 @@ def mask16(shape: Tuple[int, ...], view: str, dtype: torch.dtype) -> Tensor:
     values = (torch.randn(shape, generator=g, dtype=F64) * 0.5).masked_fill(torch.rand(shape, generator=g) < 0.2,
                                                                               -math.inf)
     if view == "transposed_slice":
-        # (B, H, Lk + 1, Lq) storage, sliced at key 1 and transposed: a key stride of Lq, an odd offset.
-        store = torch.zeros(*shape[:2], shape[3] + 1, shape[2], dtype=F64)
-        store[:, :, 1:] = values.transpose(-1, -2)
-        return cuda(store.to(dtype))[:, :, 1:].transpose(-1, -2)
+        # (B, H, Lk, Lq + 1) storage from its element 1 of each row, transposed: strides (.., 1, Lq + 1).
+        store = torch.zeros(*shape[:2], shape[3], shape[2] + 1, dtype=F64)
+        store[..., 1:] = values.transpose(-1, -2)
+        mask = cuda(store.to(dtype))[..., 1:].transpose(-1, -2)
+        assert mask.storage_offset() % 2 == 1 and mask.stride(-1) % 2 == 1
+        return mask
     return cuda(values.to(dtype))
 
 
@@ -1942,9 +1946,10 @@ def test_16bit_mask_read_as_it_is(monkeypatch: pytest.MonkeyPatch, layout: str, 
     """A bf16 or fp16 additive mask of the inputs' dtype reaches the kernels as it is
     (kernel_args.h: MaskElem; no float32 copy of it per call). Every value of either type is a
     float32, so the forward gives bit for bit what the same mask converted to float32 gives, and the
-    gradients (the mask's included, learned) agree within rounding (atomics add them in any order),
-    in every family, for each layout a model passes. (Dry run: the CPU op, which converts both.)"""
-    shape, view = MASK16_LAYOUTS[layout]
+    gradients (a learned mask's included) agree within rounding (atomics add them in any order),
+    in every family, for each layout a model passes, the view's strides kept. (Dry run: the CPU
+    op, which converts both, so it cannot fail there.)"""
+    shape, view, learned = MASK16_LAYOUTS[layout]
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     torch.manual_seed(31)
     q, k, v = (cuda(t) for t in make_qkv(2, 4, 2, 150, 201, head_dim, dtype=dtype))
@@ -1954,14 +1959,18 @@ def test_16bit_mask_read_as_it_is(monkeypatch: pytest.MonkeyPatch, layout: str, 
     go, ge = cuda(randn(2, 4, 150, head_dim).to(dtype)), cuda(randn(2, 4, 150))
     results = []
     for mask in (m16, m16.float()):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, mask)]
+        # (detach, not clone: a clone of the transposed slice would be a plain contiguous tensor)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves.append(mask.detach().requires_grad_(learned))
         out = OP(*leaves, None, **kw)
-        results.append((out, grads_of([out[0], out[2]], [go, ge], leaves)))
+        results.append((out, grads_of([out[0], out[2]], [go, ge], leaves if learned else leaves[:3])))
     (out16, g16), (out32, g32) = results
     for a, b, name in zip(out16, out32, OUT_NAMES):
         assert torch.equal(a, b), f"{family}: {name} differs between the bf16/fp16 mask and its float32 copy"
-    assert g16[3].dtype == dtype and g32[3].dtype == torch.float32
-    for a, b, name in zip(g16, g32, ("dq", "dk", "dv", "dmask")):
+    names = ("dq", "dk", "dv", "dmask") if learned else ("dq", "dk", "dv")
+    if learned:
+        assert g16[3].dtype == dtype and g32[3].dtype == torch.float32
+    for a, b, name in zip(g16, g32, names):
         assert rel_err(a.float(), b.float()) < GRAD_TOL[dtype] / 4, f"{family}: {name}: {rel_err(a.float(), b.float()):.3g}"
 
 

@@ -43,18 +43,28 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // `hidden` of the entries -inf. The mask in the inputs' dtype, as a model's learned bias is; with
 // keep_dtype the kernels read it so, as the op's call preparation keeps it on a GPU
 // (attention_inputs.h: keeps_mask_dtype; on the CPU it becomes float32), and the forward is
-// emulated too.
+// emulated too. transposed: the mask (4-D) a transposed view at an odd storage offset, a slice of
+// (B, H, Lk, Lq + 1) storage from element 1 of each row (strides ..., 1, Lq + 1: odd).
 template <typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
-                   double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130) {
+                   double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
+                   bool transposed = false) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(23);
   const auto opt = at::TensorOptions().dtype(dtype);
   const int64_t lq = 100;
   const at::Tensor q = at::randn({2, 4, lq, kD}, opt), k = at::randn({2, 2, lk, kD}, opt),
                    v = at::randn({2, 2, lk, kD}, opt), dout = at::randn({2, 4, lq, kD}, opt);
-  const at::Tensor mask =
+  at::Tensor mask =
       (at::randn(mask_sizes) * 0.5).masked_fill(at::rand(mask_sizes) < hidden, -INFINITY).to(dtype);
+  if (transposed) {
+    const at::Tensor store =
+        at::zeros({mask.size(0), mask.size(1), mask.size(3), mask.size(2) + 1}, mask.options());
+    store.narrow(3, 1, mask.size(2)).copy_(mask.transpose(2, 3));
+    mask = store.narrow(3, 1, mask.size(2)).transpose(2, 3);
+    ASSERT_EQ(mask.storage_offset() % 2, 1);
+    ASSERT_EQ(mask.stride(3) % 2, 1);
+  }
   const std::optional<at::Tensor> g_lse(at::randn({2, 4, lq})), g_entropy(at::randn({2, 4, lq}));
   const int64_t seed = 0x5eed;
   const std::array<int64_t, 2> window{-1, -1};
@@ -123,11 +133,14 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
 TEST(EmulatedSm80Features, AdditiveMaskInTheInputsType) {
   // The same masks read by the kernels in the inputs' 16-bit type (forward and backward): the
   // strides of each layout (0 where the mask broadcasts), odd key counts putting entries at
-  // either half of their 4-byte words, dropout.
+  // either half of their 4-byte words, dropout; and transposed views.
   run_mask_grad<__nv_bfloat16, 128>({1, 4, 100, 131}, true, 0, 0.2, true, 131);
   run_mask_grad<__half, 64>({2, 1, 1, 131}, false, 0, 0.2, true, 131);
   run_mask_grad<__half, 128>({2, 4, 100, 1}, true, 0, /*hidden=*/0, true, 131);
   run_mask_grad<__nv_bfloat16, 64>({2, 4, 100, 131}, false, 0.2, 0.2, true, 131);
+  // A transposed view: a key stride of 101 (odd), each row's entries at both halves of words.
+  run_mask_grad<__half, 128>({1, 4, 100, 131}, true, 0, 0.2, true, 131, /*transposed=*/true);
+  run_mask_grad<__nv_bfloat16, 64>({2, 4, 100, 131}, false, 0, 0.2, true, 131, true);
 }
 
 TEST(EmulatedSm80Features, WindowsAndAlignment) {

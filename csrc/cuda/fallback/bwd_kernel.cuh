@@ -196,6 +196,7 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
   uint8_t* const sQFlags = sKBad + kBN + 1;
   uint8_t* const sdOBad = sQFlags + 2 * (kBM + 1);
   float* scratch = reinterpret_cast<float*>(smem + L::kScratch);
+  const MaskArg<Acc> mask = mask_for<T>(p.mask);
 
   // A block takes the key tile of one query head, or as a guard those of a whole GQA group.
   const BlockIndex blk =
@@ -288,7 +289,7 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
         Acc y = neg_inf<Acc>(), pw = 0;
         if (j >= sLo[r] && j < sHi[r]) {
           y = p.softcap.apply(sLam[r] * sS[r * L::kLdS + c]);
-          const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+          const Acc s = mask.logit(mask.row_offset(b, h, i0 + r), j, y);
           if (s != neg_inf<Acc>()) {
             pw = std::exp(s - sLse[r]) * dropout_factor(p.dropout, bh, i0 + r, j);
           }
@@ -335,7 +336,7 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
         const Acc y = sS[r * L::kLdS + c];
         Acc ds = 0;
         if (y != neg_inf<Acc>()) {  // within the row's keys: the logit again, from y and the mask
-          const Acc s = p.mask.logit(p.mask.row_offset(b, h, i0 + r), j, y);
+          const Acc s = mask.logit(mask.row_offset(b, h, i0 + r), j, y);
           const Acc x = s - sLse[r];  // the logit relative to lse, the delta's reference
           const Acc pw = s != neg_inf<Acc>() ? std::exp(x) : Acc(0);
           RowGrads<Acc> g;

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../../dropout.h"
+#include "../../kernel_args.h"
 
 namespace entropy_attn::cuda::fallback {
 
@@ -18,6 +19,18 @@ constexpr int kWarps = kThreads / 32;
 
 template <typename T>
 constexpr bool kIs16Bit = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+
+// The mask as the kernels of inputs of type T read it. A 16-bit additive mask reaches only those of
+// 16-bit inputs (attention_inputs.h: keeps_mask_dtype): for float and double the copy says so at
+// compile time, and MaskArg's choice of the storage type (kernel_args.h: MaskArg::additive) folds
+// away where the copy is read (a hint on the parameter itself, __builtin_unreachable, did not
+// reach those reads: the float32 backward kept 167 registers for 144).
+template <typename T, typename Acc>
+__device__ __forceinline__ MaskArg<Acc> mask_for(const MaskArg<Acc>& mask) {
+  MaskArg<Acc> m = mask;
+  if constexpr (!kIs16Bit<T>) m.elem = MaskElem::kAcc;
+  return m;
+}
 
 // Input values to the accumulate type (explicit intrinsics: torch builds with the implicit half
 // conversions disabled).

@@ -99,20 +99,21 @@ __device__ __forceinline__ TileRows<typename L::Acc> tile_rows(unsigned char* sm
 // Row setup of the tile, one warp per row: the row's keys [lo, hi), n_i (a warp-wide count of the
 // mask's allowed keys among them), g(n_i) / temperature, lambda_i (scale_policy.h via ScalePolicy)
 // and the state before the first key (online_stats.h: initial_state, with the head's sink).
-template <typename Acc>
+template <typename T, typename Acc>
 __device__ void setup_rows(const AttentionArgs<Acc>& a, const ScalePolicy<Acc>& scale, int64_t b,
                            int64_t h, int64_t i0, int rows, int tile_height,
                            const TileRows<Acc>& t) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const MaskArg<Acc> mask = mask_for<T>(a.mask);
   for (int r = warp; r < tile_height; r += kWarps) {
     const int64_t i = i0 + r;
     // Padding rows see no key.
     const KeyRange keys = r < rows ? a.pattern.keys(i, a.q_len, a.kv_len) : KeyRange{};
     int64_t n = keys.hi - keys.lo;
-    if (a.mask.kind != MaskKind::kNone && r < rows) {
-      const int64_t off = a.mask.row_offset(b, h, i);
+    if (mask.kind != MaskKind::kNone && r < rows) {
+      const int64_t off = mask.row_offset(b, h, i);
       n = 0;
-      for (int64_t j = keys.lo + lane; j < keys.hi; j += 32) n += a.mask.counts(off, j);
+      for (int64_t j = keys.lo + lane; j < keys.hi; j += 32) n += mask.counts(off, j);
       n = warp_sum(n);
     }
     const Acc factor = scale.factor(n);
@@ -232,7 +233,8 @@ __device__ __forceinline__ void forward_query_tile(const FwdParams<AccType<T>>& 
 
   load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, p.head_dim);
   for (int e = threadIdx.x; e < kBM * kD; e += kThreads) sO[(e / kD) * L::kLdO + e % kD] = Acc(0);
-  setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
+  setup_rows<T>(p, p.scale, b, h, i0, rows, kBM, tr);
+  const MaskArg<Acc> mask = mask_for<T>(p.mask);
   clear_flags<2 * kBN + 1>(sVFlags);
   __syncthreads();
 
@@ -260,7 +262,7 @@ __device__ __forceinline__ void forward_query_tile(const FwdParams<AccType<T>>& 
     for (int slice = 0; slice < kBM / kWarps; ++slice) {
       const int r = warp + slice * kWarps;
       const RowLogits<Acc> logits{
-          p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
+          mask, mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
       softmax_row<kBN>(logits, RowDropout<Acc>{p.dropout, blk.bh, i0 + r}, j0, sS + r * L::kLdS,
                        sP + r * L::kLdP, tr.stats[r], sAlpha[r]);
     }

@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
   const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
   load_tile<kBM, kD>(sQ, L::kLdT, q, p.q.sl, rows, p.head_dim);
-  setup_rows(p, p.scale, b, h, i0, rows, kBM, tr);
+  setup_rows<T>(p, p.scale, b, h, i0, rows, kBM, tr);
+  const MaskArg<Acc> mask = mask_for<T>(p.mask);
   __syncthreads();
 
   // The keys some row of the tile may see, as in the forward.
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = warp; r < rows; r += kWarps) {
       Acc* s = sS + r * L::kLdS;
       const RowLogits<Acc> logits{
-          p.mask, p.mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
+          mask, mask.row_offset(b, h, i0 + r), tr.lo[r], tr.hi[r], tr.lam[r], p.softcap};
       if (p.kind == SparsityKind::kExp) {  // l1 = sum p = l and l2 = sum p^2 = u, relative to m
         softmax_row<kBN>(logits, RowDropout<Acc>{}, j0, s, s, tr.stats[r], sAlpha[r]);
       } else {

@@ -137,10 +137,10 @@ struct FwdTraits {
       decltype(make_tiled_copy(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
                                GmemLayoutAtom{}, Layout<Shape<_1, _8>>{}));
 
-  // The mask tile of a key block, one 32-bit word per score (the float of an additive mask, or
-  // the aligned word that holds a bool), rows padded by 8 words: the reads of the accumulator
-  // layout (8 rows x 4 lanes x 2 adjacent columns per warp, LDS.64) then hit every bank once per
-  // half warp.
+  // The mask tile of a key block, one 32-bit word per score (the float of a float32 additive mask,
+  // or the aligned word that holds a bool or a 16-bit entry), rows padded by 8 words: the reads of
+  // the accumulator layout (8 rows x 4 lanes x 2 adjacent columns per warp, LDS.64) then hit every
+  // bank once per half warp.
   static constexpr int kMaskLd = kBlockN + 8;
 
   // Shared memory, in bytes.
@@ -401,7 +401,8 @@ __global__ void __launch_bounds__(Kt::kThreads, Kt::kMinBlocksPerSm)
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
   const int quad_lane = tid % 4;
 
-  // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
+  // The mask with its kind fixed at compile time, so that MaskArg's accessors drop the other
+  // kinds' branches.
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 

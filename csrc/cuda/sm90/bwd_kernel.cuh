@@ -371,7 +371,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   clear(acc_dk);
   clear(acc_dv);
 
-  // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
+  // The mask with its kind fixed at compile time, so that MaskArg's accessors drop the other
+  // kinds' branches.
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 

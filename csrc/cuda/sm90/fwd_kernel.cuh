@@ -188,9 +188,10 @@ struct FwdTraits {
   using Pipeline = typename Ops::template Pipeline<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
-  // The mask tile of a key block, one 32-bit word per score (the float of an additive mask, or the
-  // aligned word that holds a bool mask's byte). Rows padded by 4 words, so that the 8 rows a
-  // warp's lanes read at once start in different banks: 66 KB at D = 64, 58 KB at D = 128.
+  // The mask tile of a key block, one 32-bit word per score (the float of a float32 additive mask,
+  // or the aligned word that holds a bool mask's byte or a 16-bit entry). Rows padded by 4 words,
+  // so that the 8 rows a warp's lanes read at once start in different banks: 66 KB at D = 64, 58 KB
+  // at D = 128.
   static constexpr bool kHasMask = kMask != MaskKind::kNone;
   static constexpr int kMaskLd = kBlockN + 4;
   static constexpr int kMaskWords = kHasMask ? kBlockM * kMaskLd : 1;
@@ -402,7 +403,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   static_assert(kRows == 2, "a thread holds rows g and g + 8 of its warp's 16");
   const int lane = ctid % 32;
 
-  // The mask with its kind fixed at compile time, so that MaskArg's accessors fold to one load.
+  // The mask with its kind fixed at compile time, so that MaskArg's accessors drop the other
+  // kinds' branches.
   MaskArg<float> mask = p.mask;
   mask.kind = kMask;
 

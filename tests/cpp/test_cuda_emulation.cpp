@@ -1062,10 +1062,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedAttention, ::testing::ValuesIn(attention
 template <typename T>
 void run_sparsity_typed(const Case& c, const std::string& kind) {
   const Inputs in = make_inputs(c);
-  const ec::SparsityCall call(
-      in.q, in.k, entropy_attn::parse_sparsity_kind(kind),
-      entropy_attn::prepare_attention(in.q, in.k, in.k, in.mask, in.scale, std::nullopt,
-                                      documents(in), options(c)));
+  entropy_attn::AttentionCall prepared = entropy_attn::prepare_attention(
+      in.q, in.k, in.k, in.mask, in.scale, std::nullopt, documents(in), options(c));
+  if (c.mask_keeps_dtype) prepared.mask = kept_mask(in, prepared.shape, prepared.acc);
+  const ec::SparsityCall call(in.q, in.k, entropy_attn::parse_sparsity_kind(kind), prepared);
   launch_sparsity<T>(call.params<ec::AccType<T>>());
   if (::testing::Test::HasFatalFailure()) return;
   const double tol = c.dtype == at::kDouble ? 1e-11 : 2e-5;  // float32 accumulation from here on
@@ -1108,6 +1108,13 @@ std::vector<Case> sparsity_cases() {
   c.temperature = 0.5, v.push_back(c);
   c = mk("f16_d256_noncontig", at::kHalf, 17, 33, 256), c.noncontig = true, v.push_back(c);
   c = mk("bf16_d128_causal", at::kBFloat16, 33, 33, 128), c.causal = true, v.push_back(c);
+  // A 16-bit additive mask read as it is (MaskElem), per key with masked rows and transposed.
+  c = mk("bf16_gqa_additive_keys_in_bf16", at::kBFloat16, 17, 33, 64), c.H = 4, c.Hkv = 2;
+  c.mask = MaskType::kAdditiveKeys, c.masked_rows = true, c.mask_keeps_dtype = true;
+  v.push_back(c);
+  c = mk("f16_additive_qk_transposed_in_f16", at::kHalf, 33, 17, 64), c.causal = true;
+  c.mask = MaskType::kAdditiveQK, c.mask_transposed = true, c.mask_keeps_dtype = true;
+  v.push_back(c);
   // Windows, alignments, softcap.
   c = mk("f32_window_br_softcap_logn", at::kFloat, 65, 97, 8), c.window_left = 6;
   c.window_right = 2, c.bottom_right = true, c.softcap = 2, c.scale_factor = 1.5;

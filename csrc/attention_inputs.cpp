@@ -354,9 +354,13 @@ void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask)
                     attn_mask.has_value() ? "a bool mask" : "none");
 }
 
+bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input) {
+  return attn_mask.scalar_type() == input && (input == at::kBFloat16 || input == at::kHalf) &&
+         reinterpret_cast<uintptr_t>(attn_mask.const_data_ptr()) % 2 == 0;
+}
+
 bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input) {
-  return attn_mask.is_cuda() && attn_mask.scalar_type() == input &&
-         (input == at::kBFloat16 || input == at::kHalf);
+  return attn_mask.is_cuda() && mask_entries_read_as_is(attn_mask, input);
 }
 
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,

@@ -77,6 +77,16 @@ TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
   // On the CPU (whose kernels read float32 alone) and for other dtypes a mask is converted.
   EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16, at::kBFloat16));
   EXPECT_FALSE(entropy_attn::keeps_mask_dtype(at::zeros({2, 3}, at::kFloat), at::kFloat));
+  // The entries' part of the rule: the inputs' dtype, 16 bits, 2-byte aligned.
+  EXPECT_TRUE(entropy_attn::mask_entries_read_as_is(bf16, at::kBFloat16));
+  EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(bf16, at::kHalf));
+  EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(bf16.to(at::kFloat), at::kFloat));
+  alignas(4) uint8_t raw[16] = {};
+  const at::Tensor odd = at::from_blob(raw + 1, {2, 3}, at::TensorOptions().dtype(at::kBFloat16));
+  EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(odd, at::kBFloat16))
+      << "a bf16 mask at an odd address (from_blob) is converted, not read in place";
+  EXPECT_TRUE(entropy_attn::mask_entries_read_as_is(
+      at::from_blob(raw + 2, {2, 3}, at::TensorOptions().dtype(at::kBFloat16)), at::kBFloat16));
   entropy_attn::AttentionShape s{};
   s.batch = 1, s.heads = 2, s.q_len = 2, s.kv_len = 3;
   EXPECT_EQ(entropy_attn::expand_mask(bf16, s, at::kFloat, false).scalar_type(), at::kFloat);

@@ -33,7 +33,7 @@
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
 #      additive, into the logs); a learned bias's forward and backward (benchmarks/
-#      learned_bias.py, into the logs); the Nsight Compute profile of the default
+#      learned_bias.py, by default and with the Hopper family forced, into the logs); the Nsight Compute profile of the default
 #      path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed, or when a step of 1-4 ran out of time; a step of 5 that the
@@ -294,14 +294,19 @@ record masks $?
 pack
 # A learned (1, H, L, L) bias that requires grad (T5's relative positions, at T5's head dim 64 and
 # 12 heads): forward and backward against SDPA with the same bias, both checked first. Its backward
-# ran on the fallback kernels until 2026-12-06, now in the sm80 family (its mask's gradient by
-# atomics: the Hopper family routes such calls there), not yet timed. Into the logs
-# (learned_bias/cuda.md and .json).
+# ran on the fallback kernels until 2026-12-06, now in the sm80 family by default (its mask's
+# gradient by atomics), and in the Hopper family when forced (a loss of the output alone:
+# family.h, kHopperMaskGradByDefault, off until timed), neither timed yet: both, into the logs
+# (learned_bias/cuda.md and .json; learned_bias_sm90/).
 note "learned bias"
 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \
   --heads 12 --batch 4 --lengths 1024 4096 --min-run-time 0.2 --out "$LOGS/learned_bias" \
   >"$LOGS/learned_bias.log" 2>&1
 record "learned bias" $?
+ENTROPY_ATTN_CUDA_FAMILY=sm90 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda \
+  --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --min-run-time 0.2 \
+  --out "$LOGS/learned_bias_sm90" >"$LOGS/learned_bias_sm90.log" 2>&1
+record "learned bias (sm90)" $?
 pack
 # The Nsight Compute profile of the default path (bf16, L = 4096, D = 128, causal: the tensor
 # pipe's use and the stall reasons of each kernel, what explains the gap left), into the logs.

@@ -270,8 +270,10 @@ struct OpLaunch {
       l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
     }
-    if (f == Family::kSm90 && s.mask_grad) {
-      l.bwd_skip = "backward: not run (the op runs a mask's gradient in the sm80 family)";
+    if (f == Family::kSm90 && s.mask_grad && s.stat_grads) {
+      l.bwd_skip =
+          "backward: not run (the op runs a mask's gradient beside the statistics' gradients in "
+          "the sm80 family)";
     }
     if (f != Family::kFallback) {
       const RuleShape r{s.batch, s.heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.head_dim};
@@ -611,23 +613,27 @@ int main(int argc, char** argv) {
     for (bool causal : {false, true}) {
       // Against the float64 reference: GQA with partial tiles; Lq != Lk with logn row scales; the
       // statistics' gradients; bool and additive masks (the masked instantiations), the additive
-      // one's gradient, in float32 and in the inputs' type.
+      // one's gradient with the statistics' gradients and without (the Hopper backward writes it
+      // in the latter alone), in float32 and in the inputs' type.
       for (const Shape& s :
            {Shape{2, 4, 2, 200, 200, d, causal, false}, Shape{1, 2, 2, 130, 300, d, causal, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kBool},
             Shape{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive},
             Shape{2, 4, 2, 200, 200, d, causal, false, true, MaskKind::kAdditive, false, true},
+            Shape{2, 4, 2, 200, 200, d, causal, false, false, MaskKind::kAdditive, false, true},
             Shape{2, 4, 2, 200, 200, d, causal, false, false, MaskKind::kNone, true}}) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s, false, checks);
         check_call<__half>(checked, dev, "fp16", s, false, checks);
       }
       // An additive mask in the inputs' own type (a model's bf16 or fp16 bias), with its gradient.
-      Shape s16{1, 2, 2, 130, 300, d, causal, true, true, MaskKind::kAdditive, false, true};
-      s16.mask_elem = MaskElem::kBFloat16;
-      check_call<__nv_bfloat16>(checked, dev, "bf16", s16, false, checks);
-      s16.mask_elem = MaskElem::kFloat16;
-      check_call<__half>(checked, dev, "fp16", s16, false, checks);
+      for (const bool stat_grads : {true, false}) {
+        Shape s16{1, 2, 2, 130, 300, d, causal, true, stat_grads, MaskKind::kAdditive, false, true};
+        s16.mask_elem = MaskElem::kBFloat16;
+        check_call<__nv_bfloat16>(checked, dev, "bf16", s16, false, checks);
+        s16.mask_elem = MaskElem::kFloat16;
+        check_call<__half>(checked, dev, "fp16", s16, false, checks);
+      }
       // Against the fallback: many key and query blocks per row, as the timed calls have.
       check_call<__nv_bfloat16>(checked, dev, "bf16",
                                 Shape{1, 4, 2, 2048, 2048, d, causal, false, true}, true, checks);

@@ -250,12 +250,6 @@ std::string softcap_backward_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// The Hopper backward does not write the logits' gradient (the additive mask's, params.h:
-// d_logits): the sm80 family's and the fallback's do.
-std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
-  return c.call.grad_logits.defined() ? "the additive mask's gradient (grad_mask)" : "";
-}
-
 // The sm80 backward adds the logits' gradient into the mask's entries by atomics (sm80/
 // bwd_kernel.cuh: add_logit_grads): in an unspecified order where logits share an entry (a mask
 // broadcast along some dim), which deterministic algorithms rule out. (The fallback's atomics are
@@ -317,9 +311,24 @@ std::string hopper_forward_obstacle(const ForwardCall& c) {
                          sm90_forward_of(c) != nullptr, hopper_features());
 }
 
+// The Hopper backward writes the logits' gradient (the additive mask's, params.h: d_logits) only
+// in its step without the statistics' gradients (sm90/bwd_kernel.cuh: kLogitGrads); the sm80
+// family's and the fallback's write it beside them too.
+// Off by default until it has run on a GPU (family.h: kHopperMaskGradByDefault).
+std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
+  if (!c.call.grad_logits.defined()) return {};
+  if (c.call.g_entropy.defined() || c.call.g_sum_p2.defined()) {
+    return "the additive mask's gradient (grad_mask) with the statistics' gradients";
+  }
+  if (!hopper_capability(kHopperMaskGradByDefault)) {
+    return "the additive mask's gradient (grad_mask), off by default (kHopperMaskGradByDefault)";
+  }
+  return {};
+}
+
 // The Hopper backward also needs dq by atomics (not deterministic algorithms), no mask gradient
-// (the sm80 family's backward takes those calls), and no softcap or dropout with a mask
-// (sm90/launch.h: backward_covers).
+// beside the statistics' gradients (the sm80 family's backward takes those calls), and no softcap
+// or dropout with a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (std::string why = hopper_mask_grad_obstacle(c); !why.empty()) return why;
   if (at::globalContext().deterministicAlgorithms()) {

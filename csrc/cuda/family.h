@@ -48,6 +48,13 @@ constexpr bool kHopperFeaturesByDefault = true;
 constexpr bool kHopperBulkDqByDefault = true;
 bool hopper_bulk_dq(const AttentionBackwardCall& call);
 
+// Whether "auto" gives the Hopper family the backward of a call that asks for its additive mask's
+// gradient (a learned bias: T5's position bias) without the statistics' gradients
+// (sm90/bwd_kernel.cuh: kLogitGrads). Off until it passes the CUDA tests on a GPU: it passes the
+// CPU emulation (tests/cpp/test_sm90_emulation.cpp: AdditiveMaskGradient); meanwhile the sm80
+// family's backward runs such calls on compute capability 9.0 too.
+constexpr bool kHopperMaskGradByDefault = false;
+
 // Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
 // at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
 // memory per block: an H100, not an A100). On since they passed the CUDA tests on an H200

@@ -128,8 +128,8 @@ struct BwdParams : AttentionArgs<acc_t> {
   bool deterministic = false;
   bool g_scaled = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the
-  // fallback's and the sm80 family's backward add dS into it; the Hopper family's refuses such a
-  // call: sm90/launch.h, backward_covers); else null.
+  // backward kernels add dS into it; the Hopper family's only without the statistics' gradients:
+  // sm90/launch.h, backward_covers); else null.
   LogitGradArg<acc_t> d_logits;
 };
 

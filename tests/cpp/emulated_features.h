@@ -8,7 +8,8 @@
 //   static constexpr ec::Family kFamily;
 //   template <typename T, int kD> static void forward(const ec::FwdParams<float>&);   // general,
 //   template <typename T, int kD> static void backward(const ec::BwdParams<float>&);  // no mask
-// Include after the family's emulation header.
+// and, for run_mask_grad (the additive mask's gradient), masked_forward and masked_backward of
+// the same signatures (general, an additive mask). Include after the family's emulation header.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -182,6 +183,90 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   EXPECT_TRUE(heads_inside_rows(std::get<0>(want))) << layouts[0] << " (fallback)";
   EXPECT_TRUE(heads_inside_rows(std::get<1>(want))) << layouts[1] << " (fallback)";
   EXPECT_TRUE(heads_inside_rows(std::get<2>(want))) << layouts[2] << " (fallback)";
+}
+
+// The additive mask's gradient through the op's own call preparation (grad_mask: an accumulator
+// with the mask's sizes, seen as (B, H, Lq, Lk) with stride 0 along the dims it broadcasts along)
+// and the family's masked backward, against the CPU op's backward of the same call: 2 batches,
+// 4 query heads over 2 key/value heads, logn row scales, the gradients of lse and (entropy_grad)
+// the entropy, `hidden` of the entries -inf. The mask in the inputs' dtype, as a model's learned
+// bias is; with keep_dtype the kernels read it so, as the op's call preparation keeps it on a GPU
+// (attention_inputs.h: keeps_mask_dtype; on the CPU it becomes float32), and the forward is
+// emulated too. transposed: the mask (4-D) a transposed view at an odd storage offset, a slice of
+// (B, H, Lk, Lq + 1) storage from element 1 of each row (strides ..., 1, Lq + 1: odd).
+// The family's masked_forward and masked_backward launch its general instantiations with an
+// additive mask.
+template <typename Family, typename T, int kD>
+void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
+                   double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
+                   bool transposed = false, bool entropy_grad = true) {
+  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
+  at::manual_seed(23);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const int64_t lq = 100;
+  const at::Tensor q = at::randn({2, 4, lq, kD}, opt), k = at::randn({2, 2, lk, kD}, opt),
+                   v = at::randn({2, 2, lk, kD}, opt), dout = at::randn({2, 4, lq, kD}, opt);
+  at::Tensor mask =
+      (at::randn(mask_sizes) * 0.5).masked_fill(at::rand(mask_sizes) < hidden, -INFINITY).to(dtype);
+  if (transposed) {
+    const at::Tensor store =
+        at::zeros({mask.size(0), mask.size(1), mask.size(3), mask.size(2) + 1}, mask.options());
+    store.narrow(3, 1, mask.size(2)).copy_(mask.transpose(2, 3));
+    mask = store.narrow(3, 1, mask.size(2)).transpose(2, 3);
+    ASSERT_EQ(mask.storage_offset() % 2, 1);
+    ASSERT_EQ(mask.stride(3) % 2, 1);
+  }
+  const std::optional<at::Tensor> g_lse(at::randn({2, 4, lq}));
+  const std::optional<at::Tensor> g_entropy =
+      entropy_grad ? std::optional<at::Tensor>(at::randn({2, 4, lq})) : std::nullopt;
+  const int64_t seed = 0x5eed;
+  const std::array<int64_t, 2> window{-1, -1};
+  const entropy_attn::AttentionOptions o = entropy_attn::AttentionOptions::from_schema(
+      causal, std::nullopt, "logn", 1.0, 64.0, /*enable_gqa=*/true, /*return_stats=*/true, window,
+      "top_left", 0.0, dropout_p, seed);
+  const entropy_attn::AttentionResult r =
+      entropy_attn::attention(q, k, v, mask, std::nullopt, causal, std::nullopt, "logn", 1.0, 64.0,
+                              true, true, window, "top_left", 0.0, std::nullopt, dropout_p, seed);
+
+  const double tol = eh::tolerance<T>().grad;
+  if (keep_dtype) {
+    entropy_attn::AttentionCall call =
+        entropy_attn::prepare_attention(q, k, v, mask, std::nullopt, std::nullopt, {}, o);
+    call.mask = entropy_attn::expand_mask(mask, call.shape, call.acc, /*keep_dtype=*/true);
+    const ec::ForwardCall fwd(q, k, v, call);
+    Family::template masked_forward<T, kD>(fwd.params<float>());
+    EXPECT_LT(rel_norm(std::get<0>(fwd.outputs), r.output), tol) << "output";
+    EXPECT_LT(rel_norm(std::get<1>(fwd.outputs), r.lse), eh::tolerance<T>().rtol) << "lse";
+    EXPECT_LT(rel_norm(std::get<2>(fwd.outputs), r.entropy), eh::tolerance<T>().rtol) << "entropy";
+    EXPECT_TRUE(at::equal(std::get<5>(fwd.outputs), r.n_keys)) << "n_keys";
+  }
+  entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+      dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
+      r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true, /*grad_scale=*/true);
+  if (keep_dtype) {
+    ASSERT_EQ(bcall.mask->scalar_type(), at::kFloat) << "a CPU call converts the mask";
+    bcall.mask = entropy_attn::expand_mask(mask, bcall.shape, bcall.acc, /*keep_dtype=*/true);
+  }
+  ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
+  bwd.allocate(Family::kFamily);
+  Family::template masked_backward<T, kD>(bwd.params<float>());
+  const entropy_attn::AttentionGrads got = bwd.finish();
+  const at::Tensor dmask = entropy_attn::mask_grad(mask, bwd.call, q);
+  const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
+      dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
+      r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);
+  EXPECT_LT(rel_norm(std::get<0>(got), std::get<0>(want)), tol) << "grad_query";
+  EXPECT_LT(rel_norm(std::get<1>(got), std::get<1>(want)), tol) << "grad_key";
+  EXPECT_LT(rel_norm(std::get<2>(got), std::get<2>(want)), tol) << "grad_value";
+  EXPECT_LT(rel_norm(std::get<3>(got), std::get<3>(want)), tol) << "grad_row_scale";
+  const at::Tensor& want_dmask = std::get<5>(want);
+  ASSERT_EQ(dmask.sizes(), mask.sizes());
+  EXPECT_EQ(dmask.scalar_type(), dtype);
+  EXPECT_GT(want_dmask.abs().max().item<double>(), 1e-3) << "the case gives the mask a gradient";
+  EXPECT_LT(rel_norm(dmask, want_dmask), tol) << "grad_attn_mask";
+  EXPECT_TRUE(at::equal(dmask.masked_select(at::isneginf(mask)),
+                        at::zeros({at::isneginf(mask).sum().item<int64_t>()}, dmask.options())))
+      << "a hidden key's entry has no gradient";
 }
 
 }  // namespace emulated_features

@@ -91,13 +91,15 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 
 // One backward: the fallback forward's statistics, the Hopper backward (with bulk_dq, dq's partial
 // sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
-// G summed from lambda dS, params.h: g_scaled), and its gradients against the reference.
+// G summed from lambda dS, params.h: g_scaled), and its gradients against the reference (the
+// additive mask's too, with s.mask_grad).
 template <typename T, int kD, bool kCausal, MaskKind kMask>
 void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
-  ASSERT_FALSE(s.mask_grad) << "the op runs a mask's gradient in the sm80 family (family.cpp)";
+  ASSERT_FALSE(s.mask_grad && s.stat_grads)
+      << "a mask's gradient beside the statistics' gradients runs in the sm80 family (launch.h)";
   eh::HostCall<T> c(s, 11);
   ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);

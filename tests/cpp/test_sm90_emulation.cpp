@@ -332,6 +332,42 @@ TEST(EmulatedSm90Backward, AdditiveMaskInTheInputsType) {
   run_backward<__nv_bfloat16, 128, true, MaskKind::kAdditive>(s);
 }
 
+TEST(EmulatedSm90Backward, AdditiveMaskGradient) {
+  // The mask's gradient (bwd_kernel.cuh: kLogitGrads) of a loss of the output alone, summed over
+  // the heads the (B, 1, Lq, Lk) mask is shared by (the query heads of a CTA's GQA group, and the
+  // other CTAs'): causal with logn row scales over two batches (D = 64, one slice), partial key
+  // blocks with gradients in (B, L, H, D) memory (D = 128, two slices), either consumer warpgroup
+  // ahead, without d lambda, and a 16-bit mask (odd key counts: entries at either half of a word).
+  run_backward<__half, 64, true, MaskKind::kAdditive>(
+      eh::Shape{2, 4, 2, 70, 150, 64, true, true, false, MaskKind::kAdditive, false, true});
+  with_either_warpgroup_ahead([] {
+    run_backward<__nv_bfloat16, 128, true, MaskKind::kAdditive>(
+        eh::Shape{1, 4, 2, 90, 200, 128, false, false, false, MaskKind::kAdditive, true, true});
+  });
+  run_backward<__half, 128, true, MaskKind::kAdditive>(
+      eh::Shape{1, 2, 1, 130, 80, 128, true, true, false, MaskKind::kAdditive, false, true}, false,
+      false);
+  eh::Shape s{1, 4, 2, 70, 101, 128, true, true, false, MaskKind::kAdditive, false, true};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kAdditive>(s);
+  s = eh::Shape{2, 2, 2, 90, 77, 64, false, false, false, MaskKind::kAdditive, true, true};
+  s.mask_elem = MaskElem::kFloat16;
+  run_backward<__half, 64, true, MaskKind::kAdditive>(s);
+}
+
+TEST(EmulatedSm90Backward, MaskGradientRefusedWithTheStatisticsGradients) {
+  // The step that keeps the logits has no registers for the mask's gradient (kLogitGrads): the
+  // launcher refuses a call that asks for both, which the selection point gives the sm80 family.
+  const eh::Shape s{1, 2, 1, 70, 150, 128, false, false, true, MaskKind::kAdditive, false, true};
+  eh::HostCall<__nv_bfloat16> c(s, 11);
+  ec::BwdParams<float> p = eh::backward_params(s, c.b, true);
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+  p.g_entropy = p.g_sum_p2 = nullptr;
+  EXPECT_TRUE(ec::sm90::backward_covers(p, 128, true));
+  p.mask.kind = MaskKind::kBool;  // the gradient of an additive mask alone
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The emulation's checks of asynchronous hazards (emulated_sm90_ops.h), on a small kernel: thread 0
 // loads 64-element rows by TMA into the two stages of a pipeline; the 128 threads of warpgroup 1

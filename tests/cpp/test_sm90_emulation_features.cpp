@@ -18,6 +18,7 @@ using namespace sm90_emulation;
 using emulated_features::Feature;
 using emulated_features::run_documents;
 using emulated_features::run_feature;
+using emulated_features::run_mask_grad;
 
 // The Hopper family's general forward and backward (without a mask, which takes any feature).
 struct Sm90 {
@@ -29,6 +30,14 @@ struct Sm90 {
   template <typename T, int kD>
   static void backward(const ec::BwdParams<float>& p) {
     launch_backward<T, kD, true, MaskKind::kNone>(p);
+  }
+  template <typename T, int kD>
+  static void masked_forward(const ec::FwdParams<float>& p) {
+    launch_forward<T, kD, true, MaskKind::kAdditive, true>(p);
+  }
+  template <typename T, int kD>
+  static void masked_backward(const ec::BwdParams<float>& p) {
+    launch_backward<T, kD, true, MaskKind::kAdditive>(p);
   }
 };
 
@@ -101,6 +110,30 @@ TEST(EmulatedSm90Features, PackedDocuments) {
   // Without the entropy's gradient (documents long enough for blocks inside one).
   run_documents<Sm90, __nv_bfloat16, 128>({0, 200, 210, 260}, {0, 200, 210, 260}, true, {-1, 0},
                                           /*entropy_grad=*/false);
+}
+
+// The additive mask's gradient (sm90/bwd_kernel.cuh: kLogitGrads) through the op's own call
+// preparation, against the CPU op (emulated_features.h: run_mask_grad), for a loss of the output
+// and lse (the Hopper backward writes it without the statistics' gradients; dropout with a mask
+// goes to the sm80 family): the mask shapes of real models, per head (T5's relative positions,
+// causal), shared by the batch and heads, per key, per row (none hidden), the call's full shape;
+// and read in the inputs' 16-bit type (an odd key count, the forward emulated too), one a
+// transposed view at an odd storage offset.
+TEST(EmulatedSm90Features, AdditiveMaskGradient) {
+  constexpr bool kNoEntropyGrad = false;
+  run_mask_grad<Sm90, __nv_bfloat16, 128>({1, 4, 100, 130}, true, 0, 0.2, false, 130, false,
+                                          kNoEntropyGrad);
+  run_mask_grad<Sm90, __nv_bfloat16, 128>({100, 130}, false, 0, 0.2, false, 130, false,
+                                          kNoEntropyGrad);
+  run_mask_grad<Sm90, __half, 64>({2, 1, 1, 130}, false, 0, 0.2, false, 130, false, kNoEntropyGrad);
+  run_mask_grad<Sm90, __half, 64>({2, 4, 100, 1}, true, 0, /*hidden=*/0, false, 130, false,
+                                  kNoEntropyGrad);
+  run_mask_grad<Sm90, __half, 64>({2, 4, 100, 130}, false, 0, 0.2, false, 130, false,
+                                  kNoEntropyGrad);
+  run_mask_grad<Sm90, __nv_bfloat16, 64>({1, 4, 100, 131}, true, 0, 0.2, true, 131, false,
+                                         kNoEntropyGrad);
+  run_mask_grad<Sm90, __half, 128>({1, 4, 100, 131}, true, 0, 0.2, true, 131, /*transposed=*/true,
+                                   kNoEntropyGrad);
 }
 
 // dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes in the calls

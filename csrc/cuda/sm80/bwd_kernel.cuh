@@ -41,6 +41,7 @@
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
 #include "../launch_order.h"
+#include "../logit_grads.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "launch.h"
@@ -430,29 +431,6 @@ CUTE_DEVICE void probs_to_dlogits(AccS const& acc_s, AccDP& acc_dp, Coord const&
       const float ds = kGrads ? logit_grad(pr, dp, s, delta, g) * cap_grad
                               : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
       acc_dp(mi, ni) = pr != 0.f ? ds : 0.f;
-    }
-  }
-}
-
-// The additive mask's gradient (params.h: d_logits): the tile's dS_ij (rowcol view, fp32, before
-// its rounding to T for the products) added into the mask entry of each logit. Logits share an
-// entry where the mask broadcasts (the query heads of the GQA group this CTA walks, the other
-// heads' and batches' CTAs, a row's keys or a key's rows): fp32 atomics onto the zero-filled
-// accumulator, as the fallback adds them. Nothing is added for keys >= Lk or rows >= Lq, nor for
-// dS = 0 (a hidden or underflowed weight), which adds nothing.
-template <typename DS, typename Coord>
-CUTE_DEVICE void add_logit_grads(const LogitGradArg<float>& g, int b, int h, int i0, int j0,
-                                 int q_len, int kv_len, DS const& ds, Coord const& coord) {
-  float* tile = g.at(b, h, i0, j0);
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(ds); ++mi) {
-    const int r = get<0>(coord(mi, 0));
-    if (i0 + r >= q_len) continue;
-    float* row = tile + r * g.si;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(ds); ++ni) {
-      const int c = get<1>(coord(mi, ni));
-      if (j0 + c < kv_len && ds(mi, ni) != 0.f) atomicAdd(row + c * g.sj, ds(mi, ni));
     }
   }
 }

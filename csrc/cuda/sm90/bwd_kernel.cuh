@@ -33,7 +33,9 @@
 //                                    keys are that slice) and slice 1's for warpgroup 1 (the
 //                                    masked kernels: both slice 1's);
 //       dS = logit_grad(p, dP, s, delta_i, g_i)   (online_stats.h), 0 where p = 0 (a select
-//                                    that blocks off every edge skip: kEveryKey);
+//                                    that blocks off every edge skip: kEveryKey); with an
+//                                    additive mask whose gradient is asked for (no statistics'
+//                                    gradients: kLogitGrads), added into it by atomics;
 //       lambda_i dS, and dS unless g_scaled (below), to shared memory (T), then, after a
 //       barrier of the two warpgroups (lambda_i dS alone: scaled_logit_grad, in one FFMA and
 //       an FMUL per entry),
@@ -97,6 +99,7 @@
 #include "../cute_utils.cuh"
 #include "../key_ranges.cuh"
 #include "../launch_order.h"
+#include "../logit_grads.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
 #include "launch.h"
@@ -738,6 +741,16 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // and there dP = inf (an infinite value) leaves the row's output no finite value either, so
       // the loop drops the select (a compare and an FSEL per entry) that keeps dS = 0 where p = 0.
       // (Where the checks have a branch of their own: kSplitChecks.)
+      //
+      // kLogitGrads: the additive mask's gradient (params.h: d_logits; dS is the gradient of the
+      // logit s = lambda_i x + mask_ij, hence of its mask entry). The dS step leaves each fp32 dS
+      // in the S register that held its p, which nothing reads again, and the slice's dS are added
+      // into the mask's entries by atomics after the step (logit_grads.cuh, the sm80 family's
+      // helper). Not with kGrads, whose step keeps s in those registers and the statistics'
+      // gradients beside them: there the atomics spilled 20 bytes at D = 128 (in the loop or
+      // after it), so a call that asks for both goes to the sm80 family (launch.h:
+      // backward_covers).
+      constexpr bool kLogitGrads = kMask == MaskKind::kAdditive && !kGrads;
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));
@@ -789,6 +802,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                               : kGrads    ? logit_grad(pr, dp, s, delta, g) * cap_grad
                                           : logit_grad(pr, dp, delta);  // (an FFMA less per entry)
               ds[e] = kEveryKey || pr != 0.f ? d : 0.f;
+              if constexpr (kLogitGrads) s_rc(r, c + e) = ds[e];  // p's place: read above
             }
             if constexpr (kBoth) {
               Ops::store_shared(
@@ -814,6 +828,11 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
         ds_steps(std::false_type{});
       } else {
         ds_steps(std::true_type{});
+      }
+      if constexpr (kLogitGrads) {
+        if (p.d_logits.data != nullptr) {
+          add_logit_grads(p.d_logits, b, h, i0, jh, q_len, kv_len, s_rc, cS_rc);
+        }
       }
     }
     // The generic-proxy stores made visible to wgmma (async proxy), then to both warpgroups.

@@ -108,11 +108,15 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
 // bwd_kernel.cuh), a dq_accum laid out for the one it is given, dout that TMA can describe, no
 // softcap or dropout with a mask
 // (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive mask
-// shifts; the masked kernels have no registers for the cap's derivative or for dropout), and no
-// additive mask's gradient (d_logits: the sm80 family's backward writes it).
+// shifts; the masked kernels have no registers for the cap's derivative or for dropout), and an
+// additive mask's gradient (d_logits) only without the statistics' gradients (bwd_kernel.cuh:
+// kLogitGrads; the sm80 family's backward writes it beside them).
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
-  return covers(p, head_dim, causal) && !p.deterministic && dq_layout_ok(p) &&
-         p.d_logits.data == nullptr && !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
+  const bool logit_grads_ok =
+      p.d_logits.data == nullptr ||
+      (p.mask.kind == MaskKind::kAdditive && p.g_entropy == nullptr && p.g_sum_p2 == nullptr);
+  return covers(p, head_dim, causal) && !p.deterministic && dq_layout_ok(p) && logit_grads_ok &&
+         !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }

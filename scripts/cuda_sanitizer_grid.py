@@ -39,8 +39,9 @@ VARIANTS: list[tuple[str, dict, str]] = [
     ("causal", {"is_causal": True}, "off"),
     ("bool_mask", {"mask": "bool"}, "off"),
     ("additive_mask", {"mask": "additive"}, "off"),
-    # A learned bias: the additive mask requires grad (the sm80 backward's atomics into its gradient,
-    # which the Hopper family leaves to it).
+    # A learned bias: the additive mask requires grad (the tensor-core backwards' atomics into its
+    # gradient; in the sm90 pass the Hopper family's own, the loss being the output's alone:
+    # sm90/bwd_kernel.cuh, kLogitGrads).
     ("learned_bias", {"mask": "learned", "is_causal": True}, "off"),
     ("window_softcap", {"is_causal": True, "window_size": (64, 0), "softcap": 30.0}, "off"),
     ("sinks", {"is_causal": True, "sinks": "sinks"}, "off"),

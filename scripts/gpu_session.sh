@@ -33,8 +33,8 @@
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
 #      additive, into the logs); a learned bias's forward and backward (benchmarks/
-#      learned_bias.py, by default and with the Hopper family forced, into the logs); the Nsight Compute profile of the default
-#      path (benchmarks/gpu_profile.py, into the logs).
+#      learned_bias.py, by default and with the Hopper family forced, into the logs); the Nsight
+#      Compute profile of the default path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed, or when a step of 1-4 ran out of time; a step of 5 that the
 # deadline cut short or left out is listed at the end ("cut by the deadline"), not failed (one that
@@ -296,7 +296,8 @@ pack
 # 12 heads): forward and backward against SDPA with the same bias, both checked first. Its backward
 # ran on the fallback kernels until 2026-12-06, now in the sm80 family by default (its mask's
 # gradient by atomics), and in the Hopper family when forced (a loss of the output alone:
-# family.h, kHopperMaskGradByDefault, off until timed), neither timed yet: both, into the logs
+# family.h, kHopperMaskGradByDefault, off until it has passed the CUDA tests on a GPU), neither
+# timed yet: both, into the logs
 # (learned_bias/cuda.md and .json; learned_bias_sm90/).
 note "learned bias"
 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \

@@ -995,18 +995,20 @@ FAMILY_PARAMS = ["sm80", pytest.param("sm90", marks=needs_hopper)]
 
 
 @real_cuda
+@pytest.mark.parametrize("entropy_in_loss", [True, False], ids=["with_entropy", "output_alone"])
 @pytest.mark.parametrize("mask_grad", [False, True], ids=["fixed_mask", "learned_mask"])
 @pytest.mark.parametrize("family", ["fallback", *FAMILY_PARAMS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype,
-                                         mask_grad: bool) -> None:
+                                         mask_grad: bool, entropy_in_loss: bool) -> None:
     """A NaN key masked by an additive -inf is hidden from the logits in every family (-inf, not
     NaN + -inf = NaN), and from dQ = dS K (the fallback keeps non-finite rows out of its products;
     the tensor-core families' 0 * NaN there sends the call to the fallback, their guard): outputs,
-    statistics and the three gradients stay finite. Where the mask requires grad (a learned bias,
-    whose backward the Hopper family leaves to sm80), the sm80 backward has added into its
-    gradient before the guard recomputes the call, which zeroes it first, so that it equals the
-    CPU op's, not twice it."""
+    statistics and the three gradients stay finite. Where the mask requires grad (a learned bias),
+    the tensor-core backward has added into its gradient before the guard recomputes the call,
+    which zeroes it first, so that it equals the CPU op's, not twice it: the sm80 family's, or
+    with the Hopper family forced and a loss of the output alone, the Hopper family's (with the
+    entropy in the loss it leaves the call to sm80)."""
     if family != "fallback" and dtype == torch.float32:
         pytest.skip("the tensor-core families take 16-bit inputs")
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
@@ -1017,7 +1019,7 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
     mask[:, 37] = float("-inf")
     leaves = [cuda(t).requires_grad_(True) for t in (q, k, v)] + [cuda(mask).requires_grad_(mask_grad)]
     out, st = torch_ext.attention(*leaves, return_stats=True)
-    (out.float().sum() + st.entropy.sum()).backward()
+    (out.float().sum() + (st.entropy.sum() if entropy_in_loss else 0)).backward()
     q, k, v, m = leaves
     checks = [("output", out), ("lse", st.lse), ("entropy", st.entropy), ("dq", q.grad),
               ("dk", k.grad), ("dv", v.grad)] + ([("dmask", m.grad)] if mask_grad else [])
@@ -1027,7 +1029,7 @@ def test_nan_key_hidden_by_additive_mask(monkeypatch: pytest.MonkeyPatch, family
         return
     cpu = [t.detach().cpu().requires_grad_(True) for t in leaves]
     out_cpu, st_cpu = torch_ext.attention(*cpu, return_stats=True)
-    (out_cpu.float().sum() + st_cpu.entropy.sum()).backward()
+    (out_cpu.float().sum() + (st_cpu.entropy.sum() if entropy_in_loss else 0)).backward()
     assert rel_err(m.grad.cpu(), cpu[3].grad) < GRAD_TOL[dtype], f"{family}: dmask vs the CPU op"
 
 
@@ -1907,7 +1909,7 @@ def test_mask_grad_of_a_loss_of_the_output_alone_on_hopper(monkeypatch: pytest.M
         out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
         grads.extend(grads_of(out[:2], [cuda(go), cuda(gl)], leaves))
 
-    ran = "sm90" if family == "sm90" else "sm80"
+    ran = "sm90" if family == "sm90" else "sm80"  # ("auto": sm80 while kHopperMaskGradByDefault is off)
     assert family_kernels(run, ran, "main_kernel"), f"{family}: the {ran} backward did not run"
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
@@ -1952,7 +1954,8 @@ def test_mask_grad_under_deterministic_algorithms(case: str) -> None:
 #: causality (B, 1, L, L), T5's learned per-head bias (1, H, L, L), a learned per-key offset, and a
 #: fixed transposed view at an odd storage offset (a slice of a larger tensor: a key stride of
 #: Lq + 1, odd, so that a row's entries lie at either half of their 4-byte words, as its start
-#: does). The fixed ones keep the Hopper backward, which leaves learned masks to the sm80 family.
+#: does). The fixed ones keep the Hopper backward, which leaves learned masks to the sm80 family
+#: when the loss has the entropy's gradient, as here.
 MASK16_LAYOUTS: Dict[str, Tuple[Tuple[int, ...], str, bool]] = {
     "batch_causal": ((2, 1, 150, 201), "plain", False),
     "per_head_learned": ((1, 4, 150, 201), "plain", True),
@@ -2351,10 +2354,11 @@ def test_tuning_setting_is_checked(monkeypatch: pytest.MonkeyPatch, variable: st
 def test_learned_mask_grad_matches_reference(monkeypatch: pytest.MonkeyPatch, family: str,
                                              dtype: torch.dtype) -> None:
     """The gradient of an additive mask that requires grad (a T5-style per-head bias, (1, H, Lq,
-    Lk), with -inf entries), under every family setting: only the fallback backward writes the
-    logits' gradient, so the tensor-core families hand it the call (their forward still runs). D =
-    64, L = 80 (two key tiles, a partial one), causal, with the statistics' gradients; against the
-    CPU op and the float64 reference. On a GPU the backward's kernels are the fallback's."""
+    Lk), with -inf entries), under every family setting: D = 64, L = 80 (two key tiles, a partial
+    one), causal, with the statistics' gradients; against the CPU op and the float64 reference.
+    On a GPU the backward's main kernel is the sm80 family's for 16-bit inputs whatever the
+    tensor-core family asked for (the Hopper family leaves a mask's gradient beside the statistics'
+    gradients to it), the fallback's for float32 and float64 or when the fallback is forced."""
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     B, H, L, D = 2, 2, 80, 64
     q, k, v = make_qkv(B, H, H, L, L, D, dtype=dtype)
@@ -2379,8 +2383,11 @@ def test_learned_mask_grad_matches_reference(monkeypatch: pytest.MonkeyPatch, fa
         box: List[Tensor] = []
         names = cuda_kernel_names(lambda: box.append(mask_grad(DEV)))
         g_dev = box[0]
-        assert any("fallback::attention_bwd_kernel" in n for n in names), names
-        assert not any("sm80::bwd" in n or ("sm90::" in n and "main_kernel" in n) for n in names), names
+        main = [n for n in names if "bwd" in n and "main_kernel" in n]  # the tensor-core families'
+        if dtype in HALF_DTYPES and family != "fallback":
+            assert any("sm80::" in n for n in main) and not any("sm90::" in n for n in main), names
+        else:
+            assert any("fallback::attention_bwd_kernel" in n for n in names) and not main, names
     ref_mask = bias.to(F64).requires_grad_()
     r = reference_attention_raw(q.to(F64), k.to(F64), v.to(F64), ref_mask, None, is_causal=True)
     g_ref = grads_of([r.output, r.lse, r.entropy, r.sum_p2], upstream, [ref_mask])[0]

@@ -134,7 +134,8 @@ def test_mask_grad_with_key_chunks(shape: Tuple[int, ...]) -> None:
 def test_shared_mask_grad_memory_cuda(dtype: torch.dtype) -> None:
     """A bias shared across the batch (T5's (1, H, L, L)) gets its gradient without a (B, H, L, L)
     buffer: the backward's peak memory stays far below that buffer's 256 MiB here (float32: the
-    fallback kernels; bf16: the sm80 family's backward, or the fallback where it is forced)."""
+    fallback kernels; bf16: the sm80 family's backward, the Hopper family's where it is forced (a
+    loss of the output alone), or the fallback where that is forced)."""
     B_, H_, L_, D_ = 16, 4, 1024, 64
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(B_, H_, L_, D_, generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))

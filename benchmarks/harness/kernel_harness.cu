@@ -240,7 +240,9 @@ struct RuleShape {
 // launch_backward, with the default settings): the launchers (the general instantiation where
 // split-KV cuts the keys), split-KV's parts for the sm80 forward (split_kv.h's rule, two blocks per
 // SM), the launch order's sections (launch_order_rule.h), and why the op would not run the
-// family's backward on this device (its shared memory: tensor_core_backward_obstacle).
+// family's backward on this device (its shared memory: tensor_core_backward_obstacle). The Hopper
+// family's mask gradient without the statistics' gradients runs as with the family forced
+// (family.h: kHopperMaskGradByDefault is off).
 struct OpLaunch {
   FwdFn fwd_stats = nullptr, fwd_plain = nullptr;
   BwdFn bwd = nullptr;

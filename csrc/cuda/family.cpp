@@ -250,8 +250,8 @@ std::string softcap_backward_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// The sm80 backward adds the logits' gradient into the mask's entries by atomics (sm80/
-// bwd_kernel.cuh: add_logit_grads): in an unspecified order where logits share an entry (a mask
+// The tensor-core backwards add the logits' gradient into the mask's entries by atomics
+// (logit_grads.cuh: add_logit_grads): in an unspecified order where logits share an entry (a mask
 // broadcast along some dim), which deterministic algorithms rule out. (The fallback's atomics are
 // no better: it raises the nondeterminism alert there, attention_cuda.cpp.) A mask of the call's
 // full (B, H, Lq, Lk) shape gets each entry from one logit, whatever the order.

@@ -362,7 +362,12 @@ TEST(EmulatedSm90Backward, MaskGradientRefusedWithTheStatisticsGradients) {
   eh::HostCall<__nv_bfloat16> c(s, 11);
   ec::BwdParams<float> p = eh::backward_params(s, c.b, true);
   EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
-  p.g_entropy = p.g_sum_p2 = nullptr;
+  const float* const g_entropy = p.g_entropy;
+  p.g_entropy = nullptr;  // the gradient of sum p^2 alone
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+  p.g_entropy = g_entropy, p.g_sum_p2 = nullptr;  // the entropy's alone
+  EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));
+  p.g_entropy = nullptr;
   EXPECT_TRUE(ec::sm90::backward_covers(p, 128, true));
   p.mask.kind = MaskKind::kBool;  // the gradient of an additive mask alone
   EXPECT_FALSE(ec::sm90::backward_covers(p, 128, true));

@@ -114,8 +114,8 @@ __device__ __forceinline__ void preprocess_row(const BwdParams<AccType<T>>& p, i
   using Acc = AccType<T>;
   const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.heads, h = bh % p.heads;
   // As a guard, G starts again from zero (the tensor-core kernels accumulated it), and so does the
-  // additive mask's gradient (the sm80 family's added into it: each row zeroes its entries, an
-  // entry that rows share once by each, all before the main kernel adds).
+  // additive mask's gradient (the tensor-core family's main kernel added into it: each row zeroes
+  // its entries, an entry that rows share once by each, all before the main kernel adds).
   if (grouped(p)) {
     for (int64_t d = lane; d < p.head_dim; d += 32) p.dq_accum[row * p.head_dim + d] = Acc(0);
     if (p.d_logits.data != nullptr) {

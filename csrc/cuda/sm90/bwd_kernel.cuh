@@ -751,6 +751,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // after it), so a call that asks for both goes to the sm80 family (launch.h:
       // backward_covers).
       constexpr bool kLogitGrads = kMask == MaskKind::kAdditive && !kGrads;
+      // (The loop leaves dS itself there only where it stores dS for G: in the scaled form, which
+      // g_scaled takes, its ds is lambda_i dS.)
+      static_assert(!kLogitGrads || !kScalesG<kMask>, "kLogitGrads adds the loop's ds as dS");
       warpgroup_fence_operand(acc_dp);
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tdSsdS_rc = make_tensor(tdSsdS.data(), acc_rowcol(tdSsdS.layout()));

@@ -1844,19 +1844,23 @@ MASK_GRAD_CASES: Dict[str, Tuple[Tuple[int, ...], float, Dict[str, Any]]] = {
 }
 
 
+@pytest.mark.parametrize("loss", ["with_entropy", "output_alone"])
 @pytest.mark.parametrize("family", ["auto", *FAMILY_PARAMS])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
 def test_mask_grad_runs_in_the_tensor_core_backward(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
-                                                    head_dim: int, family: str) -> None:
-    """A 16-bit call that asks for its additive mask's gradient beside the entropy's runs its
-    backward in the sm80 family (add_logit_grads: fp32 atomics from the tiles' dS into the mask's
-    entries), under "auto" and with either tensor-core family forced (the Hopper family leaves such
-    calls to it: its step that keeps the logits has no registers for the atomics), over
-    several query and key tiles with partial edges and GQA; the gradients of q, k, v and the mask
-    through the output, lse and the entropy match the float64 reference, and hidden entries get 0.
-    (Dry run: the CPU op against the same reference.)"""
+                                                    head_dim: int, family: str, loss: str) -> None:
+    """A 16-bit call that asks for its additive mask's gradient runs its backward in a tensor-core
+    family (fp32 atomics from the tiles' dS into the mask's entries: logit_grads.cuh), over several
+    query and key tiles with partial edges and GQA; the gradients of q, k, v and the mask through
+    the output, lse and (with_entropy) the entropy match the float64 reference, and hidden entries
+    get 0. The sm80 family's backward runs it, but with the Hopper family forced and a loss of the
+    output and lse alone (T5 trained as usual), where the Hopper backward writes it itself
+    (sm90/bwd_kernel.cuh: kLogitGrads; its step that keeps the logits for the entropy's gradient
+    has no registers for the atomics); "auto" leaves that call to the sm80 family too until it has
+    passed here (family.h: kHopperMaskGradByDefault). (Dry run: the CPU op against the same
+    reference.)"""
     shape, fraction, kw = MASK_GRAD_CASES[case]
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     torch.manual_seed(17)
@@ -1864,56 +1868,20 @@ def test_mask_grad_runs_in_the_tensor_core_backward(monkeypatch: pytest.MonkeyPa
     hidden = torch.rand(shape, generator=torch.Generator().manual_seed(7)) < fraction
     mask = randn(*shape, scale=0.5).masked_fill(hidden, -math.inf).to(dtype)
     go, gl, ge = randn(2, 4, 200, head_dim).to(dtype), randn(2, 4, 200), randn(2, 4, 200)
+    upstream = [go, gl, ge] if loss == "with_entropy" else [go, gl]
     leaves = [cuda(t).requires_grad_() for t in (q, k, v, mask)]
     grads: List[Tensor] = []
 
     def run() -> None:
         out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
-        grads.extend(grads_of(out[:3], [cuda(go), cuda(gl), cuda(ge)], leaves))
+        grads.extend(grads_of(out[:len(upstream)], [cuda(u) for u in upstream], leaves))
 
-    names = family_kernels(run, "sm80", "main_kernel")
-    assert DRY_RUN or names, f"{family}: the sm80 backward did not run"
+    ran = "sm90" if family == "sm90" and loss == "output_alone" else "sm80"
+    names = family_kernels(run, ran, "main_kernel")
+    assert DRY_RUN or names, f"{family}: the {ran} backward did not run"
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
-    ref_grads = grads_of([r.output, r.lse, r.entropy], [go, gl, ge], rin)
-    assert ref_grads[3].abs().max() > 1e-3, "the case gives the mask a gradient"
-    for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dmask")):
-        assert a.shape == e.shape and a.dtype == dtype, name
-        assert rel_err(a, e) < GRAD_TOL[dtype], f"{family}: {name} vs reference: {rel_err(a, e):.3g}"
-    assert (grads[3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
-
-
-@needs_hopper
-@pytest.mark.parametrize("family", ["auto", "sm90"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
-def test_mask_grad_of_a_loss_of_the_output_alone_on_hopper(monkeypatch: pytest.MonkeyPatch, case: str,
-                                                           dtype: torch.dtype, head_dim: int, family: str) -> None:
-    """Without the statistics' gradients (a loss of the output and lse: T5 trained as usual) the
-    Hopper backward writes the additive mask's gradient itself (sm90/bwd_kernel.cuh: kLogitGrads,
-    the slices' fp32 dS added by atomics) when the family is forced; "auto" leaves such calls to the
-    sm80 family until this test has passed (family.h: kHopperMaskGradByDefault). The gradients of q,
-    k, v and the mask match the float64 reference, and hidden entries get 0."""
-    shape, fraction, kw = MASK_GRAD_CASES[case]
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
-    torch.manual_seed(19)
-    q, k, v = make_qkv(2, 4, 2, 200, 260, head_dim, dtype=dtype)
-    hidden = torch.rand(shape, generator=torch.Generator().manual_seed(8)) < fraction
-    mask = randn(*shape, scale=0.5).masked_fill(hidden, -math.inf).to(dtype)
-    go, gl = randn(2, 4, 200, head_dim).to(dtype), randn(2, 4, 200)
-    leaves = [cuda(t).requires_grad_() for t in (q, k, v, mask)]
-    grads: List[Tensor] = []
-
-    def run() -> None:
-        out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
-        grads.extend(grads_of(out[:2], [cuda(go), cuda(gl)], leaves))
-
-    ran = "sm90" if family == "sm90" else "sm80"  # ("auto": sm80 while kHopperMaskGradByDefault is off)
-    assert family_kernels(run, ran, "main_kernel"), f"{family}: the {ran} backward did not run"
-    rin = [leaf64(t) for t in leaves]
-    r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
-    ref_grads = grads_of([r.output, r.lse], [go, gl], rin)
+    ref_grads = grads_of([r.output, r.lse, r.entropy][:len(upstream)], upstream, rin)
     assert ref_grads[3].abs().max() > 1e-3, "the case gives the mask a gradient"
     for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dmask")):
         assert a.shape == e.shape and a.dtype == dtype, name

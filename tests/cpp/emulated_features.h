@@ -6,10 +6,11 @@
 // in another layout, against the emulated fallback kernels on the same parameters (which
 // test_cuda_emulation.cpp checks against its float64 reference). A family is a type with
 //   static constexpr ec::Family kFamily;
-//   template <typename T, int kD> static void forward(const ec::FwdParams<float>&);   // general,
-//   template <typename T, int kD> static void backward(const ec::BwdParams<float>&);  // no mask
-// and, for run_mask_grad (the additive mask's gradient), masked_forward and masked_backward of
-// the same signatures (general, an additive mask). Include after the family's emulation header.
+//   template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
+//   static void forward(const ec::FwdParams<float>&);   // the general instantiations, no mask
+//   template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
+//   static void backward(const ec::BwdParams<float>&);  // (an additive one for run_mask_grad)
+// Include after the family's emulation header.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +32,7 @@ namespace emulated_features {
 
 namespace ec = entropy_attn::cuda;
 namespace eh = entropy_attn::harness;
+using entropy_attn::MaskKind;
 
 struct Feature {
   bool causal = true;
@@ -194,8 +196,6 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // (attention_inputs.h: keeps_mask_dtype; on the CPU it becomes float32), and the forward is
 // emulated too. transposed: the mask (4-D) a transposed view at an odd storage offset, a slice of
 // (B, H, Lk, Lq + 1) storage from element 1 of each row (strides ..., 1, Lq + 1: odd).
-// The family's masked_forward and masked_backward launch its general instantiations with an
-// additive mask.
 template <typename Family, typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
                    double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
@@ -234,7 +234,7 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
         entropy_attn::prepare_attention(q, k, v, mask, std::nullopt, std::nullopt, {}, o);
     call.mask = entropy_attn::expand_mask(mask, call.shape, call.acc, /*keep_dtype=*/true);
     const ec::ForwardCall fwd(q, k, v, call);
-    Family::template masked_forward<T, kD>(fwd.params<float>());
+    Family::template forward<T, kD, MaskKind::kAdditive>(fwd.params<float>());
     EXPECT_LT(rel_norm(std::get<0>(fwd.outputs), r.output), tol) << "output";
     EXPECT_LT(rel_norm(std::get<1>(fwd.outputs), r.lse), eh::tolerance<T>().rtol) << "lse";
     EXPECT_LT(rel_norm(std::get<2>(fwd.outputs), r.entropy), eh::tolerance<T>().rtol) << "entropy";
@@ -249,7 +249,7 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
   }
   ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
   bwd.allocate(Family::kFamily);
-  Family::template masked_backward<T, kD>(bwd.params<float>());
+  Family::template backward<T, kD, MaskKind::kAdditive>(bwd.params<float>());
   const entropy_attn::AttentionGrads got = bwd.finish();
   const at::Tensor dmask = entropy_attn::mask_grad(mask, bwd.call, q);
   const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(

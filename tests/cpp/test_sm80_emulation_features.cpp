@@ -16,21 +16,13 @@ using emulated_features::Feature;
 template <bool kCompact>
 struct Sm80 {
   static constexpr ec::Family kFamily = ec::Family::kSm80;
-  template <typename T, int kD>
+  template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
   static void forward(const ec::FwdParams<float>& p) {
-    launch_forward<T, kD, true, MaskKind::kNone, true>(p);
+    launch_forward<T, kD, true, kMask, true>(p);
   }
-  template <typename T, int kD>
+  template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
   static void backward(const ec::BwdParams<float>& p) {
-    launch_backward<T, kD, kCompact, true, MaskKind::kNone>(p);
-  }
-  template <typename T, int kD>
-  static void masked_forward(const ec::FwdParams<float>& p) {
-    launch_forward<T, kD, true, MaskKind::kAdditive, true>(p);
-  }
-  template <typename T, int kD>
-  static void masked_backward(const ec::BwdParams<float>& p) {
-    launch_backward<T, kD, kCompact, true, MaskKind::kAdditive>(p);
+    launch_backward<T, kD, kCompact, true, kMask>(p);
   }
 };
 

@@ -20,24 +20,17 @@ using emulated_features::run_documents;
 using emulated_features::run_feature;
 using emulated_features::run_mask_grad;
 
-// The Hopper family's general forward and backward (without a mask, which takes any feature).
+// The Hopper family's general forward and backward (without a mask, which takes any feature; with
+// an additive one for run_mask_grad).
 struct Sm90 {
   static constexpr ec::Family kFamily = ec::Family::kSm90;
-  template <typename T, int kD>
+  template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
   static void forward(const ec::FwdParams<float>& p) {
-    launch_forward<T, kD, true, MaskKind::kNone, true>(p);
+    launch_forward<T, kD, true, kMask, true>(p);
   }
-  template <typename T, int kD>
+  template <typename T, int kD, MaskKind kMask = MaskKind::kNone>
   static void backward(const ec::BwdParams<float>& p) {
-    launch_backward<T, kD, true, MaskKind::kNone>(p);
-  }
-  template <typename T, int kD>
-  static void masked_forward(const ec::FwdParams<float>& p) {
-    launch_forward<T, kD, true, MaskKind::kAdditive, true>(p);
-  }
-  template <typename T, int kD>
-  static void masked_backward(const ec::BwdParams<float>& p) {
-    launch_backward<T, kD, true, MaskKind::kAdditive>(p);
+    launch_backward<T, kD, true, kMask>(p);
   }
 };
 

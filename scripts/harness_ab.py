@@ -11,7 +11,8 @@ harnesses run back to back on the same GPU do not (scripts/gpu_session.sh runs b
 
 prints (or writes) a Markdown table: per timed point, the milliseconds of the forward without and
 with statistics, of the backward alone (forward + statistics + backward less the forward with
-statistics) and of the three together, each as baseline → current and their ratio (below 1: the
+statistics) and of the three together, and of the backward of a loss with the statistics'
+upstream gradients (an entropy regularizer's), each as baseline → current and their ratio (below 1: the
 current kernels take less time), then the geometric mean of each ratio and the checks that failed
 in any run. With several runs of a side, each point takes that side's least time over its runs
 (what the clocks and neighbours of a lease add to a kernel's time is never negative: two runs of
@@ -40,14 +41,27 @@ Key = Tuple[Any, ...]
 #: What makes two timed points the same call.
 KEY_FIELDS = ("family", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "causal")
 #: The timings of a point, as the harness's JSON names them.
-FIELDS = ("fwd_ms", "fwd_stats_ms", "fwd_bwd_ms")
+FIELDS = ("fwd_ms", "fwd_stats_ms", "fwd_bwd_ms", "fwd_bwd_reg_ms")
+
+
+def backward_ms(point: Dict[str, Any], total: str) -> Optional[float]:
+    """A backward's milliseconds: timing `total` (forward + statistics + backward) less the forward
+    with statistics; None where either is missing or was not timed (the harness writes 0 then)."""
+    whole, forward = point.get(total), point.get("fwd_stats_ms")
+    if whole is None or forward is None or whole <= 0 or forward <= 0:
+        return None
+    return whole - forward
+
+
 #: The columns: a name, how to read its milliseconds from a point, and the timings it comes from.
 COLUMNS = (
     ("fwd", lambda p: p.get("fwd_ms"), ("fwd_ms",)),
     ("fwd+stats", lambda p: p.get("fwd_stats_ms"), ("fwd_stats_ms",)),
-    ("bwd", lambda p: None if p.get("fwd_bwd_ms") is None or p.get("fwd_stats_ms") is None
-     else p["fwd_bwd_ms"] - p["fwd_stats_ms"], ("fwd_stats_ms", "fwd_bwd_ms")),
+    ("bwd", lambda p: backward_ms(p, "fwd_bwd_ms"), ("fwd_stats_ms", "fwd_bwd_ms")),
     ("fwd+stats+bwd", lambda p: p.get("fwd_bwd_ms"), ("fwd_bwd_ms",)),
+    # The backward of an entropy regularizer's loss (the statistics' upstream gradients too); a
+    # harness built before this column has none ("—").
+    ("bwd reg", lambda p: backward_ms(p, "fwd_bwd_reg_ms"), ("fwd_stats_ms", "fwd_bwd_reg_ms")),
 )  # fmt: skip
 #: Where a side's runs of a timing differ by more than this factor (largest / least), its cells are
 #: marked: two runs of the same kernels in one lease mostly agreed within 3.5%.
@@ -131,7 +145,8 @@ def compare(base: Dict[str, Any], current: Dict[str, Any]) -> str:
         f"{base.get('runs', 1)} run(s)), current on {current.get('device', '?')} (commit "
         f"{current.get('commit', '?')}, {current.get('runs', 1)} run(s)). Milliseconds (medians of CUDA "
         "events; the least over a side's runs), baseline → current, and current / baseline (below 1: "
-        "less time now). bwd = fwd+stats+bwd − fwd+stats.",
+        "less time now). bwd = fwd+stats+bwd − fwd+stats, of a loss of the output alone; bwd reg: the same "
+        "with the statistics' upstream gradients too (an entropy regularizer's loss).",
         "",
         "| family | dtype | B | H:Hkv | D | L | causal | " + " | ".join(c[0] for c in COLUMNS) + " |",
         "|" + "---|" * (7 + len(COLUMNS)),

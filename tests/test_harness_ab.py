@@ -42,6 +42,20 @@ def test_ratios_per_column_with_the_backward_alone() -> None:
     assert "Checks of the baseline run: 3, none failed." in text
 
 
+def test_the_regularized_backward_against_a_baseline_without_it() -> None:
+    """The backward of an entropy regularizer's loss (fwd_bwd_reg_ms, less the forward with
+    statistics): a ratio where both runs timed it, "—" against a harness built before the column,
+    and never a difference with an untimed 0."""
+    with_reg = dict(point(4096, 1.0, 1.2, 4.2), fwd_bwd_reg_ms=5.2)
+    text = ab.compare(run("aaa", with_reg), run("bbb", dict(point(4096, 1.0, 1.1, 4.0), fwd_bwd_reg_ms=4.1)))
+    assert row_of(text, 4096).endswith("| 4 → 3 (0.750) |")  # (4.1 - 1.1) / (5.2 - 1.2)
+    assert "bwd reg 0.750." in text
+    text = ab.compare(run("aaa", point(4096, 1.0, 1.2, 4.2)), run("bbb", with_reg))
+    assert row_of(text, 4096).endswith("| — → 4 (—) |")
+    untimed = dict(point(4096, 1.0, 1.2, 0.0), fwd_bwd_reg_ms=0.0)  # a backward the harness skipped
+    assert ab.compare(run("aaa", untimed), run("bbb", untimed)).count("— → — (—)") == 2
+
+
 def test_points_of_one_run_and_geometric_means() -> None:
     base = run("aaa", point(1024, 1.0, 1.0, 2.0), point(4096, 2.0, 2.0, 4.0))
     current = run("bbb", point(1024, 0.5, 1.0, 2.0), point(4096, 4.0, 2.0, 4.0), point(16384, 1.0, 1.0, 1.0, True))
@@ -112,9 +126,9 @@ def test_steps_say_what_each_step_bought(tmp_path: Path) -> None:
     assert "aaa → s1 → s2 → bbb" in text
     # fwd: aaa → s1 at 4096 (1.0) and 1024 (0.5): geometric mean 0.707; s1 → s2 at 4096 only (1.0);
     # bwd (fwd+stats+bwd less fwd+stats): (4.0 - 1.1) / 3.0 = 0.967 and 1; s2 → bbb 1.8 / 1.9.
-    assert "| aaa → s1 | 0.707 | 0.957 | 0.983 | 0.976 | 0 |" in text
-    assert "| s1 → s2 | 1.000 | 1.000 | 0.655 | 0.750 | 1 |" in text
-    assert "| s2 → bbb | 0.900 | 1.000 | 0.842 | 0.900 | 0 |" in text
+    assert "| aaa → s1 | 0.707 | 0.957 | 0.983 | 0.976 | — | 0 |" in text
+    assert "| s1 → s2 | 1.000 | 1.000 | 0.655 | 0.750 | — | 1 |" in text
+    assert "| s2 → bbb | 0.900 | 1.000 | 0.842 | 0.900 | — | 0 |" in text
     bwd = text[text.index("### bwd"):text.index("### fwd+stats+bwd")]
     assert "| 3 | 2.9 (0.967) | 1.9 (0.655) | 1.6 (0.842) |" in row_of(bwd, 4096)
     assert "| 0.75 | 0.75 (1.000) | — (—) | 0.75 (—) |" in row_of(bwd, 1024)
@@ -137,8 +151,8 @@ def test_the_chain_takes_as_many_runs_of_each_commit() -> None:
                         [run("bbb", first), run("bbb", second)])
     assert [c["commit"] for c in chain] == ["aaa", "s1", "bbb"] and all(c["runs"] == 1 for c in chain)
     text = ab.steps(chain)
-    assert "| aaa → s1 | 1.000 | 1.000 | 1.000 | 1.000 | 0 |" in text
-    assert "| s1 → bbb | 1.000 | 1.000 | 1.000 | 1.000 | 0 |" in text
+    assert "| aaa → s1 | 1.000 | 1.000 | 1.000 | 1.000 | — | 0 |" in text
+    assert "| s1 → bbb | 1.000 | 1.000 | 1.000 | 1.000 | — | 0 |" in text
     # With two runs of the step too, each commit takes its least time over both.
     chain = ab.chain_of([run("aaa", first), run("aaa", second)], [run("s1", second), run("s1", first)],
                         [run("bbb", first), run("bbb", second)])

@@ -18,8 +18,9 @@
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
 //    and with statistics and of the forward with statistics + backward (without d lambda, as
 //    autograd asks for it with a scale policy; dq's accumulator zeroed in the timed span, as the
-//    op does), and their TFLOP/s. No SDPA here: ratios against it come from
-//    benchmarks/gpu_vs_sdpa.py.
+//    op does), the backward of a loss of the output alone and of one with the statistics' upstream
+//    gradients too (an entropy regularizer's), and their TFLOP/s. No SDPA here: ratios against it
+//    come from benchmarks/gpu_vs_sdpa.py.
 //
 // Markdown tables on stdout (progress on stderr), and --json F writes them as JSON. Exit code 0
 // when every check passed, 1 when one failed, 2 without a CUDA device of compute capability 8.0 or
@@ -212,7 +213,9 @@ struct CheckRow {
 struct TimeRow {
   std::string family, dtype;
   Shape s;
-  double fwd = 0, fwd_stats = 0, fwd_bwd = 0;
+  // fwd_bwd: a loss of the output alone; fwd_bwd_reg: with the upstream gradients of lse, the
+  // entropy and sum p^2 too (an entropy regularizer's loss: the backward's step that keeps s).
+  double fwd = 0, fwd_stats = 0, fwd_bwd = 0, fwd_bwd_reg = 0;
 };
 
 // Whether a launch ran: false for cudaErrorNotSupported (the family does not cover the call, as
@@ -445,13 +448,19 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   const OpLaunch l = OpLaunch::of<T>(f, s, dev);
   if (l.fwd_stats == nullptr || l.bwd == nullptr) return row;
   const bool tensor_core = f != Family::kFallback;
-  DeviceCall c(s, sizeof(T), !tensor_core);
-  const Inputs<T> in = make_inputs<T>(s, 11, false);
-  fill_inputs(s, c.b, in, [&](void* to, const auto& from) { c.upload(to, from); });
+  // The call's buffers hold the statistics' upstream gradients too, for the regularized backward.
+  Shape sr = s;
+  sr.stat_grads = true;
+  DeviceCall c(sr, sizeof(T), !tensor_core);
+  const Inputs<T> in = make_inputs<T>(sr, 11, false);
+  fill_inputs(sr, c.b, in, [&](void* to, const auto& from) { c.upload(to, from); });
   const FwdParams<float> pf = l.forward(c, false), ps = l.forward(c, true);
-  BwdParams<float> pb = l.backward(c, tensor_core);
   // Timed as autograd calls it with a scale policy (no scale tensor): no d lambda (grad_scale).
-  pb.d_row_scale = nullptr;
+  BwdParams<float> pr = l.backward(c, tensor_core);
+  pr.d_row_scale = nullptr;
+  // The backward of a loss of the output alone: no upstream gradient of the statistics.
+  BwdParams<float> pb = pr;
+  pb.g_lse = pb.g_entropy = pb.g_sum_p2 = nullptr;
   // (Only the layout's bytes, as the op allocates and zeroes them: the buffer fits either layout.)
   const int64_t g_bytes = dq_accum_elems(s, pb.dq_layout) * 4;
   if (!launched(l.fwd_stats(ps, nullptr))) return row;
@@ -466,6 +475,13 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
           EA_CHECK_CUDA(l.fwd_stats(ps, nullptr));
           EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
           EA_CHECK_CUDA(l.bwd(pb, nullptr));
+        },
+        warmup, reps);
+    row.fwd_bwd_reg = median_ms(
+        [&] {
+          EA_CHECK_CUDA(l.fwd_stats(ps, nullptr));
+          EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
+          EA_CHECK_CUDA(l.bwd(pr, nullptr));
         },
         warmup, reps);
   }
@@ -678,18 +694,19 @@ int main(int argc, char** argv) {
     }
     std::printf(
         "## Times (bf16, medians of CUDA events)\n\n| family | B | H:Hkv | D | L | causal | fwd ms "
-        "| fwd+stats ms | fwd+stats+bwd ms | fwd TFLOP/s | fwd+stats TFLOP/s | fwd+bwd TFLOP/s "
-        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "| fwd+stats ms | fwd+stats+bwd ms | the same, regularized ms | fwd TFLOP/s | fwd+stats "
+        "TFLOP/s | fwd+bwd TFLOP/s | regularized TFLOP/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const TimeRow& t : times) {
       const double flops = t.s.forward_flops();
       std::printf(
-          "| %s | %lld | %lld:%lld | %lld | %lld | %s | %.4g | %.4g | %.4g | %.1f | %.1f | %.1f "
-          "|\n",
+          "| %s | %lld | %lld:%lld | %lld | %lld | %s | %.4g | %.4g | %.4g | %.4g | %.1f | %.1f "
+          "| %.1f | %.1f |\n",
           t.family.c_str(), static_cast<long long>(t.s.batch), static_cast<long long>(t.s.heads),
           static_cast<long long>(t.s.kv_heads), static_cast<long long>(t.s.head_dim),
           static_cast<long long>(t.s.q_len), t.s.causal ? "yes" : "no", t.fwd, t.fwd_stats,
-          t.fwd_bwd, tflops(flops, t.fwd), tflops(flops, t.fwd_stats),
-          tflops(3.5 * flops, t.fwd_bwd));
+          t.fwd_bwd, t.fwd_bwd_reg, tflops(flops, t.fwd), tflops(flops, t.fwd_stats),
+          tflops(3.5 * flops, t.fwd_bwd), tflops(3.5 * flops, t.fwd_bwd_reg));
     }
   }
 
@@ -718,13 +735,13 @@ int main(int argc, char** argv) {
                    "%s\n  {\"family\": %s, \"dtype\": %s, \"batch\": %lld, "
                    "\"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
                    "\"seq_len\": %lld, \"causal\": %s, \"fwd_ms\": %s, "
-                   "\"fwd_stats_ms\": %s, \"fwd_bwd_ms\": %s}",
+                   "\"fwd_stats_ms\": %s, \"fwd_bwd_ms\": %s, \"fwd_bwd_reg_ms\": %s}",
                    i ? "," : "", json_string(t.family).c_str(), json_string(t.dtype).c_str(),
                    static_cast<long long>(t.s.batch), static_cast<long long>(t.s.heads),
                    static_cast<long long>(t.s.kv_heads), static_cast<long long>(t.s.head_dim),
                    static_cast<long long>(t.s.q_len), t.s.causal ? "true" : "false",
                    json_number(t.fwd).c_str(), json_number(t.fwd_stats).c_str(),
-                   json_number(t.fwd_bwd).c_str());
+                   json_number(t.fwd_bwd).c_str(), json_number(t.fwd_bwd_reg).c_str());
     }
     std::fprintf(out, "]}\n");
     std::fclose(out);

@@ -145,7 +145,10 @@ struct BwdTraits {
   //     logits s for the statistics' gradients, softcap or dropout, and every step of the masked
   //     kernels), so that S and dP hold 16 registers each beside dK and dV's 64 + 64: whole
   //     slices spilled 88-112 bytes there (the kGrads step of full attention) and 20 bytes (the
-  //     step of the causal bool-masked kernel without kGrads).
+  //     step of the causal bool-masked kernel without kGrads). (The kGrads step's p, which the
+  //     source forms again for dS, ptxas holds from the P step beside s; made to form it again,
+  //     whole slices fit, but a second exponential per score made them slower in the model:
+  //     docs/cuda.md, 2026-12-06.)
   static constexpr int slices(bool narrow) { return kHeadDim == 128 && narrow ? 2 : 1; }
   template <int kSlices>
   using TiledMmaSdP = decltype(make_tiled_mma(

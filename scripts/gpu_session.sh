@@ -33,8 +33,9 @@
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
 #      additive, into the logs); a learned bias's forward and backward (benchmarks/
-#      learned_bias.py, by default and with the Hopper family forced, into the logs); the Nsight
-#      Compute profile of the default path (benchmarks/gpu_profile.py, into the logs).
+#      learned_bias.py, by default and with the Hopper family forced, into the logs); the fixed cost
+#      of a call (benchmarks/call_overhead.py --quick, into the logs); the Nsight Compute profile
+#      of the default path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
 # The exit code is 1 when a step failed, or when a step of 1-4 ran out of time; a step of 5 that the
 # deadline cut short or left out is listed at the end ("cut by the deadline"), not failed (one that
@@ -308,6 +309,14 @@ ENTROPY_ATTN_CUDA_FAMILY=sm90 bounded 60 "$PYTHON" benchmarks/learned_bias.py --
   --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --min-run-time 0.2 \
   --out "$LOGS/learned_bias_sm90" >"$LOGS/learned_bias_sm90.log" 2>&1
 record "learned bias (sm90)" $?
+pack
+# The fixed cost of a call on CUDA (a tiny call back to back: the host's work and the launches per
+# call, ours against SDPA), into the logs: at L = 1024 ours took 1.3-1.9x SDPA's forward on
+# 2026-12-04 where the harness's kernels alone took up to 24% less time than the op's calls
+# (16:16, causal), a host-side share that no other step measures.
+note "call overhead"
+bounded 40 "$PYTHON" benchmarks/call_overhead.py --quick >"$LOGS/call_overhead.md" 2>&1
+record "call overhead" $?
 pack
 # The Nsight Compute profile of the default path (bf16, L = 4096, D = 128, causal: the tensor
 # pipe's use and the stall reasons of each kernel, what explains the gap left), into the logs.

@@ -111,7 +111,8 @@ bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
 // keep_dtype (keeps_mask_dtype) in its own 16-bit dtype, without the float32 copy of every entry
-// a conversion would make.
+// a conversion would make. Floating-point entries at an address that is not a multiple of their
+// size (from_blob or DLPack memory) are copied to aligned memory.
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype);
 

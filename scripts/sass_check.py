@@ -11,8 +11,9 @@ kernels are:
   * every kernel of the family: no local memory (LDL/STL: register spills or stack arrays).
 When the Hopper family (entropy_attn::cuda::sm90, built for sm_90a alone) is in the build, each of
 its forward kernels must use wgmma (HGMMA, and no HMMA), TMA loads (UTMALDG) completing on
-mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), and no
-local memory; its masked forward kernels also copy the mask tile with asynchronous copies
+mbarriers (SYNCS), setmaxnreg (USETMAXREG), exp2 on the special-function unit (MUFU.EX2), no
+local memory, and wgmma kept asynchronous (at most half of its HGMMA close a wgmma group: where
+ptxas serializes wgmma, each closes its own); its masked forward kernels also copy the mask tile with asynchronous copies
 (LDGSTS); its backward main kernels use HGMMA, UTMALDG, SYNCS, USETMAXREG, MUFU.EX2 and
 accumulate dQ with reductions (RED or ATOM), or, in the kernels for bulk reductions (the unmasked
 calls' second main kernel, kBulkDq: sm90/bwd_kernel.cuh), with bulk reductions from shared
@@ -99,6 +100,8 @@ def disassemble(lib: Path) -> dict[tuple[str, str], collections.Counter]:
             current = functions.setdefault((arch, m[1]), collections.Counter())
         elif current is not None and (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
             current[m[1]] += 1
+            if m[1].startswith("HGMMA") and "gsb0" in line:
+                current[GROUP_ENDS] += 1
     return functions
 
 
@@ -127,11 +130,30 @@ SM90_BULK_DQ = re.compile(r"main_kernel<.*, (true|false), \(entropy_attn::MaskKi
 SM90_BULK_FLAG = re.compile(r"(main_kernel<.*\(entropy_attn::MaskKind\)\d), (?:true|false)>")
 
 
+# The HGMMA that close a wgmma group (`gsb0` in their operands: the last of a batch, which a
+# WARPGROUP.DEPBAR waits for), counted under this key beside the mnemonics. Where ptxas serializes
+# wgmma (its "Potential Performance Loss: wgmma.mma_async instructions are serialized" note, C7510-
+# C7515: accumulators it cannot keep in flight, a call inside the batch), every HGMMA closes a group
+# of its own and is waited for at once: the tensor cores then idle between the k-steps of every
+# product. A note, not a warning: -Xptxas -Werror lets it pass. In these kernels a batch is 4 to 8
+# k-steps (12-21% of the HGMMA close a group).
+GROUP_ENDS = "gsb0 HGMMA"
+
+
+def wgmma_serialized(counts: collections.Counter) -> str | None:
+    """A violation where more than half of a function's HGMMA close a wgmma group of their own."""
+    hgmma, ends = has(counts, "HGMMA"), counts.get(GROUP_ENDS, 0)
+    if hgmma and 2 * ends > hgmma:
+        return f"wgmma serialized: {ends} of {hgmma} HGMMA close a group of their own"
+    return None
+
+
 def check_sm90(name: str, counts: collections.Counter) -> list[str]:
     """Violations of one sm90-family function (local memory already counted)."""
     kind = kernel_kind(name)
     if kind not in ("forward", "backward"):
         return []
+    serialized = wgmma_serialized(counts)
     needs = ["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2"]
     if kind == "forward" and re.search(r"\(entropy_attn::MaskKind\)[12]", name):  # the mask tile
         needs.append("LDGSTS")
@@ -141,6 +163,7 @@ def check_sm90(name: str, counts: collections.Counter) -> list[str]:
             problems.append("no UBLKRED for the dQ bulk reductions")
     elif kind == "backward" and not (has(counts, "RED") or has(counts, "ATOM")):
         problems.append("no RED/ATOM for the dQ accumulation")
+    problems += [serialized] if serialized else []
     return problems + ([f"HMMA ({has(counts, 'HMMA')})"] if has(counts, "HMMA") else [])
 
 

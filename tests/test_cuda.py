@@ -632,6 +632,48 @@ def test_attention_sparsity(dtype: torch.dtype, kind: str, D: int, variant: str)
 # ----------------------------------------------------------------------------------------
 # layouts: non-contiguous, broadcast, misaligned
 # ----------------------------------------------------------------------------------------
+def misaligned_float32(values: Tensor) -> Tensor:
+    """`values` (float32) in memory 2 bytes past a 4-byte boundary on their device, as from_blob or
+    a DLPack / __cuda_array_interface__ producer can hand them over (torch's own allocations are
+    aligned). The returned tensor keeps its buffer alive."""
+    import numpy as np
+
+    n = values.numel()
+    raw = torch.zeros(4 * n + 8, dtype=torch.uint8, device=values.device)
+    raw[2 : 2 + 4 * n] = values.detach().contiguous().view(-1).view(torch.uint8)
+    if raw.is_cuda:
+        interface = {"data": (raw.data_ptr() + 2, False), "shape": tuple(values.shape), "typestr": "<f4",
+                     "version": 2, "strides": None}
+        out = torch.as_tensor(type("Interface", (), {"__cuda_array_interface__": interface})(), device=raw.device)
+    else:
+        out = torch.from_numpy(np.frombuffer(raw.numpy(), dtype=np.float32, count=n, offset=2).reshape(values.shape))
+    out.keep_alive = raw  # type: ignore[attr-defined]
+    assert out.data_ptr() % 4 == 2 and torch.equal(out, values.detach())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_float32_mask_at_a_misaligned_address(dtype: torch.dtype) -> None:
+    """A float32 additive mask whose entries sit 2 bytes past a 4-byte boundary (memory from
+    from_blob or another library) is read through an aligned copy (attention_inputs.cpp:
+    expand_mask), as the kernels read 4-byte entries: the results and gradients equal those of the
+    same mask in torch's own memory, where a misaligned 4-byte read would fault."""
+    B, H, Lq, Lk, D = 2, 2, 70, 150, 64
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Lq, Lk, Lk))
+    bias = torch.randn(1, 1, Lq, Lk, generator=g)
+    bias[..., :5] = -math.inf
+    aligned = bias.to(DEV)
+    runs = []
+    for mask in (aligned, misaligned_float32(aligned)):
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, stats = torch_ext.attention(*xs, attn_mask=mask, is_causal=True, return_stats=True)
+        (out.float().sum() + stats.entropy.sum()).backward()
+        runs.append((out, stats.lse, stats.entropy, *(x.grad for x in xs)))
+    for got, want in zip(runs[1], runs[0]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize(
     "layout", ["blhd", "blhd_d80", "sliced_last_dim", "expanded_kv", "odd_row_stride", "offset_by_one"]

@@ -200,6 +200,25 @@ def test_ptxas_report_holds_tensor_core_kernels_to_no_spills() -> None:
     assert not kernel("entropy_attn::cuda::fallback::attention_fwd_kernel<__half, 256>").must_not_spill
 
 
+def test_sass_check_flags_serialized_wgmma() -> None:
+    """sass_check's gate on ptxas's wgmma serialization: a Hopper kernel whose HGMMA each close a
+    wgmma group (gsb0) of their own fails; batches of several k-steps, as the kernels have, pass."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import collections
+
+    import sass_check
+
+    name = ("entropy_attn::cuda::sm90::fwd_impl::forward_kernel<__nv_bfloat16, "
+            "entropy_attn::cuda::sm90::fwd_impl::FwdTraits<__nv_bfloat16, 128, (entropy_attn::MaskKind)0>, "
+            "false, (entropy_attn::MaskKind)0, true>(args)")
+    base = {"UTMALDG.2D": 4, "SYNCS.PHASECHK.TRANS64.TRYWAIT": 4, "USETMAXREG.DEALLOC.CTAPOOL": 1,
+            "MUFU.EX2": 64}
+    batched = collections.Counter({**base, "HGMMA.64X128X16.F32.BF16": 32, sass_check.GROUP_ENDS: 4})
+    assert sass_check.check(name, batched) == []
+    serialized = collections.Counter({**base, "HGMMA.64X128X16.F32.BF16": 32, sass_check.GROUP_ENDS: 32})
+    assert sass_check.check(name, serialized) == ["wgmma serialized: 32 of 32 HGMMA close a group of their own"]
+
+
 def test_share_ptx_groups_architectures_between_changes() -> None:
     """share_ptx compiles the architectures that no change of the code separates from one PTX, the
     lowest of them, and leaves PTX and architecture-specific targets as torch listed them."""

@@ -106,4 +106,30 @@ TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
   }
 }
 
+// A floating-point mask whose entries are not at a multiple of their size (from_blob or DLPack
+// memory) reaches the kernels as an aligned copy with the same values; a broadcast dimension stays
+// a view (a (1, 1, Lq, Lk) mask is not materialized per head); an aligned one is not copied.
+TEST(MaskEntries, MisalignedEntriesAreCopiedToAlignedMemory) {
+  entropy_attn::AttentionShape s{};
+  s.batch = 2, s.heads = 3, s.q_len = 2, s.kv_len = 3;
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const int64_t size = c10::elementSize(dtype);
+    alignas(16) uint8_t raw[16 * 8 + 16] = {};
+    for (const int64_t shift : {int64_t{0}, size / 2}) {
+      // (1, Lq, Lk) entries, expanded over the heads by the caller as a stride-0 view.
+      const at::Tensor values = at::arange(6, at::TensorOptions().dtype(dtype)).view({1, 2, 3});
+      std::memcpy(raw + shift, values.const_data_ptr(), 6 * size);
+      const at::Tensor given =
+          at::from_blob(raw + shift, {1, 2, 3}, at::TensorOptions().dtype(dtype)).expand({3, 2, 3});
+      const at::Tensor m = entropy_attn::expand_mask(given, s, dtype, false);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(m.const_data_ptr()) % size, 0u)
+          << c10::toString(dtype) << " at offset " << shift;
+      EXPECT_EQ(m.const_data_ptr() == given.const_data_ptr(), shift == 0)
+          << "copied only where misaligned (" << c10::toString(dtype) << ")";
+      EXPECT_EQ(m.stride(1), 0) << "the heads stay a broadcast view";
+      EXPECT_TRUE(at::equal(m, values.expand({2, 3, 2, 3})));
+    }
+  }
+}
+
 }  // namespace

@@ -286,10 +286,10 @@ dim3 grid(const BwdParams<float>& p) {
 
 // Named barriers (ids after CUTLASS's reserved ones). Of the two consumer warpgroups (256
 // threads): the row statistics of a query block staged (and the previous block's products done),
-// P of both warpgroups in shared memory (two slices; with one, each warpgroup's own: kOwnP), and
-// dS of both. Of the consumers and the dq writer (warp 1 of the producer warpgroup; bulk
-// reductions only): G's shared tile free (the writer's last bulk reduction has read it) and full
-// (both warpgroups' G stored).
+// P of both warpgroups in shared memory (two slices; with one, each warpgroup's own: kOwnP
+// below), and dS of both. Of the consumers and the dq writer (warp 1 of the producer warpgroup;
+// bulk reductions only): G's shared tile free (the writer's last bulk reduction has read it) and
+// full (both warpgroups' G stored).
 constexpr int kStatsBarrier = 0;
 constexpr int kPBarrier = 1;
 constexpr int kdSBarrier = 2;
@@ -299,9 +299,12 @@ constexpr int kdQFullBarrier = 4;
 // warpgroup arrives, the first waits. An id of its own, not kPBarrier's: the second may reach
 // kPBarrier (slice 1) before the first has waited here, and would count for the first.
 constexpr int kP0Barrier = 5;
-// kOwnP (one slice): P of the second warpgroup's keys in shared memory, a barrier of its 128
-// threads alone (the first warpgroup's is kPBarrier, counted to 128 then).
-constexpr int kP1Barrier = 6;
+// kOwnP (one slice): P of a warpgroup's own keys in shared memory, a barrier of its 128 threads
+// alone, one id per warpgroup (not kPBarrier, which the other step of the same kernel counts to
+// 256 where it runs kEarlyFirst: an id is never used with two counts, which PTX leaves undefined;
+// the step is chosen once per thread block today). The last id CUTLASS leaves (8 of 16 reserved).
+constexpr int kOwnP0Barrier = 7;
+constexpr int kOwnP1Barrier = 6;
 
 // Whether a kernel sums G from lambda dS where no d lambda is asked for (params.h: g_scaled): not
 // the masked kernels, at their register limit (the choice spilled 56 bytes at D = 128, causal).
@@ -720,7 +723,8 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
           Ops::template wgmma_wait<0>();  // dP
         } else {
           if constexpr (kOwnP) {
-            Ops::NamedBarrier::sync(Kt::kConsumerThreads / 2, first ? kPBarrier : kP1Barrier);
+            Ops::NamedBarrier::sync(Kt::kConsumerThreads / 2,
+                                    first ? kOwnP0Barrier : kOwnP1Barrier);
           } else {
             Ops::NamedBarrier::sync(Kt::kConsumerThreads, kPBarrier);
           }

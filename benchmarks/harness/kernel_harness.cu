@@ -469,22 +469,17 @@ TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
     row.fwd = median_ms([&] { EA_CHECK_CUDA(l.fwd_plain(pf, nullptr)); }, warmup, reps);
   }
   row.fwd_stats = median_ms([&] { EA_CHECK_CUDA(l.fwd_stats(ps, nullptr)); }, warmup, reps);
-  if (l.bwd_skip.empty()) {
-    row.fwd_bwd = median_ms(
+  // The forward with statistics and the backward of `bwd`'s loss.
+  const auto fwd_bwd_ms = [&](const BwdParams<float>& bwd) {
+    return median_ms(
         [&] {
           EA_CHECK_CUDA(l.fwd_stats(ps, nullptr));
           EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
-          EA_CHECK_CUDA(l.bwd(pb, nullptr));
+          EA_CHECK_CUDA(l.bwd(bwd, nullptr));
         },
         warmup, reps);
-    row.fwd_bwd_reg = median_ms(
-        [&] {
-          EA_CHECK_CUDA(l.fwd_stats(ps, nullptr));
-          EA_CHECK_CUDA(cudaMemsetAsync(c.b.dq_accum, 0, g_bytes));
-          EA_CHECK_CUDA(l.bwd(pr, nullptr));
-        },
-        warmup, reps);
-  }
+  };
+  if (l.bwd_skip.empty()) row.fwd_bwd = fwd_bwd_ms(pb), row.fwd_bwd_reg = fwd_bwd_ms(pr);
   return row;
 }
 

@@ -65,9 +65,10 @@ c10::string_view AttentionOptions::causal_alignment_name() const {
 
 void CallPattern::set_documents(const DocumentArgs& docs) {
   if (!docs.cu_seq_q.has_value()) return;
-  cu_q = docs.cu_seq_q->contiguous(), cu_k = docs.cu_seq_k->contiguous();
-  if (docs.seqused_k.has_value()) seqused_k = docs.seqused_k->contiguous();
-  if (docs.key_rows.has_value()) key_rows = docs.key_rows->contiguous();
+  auto read_by_kernels = [](const at::Tensor& t) { return element_aligned(t.contiguous()); };
+  cu_q = read_by_kernels(*docs.cu_seq_q), cu_k = read_by_kernels(*docs.cu_seq_k);
+  if (docs.seqused_k.has_value()) seqused_k = read_by_kernels(*docs.seqused_k);
+  if (docs.key_rows.has_value()) key_rows = read_by_kernels(*docs.key_rows);
 }
 
 KeyPattern CallPattern::key_pattern() const {
@@ -122,7 +123,7 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
     c.mask = expand_mask(*attn_mask, c.shape, c.acc, keeps_mask_dtype(*attn_mask, c.dtype));
   }
   if (scale.has_value()) c.scale = expand_scale(*scale, c.shape, c.acc);
-  if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
+  if (sinks.has_value()) c.sinks = element_aligned(sinks->to(c.acc).contiguous());
   return c;
 }
 
@@ -244,7 +245,7 @@ AttentionBackwardCall prepare_attention_backward(
   if (attn_mask.has_value()) {
     c.mask = expand_mask(*attn_mask, c.shape, c.acc, keeps_mask_dtype(*attn_mask, c.dtype));
   }
-  auto row_stat = [&](const at::Tensor& t) { return t.to(c.acc).contiguous(); };
+  auto row_stat = [&](const at::Tensor& t) { return element_aligned(t.to(c.acc).contiguous()); };
   auto opt_row_stat = [&](const std::optional<at::Tensor>& t) {
     return t.has_value() ? row_stat(*t) : at::Tensor();
   };
@@ -260,7 +261,7 @@ AttentionBackwardCall prepare_attention_backward(
   c.row_scale = row_stat(row_scale);
   c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
-  if (sinks.has_value()) c.sinks = sinks->to(c.acc).contiguous();
+  if (sinks.has_value()) c.sinks = element_aligned(sinks->to(c.acc).contiguous());
   if (grad_mask) {
     // The mask's sizes, left-padded with ones to (B, H, Lq, Lk)'s rank.
     std::vector<int64_t> sizes(4 - attn_mask->dim(), 1);

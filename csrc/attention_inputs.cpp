@@ -363,19 +363,14 @@ bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input) {
   return attn_mask.is_cuda() && mask_entries_read_as_is(attn_mask, input);
 }
 
-namespace {
-
-// A copy of `m` in fresh (aligned) memory that keeps its broadcast (stride 0) dimensions as views,
-// so that a (1, 1, L, L) mask expanded to (B, H, L, L) is not materialized whole.
-at::Tensor aligned_copy(const at::Tensor& m) {
-  at::Tensor base = m;
-  for (int64_t d = 0; d < m.dim(); ++d) {
-    if (m.stride(d) == 0 && m.size(d) > 1) base = base.narrow(d, 0, 1);
+at::Tensor element_aligned(const at::Tensor& x) {
+  if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % x.element_size() == 0) return x;
+  at::Tensor base = x;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (x.stride(d) == 0 && x.size(d) > 1) base = base.narrow(d, 0, 1);
   }
-  return base.clone(at::MemoryFormat::Contiguous).expand(m.sizes());
+  return base.clone(at::MemoryFormat::Contiguous).expand(x.sizes());
 }
-
-}  // namespace
 
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype) {
@@ -389,23 +384,17 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
     m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
   }
   if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
-  // Entries at an address that is not a multiple of their size (memory from from_blob or DLPack;
-  // torch's own allocations always are aligned): the kernels read each entry at its natural
-  // alignment (on CUDA a float32 entry by a 4-byte load or cp.async, which faults there), so such a
-  // mask is copied. (A 16-bit one kept in its dtype is 2-byte aligned: mask_entries_read_as_is.)
-  if (m.scalar_type() != at::kBool &&
-      reinterpret_cast<uintptr_t>(m.const_data_ptr()) % m.element_size() != 0) {
-    m = aligned_copy(m);
-  }
-  return m.expand({s.batch, s.heads, s.q_len, s.kv_len});
+  // (A float32 entry is read by a 4-byte load or cp.async on CUDA. A 16-bit one kept in its dtype
+  // is 2-byte aligned already: mask_entries_read_as_is.)
+  return element_aligned(m).expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc) {
-  return scale.to(acc).expand({s.batch, s.heads, s.q_len});
+  return element_aligned(scale.to(acc)).expand({s.batch, s.heads, s.q_len});
 }
 
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype) {
-  at::Tensor y = x.to(dtype);
+  at::Tensor y = element_aligned(x.to(dtype));
   return has_unit_last_stride(y) ? y : y.contiguous();
 }
 

@@ -111,12 +111,11 @@ bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
 // keep_dtype (keeps_mask_dtype) in its own 16-bit dtype, without the float32 copy of every entry
-// a conversion would make. Floating-point entries at an address that is not a multiple of their
-// size (from_blob or DLPack memory) are copied to aligned memory.
+// a conversion would make; element_aligned.
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype);
 
-// Returns the per-row scale factor c expanded to (B, H, Lq) in `acc`.
+// Returns the per-row scale factor c expanded to (B, H, Lq) in `acc`, element_aligned.
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc);
 
 // The floating types the op takes for its tensors (inputs, additive masks, scale tensors, sinks).
@@ -129,7 +128,16 @@ inline bool has_unit_last_stride(const at::Tensor& x) {
   return x.size(-1) <= 1 || x.stride(-1) == 1;
 }
 
-// `x` in dtype `dtype` with a contiguous last dimension (a no-op for conforming inputs).
+// `x` itself, or, where its entries are at an address that is not a multiple of their size (memory
+// from from_blob, DLPack or __cuda_array_interface__; torch's own allocations always are aligned),
+// a copy in fresh memory that keeps x's broadcast (stride 0) dimensions as views, so that a
+// (1, 1, L, L) mask expanded to (B, H, L, L) is not materialized whole. Every tensor whose entries
+// a kernel reads passes through it: the kernels read an entry at its natural alignment, which on
+// CUDA faults at a misaligned address (the x86 CPU path would not need it).
+at::Tensor element_aligned(const at::Tensor& x);
+
+// `x` in dtype `dtype` with a contiguous last dimension, element_aligned (a no-op for conforming
+// inputs).
 at::Tensor with_unit_last_stride(const at::Tensor& x, at::ScalarType dtype);
 
 // The kernel view of a mask from expand_mask (or none).

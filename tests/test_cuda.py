@@ -632,23 +632,30 @@ def test_attention_sparsity(dtype: torch.dtype, kind: str, D: int, variant: str)
 # ----------------------------------------------------------------------------------------
 # layouts: non-contiguous, broadcast, misaligned
 # ----------------------------------------------------------------------------------------
-def misaligned_float32(values: Tensor) -> Tensor:
-    """`values` (float32) in memory 2 bytes past a 4-byte boundary on their device, as from_blob or
-    a DLPack / __cuda_array_interface__ producer can hand them over (torch's own allocations are
-    aligned). The returned tensor keeps its buffer alive."""
+#: The array-interface type strings of the dtypes ``misaligned`` hands over.
+_TYPESTR = {torch.float16: "<f2", torch.float32: "<f4", torch.int32: "<i4"}
+
+
+def misaligned(values: Tensor) -> Tensor:
+    """`values` (float16, float32 or int32) in memory half an entry past a multiple of their size on
+    their device, as from_blob or a DLPack / __cuda_array_interface__ producer can hand them over
+    (torch's own allocations are aligned). The returned tensor keeps its buffer alive."""
     import numpy as np
 
-    n = values.numel()
-    raw = torch.zeros(4 * n + 8, dtype=torch.uint8, device=values.device)
-    raw[2 : 2 + 4 * n] = values.detach().contiguous().view(-1).view(torch.uint8)
+    n, size = values.numel(), values.element_size()
+    shift = size // 2
+    raw = torch.zeros(size * n + 2 * size, dtype=torch.uint8, device=values.device)
+    raw[shift : shift + size * n] = values.detach().contiguous().view(-1).view(torch.uint8)
+    typestr = _TYPESTR[values.dtype]
     if raw.is_cuda:
-        interface = {"data": (raw.data_ptr() + 2, False), "shape": tuple(values.shape), "typestr": "<f4",
+        interface = {"data": (raw.data_ptr() + shift, False), "shape": tuple(values.shape), "typestr": typestr,
                      "version": 2, "strides": None}
         out = torch.as_tensor(type("Interface", (), {"__cuda_array_interface__": interface})(), device=raw.device)
     else:
-        out = torch.from_numpy(np.frombuffer(raw.numpy(), dtype=np.float32, count=n, offset=2).reshape(values.shape))
+        array = np.frombuffer(raw.numpy(), dtype=np.dtype(typestr), count=n, offset=shift)
+        out = torch.from_numpy(array.reshape(values.shape))
     out.keep_alive = raw  # type: ignore[attr-defined]
-    assert out.data_ptr() % 4 == 2 and torch.equal(out, values.detach())
+    assert out.data_ptr() % size == shift and torch.equal(out, values.detach())
     return out
 
 
@@ -665,13 +672,59 @@ def test_float32_mask_at_a_misaligned_address(dtype: torch.dtype) -> None:
     bias[..., :5] = -math.inf
     aligned = bias.to(DEV)
     runs = []
-    for mask in (aligned, misaligned_float32(aligned)):
+    for mask in (aligned, misaligned(aligned)):
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
         out, stats = torch_ext.attention(*xs, attn_mask=mask, is_causal=True, return_stats=True)
         (out.float().sum() + stats.entropy.sum()).backward()
         runs.append((out, stats.lse, stats.entropy, *(x.grad for x in xs)))
     for got, want in zip(runs[1], runs[0]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("which", ["query_key_value", "scale", "sinks", "cu_seqlens", "row_reduction"])
+def test_tensors_at_a_misaligned_address(which: str) -> None:
+    """Each other tensor whose entries the kernels read, handed over half an entry past a multiple
+    of its size (fp16 query, key and value 1 byte past; a float32 scale tensor, float32 sinks and
+    int32 cu_seqlens 2 bytes past; a float32 input of the row reductions), is read through an
+    aligned copy (attention_inputs.cpp: element_aligned): the results and gradients equal those of
+    the same tensors in torch's own memory, where a misaligned load would fault."""
+    B, H, Lq, Lk, D = 2, 2, 70, 150, 64
+    g = torch.Generator().manual_seed(37)
+    dtype = torch.float16 if which == "query_key_value" else torch.float32
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Lq, Lk, Lk))
+    scale = (torch.rand(B, H, Lq, generator=g) * 0.2 + 0.05).to(DEV)
+    sinks = torch.randn(H, generator=g).to(DEV)
+    lengths = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEV)
+    key_lengths = torch.tensor([0, 100, 150], dtype=torch.int32, device=DEV)
+
+    def run(given: Callable[[Tensor], Tensor]) -> List[Tensor]:
+        if which == "row_reduction":
+            p = torch.softmax(q.float().reshape(-1, D), dim=-1)
+            return [torch_ext.entropy(given(p)), torch_ext.sparsity(given(p))]
+        if which == "query_key_value":
+            xs = [given(x).requires_grad_() for x in (q, k, v)]
+        else:
+            xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        if which == "cu_seqlens":  # packed: (total, H, D)
+            packed = [x[0].transpose(0, 1).detach().requires_grad_() for x in xs]
+            out, stats = torch_ext.varlen_attention(*packed, given(lengths), given(key_lengths), 40, 100,
+                                                    is_causal=True, return_stats=True)
+            leaves = packed
+        else:
+            extra: Dict[str, Any] = {}
+            if which == "scale":
+                extra["scale"] = given(scale).requires_grad_()
+            if which == "sinks":
+                extra["sinks"] = given(sinks).requires_grad_()
+            out, stats = torch_ext.attention(*xs, is_causal=True, return_stats=True, **extra)
+            leaves = xs + list(extra.values())
+        (out.float().sum() + stats.entropy.sum()).backward()
+        return [out, stats.lse, stats.entropy, *(x.grad for x in leaves)]
+
+    want, got = run(lambda x: x), run(misaligned)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)

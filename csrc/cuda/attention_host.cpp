@@ -214,7 +214,7 @@ template SparsityParams<double> SparsityCall::params<double>() const;
 RowReductionCall prepare_row_reduction(const at::Tensor& x, int64_t dim, const char* name) {
   const int64_t d = checked_reduction_dim(x, dim, name);
   RowReductionCall c;
-  c.rows = x.movedim(d, -1).contiguous();
+  c.rows = element_aligned(x.movedim(d, -1).contiguous());
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.erase(out_sizes.begin() + d);
   c.out = at::empty(out_sizes, x.options());

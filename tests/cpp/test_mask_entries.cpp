@@ -3,7 +3,8 @@
 // give every entry the value of that copy. Checked here on the host, where the fallback's and the
 // CPU emulation's reads run the same functions: every bf16 and fp16 bit pattern against c10's
 // conversion, and n_i's count and the logits of a mask in each storage type against the float32
-// one. And the call preparation's rule (attention_inputs.h: keeps_mask_dtype, expand_mask).
+// one. And the call preparation's rules (attention_inputs.h: keeps_mask_dtype, expand_mask), with
+// its aligned copy of any tensor the kernels read at a misaligned address (element_aligned).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "attention_inputs.h"
 #include "kernel_args.h"
@@ -128,6 +130,44 @@ TEST(MaskEntries, MisalignedEntriesAreCopiedToAlignedMemory) {
           << "copied only where misaligned (" << c10::toString(dtype) << ")";
       EXPECT_EQ(m.stride(1), 0) << "the heads stay a broadcast view";
       EXPECT_TRUE(at::equal(m, values.expand({2, 3, 2, 3})));
+    }
+  }
+}
+
+// The other tensors the kernels read (query, key and value through with_unit_last_stride, a scale
+// tensor through expand_scale, sinks, statistics and cu_seqlens through element_aligned) follow the
+// mask's rule: copied, with the same values, exactly where their entries are misaligned, a
+// broadcast dimension kept as a view.
+TEST(ElementAligned, MisalignedTensorsAreCopiedToAlignedMemory) {
+  entropy_attn::AttentionShape s{};
+  s.batch = 2, s.heads = 3, s.q_len = 4;
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat, at::kInt}) {
+    const int64_t size = c10::elementSize(dtype);
+    alignas(16) uint8_t raw[16 * 8 + 16] = {};
+    for (const int64_t shift : {int64_t{0}, size / 2}) {
+      const at::Tensor values = at::arange(12, at::TensorOptions().dtype(dtype)).view({1, 3, 4});
+      std::memcpy(raw + shift, values.const_data_ptr(), 12 * size);
+      const at::Tensor given =
+          at::from_blob(raw + shift, {1, 3, 4}, at::TensorOptions().dtype(dtype)).expand({2, 3, 4});
+      const auto context = [&] {
+        return std::string(c10::toString(dtype)) + " at offset " + std::to_string(shift);
+      };
+      const auto expect_aligned_copy = [&](const at::Tensor& t, const char* what) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % t.element_size(), 0u)
+            << what << ", " << context();
+        EXPECT_EQ(t.const_data_ptr() == given.const_data_ptr(), shift == 0)
+            << what << " copied only where misaligned, " << context();
+        EXPECT_EQ(t.stride(0), 0) << what << ": the batch stays a broadcast view, " << context();
+        EXPECT_TRUE(at::equal(t, values.expand({2, 3, 4}))) << what << ", " << context();
+      };
+      expect_aligned_copy(entropy_attn::element_aligned(given), "element_aligned");
+      if (dtype != at::kInt) {
+        expect_aligned_copy(entropy_attn::with_unit_last_stride(given, dtype),
+                            "with_unit_last_stride");
+      }
+      if (dtype == at::kFloat) {
+        expect_aligned_copy(entropy_attn::expand_scale(given, s, dtype), "expand_scale");
+      }
     }
   }
 }

@@ -215,10 +215,10 @@ struct FwdTraits {
     alignas(8) uint64_t barrier_q;
     alignas(8) uint64_t barrier_q_empty;
     // The block's next tiles for the producer (ProducerTile below): the tile of round r in slot
-    // r % 2, written by a consumer thread at the start of round r - 1, before it arrives on
-    // barrier_q_empty, and read by the producer once it has waited there. (Two slots: the consumer
-    // writes before it waits for round r - 1's Q, when the producer may not have read round
-    // r - 1's tile yet; it has read round r - 2's, before it loaded Q of round r - 2.)
+    // r % 2, written by a consumer thread in round r - 1 before it arrives on barrier_q_empty, and
+    // read by the producer once it has waited there. (The thread writes once it has waited for
+    // round r - 1's Q, which the producer loaded after reading round r - 1's tile: one slot would
+    // do, but with one ptxas spilled the masked kernels at D = 128, 32 to 48 bytes.)
     int next_tile[2][5];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -508,10 +508,28 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   const bool any_block = tb.n_end > tb.n_begin;  // the same in every thread of the block
   // Every wgmma that reads Q has completed: the producer may load the next tile's.
   auto release_q = [&] {
-    compiler_fence();  // thread 128's write of the producer's next tile (kernel) comes first
+    compiler_fence();  // thread 128's write of the producer's next tile comes first
     Ops::TxBarrier::arrive(&ss.barrier_q_empty);
   };
-  if (!any_block) release_q();
+  // The producer's next tile (the kernel's walk over tiles), written by thread 128 into the slot
+  // that its arrival on barrier_q_empty (release_q) publishes, after the wait for this tile's Q
+  // (SharedStorage::next_tile). Called once the warpgroup's first S is issued, so that its few
+  // hundred instructions (the launch order's divisions, the key ranges' 64-bit arithmetic) run
+  // beside that product: before the tile's first issue they delayed every tile.
+  auto publish_next_tile = [&] {
+    if (ctid != 0) return;
+    const uint32_t next = next_persistent_tile(index, blockIdx.x, gridDim.x);
+    const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
+                                ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
+                                : ProducerTile{};
+    int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
+    slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
+    slot[4] = pt.n_end;
+  };
+  if (!any_block) {
+    publish_next_tile();
+    release_q();
+  }
 
   // S = Q K^T of key block n into acc_s, issued and not waited for: the mask tile's copies first
   // (they land while the wgmma runs), then the warpgroup's turn at the tensor cores (ping-pong).
@@ -715,6 +733,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     int n = tb.n_end - 1;
     issue_s(n, acc_s);
     scheduler_arrive<Ops>(wg);
+    publish_next_tile();
     Ops::template wgmma_wait<0>();
     s_landed(n, acc_s);
     softmax_of(n, acc_s);  // O is still 0: its factor is moot
@@ -922,17 +941,6 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 #pragma unroll 1
     for (uint32_t index = blockIdx.x; index < static_cast<uint32_t>(tile_count<Kt>(p));
          index = next_persistent_tile(index, blockIdx.x, gridDim.x)) {
-      if (threadIdx.x == 128) {
-        // The producer's next tile, published by this thread's arrival on barrier_q_empty in the
-        // tile's consumption (computed here, where the consumers hold no tile state).
-        const uint32_t next = next_persistent_tile(index, blockIdx.x, gridDim.x);
-        const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
-                                    ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
-                                    : ProducerTile{};
-        int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
-        slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
-        slot[4] = pt.n_end;
-      }
       consume<T, Kt, kCausal, kMask, kStats>(args, ss, pipeline_k, pipeline_v, read_state, index);
     }
   }

@@ -108,6 +108,13 @@ TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
   }
 }
 
+// `values` (contiguous) copied to `dst` and seen there through from_blob, as memory another library
+// hands over: at whatever alignment `dst` has.
+at::Tensor copied_to(uint8_t* dst, const at::Tensor& values) {
+  std::memcpy(dst, values.const_data_ptr(), values.nbytes());
+  return at::from_blob(dst, values.sizes(), values.options());
+}
+
 // A floating-point mask whose entries are not at a multiple of their size (from_blob or DLPack
 // memory) reaches the kernels as an aligned copy with the same values; a broadcast dimension stays
 // a view (a (1, 1, Lq, Lk) mask is not materialized per head); an aligned one is not copied.
@@ -120,9 +127,7 @@ TEST(MaskEntries, MisalignedEntriesAreCopiedToAlignedMemory) {
     for (const int64_t shift : {int64_t{0}, size / 2}) {
       // (1, Lq, Lk) entries, expanded over the heads by the caller as a stride-0 view.
       const at::Tensor values = at::arange(6, at::TensorOptions().dtype(dtype)).view({1, 2, 3});
-      std::memcpy(raw + shift, values.const_data_ptr(), 6 * size);
-      const at::Tensor given =
-          at::from_blob(raw + shift, {1, 2, 3}, at::TensorOptions().dtype(dtype)).expand({3, 2, 3});
+      const at::Tensor given = copied_to(raw + shift, values).expand({3, 2, 3});
       const at::Tensor m = entropy_attn::expand_mask(given, s, dtype, false);
       EXPECT_EQ(reinterpret_cast<uintptr_t>(m.const_data_ptr()) % size, 0u)
           << c10::toString(dtype) << " at offset " << shift;
@@ -146,9 +151,7 @@ TEST(ElementAligned, MisalignedTensorsAreCopiedToAlignedMemory) {
     alignas(16) uint8_t raw[16 * 8 + 16] = {};
     for (const int64_t shift : {int64_t{0}, size / 2}) {
       const at::Tensor values = at::arange(12, at::TensorOptions().dtype(dtype)).view({1, 3, 4});
-      std::memcpy(raw + shift, values.const_data_ptr(), 12 * size);
-      const at::Tensor given =
-          at::from_blob(raw + shift, {1, 3, 4}, at::TensorOptions().dtype(dtype)).expand({2, 3, 4});
+      const at::Tensor given = copied_to(raw + shift, values).expand({2, 3, 4});
       const auto context = [&] {
         return std::string(c10::toString(dtype)) + " at offset " + std::to_string(shift);
       };

@@ -355,8 +355,7 @@ void check_grad_mask(const std::optional<at::Tensor>& attn_mask, bool grad_mask)
 }
 
 bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input) {
-  return attn_mask.scalar_type() == input && (input == at::kBFloat16 || input == at::kHalf) &&
-         reinterpret_cast<uintptr_t>(attn_mask.const_data_ptr()) % 2 == 0;
+  return attn_mask.scalar_type() == input && (input == at::kBFloat16 || input == at::kHalf);
 }
 
 bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input) {
@@ -384,8 +383,8 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
     m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
   }
   if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
-  // (A float32 entry is read by a 4-byte load or cp.async on CUDA. A 16-bit one kept in its dtype
-  // is 2-byte aligned already: mask_entries_read_as_is.)
+  // (On CUDA a float32 entry is read by a 4-byte load or cp.async, and a 16-bit one kept in its
+  // dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.)
   return element_aligned(m).expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 

@@ -104,9 +104,8 @@ at::ScalarType accumulate_type(at::ScalarType input);
 // becomes the accumulate type: the CPU kernels read only that, and a 16-bit mask of the other
 // 16-bit type, or a float32 one with 16-bit inputs, holds values the inputs' type does not.
 bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input);
-// Its device-independent part: the inputs' 16-bit dtype, at a 2-byte aligned address (torch's own
-// allocations always are; memory from from_blob or DLPack need not be, and the kernels' 16-bit
-// loads and word selections assume it: such a mask is converted instead).
+// Its device-independent part: the inputs' 16-bit dtype (at any address: expand_mask copies one
+// that is not 2-byte aligned, element_aligned).
 bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with

@@ -659,16 +659,18 @@ def misaligned(values: Tensor) -> Tensor:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_float32_mask_at_a_misaligned_address(dtype: torch.dtype) -> None:
-    """A float32 additive mask whose entries sit 2 bytes past a 4-byte boundary (memory from
-    from_blob or another library) is read through an aligned copy (attention_inputs.cpp:
-    expand_mask), as the kernels read 4-byte entries: the results and gradients equal those of the
-    same mask in torch's own memory, where a misaligned 4-byte read would fault."""
+@pytest.mark.parametrize("dtype,mask_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                              (torch.float16, torch.float16)], ids=["bf16", "fp32", "fp16"])
+def test_mask_at_a_misaligned_address(dtype: torch.dtype, mask_dtype: torch.dtype) -> None:
+    """An additive mask whose entries sit half an entry past a multiple of their size (memory from
+    from_blob or another library: a float32 mask 2 bytes past, an fp16 one of fp16 inputs, which the
+    kernels read in its own dtype, 1 byte past) is read through an aligned copy (attention_inputs.cpp:
+    element_aligned, from expand_mask): the results and gradients equal those of the same mask in
+    torch's own memory, where a misaligned read would fault."""
     B, H, Lq, Lk, D = 2, 2, 70, 150, 64
     g = torch.Generator().manual_seed(31)
     q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Lq, Lk, Lk))
-    bias = torch.randn(1, 1, Lq, Lk, generator=g)
+    bias = torch.randn(1, 1, Lq, Lk, generator=g).to(mask_dtype)
     bias[..., :5] = -math.inf
     aligned = bias.to(DEV)
     runs = []

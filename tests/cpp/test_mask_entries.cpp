@@ -74,23 +74,34 @@ TEST(MaskEntries, SixteenBitMasksReadAsTheirFloat32Copy) {
   check_mask_in(at::kHalf, MaskElem::kFloat16);
 }
 
+// `values` (contiguous) copied to `dst` and seen there through from_blob, as memory another library
+// hands over: at whatever alignment `dst` has.
+at::Tensor copied_to(uint8_t* dst, const at::Tensor& values) {
+  std::memcpy(dst, values.const_data_ptr(), values.nbytes());
+  return at::from_blob(dst, values.sizes(), values.options());
+}
+
 TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
   const at::Tensor bf16 = at::zeros({2, 3}, at::kBFloat16);
   // On the CPU (whose kernels read float32 alone) and for other dtypes a mask is converted.
   EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16, at::kBFloat16));
   EXPECT_FALSE(entropy_attn::keeps_mask_dtype(at::zeros({2, 3}, at::kFloat), at::kFloat));
-  // The entries' part of the rule: the inputs' dtype, 16 bits, 2-byte aligned.
+  // The entries' part of the rule: the inputs' dtype, 16 bits.
   EXPECT_TRUE(entropy_attn::mask_entries_read_as_is(bf16, at::kBFloat16));
   EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(bf16, at::kHalf));
   EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(bf16.to(at::kFloat), at::kFloat));
-  alignas(4) uint8_t raw[16] = {};
-  const at::Tensor odd = at::from_blob(raw + 1, {2, 3}, at::TensorOptions().dtype(at::kBFloat16));
-  EXPECT_FALSE(entropy_attn::mask_entries_read_as_is(odd, at::kBFloat16))
-      << "a bf16 mask at an odd address (from_blob) is converted, not read in place";
-  EXPECT_TRUE(entropy_attn::mask_entries_read_as_is(
-      at::from_blob(raw + 2, {2, 3}, at::TensorOptions().dtype(at::kBFloat16)), at::kBFloat16));
   entropy_attn::AttentionShape s{};
   s.batch = 1, s.heads = 2, s.q_len = 2, s.kv_len = 3;
+  // At an odd address (from_blob) too: kept, it is read through an aligned copy in its own dtype
+  // (element_aligned), not a float32 conversion.
+  alignas(4) uint8_t raw[16] = {};
+  const at::Tensor values = at::arange(6, at::TensorOptions().dtype(at::kFloat)).view({2, 3});
+  const at::Tensor odd = copied_to(raw + 1, values.to(at::kBFloat16));
+  EXPECT_TRUE(entropy_attn::mask_entries_read_as_is(odd, at::kBFloat16));
+  const at::Tensor odd_kept = entropy_attn::expand_mask(odd, s, at::kFloat, true);
+  EXPECT_EQ(odd_kept.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(odd_kept.const_data_ptr()) % 2, 0u);
+  EXPECT_TRUE(at::equal(odd_kept.to(at::kFloat), values.expand({1, 2, 2, 3})));
   EXPECT_EQ(entropy_attn::expand_mask(bf16, s, at::kFloat, false).scalar_type(), at::kFloat);
   // Kept: the same storage, expanded as a view.
   const at::Tensor kept = entropy_attn::expand_mask(bf16, s, at::kFloat, true);
@@ -106,13 +117,6 @@ TEST(MaskEntries, KeptInTheInputsDtypeOnCudaAlone) {
     EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16.cuda(), at::kHalf));
     EXPECT_FALSE(entropy_attn::keeps_mask_dtype(bf16.cuda().to(at::kFloat), at::kBFloat16));
   }
-}
-
-// `values` (contiguous) copied to `dst` and seen there through from_blob, as memory another library
-// hands over: at whatever alignment `dst` has.
-at::Tensor copied_to(uint8_t* dst, const at::Tensor& values) {
-  std::memcpy(dst, values.const_data_ptr(), values.nbytes());
-  return at::from_blob(dst, values.sizes(), values.options());
 }
 
 // A floating-point mask whose entries are not at a multiple of their size (from_blob or DLPack

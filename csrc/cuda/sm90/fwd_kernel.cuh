@@ -517,14 +517,18 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // hundred instructions (the launch order's divisions, the key ranges' 64-bit arithmetic) run
   // beside that product: before the tile's first issue they delayed every tile.
   auto publish_next_tile = [&] {
-    if (ctid != 0) return;
-    const uint32_t next = next_persistent_tile(index, blockIdx.x, gridDim.x);
-    const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
-                                ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
-                                : ProducerTile{};
-    int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
-    slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
-    slot[4] = pt.n_end;
+    if (ctid == 0) {
+      const uint32_t next = next_persistent_tile(index, blockIdx.x, gridDim.x);
+      const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
+                                  ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
+                                  : ProducerTile{};
+      int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
+      slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
+      slot[4] = pt.n_end;
+    }
+    // The warp whole again for the wgmma wait that follows (.sync.aligned: all its threads at
+    // once), rather than as ptxas happens to reconverge it.
+    __syncwarp();
   };
   if (!any_block) {
     publish_next_tile();

@@ -689,7 +689,8 @@ def test_tensors_at_a_misaligned_address(which: str) -> None:
     of its size (fp16 query, key and value 1 byte past; a float32 scale tensor, float32 sinks and
     int32 cu_seqlens 2 bytes past; a float32 input of the row reductions), is read through an
     aligned copy (attention_inputs.cpp: element_aligned): the results and gradients equal those of
-    the same tensors in torch's own memory, where a misaligned load would fault."""
+    the same tensors in torch's own memory, where a misaligned load would fault, and the dense
+    calls' output and entropy match the float64 reference."""
     B, H, Lq, Lk, D = 2, 2, 70, 150, 64
     g = torch.Generator().manual_seed(37)
     dtype = torch.float16 if which == "query_key_value" else torch.float32
@@ -727,6 +728,11 @@ def test_tensors_at_a_misaligned_address(which: str) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    if which in ("query_key_value", "scale", "sinks"):  # and the dense calls against float64
+        ref = reference_attention_raw(q.cpu(), k.cpu(), v.cpu(), None, scale.cpu() if which == "scale" else None,
+                                      is_causal=True, sinks=sinks.cpu() if which == "sinks" else None)
+        assert_close64(got[0], ref.output, *OUT_TOL[dtype], name="output")
+        assert_close64(got[2], ref.entropy, *STAT_TOL[dtype], name="entropy")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=dtype_id)

@@ -362,13 +362,44 @@ bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input) {
   return attn_mask.is_cuda() && mask_entries_read_as_is(attn_mask, input);
 }
 
-at::Tensor element_aligned(const at::Tensor& x) {
-  if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % x.element_size() == 0) return x;
+namespace {
+
+// A copy of x's entries in fresh memory, contiguous, a whole number of 4-byte words long (up to 3
+// entries of padding after them), expanded back to x's sizes: its broadcast (stride 0) dimensions
+// stay views, so that a (1, 1, L, L) mask expanded to (B, H, L, L) is not materialized whole.
+at::Tensor compact_copy(const at::Tensor& x) {
   at::Tensor base = x;
   for (int64_t d = 0; d < x.dim(); ++d) {
     if (x.stride(d) == 0 && x.size(d) > 1) base = base.narrow(d, 0, 1);
   }
-  return base.clone(at::MemoryFormat::Contiguous).expand(x.sizes());
+  const int64_t n = base.numel();
+  at::Tensor copy = at::empty({(n + 3) / 4 * 4}, base.options()).narrow(0, 0, n).view(base.sizes());
+  return copy.copy_(base).expand(x.sizes());
+}
+
+}  // namespace
+
+at::Tensor element_aligned(const at::Tensor& x) {
+  if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % x.element_size() == 0) return x;
+  return compact_copy(x);
+}
+
+bool words_within_storage(const at::Tensor& x) {
+  if (x.numel() == 0 || x.element_size() % 4 == 0 || !x.has_storage()) return true;
+  // The byte after x's last entry (strides are not negative in torch).
+  int64_t last = 0;
+  for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(x.const_data_ptr());
+  const uintptr_t end = first + static_cast<uintptr_t>((last + 1) * x.element_size());
+  const auto storage_begin = reinterpret_cast<uintptr_t>(x.storage().data());
+  const uintptr_t storage_end = storage_begin + x.storage().nbytes();
+  constexpr uintptr_t kWord = 4;
+  return (first & ~(kWord - 1)) >= storage_begin &&
+         ((end + kWord - 1) & ~(kWord - 1)) <= storage_end;
+}
+
+at::Tensor word_readable(const at::Tensor& x) {
+  return words_within_storage(x) ? x : compact_copy(x);
 }
 
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
@@ -383,9 +414,9 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
     m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
   }
   if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
-  // (On CUDA a float32 entry is read by a 4-byte load or cp.async, and a 16-bit one kept in its
-  // dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.)
-  return element_aligned(m).expand({s.batch, s.heads, s.q_len, s.kv_len});
+  // (On CUDA a float32 entry is read by a 4-byte load or cp.async, and a bool or a 16-bit one kept
+  // in its dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.)
+  return word_readable(element_aligned(m)).expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc) {

@@ -110,7 +110,7 @@ bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
 // keep_dtype (keeps_mask_dtype) in its own 16-bit dtype, without the float32 copy of every entry
-// a conversion would make; element_aligned.
+// a conversion would make; element_aligned and word_readable.
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype);
 
@@ -134,6 +134,19 @@ inline bool has_unit_last_stride(const at::Tensor& x) {
 // a kernel reads passes through it: the kernels read an entry at its natural alignment, which on
 // CUDA faults at a misaligned address (the x86 CPU path would not need it).
 at::Tensor element_aligned(const at::Tensor& x);
+
+// Whether the aligned 4-byte words that hold x's entries lie within x's storage: always for entries
+// of 4 or 8 bytes; for 1- or 2-byte entries, unless the last ends less than a word before the
+// storage does (a bool mask whose size in bytes is not a multiple of 4) or the first starts
+// less than a word after it at an address that is not a multiple of 4 (from_blob memory).
+bool words_within_storage(const at::Tensor& x);
+
+// `x` itself, or, where its entries' words reach outside its storage (words_within_storage), a
+// copy in storage of whole words with x's broadcast dimensions kept as views (as element_aligned).
+// The tensor-core forwards copy a bool or 16-bit mask entry's whole aligned word (mask_words.cuh):
+// a byte past an allocation never faults (it is in the same page), but it is a read outside the
+// tensor, which compute-sanitizer's memcheck reports on memory from cudaMalloc of exact size.
+at::Tensor word_readable(const at::Tensor& x);
 
 // `x` in dtype `dtype` with a contiguous last dimension, element_aligned (a no-op for conforming
 // inputs).

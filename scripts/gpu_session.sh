@@ -32,7 +32,8 @@
 #      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
-#      additive, into the logs); a learned bias's forward and backward (benchmarks/
+#      additive, into the logs); memcheck over masks that end within a word of their storage's end
+#      (cuda_sanitizer_grid.py --variants bool_mask_tight additive_mask_tight); a learned bias's forward and backward (benchmarks/
 #      learned_bias.py, by default and with the Hopper family forced, into the logs); the fixed cost
 #      of a call (benchmarks/call_overhead.py --quick, into the logs); the Nsight Compute profile
 #      of the default path (benchmarks/gpu_profile.py, into the logs).
@@ -293,6 +294,19 @@ bounded 60 "$PYTHON" benchmarks/gpu_vs_sdpa.py --dtype bf16 --heads-kv 16:16 --h
   --out-json "$LOGS/masks.json" >"$LOGS/masks.log" 2>&1
 record masks $?
 pack
+# As time allows, memcheck over the masks whose entries end within a word of their storage's end
+# (cuda_sanitizer_grid.py: *_tight), each tensor its own exact cudaMalloc
+# (PYTORCH_NO_CUDA_MEMORY_CACHING=1): the tensor-core forwards' word copies of a bool or 16-bit
+# mask stay within its storage (attention_inputs.h: word_readable, added 2026-12-06).
+if [[ -n $sanitizer ]]; then
+  note "memcheck of the tight masks"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 bounded 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
+    "$PYTHON" scripts/cuda_sanitizer_grid.py --passes sm80 sm90 \
+    --variants bool_mask_tight additive_mask_tight >"$LOGS/memcheck_masks.log" 2>&1
+  record "memcheck (tight masks)" $?
+  tail -3 "$LOGS/memcheck_masks.log"
+  pack
+fi
 # A learned (1, H, L, L) bias that requires grad (T5's relative positions, at T5's head dim 64 and
 # 12 heads): forward and backward against SDPA with the same bias, both checked first. Its backward
 # ran on the fallback kernels until 2026-12-06, now in the sm80 family by default (its mask's

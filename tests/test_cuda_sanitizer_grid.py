@@ -33,8 +33,8 @@ def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert grid.main([]) == 0
     out = capsys.readouterr().out
     assert out.count("variants x D 64, 128, 256, 96 run") == 3
-    assert "sm80-99KB: 8 variants x D 128 run" in out
-    assert "sm90-persistent: 8 variants x D 64, 128 run" in out
+    assert "sm80-99KB: 10 variants x D 128 run" in out
+    assert "sm90-persistent: 10 variants x D 64, 128 run" in out
 
 
 def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,16 +45,48 @@ def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         (os.environ["ENTROPY_ATTN_CUDA_FAMILY"], os.environ.get("ENTROPY_ATTN_CUDA_PERSISTENT"))) or [torch.zeros(1)])
     assert grid.main(["--passes", "sm90-persistent"]) == 0
     assert set(seen) == {("sm90", "1")}
-    assert capsys.readouterr().out.splitlines() == ["sm90-persistent: 8 variants x D 64, 128 run"]
+    assert capsys.readouterr().out.splitlines() == ["sm90-persistent: 10 variants x D 64, 128 run"]
     assert "ENTROPY_ATTN_CUDA_PERSISTENT" not in os.environ  # the pass's setting undone
     seen.clear()
     assert grid.main(["--passes", "sm90"]) == 0
     assert set(seen) == {("sm90", None)}
-    assert capsys.readouterr().out.splitlines() == ["sm90: 8 variants x D 64, 128, 256, 96 run"]
+    assert capsys.readouterr().out.splitlines() == ["sm90: 10 variants x D 64, 128, 256, 96 run"]
     with pytest.raises(SystemExit) as exit_:
         grid.main(["--passes", "persistent"])
     assert exit_.value.code == 2
     assert "invalid choice: 'persistent'" in capsys.readouterr().err
+
+
+def test_variants_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--variants runs the variants it names and no other (dropout only where named); the tight
+    masks' entries start one entry into storage one entry longer than they are, so that the last
+    ends within the 4-byte word of the storage's last byte (1 byte into it for a bool mask, 2 for a
+    bf16 one)."""
+    real = grid.torch_ext.attention
+    masks: list[torch.Tensor] = []
+    dropouts: list[float] = []
+
+    def recording(*args: object, **kw: object) -> object:
+        if kw.get("attn_mask") is not None:
+            masks.append(kw["attn_mask"])
+        dropouts.append(kw.get("dropout_p", 0.0))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(grid.torch_ext, "attention", recording)
+    assert grid.main(["--passes", "sm80-99KB", "--variants", "bool_mask_tight", "additive_mask_tight"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["sm80-99KB: 2 variants x D 128 run"]
+    assert not any(dropouts)
+    # Each variant on the device and on the CPU: bool twice, then the bf16 mask and its float32 reference.
+    assert [m.dtype for m in masks] == [torch.bool, torch.bool, torch.bfloat16, torch.float32]
+    for m in masks[:3]:
+        assert m.storage_offset() == 1
+        assert m.untyped_storage().nbytes() == (m.numel() + 1) * m.element_size()
+        assert m.untyped_storage().nbytes() % 4 == m.element_size()
+    assert torch.equal(masks[0], masks[1]) and torch.equal(masks[2], masks[3].bfloat16())
+    masks.clear()
+    assert grid.main(["--passes", "sm80-99KB", "--variants", "dropout"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["sm80-99KB: 1 variants x D 128 run"]
+    assert dropouts[-1] == 0.2 and not masks
 
 
 def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

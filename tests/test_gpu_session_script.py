@@ -120,7 +120,8 @@ def _stand_ins(tmp_path: Path) -> dict[str, str]:
         build / "kernel_harness_baseline": FAKE_HARNESS,
         build / "kernel_harness_7ae3efb": FAKE_HARNESS,
         build / "kernel_harness_73fc850": FAKE_HARNESS,
-        bin_dir / "fake-sanitizer": '#!/bin/bash\necho "$@" >> sanitizer_calls.txt\n',
+        bin_dir / "fake-sanitizer": '#!/bin/bash\necho "$@" >> sanitizer_calls.txt\n'
+                                    '[[ $* != *memcheck* || $PYTORCH_NO_CUDA_MEMORY_CACHING == 1 ]] || exit 3\n',
         # Python: pytest passes, harness_ab.py runs, the benchmarks write their --out-md/--out-json.
         bin_dir / "fake-python": f"""#!/bin/bash
 [[ $1 == -m ]] && {{ echo "3 passed in 0.1s"; exit 0; }}
@@ -182,6 +183,10 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     assert calls[0].endswith("scripts/cuda_sanitizer_grid.py --passes sm90-persistent"), calls
     # And, as time allows, over the Hopper family's forward and backward.
     assert calls[1].endswith("scripts/cuda_sanitizer_grid.py --passes sm90"), calls
+    # And memcheck over the masks that end within a word of their storage's end, each tensor its own
+    # allocation.
+    assert calls[2].startswith("--tool memcheck"), calls
+    assert calls[2].endswith("--passes sm80 sm90 --variants bool_mask_tight additive_mask_tight"), calls
 
 
 #: A stand-in timeout: the step harness of 7ae3efb runs out of its time, everything else runs.

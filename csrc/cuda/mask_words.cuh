@@ -3,9 +3,9 @@
 // scores are computed). A float32 additive mask's word is its float. A bool mask's entry is one
 // byte and a 16-bit additive mask's (kernel_args.h: MaskElem) two, and cp.async moves 4, 8 or 16
 // bytes: the aligned word that holds the entry is copied, and the reader picks the entry out with
-// __byte_perm. Such a word stays within the mask's allocation as long as its start is 4-byte
-// aligned and its size a multiple of 4 bytes (cudaMalloc aligns to 256 bytes, PyTorch's caching
-// allocator rounds sizes up to 512 bytes).
+// __byte_perm. Such a word may hold bytes beyond the mask's entries, never beyond its storage:
+// the call preparation copies a mask whose words would reach past it (attention_inputs.h:
+// word_readable).
 #pragma once
 
 #include <cuda_fp16.h>

@@ -4,7 +4,8 @@
 // CPU emulation's reads run the same functions: every bf16 and fp16 bit pattern against c10's
 // conversion, and n_i's count and the logits of a mask in each storage type against the float32
 // one. And the call preparation's rules (attention_inputs.h: keeps_mask_dtype, expand_mask), with
-// its aligned copy of any tensor the kernels read at a misaligned address (element_aligned).
+// its aligned copy of any tensor the kernels read at a misaligned address (element_aligned) and of
+// a mask whose entries' 4-byte words reach outside its storage (word_readable).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -177,6 +178,51 @@ TEST(ElementAligned, MisalignedTensorsAreCopiedToAlignedMemory) {
       }
     }
   }
+}
+
+// The tensor-core forwards copy the aligned 4-byte word that holds a bool or 16-bit mask entry
+// (mask_words.cuh): a mask whose words would reach outside its storage (its bytes not a multiple of
+// 4, or its first entry less than a word into storage that starts off a word) reaches them as a
+// copy with the same entries in storage of whole words; any other mask is not copied.
+TEST(MaskEntries, WordsOutsideTheStorageAreCopied) {
+  const auto bools = [](int64_t n) {
+    return at::arange(n, at::TensorOptions().dtype(at::kLong)).remainder(3).ne(0);
+  };
+  const auto expect_word_readable = [](const at::Tensor& given, bool copied, const char* what) {
+    EXPECT_EQ(entropy_attn::words_within_storage(given), !copied) << what;
+    const at::Tensor got = entropy_attn::word_readable(given);
+    EXPECT_EQ(got.const_data_ptr() != given.const_data_ptr(), copied) << what;
+    EXPECT_TRUE(entropy_attn::words_within_storage(got)) << what;
+    EXPECT_EQ(got.strides(), copied ? got.contiguous().strides() : given.strides()) << what;
+    EXPECT_TRUE(at::equal(got, given)) << what;
+  };
+  expect_word_readable(bools(8), false, "8 bools");
+  expect_word_readable(bools(5), true, "5 bools: the second word's last 3 bytes are outside");
+  expect_word_readable(bools(8).narrow(0, 1, 7), false, "7 bools after 1 in a storage of 8");
+  expect_word_readable(bools(8).narrow(0, 1, 5), false, "5 bools in the middle of 8");
+  expect_word_readable(bools(4).view({1, 4}).expand({3, 4}), false, "4 bools, broadcast");
+  const at::Tensor bf16 = at::arange(3, at::TensorOptions().dtype(at::kFloat)).to(at::kBFloat16);
+  expect_word_readable(bf16, true, "3 bf16 entries: 6 bytes");
+  expect_word_readable(bf16.narrow(0, 0, 2), false, "2 of 3 bf16 entries");
+  expect_word_readable(at::zeros({3}, at::kFloat), false, "float32 entries are words");
+  // From_blob memory that starts off a word: the first entry's word starts before it.
+  alignas(4) uint8_t raw[16] = {};
+  expect_word_readable(copied_to(raw + 1, bools(4)), true, "4 bools at an odd address");
+  expect_word_readable(copied_to(raw + 2, bf16.narrow(0, 0, 2)), true, "2 bf16 at 2 past a word");
+  // A broadcast dimension stays a view of the copy.
+  const at::Tensor broadcast = entropy_attn::word_readable(bools(5).view({1, 5}).expand({3, 5}));
+  EXPECT_EQ(broadcast.stride(0), 0);
+  EXPECT_TRUE(at::equal(broadcast, bools(5).expand({3, 5})));
+  // expand_mask applies it to a bool mask and to a 16-bit one kept in its dtype.
+  entropy_attn::AttentionShape s{};
+  s.batch = 2, s.heads = 3, s.q_len = 1, s.kv_len = 5;
+  const at::Tensor mask = entropy_attn::expand_mask(bools(5), s, at::kFloat, false);
+  EXPECT_TRUE(entropy_attn::words_within_storage(mask));
+  EXPECT_TRUE(at::equal(mask, bools(5).expand({2, 3, 1, 5})));
+  s.kv_len = 3;
+  const at::Tensor kept = entropy_attn::expand_mask(bf16, s, at::kFloat, true);
+  EXPECT_EQ(kept.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(entropy_attn::words_within_storage(kept));
 }
 
 }  // namespace

@@ -9,8 +9,14 @@ requiring grad, ours with the same bias fixed (what asking for its gradient cost
 the bias requiring grad (the backend torch picks for it). Every timed method's output and
 gradients are first checked against SDPA's.
 
+--bias picks the bias's shapes: ``head``, the (1, H, L, L) bias above; ``key``, one learned bias
+per key of each sequence, (B, 1, 1, L), whose gradient sums dS over the heads and the rows: the
+CUDA backwards' atomics of a tile's rows then all go to one address per key (docs/cuda.md), which
+this timing prices.
+
     python3 benchmarks/learned_bias.py                                   # CPU, float32
     python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --lengths 1024 2048 4096
+    python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --bias head key
 
 Writes a Markdown table and JSON to results/learned_bias/<device>.{md,json}.
 """
@@ -35,6 +41,12 @@ import torch_ext  # noqa: E402
 from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
+# The bias shapes --bias names: their sizes for batch B, heads H and length L, and how the table
+# writes them.
+BIAS_SHAPES = {
+    "head": (lambda B, H, L: (1, H, L, L), "(1, H, L, L)"),
+    "key": (lambda B, H, L: (B, 1, 1, L), "(B, 1, 1, L)"),
+}
 
 
 def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -64,13 +76,15 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     dtype = getattr(torch, args.dtype)
     B, H, D, dev = args.batch, args.heads, args.head_dim, args.device
     rows: List[Dict[str, object]] = []
-    for L in tqdm(args.lengths, desc="learned bias"):
+    grid = [(shape, L) for shape in args.bias for L in args.lengths]
+    for shape, L in tqdm(grid, desc="learned bias"):
         g = torch.Generator().manual_seed(L)
         q, k, v = (torch.randn(B, H, L, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
-        bias = (0.5 * torch.randn(1, H, L, L, generator=g)).to(dev, dtype).requires_grad_()
+        size = BIAS_SHAPES[shape][0](B, H, L)
+        bias = (0.5 * torch.randn(*size, generator=g)).to(dev, dtype).requires_grad_()
         go = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
         check({m: step(m, q, k, v, bias, go) for m in METHODS}, dtype)
-        row: Dict[str, object] = {"seq_len": L}
+        row: Dict[str, object] = {"bias": BIAS_SHAPES[shape][1], "seq_len": L}
         for m in METHODS:
             row[f"{m}_ms"] = median_ms(lambda m=m: step(m, q, k, v, bias, go), args.min_run_time)
         rows.append(row)
@@ -83,14 +97,14 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 def markdown(result: Dict[str, object]) -> str:
     lines = [f"# Learned additive bias, forward + backward ({result['device']})", "",
              f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, B={result['batch']}, "
-             f"H={result['heads']}, D={result['head_dim']}, bias (1, H, L, L); medians of torch.utils.benchmark "
+             f"H={result['heads']}, D={result['head_dim']}; medians of torch.utils.benchmark "
              "in one process; outputs and gradients checked against SDPA's first.", "",
-             "| L | ours, bias requires grad (ms) | ours, fixed bias (ms) | SDPA, bias requires grad (ms) "
+             "| bias | L | ours, bias requires grad (ms) | ours, fixed bias (ms) | SDPA, bias requires grad (ms) "
              "| ours / SDPA (bias requires grad) |",
-             "|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for r in result["rows"]:  # type: ignore[union-attr]
         ratio = r["ours_bias_grad_ms"] / r["sdpa_bias_grad_ms"]
-        lines.append(f"| {r['seq_len']} | {r['ours_bias_grad_ms']:.1f} | {r['ours_fixed_bias_ms']:.1f} | "
+        lines.append(f"| {r['bias']} | {r['seq_len']} | {r['ours_bias_grad_ms']:.1f} | {r['ours_fixed_bias_ms']:.1f} | "
                      f"{r['sdpa_bias_grad_ms']:.1f} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -103,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--bias", nargs="+", choices=list(BIAS_SHAPES), default=["head"],
+                   help="the bias's shapes: head (1, H, L, L), key (B, 1, 1, L)")
     p.add_argument("--min-run-time", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "learned_bias")
     args = p.parse_args(argv)

@@ -25,10 +25,21 @@ def test_writes_table_and_json(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert all(row[f"{m}_ms"] > 0 for m in learned_bias.METHODS)
     text = (tmp_path / "cpu.md").read_text()
-    assert "| L | ours, bias requires grad (ms)" in text and text.count("\n| 16 |") + text.count("\n| 24 |") == 2
+    assert "| bias | L | ours, bias requires grad (ms)" in text
+    assert text.count("\n| (1, H, L, L) | 16 |") + text.count("\n| (1, H, L, L) | 24 |") == 2
 
 
-def test_a_wrong_gradient_stops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_bias_per_key(tmp_path: Path) -> None:
+    """--bias head key times both shapes, each checked against SDPA (its gradient summed over the
+    heads and rows)."""
+    learned_bias.main([*TINY, "--bias", "head", "key", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu.json").read_text())
+    assert [(r["bias"], r["seq_len"]) for r in result["rows"]] == [
+        ("(1, H, L, L)", 16), ("(1, H, L, L)", 24), ("(B, 1, 1, L)", 16), ("(B, 1, 1, L)", 24)]
+
+
+@pytest.mark.parametrize("bias", ["head", "key"])
+def test_a_wrong_gradient_stops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bias: str) -> None:
     """The check can fail: a method whose bias gradient is off is reported, not timed."""
     real = learned_bias.step
 
@@ -40,4 +51,4 @@ def test_a_wrong_gradient_stops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
     monkeypatch.setattr(learned_bias, "step", wrong)
     with pytest.raises(SystemExit, match="ours_bias_grad: dbias differs"):
-        learned_bias.main([*TINY, "--out", str(tmp_path)])
+        learned_bias.main([*TINY, "--bias", bias, "--out", str(tmp_path)])

@@ -683,6 +683,34 @@ def test_mask_at_a_misaligned_address(dtype: torch.dtype, mask_dtype: torch.dtyp
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype,mask_dtype", [(torch.bfloat16, torch.bool), (torch.float16, torch.bool),
+                                              (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
+                         ids=["bf16-bool", "fp16-bool", "bf16-bf16", "fp16-fp16"])
+def test_mask_in_tight_storage(dtype: torch.dtype, mask_dtype: torch.dtype) -> None:
+    """A bool mask, or a 16-bit one of the inputs' dtype, whose storage ends 1 or 2 bytes into the
+    4-byte word of its last entry (its entries one entry into storage one entry longer), which the
+    tensor-core forwards would copy whole, is read through a copy in storage of whole words
+    (attention_inputs.cpp: word_readable, from expand_mask): the results and gradients equal those
+    of the same mask in storage of its own size. (That no read leaves the storage, compute-sanitizer's
+    memcheck checks: scripts/cuda_sanitizer_grid.py, the *_tight variants.)"""
+    B, H, Lq, Lk, D = 2, 2, 70, 150, 64
+    g = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Lq, Lk, Lk))
+    keep = torch.rand(1, 1, Lq, Lk, generator=g) > 0.3
+    keep[..., -1] = True
+    plain = (keep if mask_dtype == torch.bool else torch.where(keep, 0.0, -math.inf).to(mask_dtype)).to(DEV)
+    tight = torch.empty(plain.numel() + 1, dtype=mask_dtype, device=DEV)[1:].view_as(plain).copy_(plain)
+    assert tight.untyped_storage().nbytes() % 4 == tight.element_size()
+    runs = []
+    for mask in (plain, tight):
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, stats = torch_ext.attention(*xs, attn_mask=mask, return_stats=True)
+        (out.float().sum() + stats.entropy.sum()).backward()
+        runs.append((out, stats.lse, stats.entropy, *(x.grad for x in xs)))
+    for got, want in zip(runs[1], runs[0]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("which", ["query_key_value", "scale", "sinks", "cu_seqlens", "row_reduction"])
 def test_tensors_at_a_misaligned_address(which: str) -> None:
     """Each other tensor whose entries the kernels read, handed over half an entry past a multiple

@@ -385,7 +385,7 @@ at::Tensor element_aligned(const at::Tensor& x) {
 }
 
 bool words_within_storage(const at::Tensor& x) {
-  if (x.numel() == 0 || x.element_size() % 4 == 0 || !x.has_storage()) return true;
+  if (x.numel() == 0 || x.element_size() % 4 == 0) return true;
   // The byte after x's last entry (strides are not negative in torch).
   int64_t last = 0;
   for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
@@ -414,9 +414,12 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at:
     m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
   }
   if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
+  m = element_aligned(m);
   // (On CUDA a float32 entry is read by a 4-byte load or cp.async, and a bool or a 16-bit one kept
-  // in its dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.)
-  return word_readable(element_aligned(m)).expand({s.batch, s.heads, s.q_len, s.kv_len});
+  // in its dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.
+  // The CPU kernels read entries alone.)
+  if (m.is_cuda()) m = word_readable(m);
+  return m.expand({s.batch, s.heads, s.q_len, s.kv_len});
 }
 
 at::Tensor expand_scale(const at::Tensor& scale, const AttentionShape& s, at::ScalarType acc) {

@@ -15,7 +15,8 @@ Small shapes (200 rows: a partial tile in every family) keep a run short (under 
 at D = 64 and 128 alone, on an H200; the grid as it stands has not been timed).
 --passes NAME... runs only the passes named (fallback, sm80, sm90, sm80-99KB, sm90-persistent: a
 name selects that pass alone, so that --passes sm90 does not repeat the persistent grid's), and
---variants NAME... only the variants named (VARIANTS' names, and dropout). Exits 1
+--variants NAME... only the variants named (VARIANTS' names, and dropout), --head-dims D... only
+those of each pass's head dims. Exits 1
 on a mismatch, 0 when every call agrees; prints one line per pass.
 """
 
@@ -99,6 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--passes", nargs="+", metavar="NAME", choices=[p[0] for p in PASSES],
                         help="only these passes: %(choices)s")
+    parser.add_argument("--head-dims", nargs="+", type=int, metavar="D",
+                        help="only these of each pass's head dims")
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         choices=[v[0] for v in VARIANTS] + ["dropout"],
                         help="only these variants: %(choices)s")
@@ -111,6 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for family, forced, env, dims in passes:
         os.environ["ENTROPY_ATTN_CUDA_FAMILY"] = forced
         os.environ.update(env)
+        dims = tuple(d for d in dims if not args.head_dims or d in args.head_dims)
         for d in dims:
             base = [torch.randn(1, 2, 200, d, generator=gen) for _ in range(4)]
             mask = torch.rand(200, 200, generator=gen) > 0.3

@@ -301,7 +301,7 @@ pack
 if [[ -n $sanitizer ]]; then
   note "memcheck of the tight masks"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 bounded 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
-    "$PYTHON" scripts/cuda_sanitizer_grid.py --passes sm80 sm90 \
+    "$PYTHON" scripts/cuda_sanitizer_grid.py --passes sm80 sm90 --head-dims 64 128 \
     --variants bool_mask_tight additive_mask_tight >"$LOGS/memcheck_masks.log" 2>&1
   record "memcheck (tight masks)" $?
   tail -3 "$LOGS/memcheck_masks.log"

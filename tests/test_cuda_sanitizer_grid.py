@@ -58,7 +58,8 @@ def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
 
 def test_variants_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """--variants runs the variants it names and no other (dropout only where named); the tight
+    """--variants runs the variants it names and no other (dropout only where named), --head-dims
+    the head dims it names; the tight
     masks' entries start one entry into storage one entry longer than they are, so that the last
     ends within the 4-byte word of the storage's last byte (1 byte into it for a bool mask, 2 for a
     bf16 one)."""
@@ -87,6 +88,9 @@ def test_variants_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert grid.main(["--passes", "sm80-99KB", "--variants", "dropout"]) == 0
     assert capsys.readouterr().out.splitlines() == ["sm80-99KB: 1 variants x D 128 run"]
     assert dropouts[-1] == 0.2 and not masks
+    # --head-dims keeps those of a pass's head dims.
+    assert grid.main(["--passes", "sm90", "--head-dims", "64", "96", "--variants", "dropout"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["sm90: 1 variants x D 64, 96 run"]
 
 
 def test_a_wrong_gradient_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -209,20 +209,29 @@ TEST(MaskEntries, WordsOutsideTheStorageAreCopied) {
   alignas(4) uint8_t raw[16] = {};
   expect_word_readable(copied_to(raw + 1, bools(4)), true, "4 bools at an odd address");
   expect_word_readable(copied_to(raw + 2, bf16.narrow(0, 0, 2)), true, "2 bf16 at 2 past a word");
+  // (The same that end on a word: their first word alone starts outside.)
+  expect_word_readable(copied_to(raw + 1, bools(3)), true, "3 bools at an odd address");
+  expect_word_readable(copied_to(raw + 2, bf16.narrow(0, 0, 1)), true, "1 bf16 at 2 past a word");
   // A broadcast dimension stays a view of the copy.
   const at::Tensor broadcast = entropy_attn::word_readable(bools(5).view({1, 5}).expand({3, 5}));
   EXPECT_EQ(broadcast.stride(0), 0);
   EXPECT_TRUE(at::equal(broadcast, bools(5).expand({3, 5})));
-  // expand_mask applies it to a bool mask and to a 16-bit one kept in its dtype.
+  // expand_mask applies it on CUDA alone, to a bool mask and to a 16-bit one kept in its dtype: the
+  // CPU kernels read entries, not words.
   entropy_attn::AttentionShape s{};
   s.batch = 2, s.heads = 3, s.q_len = 1, s.kv_len = 5;
-  const at::Tensor mask = entropy_attn::expand_mask(bools(5), s, at::kFloat, false);
-  EXPECT_TRUE(entropy_attn::words_within_storage(mask));
-  EXPECT_TRUE(at::equal(mask, bools(5).expand({2, 3, 1, 5})));
-  s.kv_len = 3;
-  const at::Tensor kept = entropy_attn::expand_mask(bf16, s, at::kFloat, true);
-  EXPECT_EQ(kept.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(entropy_attn::words_within_storage(kept));
+  const at::Tensor cpu_mask = bools(5);
+  EXPECT_EQ(entropy_attn::expand_mask(cpu_mask, s, at::kFloat, false).const_data_ptr(),
+            cpu_mask.const_data_ptr());
+  if (at::hasCUDA()) {
+    const at::Tensor mask = entropy_attn::expand_mask(bools(5).cuda(), s, at::kFloat, false);
+    EXPECT_TRUE(entropy_attn::words_within_storage(mask));
+    EXPECT_TRUE(at::equal(mask.cpu(), bools(5).expand({2, 3, 1, 5})));
+    s.kv_len = 3;
+    const at::Tensor kept = entropy_attn::expand_mask(bf16.cuda(), s, at::kFloat, true);
+    EXPECT_EQ(kept.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(entropy_attn::words_within_storage(kept));
+  }
 }
 
 }  // namespace

@@ -313,7 +313,7 @@ fi
 # gradient by atomics), and in the Hopper family when forced (a loss of the output alone:
 # family.h, kHopperMaskGradByDefault, off until it has passed the CUDA tests on a GPU), neither
 # timed yet: both, into the logs
-# (learned_bias/cuda.md and .json; learned_bias_sm90/). By default also a learned bias per key,
+# (learned_bias/cuda.md and .json; learned_bias_sm90/). Both also with a learned bias per key,
 # (B, 1, 1, L): its gradient's atomics of a tile's rows go to one address per key, a cost that
 # decides whether the kernels should sum them first (docs/cuda.md: found, not changed).
 note "learned bias"
@@ -322,8 +322,8 @@ bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 -
   >"$LOGS/learned_bias.log" 2>&1
 record "learned bias" $?
 ENTROPY_ATTN_CUDA_FAMILY=sm90 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda \
-  --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --min-run-time 0.2 \
-  --out "$LOGS/learned_bias_sm90" >"$LOGS/learned_bias_sm90.log" 2>&1
+  --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --bias head key \
+  --min-run-time 0.2 --out "$LOGS/learned_bias_sm90" >"$LOGS/learned_bias_sm90.log" 2>&1
 record "learned bias (sm90)" $?
 pack
 # The fixed cost of a call on CUDA (a tiny call back to back: the host's work and the launches per

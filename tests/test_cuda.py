@@ -659,6 +659,23 @@ def misaligned(values: Tensor) -> Tensor:
     return out
 
 
+def assert_same_under_each_mask(q: Tensor, k: Tensor, v: Tensor, masks: Sequence[Tensor],
+                                **kw: Any) -> List[Tensor]:
+    """The forward with statistics and the backward of an entropy-regularized loss under each of
+    `masks` (the same entries in other memory) give bitwise the same results and gradients; returns
+    the first mask's (output, lse, entropy, dq, dk, dv)."""
+    runs = []
+    for mask in masks:
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, stats = torch_ext.attention(*xs, attn_mask=mask, return_stats=True, **kw)
+        (out.float().sum() + stats.entropy.sum()).backward()
+        runs.append([out, stats.lse, stats.entropy, *(x.grad for x in xs)])
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            assert torch.equal(got, want)
+    return runs[0]
+
+
 @pytest.mark.parametrize("dtype,mask_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.float16, torch.float16)], ids=["bf16", "fp32", "fp16"])
 def test_mask_at_a_misaligned_address(dtype: torch.dtype, mask_dtype: torch.dtype) -> None:
@@ -673,14 +690,7 @@ def test_mask_at_a_misaligned_address(dtype: torch.dtype, mask_dtype: torch.dtyp
     bias = torch.randn(1, 1, Lq, Lk, generator=g).to(mask_dtype)
     bias[..., :5] = -math.inf
     aligned = bias.to(DEV)
-    runs = []
-    for mask in (aligned, misaligned(aligned)):
-        xs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out, stats = torch_ext.attention(*xs, attn_mask=mask, is_causal=True, return_stats=True)
-        (out.float().sum() + stats.entropy.sum()).backward()
-        runs.append((out, stats.lse, stats.entropy, *(x.grad for x in xs)))
-    for got, want in zip(runs[1], runs[0]):
-        assert torch.equal(got, want)
+    assert_same_under_each_mask(q, k, v, [aligned, misaligned(aligned)], is_causal=True)
 
 
 @pytest.mark.parametrize("dtype,mask_dtype", [(torch.bfloat16, torch.bool), (torch.float16, torch.bool),
@@ -691,8 +701,9 @@ def test_mask_in_tight_storage(dtype: torch.dtype, mask_dtype: torch.dtype) -> N
     4-byte word of its last entry (its entries one entry into storage one entry longer), which the
     tensor-core forwards would copy whole, is read through a copy in storage of whole words
     (attention_inputs.cpp: word_readable, from expand_mask): the results and gradients equal those
-    of the same mask in storage of its own size. (That no read leaves the storage, compute-sanitizer's
-    memcheck checks: scripts/cuda_sanitizer_grid.py, the *_tight variants.)"""
+    of the same mask in storage of its own size, and the output and entropy match the float64
+    reference. (That no read leaves the storage, compute-sanitizer's memcheck checks:
+    scripts/cuda_sanitizer_grid.py, the *_tight variants.)"""
     B, H, Lq, Lk, D = 2, 2, 70, 150, 64
     g = torch.Generator().manual_seed(41)
     q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Lq, Lk, Lk))
@@ -701,14 +712,10 @@ def test_mask_in_tight_storage(dtype: torch.dtype, mask_dtype: torch.dtype) -> N
     plain = (keep if mask_dtype == torch.bool else torch.where(keep, 0.0, -math.inf).to(mask_dtype)).to(DEV)
     tight = torch.empty(plain.numel() + 1, dtype=mask_dtype, device=DEV)[1:].view_as(plain).copy_(plain)
     assert tight.untyped_storage().nbytes() % 4 == tight.element_size()
-    runs = []
-    for mask in (plain, tight):
-        xs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out, stats = torch_ext.attention(*xs, attn_mask=mask, return_stats=True)
-        (out.float().sum() + stats.entropy.sum()).backward()
-        runs.append((out, stats.lse, stats.entropy, *(x.grad for x in xs)))
-    for got, want in zip(runs[1], runs[0]):
-        assert torch.equal(got, want)
+    out, _, entropy, *_ = assert_same_under_each_mask(q, k, v, [plain, tight])
+    ref = reference_attention_raw(q.cpu(), k.cpu(), v.cpu(), keep)
+    assert_close64(out, ref.output, *OUT_TOL[dtype], name="output")
+    assert_close64(entropy, ref.entropy, *STAT_TOL[dtype], name="entropy")
 
 
 @pytest.mark.parametrize("which", ["query_key_value", "scale", "sinks", "cu_seqlens", "row_reduction"])

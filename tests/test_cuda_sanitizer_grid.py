@@ -59,10 +59,9 @@ def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
 def test_variants_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """--variants runs the variants it names and no other (dropout only where named), --head-dims
-    the head dims it names; the tight
-    masks' entries start one entry into storage one entry longer than they are, so that the last
-    ends within the 4-byte word of the storage's last byte (1 byte into it for a bool mask, 2 for a
-    bf16 one)."""
+    the head dims it names; the tight masks' entries start one entry into storage one entry longer
+    than they are, so that the last ends within the 4-byte word of the storage's last byte (1 byte
+    into it for a bool mask, 2 for a bf16 one)."""
     real = grid.torch_ext.attention
     masks: list[torch.Tensor] = []
     dropouts: list[float] = []

@@ -11,7 +11,8 @@ gradients are first checked against SDPA's.
 
 --bias picks the bias's shapes: ``head``, the (1, H, L, L) bias above; ``key``, one learned bias
 per key of each sequence, (B, 1, 1, L), whose gradient sums dS over the heads and the rows: the
-CUDA backwards' atomics of a tile's rows then all go to one address per key (docs/cuda.md), which
+CUDA backwards sum a warp's rows of each key by shuffles and add each sum by one atomic
+(csrc/cuda/logit_grads.cuh), the heads' and row blocks' sums meeting at one address per key, which
 this timing prices.
 
     python3 benchmarks/learned_bias.py                                   # CPU, float32

@@ -314,8 +314,8 @@ fi
 # family.h, kHopperMaskGradByDefault, off until it has passed the CUDA tests on a GPU), neither
 # timed yet: both, into the logs
 # (learned_bias/cuda.md and .json; learned_bias_sm90/). Both also with a learned bias per key,
-# (B, 1, 1, L): its gradient's atomics of a tile's rows go to one address per key, a cost that
-# decides whether the kernels should sum them first (docs/cuda.md: found, not changed).
+# (B, 1, 1, L), whose gradient a warp sums over its rows of each key before one atomic per key
+# (csrc/cuda/logit_grads.cuh).
 note "learned bias"
 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \
   --heads 12 --batch 4 --lengths 1024 4096 --bias head key --min-run-time 0.2 --out "$LOGS/learned_bias" \

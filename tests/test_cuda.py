@@ -1971,12 +1971,15 @@ def test_compact_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, cas
 
 #: Additive masks whose gradient a call asks for (learned biases), as (mask shape, the fraction of
 #: -inf entries, the op's keyword arguments) over B = 2, H = 4, Hkv = 2, Lq = 200, Lk = 260: T5's
-#: per-head bias under causality with logn row scales, a per-key offset (padding), a per-row one
-#: (whose gradient is lse's alone: a row's softmax does not move with it; none hidden, a hidden row
-#: has no lse to differentiate), and the call's full shape (each entry from one logit).
+#: per-head bias under causality with logn row scales, a per-key offset (padding) and one per head
+#: and key under causality (both summed over a warp's rows before their atomics: logit_grads.cuh),
+#: a per-row one (whose gradient is lse's alone: a row's softmax does not move with it; none
+#: hidden, a hidden row has no lse to differentiate), and the call's full shape (each entry from
+#: one logit).
 MASK_GRAD_CASES: Dict[str, Tuple[Tuple[int, ...], float, Dict[str, Any]]] = {
     "per_head_t5_causal_logn": ((1, 4, 200, 260), 0.2, {"is_causal": True, "scale_mode": "logn", "log_base": 64.0}),
     "per_key": ((2, 1, 1, 260), 0.2, {}),
+    "per_head_key_causal": ((1, 4, 1, 260), 0.2, {"is_causal": True}),
     "per_row_causal": ((2, 4, 200, 1), 0.0, {"is_causal": True}),
     "full": ((2, 4, 200, 260), 0.2, {}),
 }

@@ -55,6 +55,11 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
   run_mask_grad<__half, 64>({2, 4, 100, 1}, true, 0, /*hidden=*/0);
   run_mask_grad<__half, 64>({2, 4, 100, 130}, false);
   run_mask_grad<__nv_bfloat16, 128>({2, 1, 100, 130}, true, 0.2);
+  // Per key (the warp's sums, logit_grads.cuh) at D = 128 (the 64 x 128 tiles), causal, per head
+  // and key, with dropout, and keys past the last block's end.
+  run_mask_grad<__nv_bfloat16, 128>({2, 1, 1, 130}, true);
+  run_mask_grad<__half, 128>({1, 4, 1, 130}, false, 0.2);
+  run_mask_grad<__nv_bfloat16, 64>({2, 4, 1, 130}, true);
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskInTheInputsType) {

@@ -127,6 +127,11 @@ TEST(EmulatedSm90Features, AdditiveMaskGradient) {
                                          kNoEntropyGrad);
   run_mask_grad<Sm90, __half, 128>({1, 4, 100, 131}, true, 0, 0.2, true, 131, /*transposed=*/true,
                                    kNoEntropyGrad);
+  // Per key (the warp's sums, logit_grads.cuh) at D = 128, causal, and per head and key.
+  run_mask_grad<Sm90, __nv_bfloat16, 128>({2, 1, 1, 130}, true, 0, 0.2, false, 130, false,
+                                          kNoEntropyGrad);
+  run_mask_grad<Sm90, __half, 128>({1, 4, 1, 130}, false, 0, 0.2, false, 130, false,
+                                   kNoEntropyGrad);
 }
 
 // dq by bulk reductions (sm90/bwd_kernel.cuh: write_dq), which the op's backward takes in the calls

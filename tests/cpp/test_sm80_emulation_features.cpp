@@ -39,9 +39,9 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 template <typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
                    double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
-                   bool transposed = false) {
+                   bool transposed = false, bool entropy_grad = true) {
   emulated_features::run_mask_grad<Sm80<false>, T, kD>(mask_sizes, causal, dropout_p, hidden,
-                                                       keep_dtype, lk, transposed);
+                                                       keep_dtype, lk, transposed, entropy_grad);
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskGradient) {
@@ -60,6 +60,10 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
   run_mask_grad<__nv_bfloat16, 128>({2, 1, 1, 130}, true);
   run_mask_grad<__half, 128>({1, 4, 1, 130}, false, 0.2);
   run_mask_grad<__nv_bfloat16, 64>({2, 4, 1, 130}, true);
+  // Per key without the entropy's gradient (the kernel's step that keeps no logits), and one
+  // offset per batch and head (row and key strides 0: the warp's sums, all to one entry).
+  run_mask_grad<__nv_bfloat16, 128>({2, 1, 1, 130}, false, 0, 0.2, false, 130, false, false);
+  run_mask_grad<__half, 64>({2, 4, 1, 1}, true, 0, /*hidden=*/0);
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskInTheInputsType) {

@@ -193,6 +193,7 @@ std::string describe(const Shape& s) {
   char buf[160];
   const char* mask = s.mask == MaskKind::kBool            ? " bool mask"
                      : s.mask != MaskKind::kAdditive      ? ""
+                     : s.mask_per_key                     ? " additive mask per key"
                      : s.mask_elem == MaskElem::kBFloat16 ? " additive mask (bf16)"
                      : s.mask_elem == MaskElem::kFloat16  ? " additive mask (fp16)"
                                                           : " additive mask";
@@ -646,6 +647,15 @@ int main(int argc, char** argv) {
         check_call<__nv_bfloat16>(checked, dev, "bf16", s16, false, checks);
         s16.mask_elem = MaskElem::kFloat16;
         check_call<__half>(checked, dev, "fp16", s16, false, checks);
+      }
+      // A learned bias per key, (B, 1, 1, Lk) (the backwards sum a warp's rows of each key before
+      // its atomics: logit_grads.cuh), with the statistics' gradients and without.
+      for (const bool stat_grads : {true, false}) {
+        Shape key{2,     4,   2, 200, 200, d, causal, false, stat_grads, MaskKind::kAdditive,
+                  false, true};
+        key.mask_per_key = true;
+        check_call<__nv_bfloat16>(checked, dev, "bf16", key, false, checks);
+        check_call<__half>(checked, dev, "fp16", key, false, checks);
       }
       // Against the fallback: many key and query blocks per row, as the timed calls have.
       check_call<__nv_bfloat16>(checked, dev, "bf16",

@@ -67,6 +67,9 @@ struct Shape {
   // bf16 inputs, kFloat16 with fp16 ones), as a model's bias in bf16 or fp16 reaches the kernels
   // (attention_inputs.h: keeps_mask_dtype). mask_bias's values are exact in either.
   MaskElem mask_elem = MaskElem::kAcc;
+  // The mask (B, 1, 1, Lk) instead: one entry per key, shared by the rows (its row stride 0), as a
+  // learned bias per key; its gradient sums the rows' dS (logit_grads.cuh: the warp's sums).
+  bool mask_per_key = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }
@@ -75,7 +78,12 @@ struct Shape {
   // The keys [0, limit(i)) row i may see before the mask (top-left causality, as SDPA's
   // is_causal); keys(i), its n_i, also counts the mask.
   int64_t limit(int64_t i) const { return causal ? std::min(i + 1, kv_len) : kv_len; }
-  bool allows(int64_t i, int64_t j) const { return mask == MaskKind::kNone || mask_allows(i, j); }
+  bool allows(int64_t i, int64_t j) const {
+    return mask == MaskKind::kNone || mask_allows(mask_row(i), j);
+  }
+  // The mask's row of query row i, and its rows.
+  int64_t mask_row(int64_t i) const { return mask_per_key ? 0 : i; }
+  int64_t mask_rows() const { return mask_per_key ? 1 : q_len; }
   int64_t keys(int64_t i) const {
     int64_t n = 0;
     for (int64_t j = 0; j < limit(i); ++j) n += allows(i, j);
@@ -117,8 +125,8 @@ template <typename T>
 struct Inputs {
   std::vector<T> q, k, v, dout;
   std::vector<double> qd, kd, vd, doutd;
-  // The mask (B, 1, Lq, Lk): bool as bytes, or additive in float32 or (Shape::mask_elem) in T;
-  // empty without one.
+  // The mask (B, 1, Lq, Lk) or (B, 1, 1, Lk): bool as bytes, or additive in float32 or
+  // (Shape::mask_elem) in T; empty without one.
   std::vector<uint8_t> mask_bool;
   std::vector<float> mask_add;
   std::vector<T> mask_add_t;
@@ -153,7 +161,7 @@ Inputs<T> make_inputs(const Shape& s, uint32_t seed, bool with_doubles = true) {
   fill(s.kv_elems(), 1.f, in.v, in.vd);
   fill(s.q_elems(), 1.f, in.dout, in.doutd);
   for (int64_t b = 0; b < s.batch && s.mask != MaskKind::kNone; ++b) {
-    for (int64_t i = 0; i < s.q_len; ++i) {
+    for (int64_t i = 0; i < s.mask_rows(); ++i) {
       for (int64_t j = 0; j < s.kv_len; ++j) {
         if (s.mask == MaskKind::kBool) {
           in.mask_bool.push_back(mask_allows(i, j) ? mask_true_byte(i, j) : 0);
@@ -193,7 +201,7 @@ inline std::vector<double> row_weights(const Shape& s, const double* q, const do
     double x = 0;
     for (int64_t c = 0; c < d; ++c) x += q[c] * k[j * d + c];
     w[j] = !s.allows(i, j)                 ? -INFINITY
-           : s.mask == MaskKind::kAdditive ? lam * x + mask_bias(i, j)
+           : s.mask == MaskKind::kAdditive ? lam * x + mask_bias(s.mask_row(i), j)
                                            : lam * x;
     m = std::max(m, w[j]);
   }
@@ -242,7 +250,7 @@ Forward reference_forward(const Shape& s, const Inputs<T>& in) {
 // x_ij = q_i . k_j (s_ij = lambda_i x_ij, plus an additive mask): dq_i = lambda_i sum_j dS_ij k_j,
 // dk_j = sum_i lambda_i dS_ij q_i, dv_j = sum_i p_ij dO_i, d lambda_i = sum_j dS_ij x_ij; with
 // mask_grad, the additive mask's gradient (B, 1, Lq, Lk): dmask_ij = sum_h dS_ij (the logit adds
-// the mask entry as it is).
+// the mask entry as it is); per key (B, 1, 1, Lk), dmask_j = sum_h sum_i dS_ij.
 struct Backward {
   std::vector<double> dq, dk, dv, dlam, dmask;
 };
@@ -253,7 +261,7 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
   Backward g;
   g.dq.assign(s.q_elems(), 0.0), g.dk.assign(s.kv_elems(), 0.0), g.dv.assign(s.kv_elems(), 0.0);
   g.dlam.assign(s.rows(), 0.0);
-  if (s.mask_grad) g.dmask.assign(s.batch * s.q_len * s.kv_len, 0.0);
+  if (s.mask_grad) g.dmask.assign(s.batch * s.mask_rows() * s.kv_len, 0.0);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kv0 = ((b * s.kv_heads + h / s.group()) * s.kv_len) * d;
@@ -278,7 +286,9 @@ Backward reference_backward(const Shape& s, const Inputs<T>& in, const Forward& 
                             gh * w[j] * (logit[j] - lse + f.entropy[row]) +
                             2 * gu * w[j] * (w[j] - f.sum_p2[row]);
           g.dlam[row] += ds * x;
-          if (s.mask_grad) g.dmask[(b * s.q_len + i) * s.kv_len + static_cast<int64_t>(j)] += ds;
+          if (s.mask_grad) {
+            g.dmask[(b * s.mask_rows() + s.mask_row(i)) * s.kv_len + static_cast<int64_t>(j)] += ds;
+          }
           for (int64_t c = 0; c < d; ++c) {
             g.dq[row * d + c] += lam * ds * k[j * d + c];
             g.dk[kv0 + j * d + c] += lam * ds * q[c];
@@ -338,8 +348,9 @@ inline std::vector<double> kv_in_head_order(const Shape& s, const std::vector<do
 // dK and dV in float32.
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
-  void* mask = nullptr;     // (B, 1, Lq, Lk): bool, float32 or (Shape::mask_elem) T
-  float* d_mask = nullptr;  // with mask_grad: (B, 1, Lq, Lk), the mask's gradient (zero-filled)
+  void* mask = nullptr;  // (B, 1, Lq or 1, Lk): bool, float32 or (Shape::mask_elem) T
+  float* d_mask =
+      nullptr;  // with mask_grad: (B, 1, Lq or 1, Lk), the mask's gradient (zero-filled)
   float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   float *row_scale = nullptr, *length_factor = nullptr;
   float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
@@ -376,11 +387,11 @@ inline std::vector<BufferSize> buffer_sizes(const Shape& s, Buffers& b, int64_t 
   const int64_t dq_accum = dq_accum_elems(s) * 4;
   const int64_t kv_heads = per_head_grads ? s.batch * s.heads * s.kv_len * s.head_dim * 4 : 0;
   const auto slot = [](auto*& p) { return reinterpret_cast<void**>(&p); };
-  const int64_t mask = s.batch * s.q_len * s.kv_len *
+  const int64_t mask = s.batch * s.mask_rows() * s.kv_len *
                        (s.mask == MaskKind::kBool       ? 1
                         : s.mask == MaskKind::kAdditive ? (s.mask_elem == MaskElem::kAcc ? 4 : 2)
                                                         : 0);
-  const int64_t d_mask = s.mask_grad ? s.batch * s.q_len * s.kv_len * 4 : 0;
+  const int64_t d_mask = s.mask_grad ? s.batch * s.mask_rows() * s.kv_len * 4 : 0;
   return {{slot(b.mask), mask},
           {slot(b.q), q * elem},
           {slot(b.k), kv * elem},
@@ -440,7 +451,8 @@ inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b)
   if (s.mask != MaskKind::kNone) {      // (B, H, Lq, Lk) with a head stride of 0
     a.mask.kind = s.mask, a.mask.data = b.mask;
     a.mask.elem = s.mask == MaskKind::kAdditive ? s.mask_elem : MaskElem::kAcc;
-    a.mask.sb = s.q_len * s.kv_len, a.mask.sh = 0, a.mask.si = s.kv_len, a.mask.sj = 1;
+    a.mask.sb = s.mask_rows() * s.kv_len, a.mask.sh = 0, a.mask.sj = 1;
+    a.mask.si = s.mask_per_key ? 0 : s.kv_len;
   }
 }
 
@@ -476,10 +488,10 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   p.lse = b.lse, p.entropy = b.entropy, p.sum_p2 = b.sum_p2, p.row_scale = b.row_scale;
   p.delta = b.delta, p.dq_accum = b.dq_accum;
   if (s.stat_grads) p.g_lse = b.g_lse, p.g_entropy = b.g_entropy, p.g_sum_p2 = b.g_sum_p2;
-  if (s.mask_grad) {  // (B, H, Lq, Lk) over the (B, 1, Lq, Lk) entries: a head stride of 0
+  if (s.mask_grad) {  // (B, H, Lq, Lk) over the (B, 1, Lq or 1, Lk) entries: head stride 0
     p.d_logits.data = b.d_mask;
-    p.d_logits.sb = s.q_len * s.kv_len, p.d_logits.sh = 0, p.d_logits.si = s.kv_len;
-    p.d_logits.sj = 1;
+    p.d_logits.sb = s.mask_rows() * s.kv_len, p.d_logits.sh = 0, p.d_logits.sj = 1;
+    p.d_logits.si = s.mask_per_key ? 0 : s.kv_len;
   }
   if (tensor_core) {
     p.dq_out = output_view(s, b.dq), p.dk_out = kv_view(s, b.dk), p.dv_out = kv_view(s, b.dv);

@@ -126,7 +126,7 @@ void expect_backward(const eh::Shape& s, const eh::HostCall<T>& c, double dlam_t
   expect_ok(
       eh::relative("dv", eh::kv_in_head_order(s, c.widen(c.b.dv, s.kv_elems())), gref.dv, tol));
   if (s.mask_grad) {
-    const std::vector<float> d_mask(c.b.d_mask, c.b.d_mask + s.batch * s.q_len * s.kv_len);
+    const std::vector<float> d_mask(c.b.d_mask, c.b.d_mask + s.batch * s.mask_rows() * s.kv_len);
     expect_ok(eh::relative("d mask", d_mask, gref.dmask, tol));
   }
   if (!dlam) return;

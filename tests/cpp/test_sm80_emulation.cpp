@@ -167,6 +167,15 @@ TEST(EmulatedSm80Backward, AdditiveMaskGradient) {
       eh::Shape{1, 2, 2, 50, 70, 256, false, false, true, MaskKind::kAdditive, false, true});
   run_case<__half, 64, false, true, MaskKind::kAdditive>(
       eh::Shape{1, 4, 2, 100, 70, 64, false, true, true, MaskKind::kAdditive, false, true}, true);
+  // A mask per key, (B, 1, 1, Lk) (its row stride 0: the warp's sums of logit_grads.cuh), causal
+  // with the statistics' gradients at D = 128 and in the compact tiles, and full at D = 64.
+  eh::Shape key{2, 4, 2, 90, 200, 128, true, false, true, MaskKind::kAdditive, false, true};
+  key.mask_per_key = true;
+  run_case<__nv_bfloat16, 128, false, true, MaskKind::kAdditive>(key);
+  run_case<__half, 128, true, true, MaskKind::kAdditive>(key);
+  key = eh::Shape{1, 4, 2, 100, 70, 64, false, true, false, MaskKind::kAdditive, false, true};
+  key.mask_per_key = true;
+  run_case<__half, 64, false, true, MaskKind::kAdditive>(key);
 }
 
 TEST(EmulatedSm80Backward, AdditiveMaskInTheInputsType) {

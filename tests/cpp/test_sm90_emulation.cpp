@@ -353,6 +353,13 @@ TEST(EmulatedSm90Backward, AdditiveMaskGradient) {
   s = eh::Shape{2, 2, 2, 90, 77, 64, false, false, false, MaskKind::kAdditive, true, true};
   s.mask_elem = MaskElem::kFloat16;
   run_backward<__half, 64, true, MaskKind::kAdditive>(s);
+  // A mask per key, (B, 1, 1, Lk) (its row stride 0: the warp's sums of logit_grads.cuh).
+  s = eh::Shape{2, 4, 2, 90, 200, 128, true, false, false, MaskKind::kAdditive, false, true};
+  s.mask_per_key = true;
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kAdditive>(s);
+  s = eh::Shape{1, 4, 2, 100, 70, 64, false, true, false, MaskKind::kAdditive, false, true};
+  s.mask_per_key = true;
+  run_backward<__half, 64, true, MaskKind::kAdditive>(s);
 }
 
 TEST(EmulatedSm90Backward, MaskGradientRefusedWithTheStatisticsGradients) {

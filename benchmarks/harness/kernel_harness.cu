@@ -651,9 +651,8 @@ int main(int argc, char** argv) {
       // A learned bias per key, (B, 1, 1, Lk) (the backwards sum a warp's rows of each key before
       // its atomics: logit_grads.cuh), with the statistics' gradients and without.
       for (const bool stat_grads : {true, false}) {
-        Shape key{2,     4,   2, 200, 200, d, causal, false, stat_grads, MaskKind::kAdditive,
-                  false, true};
-        key.mask_per_key = true;
+        Shape key{2, 4, 2, 200, 200, d, causal, false, stat_grads, MaskKind::kAdditive};
+        key.mask_grad = key.mask_per_key = true;
         check_call<__nv_bfloat16>(checked, dev, "bf16", key, false, checks);
         check_call<__half>(checked, dev, "fp16", key, false, checks);
       }

@@ -81,9 +81,10 @@ struct Shape {
   bool allows(int64_t i, int64_t j) const {
     return mask == MaskKind::kNone || mask_allows(mask_row(i), j);
   }
-  // The mask's row of query row i, and its rows.
+  // The mask's row of query row i, its rows, and its stride along them.
   int64_t mask_row(int64_t i) const { return mask_per_key ? 0 : i; }
   int64_t mask_rows() const { return mask_per_key ? 1 : q_len; }
+  int64_t mask_row_stride() const { return mask_per_key ? 0 : kv_len; }
   int64_t keys(int64_t i) const {
     int64_t n = 0;
     for (int64_t j = 0; j < limit(i); ++j) n += allows(i, j);
@@ -348,9 +349,8 @@ inline std::vector<double> kv_in_head_order(const Shape& s, const std::vector<do
 // dK and dV in float32.
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr, *out = nullptr;
-  void* mask = nullptr;  // (B, 1, Lq or 1, Lk): bool, float32 or (Shape::mask_elem) T
-  float* d_mask =
-      nullptr;  // with mask_grad: (B, 1, Lq or 1, Lk), the mask's gradient (zero-filled)
+  void* mask = nullptr;     // (B, 1, Shape::mask_rows(), Lk): bool, float32 or mask_elem's T
+  float* d_mask = nullptr;  // with mask_grad: the mask's gradient, its shape (zero-filled)
   float *lse = nullptr, *entropy = nullptr, *sum_p2 = nullptr, *max_weight = nullptr;
   float *row_scale = nullptr, *length_factor = nullptr;
   float *normalized_entropy = nullptr, *sparsity = nullptr, *effective_keys = nullptr;
@@ -451,8 +451,8 @@ inline void fill_args(AttentionArgs<float>& a, const Shape& s, const Buffers& b)
   if (s.mask != MaskKind::kNone) {      // (B, H, Lq, Lk) with a head stride of 0
     a.mask.kind = s.mask, a.mask.data = b.mask;
     a.mask.elem = s.mask == MaskKind::kAdditive ? s.mask_elem : MaskElem::kAcc;
-    a.mask.sb = s.mask_rows() * s.kv_len, a.mask.sh = 0, a.mask.sj = 1;
-    a.mask.si = s.mask_per_key ? 0 : s.kv_len;
+    a.mask.sb = s.mask_rows() * s.kv_len, a.mask.sh = 0, a.mask.si = s.mask_row_stride();
+    a.mask.sj = 1;
   }
 }
 
@@ -490,8 +490,8 @@ inline BwdParams<float> backward_params(const Shape& s, const Buffers& b, bool t
   if (s.stat_grads) p.g_lse = b.g_lse, p.g_entropy = b.g_entropy, p.g_sum_p2 = b.g_sum_p2;
   if (s.mask_grad) {  // (B, H, Lq, Lk) over the (B, 1, Lq or 1, Lk) entries: head stride 0
     p.d_logits.data = b.d_mask;
-    p.d_logits.sb = s.mask_rows() * s.kv_len, p.d_logits.sh = 0, p.d_logits.sj = 1;
-    p.d_logits.si = s.mask_per_key ? 0 : s.kv_len;
+    p.d_logits.sb = s.mask_rows() * s.kv_len, p.d_logits.sh = 0;
+    p.d_logits.si = s.mask_row_stride(), p.d_logits.sj = 1;
   }
   if (tensor_core) {
     p.dq_out = output_view(s, b.dq), p.dk_out = kv_view(s, b.dk), p.dv_out = kv_view(s, b.dv);

@@ -14,7 +14,8 @@
 #      --checks-only), again with the shared memory per block capped at 99 KB (the sm80
 #      backward's compact tiles) and with the Hopper backward's dq by atomics;
 #   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
-#      JUnit records), under "auto";
+#      JUnit records), under "auto", then the deterministic Hopper backward's tests in a pass of
+#      their own (a hang costs its bound alone);
 #   4. the harness's timings of the sm90 family, then the same timings of the baseline harness of
 #      .device/ (the kernels last timed on a GPU: scripts/device_bundle.sh, BASELINE) and their
 #      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), the
@@ -34,7 +35,9 @@
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
 #      additive, into the logs); memcheck over masks that end within a word of their storage's end
 #      (cuda_sanitizer_grid.py --variants bool_mask_tight additive_mask_tight); a learned bias's forward and backward (benchmarks/
-#      learned_bias.py, by default and with the Hopper family forced, into the logs); the fixed cost
+#      learned_bias.py, by default and with the Hopper family forced, into the logs); the
+#      backward under deterministic algorithms in sm80 and sm90 (benchmarks/deterministic_backward.py,
+#      into the logs); the fixed cost
 #      of a call (benchmarks/call_overhead.py --quick, into the logs); the Nsight Compute profile
 #      of the default path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
@@ -143,7 +146,8 @@ tests() {
   for ((k = 0; k < SHARDS; k++)); do
     ENTROPY_ATTN_TEST_SHARD=$k/$SHARDS OMP_NUM_THREADS=2 ENTROPY_ATTN_REQUIRE_CUDA=1 \
       bounded "$seconds" "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider --maxfail=12 \
-      -k "cuda or CUDA" --junitxml="$LOGS/$name.$k.xml" >"$LOGS/$name.$k.log" 2>&1 &
+      -k "(cuda or CUDA) and not hopper_deterministic" --junitxml="$LOGS/$name.$k.xml" \
+      >"$LOGS/$name.$k.log" 2>&1 &
     pids+=($!)
   done
   local rc=0
@@ -156,6 +160,15 @@ tests() {
   pack
 }
 tests auto 150
+# The deterministic Hopper backward (dq in turns, sm90/bwd_kernel.cuh: write_dq; added 2026-12-07,
+# not yet run on a GPU) in a pass of its own: a turn its blocks never reach would spin until the
+# bound, which then costs these seconds alone, not a shard of the passes above and below.
+note "pytest hopper deterministic"
+ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 45 "$PYTHON" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
+  -k hopper_deterministic >"$LOGS/pytest_deterministic.log" 2>&1
+record "pytest hopper deterministic" $?
+echo "  $(tail -1 "$LOGS/pytest_deterministic.log")"
+pack
 # (The harness's checks share the GPU with the tests, not with the timings below.)
 wait "$harness_pid"
 for f in "$LOGS"/harness_checks*.md; do
@@ -325,6 +338,17 @@ ENTROPY_ATTN_CUDA_FAMILY=sm90 bounded 60 "$PYTHON" benchmarks/learned_bias.py --
   --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --bias head key \
   --min-run-time 0.2 --out "$LOGS/learned_bias_sm90" >"$LOGS/learned_bias_sm90.log" 2>&1
 record "learned bias (sm90)" $?
+pack
+# The backward under deterministic algorithms: sm80's dq kernel against the Hopper family's dq in
+# turns (forced: family.h, kHopperDeterministicByDefault, off until it has run on a GPU; its
+# correctness is the CUDA tests' test_hopper_deterministic_backward and the harness's checks), each
+# against the default algorithms, two runs' bits compared first, into the logs
+# (deterministic/cuda.md and .json): what turning the Hopper one on by default would buy.
+note "deterministic backward"
+bounded 60 "$PYTHON" benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \
+  --head-dims 64 128 --lengths 4096 --min-run-time 0.2 --out "$LOGS/deterministic" \
+  >"$LOGS/deterministic.log" 2>&1
+record "deterministic backward" $?
 pack
 # The fixed cost of a call on CUDA (a tiny call back to back: the host's work and the launches per
 # call, ours against SDPA), into the logs: at L = 1024 ours took 1.3-1.9x SDPA's forward on

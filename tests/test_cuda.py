@@ -2220,8 +2220,8 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, unaligned
     rows; on any GPU) gives the fallback's outputs and gradients: the selection point routes them,
-    never a wrong answer; head dim 96, which it runs on inputs padded to 128, gives them too. A deterministic backward (dq without atomics) goes to sm80's
-    deterministic kernels. Softcap, sinks and dropout, which the forced tensor-core families take
+    never a wrong answer; head dim 96, which it runs on inputs padded to 128, gives them too. A deterministic backward
+    runs its dq in turns (test_hopper_deterministic_backward). Softcap, sinks and dropout, which the forced tensor-core families take
     (sm90, or sm80 on other GPUs), agree with the fallback too (dropout: the same Philox mask)."""
     torch.manual_seed(2)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
@@ -2254,6 +2254,57 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
     assert_close64(h[2], fb[2], 2 * sat, 2 * srt, "entropy")
     for a, b, name in zip(h_g, fb_g, ("dq", "dk", "dv")):
         assert rel_err(a, b) < 2 * GRAD_TOL[dtype], name
+
+
+#: Deterministic backwards (torch.use_deterministic_algorithms(True)) with the Hopper family forced:
+#: (Hkv, Lq, Lk, D, the op's keyword arguments, the family whose main kernel must run). Up to six key
+#: blocks of 128 add into each query block's dq (sm90/bwd_kernel.cuh: write_dq, in their order);
+#: causality either way (bottom-right with more keys than queries, as a cache), GQA, full attention
+#: with logn row scales and sinks. A window's rows start at different keys: sm80's dq kernel takes
+#: that call (family.cpp: hopper_deterministic_obstacle).
+HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any], str]] = {
+    "causal_gqa_d128": (2, 600, 600, 128, {"is_causal": True}, "sm90"),
+    "bottom_right_d64": (4, 200, 700, 64, {"is_causal": True, "causal_alignment": "bottom_right"}, "sm90"),
+    "full_logn_sinks_d64": (4, 300, 650, 64, {"scale_mode": "logn", "sinks": True}, "sm90"),
+    "window_d128": (4, 400, 400, 128, {"is_causal": True, "window_size": (100, 0)}, "sm80"),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", list(HOPPER_DETERMINISTIC_CASES))
+def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Under deterministic algorithms with ENTROPY_ATTN_CUDA_FAMILY=sm90 the Hopper backward runs
+    (family.h: kHopperDeterministicByDefault decides "auto") where every row starts at key 0, and
+    sm80's deterministic dq kernel elsewhere: three backwards of the same call give the same bits
+    (dq's partial sums added in the key blocks' order, not as they finish), and the gradients of
+    the output and the entropy match the float64 reference."""
+    Hkv, Lq, Lk, D, spec, family = HOPPER_DETERMINISTIC_CASES[case]
+    kw = {key: val for key, val in spec.items() if key != "sinks"}
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    sinks = randn(4) if spec.get("sinks") else None
+    extra = {"sinks": cuda(sinks)} if sinks is not None else {}
+    go, ge = cuda(randn(1, 4, Lq, D).to(torch.bfloat16)), cuda(randn(1, 4, Lq))
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    runs: List[List[Tensor]] = []
+    with torch_deterministic(True):
+        for _ in range(3):
+            out = OP(*leaves, None, None, enable_gqa=True, return_stats=True, **extra, **kw)
+            grads: list = []
+            names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
+                                   family, "main_kernel")
+            assert names, f"{family}'s backward did not run"
+            runs.append(grads)
+    for again in runs[1:]:
+        for a, b, name in zip(again, runs[0], ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{name} differs between runs"
+    rin = [leaf64(t) for t in (q, k, v)]
+    r = reference_attention_raw(*rin, None, None, enable_gqa=True,
+                                sinks=sinks.double() if sinks is not None else None, **kw)
+    ref_grads = grads_of([r.output, r.entropy], [go.cpu(), ge.cpu()], rin)
+    for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv")):
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
 
 
 @contextlib.contextmanager

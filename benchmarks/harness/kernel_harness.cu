@@ -10,9 +10,10 @@
 //    D = 64 and 128, bf16 and fp16) through each family the device runs: the forward with and
 //    without statistics and the backward against the float64 reference of kernel_harness.h, with
 //    the test suite's tolerances (with the statistics' upstream gradients too, as an entropy
-//    regularizer sends them); and calls of 2048 rows and keys (bf16, with those gradients) against
-//    the fallback family's results. (The pytest suite, tests/test_cuda.py, is the full judge:
-//    windows, documents, softcap, sinks, dropout, other mask layouts.)
+//    regularizer sends them); deterministic backwards (dq without atomics in any order: a second
+//    run's bits compared with the first's); and calls of 2048 rows and keys (bf16, with those
+//    gradients) against the fallback family's results. (The pytest suite, tests/test_cuda.py, is
+//    the full judge: windows, documents, softcap, sinks, dropout, other mask layouts.)
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
@@ -33,10 +34,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -147,6 +150,15 @@ struct DeviceCall {
     scratch.push_back(x);
     return static_cast<float*>(x);
   }
+  // n zero ints, fresh for each call (the deterministic backward's turn counters end at their
+  // key block counts: a second launch needs new ones).
+  int* zeroed_ints(int64_t n) {
+    void* x = nullptr;
+    EA_CHECK_CUDA(cudaMalloc(&x, std::max<int64_t>(n, 1) * sizeof(int)));
+    EA_CHECK_CUDA(cudaMemset(x, 0, std::max<int64_t>(n, 1) * sizeof(int)));
+    scratch.push_back(x);
+    return static_cast<int*>(x);
+  }
   DeviceCall(const DeviceCall&) = delete;
   DeviceCall& operator=(const DeviceCall&) = delete;
   int64_t bytes_of(void* p) const {
@@ -197,13 +209,13 @@ std::string describe(const Shape& s) {
                      : s.mask_elem == MaskElem::kBFloat16 ? " additive mask (bf16)"
                      : s.mask_elem == MaskElem::kFloat16  ? " additive mask (fp16)"
                                                           : " additive mask";
-  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s%s",
+  std::snprintf(buf, sizeof(buf), "B=%lld H=%lld:%lld Lq=%lld Lk=%lld D=%lld%s%s%s%s%s%s",
                 static_cast<long long>(s.batch), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_heads), static_cast<long long>(s.q_len),
                 static_cast<long long>(s.kv_len), static_cast<long long>(s.head_dim),
                 s.causal ? " causal" : "", s.logn ? " logn" : "",
                 s.stat_grads ? " +statistic gradients" : "", mask,
-                s.mask_grad ? " +its gradient" : "");
+                s.mask_grad ? " +its gradient" : "", s.deterministic ? " deterministic" : "");
   return buf;
 }
 
@@ -276,6 +288,10 @@ struct OpLaunch {
       l.bwd_skip = "backward: not run (needs " + std::to_string(need) +
                    " bytes of shared memory per block; the op runs the fallback here)";
     }
+    if (f == Family::kSm90 && s.deterministic && !l.bulk_dq) {
+      l.bwd_skip =
+          "backward: not run (deterministic with dq by atomics: the op runs it in the sm80 family)";
+    }
     if (f == Family::kSm90 && s.mask_grad && s.stat_grads) {
       l.bwd_skip =
           "backward: not run (the op runs a mask's gradient beside the statistics' gradients in "
@@ -305,10 +321,16 @@ struct OpLaunch {
     }
     return p;
   }
-  BwdParams<float> backward(const DeviceCall& c, bool tensor_core) const {
+  // (Deterministic, the Hopper backward's turn counters are new zeros at each call: such
+  // parameters serve one launch.)
+  BwdParams<float> backward(DeviceCall& c, bool tensor_core) const {
     BwdParams<float> p = backward_params(c.s, c.b, tensor_core);
     p.launch_sections = bwd_sections;
     if (bulk_dq) p.dq_layout = sm90::bulk_dq_accum(c.s.q_len, c.s.head_dim);
+    p.deterministic = c.s.deterministic;
+    if (bulk_dq && c.s.deterministic) {
+      p.dq_turns = c.zeroed_ints(c.s.batch * c.s.heads * (p.dq_layout.rows / sm90::kBulkDqRows));
+    }
     return p;
   }
 };
@@ -323,6 +345,9 @@ struct Results {
   bool has_plain = false;
   Forward plain, stats;
   Backward grads;
+  // Deterministic calls of the tensor-core families: whether a second backward gave the same bits
+  // of dq, dk and dv.
+  std::optional<bool> repeated_bits;
 };
 
 template <typename T>
@@ -363,13 +388,31 @@ Results run_family(Family f, const Shape& s, const Inputs<T>& in, const Device& 
     return r;
   }
 
-  EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
-  if (s.mask_grad) EA_CHECK_CUDA(cudaMemset(c.b.d_mask, 0, c.bytes_of(c.b.d_mask)));
-  if (!launched(l.bwd(l.backward(c, tensor_core), nullptr))) {
-    r.missing = "backward";
-    return r;
+  // The gradients' bits: dq, dk and dv of a tensor-core family.
+  const auto grad_bits = [&] {
+    return std::array<std::vector<T>, 3>{c.download<T>(c.b.dq), c.download<T>(c.b.dk),
+                                         c.download<T>(c.b.dv)};
+  };
+  std::array<std::vector<T>, 3> first_bits;
+  for (int run = 0; run < (tensor_core && s.deterministic ? 2 : 1); ++run) {
+    EA_CHECK_CUDA(cudaMemset(c.b.dq_accum, 0, c.bytes_of(c.b.dq_accum)));
+    if (s.mask_grad) EA_CHECK_CUDA(cudaMemset(c.b.d_mask, 0, c.bytes_of(c.b.d_mask)));
+    if (!launched(l.bwd(l.backward(c, tensor_core), nullptr))) {
+      r.missing = "backward";
+      return r;
+    }
+    EA_CHECK_CUDA(cudaDeviceSynchronize());
+    if (run == 0 && tensor_core && s.deterministic) first_bits = grad_bits();
+    if (run == 1) {
+      const std::array<std::vector<T>, 3> again = grad_bits();
+      bool same = true;
+      for (size_t g = 0; g < again.size(); ++g) {
+        same = same &&
+               std::memcmp(again[g].data(), first_bits[g].data(), again[g].size() * sizeof(T)) == 0;
+      }
+      r.repeated_bits = same;
+    }
   }
-  EA_CHECK_CUDA(cudaDeviceSynchronize());
   if (tensor_core) {
     r.grads = {output_in_head_order(s, widen(c.download<T>(c.b.dq))),
                kv_in_head_order(s, widen(c.download<T>(c.b.dk))),
@@ -411,6 +454,10 @@ void add_checks(Family f, const char* dtype, const Shape& s, const Results& got,
   add(relative("backward: dv", got.grads.dv, want_grads.dv, tol.grad));
   add(relative("backward: d lambda", got.grads.dlam, want_grads.dlam, tol.grad));
   if (s.mask_grad) add(relative("backward: d mask", got.grads.dmask, want_grads.dmask, tol.grad));
+  if (got.repeated_bits) {
+    add({"backward: dq, dk, dv of a second run bitwise equal", *got.repeated_bits ? 0.0 : INFINITY,
+         1.0});
+  }
 }
 
 // The checks of one call of type T through each family: against the float64 reference, or, with
@@ -446,6 +493,8 @@ void check_call(const std::vector<Family>& families, const Device& dev, const ch
 TimeRow time_call(Family f, const Shape& s, const Device& dev, int reps) {
   using T = __nv_bfloat16;
   TimeRow row{family_name(f), "bf16", s};
+  // (Not deterministic calls: the parameters below serve many launches, turn counters one.)
+  if (s.deterministic) return row;
   const OpLaunch l = OpLaunch::of<T>(f, s, dev);
   if (l.fwd_stats == nullptr || l.bwd == nullptr) return row;
   const bool tensor_core = f != Family::kFallback;
@@ -664,15 +713,37 @@ int main(int argc, char** argv) {
     }
   }
   int failed = 0;
-  std::printf(
-      "## Checks against the float64 reference\n\n| family | dtype | call | what | error / tol | "
-      "|\n|---|---|---|---|---|---|\n");
-  for (const CheckRow& r : checks) {
-    failed += !r.check.ok();
-    std::printf("| %s | %s | %s | %s | %.3g / %.3g | %s |\n", r.family.c_str(), r.dtype.c_str(),
-                r.shape.c_str(), r.check.what.c_str(), r.check.error, r.check.tol,
-                r.check.ok() ? "ok" : "**FAILED**");
+  // The rows [from, end) as a table under `title`, their failures counted; flushed, so that a run
+  // cut short keeps what it printed.
+  const auto print_checks = [&](const char* title, size_t from) {
+    std::printf(
+        "## %s\n\n| family | dtype | call | what | error / tol | |\n|---|---|---|---|---|---|\n",
+        title);
+    for (size_t i = from; i < checks.size(); ++i) {
+      const CheckRow& r = checks[i];
+      failed += !r.check.ok();
+      std::printf("| %s | %s | %s | %s | %.3g / %.3g | %s |\n", r.family.c_str(), r.dtype.c_str(),
+                  r.shape.c_str(), r.check.what.c_str(), r.check.error, r.check.tol,
+                  r.check.ok() ? "ok" : "**FAILED**");
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  };
+  print_checks("Checks against the float64 reference", 0);
+  // Deterministic backwards (the sm80 family's dq kernel, the Hopper family's dq in turns), last
+  // and in a table of their own (a turn never reached would spin until the caller's bound: the
+  // table above is out by then): six key blocks adding into each query block's dq, GQA, the
+  // statistics' gradients; twice, bits compared.
+  const size_t deterministic_from = checks.size();
+  for (int d : {64, 128}) {
+    for (bool causal : {false, true}) {
+      Shape det{1, 4, 2, 700, 700, d, causal, false, true};
+      det.deterministic = true;
+      check_call<__nv_bfloat16>(checked, dev, "bf16", det, false, checks);
+    }
   }
+  print_checks("Deterministic backwards (against the float64 reference, and a second run's bits)",
+               deterministic_from);
   std::printf("\n%zu checks, %d failed\n\n", checks.size(), failed);
 
   // 2. Timings.

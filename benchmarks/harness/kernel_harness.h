@@ -70,6 +70,9 @@ struct Shape {
   // The mask (B, 1, 1, Lk) instead: one entry per key, shared by the rows (its row stride 0), as a
   // learned bias per key; its gradient sums the rows' dS (logit_grads.cuh: the warp's sums).
   bool mask_per_key = false;
+  // The backward under deterministic algorithms (params.h: deterministic; the sm80 family's dq
+  // kernel, the Hopper family's bulk reductions in the key blocks' order through dq_turns).
+  bool deterministic = false;
 
   int64_t q_elems() const { return batch * heads * q_len * head_dim; }
   int64_t kv_elems() const { return batch * kv_heads * kv_len * head_dim; }

@@ -134,6 +134,11 @@ void BackwardCall::allocate(Family f) {
                   ? sm90::bulk_dq_accum(sh.q_len, sh.head_dim)
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
+  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns).
+  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms()) {
+    dq_turns = at::zeros({sh.batch, sh.heads, dq_layout.rows / sm90::kBulkDqRows},
+                         q.options().dtype(at::kInt));
+  }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {
     dk = at::empty({sh.batch, sh.heads, sh.kv_len, sh.head_dim}, opts);
@@ -169,6 +174,7 @@ BwdParams<acc_t> BackwardCall::params() const {
     p.dq_out = out_view_of(dq), p.dk_out = out_view_of(dk), p.dv_out = out_view_of(dv);
     p.d_row_scale = dlam.defined() ? dlam.data_ptr<acc_t>() : nullptr;
     p.deterministic = at::globalContext().deterministicAlgorithms();
+    p.dq_turns = dq_turns.defined() ? dq_turns.data_ptr<int>() : nullptr;
   }
   return p;
 }

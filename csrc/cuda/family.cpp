@@ -326,14 +326,34 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// The Hopper backward also needs dq by atomics (not deterministic algorithms), no mask gradient
-// beside the statistics' gradients (the sm80 family's backward takes those calls), and no softcap
-// or dropout with a mask (sm90/launch.h: backward_covers).
+// Under deterministic algorithms the Hopper backward adds dq's partial sums by bulk reductions in
+// the key blocks' order (sm90/bwd_kernel.cuh: write_dq): for calls without a mask (the masked
+// kernels add them by atomics) whose rows all start at key 0 (sm90/launch.h:
+// deterministic_turns_ok: no window's left bound, no packed documents). Off by default until it has
+// run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel
+// takes the others.
+std::string hopper_deterministic_obstacle(const BackwardCall& c) {
+  if (!at::globalContext().deterministicAlgorithms()) return {};
+  if (!hopper_capability(kHopperDeterministicByDefault)) {
+    return "deterministic algorithms (dq in the key blocks' order, off by default: "
+           "kHopperDeterministicByDefault)";
+  }
+  if (!hopper_bulk_dq(c.call)) {
+    return "deterministic algorithms with a mask (the masked kernels add dq by atomics)";
+  }
+  if (!sm90::rows_start_at_key_zero(c.call.options.key_pattern().left, c.call.cu_q.defined())) {
+    return "deterministic algorithms with a sliding window or packed documents (dq's turns need "
+           "every row to start at key 0)";
+  }
+  return {};
+}
+
+// The Hopper backward also needs dq in an order it can keep (deterministic algorithms: above), no
+// mask gradient beside the statistics' gradients (the sm80 family's backward takes those calls),
+// and no softcap or dropout with a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (std::string why = hopper_mask_grad_obstacle(c); !why.empty()) return why;
-  if (at::globalContext().deterministicAlgorithms()) {
-    return "deterministic algorithms (its dq accumulates by atomics)";
-  }
+  if (std::string why = hopper_deterministic_obstacle(c); !why.empty()) return why;
   // (Any mask: this covers softcap_backward_obstacle's additive one too.)
   if (c.call.options.softcap > 0 && c.call.mask.has_value()) {
     return "logit softcapping with a mask in the backward (sm90/launch.h)";

@@ -126,6 +126,11 @@ struct BwdParams : AttentionArgs<acc_t> {
   OutView4 dq_out, dk_out, dv_out;
   acc_t* d_row_scale = nullptr;
   bool deterministic = false;
+  // A deterministic Hopper backward (sm90/bwd_kernel.cuh: write_dq): per (batch, head, query block
+  // of dq_accum's rows), the number of key blocks that have added their G into it, zero-filled by
+  // the host, (B, H, dq_layout.rows / 64) int32; key block n adds its own when the count reaches n,
+  // so that the sum's order is the key blocks' whatever the schedule. Null: any order (faster).
+  int* dq_turns = nullptr;
   bool g_scaled = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the
   // backward kernels add dS into it; the Hopper family's only without the statistics' gradients:

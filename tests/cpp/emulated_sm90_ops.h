@@ -734,14 +734,51 @@ inline void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
 
 inline void bulk_commit() { t_bulk.commit(); }
 
+// The reductions a thread waited for with wait_group.read alone: read, their writes to global
+// memory perhaps not yet done (the emulation adds at issue; a GPU may later).
+inline size_t t_bulk_unwritten = 0;
+inline const bool t_bulk_unwritten_fiber_local = fibers::fiber_local(t_bulk_unwritten);
+
+inline void bulk_check_read(const BulkReduction& r) {
+  if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
+    report_error("bulk reduction: its shared memory at byte " +
+                 std::to_string(__cvta_generic_to_shared(r.src)) +
+                 " was written before the issuing thread's wait_group.read");
+  }
+}
+
 inline void bulk_wait_read(int pending) {
   t_bulk.wait(pending, [](const BulkReduction& r) {
-    if (std::memcmp(r.src, r.read.data(), r.read.size() * sizeof(float)) != 0) {
-      report_error("bulk reduction: its shared memory at byte " +
-                   std::to_string(__cvta_generic_to_shared(r.src)) +
-                   " was written before the issuing thread's wait_group.read");
-    }
+    bulk_check_read(r);
+    ++t_bulk_unwritten;
   });
+}
+
+// cp.async.bulk.wait_group 0: every reduction of the thread complete, writes included.
+inline void bulk_wait_all() {
+  t_bulk.wait(0, bulk_check_read);
+  t_bulk_unwritten = 0;
+}
+
+// The deterministic backward's turn counters (ops.cuh: wait_turn, pass_turn). The blocks run one
+// after another in launch order, so a count that is not the awaited one when a block waits never
+// becomes it: a GPU would spin for ever, or (had a later block already passed) add out of order.
+inline void wait_turn(const int* turn, int value) {
+  if (*turn != value) {
+    report_error("turn: block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) +
+                 ", " + std::to_string(blockIdx.z) + ") waits for count " + std::to_string(value) +
+                 ", the blocks before it left " + std::to_string(*turn));
+  }
+}
+// Handing the turn on before the thread's reductions have written their sums would let the next
+// block add before them.
+inline void pass_turn(int* turn) {
+  if (t_bulk.outstanding() != 0 || t_bulk_unwritten != 0) {
+    report_error(
+        "turn: passed on before the thread's bulk reductions completed "
+        "(cp.async.bulk.wait_group 0)");
+  }
+  ++*turn;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -770,6 +807,7 @@ inline void async_block_end() {
                  " left a block with wgmma or bulk operations it did not wait for");
   }
   t_pending.clear(), t_committed.clear(), t_bulk.clear();
+  t_bulk_unwritten = 0;
   t_reads.clear();
   t_open_batch = 0;
 }
@@ -863,6 +901,9 @@ struct Ops {
   static void bulk_wait_read() {
     sm90::bulk_wait_read(kPending);
   }
+  static void bulk_wait_all() { sm90::bulk_wait_all(); }
+  static void wait_turn(const int* turn, int value) { sm90::wait_turn(turn, value); }
+  static void pass_turn(int* turn) { sm90::pass_turn(turn); }
 };
 
 }  // namespace cuda_emu::sm90

@@ -11,6 +11,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "cuda/sm80/bwd_kernel.cuh"
 #include "cuda/sm90/bwd_kernel.cuh"
 #include "cuda/sm90/fwd_kernel.cuh"
@@ -91,10 +94,13 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 
 // One backward: the fallback forward's statistics, the Hopper backward (with bulk_dq, dq's partial
 // sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
-// G summed from lambda dS, params.h: g_scaled), and its gradients against the reference (the
-// additive mask's too, with s.mask_grad).
+// G summed from lambda dS, params.h: g_scaled; deterministic, those reductions in the key blocks'
+// order: params.h, dq_turns), and its gradients against the reference (the additive mask's too,
+// with s.mask_grad). Deterministic, each query block's turn counter must end at the number of key
+// blocks that walk it (key_ranges.cuh: query_blocks).
 template <typename T, int kD, bool kCausal, MaskKind kMask>
-void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true) {
+void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
+                  bool deterministic = false) {
   ASSERT_EQ(s.head_dim, kD);
   ASSERT_EQ(s.mask, kMask);
   ASSERT_TRUE(kCausal || (!s.causal && s.mask == MaskKind::kNone));
@@ -104,8 +110,31 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true) {
   ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);
   if (!dlam) p.d_row_scale = nullptr;
+  const int m_blocks = static_cast<int>(p.dq_layout.rows / s9b::BwdTraits<T, kD>::kBlockM);
+  std::vector<int> turns;
+  if (deterministic) {
+    ASSERT_TRUE(bulk_dq) << "dq in turns takes bulk reductions";
+    turns.assign(static_cast<size_t>(s.batch * s.heads * m_blocks), 0);
+    p.deterministic = true;
+    p.dq_turns = turns.data();
+  }
   launch_backward<T, kD, kCausal, kMask>(p);
   sm80_emulation::expect_backward(s, c, 0, dlam);
+  if (!deterministic) return;
+  constexpr int kBlockN = s9b::BwdTraits<T, kD>::kBlockN;
+  const int q_len = static_cast<int>(s.q_len), kv_len = static_cast<int>(s.kv_len);
+  std::vector<int> walkers(static_cast<size_t>(m_blocks), 0);
+  for (int j0 = 0; j0 < kv_len; j0 += kBlockN) {
+    const ec::BlockRange r =
+        ec::query_blocks<kCausal>(p.pattern, q_len, kv_len, j0, std::min(j0 + kBlockN, kv_len), 64);
+    for (int m = r.begin; m < r.end; ++m) ++walkers[static_cast<size_t>(m)];
+  }
+  for (int64_t bh = 0; bh < s.batch * s.heads; ++bh) {
+    for (int m = 0; m < m_blocks; ++m) {
+      EXPECT_EQ(turns[static_cast<size_t>(bh * m_blocks + m)], walkers[static_cast<size_t>(m)])
+          << "the turn counter of (batch x head " << bh << ", query block " << m << ")";
+    }
+  }
 }
 
 }  // namespace sm90_emulation

@@ -164,6 +164,21 @@ TEST(EmulatedSm90Backward, BulkDq) {
       eh::Shape{1, 2, 2, 130, 130, 128, true, false, false}, true);
 }
 
+// Deterministic dq (bwd_kernel.cuh: write_dq; params.h: dq_turns): each key block adds its G into
+// a query block when the counter of that block says the key blocks before it have (the emulated
+// wait reports a count that is not the awaited one, which a GPU would wait on for ever), and hands
+// the turn on only after its reduction has completed. Causal over 4 key blocks (the last partial)
+// with GQA and the statistics' gradients, full attention over 3 with no d lambda in two batch
+// entries, and top-left causality with more keys than queries (key blocks 1-3 walk no query block).
+TEST(EmulatedSm90Backward, DeterministicDq) {
+  run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 300, 400, 64, true, false, true}, true, true, true);
+  run_backward<__half, 128, false, MaskKind::kNone>(
+      eh::Shape{2, 2, 1, 150, 300, 128, false, true, false}, true, false, true);
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 100, 400, 128, true, true, true}, true, true, true);
+}
+
 // The consumer warpgroups meet wherever one reads what the other stored (the backward's P before
 // dV, dS before G and dK; the forward's turns at the tensor cores). Run with one warpgroup going as
 // far as it can before the other, each way round: a missing barrier lets a wgmma read the other's

@@ -159,4 +159,36 @@ TEST(EmulatedSm90Features, BulkDq) {
   run_documents<Sm90, __nv_bfloat16, 128>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {-1, 0});
 }
 
+// Deterministic dq through the op's call preparation: under deterministic algorithms
+// BackwardCall::allocate gives the Hopper backward its turn counters (params.h: dq_turns), and the
+// launcher takes the calls whose rows all start at key 0 (sm90/launch.h: deterministic_turns_ok):
+// bottom-right causality with fewer queries than keys and with more (the first query blocks see
+// no key), full attention with dropout and sinks. A window's left bound is refused.
+TEST(EmulatedSm90Features, DeterministicDq) {
+  struct Deterministic {
+    bool saved = at::globalContext().deterministicAlgorithms();
+    Deterministic() { at::globalContext().setDeterministicAlgorithms(true, false); }
+    ~Deterministic() { at::globalContext().setDeterministicAlgorithms(saved, false); }
+  } deterministic;
+  Feature f;
+  f.alignment = "bottom_right", f.q_len = 130, f.kv_len = 330;
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.alignment = "bottom_right", f.q_len = 300, f.kv_len = 190, f.entropy_grad = false;
+  run_feature<Sm90, __half, 128>(f);
+  f = Feature{};
+  f.causal = false, f.dropout_p = 0.1, f.sinks = true;
+  run_feature<Sm90, __nv_bfloat16, 128>(f);
+
+  ec::BwdParams<float> p;
+  p.dq_layout = ec::sm90::bulk_dq_accum(150, 64);
+  EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
+  p.pattern.right = 0;  // causal
+  EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
+  p.pattern.left = 40;  // a window: rows start at different keys
+  EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
+  p.pattern.left = -1, p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
+  EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
+}
+
 }  // namespace

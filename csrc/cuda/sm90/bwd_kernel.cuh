@@ -960,6 +960,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 // both consumer warpgroups have stored G in the shared tile, one lane adds the whole tile into the
 // block's rows of dq_accum (a bulk reduction: the tile and those rows have the same layout) and
 // waits until it has been read before the consumers may store the next.
+// Deterministic (p.dq_turns): key block n adds into a query block once the key blocks before it
+// have (the block's turn counter reaches n), and hands the turn on once its reduction has
+// completed, so that dq_accum sums the key blocks in their order on every run. That the turn is n
+// holds where every key block before n walks each query block that n walks: where every row's
+// first key is key 0 (full attention and causality, either alignment; launch.h:
+// deterministic_turns_ok), query_blocks' range of n starts no earlier than n - 1's and both end
+// at the last query block. Within a (kv head, batch), key blocks start in the order of n
+// (launch_order.h), so the one waited for has started.
 template <typename Kt>
 __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt::SharedStorage& ss,
                                          const GridTile tile, int m_begin, int m_count, int iters) {
@@ -967,6 +975,7 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
   constexpr int kBlockM = Kt::kBlockM;
   const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int m_blocks = static_cast<int>(p.dq_layout.rows / kBlockM);
   // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
   for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
     Ops::store_shared(&ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad], 0.f);
@@ -979,11 +988,18 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
     Ops::NamedBarrier::sync(Kt::kDqThreads, kdQFullBarrier);     // ... and now full
     if (lane == 0) {
       const int h = tile.y * group + t / m_count, m_block = m_begin + t % m_count;
-      float* dst = p.dq_accum + p.dq_layout.offset(static_cast<int64_t>(tile.z) * p.heads + h,
-                                                   static_cast<int64_t>(m_block) * kBlockM);
+      const int64_t bh = static_cast<int64_t>(tile.z) * p.heads + h;
+      float* dst = p.dq_accum + p.dq_layout.offset(bh, static_cast<int64_t>(m_block) * kBlockM);
+      int* turn = p.dq_turns == nullptr ? nullptr : p.dq_turns + bh * m_blocks + m_block;
+      if (turn != nullptr) Ops::wait_turn(turn, tile.x);
       Ops::bulk_reduce_add(dst, &ss.dq[0][0], sizeof(ss.dq));
       Ops::bulk_commit();
-      Ops::template bulk_wait_read<0>();
+      if (turn != nullptr) {
+        Ops::bulk_wait_all();
+        Ops::pass_turn(turn);
+      } else {
+        Ops::template bulk_wait_read<0>();
+      }
     }
     __syncwarp();
   }

@@ -104,18 +104,31 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// The backward also needs dq by atomics (pairs, or bulk reductions, which the masked kernels lack:
-// bwd_kernel.cuh), a dq_accum laid out for the one it is given, dout that TMA can describe, no
-// softcap or dropout with a mask
-// (bwd_kernel.cuh: the cap's derivative is formed from the capped logit, which an additive mask
-// shifts; the masked kernels have no registers for the cap's derivative or for dropout), and an
-// additive mask's gradient (d_logits) only without the statistics' gradients (bwd_kernel.cuh:
-// kLogitGrads; the sm80 family's backward writes it beside them).
+// Whether every row's first key is key 0: no window's left bound (`left`, KeyPattern's), no packed
+// documents. Then every key block before n walks each query block n walks, as a deterministic
+// backward's turns need (params.h: dq_turns; bwd_kernel.cuh: write_dq); family.cpp routes the
+// other deterministic calls to the sm80 family.
+inline bool rows_start_at_key_zero(int64_t left, bool documents) { return left < 0 && !documents; }
+// Whether a deterministic backward's turns order the key blocks as the kernel waits for them: bulk
+// reductions, and rows_start_at_key_zero.
+inline bool deterministic_turns_ok(const BwdParams<float>& p) {
+  return p.dq_layout.bulk && rows_start_at_key_zero(p.pattern.left, p.pattern.cu_q != nullptr);
+}
+
+// The backward also needs dq by atomics in any order (pairs, or bulk reductions, which the masked
+// kernels lack: bwd_kernel.cuh) or by bulk reductions in turns (deterministic: dq_turns and
+// deterministic_turns_ok), a dq_accum laid out for the one it is given, dout that TMA can describe,
+// no softcap or dropout with a mask (bwd_kernel.cuh: the cap's derivative is formed from the capped
+// logit, which an additive mask shifts; the masked kernels have no registers for the cap's
+// derivative or for dropout), and an additive mask's gradient (d_logits) only without the
+// statistics' gradients (bwd_kernel.cuh: kLogitGrads; the sm80 family's backward writes it beside
+// them).
 inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool causal) {
   const bool logit_grads_ok =
       p.d_logits.data == nullptr ||
       (p.mask.kind == MaskKind::kAdditive && p.g_entropy == nullptr && p.g_sum_p2 == nullptr);
-  return covers(p, head_dim, causal) && !p.deterministic && dq_layout_ok(p) && logit_grads_ok &&
+  const bool dq_order_ok = p.dq_turns == nullptr ? !p.deterministic : deterministic_turns_ok(p);
+  return covers(p, head_dim, causal) && dq_order_ok && dq_layout_ok(p) && logit_grads_ok &&
          !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);

@@ -84,6 +84,30 @@ struct Sm90Ops {
   static __device__ __forceinline__ void bulk_wait_read() {
     cute::tma_store_wait<kPending>();
   }
+  // cp.async.bulk.wait_group 0: every bulk group of the thread complete, its writes to global
+  // memory included (wait_group.read above waits for the reads of shared memory alone).
+  static __device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+
+  // A turn counter in global memory that orders the thread blocks adding into the same place
+  // (the deterministic backward's dq: params.h, dq_turns). wait_turn spins until *turn == value
+  // (ld.acquire.gpu), then orders the async proxy's later operations (a bulk reduction) after it;
+  // pass_turn, after bulk_wait_all, orders the thread's completed bulk writes before the increment
+  // (red.release.gpu) that hands the turn on. As CUTLASS's GenericBarrier and FlashAttention-3's
+  // deterministic backward do: the thread blocks waited for start before the waiting one (a grid
+  // starts its blocks in order), so the spin ends.
+  static __device__ __forceinline__ void wait_turn(const int* turn, int value) {
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turn) : "memory");
+    } while (v != value);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  }
+  static __device__ __forceinline__ void pass_turn(int* turn) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+  }
 };
 
 }  // namespace entropy_attn::cuda::sm90

@@ -1,0 +1,146 @@
+"""The backward under ``torch.use_deterministic_algorithms(True)`` against the default one, per CUDA
+family, in one process.
+
+A deterministic backward adds dq's partial sums in a fixed order: the sm80 family in a dq kernel of
+its own (one block per query block forms P and dS again), the Hopper family, when forced
+(``--families sm90``; csrc/cuda/family.h: kHopperDeterministicByDefault, off until it has run on a
+GPU), by bulk reductions that take turns in the key blocks' order (csrc/cuda/sm90/bwd_kernel.cuh:
+write_dq). For each family, head dim, length and causality: a forward and a backward (upstream
+gradient on the output) with the default algorithms and with deterministic ones. Before timing,
+the deterministic run is repeated and must give the same bits of dq, dk and dv, and must agree
+with the default run's gradients (relative error); a point that fails stops the script.
+
+    python3 benchmarks/deterministic_backward.py                                   # CPU dry run
+    python3 benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \\
+        --head-dims 64 128 --lengths 4096
+
+Writes a Markdown table and JSON to results/deterministic/<device>.{md,json}. On the CPU (whose
+kernels are deterministic anyway) ``--families`` is ignored: the script's dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
+
+import torch_ext  # noqa: E402
+from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
+
+FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, causal: bool) -> List[torch.Tensor]:
+    """One forward and backward: dq, dk and dv."""
+    out = torch_ext.attention(q, k, v, is_causal=causal)
+    return list(torch.autograd.grad(out, (q, k, v), go))
+
+
+def deterministic_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor,
+                       causal: bool) -> List[torch.Tensor]:
+    """step() under deterministic algorithms, the previous setting restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return step(q, k, v, go, causal)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[torch.Tensor],
+          dtype: torch.dtype, where: str) -> None:
+    """The deterministic run repeats its bits and agrees with the default run (relative norm error)."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, a, b, d in zip(("dq", "dk", "dv"), first, again, default):
+        if not torch.equal(a, b):
+            raise SystemExit(f"{where}: {name} differs between two deterministic runs")
+        err = ((a.float() - d.float()).norm() / d.float().norm().clamp_min(1e-30)).item()
+        if err > tol:
+            raise SystemExit(f"{where}: deterministic {name} differs from the default's by {err:.3g} (relative)")
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    dtype = getattr(torch, args.dtype)
+    B, H, dev = args.batch, args.heads, args.device
+    families = args.families if dev == "cuda" else ["cpu"]
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    grid = [(f, D, L, c) for f in families for D in args.head_dims for L in args.lengths for c in causals]
+    rows: List[Dict[str, object]] = []
+    saved = os.environ.get(FAMILY_ENV)
+    try:
+        for family, D, L, causal in tqdm(grid, desc="deterministic backward"):
+            if dev == "cuda":
+                os.environ[FAMILY_ENV] = family
+            g = torch.Generator().manual_seed(L + D)
+            q, k, v = (torch.randn(B, H, L, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
+            go = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
+            where = f"{family}, D={D}, L={L}{', causal' if causal else ''}"
+            check(step(q, k, v, go, causal), deterministic_step(q, k, v, go, causal),
+                  deterministic_step(q, k, v, go, causal), dtype, where)
+            default_ms = median_ms(lambda: step(q, k, v, go, causal), args.min_run_time)
+            det_ms = median_ms(lambda: deterministic_step(q, k, v, go, causal), args.min_run_time)
+            rows.append({"family": family, "head_dim": D, "seq_len": L, "causal": causal,
+                         "default_ms": default_ms, "deterministic_ms": det_ms})
+    finally:
+        if saved is None:
+            os.environ.pop(FAMILY_ENV, None)
+        else:
+            os.environ[FAMILY_ENV] = saved
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    return {"device": device_name(dev), "torch": torch.__version__, "commit": commit, "dtype": args.dtype,
+            "batch": B, "heads": H, "rows": rows}
+
+
+def markdown(result: Dict[str, object]) -> str:
+    lines = [f"# Forward + backward under deterministic algorithms ({result['device']})", "",
+             f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, B={result['batch']}, "
+             f"H={result['heads']}; medians of torch.utils.benchmark in one process; each deterministic "
+             "run repeated first (same bits of dq, dk, dv) and checked against the default run.", "",
+             "| family | D | L | causal | default (ms) | deterministic (ms) | deterministic / default |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:  # type: ignore[union-attr]
+        ratio = r["deterministic_ms"] / r["default_ms"]
+        lines.append(f"| {r['family']} | {r['head_dim']} | {r['seq_len']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{r['default_ms']:.3g} | {r['deterministic_ms']:.3g} | {ratio:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--families", nargs="+", choices=["auto", "sm80", "sm90"], default=["sm80", "sm90"],
+                   help=f"the CUDA families to time (sets {FAMILY_ENV})")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--min-run-time", type=float, default=0.5)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "deterministic")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device == "cuda" else "cpu"
+    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (args.out / f"{tag}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@ its own (one block per query block forms P and dS again), the Hopper family, whe
 GPU), by bulk reductions that take turns in the key blocks' order (csrc/cuda/sm90/bwd_kernel.cuh:
 write_dq). For each family, head dim, length and causality: a forward and a backward (upstream
 gradient on the output) with the default algorithms and with deterministic ones. Before timing,
-the deterministic run is repeated and must give the same bits of dq, dk and dv, and must agree
-with the default run's gradients (relative error); a point that fails stops the script.
+the deterministic run is repeated and must give the same bits of dq, dk and dv, must agree with
+the default run's gradients (relative error), and must launch the named family's backward kernel;
+a point that fails stops the script.
 
     python3 benchmarks/deterministic_backward.py                                   # CPU dry run
     python3 benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \\
@@ -26,7 +27,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 from tqdm import tqdm
@@ -69,6 +70,19 @@ def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[to
             raise SystemExit(f"{where}: deterministic {name} differs from the default's by {err:.3g} (relative)")
 
 
+def backward_family(fn: Callable[[], object]) -> str:
+    """The family whose backward main kernel fn launches ("sm80", "sm90"; "" for none: the CPU, or
+    the fallback), from the CUDA kernels' names (torch.profiler)."""
+    if not torch.cuda.is_available():
+        fn()
+        return ""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return next((f for f in ("sm90", "sm80") if any(f"{f}::" in n and "main_kernel" in n for n in names)), "")
+
+
 def run(args: argparse.Namespace) -> Dict[str, object]:
     dtype = getattr(torch, args.dtype)
     B, H, dev = args.batch, args.heads, args.device
@@ -87,9 +101,12 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             where = f"{family}, D={D}, L={L}{', causal' if causal else ''}"
             check(step(q, k, v, go, causal), deterministic_step(q, k, v, go, causal),
                   deterministic_step(q, k, v, go, causal), dtype, where)
+            ran = backward_family(lambda: deterministic_step(q, k, v, go, causal)) if dev == "cuda" else ""
+            if family != "auto" and dev == "cuda" and ran != family:
+                raise SystemExit(f"{where}: the deterministic backward ran in {ran or 'no tensor-core family'}")
             default_ms = median_ms(lambda: step(q, k, v, go, causal), args.min_run_time)
             det_ms = median_ms(lambda: deterministic_step(q, k, v, go, causal), args.min_run_time)
-            rows.append({"family": family, "head_dim": D, "seq_len": L, "causal": causal,
+            rows.append({"family": family, "ran": ran or family, "head_dim": D, "seq_len": L, "causal": causal,
                          "default_ms": default_ms, "deterministic_ms": det_ms})
     finally:
         if saved is None:
@@ -106,12 +123,13 @@ def markdown(result: Dict[str, object]) -> str:
     lines = [f"# Forward + backward under deterministic algorithms ({result['device']})", "",
              f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, B={result['batch']}, "
              f"H={result['heads']}; medians of torch.utils.benchmark in one process; each deterministic "
-             "run repeated first (same bits of dq, dk, dv) and checked against the default run.", "",
-             "| family | D | L | causal | default (ms) | deterministic (ms) | deterministic / default |",
-             "|---|---|---|---|---|---|---|"]
+             "run repeated first (same bits of dq, dk, dv) and checked against the default run; \"ran\": the family "
+             "whose backward kernel the deterministic run launched (torch.profiler).", "",
+             "| family | ran | D | L | causal | default (ms) | deterministic (ms) | deterministic / default |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:  # type: ignore[union-attr]
         ratio = r["deterministic_ms"] / r["default_ms"]
-        lines.append(f"| {r['family']} | {r['head_dim']} | {r['seq_len']} | {'yes' if r['causal'] else 'no'} | "
+        lines.append(f"| {r['family']} | {r['ran']} | {r['head_dim']} | {r['seq_len']} | {'yes' if r['causal'] else 'no'} | "
                      f"{r['default_ms']:.3g} | {r['deterministic_ms']:.3g} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 

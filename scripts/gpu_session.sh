@@ -14,8 +14,8 @@
 #      --checks-only), again with the shared memory per block capped at 99 KB (the sm80
 #      backward's compact tiles) and with the Hopper backward's dq by atomics;
 #   3. `pytest tests -k "cuda or CUDA"` in nproc/2 processes side by side (ENTROPY_ATTN_TEST_SHARD,
-#      JUnit records), under "auto", then the deterministic Hopper backward's tests in a pass of
-#      their own (a hang costs its bound alone);
+#      JUnit records), under "auto", then the deterministic Hopper backward's tests (marked
+#      hopper_turns) in a pass of their own (a hang costs its bound alone);
 #   4. the harness's timings of the sm90 family, then the same timings of the baseline harness of
 #      .device/ (the kernels last timed on a GPU: scripts/device_bundle.sh, BASELINE) and their
 #      comparison (scripts/harness_ab.py: what the kernels changed since did, in this lease), the
@@ -146,7 +146,7 @@ tests() {
   for ((k = 0; k < SHARDS; k++)); do
     ENTROPY_ATTN_TEST_SHARD=$k/$SHARDS OMP_NUM_THREADS=2 ENTROPY_ATTN_REQUIRE_CUDA=1 \
       bounded "$seconds" "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider --maxfail=12 \
-      -k "(cuda or CUDA) and not hopper_deterministic" --junitxml="$LOGS/$name.$k.xml" \
+      -k "cuda or CUDA" -m "not hopper_turns" --junitxml="$LOGS/$name.$k.xml" \
       >"$LOGS/$name.$k.log" 2>&1 &
     pids+=($!)
   done
@@ -160,12 +160,13 @@ tests() {
   pack
 }
 tests auto 150
-# The deterministic Hopper backward (dq in turns, sm90/bwd_kernel.cuh: write_dq; added 2026-12-07,
-# not yet run on a GPU) in a pass of its own: a turn its blocks never reach would spin until the
-# bound, which then costs these seconds alone, not a shard of the passes above and below.
+# The tests of the deterministic Hopper backward (dq in turns, sm90/bwd_kernel.cuh: write_dq; added
+# 2026-12-07, not yet run on a GPU; marked hopper_turns, left out of the passes above and below) in a
+# pass of their own: a turn its blocks never reach would spin until the bound, which then costs
+# these seconds alone, not a shard of the other passes.
 note "pytest hopper deterministic"
-ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 45 "$PYTHON" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
-  -k hopper_deterministic >"$LOGS/pytest_deterministic.log" 2>&1
+ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 45 "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider \
+  -m hopper_turns >"$LOGS/pytest_deterministic.log" 2>&1
 record "pytest hopper deterministic" $?
 echo "  $(tail -1 "$LOGS/pytest_deterministic.log")"
 pack

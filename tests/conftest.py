@@ -102,6 +102,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     """Register custom markers; refuse to run without a GPU when one is required."""
     config.addinivalue_line("markers", "cuda: test runs on a CUDA device")
+    config.addinivalue_line(
+        "markers",
+        "hopper_turns: runs the Hopper backward's deterministic dq (in turns: a wrong turn would spin), "
+        "which scripts/gpu_session.sh runs in a bounded pass of its own",
+    )
     if REQUIRE_CUDA and not HAS_CUDA:
         raise pytest.UsageError(
             "ENTROPY_ATTN_REQUIRE_CUDA is set but torch.cuda.is_available() is False: "

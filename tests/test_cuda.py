@@ -2215,7 +2215,9 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
 
 @real_cuda
 @pytest.mark.parametrize(
-    "case", ["float32", "softcap", "sinks", "dropout", "unaligned_rows", "head_dim_96", "deterministic"],
+    "case",
+    ["float32", "softcap", "sinks", "dropout", "unaligned_rows", "head_dim_96",
+     pytest.param("deterministic", marks=pytest.mark.hopper_turns)],
 )
 def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=sm90 on calls the Hopper family does not cover (float32, unaligned
@@ -2271,6 +2273,7 @@ HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any], 
 
 
 @needs_hopper
+@pytest.mark.hopper_turns
 @pytest.mark.parametrize("case", list(HOPPER_DETERMINISTIC_CASES))
 def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Under deterministic algorithms with ENTROPY_ATTN_CUDA_FAMILY=sm90 the Hopper backward runs

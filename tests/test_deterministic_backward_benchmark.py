@@ -26,8 +26,8 @@ def test_writes_table_and_json(tmp_path: Path) -> None:
     assert all(r["default_ms"] > 0 and r["deterministic_ms"] > 0 for r in result["rows"])
     assert not torch.are_deterministic_algorithms_enabled()  # restored after each run
     text = (tmp_path / "cpu.md").read_text()
-    assert "| family | D | L | causal | default (ms) | deterministic (ms) |" in text
-    assert text.count("\n| cpu | 8 | 40 |") == 2
+    assert "| family | ran | D | L | causal | default (ms) | deterministic (ms) |" in text
+    assert text.count("\n| cpu | cpu | 8 | 40 |") == 2
 
 
 def test_bits_that_do_not_repeat_stop_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -339,7 +339,9 @@ std::string hopper_deterministic_obstacle(const BackwardCall& c) {
            "kHopperDeterministicByDefault)";
   }
   if (!hopper_bulk_dq(c.call)) {
-    return "deterministic algorithms with a mask (the masked kernels add dq by atomics)";
+    return "deterministic algorithms without bulk reductions of dq (a mask, whose kernels add dq "
+           "by "
+           "atomics, or kHopperBulkDqByDefault off)";
   }
   if (!sm90::rows_start_at_key_zero(c.call.options.key_pattern().left, c.call.cu_q.defined())) {
     return "deterministic algorithms with a sliding window or packed documents (dq's turns need "

@@ -14,11 +14,12 @@
 // backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics: pairs from
 // the registers, or, with a bulk_dq_accum layout, whole tiles by bulk reductions from shared memory
 // (FlashAttention-3's way; the calls without a mask, since it passed the CUDA tests on an H200:
-// family.h, kHopperBulkDqByDefault). A deterministic backward goes to sm80. Both directions also
-// take sliding windows, bottom-right alignment and packed documents (their causal instantiations
-// read the call's KeyPattern), logit softcapping and dropout (the backward of either not with a
-// mask) and attention sinks, which "auto" gives them since they passed the CUDA tests on an H200
-// (family.h: kHopperFeaturesByDefault).
+// family.h, kHopperBulkDqByDefault), under deterministic algorithms in the key blocks' order
+// (bwd_kernel.cuh: write_dq; off by default, family.h: kHopperDeterministicByDefault). Both
+// directions also take sliding windows, bottom-right alignment and packed documents (their causal
+// instantiations read the call's KeyPattern), logit softcapping and dropout (the backward of either
+// not with a mask) and attention sinks, which "auto" gives them since they passed the CUDA tests on
+// an H200 (family.h: kHopperFeaturesByDefault).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -22,9 +22,7 @@ kernels are deterministic anyway) ``--families`` is ignored: the script's dry ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
@@ -36,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
 
 import torch_ext  # noqa: E402
-from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
+# (benchmarks/timing.py)
+from timing import device_name, median_ms, short_commit, write_result  # noqa: E402
 
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 
@@ -113,8 +112,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             os.environ.pop(FAMILY_ENV, None)
         else:
             os.environ[FAMILY_ENV] = saved
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = short_commit(ROOT)
     return {"device": device_name(dev), "torch": torch.__version__, "commit": commit, "dtype": args.dtype,
             "batch": B, "heads": H, "rows": rows}
 
@@ -152,12 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if args.device == "cuda" else "cpu"
-    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(result)
-    (args.out / f"{tag}.md").write_text(text)
-    print(text)
+    write_result(args.out, args.device, result, markdown(result))
 
 
 if __name__ == "__main__":

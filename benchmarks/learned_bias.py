@@ -25,8 +25,6 @@ Writes a Markdown table and JSON to results/learned_bias/<device>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -39,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
 
 import torch_ext  # noqa: E402
-from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
+# (benchmarks/timing.py)
+from timing import device_name, median_ms, short_commit, write_result  # noqa: E402
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
 # The bias shapes --bias names: their sizes for batch B, heads H and length L, and how the table
@@ -89,8 +88,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         for m in METHODS:
             row[f"{m}_ms"] = median_ms(lambda m=m: step(m, q, k, v, bias, go), args.min_run_time)
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = short_commit(ROOT)
     return {"device": device_name(dev), "torch": torch.__version__, "commit": commit, "dtype": args.dtype,
             "batch": B, "heads": H, "head_dim": D, "rows": rows}
 
@@ -124,12 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "learned_bias")
     args = p.parse_args(argv)
     result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if args.device == "cuda" else "cpu"
-    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(result)
-    (args.out / f"{tag}.md").write_text(text)
-    print(text)
+    write_result(args.out, args.device, result, markdown(result))
 
 
 if __name__ == "__main__":

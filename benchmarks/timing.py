@@ -1,13 +1,17 @@
 """What the benchmark scripts share: the median time of a call with torch's threads, calls timed
-interleaved over rounds, the fastest of a few calls, the name of the device it ran on, and the
-command line of a script that prints one table over its points."""
+interleaved over rounds, the fastest of a few calls, the name of the device it ran on, the
+command line of a script that prints one table over its points, and the short commit and the
+Markdown and JSON files of a script that writes results/<name>/<device>.{md,json}."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple, TypeVar
 
 import torch
@@ -81,3 +85,18 @@ def points_main(description: str, table: Callable[[List[Point], int, float], str
     print(f"{device_name('cpu')}, torch {torch.__version__}\n")
     print(table(list(quick if args.quick else points), 1 if args.quick else args.repeats,
                 0.05 if args.quick else args.min_run_time))
+
+
+def short_commit(root: Path) -> str:
+    """The checkout's commit, abbreviated ('' outside a git checkout)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=root).stdout.strip()
+
+
+def write_result(out: Path, device: str, result: Dict[str, object], text: str) -> None:
+    """result as out/<cuda|cpu>.json, the table text as out/<cuda|cpu>.md, and the text printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if device == "cuda" else "cpu"
+    (out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{tag}.md").write_text(text)
+    print(text)

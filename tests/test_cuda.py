@@ -2262,13 +2262,16 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
 #: (Hkv, Lq, Lk, D, the op's keyword arguments, the family whose main kernel must run). Up to six key
 #: blocks of 128 add into each query block's dq (sm90/bwd_kernel.cuh: write_dq, in their order);
 #: causality either way (bottom-right with more keys than queries, as a cache), GQA, full attention
-#: with logn row scales and sinks. A window's rows start at different keys: sm80's dq kernel takes
-#: that call (family.cpp: hopper_deterministic_obstacle).
+#: with logn row scales and sinks, a causal window over five key blocks (query blocks whose first
+#: walker is past key block 0) and a two-sided band. A bool mask's call, whose kernels add dq by
+#: atomics, runs sm80's deterministic dq kernel (family.cpp: hopper_deterministic_obstacle).
 HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any], str]] = {
     "causal_gqa_d128": (2, 600, 600, 128, {"is_causal": True}, "sm90"),
     "bottom_right_d64": (4, 200, 700, 64, {"is_causal": True, "causal_alignment": "bottom_right"}, "sm90"),
     "full_logn_sinks_d64": (4, 300, 650, 64, {"scale_mode": "logn", "sinks": True}, "sm90"),
-    "window_d128": (4, 400, 400, 128, {"is_causal": True, "window_size": (100, 0)}, "sm80"),
+    "window_d128": (4, 600, 600, 128, {"is_causal": True, "window_size": [150, 0]}, "sm90"),
+    "band_d64": (2, 500, 500, 64, {"window_size": [130, 70]}, "sm90"),
+    "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": True}, "sm80"),
 }
 
 
@@ -2277,23 +2280,24 @@ HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any], 
 @pytest.mark.parametrize("case", list(HOPPER_DETERMINISTIC_CASES))
 def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Under deterministic algorithms with ENTROPY_ATTN_CUDA_FAMILY=sm90 the Hopper backward runs
-    (family.h: kHopperDeterministicByDefault decides "auto") where every row starts at key 0, and
-    sm80's deterministic dq kernel elsewhere: three backwards of the same call give the same bits
-    (dq's partial sums added in the key blocks' order, not as they finish), and the gradients of
-    the output and the entropy match the float64 reference."""
+    (family.h: kHopperDeterministicByDefault decides "auto") where its dq can take turns, and sm80's
+    deterministic dq kernel elsewhere: three backwards of the same call give the same bits (dq's
+    partial sums added in the key blocks' order, not as they finish), and the gradients of the
+    output and the entropy match the float64 reference."""
     Hkv, Lq, Lk, D, spec, family = HOPPER_DETERMINISTIC_CASES[case]
-    kw = {key: val for key, val in spec.items() if key != "sinks"}
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
     torch.manual_seed(5)
     q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
     leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
     sinks = randn(4) if spec.get("sinks") else None
     extra = {"sinks": cuda(sinks)} if sinks is not None else {}
+    mask = torch.rand(Lq, Lk) < 0.9 if spec.get("mask") else None
     go, ge = cuda(randn(1, 4, Lq, D).to(torch.bfloat16)), cuda(randn(1, 4, Lq))
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
     runs: List[List[Tensor]] = []
     with torch_deterministic(True):
         for _ in range(3):
-            out = OP(*leaves, None, None, enable_gqa=True, return_stats=True, **extra, **kw)
+            out = OP(*leaves, cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
             grads: list = []
             names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
                                    family, "main_kernel")
@@ -2303,7 +2307,7 @@ def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: st
         for a, b, name in zip(again, runs[0], ("dq", "dk", "dv")):
             assert torch.equal(a, b), f"{name} differs between runs"
     rin = [leaf64(t) for t in (q, k, v)]
-    r = reference_attention_raw(*rin, None, None, enable_gqa=True,
+    r = reference_attention_raw(*rin, mask, None, enable_gqa=True,
                                 sinks=sinks.double() if sinks is not None else None, **kw)
     ref_grads = grads_of([r.output, r.entropy], [go.cpu(), ge.cpu()], rin)
     for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv")):

@@ -3,10 +3,12 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -134,10 +136,18 @@ void BackwardCall::allocate(Family f) {
                   ? sm90::bulk_dq_accum(sh.q_len, sh.head_dim)
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
-  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns).
-  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms()) {
-    dq_turns = at::zeros({sh.batch, sh.heads, dq_layout.rows / sm90::kBulkDqRows},
-                         q.options().dtype(at::kInt));
+  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), each
+  // query block's counter starting at its first walker, the same for every (batch, head).
+  // (Packed documents never come here: family.cpp routes them, and the pattern's offsets are on
+  // the device.)
+  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms() &&
+      !call.cu_q.defined()) {
+    std::vector<int32_t> start = sm90::dq_turns_start(call.key_pattern(), sh.q_len, sh.kv_len);
+    const auto blocks = static_cast<int64_t>(start.size());
+    dq_turns = at::from_blob(start.data(), {blocks}, at::TensorOptions().dtype(at::kInt))
+                   .to(q.device())
+                   .expand({sh.batch, sh.heads, blocks})
+                   .contiguous();
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {

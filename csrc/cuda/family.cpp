@@ -328,10 +328,9 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
 
 // Under deterministic algorithms the Hopper backward adds dq's partial sums by bulk reductions in
 // the key blocks' order (sm90/bwd_kernel.cuh: write_dq): for calls without a mask (the masked
-// kernels add them by atomics) whose rows all start at key 0 (sm90/launch.h:
-// deterministic_turns_ok: no window's left bound, no packed documents). Off by default until it has
-// run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel
-// takes the others.
+// kernels add them by atomics) and without packed documents (sm90/launch.h:
+// deterministic_turns_ok). Off by default until it has run on a GPU (family.h:
+// kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel takes the others.
 std::string hopper_deterministic_obstacle(const BackwardCall& c) {
   if (!at::globalContext().deterministicAlgorithms()) return {};
   if (!hopper_capability(kHopperDeterministicByDefault)) {
@@ -343,9 +342,8 @@ std::string hopper_deterministic_obstacle(const BackwardCall& c) {
            "by "
            "atomics, or kHopperBulkDqByDefault off)";
   }
-  if (!sm90::rows_start_at_key_zero(c.call.options.key_pattern().left, c.call.cu_q.defined())) {
-    return "deterministic algorithms with a sliding window or packed documents (dq's turns need "
-           "every row to start at key 0)";
+  if (c.call.cu_q.defined()) {
+    return "deterministic algorithms with packed documents (sm90/launch.h: deterministic_turns_ok)";
   }
   return {};
 }

@@ -56,6 +56,19 @@ EA_HOST_DEVICE BlockRange query_blocks(const KeyPattern& pattern, int q_len, int
   return {begin, end > first ? (end + block_m - 1) / block_m : begin};
 }
 
+// The first key block of block_n keys that walks query block m (query_blocks above, a block of
+// block_m rows): the one that holds lo of m's first row. query_blocks' ends never move back as the
+// key block grows, and a key block ends past m exactly where that lo is below its last key, so the
+// key blocks that walk m run from this one on; without packed documents none in between walks
+// nothing, so a counter started here and raised by each key block that has walked m reads n when
+// key block n's turn comes, which the deterministic Hopper backward waits for (sm90/launch.h:
+// dq_turns_start; tests/cpp/test_key_ranges.cpp: DeterministicTurnsFollowTheKeyBlocks).
+template <bool kBanded>
+EA_HOST_DEVICE int first_walker(const KeyPattern& pattern, int m, int q_len, int kv_len,
+                                int block_m, int block_n) {
+  return static_cast<int>(row_keys<kBanded>(pattern, m * block_m, q_len, kv_len).lo / block_n);
+}
+
 // The key blocks of block_n keys a query tile of `rows` rows from m0 (rows >= 1) walks: [n_begin,
 // n_end) holds every key some row of the tile may see, [lo of its first row, hi of its last) as
 // the rows' bounds never decrease. Blocks below n_lo_pred hold a key below the last row's lo (the

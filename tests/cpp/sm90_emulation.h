@@ -96,8 +96,9 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 // sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
 // G summed from lambda dS, params.h: g_scaled; deterministic, those reductions in the key blocks'
 // order: params.h, dq_turns), and its gradients against the reference (the additive mask's too,
-// with s.mask_grad). Deterministic, each query block's turn counter must end at the number of key
-// blocks that walk it (key_ranges.cuh: query_blocks).
+// with s.mask_grad). Deterministic, each query block's turn counter, started at its first walker
+// (launch.h: dq_turns_start), must end past it by the number of key blocks that walk it
+// (key_ranges.cuh: query_blocks).
 template <typename T, int kD, bool kCausal, MaskKind kMask>
 void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
                   bool deterministic = false) {
@@ -112,9 +113,12 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
   if (!dlam) p.d_row_scale = nullptr;
   const int m_blocks = static_cast<int>(p.dq_layout.rows / s9b::BwdTraits<T, kD>::kBlockM);
   std::vector<int> turns;
+  const std::vector<int32_t> start = ec::sm90::dq_turns_start(p.pattern, s.q_len, s.kv_len);
   if (deterministic) {
     ASSERT_TRUE(bulk_dq) << "dq in turns takes bulk reductions";
-    turns.assign(static_cast<size_t>(s.batch * s.heads * m_blocks), 0);
+    ASSERT_EQ(static_cast<int>(start.size()), m_blocks);
+    for (int64_t bh = 0; bh < s.batch * s.heads; ++bh)
+      turns.insert(turns.end(), start.begin(), start.end());
     p.deterministic = true;
     p.dq_turns = turns.data();
   }
@@ -131,7 +135,8 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
   }
   for (int64_t bh = 0; bh < s.batch * s.heads; ++bh) {
     for (int m = 0; m < m_blocks; ++m) {
-      EXPECT_EQ(turns[static_cast<size_t>(bh * m_blocks + m)], walkers[static_cast<size_t>(m)])
+      EXPECT_EQ(turns[static_cast<size_t>(bh * m_blocks + m)],
+                start[static_cast<size_t>(m)] + walkers[static_cast<size_t>(m)])
           << "the turn counter of (batch x head " << bh << ", query block " << m << ")";
     }
   }

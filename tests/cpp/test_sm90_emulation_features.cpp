@@ -161,9 +161,12 @@ TEST(EmulatedSm90Features, BulkDq) {
 
 // Deterministic dq through the op's call preparation: under deterministic algorithms
 // BackwardCall::allocate gives the Hopper backward its turn counters (params.h: dq_turns), and the
-// launcher takes the calls whose rows all start at key 0 (sm90/launch.h: deterministic_turns_ok):
-// bottom-right causality with fewer queries than keys and with more (the first query blocks see
-// no key), full attention with dropout and sinks. A window's left bound is refused.
+// launcher takes the calls without packed documents (sm90/launch.h: deterministic_turns_ok), where
+// key block n waits at query block m for the key blocks from lo / 128 on (lo: the first key of m's
+// first row; bwd_kernel.cuh: write_dq): bottom-right causality with fewer queries than keys and
+// with more (the first query blocks see no key), full attention with dropout and sinks, a causal
+// window over four key blocks (query blocks whose walkers start past key block 0), a two-sided band
+// and a window aligned bottom-right. Packed documents are refused.
 TEST(EmulatedSm90Features, DeterministicDq) {
   struct Deterministic {
     bool saved = at::globalContext().deterministicAlgorithms();
@@ -179,15 +182,25 @@ TEST(EmulatedSm90Features, DeterministicDq) {
   f = Feature{};
   f.causal = false, f.dropout_p = 0.1, f.sinks = true;
   run_feature<Sm90, __nv_bfloat16, 128>(f);
+  f = Feature{};
+  f.window = {150, 0}, f.q_len = f.kv_len = 500;
+  run_feature<Sm90, __nv_bfloat16, 64>(f);
+  f = Feature{};
+  f.causal = false, f.window = {130, 70}, f.q_len = f.kv_len = 400, f.entropy_grad = false;
+  run_feature<Sm90, __half, 128>(f);
+  f = Feature{};
+  f.window = {100, 0}, f.alignment = "bottom_right", f.q_len = 200, f.kv_len = 450;
+  run_feature<Sm90, __nv_bfloat16, 128>(f);
 
   ec::BwdParams<float> p;
   p.dq_layout = ec::sm90::bulk_dq_accum(150, 64);
   EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
-  p.pattern.right = 0;  // causal
+  p.pattern.left = 40, p.pattern.right = 0;  // a window
   EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
-  p.pattern.left = 40;  // a window: rows start at different keys
+  const int32_t cu[2] = {0, 150};
+  p.pattern.cu_q = cu;  // packed documents
   EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
-  p.pattern.left = -1, p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
+  p.pattern.cu_q = nullptr, p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
   EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
 }
 

@@ -127,6 +127,7 @@ struct BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
   static constexpr int kBlockM = 64;   // query rows per block
   static constexpr int kBlockN = 128;  // keys per thread block
+  static_assert(kBlockN == kBwdKeyBlock, "the host's dq turns count key blocks of kBwdKeyBlock");
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -960,14 +961,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 // both consumer warpgroups have stored G in the shared tile, one lane adds the whole tile into the
 // block's rows of dq_accum (a bulk reduction: the tile and those rows have the same layout) and
 // waits until it has been read before the consumers may store the next.
-// Deterministic (p.dq_turns): key block n adds into a query block once the key blocks before it
-// have (the block's turn counter reaches n), and hands the turn on once its reduction has
-// completed, so that dq_accum sums the key blocks in their order on every run. That the turn is n
-// holds where every key block before n walks each query block that n walks: where every row's
-// first key is key 0 (full attention and causality, either alignment; launch.h:
-// deterministic_turns_ok), query_blocks' range of n starts no earlier than n - 1's and both end
-// at the last query block. Within a (kv head, batch), key blocks start in the order of n
-// (launch_order.h), so the one waited for has started.
+// Deterministic (p.dq_turns): key block n adds into query block m once the key blocks before it
+// that walk m have, when m's counter, which starts at m's first walker and counts the key blocks
+// that have added (launch.h: dq_turns_start; without packed documents: deterministic_turns_ok),
+// reads n; it hands the turn on once its reduction has completed, so that dq_accum sums the key
+// blocks in their order on every run. (The first walker is the host's: formed here, its 64-bit
+// key range arithmetic spilled this warp's 24 registers at D = 128, causal.) Within a (kv head,
+// batch), key blocks start in the order of n (launch_order.h), so the ones waited for have
+// started.
 template <typename Kt>
 __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt::SharedStorage& ss,
                                          const GridTile tile, int m_begin, int m_count, int iters) {

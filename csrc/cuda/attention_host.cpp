@@ -3,7 +3,6 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 
@@ -142,12 +141,12 @@ void BackwardCall::allocate(Family f) {
   // the device.)
   if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms() &&
       !call.cu_q.defined()) {
-    std::vector<int32_t> start = sm90::dq_turns_start(call.key_pattern(), sh.q_len, sh.kv_len);
+    const std::vector<int32_t> start =
+        sm90::dq_turns_start(call.key_pattern(), sh.q_len, sh.kv_len);
     const auto blocks = static_cast<int64_t>(start.size());
-    dq_turns = at::from_blob(start.data(), {blocks}, at::TensorOptions().dtype(at::kInt))
-                   .to(q.device())
-                   .expand({sh.batch, sh.heads, blocks})
-                   .contiguous();
+    at::Tensor host = at::empty({blocks}, at::TensorOptions().dtype(at::kInt));
+    std::copy(start.begin(), start.end(), host.data_ptr<int32_t>());
+    dq_turns = host.to(q.device()).expand({sh.batch, sh.heads, blocks}).contiguous();
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {

@@ -338,9 +338,8 @@ std::string hopper_deterministic_obstacle(const BackwardCall& c) {
            "kHopperDeterministicByDefault)";
   }
   if (!hopper_bulk_dq(c.call)) {
-    return "deterministic algorithms without bulk reductions of dq (a mask, whose kernels add dq "
-           "by "
-           "atomics, or kHopperBulkDqByDefault off)";
+    return "deterministic algorithms without bulk reductions of dq (a mask, whose kernels add "
+           "dq by atomics, or kHopperBulkDqByDefault off)";
   }
   if (c.call.cu_q.defined()) {
     return "deterministic algorithms with packed documents (sm90/launch.h: deterministic_turns_ok)";

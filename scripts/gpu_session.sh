@@ -165,7 +165,7 @@ tests auto 150
 # pass of their own: a turn its blocks never reach would spin until the bound, which then costs
 # these seconds alone, not a shard of the other passes.
 note "pytest hopper deterministic"
-ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 45 "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider \
+ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 60 "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider \
   -m hopper_turns >"$LOGS/pytest_deterministic.log" 2>&1
 record "pytest hopper deterministic" $?
 echo "  $(tail -1 "$LOGS/pytest_deterministic.log")"

@@ -2259,20 +2259,37 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
 
 
 #: Deterministic backwards (torch.use_deterministic_algorithms(True)) with the Hopper family forced:
-#: (Hkv, Lq, Lk, D, the op's keyword arguments, the family whose main kernel must run). Up to six key
-#: blocks of 128 add into each query block's dq (sm90/bwd_kernel.cuh: write_dq, in their order);
-#: causality either way (bottom-right with more keys than queries, as a cache), GQA, full attention
-#: with logn row scales and sinks, a causal window over five key blocks (query blocks whose first
-#: walker is past key block 0) and a two-sided band. A bool mask's call, whose kernels add dq by
-#: atomics, runs sm80's deterministic dq kernel (family.cpp: hopper_deterministic_obstacle).
-HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any], str]] = {
+#: (Hkv, Lq, Lk, D, the op's keyword arguments, the family whose main kernel must run); Lq and Lk
+#: lists of document lengths for a packed call (varlen_attention). Up to six key blocks of 128 add into each query block's dq
+#: (sm90/bwd_kernel.cuh: write_dq, in their order); causality either way (bottom-right with more
+#: keys than queries, as a cache), GQA, full attention with logn row scales and sinks, a causal
+#: window over five key blocks (query blocks whose first walker is past key block 0), a two-sided
+#: band, and packed documents: key blocks that walk nothing between two that walk the same query
+#: block (the keys of a document without queries; keys no row of a window sees), and documents that
+#: straddle query and key blocks. A bool mask's call, whose kernels add dq by atomics, runs sm80's
+#: deterministic dq kernel (family.cpp: hopper_deterministic_obstacle).
+HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, Any, Any, int, Dict[str, Any], str]] = {
     "causal_gqa_d128": (2, 600, 600, 128, {"is_causal": True}, "sm90"),
     "bottom_right_d64": (4, 200, 700, 64, {"is_causal": True, "causal_alignment": "bottom_right"}, "sm90"),
     "full_logn_sinks_d64": (4, 300, 650, 64, {"scale_mode": "logn", "sinks": True}, "sm90"),
     "window_d128": (4, 600, 600, 128, {"is_causal": True, "window_size": [150, 0]}, "sm90"),
     "band_d64": (2, 500, 500, 64, {"window_size": [130, 70]}, "sm90"),
+    "documents_without_queries_d64": (2, [100, 0, 100], [40, 260, 120], 64, {"is_causal": True}, "sm90"),
+    "documents_window_d128": (2, [70, 50], [100, 400], 128, {"is_causal": True, "window_size": [30, 0]}, "sm90"),
+    "documents_d128": (4, [1, 130, 200, 57, 300], [1, 130, 200, 57, 300], 128, {"is_causal": True}, "sm90"),
     "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": True}, "sm80"),
 }
+
+
+def packed_reference(rin: List[Tensor], q_lens: List[int], k_lens: List[int], groups: int,
+                     **kw: Any) -> Tuple[Tensor, Tensor]:
+    """The float64 output and entropy of a packed call, (T, H, Dv) and (T, H), from the leaves `rin`
+    (q: (T, H, D); k, v: (Tk, Hkv, D)), the kv heads repeated `groups` times."""
+    from test_varlen import per_document_reference
+
+    rk, rv = (x.repeat_interleave(groups, dim=1) for x in rin[1:3])
+    res = dict(zip(OUT_NAMES, per_document_reference(rin[0], rk, rv, q_lens, k_lens, **kw)))
+    return res["output"], res["entropy"]
 
 
 @needs_hopper
@@ -2284,20 +2301,36 @@ def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: st
     deterministic dq kernel elsewhere: three backwards of the same call give the same bits (dq's
     partial sums added in the key blocks' order, not as they finish), and the gradients of the
     output and the entropy match the float64 reference."""
+    from test_varlen import offsets
+
     Hkv, Lq, Lk, D, spec, family = HOPPER_DETERMINISTIC_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    packed = isinstance(Lq, list)
     torch.manual_seed(5)
-    q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
+    if packed:
+        q = randn(sum(Lq), 4, D, dtype=torch.bfloat16)
+        k, v = (randn(sum(Lk), Hkv, D, dtype=torch.bfloat16) for _ in range(2))
+    else:
+        q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
     leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
     sinks = randn(4) if spec.get("sinks") else None
     extra = {"sinks": cuda(sinks)} if sinks is not None else {}
     mask = torch.rand(Lq, Lk) < 0.9 if spec.get("mask") else None
-    go, ge = cuda(randn(1, 4, Lq, D).to(torch.bfloat16)), cuda(randn(1, 4, Lq))
+    go = cuda(randn(*q.shape[:-1], D).to(torch.bfloat16))
+    ge = cuda(randn(*q.shape[:-1]))
+
+    def call() -> Tuple[Tensor, ...]:
+        if packed:
+            return torch.ops.entropy_attn.varlen_attention(
+                *leaves, offsets(Lq, DEV.type), offsets(Lk, DEV.type), max(Lq), max(Lk), enable_gqa=True,
+                return_stats=True, **kw)
+        return OP(*leaves, cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
+
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
     runs: List[List[Tensor]] = []
     with torch_deterministic(True):
         for _ in range(3):
-            out = OP(*leaves, cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
+            out = call()
             grads: list = []
             names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
                                    family, "main_kernel")
@@ -2307,9 +2340,13 @@ def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: st
         for a, b, name in zip(again, runs[0], ("dq", "dk", "dv")):
             assert torch.equal(a, b), f"{name} differs between runs"
     rin = [leaf64(t) for t in (q, k, v)]
-    r = reference_attention_raw(*rin, mask, None, enable_gqa=True,
-                                sinks=sinks.double() if sinks is not None else None, **kw)
-    ref_grads = grads_of([r.output, r.entropy], [go.cpu(), ge.cpu()], rin)
+    if packed:
+        r_out, r_ent = packed_reference(rin, Lq, Lk, 4 // Hkv, **kw)
+    else:
+        r = reference_attention_raw(*rin, mask, None, enable_gqa=True,
+                                    sinks=sinks.double() if sinks is not None else None, **kw)
+        r_out, r_ent = r.output, r.entropy
+    ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
     for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv")):
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
 

@@ -150,13 +150,13 @@ struct DeviceCall {
     scratch.push_back(x);
     return static_cast<float*>(x);
   }
-  // A copy of `values` in device memory, fresh for each call (the deterministic backward's turn
-  // counters end past where they start: a second launch needs new ones).
-  int* ints(const std::vector<int32_t>& values) {
+  // `count` int32 in device memory, every byte 0xff (-1: no key block's turn, so that counters the
+  // preprocess failed to start would leave the deterministic backward waiting, not adding out of
+  // order).
+  int* ints(int64_t count) {
     void* x = nullptr;
-    EA_CHECK_CUDA(cudaMalloc(&x, std::max<size_t>(values.size(), 1) * sizeof(int32_t)));
-    EA_CHECK_CUDA(
-        cudaMemcpy(x, values.data(), values.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    EA_CHECK_CUDA(cudaMalloc(&x, std::max<int64_t>(count, 1) * sizeof(int32_t)));
+    EA_CHECK_CUDA(cudaMemset(x, 0xff, std::max<int64_t>(count, 1) * sizeof(int32_t)));
     scratch.push_back(x);
     return static_cast<int*>(x);
   }
@@ -322,20 +322,14 @@ struct OpLaunch {
     }
     return p;
   }
-  // (Deterministic, the Hopper backward's turn counters are new at each call: such parameters
-  // serve one launch.)
   BwdParams<float> backward(DeviceCall& c, bool tensor_core) const {
     BwdParams<float> p = backward_params(c.s, c.b, tensor_core);
     p.launch_sections = bwd_sections;
     if (bulk_dq) p.dq_layout = sm90::bulk_dq_accum(c.s.q_len, c.s.head_dim);
     p.deterministic = c.s.deterministic;
-    if (bulk_dq && c.s.deterministic) {  // (the counters as the op starts them: attention_host.cpp)
-      const std::vector<int32_t> start = sm90::dq_turns_start(p.pattern, c.s.q_len, c.s.kv_len);
-      std::vector<int32_t> turns;
-      for (int64_t bh = 0; bh < c.s.batch * c.s.heads; ++bh) {
-        turns.insert(turns.end(), start.begin(), start.end());
-      }
-      p.dq_turns = c.ints(turns);
+    if (bulk_dq &&
+        c.s.deterministic) {  // (the counters as the op allocates them: attention_host.cpp)
+      p.dq_turns = c.ints(c.s.batch * c.s.heads * (p.dq_layout.rows / sm90::kBulkDqRows));
     }
     return p;
   }

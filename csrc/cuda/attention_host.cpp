@@ -135,18 +135,11 @@ void BackwardCall::allocate(Family f) {
                   ? sm90::bulk_dq_accum(sh.q_len, sh.head_dim)
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
-  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), each
-  // query block's counter starting at its first walker, the same for every (batch, head).
-  // (Packed documents never come here: family.cpp routes them, and the pattern's offsets are on
-  // the device.)
-  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms() &&
-      !call.cu_q.defined()) {
-    const std::vector<int32_t> start =
-        sm90::dq_turns_start(call.key_pattern(), sh.q_len, sh.kv_len);
-    const auto blocks = static_cast<int64_t>(start.size());
-    at::Tensor host = at::empty({blocks}, at::TensorOptions().dtype(at::kInt));
-    std::copy(start.begin(), start.end(), host.data_ptr<int32_t>());
-    dq_turns = host.to(q.device()).expand({sh.batch, sh.heads, blocks}).contiguous();
+  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), a
+  // counter per (batch, head, query block) that its preprocess starts (sm90/bwd_kernel.cuh).
+  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms()) {
+    dq_turns = at::empty({sh.batch, sh.heads, dq_layout.rows / sm90::kBulkDqRows},
+                         q.options().dtype(at::kInt));
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {

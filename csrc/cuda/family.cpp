@@ -328,9 +328,9 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
 
 // Under deterministic algorithms the Hopper backward adds dq's partial sums by bulk reductions in
 // the key blocks' order (sm90/bwd_kernel.cuh: write_dq): for calls without a mask (the masked
-// kernels add them by atomics) and without packed documents (sm90/launch.h:
-// deterministic_turns_ok). Off by default until it has run on a GPU (family.h:
-// kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel takes the others.
+// kernels add them by atomics: sm90/launch.h, deterministic_turns_ok). Off by default until it has
+// run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel
+// takes the others.
 std::string hopper_deterministic_obstacle(const BackwardCall& c) {
   if (!at::globalContext().deterministicAlgorithms()) return {};
   if (!hopper_capability(kHopperDeterministicByDefault)) {
@@ -340,9 +340,6 @@ std::string hopper_deterministic_obstacle(const BackwardCall& c) {
   if (!hopper_bulk_dq(c.call)) {
     return "deterministic algorithms without bulk reductions of dq (a mask, whose kernels add "
            "dq by atomics, or kHopperBulkDqByDefault off)";
-  }
-  if (c.call.cu_q.defined()) {
-    return "deterministic algorithms with packed documents (sm90/launch.h: deterministic_turns_ok)";
   }
   return {};
 }

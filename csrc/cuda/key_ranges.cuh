@@ -56,17 +56,51 @@ EA_HOST_DEVICE BlockRange query_blocks(const KeyPattern& pattern, int q_len, int
   return {begin, end > first ? (end + block_m - 1) / block_m : begin};
 }
 
+// The first row whose keys reach past key j (hi > j), or q_len: as query_blocks finds its first.
+// (A function of its own: written inline in walking_block_from, its lambda capturing a local of
+// that template, the search crashed nvcc 13.0's front end: "assertion failed ... in
+// i_copy_expr_tree".)
+EA_HOST_DEVICE int first_row_past(const KeyPattern& pattern, int j, int q_len, int kv_len) {
+  return first_row(q_len, [&](int i) { return row_keys<true>(pattern, i, q_len, kv_len).hi > j; });
+}
+
+// The first key block of block_n keys from n on whose walk (query_blocks above) holds a query
+// block, or the number of key blocks when none does. Key block k walks nothing exactly where no row
+// has a hi past its first key j0, or the first row f that has starts at or past its end j1 (lo_f
+// >= j1: then the first row with lo >= j1 is f or one before it); the blocks after k and before the
+// one holding lo_f walk nothing either (their first such row is f or a later one, whose lo is past
+// them), so the search goes on from there. Without kBanded every block walks every query block.
+// (Empty walks come with packed documents: keys a document leaves unused, seqused_k, or that no row
+// of a window or of top-left causality with more keys than queries sees.)
+template <bool kBanded>
+EA_HOST_DEVICE int walking_block_from(const KeyPattern& pattern, int n, int q_len, int kv_len,
+                                      int block_n) {
+  const int blocks = (kv_len + block_n - 1) / block_n;
+  if constexpr (kBanded) {
+    for (; n < blocks; ++n) {
+      const int f = first_row_past(pattern, n * block_n, q_len, kv_len);
+      if (f == q_len) return blocks;  // no row sees a key from the block's first on
+      const int lo = static_cast<int>(row_keys<true>(pattern, f, q_len, kv_len).lo);
+      if (lo < (n + 1) * block_n && lo < kv_len) return n;
+      if (lo / block_n > n + 1) n = lo / block_n - 1;  // (and ++n)
+    }
+  }
+  return n < blocks ? n : blocks;
+}
+
 // The first key block of block_n keys that walks query block m (query_blocks above, a block of
-// block_m rows): the one that holds lo of m's first row. query_blocks' ends never move back as the
-// key block grows, and a key block ends past m exactly where that lo is below its last key, so the
-// key blocks that walk m run from this one on; without packed documents none in between walks
-// nothing, so a counter started here and raised by each key block that has walked m reads n when
-// key block n's turn comes, which the deterministic Hopper backward waits for (sm90/launch.h:
-// dq_turns_start; tests/cpp/test_key_ranges.cpp: DeterministicTurnsFollowTheKeyBlocks).
+// block_m rows). A key block ends past m (its walk's end, the block of the first row whose lo
+// reaches the key block's end) exactly where lo of m's first row is below its last key: from the
+// block holding that lo on. Both ends of the walks never move back as the key block grows, except
+// that an empty walk has none, so the key blocks that walk m are the ones from the first with a
+// walk from that block on (walking_block_from), while they begin at or before m, less those that
+// walk nothing. The deterministic Hopper backward counts its turns with these (sm90/bwd_kernel.cuh:
+// write_dq; tests/cpp/test_key_ranges.cpp: DeterministicTurnsFollowTheKeyBlocks).
 template <bool kBanded>
 EA_HOST_DEVICE int first_walker(const KeyPattern& pattern, int m, int q_len, int kv_len,
                                 int block_m, int block_n) {
-  return static_cast<int>(row_keys<kBanded>(pattern, m * block_m, q_len, kv_len).lo / block_n);
+  const int lo = static_cast<int>(row_keys<kBanded>(pattern, m * block_m, q_len, kv_len).lo);
+  return walking_block_from<kBanded>(pattern, lo / block_n, q_len, kv_len, block_n);
 }
 
 // The key blocks of block_n keys a query tile of `rows` rows from m0 (rows >= 1) walks: [n_begin,

@@ -772,13 +772,14 @@ inline void wait_turn(const int* turn, int value) {
 }
 // Handing the turn on before the thread's reductions have written their sums would let the next
 // block add before them.
-inline void pass_turn(int* turn) {
+inline void pass_turn(int* turn, int by) {
   if (t_bulk.outstanding() != 0 || t_bulk_unwritten != 0) {
     report_error(
         "turn: passed on before the thread's bulk reductions completed "
         "(cp.async.bulk.wait_group 0)");
   }
-  ++*turn;
+  if (by < 1) report_error("turn: handed on by " + std::to_string(by) + ", not a later block");
+  *turn += by;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -903,7 +904,7 @@ struct Ops {
   }
   static void bulk_wait_all() { sm90::bulk_wait_all(); }
   static void wait_turn(const int* turn, int value) { sm90::wait_turn(turn, value); }
-  static void pass_turn(int* turn) { sm90::pass_turn(turn); }
+  static void pass_turn(int* turn, int by) { sm90::pass_turn(turn, by); }
 };
 
 }  // namespace cuda_emu::sm90

@@ -53,8 +53,8 @@ void launch_forward(const ec::FwdParams<float>& p) {
   emulate_launch(s9f::forward_kernel<T, Kt, kCausal, kMask, kStats>, l, args);
 }
 
-// sm90/bwd_launch.cuh's launch_backward: the sm80 family's delta preprocess, the Hopper main
-// kernel, the sm80 family's dq / d lambda postprocess.
+// sm90/bwd_launch.cuh's launch_backward: the preprocess (the sm80 family's delta, and the turn
+// counters), the Hopper main kernel, the sm80 family's dq / d lambda postprocess.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
 void launch_backward(const ec::BwdParams<float>& given) {
   const ec::BwdParams<float> p = s9b::launch_params<kMask>(given);
@@ -66,7 +66,7 @@ void launch_backward(const ec::BwdParams<float>& given) {
   l.threads = Rows::kNThreads;
   l.smem = reinterpret_cast<unsigned char*>(sb::smem);
   l.grid = sm80_emulation::row_grid(p.q_len, Rows::kPreRows, p.heads, p.batch);
-  emulate_launch(sb::preprocess_kernel<Rows>, l, p);
+  emulate_launch(s9b::preprocess_kernel<Kt, Rows>, l, p);
   const s9b::KernelArgs<Kt> args = s9b::make_kernel_args<Kt>(p);
   emulate_launch(
       s9b::kernel_for<T, Kt, kCausal, kMask>(p),
@@ -96,9 +96,9 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 // sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
 // G summed from lambda dS, params.h: g_scaled; deterministic, those reductions in the key blocks'
 // order: params.h, dq_turns), and its gradients against the reference (the additive mask's too,
-// with s.mask_grad). Deterministic, each query block's turn counter, started at its first walker
-// (launch.h: dq_turns_start), must end past it by the number of key blocks that walk it
-// (key_ranges.cuh: query_blocks).
+// with s.mask_grad). Deterministic, the turn counters start as -1 (the preprocess must start them)
+// and each must end at the key block with a walk after the last key block that walks its query
+// block (key_ranges.cuh: query_blocks, walking_block_from), or where it started if none does.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
 void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
                   bool deterministic = false) {
@@ -111,32 +111,36 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
   ec::BwdParams<float> p = sm80_emulation::backward_inputs(s, c);
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);
   if (!dlam) p.d_row_scale = nullptr;
-  const int m_blocks = static_cast<int>(p.dq_layout.rows / s9b::BwdTraits<T, kD>::kBlockM);
+  using Kt = s9b::BwdTraits<T, kD>;
+  const int m_blocks = static_cast<int>(p.dq_layout.rows / Kt::kBlockM);
   std::vector<int> turns;
-  const std::vector<int32_t> start = ec::sm90::dq_turns_start(p.pattern, s.q_len, s.kv_len);
   if (deterministic) {
     ASSERT_TRUE(bulk_dq) << "dq in turns takes bulk reductions";
-    ASSERT_EQ(static_cast<int>(start.size()), m_blocks);
-    for (int64_t bh = 0; bh < s.batch * s.heads; ++bh)
-      turns.insert(turns.end(), start.begin(), start.end());
+    turns.assign(static_cast<size_t>(s.batch * s.heads * m_blocks), -1);
     p.deterministic = true;
     p.dq_turns = turns.data();
   }
   launch_backward<T, kD, kCausal, kMask>(p);
   sm80_emulation::expect_backward(s, c, 0, dlam);
   if (!deterministic) return;
-  constexpr int kBlockN = s9b::BwdTraits<T, kD>::kBlockN;
   const int q_len = static_cast<int>(s.q_len), kv_len = static_cast<int>(s.kv_len);
-  std::vector<int> walkers(static_cast<size_t>(m_blocks), 0);
-  for (int j0 = 0; j0 < kv_len; j0 += kBlockN) {
-    const ec::BlockRange r =
-        ec::query_blocks<kCausal>(p.pattern, q_len, kv_len, j0, std::min(j0 + kBlockN, kv_len), 64);
-    for (int m = r.begin; m < r.end; ++m) ++walkers[static_cast<size_t>(m)];
+  std::vector<int> last(static_cast<size_t>(m_blocks), -1);  // each query block's last walker
+  int walking = 0;
+  for (int n = 0; n * Kt::kBlockN < kv_len; ++n) {
+    const int j0 = n * Kt::kBlockN;
+    const ec::BlockRange r = ec::query_blocks<kCausal>(
+        p.pattern, q_len, kv_len, j0, std::min(j0 + Kt::kBlockN, kv_len), Kt::kBlockM);
+    walking += r.end > r.begin;
+    for (int m = r.begin; m < r.end; ++m) last[static_cast<size_t>(m)] = n;
   }
+  EXPECT_GT(walking, 0);
   for (int64_t bh = 0; bh < s.batch * s.heads; ++bh) {
     for (int m = 0; m < m_blocks; ++m) {
-      EXPECT_EQ(turns[static_cast<size_t>(bh * m_blocks + m)],
-                start[static_cast<size_t>(m)] + walkers[static_cast<size_t>(m)])
+      const int n = last[static_cast<size_t>(m)];
+      const int end =
+          n < 0 ? ec::first_walker<kCausal>(p.pattern, m, q_len, kv_len, Kt::kBlockM, Kt::kBlockN)
+                : ec::walking_block_from<kCausal>(p.pattern, n + 1, q_len, kv_len, Kt::kBlockN);
+      EXPECT_EQ(turns[static_cast<size_t>(bh * m_blocks + m)], end)
           << "the turn counter of (batch x head " << bh << ", query block " << m << ")";
     }
   }

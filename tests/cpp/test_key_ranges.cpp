@@ -28,6 +28,7 @@ using entropy_attn::cuda::row_keys;
 using entropy_attn::cuda::tile_key_blocks;
 using entropy_attn::cuda::tile_needs_predicate;
 using entropy_attn::cuda::TileBlocks;
+using entropy_attn::cuda::walking_block_from;
 
 // One call: its pattern's scalars and the document offsets the pattern points into.
 struct Call {
@@ -253,56 +254,102 @@ TEST(KeyRanges, PlainCausalWalksMatchTheDiagonal) {
   }
 }
 
-// The deterministic Hopper backward's turns (sm90/bwd_kernel.cuh: write_dq): the key blocks of
-// block_n keys walking their query blocks one after another in the order of n (as the GPU starts
-// them), each must find the counter of every query block m it walks at its place among m's walkers,
-// n - first_walker(m), or the GPU would spin for ever. `skew` adds to that place (a wrong rule).
-std::string turns_violation(const Call& c, int block_m, int block_n, int skew = 0) {
-  const KeyPattern p = c.pattern();
-  std::vector<int> count(static_cast<size_t>((c.q_len + block_m - 1) / block_m), 0);
-  for (int j0 = 0; j0 < c.kv_len; j0 += block_n) {
+// The first key block from n on with a walk, by trying each in turn (walking_block_from jumps).
+int walking_block_by_search(const Call& c, int n, int block_m, int block_n) {
+  for (; n * block_n < c.kv_len; ++n) {
+    const int j0 = n * block_n;
     const BlockRange br =
         backward_walk(c, j0, std::min(j0 + block_n, c.kv_len), block_m, Fault::kNone);
+    if (br.end > br.begin) return n;
+  }
+  return n;
+}
+
+int walking_block(const Call& c, int n, int block_n) {
+  const KeyPattern p = c.pattern();
+  return c.banded ? walking_block_from<true>(p, n, c.q_len, c.kv_len, block_n)
+                  : walking_block_from<false>(p, n, c.q_len, c.kv_len, block_n);
+}
+
+// The deterministic Hopper backward's turns (sm90/bwd_kernel.cuh: write_dq): the key blocks of
+// block_n keys walking their query blocks one after another in the order of n (as the GPU starts
+// them), each must find the counter of every query block m it walks at its own index, the counter
+// starting at first_walker(m) and each key block n raising it to the next key block with a walk, or
+// the GPU would spin for ever. `skew` adds to the awaited count (a wrong rule); `step_one` raises
+// the counter by one instead (the rule before packed documents: a key block without a walk between
+// two that walk m would never hand the turn on). `jumps` counts the turns handed over key blocks
+// without a walk.
+std::string turns_violation(const Call& c, int block_m, int block_n, int skew = 0,
+                            bool step_one = false, int* jumps = nullptr) {
+  const KeyPattern p = c.pattern();
+  std::vector<int> count(static_cast<size_t>((c.q_len + block_m - 1) / block_m));
+  for (size_t m = 0; m < count.size(); ++m) {
+    const int mi = static_cast<int>(m);
+    count[m] = c.banded ? first_walker<true>(p, mi, c.q_len, c.kv_len, block_m, block_n)
+                        : first_walker<false>(p, mi, c.q_len, c.kv_len, block_m, block_n);
+  }
+  for (int j0 = 0; j0 < c.kv_len; j0 += block_n) {
+    const int n = j0 / block_n;
+    const BlockRange br =
+        backward_walk(c, j0, std::min(j0 + block_n, c.kv_len), block_m, Fault::kNone);
+    const int next = step_one ? n + 1 : walking_block(c, n + 1, block_n);
     for (int m = br.begin; m < br.end; ++m) {
-      const int first = c.banded ? first_walker<true>(p, m, c.q_len, c.kv_len, block_m, block_n)
-                                 : first_walker<false>(p, m, c.q_len, c.kv_len, block_m, block_n);
-      const int place = j0 / block_n - first + skew;
-      if (count[static_cast<size_t>(m)] != place) {
+      if (count[static_cast<size_t>(m)] != n + skew) {
         std::ostringstream why;
-        why << "key block " << j0 / block_n << " waits at query block " << m << " for count "
-            << place << ", the key blocks before it left " << count[static_cast<size_t>(m)];
+        why << "key block " << n << " waits at query block " << m << " for count " << n + skew
+            << ", the key blocks before it left " << count[static_cast<size_t>(m)];
         return why.str();
       }
-      ++count[static_cast<size_t>(m)];
+      count[static_cast<size_t>(m)] = next;
+      if (jumps != nullptr) *jumps += next > n + 1 && next * block_n < c.kv_len;
     }
   }
   return "";
 }
 
+TEST(KeyRanges, WalkingBlockFromJumpsOnlyOverBlocksWithoutAWalk) {
+  // walking_block_from against trying every key block in turn, from every key block, on every
+  // pattern; some calls have key blocks without a walk between ones with (packed documents).
+  std::mt19937 g(20261208);
+  int gaps = 0;
+  for (int it = 0; it < 2000; ++it) {
+    const Call c = random_call(g);
+    for (const auto& tile : {std::pair<int, int>{64, 128}, {16, 16}}) {
+      const int blocks = (c.kv_len + tile.second - 1) / tile.second;
+      for (int n = 0; n <= blocks; ++n) {
+        const int want = walking_block_by_search(c, n, tile.first, tile.second);
+        ASSERT_EQ(walking_block(c, n, tile.second), want)
+            << c.describe() << ", from key block " << n << ", blocks " << tile.first << "x"
+            << tile.second;
+        gaps += want > n && want < blocks;  // key block n walks nothing, a later one does
+      }
+    }
+  }
+  EXPECT_GT(gaps, 50);
+}
+
 TEST(KeyRanges, DeterministicTurnsFollowTheKeyBlocks) {
-  // Every call without packed documents (full, causal either way, windows on either side), at the
-  // backward's 64 x 128 blocks and at small ones; with documents some call breaks the rule (a key
-  // block between two documents' walks walks nothing), which is why sm90/launch.h:
-  // deterministic_turns_ok refuses them. And the check can fail: a rule one off is caught.
+  // Every call (full, causal either way, windows on either side, packed documents with seqused_k),
+  // at the backward's 64 x 128 blocks and at small ones. Turns handed over key blocks without a
+  // walk happen (with documents), where raising the counter by one breaks the rule; and a rule one
+  // off is caught.
   std::mt19937 g(20261207);
-  int windows = 0, documents = 0, broken_by_documents = 0, caught_skew = 0;
+  int windows = 0, documents = 0, jumps = 0, broken_by_step_one = 0, caught_skew = 0;
   for (int it = 0; it < 3000; ++it) {
     const Call c = random_call(g);
     for (const auto& tile : {std::pair<int, int>{64, 128}, {16, 16}}) {
-      const std::string v = turns_violation(c, tile.first, tile.second);
-      if (c.cu_q.empty()) {
-        windows += c.base.left >= 0;
-        ASSERT_EQ(v, "") << c.describe() << ", blocks " << tile.first << "x" << tile.second;
-        caught_skew += !turns_violation(c, tile.first, tile.second, 1).empty();
-      } else {
-        ++documents;
-        broken_by_documents += !v.empty();
-      }
+      ASSERT_EQ(turns_violation(c, tile.first, tile.second, 0, false, &jumps), "")
+          << c.describe() << ", blocks " << tile.first << "x" << tile.second;
+      windows += c.base.left >= 0;
+      documents += !c.cu_q.empty();
+      broken_by_step_one += !turns_violation(c, tile.first, tile.second, 0, true).empty();
+      caught_skew += !turns_violation(c, tile.first, tile.second, 1).empty();
     }
   }
   EXPECT_GT(windows, 300);
   EXPECT_GT(documents, 300);
-  EXPECT_GT(broken_by_documents, 0);
+  EXPECT_GT(jumps, 100);
+  EXPECT_GT(broken_by_step_one, 0);
   EXPECT_GT(caught_skew, 1000);
 }
 

@@ -165,11 +165,12 @@ TEST(EmulatedSm90Backward, BulkDq) {
 }
 
 // Deterministic dq (bwd_kernel.cuh: write_dq; params.h: dq_turns): each key block adds its G into
-// a query block when the counter of that block says the key blocks before it have (the emulated
-// wait reports a count that is not the awaited one, which a GPU would wait on for ever), and hands
-// the turn on only after its reduction has completed. Causal over 4 key blocks (the last partial)
-// with GQA and the statistics' gradients, full attention over 3 with no d lambda in two batch
-// entries, and top-left causality with more keys than queries (key blocks 1-3 walk no query block).
+// a query block when the counter of that block, started by the preprocess, says the key blocks
+// before it have (the emulated wait reports a count that is not the awaited one, which a GPU would
+// wait on for ever), and hands the turn on only after its reduction has completed. Causal over 4
+// key blocks (the last partial) with GQA and the statistics' gradients, full attention over 3 with
+// no d lambda in two batch entries, and top-left causality with more keys than queries (key blocks
+// 1-3 walk no query block).
 TEST(EmulatedSm90Backward, DeterministicDq) {
   run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
       eh::Shape{1, 4, 2, 300, 400, 64, true, false, true}, true, true, true);

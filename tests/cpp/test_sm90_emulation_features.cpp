@@ -160,13 +160,16 @@ TEST(EmulatedSm90Features, BulkDq) {
 }
 
 // Deterministic dq through the op's call preparation: under deterministic algorithms
-// BackwardCall::allocate gives the Hopper backward its turn counters (params.h: dq_turns), and the
-// launcher takes the calls without packed documents (sm90/launch.h: deterministic_turns_ok), where
-// key block n waits at query block m for the key blocks from lo / 128 on (lo: the first key of m's
-// first row; bwd_kernel.cuh: write_dq): bottom-right causality with fewer queries than keys and
-// with more (the first query blocks see no key), full attention with dropout and sinks, a causal
-// window over four key blocks (query blocks whose walkers start past key block 0), a two-sided band
-// and a window aligned bottom-right. Packed documents are refused.
+// BackwardCall::allocate gives the Hopper backward its turn counters (params.h: dq_turns), which
+// its preprocess starts at each query block's first walker, and key block n adds into query block
+// m when m's counter reads n, each raising it to the next key block with a walk
+// (bwd_kernel.cuh: write_dq; key_ranges.cuh: first_walker, walking_block_from): bottom-right
+// causality with fewer queries than keys and with more (the first query blocks see no key), full
+// attention with dropout and sinks, a causal window over four key blocks (query blocks whose
+// walkers start past key block 0), a two-sided band, a window aligned bottom-right, and packed
+// documents with key blocks that walk nothing between two that walk the same query block: the keys
+// of a document without queries, and keys no row of a window sees (a document with more keys than
+// queries). Masked calls are refused (dq by atomics).
 TEST(EmulatedSm90Features, DeterministicDq) {
   struct Deterministic {
     bool saved = at::globalContext().deterministicAlgorithms();
@@ -191,16 +194,19 @@ TEST(EmulatedSm90Features, DeterministicDq) {
   f = Feature{};
   f.window = {100, 0}, f.alignment = "bottom_right", f.q_len = 200, f.kv_len = 450;
   run_feature<Sm90, __nv_bfloat16, 128>(f);
+  // Query block 1 (rows 64-127) holds rows of documents 0 and 2: key block 0 walks it, key block 1
+  // (keys 128-255, of document 1, which has no query) walks nothing, key blocks 2 and 3 walk it.
+  run_documents<Sm90, __nv_bfloat16, 64>({0, 100, 100, 200}, {0, 40, 300, 420}, true, {-1, 0});
+  // Document 1's 50 rows see its last 80 of 400 keys (a window of 30 aligned bottom-right): key
+  // blocks 1 and 2 walk nothing between key block 0 and key block 3, both of which walk query
+  // block 1.
+  run_documents<Sm90, __half, 128>({0, 70, 120}, {0, 100, 500}, true, {30, 0},
+                                   /*entropy_grad=*/false);
 
   ec::BwdParams<float> p;
   p.dq_layout = ec::sm90::bulk_dq_accum(150, 64);
   EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
-  p.pattern.left = 40, p.pattern.right = 0;  // a window
-  EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
-  const int32_t cu[2] = {0, 150};
-  p.pattern.cu_q = cu;  // packed documents
-  EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
-  p.pattern.cu_q = nullptr, p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
+  p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
   EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
 }
 

@@ -102,6 +102,7 @@
 #include "../logit_grads.cuh"
 #include "../mask_words.cuh"
 #include "../params.h"
+#include "../sm80/bwd_kernel.cuh"  // its preprocess (preprocess_kernel below)
 #include "launch.h"
 #include "ops.cuh"
 #include "wgmma_utils.cuh"
@@ -127,7 +128,6 @@ struct BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
   static constexpr int kBlockM = 64;   // query rows per block
   static constexpr int kBlockN = 128;  // keys per thread block
-  static_assert(kBlockN == kBwdKeyBlock, "the host's dq turns count key blocks of kBwdKeyBlock");
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -962,14 +962,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 // block's rows of dq_accum (a bulk reduction: the tile and those rows have the same layout) and
 // waits until it has been read before the consumers may store the next.
 // Deterministic (p.dq_turns): key block n adds into query block m once the key blocks before it
-// that walk m have, when m's counter, which starts at m's first walker and counts the key blocks
-// that have added (launch.h: dq_turns_start; without packed documents: deterministic_turns_ok),
-// reads n; it hands the turn on once its reduction has completed, so that dq_accum sums the key
-// blocks in their order on every run. (The first walker is the host's: formed here, its 64-bit
-// key range arithmetic spilled this warp's 24 registers at D = 128, causal.) Within a (kv head,
-// batch), key blocks start in the order of n (launch_order.h), so the ones waited for have
-// started.
-template <typename Kt>
+// that walk m have, when m's counter reads n. The counter starts at m's first walker (set by the
+// preprocess: preprocess_kernel below), and each key block that has added into m raises it to the
+// next key block with a walk (key_ranges.cuh: walking_block_from), which is m's next walker if m
+// has one (the key blocks with a walk that walk m follow one another); a key block hands the turn
+// on once its reduction has completed, so that dq_accum sums the key blocks in their order on every
+// run. Within a (kv head, batch), key blocks start in the order of n (launch_order.h), so the ones
+// waited for have started.
+template <typename Kt, bool kCausal>
 __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt::SharedStorage& ss,
                                          const GridTile tile, int m_begin, int m_count, int iters) {
   using Ops = typename Kt::Ops;
@@ -977,6 +977,14 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
   const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int m_blocks = static_cast<int>(p.dq_layout.rows / kBlockM);
+  // What this key block adds to the counters it has waited for: the distance to the next key block
+  // with a walk (1 where every block has one).
+  const int turn_step =
+      p.dq_turns == nullptr || lane != 0 || iters == 0
+          ? 1
+          : walking_block_from<kCausal>(p.pattern, tile.x + 1, static_cast<int>(p.q_len),
+                                        static_cast<int>(p.kv_len), Kt::kBlockN) -
+                tile.x;
   // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
   for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
     Ops::store_shared(&ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad], 0.f);
@@ -997,7 +1005,7 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
       Ops::bulk_commit();
       if (turn != nullptr) {
         Ops::bulk_wait_all();
-        Ops::pass_turn(turn);
+        Ops::pass_turn(turn, turn_step);
       } else {
         Ops::template bulk_wait_read<0>();
       }
@@ -1048,7 +1056,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
     if (kBulkDq && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
-      write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
+      write_dq<Kt, kCausal>(p, ss, tile, m_begin, m_count, iters);
       return;
     }
     if (threadIdx.x != 0) return;
@@ -1107,6 +1115,25 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
                                             iters);
   }
 #endif
+}
+
+// The preprocess: the sm80 family's (delta, sm80/bwd_kernel.cuh), and for a deterministic backward
+// each query block's turn counter (params.h: dq_turns) at the block's first walker
+// (key_ranges.cuh: first_walker), written by the thread of the block's first row. On the device,
+// where packed documents' offsets are, and with no copy from the host (a CUDA graph may replay it).
+// (The pattern of full attention, which the main kernels without kCausal take, gives what
+// first_walker<false> would: key block 0.)
+template <typename Kt, typename Kt80>
+__global__ void __launch_bounds__(Kt80::kNThreads) preprocess_kernel(const BwdParams<float> p) {
+  sm80::bwd::preprocess_block<Kt80>(p);
+  if (p.dq_turns == nullptr || threadIdx.x >= Kt80::kPreRows) return;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * Kt80::kPreRows + threadIdx.x;
+  if (i >= p.q_len || i % Kt::kBlockM != 0) return;
+  const int64_t m_blocks = p.dq_layout.rows / Kt::kBlockM;
+  const int m = static_cast<int>(i / Kt::kBlockM);
+  p.dq_turns[(static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * m_blocks + m] =
+      first_walker<true>(p.pattern, m, static_cast<int>(p.q_len), static_cast<int>(p.kv_len),
+                         Kt::kBlockM, Kt::kBlockN);
 }
 
 // The main kernel for a call: with bulk reductions where dq_accum is laid out for them, a kernel of

@@ -1,7 +1,8 @@
 // launch_backward of the Hopper family (declared in launch.h): the sm80 family's delta
-// preprocess, the Hopper main kernel over key blocks (bwd_kernel.cuh), the sm80 family's dq /
-// d lambda postprocess, all on one stream. A generated translation unit under instantiations/
-// includes this file and instantiates one (T, head dim, causal, mask kind).
+// preprocess (with a deterministic call's turn counters: bwd_kernel.cuh), the Hopper main kernel
+// over key blocks (bwd_kernel.cuh), the sm80 family's dq / d lambda postprocess, all on one stream.
+// A generated translation unit under instantiations/ includes this file and instantiates one (T,
+// head dim, causal, mask kind).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -30,7 +31,7 @@ cudaError_t launch_backward(const BwdParams<float>& given, cudaStream_t stream) 
   if (p.batch <= 0 || p.heads <= 0 || p.q_len <= 0 || p.kv_len <= 0) return cudaSuccess;
 
   const dim3 block80(Kt80::kNThreads);
-  sm80::bwd::preprocess_kernel<Kt80>
+  bwd_impl::preprocess_kernel<Kt, Kt80>
       <<<sm80::bwd::row_grid(p.q_len, Kt80::kPreRows, p.heads, p.batch), block80, 0, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -25,9 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <vector>
 
-#include "../key_ranges.cuh"
 #include "../params.h"
 
 namespace entropy_attn::cuda::sm90 {
@@ -107,31 +105,11 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// Whether a deterministic backward's turns (params.h: dq_turns; bwd_kernel.cuh: write_dq) count
-// the key blocks that walk a query block as the kernel waits for them: bulk reductions, and no
-// packed documents, where a key block between two documents' walks may walk nothing (its keys
-// unused: seqused_k, or seen by no row of a window) and so never hand a turn on; family.cpp routes
-// those deterministic calls to the sm80 family.
-inline bool deterministic_turns_ok(const BwdParams<float>& p) {
-  return p.dq_layout.bulk && p.pattern.cu_q == nullptr;
-}
-
-// The backward's key block (bwd_kernel.cuh: BwdTraits::kBlockN, which asserts it).
-constexpr int kBwdKeyBlock = 128;
-// The turn counters of one (batch, head) of a deterministic backward as they start (params.h:
-// dq_turns): query block m's at its first walker (key_ranges.cuh: first_walker), the first key
-// block that walks it, so that key block n adds into m when the counter reads n; each key block
-// adds 1 once it has. (A pattern without packed documents: deterministic_turns_ok.)
-inline std::vector<int32_t> dq_turns_start(const KeyPattern& pattern, int64_t q_len,
-                                           int64_t kv_len) {
-  std::vector<int32_t> start(static_cast<size_t>((q_len + kBulkDqRows - 1) / kBulkDqRows));
-  for (size_t m = 0; m < start.size(); ++m) {
-    start[m] =
-        first_walker<true>(pattern, static_cast<int>(m), static_cast<int>(q_len),
-                           static_cast<int>(kv_len), static_cast<int>(kBulkDqRows), kBwdKeyBlock);
-  }
-  return start;
-}
+// Whether a deterministic backward can add dq in turns (params.h: dq_turns; bwd_kernel.cuh:
+// write_dq): by bulk reductions, one per (key block, query block), which the masked kernels lack
+// (their dq goes by atomics from every consumer thread); family.cpp routes those deterministic
+// calls to the sm80 family.
+inline bool deterministic_turns_ok(const BwdParams<float>& p) { return p.dq_layout.bulk; }
 
 // The backward also needs dq by atomics in any order (pairs, or bulk reductions, which the masked
 // kernels lack: bwd_kernel.cuh) or by bulk reductions in turns (deterministic: dq_turns and

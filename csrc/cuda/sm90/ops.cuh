@@ -93,10 +93,10 @@ struct Sm90Ops {
   // A turn counter in global memory that orders the thread blocks adding into the same place
   // (the deterministic backward's dq: params.h, dq_turns). wait_turn spins until *turn == value
   // (ld.acquire.gpu), then orders the async proxy's later operations (a bulk reduction) after it;
-  // pass_turn, after bulk_wait_all, orders the thread's completed bulk writes before the increment
-  // (red.release.gpu) that hands the turn on. As CUTLASS's GenericBarrier and FlashAttention-3's
-  // deterministic backward do: the thread blocks waited for start before the waiting one (a grid
-  // starts its blocks in order), so the spin ends.
+  // pass_turn, after bulk_wait_all, orders the thread's completed bulk writes before the addition
+  // of `by` (red.release.gpu) that hands the turn on to the block that waits for *turn + by. As
+  // CUTLASS's GenericBarrier and FlashAttention-3's deterministic backward do: the thread blocks
+  // waited for start before the waiting one (a grid starts its blocks in order), so the spin ends.
   static __device__ __forceinline__ void wait_turn(const int* turn, int value) {
     int v;
     do {
@@ -104,9 +104,9 @@ struct Sm90Ops {
     } while (v != value);
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
   }
-  static __device__ __forceinline__ void pass_turn(int* turn) {
+  static __device__ __forceinline__ void pass_turn(int* turn, int by) {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(turn), "r"(by) : "memory");
   }
 };
 

@@ -109,8 +109,8 @@ bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input);
 bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
-// keep_dtype (keeps_mask_dtype) in its own 16-bit dtype, without the float32 copy of every entry
-// a conversion would make; element_aligned and word_readable.
+// keep_dtype (keeps_mask_dtype: on CUDA) in its own 16-bit dtype, without the float32 copy of every
+// entry a conversion would make; element_aligned and word_readable.
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype);
 

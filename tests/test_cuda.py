@@ -2266,8 +2266,8 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
 #: window over five key blocks (query blocks whose first walker is past key block 0), a two-sided
 #: band, and packed documents: key blocks that walk nothing between two that walk the same query
 #: block (the keys of a document without queries; keys no row of a window sees), and documents that
-#: straddle query and key blocks. A bool mask's call, whose kernels add dq by atomics, runs sm80's
-#: deterministic dq kernel (family.cpp: hopper_deterministic_obstacle).
+#: straddle query and key blocks; and bool masks, whose kernels add dq by atomics, in the same turns
+#: (sm90/bwd_kernel.cuh: keep_turns).
 HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, Any, Any, int, Dict[str, Any], str]] = {
     "causal_gqa_d128": (2, 600, 600, 128, {"is_causal": True}, "sm90"),
     "bottom_right_d64": (4, 200, 700, 64, {"is_causal": True, "causal_alignment": "bottom_right"}, "sm90"),
@@ -2277,7 +2277,8 @@ HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, Any, Any, int, Dict[str, Any], 
     "documents_without_queries_d64": (2, [100, 0, 100], [40, 260, 120], 64, {"is_causal": True}, "sm90"),
     "documents_window_d128": (2, [70, 50], [100, 400], 128, {"is_causal": True, "window_size": [30, 0]}, "sm90"),
     "documents_d128": (4, [1, 130, 200, 57, 300], [1, 130, 200, 57, 300], 128, {"is_causal": True}, "sm90"),
-    "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": True}, "sm80"),
+    "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": True}, "sm90"),
+    "bool_mask_d128": (2, 290, 600, 128, {"mask": True}, "sm90"),
 }
 
 
@@ -2297,10 +2298,9 @@ def packed_reference(rin: List[Tensor], q_lens: List[int], k_lens: List[int], gr
 @pytest.mark.parametrize("case", list(HOPPER_DETERMINISTIC_CASES))
 def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Under deterministic algorithms with ENTROPY_ATTN_CUDA_FAMILY=sm90 the Hopper backward runs
-    (family.h: kHopperDeterministicByDefault decides "auto") where its dq can take turns, and sm80's
-    deterministic dq kernel elsewhere: three backwards of the same call give the same bits (dq's
-    partial sums added in the key blocks' order, not as they finish), and the gradients of the
-    output and the entropy match the float64 reference."""
+    (family.h: kHopperDeterministicByDefault decides "auto"), its dq taking turns: three backwards
+    of the same call give the same bits (dq's partial sums added in the key blocks' order, not as
+    they finish), and the gradients of the output and the entropy match the float64 reference."""
     from test_varlen import offsets
 
     Hkv, Lq, Lk, D, spec, family = HOPPER_DETERMINISTIC_CASES[case]
@@ -2349,6 +2349,42 @@ def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: st
     ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
     for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv")):
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+
+
+@needs_hopper
+@pytest.mark.hopper_turns
+def test_hopper_deterministic_backward_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deterministic Hopper backward captured in a CUDA graph: its preprocess starts the turn
+    counters on the device (sm90/bwd_kernel.cuh: preprocess_kernel), so that every replay takes its
+    turns from the start (counters left where the last run ended would leave a replay waiting), and
+    each replay gives the eager backward's bits."""
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
+    torch.manual_seed(5)
+    leaves = [cuda(t).requires_grad_() for t in make_qkv(1, 4, 2, 600, 600, 128, dtype=torch.bfloat16)]
+    go = cuda(randn(1, 4, 600, 128).to(torch.bfloat16))
+
+    def step() -> List[Tensor]:
+        out = torch_ext.attention(*leaves, is_causal=True, enable_gqa=True, scale="logn")
+        return list(torch.autograd.grad(out, leaves, go))
+
+    with torch_deterministic(True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs asks
+            eager = step()
+        torch.cuda.current_stream().wait_stream(stream)
+        assert family_kernels(step, "sm90", "main_kernel"), "the sm90 backward did not run"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        replays = []
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append([g.clone() for g in captured])
+    for replay in replays:
+        for a, b, name in zip(replay, eager, ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{name}: a replay differs from the eager backward"
 
 
 @contextlib.contextmanager

@@ -136,10 +136,11 @@ void BackwardCall::allocate(Family f) {
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
   // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), a
-  // counter per (batch, head, query block) that its preprocess starts (sm90/bwd_kernel.cuh).
-  if (f == Family::kSm90 && dq_layout.bulk && at::globalContext().deterministicAlgorithms()) {
-    dq_turns = at::empty({sh.batch, sh.heads, dq_layout.rows / sm90::kBulkDqRows},
-                         q.options().dtype(at::kInt));
+  // counter per (batch, head, query block of 64 rows) that its preprocess starts
+  // (sm90/bwd_kernel.cuh).
+  if (f == Family::kSm90 && at::globalContext().deterministicAlgorithms()) {
+    const int64_t blocks = (dq_layout.rows + sm90::kBulkDqRows - 1) / sm90::kBulkDqRows;
+    dq_turns = at::empty({sh.batch, sh.heads, blocks}, q.options().dtype(at::kInt));
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {

@@ -326,22 +326,19 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// Under deterministic algorithms the Hopper backward adds dq's partial sums by bulk reductions in
-// the key blocks' order (sm90/bwd_kernel.cuh: write_dq): for calls without a mask (the masked
-// kernels add them by atomics: sm90/launch.h, deterministic_turns_ok). Off by default until it has
-// run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel
-// takes the others.
+// Under deterministic algorithms the Hopper backward adds dq's partial sums in the key blocks'
+// order (sm90/bwd_kernel.cuh: dq_turns), by bulk reductions or, in the masked kernels, by atomics
+// taking turns; a broadcast mask's gradient is summed by atomics in any order
+// (mask_grad_determinism_obstacle, as in the sm80 family). Off by default until it has run on a
+// GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel takes
+// such calls meanwhile.
 std::string hopper_deterministic_obstacle(const BackwardCall& c) {
   if (!at::globalContext().deterministicAlgorithms()) return {};
   if (!hopper_capability(kHopperDeterministicByDefault)) {
     return "deterministic algorithms (dq in the key blocks' order, off by default: "
            "kHopperDeterministicByDefault)";
   }
-  if (!hopper_bulk_dq(c.call)) {
-    return "deterministic algorithms without bulk reductions of dq (a mask, whose kernels add "
-           "dq by atomics, or kHopperBulkDqByDefault off)";
-  }
-  return {};
+  return mask_grad_determinism_obstacle(c);
 }
 
 // The Hopper backward also needs dq in an order it can keep (deterministic algorithms: above), no

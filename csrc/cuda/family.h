@@ -50,8 +50,8 @@ bool hopper_bulk_dq(const AttentionBackwardCall& call);
 
 // Whether "auto" gives the Hopper family the backward under
 // torch.use_deterministic_algorithms(True) (its dq summed by bulk reductions in the key blocks'
-// order, FlashAttention-3's way: sm90/bwd_kernel.cuh, write_dq; calls without a mask). Off until
-// it passes the CUDA tests on a GPU: it passes the CPU emulation
+// order, FlashAttention-3's way: sm90/bwd_kernel.cuh, dq_turns; the masked kernels' atomics take
+// the same turns). Off until it passes the CUDA tests on a GPU: it passes the CPU emulation
 // (tests/cpp/test_sm90_emulation*.cpp: DeterministicDq); meanwhile the sm80 family's deterministic
 // dq kernel runs such calls on compute capability 9.0.
 constexpr bool kHopperDeterministicByDefault = false;

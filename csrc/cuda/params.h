@@ -126,12 +126,13 @@ struct BwdParams : AttentionArgs<acc_t> {
   OutView4 dq_out, dk_out, dv_out;
   acc_t* d_row_scale = nullptr;
   bool deterministic = false;
-  // A deterministic Hopper backward (sm90/bwd_kernel.cuh: write_dq): per (batch, head, query block
-  // of dq_accum's rows), (B, H, dq_layout.rows / 64) int32, a turn counter that the preprocess
-  // starts at the first key block that walks the query block (key_ranges.cuh: first_walker) and
-  // each key block raises to the next key block with a walk once it has added its G; key block n
-  // adds when it reads n, so that the sum's order is the key blocks' whatever the schedule. Null:
-  // any order (faster).
+  // A deterministic Hopper backward (sm90/bwd_kernel.cuh: write_dq, and the atomics of the kernels
+  // without bulk reductions): per (batch, head, query block of 64 of dq_accum's rows),
+  // (B, H, ceil(dq_layout.rows / 64)) int32, a turn counter that the preprocess starts at the
+  // first key block that walks the query block (key_ranges.cuh: first_walker) and each key block
+  // raises to the next key block with a walk once it has added its G; key block n adds when it
+  // reads n, so that the sum's order is the key blocks' whatever the schedule. Null: any order
+  // (faster).
   int* dq_turns = nullptr;
   bool g_scaled = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the

@@ -96,7 +96,8 @@ void run_forward(const eh::Shape& s, int persistent_blocks = 0, int sections = 0
 // sums added by bulk reductions: sm90/launch.h, bulk_dq_accum; without dlam, no d lambda asked for:
 // G summed from lambda dS, params.h: g_scaled; deterministic, those reductions in the key blocks'
 // order: params.h, dq_turns), and its gradients against the reference (the additive mask's too,
-// with s.mask_grad). Deterministic, the turn counters start as -1 (the preprocess must start them)
+// with s.mask_grad). Deterministic (with bulk_dq or by atomics, the masked kernels' way), the turn
+// counters start as -1 (the preprocess must start them)
 // and each must end at the key block with a walk after the last key block that walks its query
 // block (key_ranges.cuh: query_blocks, walking_block_from), or where it started if none does.
 template <typename T, int kD, bool kCausal, MaskKind kMask>
@@ -112,10 +113,9 @@ void run_backward(const eh::Shape& s, bool bulk_dq = false, bool dlam = true,
   if (bulk_dq) p.dq_layout = ec::sm90::bulk_dq_accum(s.q_len, kD);
   if (!dlam) p.d_row_scale = nullptr;
   using Kt = s9b::BwdTraits<T, kD>;
-  const int m_blocks = static_cast<int>(p.dq_layout.rows / Kt::kBlockM);
+  const int m_blocks = static_cast<int>((p.dq_layout.rows + Kt::kBlockM - 1) / Kt::kBlockM);
   std::vector<int> turns;
   if (deterministic) {
-    ASSERT_TRUE(bulk_dq) << "dq in turns takes bulk reductions";
     turns.assign(static_cast<size_t>(s.batch * s.heads * m_blocks), -1);
     p.deterministic = true;
     p.dq_turns = turns.data();

@@ -180,6 +180,21 @@ TEST(EmulatedSm90Backward, DeterministicDq) {
       eh::Shape{1, 2, 2, 100, 400, 128, true, true, true}, true, true, true);
 }
 
+// The masked kernels' atomics in the same turns (bwd_kernel.cuh: keep_turns, warp 1 of the producer
+// warpgroup, waits for each turn and hands it on once the consumers have added): a bool mask,
+// causal with GQA and the statistics' gradients over 3 key blocks (the last partial, a query count
+// no multiple of 64), an additive one with its gradient over 4 in two batch entries, and the
+// kernel without a mask that adds by atomics (bulk reductions off).
+TEST(EmulatedSm90Backward, DeterministicDqByAtomics) {
+  run_backward<__nv_bfloat16, 128, true, MaskKind::kBool>(
+      eh::Shape{1, 4, 2, 290, 300, 128, true, true, true, MaskKind::kBool}, false, true, true);
+  eh::Shape additive{2, 2, 1, 150, 400, 64, false, true, false, MaskKind::kAdditive};
+  additive.mask_grad = true;
+  run_backward<__half, 64, true, MaskKind::kAdditive>(additive, false, true, true);
+  run_backward<__nv_bfloat16, 64, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 200, 300, 64, true, false, false}, false, false, true);
+}
+
 // The consumer warpgroups meet wherever one reads what the other stored (the backward's P before
 // dV, dS before G and dK; the forward's turns at the tensor cores). Run with one warpgroup going as
 // far as it can before the other, each way round: a missing barrier lets a wgmma read the other's

@@ -169,7 +169,7 @@ TEST(EmulatedSm90Features, BulkDq) {
 // walkers start past key block 0), a two-sided band, a window aligned bottom-right, and packed
 // documents with key blocks that walk nothing between two that walk the same query block: the keys
 // of a document without queries, and keys no row of a window sees (a document with more keys than
-// queries). Masked calls are refused (dq by atomics).
+// queries), and a masked call, whose atomics take the same turns.
 TEST(EmulatedSm90Features, DeterministicDq) {
   struct Deterministic {
     bool saved = at::globalContext().deterministicAlgorithms();
@@ -203,11 +203,10 @@ TEST(EmulatedSm90Features, DeterministicDq) {
   run_documents<Sm90, __half, 128>({0, 70, 120}, {0, 100, 500}, true, {30, 0},
                                    /*entropy_grad=*/false);
 
-  ec::BwdParams<float> p;
-  p.dq_layout = ec::sm90::bulk_dq_accum(150, 64);
-  EXPECT_TRUE(ec::sm90::deterministic_turns_ok(p));
-  p.dq_layout = ec::packed_dq_accum(150, 64);  // atomics
-  EXPECT_FALSE(ec::sm90::deterministic_turns_ok(p));
+  // A masked call's atomics in turns (bwd_kernel.cuh: keep_turns): an additive mask of the call's
+  // full shape with its gradient (each entry from one logit, so deterministic too), causal.
+  run_mask_grad<Sm90, __nv_bfloat16, 128>({2, 4, 100, 130}, true, 0, 0.2, false, 130, false,
+                                          /*entropy_grad=*/false);
 }
 
 }  // namespace

@@ -227,6 +227,10 @@ struct BwdTraits {
     // form a block's rows instead of holding it across the loop (a register they lack at D = 128,
     // causal: ptxas spilled it to local memory).
     int m_begin;
+    // A deterministic backward's (params.h: dq_turns): what the key block adds to the turn counters
+    // it has waited for, the distance to the next key block with a walk (key_ranges.cuh:
+    // walking_block_from), formed once by thread 0 for the dq writer or the consumers.
+    int turn_step;
     // G of a query block, laid out as a block of bulk_dq_accum (launch.h); last, so that a launch
     // that adds G by atomics leaves it out (smem_bytes below).
     alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
@@ -296,6 +300,12 @@ constexpr int kPBarrier = 1;
 constexpr int kdSBarrier = 2;
 constexpr int kdQEmptyBarrier = 3;
 constexpr int kdQFullBarrier = 4;
+// A deterministic backward's turns in the kernels that add G by atomics (kBulkDq false, which never
+// use the dq tile's barriers: their ids there, with the same count), of the consumers and the turn
+// keeper (warp 1 of the producer warpgroup: keep_turns): the turn has come, and the consumers'
+// atomics are done.
+constexpr int kTurnComeBarrier = kdQEmptyBarrier;
+constexpr int kTurnDoneBarrier = kdQFullBarrier;
 // kEarlyFirst (D = 128): P of slice 0 (the first warpgroup's keys) in shared memory; the second
 // warpgroup arrives, the first waits. An id of its own, not kPBarrier's: the second may reach
 // kPBarrier (slice 1) before the first has waited here, and would count for the first.
@@ -879,7 +889,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       Ops::fence_view_async_shared();  // the stores, before the bulk reduction reads them
       Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQFullBarrier);
     } else {
-      // Into dq_accum (packed), one 8-byte atomic per pair.
+      // Into dq_accum (packed), one 8-byte atomic per pair. Deterministic (the kernels without
+      // bulk reductions: p.dq_turns), in the turns that keep_turns waits for and hands on: the
+      // consumers wait for it at kTurnComeBarrier and arrive at kTurnDoneBarrier after their
+      // atomics. (Formed and handed on here, the turn spilled the masked kernels at D = 128.)
+      const bool turns = !kBulkDq && p.dq_turns != nullptr;
+      if (turns) Ops::NamedBarrier::sync(Kt::kDqThreads, kTurnComeBarrier);
       const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + i0;
       float* dq_accum = p.dq_accum + row0 * kD;
       CUTE_UNROLL
@@ -892,6 +907,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
                     make_float2(g_rc(r, c), g_rc(r, c + 1)));
         }
       }
+      if (turns) Ops::NamedBarrier::arrive(Kt::kDqThreads, kTurnDoneBarrier);
     }
 
     // The next block's row statistics, while dK runs (S, dP and G are dead here).
@@ -969,22 +985,14 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
 // on once its reduction has completed, so that dq_accum sums the key blocks in their order on every
 // run. Within a (kv head, batch), key blocks start in the order of n (launch_order.h), so the ones
 // waited for have started.
-template <typename Kt, bool kCausal>
+template <typename Kt>
 __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt::SharedStorage& ss,
                                          const GridTile tile, int m_begin, int m_count, int iters) {
   using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM;
   const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int m_blocks = static_cast<int>(p.dq_layout.rows / kBlockM);
-  // What this key block adds to the counters it has waited for: the distance to the next key block
-  // with a walk (1 where every block has one).
-  const int turn_step =
-      p.dq_turns == nullptr || lane != 0 || iters == 0
-          ? 1
-          : walking_block_from<kCausal>(p.pattern, tile.x + 1, static_cast<int>(p.q_len),
-                                        static_cast<int>(p.kv_len), Kt::kBlockN) -
-                tile.x;
+  const int m_blocks = static_cast<int>(p.dq_layout.rows / kBlockM);  // (whole blocks: bulk)
   // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
   for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
     Ops::store_shared(&ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad], 0.f);
@@ -1005,11 +1013,37 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
       Ops::bulk_commit();
       if (turn != nullptr) {
         Ops::bulk_wait_all();
-        Ops::pass_turn(turn, turn_step);
+        Ops::pass_turn(turn, ss.turn_step);
       } else {
         Ops::template bulk_wait_read<0>();
       }
     }
+    __syncwarp();
+  }
+}
+
+// The turn keeper of a deterministic backward whose consumers add G by atomics (warp 1 of the
+// producer warpgroup, which the dq writer is in the kernels with bulk reductions): per query block,
+// lane 0 waits until the block's counter reads this key block (as write_dq), lets the consumers
+// add, and once they all have, hands the turn on (the barrier, then one thread's release, orders
+// every consumer's atomics before it, as CUTLASS's GenericBarrier does).
+template <typename Kt>
+__device__ __forceinline__ void keep_turns(const BwdParams<float>& p,
+                                           typename Kt::SharedStorage& ss, const GridTile tile,
+                                           int m_begin, int m_count, int iters) {
+  using Ops = typename Kt::Ops;
+  const int lane = threadIdx.x % 32;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int64_t m_blocks = (p.dq_layout.rows + Kt::kBlockM - 1) / Kt::kBlockM;
+#pragma unroll 1
+  for (int t = 0; t < iters; ++t) {
+    const int h = tile.y * group + t / m_count, m_block = m_begin + t % m_count;
+    int* turn = p.dq_turns + (static_cast<int64_t>(tile.z) * p.heads + h) * m_blocks + m_block;
+    if (lane == 0) Ops::wait_turn(turn, tile.x);
+    __syncwarp();
+    Ops::NamedBarrier::arrive(Kt::kDqThreads, kTurnComeBarrier);
+    Ops::NamedBarrier::sync(Kt::kDqThreads, kTurnDoneBarrier);
+    if (lane == 0) Ops::pass_turn(turn, ss.turn_step);
     __syncwarp();
   }
 }
@@ -1049,6 +1083,10 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   if (threadIdx.x == 0) {
     Ops::TxBarrier::init(&ss.barrier_kv, 1);
     ss.m_begin = m_begin;
+    ss.turn_step =
+        p.dq_turns == nullptr || iters == 0
+            ? 1
+            : walking_block_from<kCausal>(p.pattern, n_block + 1, q_len, kv_len, kBlockN) - n_block;
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -1056,7 +1094,11 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
     if (kBulkDq && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
-      write_dq<Kt, kCausal>(p, ss, tile, m_begin, m_count, iters);
+      write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
+      return;
+    }
+    if (!kBulkDq && threadIdx.x / 32 == 1 && p.dq_turns != nullptr) {
+      keep_turns<Kt>(p, ss, tile, m_begin, m_count, iters);
       return;
     }
     if (threadIdx.x != 0) return;
@@ -1129,7 +1171,7 @@ __global__ void __launch_bounds__(Kt80::kNThreads) preprocess_kernel(const BwdPa
   if (p.dq_turns == nullptr || threadIdx.x >= Kt80::kPreRows) return;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * Kt80::kPreRows + threadIdx.x;
   if (i >= p.q_len || i % Kt::kBlockM != 0) return;
-  const int64_t m_blocks = p.dq_layout.rows / Kt::kBlockM;
+  const int64_t m_blocks = (p.dq_layout.rows + Kt::kBlockM - 1) / Kt::kBlockM;
   const int m = static_cast<int>(i / Kt::kBlockM);
   p.dq_turns[(static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * m_blocks + m] =
       first_walker<true>(p.pattern, m, static_cast<int>(p.q_len), static_cast<int>(p.kv_len),

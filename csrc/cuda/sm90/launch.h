@@ -14,8 +14,8 @@
 // backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics: pairs from
 // the registers, or, with a bulk_dq_accum layout, whole tiles by bulk reductions from shared memory
 // (FlashAttention-3's way; the calls without a mask, since it passed the CUDA tests on an H200:
-// family.h, kHopperBulkDqByDefault), under deterministic algorithms in the key blocks' order
-// (bwd_kernel.cuh: write_dq; off by default, family.h: kHopperDeterministicByDefault). Both
+// family.h, kHopperBulkDqByDefault), under deterministic algorithms either in the key blocks' order
+// (bwd_kernel.cuh: dq_turns; off by default, family.h: kHopperDeterministicByDefault). Both
 // directions also take sliding windows, bottom-right alignment and packed documents (their causal
 // instantiations read the call's KeyPattern), logit softcapping and dropout (the backward of either
 // not with a mask) and attention sinks, which "auto" gives them since they passed the CUDA tests on
@@ -105,15 +105,9 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.k, p.kv_len, p.kv_heads, p.batch) &&
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
-// Whether a deterministic backward can add dq in turns (params.h: dq_turns; bwd_kernel.cuh:
-// write_dq): by bulk reductions, one per (key block, query block), which the masked kernels lack
-// (their dq goes by atomics from every consumer thread); family.cpp routes those deterministic
-// calls to the sm80 family.
-inline bool deterministic_turns_ok(const BwdParams<float>& p) { return p.dq_layout.bulk; }
-
-// The backward also needs dq by atomics in any order (pairs, or bulk reductions, which the masked
-// kernels lack: bwd_kernel.cuh) or by bulk reductions in turns (deterministic: dq_turns and
-// deterministic_turns_ok), a dq_accum laid out for the one it is given, dout that TMA can describe,
+// The backward also needs dq_turns under deterministic algorithms (dq's partial sums, by atomics
+// or by bulk reductions, which the masked kernels lack, added in the key blocks' order:
+// bwd_kernel.cuh), a dq_accum laid out for the way it is added, dout that TMA can describe,
 // no softcap or dropout with a mask (bwd_kernel.cuh: the cap's derivative is formed from the capped
 // logit, which an additive mask shifts; the masked kernels have no registers for the cap's
 // derivative or for dropout), and an additive mask's gradient (d_logits) only without the
@@ -123,7 +117,7 @@ inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool ca
   const bool logit_grads_ok =
       p.d_logits.data == nullptr ||
       (p.mask.kind == MaskKind::kAdditive && p.g_entropy == nullptr && p.g_sum_p2 == nullptr);
-  const bool dq_order_ok = p.dq_turns == nullptr ? !p.deterministic : deterministic_turns_ok(p);
+  const bool dq_order_ok = p.dq_turns != nullptr || !p.deterministic;
   return covers(p, head_dim, causal) && dq_order_ok && dq_layout_ok(p) && logit_grads_ok &&
          !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&

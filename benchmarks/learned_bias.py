@@ -15,9 +15,16 @@ CUDA backwards sum a warp's rows of each key by shuffles and add each sum by one
 (csrc/cuda/logit_grads.cuh), the heads' and row blocks' sums meeting at one address per key, which
 this timing prices.
 
+--deterministic adds ours under ``torch.use_deterministic_algorithms(True)``: on CUDA its backward
+writes a broadcast bias's gradient at the call's full (B, H, L, L) shape, each entry from one
+logit, and sums it over the broadcast dims in a fixed order (csrc/cuda/attention_cuda.cpp), where
+the default backward adds into the bias's entries by atomics; its two runs must give the same bits
+before it is timed. SDPA keeps the default algorithms.
+
     python3 benchmarks/learned_bias.py                                   # CPU, float32
     python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --lengths 1024 2048 4096
     python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --bias head key
+    python3 benchmarks/learned_bias.py --device cuda --dtype bfloat16 --deterministic
 
 Writes a Markdown table and JSON to results/learned_bias/<device>.{md,json}.
 """
@@ -41,6 +48,7 @@ import torch_ext  # noqa: E402
 from timing import device_name, median_ms, short_commit, write_result  # noqa: E402
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
+DETERMINISTIC = "ours_deterministic"  # --deterministic's method
 # The bias shapes --bias names: their sizes for batch B, heads H and length L, and how the table
 # writes them.
 BIAS_SHAPES = {
@@ -53,12 +61,17 @@ def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
          go: torch.Tensor) -> List[torch.Tensor]:
     """One forward and backward of `method`: the output and the gradients of q, k, v (and the bias)."""
     b = bias.detach() if method == "ours_fixed_bias" else bias
-    if method == "sdpa_bias_grad":
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
-    else:
-        out = torch_ext.attention(q, k, v, b)
-    leaves = [q, k, v] + ([b] if b.requires_grad else [])
-    return [out.detach(), *torch.autograd.grad(out, leaves, go)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(method == DETERMINISTIC or before)
+    try:
+        if method == "sdpa_bias_grad":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+        else:
+            out = torch_ext.attention(q, k, v, b)
+        leaves = [q, k, v] + ([b] if b.requires_grad else [])
+        return [out.detach(), *torch.autograd.grad(out, leaves, go)]
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def check(results: Dict[str, List[torch.Tensor]], dtype: torch.dtype) -> None:
@@ -72,8 +85,16 @@ def check(results: Dict[str, List[torch.Tensor]], dtype: torch.dtype) -> None:
                 raise SystemExit(f"{method}: {name} differs from SDPA's by {err:.3g} (relative)")
 
 
+def check_bits(first: List[torch.Tensor], again: List[torch.Tensor]) -> None:
+    """Two deterministic runs give the same bits of every output and gradient."""
+    for name, a, b in zip(("output", "dq", "dk", "dv", "dbias"), first, again):
+        if not torch.equal(a, b):
+            raise SystemExit(f"{DETERMINISTIC}: {name} differs between two runs")
+
+
 def run(args: argparse.Namespace) -> Dict[str, object]:
     dtype = getattr(torch, args.dtype)
+    methods = METHODS + ((DETERMINISTIC,) if args.deterministic else ())
     B, H, D, dev = args.batch, args.heads, args.head_dim, args.device
     rows: List[Dict[str, object]] = []
     grid = [(shape, L) for shape in args.bias for L in args.lengths]
@@ -83,28 +104,36 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         size = BIAS_SHAPES[shape][0](B, H, L)
         bias = (0.5 * torch.randn(*size, generator=g)).to(dev, dtype).requires_grad_()
         go = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
-        check({m: step(m, q, k, v, bias, go) for m in METHODS}, dtype)
+        results = {m: step(m, q, k, v, bias, go) for m in methods}
+        check(results, dtype)
+        if args.deterministic:
+            check_bits(results[DETERMINISTIC], step(DETERMINISTIC, q, k, v, bias, go))
         row: Dict[str, object] = {"bias": BIAS_SHAPES[shape][1], "seq_len": L}
-        for m in METHODS:
+        for m in methods:
             row[f"{m}_ms"] = median_ms(lambda m=m: step(m, q, k, v, bias, go), args.min_run_time)
         rows.append(row)
     commit = short_commit(ROOT)
     return {"device": device_name(dev), "torch": torch.__version__, "commit": commit, "dtype": args.dtype,
-            "batch": B, "heads": H, "head_dim": D, "rows": rows}
+            "batch": B, "heads": H, "head_dim": D, "methods": list(methods), "rows": rows}
 
 
 def markdown(result: Dict[str, object]) -> str:
+    deterministic = DETERMINISTIC in result["methods"]  # type: ignore[operator]
+    extra = " | ours, deterministic algorithms (ms) | deterministic / default (ours)" if deterministic else ""
     lines = [f"# Learned additive bias, forward + backward ({result['device']})", "",
              f"torch {result['torch']}, commit {result['commit']}, {result['dtype']}, B={result['batch']}, "
              f"H={result['heads']}, D={result['head_dim']}; medians of torch.utils.benchmark "
-             "in one process; outputs and gradients checked against SDPA's first.", "",
+             "in one process; outputs and gradients checked against SDPA's first"
+             + (" (and the deterministic runs' bits against a second run's)." if deterministic else "."), "",
              "| bias | L | ours, bias requires grad (ms) | ours, fixed bias (ms) | SDPA, bias requires grad (ms) "
-             "| ours / SDPA (bias requires grad) |",
-             "|---|---|---|---|---|---|"]
+             f"| ours / SDPA (bias requires grad){extra} |",
+             "|---|---|---|---|---|---|" + ("---|---|" if deterministic else "")]
     for r in result["rows"]:  # type: ignore[union-attr]
         ratio = r["ours_bias_grad_ms"] / r["sdpa_bias_grad_ms"]
+        cells = (f" {r[DETERMINISTIC + '_ms']:.1f} | {r[DETERMINISTIC + '_ms'] / r['ours_bias_grad_ms']:.2f} |"
+                 if deterministic else "")
         lines.append(f"| {r['bias']} | {r['seq_len']} | {r['ours_bias_grad_ms']:.1f} | {r['ours_fixed_bias_ms']:.1f} | "
-                     f"{r['sdpa_bias_grad_ms']:.1f} | {ratio:.2f} |")
+                     f"{r['sdpa_bias_grad_ms']:.1f} | {ratio:.2f} |{cells}")
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--bias", nargs="+", choices=list(BIAS_SHAPES), default=["head"],
                    help="the bias's shapes: head (1, H, L, L), key (B, 1, 1, L)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time ours under torch.use_deterministic_algorithms(True), two runs' bits compared first")
     p.add_argument("--min-run-time", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "learned_bias")
     args = p.parse_args(argv)

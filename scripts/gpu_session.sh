@@ -161,11 +161,12 @@ tests() {
 }
 tests auto 150
 # The tests of the deterministic Hopper backward (dq in turns, sm90/bwd_kernel.cuh: write_dq; added
-# 2026-12-07, not yet run on a GPU; marked hopper_turns, left out of the passes above and below) in a
+# 2026-12-07, not yet run on a GPU; with a learned mask's gradient too; marked hopper_turns, left
+# out of the passes above and below) in a
 # pass of their own: a turn its blocks never reach would spin until the bound, which then costs
 # these seconds alone, not a shard of the other passes.
 note "pytest hopper deterministic"
-ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 60 "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider \
+ENTROPY_ATTN_REQUIRE_CUDA=1 bounded 75 "$PYTHON" -m pytest tests -q -rfEs -p no:cacheprovider \
   -m hopper_turns >"$LOGS/pytest_deterministic.log" 2>&1
 record "pytest hopper deterministic" $?
 echo "  $(tail -1 "$LOGS/pytest_deterministic.log")"
@@ -329,11 +330,13 @@ fi
 # timed yet: both, into the logs
 # (learned_bias/cuda.md and .json; learned_bias_sm90/). Both also with a learned bias per key,
 # (B, 1, 1, L), whose gradient a warp sums over its rows of each key before one atomic per key
-# (csrc/cuda/logit_grads.cuh).
+# (csrc/cuda/logit_grads.cuh). The first also under deterministic algorithms (--deterministic: the
+# gradient written at the call's full shape and summed in a fixed order, attention_cuda.cpp, since
+# 2026-12-07; two runs' bits compared first).
 note "learned bias"
 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \
-  --heads 12 --batch 4 --lengths 1024 4096 --bias head key --min-run-time 0.2 --out "$LOGS/learned_bias" \
-  >"$LOGS/learned_bias.log" 2>&1
+  --heads 12 --batch 4 --lengths 1024 4096 --bias head key --deterministic --min-run-time 0.2 \
+  --out "$LOGS/learned_bias" >"$LOGS/learned_bias.log" 2>&1
 record "learned bias" $?
 ENTROPY_ATTN_CUDA_FAMILY=sm90 bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda \
   --dtype bfloat16 --head-dim 64 --heads 12 --batch 4 --lengths 1024 4096 --bias head key \

@@ -2030,32 +2030,50 @@ def test_mask_grad_runs_in_the_tensor_core_backward(monkeypatch: pytest.MonkeyPa
     assert (grads[3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
 
 
-@real_cuda
-@pytest.mark.parametrize("case", ["full", "per_head_t5_causal_logn"])
-def test_mask_grad_under_deterministic_algorithms(case: str) -> None:
-    """Under torch.use_deterministic_algorithms(True) the gradient of a mask of the call's full
-    shape stays in the sm80 family (each entry from one logit, the dq kernel without atomics: two
-    runs agree bit for bit), while a broadcast mask's entries would be summed by atomics in any
-    order: that call goes to the fallback, which raises torch's nondeterminism alert."""
-    shape, _, kw = MASK_GRAD_CASES[case]
+@pytest.mark.parametrize("family", ["auto", pytest.param("sm90", marks=[needs_hopper, pytest.mark.hopper_turns])])
+@pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
+def test_mask_grad_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch, case: str, family: str) -> None:
+    """Under torch.use_deterministic_algorithms(True) a bf16 call's additive mask gets its gradient
+    from a tensor-core backward whatever the mask broadcasts along: a mask of the call's full shape
+    gets each entry from one logit, a broadcast one is written at the full shape and summed over
+    its broadcast dims in a fixed order (attention_cuda.cpp), not by atomics. Two runs agree bit
+    for bit (dq: sm80's dq kernel, or the Hopper backward's turns where sm90 is forced), and the
+    gradients match the float64 reference. "auto" takes a loss with the entropy's gradient (the
+    sm80 family's backward); the forced Hopper family a loss of the output and lse, which its
+    backward takes with a mask's gradient. (Dry run: the CPU op.)"""
+    shape, fraction, kw = MASK_GRAD_CASES[case]
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     torch.manual_seed(18)
-    q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, 200, 260, 64, dtype=torch.bfloat16))
-    mask = cuda(randn(*shape, scale=0.5).to(torch.bfloat16)).requires_grad_()
+    q, k, v = make_qkv(2, 4, 2, 200, 260, 64, dtype=torch.bfloat16)
+    hidden = torch.rand(shape, generator=torch.Generator().manual_seed(8)) < fraction
+    mask = randn(*shape, scale=0.5).masked_fill(hidden, -math.inf).to(torch.bfloat16)
+    go, gl, ge = randn(2, 4, 200, 64).to(torch.bfloat16), randn(2, 4, 200), randn(2, 4, 200)
+    upstream = [go, gl, ge] if family == "auto" else [go, gl]
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v, mask)]
 
-    def grads() -> List[Tensor]:
-        out = OP(q, k, v, mask, None, enable_gqa=True, **kw)[0]
-        return list(torch.autograd.grad(out.float().square().sum(), (q, k, v, mask)))
+    def run() -> List[Tensor]:
+        out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
+        return grads_of(out[:len(upstream)], [cuda(u) for u in upstream], leaves)
 
+    runs: List[List[Tensor]] = []
     with torch_deterministic(True):
-        if case != "full":
-            with pytest.raises(RuntimeError, match="deterministic"):
-                grads()
-            return
-        names = family_kernels(grads, "sm80", "main_kernel")
-        assert names, "the sm80 backward did not run"
-        first, second = grads(), grads()
-    for a, b, name in zip(first, second, ("dq", "dk", "dv", "dmask")):
+        for _ in range(2):
+            if DRY_RUN:
+                runs.append(run())
+                continue
+            names = [n for n in cuda_kernel_names(lambda: runs.append(run())) if "main_kernel" in n]
+            ran = [f for f in ("sm80", "sm90") if any(f"{f}::" in n for n in names)]
+            assert ran, f"no tensor-core backward ran: {names}"
+            assert family != "sm90" or ran == ["sm90"], f"the backward ran in {ran}"
+    for a, b, name in zip(runs[0], runs[1], ("dq", "dk", "dv", "dmask")):
         assert torch.equal(a, b), f"{name} differs between two runs"
+    rin = [leaf64(t) for t in leaves]
+    r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
+    ref_grads = grads_of([r.output, r.lse, r.entropy][:len(upstream)], upstream, rin)
+    for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv", "dmask")):
+        assert a.shape == e.shape and a.dtype == torch.bfloat16, name
+        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference: {rel_err(a, e):.3g}"
+    assert (runs[0][3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
 
 
 #: Layouts of a 16-bit additive mask: (its shape over B = 2, H = 4, Lq = 150, Lk = 201, how it is

@@ -38,6 +38,35 @@ def test_a_bias_per_key(tmp_path: Path) -> None:
         ("(1, H, L, L)", 16), ("(1, H, L, L)", 24), ("(B, 1, 1, L)", 16), ("(B, 1, 1, L)", 24)]
 
 
+def test_deterministic_algorithms(tmp_path: Path) -> None:
+    """--deterministic adds ours under deterministic algorithms, checked against SDPA and against a
+    second run's bits, to the table and the JSON."""
+    learned_bias.main([*TINY, "--bias", "head", "key", "--deterministic", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu.json").read_text())
+    assert result["methods"] == [*learned_bias.METHODS, learned_bias.DETERMINISTIC]
+    assert all(row[f"{learned_bias.DETERMINISTIC}_ms"] > 0 for row in result["rows"])
+    assert "| ours, deterministic algorithms (ms) | deterministic / default (ours) |" in (tmp_path / "cpu.md").read_text()
+    assert not torch.are_deterministic_algorithms_enabled(), "the setting is restored"
+
+
+def test_deterministic_runs_that_differ_stop_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The bits check can fail: a deterministic method whose second run differs is reported."""
+    real = learned_bias.step
+    calls = {"n": 0}
+
+    def drifting(method: str, *args: torch.Tensor) -> list:
+        out = real(method, *args)
+        if method == learned_bias.DETERMINISTIC:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                out[1] = out[1] + 1e-6 * out[1].abs().max()
+        return out
+
+    monkeypatch.setattr(learned_bias, "step", drifting)
+    with pytest.raises(SystemExit, match="ours_deterministic: dq differs between two runs"):
+        learned_bias.main([*TINY, "--deterministic", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("bias", ["head", "key"])
 def test_a_wrong_gradient_stops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bias: str) -> None:
     """The check can fail: a method whose bias gradient is off is reported, not timed."""

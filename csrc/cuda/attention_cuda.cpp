@@ -100,6 +100,16 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
                                        const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& output,
                                        const AttentionBackwardCall& checked) {
+  // Under deterministic algorithms a broadcast mask's gradient is written at the call's full shape
+  // and summed in a fixed order (attention_host.h: with_full_mask_grad): B * H * Lq * Lk more
+  // floats, as SDPA's memory-efficient backward allocates for an attention bias's gradient.
+  if (at::globalContext().deterministicAlgorithms()) {
+    if (const std::optional<AttentionBackwardCall> full = with_full_mask_grad(checked)) {
+      AttentionGrads grads = attention_backward_cuda(grad_output, query, key, value, output, *full);
+      sum_full_mask_grad(*full, checked);
+      return grads;
+    }
+  }
   BackwardCall call(grad_output, query, key, value, output, checked);
   const AttentionShape& sh = call.call.shape;
   const c10::cuda::CUDAGuard guard(query.device());

@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -136,11 +137,10 @@ void BackwardCall::allocate(Family f) {
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
   // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), a
-  // counter per (batch, head, query block of 64 rows) that its preprocess starts
-  // (sm90/bwd_kernel.cuh).
+  // counter per (batch, head, query block) that its preprocess starts (sm90/bwd_kernel.cuh).
   if (f == Family::kSm90 && at::globalContext().deterministicAlgorithms()) {
-    const int64_t blocks = (dq_layout.rows + sm90::kBulkDqRows - 1) / sm90::kBulkDqRows;
-    dq_turns = at::empty({sh.batch, sh.heads, blocks}, q.options().dtype(at::kInt));
+    dq_turns = at::empty({sh.batch, sh.heads, sm90::turn_blocks(dq_layout.rows)},
+                         q.options().dtype(at::kInt));
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {
@@ -201,6 +201,20 @@ AttentionGrads BackwardCall::finish() const {
   }
   return {grad_q, in_layout_of(given_key, dk_sum, call.dtype),
           in_layout_of(given_value, dv_sum, call.dtype), dlam};
+}
+
+std::optional<AttentionBackwardCall> with_full_mask_grad(const AttentionBackwardCall& call) {
+  const at::Tensor& g = call.grad_logits;
+  const AttentionShape& s = call.shape;
+  const std::array<int64_t, 4> full{s.batch, s.heads, s.q_len, s.kv_len};
+  if (!g.defined() || g.sizes() == at::IntArrayRef(full)) return std::nullopt;
+  AttentionBackwardCall expanded = call;
+  expanded.grad_logits = at::zeros(full, g.options());
+  return expanded;
+}
+
+void sum_full_mask_grad(const AttentionBackwardCall& full, const AttentionBackwardCall& call) {
+  call.grad_logits.copy_(full.grad_logits.sum_to_size(call.grad_logits.sizes()));
 }
 
 SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind_,

@@ -250,19 +250,6 @@ std::string softcap_backward_obstacle(const BackwardCall& c) {
   return {};
 }
 
-// The tensor-core backwards add the logits' gradient into the mask's entries by atomics
-// (logit_grads.cuh: add_logit_grads): in an unspecified order where logits share an entry (a mask
-// broadcast along some dim), which deterministic algorithms rule out. (The fallback's atomics are
-// no better: it raises the nondeterminism alert there, attention_cuda.cpp.) A mask of the call's
-// full (B, H, Lq, Lk) shape gets each entry from one logit, whatever the order.
-std::string mask_grad_determinism_obstacle(const BackwardCall& c) {
-  const at::Tensor& g = c.call.grad_logits;
-  const AttentionShape& s = c.call.shape;
-  if (!g.defined() || !at::globalContext().deterministicAlgorithms()) return {};
-  if (g.numel() == s.batch * s.heads * s.q_len * s.kv_len) return {};
-  return "deterministic algorithms with a broadcast additive mask's gradient (summed by atomics)";
-}
-
 Sm90Backward sm90_backward_of(const BackwardCall& c) {
   return sm90_backward(c.call.dtype, c.call.shape.head_dim, needs_general(c.call),
                        mask_kind(c.call.mask));
@@ -328,17 +315,16 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
 
 // Under deterministic algorithms the Hopper backward adds dq's partial sums in the key blocks'
 // order (sm90/bwd_kernel.cuh: dq_turns), by bulk reductions or, in the masked kernels, by atomics
-// taking turns; a broadcast mask's gradient is summed by atomics in any order
-// (mask_grad_determinism_obstacle, as in the sm80 family). Off by default until it has run on a
-// GPU (family.h: kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel takes
-// such calls meanwhile.
-std::string hopper_deterministic_obstacle(const BackwardCall& c) {
-  if (!at::globalContext().deterministicAlgorithms()) return {};
-  if (!hopper_capability(kHopperDeterministicByDefault)) {
+// taking turns (a mask's gradient comes at the call's full shape then: attention_cuda.cpp). Off by
+// default until it has run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's
+// deterministic dq kernel takes such calls meanwhile.
+std::string hopper_deterministic_obstacle() {
+  if (at::globalContext().deterministicAlgorithms() &&
+      !hopper_capability(kHopperDeterministicByDefault)) {
     return "deterministic algorithms (dq in the key blocks' order, off by default: "
            "kHopperDeterministicByDefault)";
   }
-  return mask_grad_determinism_obstacle(c);
+  return {};
 }
 
 // The Hopper backward also needs dq in an order it can keep (deterministic algorithms: above), no
@@ -346,7 +332,7 @@ std::string hopper_deterministic_obstacle(const BackwardCall& c) {
 // and no softcap or dropout with a mask (sm90/launch.h: backward_covers).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (std::string why = hopper_mask_grad_obstacle(c); !why.empty()) return why;
-  if (std::string why = hopper_deterministic_obstacle(c); !why.empty()) return why;
+  if (std::string why = hopper_deterministic_obstacle(); !why.empty()) return why;
   // (Any mask: this covers softcap_backward_obstacle's additive one too.)
   if (c.call.options.softcap > 0 && c.call.mask.has_value()) {
     return "logit softcapping with a mask in the backward (sm90/launch.h)";
@@ -358,12 +344,10 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
                          sm90_backward_of(c) != nullptr, hopper_features());
 }
 
-// The tensor-core backward also needs a mask gradient it can sum deterministically when asked to,
-// and its shared memory, which at D = 128 is more than some GPUs of sm_80 and newer offer a block
-// (sm80/launch.h): there its launcher takes the compact tiles, which need less, when they are on
-// (family.h: kTensorCoreCompactBackwardByDefault).
+// The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs
+// of sm_80 and newer offer a block (sm80/launch.h): there its launcher takes the compact tiles,
+// which need less, when they are on (family.h: kTensorCoreCompactBackwardByDefault).
 std::string tensor_core_backward_obstacle(const BackwardCall& c) {
-  if (std::string why = mask_grad_determinism_obstacle(c); !why.empty()) return why;
   const AttentionShape& s = c.call.shape;
   const bool has = sm80_backward(c.call.dtype, s.head_dim, needs_general(c.call),
                                  mask_kind(c.call.mask)) != nullptr;

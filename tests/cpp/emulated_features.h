@@ -196,10 +196,12 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // (attention_inputs.h: keeps_mask_dtype; on the CPU it becomes float32), and the forward is
 // emulated too. transposed: the mask (4-D) a transposed view at an odd storage offset, a slice of
 // (B, H, Lk, Lq + 1) storage from element 1 of each row (strides ..., 1, Lq + 1: odd).
+// full_grad: the gradient as deterministic algorithms take it (attention_host.h:
+// with_full_mask_grad): a broadcast mask's written at the call's full shape and summed after.
 template <typename Family, typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
                    double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
-                   bool transposed = false, bool entropy_grad = true) {
+                   bool transposed = false, bool entropy_grad = true, bool full_grad = false) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
   at::manual_seed(23);
   const auto opt = at::TensorOptions().dtype(dtype);
@@ -247,11 +249,18 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
     ASSERT_EQ(bcall.mask->scalar_type(), at::kFloat) << "a CPU call converts the mask";
     bcall.mask = entropy_attn::expand_mask(mask, bcall.shape, bcall.acc, /*keep_dtype=*/true);
   }
-  ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
+  std::optional<entropy_attn::AttentionBackwardCall> full;
+  if (full_grad) {
+    full = ec::with_full_mask_grad(bcall);
+    ASSERT_EQ(full.has_value(), mask.numel() != 2 * 4 * lq * lk) << "only a broadcast mask's";
+    if (full) ASSERT_EQ(full->grad_logits.sizes(), at::IntArrayRef({2, 4, lq, lk}));
+  }
+  ec::BackwardCall bwd(dout, q, k, v, r.output, full ? *full : bcall);
   bwd.allocate(Family::kFamily);
   Family::template backward<T, kD, MaskKind::kAdditive>(bwd.params<float>());
   const entropy_attn::AttentionGrads got = bwd.finish();
-  const at::Tensor dmask = entropy_attn::mask_grad(mask, bwd.call, q);
+  if (full) ec::sum_full_mask_grad(*full, bcall);
+  const at::Tensor dmask = entropy_attn::mask_grad(mask, bcall, q);
   const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
       dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,
       r.row_scale, std::nullopt, {}, o, /*grad_mask=*/true);

@@ -39,9 +39,9 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 template <typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
                    double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
-                   bool transposed = false, bool entropy_grad = true) {
-  emulated_features::run_mask_grad<Sm80<false>, T, kD>(mask_sizes, causal, dropout_p, hidden,
-                                                       keep_dtype, lk, transposed, entropy_grad);
+                   bool transposed = false, bool entropy_grad = true, bool full_grad = false) {
+  emulated_features::run_mask_grad<Sm80<false>, T, kD>(
+      mask_sizes, causal, dropout_p, hidden, keep_dtype, lk, transposed, entropy_grad, full_grad);
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskGradient) {
@@ -64,6 +64,21 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
   // offset per batch and head (row and key strides 0: the warp's sums, all to one entry).
   run_mask_grad<__nv_bfloat16, 128>({2, 1, 1, 130}, false, 0, 0.2, false, 130, false, false);
   run_mask_grad<__half, 64>({2, 4, 1, 1}, true, 0, /*hidden=*/0);
+}
+
+TEST(EmulatedSm80Features, AdditiveMaskGradientAtTheFullShape) {
+  // Under deterministic algorithms (attention_host.h: with_full_mask_grad) a broadcast mask's
+  // gradient is written at the call's (B, H, Lq, Lk) shape, each entry from one logit, and summed
+  // over the broadcast dims after: per head, causal; shared by the batch and heads; per key
+  // (where the default sums a warp's rows first); per row; with the entropy's gradient or not, a
+  // mask in the inputs' type; a mask of the full shape keeps its own accumulator.
+  constexpr bool kFull = true;
+  run_mask_grad<__nv_bfloat16, 128>({1, 4, 100, 130}, true, 0, 0.2, false, 130, false, true, kFull);
+  run_mask_grad<__half, 64>({100, 130}, false, 0, 0.2, false, 130, false, false, kFull);
+  run_mask_grad<__nv_bfloat16, 64>({2, 1, 1, 130}, true, 0, 0.2, false, 130, false, true, kFull);
+  run_mask_grad<__half, 128>({2, 4, 100, 1}, true, 0, /*hidden=*/0, false, 130, false, true, kFull);
+  run_mask_grad<__nv_bfloat16, 64>({1, 4, 100, 131}, true, 0, 0.2, true, 131, false, true, kFull);
+  run_mask_grad<__half, 64>({2, 4, 100, 130}, false, 0, 0.2, false, 130, false, true, kFull);
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskInTheInputsType) {

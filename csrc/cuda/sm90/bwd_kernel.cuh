@@ -973,6 +973,13 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   if (nonfinite && p.nonfinite != nullptr) *p.nonfinite = 1;  // (all store the same value)
 }
 
+// The turn counter of query block m_block of (batch b, query head h) in a deterministic backward
+// (params.h: dq_turns; launch.h: turn_blocks, whose blocks are kBlockM rows: static_assert above).
+__device__ __forceinline__ int* turn_counter(const BwdParams<float>& p, int64_t b, int64_t h,
+                                             int m_block) {
+  return p.dq_turns + (b * p.heads + h) * turn_blocks(p.dq_layout.rows) + m_block;
+}
+
 // The dq writer (warp 1 of the producer warpgroup, bulk_dq_accum layouts): per query block, once
 // both consumer warpgroups have stored G in the shared tile, one lane adds the whole tile into the
 // block's rows of dq_accum (a bulk reduction: the tile and those rows have the same layout) and
@@ -992,7 +999,6 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
   constexpr int kBlockM = Kt::kBlockM;
   const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int m_blocks = static_cast<int>(p.dq_layout.rows / kBlockM);  // (whole blocks: bulk)
   // The pad columns go into dq_accum's pad with every reduction: zeros, not whatever was there.
   for (int e = lane; e < kBlockM * kBulkDqPad; e += 32) {
     Ops::store_shared(&ss.dq[e / kBulkDqPad][Kt::kHeadDim + e % kBulkDqPad], 0.f);
@@ -1007,7 +1013,7 @@ __device__ __forceinline__ void write_dq(const BwdParams<float>& p, typename Kt:
       const int h = tile.y * group + t / m_count, m_block = m_begin + t % m_count;
       const int64_t bh = static_cast<int64_t>(tile.z) * p.heads + h;
       float* dst = p.dq_accum + p.dq_layout.offset(bh, static_cast<int64_t>(m_block) * kBlockM);
-      int* turn = p.dq_turns == nullptr ? nullptr : p.dq_turns + bh * m_blocks + m_block;
+      int* turn = p.dq_turns == nullptr ? nullptr : turn_counter(p, tile.z, h, m_block);
       if (turn != nullptr) Ops::wait_turn(turn, tile.x);
       Ops::bulk_reduce_add(dst, &ss.dq[0][0], sizeof(ss.dq));
       Ops::bulk_commit();
@@ -1034,11 +1040,10 @@ __device__ __forceinline__ void keep_turns(const BwdParams<float>& p,
   using Ops = typename Kt::Ops;
   const int lane = threadIdx.x % 32;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int64_t m_blocks = (p.dq_layout.rows + Kt::kBlockM - 1) / Kt::kBlockM;
 #pragma unroll 1
   for (int t = 0; t < iters; ++t) {
     const int h = tile.y * group + t / m_count, m_block = m_begin + t % m_count;
-    int* turn = p.dq_turns + (static_cast<int64_t>(tile.z) * p.heads + h) * m_blocks + m_block;
+    int* turn = turn_counter(p, tile.z, h, m_block);
     if (lane == 0) Ops::wait_turn(turn, tile.x);
     __syncwarp();
     Ops::NamedBarrier::arrive(Kt::kDqThreads, kTurnComeBarrier);
@@ -1171,9 +1176,8 @@ __global__ void __launch_bounds__(Kt80::kNThreads) preprocess_kernel(const BwdPa
   if (p.dq_turns == nullptr || threadIdx.x >= Kt80::kPreRows) return;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * Kt80::kPreRows + threadIdx.x;
   if (i >= p.q_len || i % Kt::kBlockM != 0) return;
-  const int64_t m_blocks = (p.dq_layout.rows + Kt::kBlockM - 1) / Kt::kBlockM;
   const int m = static_cast<int>(i / Kt::kBlockM);
-  p.dq_turns[(static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * m_blocks + m] =
+  *turn_counter(p, blockIdx.z, blockIdx.y, m) =
       first_walker<true>(p.pattern, m, static_cast<int>(p.q_len), static_cast<int>(p.kv_len),
                          Kt::kBlockM, Kt::kBlockN);
 }

@@ -14,7 +14,7 @@
 // backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics: pairs from
 // the registers, or, with a bulk_dq_accum layout, whole tiles by bulk reductions from shared memory
 // (FlashAttention-3's way; the calls without a mask, since it passed the CUDA tests on an H200:
-// family.h, kHopperBulkDqByDefault), under deterministic algorithms either in the key blocks' order
+// family.h, kHopperBulkDqByDefault), under deterministic algorithms in the key blocks' order
 // (bwd_kernel.cuh: dq_turns; off by default, family.h: kHopperDeterministicByDefault). Both
 // directions also take sliding windows, bottom-right alignment and packed documents (their causal
 // instantiations read the call's KeyPattern), logit softcapping and dropout (the backward of either
@@ -83,6 +83,14 @@ constexpr int64_t kBulkDqRows = 64;  // the backward's query block (bwd_kernel.c
 constexpr int64_t kBulkDqPad = 8;
 inline DqAccumLayout bulk_dq_accum(int64_t q_len, int64_t head_dim) {
   return {(q_len + kBulkDqRows - 1) / kBulkDqRows * kBulkDqRows, head_dim + kBulkDqPad, true};
+}
+
+// The deterministic backward's turn counters (params.h: dq_turns): one per (batch, head, query
+// block of kBulkDqRows rows of dq_accum's layout, packed or not), the query blocks of a (batch,
+// head) contiguous. The host allocates them, the preprocess starts them and the main kernels take
+// turns at them (bwd_kernel.cuh: turn_counter).
+EA_HOST_DEVICE int64_t turn_blocks(int64_t dq_rows) {
+  return (dq_rows + kBulkDqRows - 1) / kBulkDqRows;
 }
 
 // Whether a backward's dq_accum is laid out as the Hopper kernels write it: packed for pairs of

@@ -62,7 +62,9 @@ def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     """One forward and backward of `method`: the output and the gradients of q, k, v (and the bias)."""
     b = bias.detach() if method == "ours_fixed_bias" else bias
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(method == DETERMINISTIC or before)
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if method == DETERMINISTIC:
+        torch.use_deterministic_algorithms(True)
     try:
         if method == "sdpa_bias_grad":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
@@ -71,7 +73,7 @@ def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
         leaves = [q, k, v] + ([b] if b.requires_grad else [])
         return [out.detach(), *torch.autograd.grad(out, leaves, go)]
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def check(results: Dict[str, List[torch.Tensor]], dtype: torch.dtype) -> None:

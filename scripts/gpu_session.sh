@@ -334,7 +334,7 @@ fi
 # gradient written at the call's full shape and summed in a fixed order, attention_cuda.cpp, since
 # 2026-12-07; two runs' bits compared first).
 note "learned bias"
-bounded 60 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \
+bounded 90 "$PYTHON" benchmarks/learned_bias.py --device cuda --dtype bfloat16 --head-dim 64 \
   --heads 12 --batch 4 --lengths 1024 4096 --bias head key --deterministic --min-run-time 0.2 \
   --out "$LOGS/learned_bias" >"$LOGS/learned_bias.log" 2>&1
 record "learned bias" $?

@@ -2036,11 +2036,13 @@ def test_mask_grad_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatc
     """Under torch.use_deterministic_algorithms(True) a bf16 call's additive mask gets its gradient
     from a tensor-core backward whatever the mask broadcasts along: a mask of the call's full shape
     gets each entry from one logit, a broadcast one is written at the full shape and summed over
-    its broadcast dims in a fixed order (attention_cuda.cpp), not by atomics. Two runs agree bit
-    for bit (dq: sm80's dq kernel, or the Hopper backward's turns where sm90 is forced), and the
-    gradients match the float64 reference. "auto" takes a loss with the entropy's gradient (the
-    sm80 family's backward); the forced Hopper family a loss of the output and lse, which its
-    backward takes with a mask's gradient. (Dry run: the CPU op.)"""
+    its broadcast dims by one reduction, in a fixed order (attention_cuda.cpp: run_backward), not by
+    atomics. Two deterministic runs agree bit for bit (dq: sm80's dq kernel, or the Hopper
+    backward's turns where sm90 is forced), their backward launches that one reduction more than
+    the default one (none more for the full mask), and the gradients match the float64 reference.
+    "auto" takes a loss with the entropy's gradient (the sm80 family's backward); the forced Hopper
+    family a loss of the output and lse, which its backward takes with a mask's gradient. (Dry run:
+    the CPU op.)"""
     shape, fraction, kw = MASK_GRAD_CASES[case]
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     torch.manual_seed(18)
@@ -2051,29 +2053,34 @@ def test_mask_grad_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatc
     upstream = [go, gl, ge] if family == "auto" else [go, gl]
     leaves = [cuda(t).requires_grad_() for t in (q, k, v, mask)]
 
-    def run() -> List[Tensor]:
-        out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)
-        return grads_of(out[:len(upstream)], [cuda(u) for u in upstream], leaves)
-
-    runs: List[List[Tensor]] = []
-    with torch_deterministic(True):
-        for _ in range(2):
+    def backward(deterministic: bool) -> Tuple[List[Tensor], List[str]]:
+        """The gradients, and the names of the CUDA kernels their backward launched."""
+        with torch_deterministic(deterministic):
+            out = OP(*leaves[:3], leaves[3], None, enable_gqa=True, **kw)[:len(upstream)]
             if DRY_RUN:
-                runs.append(run())
-                continue
-            names = [n for n in cuda_kernel_names(lambda: runs.append(run())) if "main_kernel" in n]
-            ran = [f for f in ("sm80", "sm90") if any(f"{f}::" in n for n in names)]
-            assert ran, f"no tensor-core backward ran: {names}"
-            assert family != "sm90" or ran == ["sm90"], f"the backward ran in {ran}"
-    for a, b, name in zip(runs[0], runs[1], ("dq", "dk", "dv", "dmask")):
+                return grads_of(out, [cuda(u) for u in upstream], leaves), []
+            grads: List[Tensor] = []
+            names = cuda_kernel_names(lambda: grads.extend(grads_of(out, [cuda(u) for u in upstream], leaves)))
+            return grads, names
+
+    _, default_names = backward(False)
+    (first, names), (second, _) = backward(True), backward(True)
+    if not DRY_RUN:
+        ran = [f for f in ("sm80", "sm90") if any(f"{f}::" in n and "main_kernel" in n for n in names)]
+        assert ran, f"no tensor-core backward ran: {names}"
+        assert family != "sm90" or ran == ["sm90"], f"the backward ran in {ran}"
+        extra = sum("reduce_kernel" in n for n in names) - sum("reduce_kernel" in n for n in default_names)
+        assert extra == (0 if case == "full" else 1), f"{extra} reductions more than the default backward's"
+    for a, b, name in zip(first, second, ("dq", "dk", "dv", "dmask")):
         assert torch.equal(a, b), f"{name} differs between two runs"
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin, None, enable_gqa=True, **kw)
     ref_grads = grads_of([r.output, r.lse, r.entropy][:len(upstream)], upstream, rin)
-    for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv", "dmask")):
+    assert ref_grads[3].abs().max() > 1e-3, "the case gives the mask a gradient"
+    for a, e, name in zip(first, ref_grads, ("dq", "dk", "dv", "dmask")):
         assert a.shape == e.shape and a.dtype == torch.bfloat16, name
         assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference: {rel_err(a, e):.3g}"
-    assert (runs[0][3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
+    assert (first[3].cpu()[hidden] == 0).all(), "a hidden key's mask entry has no gradient"
 
 
 #: Layouts of a 16-bit additive mask: (its shape over B = 2, H = 4, Lq = 150, Lk = 201, how it is
@@ -2409,11 +2416,12 @@ def test_hopper_deterministic_backward_in_a_cuda_graph(monkeypatch: pytest.Monke
 def torch_deterministic(on: bool) -> Iterator[None]:
     """torch.use_deterministic_algorithms(on) for the block, the previous setting restored after."""
     before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(on)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 #: Calls for split-KV (family.h: ENTROPY_ATTN_SPLIT_KV): (Lq, Lk, the op's keyword arguments, as

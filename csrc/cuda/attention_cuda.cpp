@@ -96,20 +96,27 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
   return call.outputs;
 }
 
+// Allocates a call's outputs for `family` and launches its backward. Under deterministic
+// algorithms a tensor-core family writes a broadcast mask's gradient at the call's full shape,
+// summed in a fixed order after (attention_host.h: use_full_mask_grad): B * H * Lq * Lk more
+// floats, as SDPA's memory-efficient backward allocates for an attention bias's gradient. (The
+// fallback, whose dq is added by atomics anyway, raises the nondeterminism alert: no such buffer
+// for it.)
+void run_backward(BackwardCall& call, Family family) {
+  const bool full_mask_grad =
+      family != Family::kFallback && at::globalContext().deterministicAlgorithms();
+  const at::Tensor mask_grad = full_mask_grad ? use_full_mask_grad(call.call) : at::Tensor();
+  call.allocate(family);
+  check_shared_memory(backward_smem_bytes(call), "attention backward", call.call.shape,
+                      call.call.dtype);
+  C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
+  if (mask_grad.defined()) sum_full_mask_grad(call.call, mask_grad);
+}
+
 AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::Tensor& query,
                                        const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& output,
                                        const AttentionBackwardCall& checked) {
-  // Under deterministic algorithms a broadcast mask's gradient is written at the call's full shape
-  // and summed in a fixed order (attention_host.h: with_full_mask_grad): B * H * Lq * Lk more
-  // floats, as SDPA's memory-efficient backward allocates for an attention bias's gradient.
-  if (at::globalContext().deterministicAlgorithms()) {
-    if (const std::optional<AttentionBackwardCall> full = with_full_mask_grad(checked)) {
-      AttentionGrads grads = attention_backward_cuda(grad_output, query, key, value, output, *full);
-      sum_full_mask_grad(*full, checked);
-      return grads;
-    }
-  }
   BackwardCall call(grad_output, query, key, value, output, checked);
   const AttentionShape& sh = call.call.shape;
   const c10::cuda::CUDAGuard guard(query.device());
@@ -124,9 +131,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
                         pad_head_dim(call.out, dim), with_head_dim(checked, dim));
     const Family padded_family = select_backward(padded).family;
     if (padded_family != Family::kFallback) {
-      padded.allocate(padded_family);
-      check_shared_memory(backward_smem_bytes(padded), "attention backward", sh, call.call.dtype);
-      C10_CUDA_CHECK(launch_backward(padded, padded_family, c10::cuda::getCurrentCUDAStream()));
+      run_backward(padded, padded_family);
       return unpad_grads(padded.finish(), query, key, value);
     }
   }
@@ -139,10 +144,10 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
         "or "
         "a call the tensor-core families do not cover: see ENTROPY_ATTN_CUDA_FAMILY)");
   }
-  call.allocate(family);
-  if (!empty) {
-    check_shared_memory(backward_smem_bytes(call), "attention backward", sh, call.call.dtype);
-    C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
+  if (empty) {
+    call.allocate(family);
+  } else {
+    run_backward(call, family);
   }
   return call.finish();
 }

@@ -203,18 +203,17 @@ AttentionGrads BackwardCall::finish() const {
           in_layout_of(given_value, dv_sum, call.dtype), dlam};
 }
 
-std::optional<AttentionBackwardCall> with_full_mask_grad(const AttentionBackwardCall& call) {
-  const at::Tensor& g = call.grad_logits;
+at::Tensor use_full_mask_grad(AttentionBackwardCall& call) {
   const AttentionShape& s = call.shape;
   const std::array<int64_t, 4> full{s.batch, s.heads, s.q_len, s.kv_len};
-  if (!g.defined() || g.sizes() == at::IntArrayRef(full)) return std::nullopt;
-  AttentionBackwardCall expanded = call;
-  expanded.grad_logits = at::zeros(full, g.options());
-  return expanded;
+  at::Tensor mask_grad = call.grad_logits;
+  if (!mask_grad.defined() || mask_grad.sizes() == at::IntArrayRef(full)) return {};
+  call.grad_logits = at::zeros(full, mask_grad.options());
+  return mask_grad;
 }
 
-void sum_full_mask_grad(const AttentionBackwardCall& full, const AttentionBackwardCall& call) {
-  call.grad_logits.copy_(full.grad_logits.sum_to_size(call.grad_logits.sizes()));
+void sum_full_mask_grad(const AttentionBackwardCall& call, const at::Tensor& mask_grad) {
+  mask_grad.copy_(call.grad_logits.sum_to_size(mask_grad.sizes()));
 }
 
 SparsityCall::SparsityCall(const at::Tensor& query, const at::Tensor& key, SparsityKind kind_,

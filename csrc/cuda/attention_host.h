@@ -79,12 +79,12 @@ struct SparsityCall : LogitsInputs {
 // kernels add the logits that share a mask entry by atomics in an unspecified order
 // (logit_grads.cuh), so such a call gets its gradient at the call's full (B, H, Lq, Lk) shape, each
 // entry from one logit, and sums it over the mask's broadcast dims in a fixed order.
-// with_full_mask_grad: the call with a zero-filled accumulator of that shape as its grad_logits,
-// or nullopt where the call asks for no mask gradient or its mask does not broadcast.
-// sum_full_mask_grad: writes full.grad_logits summed over those dims (at::sum_to_size) into
-// call.grad_logits.
-std::optional<AttentionBackwardCall> with_full_mask_grad(const AttentionBackwardCall& call);
-void sum_full_mask_grad(const AttentionBackwardCall& full, const AttentionBackwardCall& call);
+// use_full_mask_grad: replaces call.grad_logits by a zero-filled accumulator of that shape and
+// returns the mask-shaped one it replaced; undefined, the call unchanged, where the call asks for
+// no mask gradient or its mask does not broadcast. sum_full_mask_grad: writes call.grad_logits
+// summed over those dims (at::sum_to_size) into that mask-shaped accumulator.
+at::Tensor use_full_mask_grad(AttentionBackwardCall& call);
+void sum_full_mask_grad(const AttentionBackwardCall& call, const at::Tensor& mask_grad);
 
 // The rows of `x` along `dim`, contiguous, with the allocated output, for the row reductions.
 struct RowReductionCall {

@@ -197,7 +197,7 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
 // emulated too. transposed: the mask (4-D) a transposed view at an odd storage offset, a slice of
 // (B, H, Lk, Lq + 1) storage from element 1 of each row (strides ..., 1, Lq + 1: odd).
 // full_grad: the gradient as deterministic algorithms take it (attention_host.h:
-// with_full_mask_grad): a broadcast mask's written at the call's full shape and summed after.
+// use_full_mask_grad): a broadcast mask's written at the call's full shape and summed after.
 template <typename Family, typename T, int kD>
 void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double dropout_p = 0,
                    double hidden = 0.2, bool keep_dtype = false, int64_t lk = 130,
@@ -249,17 +249,17 @@ void run_mask_grad(const std::vector<int64_t>& mask_sizes, bool causal, double d
     ASSERT_EQ(bcall.mask->scalar_type(), at::kFloat) << "a CPU call converts the mask";
     bcall.mask = entropy_attn::expand_mask(mask, bcall.shape, bcall.acc, /*keep_dtype=*/true);
   }
-  std::optional<entropy_attn::AttentionBackwardCall> full;
+  ec::BackwardCall bwd(dout, q, k, v, r.output, bcall);
+  at::Tensor summed_into;  // full_grad: bcall's accumulator, which the full one is summed into
   if (full_grad) {
-    full = ec::with_full_mask_grad(bcall);
-    ASSERT_EQ(full.has_value(), mask.numel() != 2 * 4 * lq * lk) << "only a broadcast mask's";
-    if (full) ASSERT_EQ(full->grad_logits.sizes(), at::IntArrayRef({2, 4, lq, lk}));
+    summed_into = ec::use_full_mask_grad(bwd.call);
+    ASSERT_EQ(summed_into.defined(), mask.numel() != 2 * 4 * lq * lk) << "a broadcast mask's only";
+    ASSERT_EQ(bwd.call.grad_logits.sizes(), at::IntArrayRef({2, 4, lq, lk}));
   }
-  ec::BackwardCall bwd(dout, q, k, v, r.output, full ? *full : bcall);
   bwd.allocate(Family::kFamily);
   Family::template backward<T, kD, MaskKind::kAdditive>(bwd.params<float>());
   const entropy_attn::AttentionGrads got = bwd.finish();
-  if (full) ec::sum_full_mask_grad(*full, bcall);
+  if (summed_into.defined()) ec::sum_full_mask_grad(bwd.call, summed_into);
   const at::Tensor dmask = entropy_attn::mask_grad(mask, bcall, q);
   const entropy_attn::AttentionBackwardOutputs want = entropy_attn::call_attention_backward(
       dout, g_lse, g_entropy, std::nullopt, q, k, v, mask, r.output, r.lse, r.entropy, r.sum_p2,

@@ -67,7 +67,7 @@ TEST(EmulatedSm80Features, AdditiveMaskGradient) {
 }
 
 TEST(EmulatedSm80Features, AdditiveMaskGradientAtTheFullShape) {
-  // Under deterministic algorithms (attention_host.h: with_full_mask_grad) a broadcast mask's
+  // Under deterministic algorithms (attention_host.h: use_full_mask_grad) a broadcast mask's
   // gradient is written at the call's (B, H, Lq, Lk) shape, each entry from one logit, and summed
   // over the broadcast dims after: per head, causal; shared by the batch and heads; per key
   // (where the default sums a warp's rows first); per row; with the entropy's gradient or not, a

@@ -206,7 +206,7 @@ TEST(EmulatedSm90Features, DeterministicDq) {
   // A masked call's atomics in turns (bwd_kernel.cuh: keep_turns): an additive mask of the call's
   // full shape with its gradient (each entry from one logit, so deterministic too), causal; and
   // broadcast ones (per head, per key), whose gradient deterministic algorithms write at the full
-  // shape and sum after (attention_host.h: with_full_mask_grad).
+  // shape and sum after (attention_host.h: use_full_mask_grad).
   run_mask_grad<Sm90, __nv_bfloat16, 128>({2, 4, 100, 130}, true, 0, 0.2, false, 130, false,
                                           /*entropy_grad=*/false);
   run_mask_grad<Sm90, __half, 64>({1, 4, 100, 130}, true, 0, 0.2, false, 130, false,

@@ -2,7 +2,8 @@
 and 96 (the tensor-core families' padded path), the sm80 backward's compact tiles (the shared
 memory per block capped at 99 KB), the Hopper forward on a persistent grid of one block (which
 then walks every tile: the hand-offs between its tiles), masks (a learned bias's gradient too) and
-the features (window, softcap, sinks, dropout, split-KV), forward and backward.
+the features (window, softcap, sinks, dropout, split-KV), forward and backward; and the Hopper
+backward under deterministic algorithms.
 
 Each call's output and gradients are compared with the same call on the CPU (float32), so a run
 under ``compute-sanitizer --tool memcheck|racecheck|synccheck`` checks values as well as memory,
@@ -13,8 +14,9 @@ races and barriers:
 
 Small shapes (200 rows: a partial tile in every family) keep a run short (under a minute per tool
 at D = 64 and 128 alone, on an H200; the grid as it stands has not been timed).
---passes NAME... runs only the passes named (fallback, sm80, sm90, sm80-99KB, sm90-persistent: a
-name selects that pass alone, so that --passes sm90 does not repeat the persistent grid's), and
+--passes NAME... runs only the passes named (fallback, sm80, sm90, sm80-99KB, sm90-persistent,
+sm90-deterministic, which runs under torch.use_deterministic_algorithms(True): a name selects that
+pass alone, so that --passes sm90 repeats neither of the last two), and
 --variants NAME... only the variants named (VARIANTS' names, and dropout), --head-dims D... only
 those of each pass's head dims. Exits 1
 on a mismatch, 0 when every call agrees; prints one line per pass.
@@ -67,7 +69,14 @@ PASSES: list[tuple[str, str, dict[str, str], tuple[int, ...]]] = [
     # (2 heads x 2 tiles of 128 rows), through both slots of its next tile and every hand-off of
     # sm90/fwd_kernel.cuh's persistent loop.
     ("sm90-persistent", "sm90", {"ENTROPY_ATTN_CUDA_PERSISTENT": "1"}, (64, 128)),
+    # The Hopper backward under torch.use_deterministic_algorithms(True): dq's partial sums in
+    # turns (sm90/bwd_kernel.cuh: write_dq's bulk reductions, and in the masked kernels the turn
+    # keeper's named barriers with the consumers' atomics), a learned bias's gradient at the call's
+    # full shape (csrc/cuda/attention_cuda.cpp: run_backward).
+    ("sm90-deterministic", "sm90", {}, (64, 128)),
 ]
+# The passes that run under torch.use_deterministic_algorithms(True).
+DETERMINISTIC_PASSES = {"sm90-deterministic"}
 
 
 def run_call(device: str, dtype: torch.dtype, base: list[torch.Tensor], kw: dict,
@@ -111,9 +120,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with_dropout = not args.variants or "dropout" in args.variants
     gen = torch.Generator().manual_seed(0)
     failures = 0
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    warn_only_before = torch.is_deterministic_algorithms_warn_only_enabled()
     for family, forced, env, dims in passes:
         os.environ["ENTROPY_ATTN_CUDA_FAMILY"] = forced
         os.environ.update(env)
+        torch.use_deterministic_algorithms(family in DETERMINISTIC_PASSES or deterministic_before,
+                                           warn_only=warn_only_before)
         dims = tuple(d for d in dims if not args.head_dims or d in args.head_dims)
         for d in dims:
             base = [torch.randn(1, 2, 200, d, generator=gen) for _ in range(4)]
@@ -140,6 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for key in env:
             del os.environ[key]
         print(f"{family}: {len(variants) + with_dropout} variants x D {', '.join(map(str, dims))} run")
+    torch.use_deterministic_algorithms(deterministic_before, warn_only=warn_only_before)
     return 1 if failures else 0
 
 

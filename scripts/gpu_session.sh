@@ -28,7 +28,8 @@
 #      (device_bundle.sh: STEPS), whose comparison then says what each step did; the forward with
 #      and without statistics under Nsight Compute (gpu_profile.py --calls fwd fwd_stats: the SM
 #      clock and pipes of each); racecheck over
-#      the Hopper family's forward and backward (cuda_sanitizer_grid.py --passes sm90); a second run of
+#      the Hopper family's forward and backward (cuda_sanitizer_grid.py --passes sm90), and of its
+#      backward under deterministic algorithms (--passes sm90-deterministic); a second run of
 #      the current and baseline harnesses, whose comparison then takes each point's least time
 #      over the two runs of each; one decoding step (benchmarks/gpu_decode.py, split-KV
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
@@ -267,6 +268,10 @@ fi
 # backward's schedule changed since the last GPU run, dV issued before the dS step, dK in flight
 # into the next block, one dS tile, checked so far in the CPU emulation only).
 racecheck 150 sm90
+# And the Hopper backward under deterministic algorithms (its turns: the dq writer's bulk
+# reductions, the masked kernels' turn keeper and its named barriers; a learned bias's gradient at
+# the full shape), not yet run on a GPU: a turn never reached would spin until the bound.
+racecheck 60 sm90-deterministic
 # As time allows, a second run of each harness, in the other order (a drift of the clocks over the
 # lease then favours neither), and their comparison again over both runs of each (harness_ab.py:
 # each point's least time).

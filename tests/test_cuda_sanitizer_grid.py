@@ -35,6 +35,27 @@ def test_every_call_agrees_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("variants x D 64, 128, 256, 96 run") == 3
     assert "sm80-99KB: 10 variants x D 128 run" in out
     assert "sm90-persistent: 10 variants x D 64, 128 run" in out
+    assert "sm90-deterministic: 10 variants x D 64, 128 run" in out
+
+
+def test_the_deterministic_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """sm90-deterministic runs its calls (device and CPU) with the Hopper family forced under
+    torch.use_deterministic_algorithms(True), the other passes without it, and the setting and its
+    warn_only are restored after."""
+    seen: list = []
+    monkeypatch.setattr(grid, "run_call", lambda device, *a: seen.append(
+        (os.environ["ENTROPY_ATTN_CUDA_FAMILY"], torch.are_deterministic_algorithms_enabled())) or [torch.zeros(1)])
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(False, warn_only=True)
+    try:
+        assert grid.main(["--passes", "sm90-deterministic", "sm80", "--head-dims", "64"]) == 0
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert set(seen) == {("sm80", False), ("sm90", True)}
+    assert capsys.readouterr().out.splitlines() == ["sm80: 10 variants x D 64 run",
+                                                    "sm90-deterministic: 10 variants x D 64 run"]
 
 
 def test_passes_select_by_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -183,10 +183,12 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     assert calls[0].endswith("scripts/cuda_sanitizer_grid.py --passes sm90-persistent"), calls
     # And, as time allows, over the Hopper family's forward and backward.
     assert calls[1].endswith("scripts/cuda_sanitizer_grid.py --passes sm90"), calls
+    # And over its backward under deterministic algorithms.
+    assert calls[2].endswith("scripts/cuda_sanitizer_grid.py --passes sm90-deterministic"), calls
     # And memcheck over the masks that end within a word of their storage's end, each tensor its own
     # allocation.
-    assert calls[2].startswith("--tool memcheck"), calls
-    assert calls[2].endswith("--passes sm80 sm90 --head-dims 64 128 --variants bool_mask_tight additive_mask_tight"), calls
+    assert calls[3].startswith("--tool memcheck"), calls
+    assert calls[3].endswith("--passes sm80 sm90 --head-dims 64 128 --variants bool_mask_tight additive_mask_tight"), calls
 
 
 #: A stand-in timeout: the step harness of 7ae3efb runs out of its time, everything else runs.

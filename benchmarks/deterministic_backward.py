@@ -5,15 +5,18 @@ A deterministic backward adds dq's partial sums in a fixed order: the sm80 famil
 its own (one block per query block forms P and dS again), the Hopper family, when forced
 (``--families sm90``; csrc/cuda/family.h: kHopperDeterministicByDefault, off until it has run on a
 GPU), by bulk reductions that take turns in the key blocks' order (csrc/cuda/sm90/bwd_kernel.cuh:
-write_dq). For each family, head dim, length and causality: a forward and a backward (upstream
-gradient on the output) with the default algorithms and with deterministic ones. Before timing,
+write_dq). For each family, head dim, length, causality and mask (--masks: none, or a bool mask of
+(L, L), whose calls the Hopper family's masked kernels take, their consumers adding dq by atomics
+in the turns that a warp of the producer warpgroup keeps: bwd_kernel.cuh, keep_turns): a forward
+and a backward (upstream gradient on the output) with the default algorithms and with
+deterministic ones. Before timing,
 the deterministic run is repeated and must give the same bits of dq, dk and dv, must agree with
 the default run's gradients (relative error), and must launch the named family's backward kernel;
 a point that fails stops the script.
 
     python3 benchmarks/deterministic_backward.py                                   # CPU dry run
     python3 benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \\
-        --head-dims 64 128 --lengths 4096
+        --head-dims 64 128 --lengths 4096 --masks none bool
 
 Writes a Markdown table and JSON to results/deterministic/<device>.{md,json}. On the CPU (whose
 kernels are deterministic anyway) ``--families`` is ignored: the script's dry run.
@@ -25,7 +28,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -40,21 +43,24 @@ from timing import device_name, median_ms, short_commit, write_result  # noqa: E
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 
 
-def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, causal: bool) -> List[torch.Tensor]:
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, causal: bool,
+         mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """One forward and backward: dq, dk and dv."""
-    out = torch_ext.attention(q, k, v, is_causal=causal)
+    out = torch_ext.attention(q, k, v, mask, is_causal=causal)
     return list(torch.autograd.grad(out, (q, k, v), go))
 
 
 def deterministic_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor,
-                       causal: bool) -> List[torch.Tensor]:
-    """step() under deterministic algorithms, the previous setting restored after."""
+                       causal: bool, mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """step() under deterministic algorithms, the previous setting (and its warn_only) restored
+    after."""
     before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        return step(q, k, v, go, causal)
+        return step(q, k, v, go, causal, mask)
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[torch.Tensor],
@@ -84,26 +90,32 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     B, H, dev = args.batch, args.heads, args.device
     families = args.families if dev == "cuda" else ["cpu"]
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    grid = [(f, D, L, c) for f in families for D in args.head_dims for L in args.lengths for c in causals]
+    grid = [(f, D, L, c, m) for f in families for D in args.head_dims for L in args.lengths for c in causals
+            for m in args.masks]
     rows: List[Dict[str, object]] = []
     saved = os.environ.get(FAMILY_ENV)
     try:
-        for family, D, L, causal in tqdm(grid, desc="deterministic backward"):
+        for family, D, L, causal, mask_kind in tqdm(grid, desc="deterministic backward"):
             if dev == "cuda":
                 os.environ[FAMILY_ENV] = family
             g = torch.Generator().manual_seed(L + D)
             q, k, v = (torch.randn(B, H, L, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
             go = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
-            where = f"{family}, D={D}, L={L}{', causal' if causal else ''}"
-            check(step(q, k, v, go, causal), deterministic_step(q, k, v, go, causal),
-                  deterministic_step(q, k, v, go, causal), dtype, where)
-            ran = backward_family(lambda: deterministic_step(q, k, v, go, causal)) if dev == "cuda" else ""
+            mask = None
+            if mask_kind == "bool":  # a tenth of the keys hidden, key 0 seen by every row
+                mask = torch.rand(L, L, generator=g) < 0.9
+                mask[:, 0] = True
+                mask = mask.to(dev)
+            where = f"{family}, D={D}, L={L}{', causal' if causal else ''}{', bool mask' if mask is not None else ''}"
+            check(step(q, k, v, go, causal, mask), deterministic_step(q, k, v, go, causal, mask),
+                  deterministic_step(q, k, v, go, causal, mask), dtype, where)
+            ran = backward_family(lambda: deterministic_step(q, k, v, go, causal, mask)) if dev == "cuda" else ""
             if family != "auto" and dev == "cuda" and ran != family:
                 raise SystemExit(f"{where}: the deterministic backward ran in {ran or 'no tensor-core family'}")
-            default_ms = median_ms(lambda: step(q, k, v, go, causal), args.min_run_time)
-            det_ms = median_ms(lambda: deterministic_step(q, k, v, go, causal), args.min_run_time)
+            default_ms = median_ms(lambda: step(q, k, v, go, causal, mask), args.min_run_time)
+            det_ms = median_ms(lambda: deterministic_step(q, k, v, go, causal, mask), args.min_run_time)
             rows.append({"family": family, "ran": ran or family, "head_dim": D, "seq_len": L, "causal": causal,
-                         "default_ms": default_ms, "deterministic_ms": det_ms})
+                         "mask": mask_kind, "default_ms": default_ms, "deterministic_ms": det_ms})
     finally:
         if saved is None:
             os.environ.pop(FAMILY_ENV, None)
@@ -120,12 +132,12 @@ def markdown(result: Dict[str, object]) -> str:
              f"H={result['heads']}; medians of torch.utils.benchmark in one process; each deterministic "
              "run repeated first (same bits of dq, dk, dv) and checked against the default run; \"ran\": the family "
              "whose backward kernel the deterministic run launched (torch.profiler).", "",
-             "| family | ran | D | L | causal | default (ms) | deterministic (ms) | deterministic / default |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| family | ran | D | L | causal | mask | default (ms) | deterministic (ms) | deterministic / default |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:  # type: ignore[union-attr]
         ratio = r["deterministic_ms"] / r["default_ms"]
         lines.append(f"| {r['family']} | {r['ran']} | {r['head_dim']} | {r['seq_len']} | {'yes' if r['causal'] else 'no'} | "
-                     f"{r['default_ms']:.3g} | {r['deterministic_ms']:.3g} | {ratio:.2f} |")
+                     f"{r['mask']} | {r['default_ms']:.3g} | {r['deterministic_ms']:.3g} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--masks", nargs="+", choices=["none", "bool"], default=["none"],
+                   help="the masks: none, or a bool mask of (L, L) (the Hopper family's masked kernels)")
     p.add_argument("--min-run-time", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "deterministic")
     args = p.parse_args(argv)

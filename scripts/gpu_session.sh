@@ -352,10 +352,12 @@ pack
 # turns (forced: family.h, kHopperDeterministicByDefault, off until it has run on a GPU; its
 # correctness is the CUDA tests' test_hopper_deterministic_backward and the harness's checks), each
 # against the default algorithms, two runs' bits compared first, into the logs
-# (deterministic/cuda.md and .json): what turning the Hopper one on by default would buy.
+# (deterministic/cuda.md and .json): what turning the Hopper one on by default would buy. Without a
+# mask and with a bool one (the masked kernels' consumers wait at each query block for their turn:
+# bwd_kernel.cuh, keep_turns).
 note "deterministic backward"
-bounded 60 "$PYTHON" benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \
-  --head-dims 64 128 --lengths 4096 --min-run-time 0.2 --out "$LOGS/deterministic" \
+bounded 90 "$PYTHON" benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \
+  --head-dims 64 128 --lengths 4096 --masks none bool --min-run-time 0.2 --out "$LOGS/deterministic" \
   >"$LOGS/deterministic.log" 2>&1
 record "deterministic backward" $?
 pack

@@ -26,8 +26,26 @@ def test_writes_table_and_json(tmp_path: Path) -> None:
     assert all(r["default_ms"] > 0 and r["deterministic_ms"] > 0 for r in result["rows"])
     assert not torch.are_deterministic_algorithms_enabled()  # restored after each run
     text = (tmp_path / "cpu.md").read_text()
-    assert "| family | ran | D | L | causal | default (ms) | deterministic (ms) |" in text
+    assert "| family | ran | D | L | causal | mask | default (ms) | deterministic (ms) |" in text
     assert text.count("\n| cpu | cpu | 8 | 40 |") == 2
+
+
+def test_a_bool_mask(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--masks none bool times each point without a mask and with a bool mask, which the op gets."""
+    seen: list = []
+    real = deterministic_backward.torch_ext.attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, **kw: object) -> torch.Tensor:
+        seen.append(None if mask is None else (mask.dtype, tuple(mask.shape)))  # type: ignore[union-attr]
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(deterministic_backward.torch_ext, "attention", recording)
+    deterministic_backward.main([*TINY, "--lengths", "16", "--causal", "yes", "--masks", "none", "bool",
+                                 "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu.json").read_text())
+    assert [(r["seq_len"], r["causal"], r["mask"]) for r in result["rows"]] == [(16, True, "none"), (16, True, "bool")]
+    assert {None, (torch.bool, (16, 16))} == set(seen)
+    assert "| cpu | cpu | 8 | 16 | yes | bool |" in (tmp_path / "cpu.md").read_text()
 
 
 def test_bits_that_do_not_repeat_stop_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -101,14 +101,14 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
 // summed in a fixed order after (attention_host.h: use_full_mask_grad): B * H * Lq * Lk more
 // floats, as SDPA's memory-efficient backward allocates for an attention bias's gradient. (The
 // fallback, whose dq is added by atomics anyway, raises the nondeterminism alert: no such buffer
-// for it.)
-void run_backward(BackwardCall& call, Family family) {
+// for it.) `shape`: the call's as the user gave it, which an error names (a padded call's head dim
+// is not theirs).
+void run_backward(BackwardCall& call, Family family, const AttentionShape& shape) {
   const bool full_mask_grad =
       family != Family::kFallback && at::globalContext().deterministicAlgorithms();
   const at::Tensor mask_grad = full_mask_grad ? use_full_mask_grad(call.call) : at::Tensor();
   call.allocate(family);
-  check_shared_memory(backward_smem_bytes(call), "attention backward", call.call.shape,
-                      call.call.dtype);
+  check_shared_memory(backward_smem_bytes(call), "attention backward", shape, call.call.dtype);
   C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
   if (mask_grad.defined()) sum_full_mask_grad(call.call, mask_grad);
 }
@@ -131,7 +131,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
                         pad_head_dim(call.out, dim), with_head_dim(checked, dim));
     const Family padded_family = select_backward(padded).family;
     if (padded_family != Family::kFallback) {
-      run_backward(padded, padded_family);
+      run_backward(padded, padded_family, sh);
       return unpad_grads(padded.finish(), query, key, value);
     }
   }
@@ -147,7 +147,7 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
   if (empty) {
     call.allocate(family);
   } else {
-    run_backward(call, family);
+    run_backward(call, family, sh);
   }
   return call.finish();
 }

@@ -106,11 +106,11 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
 void run_backward(BackwardCall& call, Family family, const AttentionShape& shape) {
   const bool full_mask_grad =
       family != Family::kFallback && at::globalContext().deterministicAlgorithms();
-  const at::Tensor mask_grad = full_mask_grad ? use_full_mask_grad(call.call) : at::Tensor();
+  const at::Tensor mask_shaped = full_mask_grad ? use_full_mask_grad(call.call) : at::Tensor();
   call.allocate(family);
   check_shared_memory(backward_smem_bytes(call), "attention backward", shape, call.call.dtype);
   C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
-  if (mask_grad.defined()) sum_full_mask_grad(call.call, mask_grad);
+  if (mask_shaped.defined()) sum_full_mask_grad(call.call, mask_shaped);
 }
 
 AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::Tensor& query,

@@ -128,7 +128,7 @@ struct BwdParams : AttentionArgs<acc_t> {
   bool deterministic = false;
   // A deterministic Hopper backward (sm90/bwd_kernel.cuh: write_dq, and the atomics of the kernels
   // without bulk reductions): per (batch, head, query block of 64 of dq_accum's rows),
-  // (B, H, ceil(dq_layout.rows / 64)) int32, a turn counter that the preprocess starts at the
+  // (B, H, sm90/launch.h: turn_blocks) int32, a turn counter that the preprocess starts at the
   // first key block that walks the query block (key_ranges.cuh: first_walker) and each key block
   // raises to the next key block with a walk once it has added its G; key block n adds when it
   // reads n, so that the sum's order is the key blocks' whatever the schedule. Null: any order

@@ -229,7 +229,7 @@ struct BwdTraits {
     int m_begin;
     // A deterministic backward's (params.h: dq_turns): what the key block adds to the turn counters
     // it has waited for, the distance to the next key block with a walk (key_ranges.cuh:
-    // walking_block_from), formed once by thread 0 for the dq writer or the consumers.
+    // walking_block_from), formed once by thread 0 for the dq writer or the turn keeper.
     int turn_step;
     // G of a query block, laid out as a block of bulk_dq_accum (launch.h); last, so that a launch
     // that adds G by atomics leaves it out (smem_bytes below).

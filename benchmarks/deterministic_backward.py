@@ -5,7 +5,8 @@ A deterministic backward adds dq's partial sums in a fixed order: the sm80 famil
 its own (one block per query block forms P and dS again), the Hopper family, when forced
 (``--families sm90``; csrc/cuda/family.h: kHopperDeterministicByDefault, off until it has run on a
 GPU), by bulk reductions that take turns in the key blocks' order (csrc/cuda/sm90/bwd_kernel.cuh:
-write_dq). For each family, head dim, length, causality and mask (--masks: none, or a bool mask of
+write_dq), the fallback kernels (float32/float64, or forced: ``--families fallback``) by atomics
+that take turns in the key tiles' order (csrc/cuda/fallback/turns.cuh). For each family, head dim, length, causality and mask (--masks: none, or a bool mask of
 (L, L), whose calls the Hopper family's masked kernels take, their consumers adding dq by atomics
 in the turns that a warp of the producer warpgroup keeps: bwd_kernel.cuh, keep_turns): a forward
 and a backward (upstream gradient on the output) with the default algorithms and with
@@ -17,6 +18,8 @@ a point that fails stops the script.
     python3 benchmarks/deterministic_backward.py                                   # CPU dry run
     python3 benchmarks/deterministic_backward.py --device cuda --families sm80 sm90 \\
         --head-dims 64 128 --lengths 4096 --masks none bool
+    python3 benchmarks/deterministic_backward.py --device cuda --families fallback --dtype float32 \\
+        --head-dims 64 --lengths 1024
 
 Writes a Markdown table and JSON to results/deterministic/<device>.{md,json}. On the CPU (whose
 kernels are deterministic anyway) ``--families`` is ignored: the script's dry run.
@@ -66,7 +69,7 @@ def deterministic_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: to
 def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[torch.Tensor],
           dtype: torch.dtype, where: str) -> None:
     """The deterministic run repeats its bits and agrees with the default run (relative norm error)."""
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 2e-2)
     for name, a, b, d in zip(("dq", "dk", "dv"), first, again, default):
         if not torch.equal(a, b):
             raise SystemExit(f"{where}: {name} differs between two deterministic runs")
@@ -75,14 +78,24 @@ def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[to
             raise SystemExit(f"{where}: deterministic {name} differs from the default's by {err:.3g} (relative)")
 
 
+#: Each family's backward main kernel, as its CUDA kernel's name contains it. The tensor-core
+#: families first: their backward also launches the fallback's as its guard (which returns at once
+#: where no gradient came out non-finite).
+MAIN_KERNELS = {"sm90": "main_kernel", "sm80": "main_kernel", "fallback": "attention_bwd"}
+
+
+def family_of(names: Sequence[str]) -> str:
+    """The family whose backward main kernel is among the CUDA kernels `names` ("" for none)."""
+    return next((f for f, kernel in MAIN_KERNELS.items() if any(f"{f}::" in n and kernel in n for n in names)), "")
+
+
 def backward_family(fn: Callable[[], object]) -> str:
-    """The family whose backward main kernel fn launches on CUDA ("sm80", "sm90"; "" for none: the
-    fallback), from the CUDA kernels' names (torch.profiler)."""
+    """The family whose backward main kernel fn launches on CUDA (family_of), from the CUDA
+    kernels' names (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return next((f for f in ("sm90", "sm80") if any(f"{f}::" in n and "main_kernel" in n for n in names)), "")
+    return family_of([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                   deterministic_step(q, k, v, go, causal, mask), dtype, where)
             ran = backward_family(lambda: deterministic_step(q, k, v, go, causal, mask)) if dev == "cuda" else ""
             if family != "auto" and dev == "cuda" and ran != family:
-                raise SystemExit(f"{where}: the deterministic backward ran in {ran or 'no tensor-core family'}")
+                raise SystemExit(f"{where}: the deterministic backward ran in {ran or 'no family'}")
             default_ms = median_ms(lambda: step(q, k, v, go, causal, mask), args.min_run_time)
             det_ms = median_ms(lambda: deterministic_step(q, k, v, go, causal, mask), args.min_run_time)
             rows.append({"family": family, "ran": ran or family, "head_dim": D, "seq_len": L, "causal": causal,
@@ -144,9 +157,9 @@ def markdown(result: Dict[str, object]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=None, choices=["float64", "float32", "bfloat16", "float16"],
                    help="default bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--families", nargs="+", choices=["auto", "sm80", "sm90"], default=["sm80", "sm90"],
+    p.add_argument("--families", nargs="+", choices=["auto", "sm80", "sm90", "fallback"], default=["sm80", "sm90"],
                    help=f"the CUDA families to time (sets {FAMILY_ENV})")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=16)

@@ -37,8 +37,8 @@
 #      additive, into the logs); memcheck over masks that end within a word of their storage's end
 #      (cuda_sanitizer_grid.py --variants bool_mask_tight additive_mask_tight); a learned bias's forward and backward (benchmarks/
 #      learned_bias.py, by default and with the Hopper family forced, into the logs); the
-#      backward under deterministic algorithms in sm80 and sm90 (benchmarks/deterministic_backward.py,
-#      into the logs); the fixed cost
+#      backward under deterministic algorithms in sm80 and sm90, and in the fallback at float32
+#      (benchmarks/deterministic_backward.py, into the logs); the fixed cost
 #      of a call (benchmarks/call_overhead.py --quick, into the logs); the Nsight Compute profile
 #      of the default path (benchmarks/gpu_profile.py, into the logs).
 # A crash ends only its own process's share of the tests (its log ends in the fault's traceback).
@@ -360,6 +360,12 @@ bounded 90 "$PYTHON" benchmarks/deterministic_backward.py --device cuda --famili
   --head-dims 64 128 --lengths 4096 --masks none bool --min-run-time 0.2 --out "$LOGS/deterministic" \
   >"$LOGS/deterministic.log" 2>&1
 record "deterministic backward" $?
+# The fallback's deterministic backward (float32: G added by atomics in the key tiles' turns,
+# fallback/turns.cuh) against its default one, into the logs (deterministic_fallback/cuda.md).
+bounded 30 "$PYTHON" benchmarks/deterministic_backward.py --device cuda --families fallback \
+  --dtype float32 --head-dims 64 --lengths 1024 --min-run-time 0.2 \
+  --out "$LOGS/deterministic_fallback" >"$LOGS/deterministic_fallback.log" 2>&1
+record "deterministic backward (fallback)" $?
 pack
 # The fixed cost of a call on CUDA (a tiny call back to back: the host's work and the launches per
 # call, ours against SDPA), into the logs: at L = 1024 ours took 1.3-1.9x SDPA's forward on

@@ -2268,8 +2268,7 @@ def test_forced_hopper_family_routes_what_it_lacks(monkeypatch: pytest.MonkeyPat
     results = {}
     for fam in ("fallback", "sm90"):
         monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", fam)
-        # The fallback's backward has no deterministic variant (it raises under
-        # use_deterministic_algorithms): it gives the reference with atomics.
+        # The fallback gives the reference from its default backward (dq by atomics in any order).
         with torch_deterministic(case == "deterministic" and fam == "sm90"):
             res = OP(q, k, v, None, None, **kw)
             grads = torch.autograd.grad(res[0], (q, k, v), go)
@@ -2410,6 +2409,92 @@ def test_hopper_deterministic_backward_in_a_cuda_graph(monkeypatch: pytest.Monke
     for replay in replays:
         for a, b, name in zip(replay, eager, ("dq", "dk", "dv")):
             assert torch.equal(a, b), f"{name}: a replay differs from the eager backward"
+
+
+#: Deterministic backwards of the fallback kernels (torch.use_deterministic_algorithms(True)):
+#: (dtype, Hkv, Lq, Lk, D, the op's keyword arguments); Lq and Lk lists of document lengths for a
+#: packed call. Each key tile adds into a query tile's G in its turn (fallback/turns.cuh): causality
+#: either way, GQA, a causal window with logn row scales and sinks, a two-sided band, packed
+#: documents (the keys of a document without queries between key tiles that walk one query tile),
+#: a bool mask, a learned per-head bias (its gradient written at the call's full shape and summed
+#: in a fixed order), float64, and a bf16 call with the fallback forced (ENTROPY_ATTN_CUDA_FAMILY).
+FALLBACK_DETERMINISTIC_CASES: Dict[str, Tuple[torch.dtype, int, Any, Any, int, Dict[str, Any]]] = {
+    "f32_causal_gqa_d64": (torch.float32, 2, 300, 300, 64, {"is_causal": True}),
+    "f64_bottom_right_d128": (F64, 4, 100, 350, 128, {"is_causal": True, "causal_alignment": "bottom_right"}),
+    "f32_window_logn_sinks_d128": (torch.float32, 4, 300, 300, 128,
+                                   {"is_causal": True, "window_size": [70, 0], "scale_mode": "logn", "sinks": True}),
+    "f32_band_d64": (torch.float32, 2, 250, 250, 64, {"window_size": [60, 30]}),
+    "f32_documents_d64": (torch.float32, 2, [100, 0, 100], [40, 260, 120], 64, {"is_causal": True}),
+    "f32_bool_mask_d64": (torch.float32, 4, 200, 250, 64, {"mask": "bool"}),
+    "f32_learned_bias_d64": (torch.float32, 4, 200, 250, 64, {"is_causal": True, "mask": "bias"}),
+    "bf16_forced_fallback_d64": (torch.bfloat16, 2, 300, 300, 64, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_DETERMINISTIC_CASES))
+def test_fallback_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Under deterministic algorithms the fallback's backward (float32, float64, or a call it is
+    forced on) runs, with no error: three backwards of the same call give the same bits (G's partial
+    sums added in the key tiles' order, a learned bias's gradient summed from the full shape), and
+    the gradients of the output and the entropy match the float64 reference. (Dry run: the CPU op.)"""
+    from test_varlen import offsets
+
+    dtype, Hkv, Lq, Lk, D, spec = FALLBACK_DETERMINISTIC_CASES[case]
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    packed = isinstance(Lq, list)
+    torch.manual_seed(6)
+    if packed:
+        q = randn(sum(Lq), 4, D, dtype=dtype)
+        k, v = (randn(sum(Lk), Hkv, D, dtype=dtype) for _ in range(2))
+    else:
+        q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=dtype)
+    mask = None
+    if spec.get("mask") == "bool":
+        mask = torch.rand(Lq, Lk) < 0.9
+    elif spec.get("mask") == "bias":
+        mask = randn(1, 4, Lq, Lk, dtype=dtype, scale=0.5)
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    if spec.get("mask") == "bias":
+        leaves.append(cuda(mask).requires_grad_())
+    sinks = randn(4) if spec.get("sinks") else None
+    extra = {"sinks": cuda(sinks)} if sinks is not None else {}
+    go = cuda(randn(*q.shape[:-1], D).to(dtype))
+    ge = cuda(randn(*q.shape[:-1]))
+    names = ("dq", "dk", "dv", "dbias")
+
+    def call() -> Tuple[Tensor, ...]:
+        if packed:
+            return torch.ops.entropy_attn.varlen_attention(
+                *leaves, offsets(Lq, DEV.type), offsets(Lk, DEV.type), max(Lq), max(Lk), enable_gqa=True,
+                return_stats=True, **kw)
+        m = leaves[3] if len(leaves) > 3 else cuda(mask)
+        return OP(*leaves[:3], m, None, enable_gqa=True, return_stats=True, **extra, **kw)
+
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
+    runs: List[List[Tensor]] = []
+    with torch_deterministic(True):
+        for _ in range(3):
+            out = call()
+            grads: list = []
+            ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
+                                 "fallback", "attention_bwd")
+            assert DRY_RUN or ran, "the fallback backward did not run"
+            runs.append(grads)
+    for again in runs[1:]:
+        for a, b, name in zip(again, runs[0], names):
+            assert torch.equal(a, b), f"{name} differs between runs"
+    rin = [leaf64(t) for t in leaves]
+    if packed:
+        r_out, r_ent = packed_reference(rin, Lq, Lk, 4 // Hkv, **kw)
+    else:
+        r_mask = rin[3] if len(rin) > 3 else mask
+        r = reference_attention_raw(*rin[:3], r_mask, None, enable_gqa=True,
+                                    sinks=sinks.double() if sinks is not None else None, **kw)
+        r_out, r_ent = r.output, r.entropy
+    ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
+    for a, e, name in zip(runs[0], ref_grads, names):
+        assert a.dtype == dtype, name
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference: {rel_err(a, e):.3g}"
 
 
 @contextlib.contextmanager

@@ -63,3 +63,15 @@ def test_bits_that_do_not_repeat_stop_it(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setattr(deterministic_backward, "deterministic_step", drifting)
     with pytest.raises(SystemExit, match="dq differs between two deterministic runs"):
         deterministic_backward.main([*TINY, "--out", str(tmp_path)])
+
+
+def test_the_family_that_ran() -> None:
+    """A tensor-core backward counts as its family though its fallback guard launches too; the
+    fallback's kernels alone, as the fallback; none of the main kernels, as none."""
+    guard = "void entropy_attn::cuda::fallback::attention_bwd_kernel<__nv_bfloat16, 64, true>(...)"
+    sm80 = "void entropy_attn::cuda::sm80::main_kernel<...>(...)"
+    fallback = "void entropy_attn::cuda::fallback::attention_bwd_kernel<float, 64, false>(...)"
+    assert deterministic_backward.family_of([guard, sm80]) == "sm80"
+    assert deterministic_backward.family_of(["entropy_attn::cuda::fallback::attention_bwd_preprocess_kernel<float>",
+                                             fallback]) == "fallback"
+    assert deterministic_backward.family_of(["at::native::reduce_kernel<...>"]) == ""

@@ -160,7 +160,8 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json",
             "harness_2.json", "harness_baseline_2.json", "harness_7ae3efb.json", "harness_73fc850.json",
             "profile.md", "profile_stats.md", "harness_ab_steps.md", "masks.json", "masks.md",
-            "learned_bias", "learned_bias_sm90", "deterministic", "call_overhead.md"} <= names
+            "learned_bias", "learned_bias_sm90", "deterministic", "deterministic_fallback",
+            "call_overhead.md"} <= names
     with tarfile.open(out / "logs.tar.xz") as logs:
         member = next(m for m in logs.getmembers() if m.name.endswith("harness_ab_steps.md"))
         first = logs.extractfile(member).read().decode()

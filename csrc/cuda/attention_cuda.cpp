@@ -97,16 +97,15 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
 }
 
 // Allocates a call's outputs for `family` and launches its backward. Under deterministic
-// algorithms a tensor-core family writes a broadcast mask's gradient at the call's full shape,
-// summed in a fixed order after (attention_host.h: use_full_mask_grad): B * H * Lq * Lk more
-// floats, as SDPA's memory-efficient backward allocates for an attention bias's gradient. (The
-// fallback, whose dq is added by atomics anyway, raises the nondeterminism alert: no such buffer
-// for it.) `shape`: the call's as the user gave it, which an error names (a padded call's head dim
-// is not theirs).
+// algorithms every family writes a broadcast mask's gradient at the call's full shape, summed in a
+// fixed order after (attention_host.h: use_full_mask_grad): B * H * Lq * Lk more elements of the
+// accumulate type, as SDPA's memory-efficient backward allocates for an attention bias's gradient;
+// and adds dq without atomics, or by atomics in a fixed order (the fallback's and the Hopper
+// family's turns: params.h, dq_turns). `shape`: the call's as the user gave it, which an error
+// names (a padded call's head dim is not theirs).
 void run_backward(BackwardCall& call, Family family, const AttentionShape& shape) {
-  const bool full_mask_grad =
-      family != Family::kFallback && at::globalContext().deterministicAlgorithms();
-  const at::Tensor mask_shaped = full_mask_grad ? use_full_mask_grad(call.call) : at::Tensor();
+  const at::Tensor mask_shaped =
+      at::globalContext().deterministicAlgorithms() ? use_full_mask_grad(call.call) : at::Tensor();
   call.allocate(family);
   check_shared_memory(backward_smem_bytes(call), "attention backward", shape, call.call.dtype);
   C10_CUDA_CHECK(launch_backward(call, family, c10::cuda::getCurrentCUDAStream()));
@@ -134,15 +133,6 @@ AttentionGrads attention_backward_cuda(const at::Tensor& grad_output, const at::
       run_backward(padded, padded_family, sh);
       return unpad_grads(padded.finish(), query, key, value);
     }
-  }
-  // The fallback accumulates G = dS K with atomics in an unspecified order: under
-  // torch.use_deterministic_algorithms(True) that is an error (a warning with warn_only), as for
-  // ATen's own nondeterministic kernels. The tensor-core families have a deterministic dq path.
-  if (family == Family::kFallback && !empty) {
-    at::globalContext().alertNotDeterministic(
-        "entropy_attn::attention_backward on CUDA with the fallback kernels (float32 or float64, "
-        "or "
-        "a call the tensor-core families do not cover: see ENTROPY_ATTN_CUDA_FAMILY)");
   }
   if (empty) {
     call.allocate(family);

@@ -136,11 +136,17 @@ void BackwardCall::allocate(Family f) {
                   ? sm90::bulk_dq_accum(sh.q_len, sh.head_dim)
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
-  // The Hopper backward under deterministic algorithms adds G in turns (params.h: dq_turns), a
-  // counter per (batch, head, query block) that its preprocess starts (sm90/bwd_kernel.cuh).
-  if (f == Family::kSm90 && at::globalContext().deterministicAlgorithms()) {
-    dq_turns = at::empty({sh.batch, sh.heads, sm90::turn_blocks(dq_layout.rows)},
-                         q.options().dtype(at::kInt));
+  // The Hopper and the fallback backwards under deterministic algorithms add G in turns
+  // (params.h: dq_turns): a counter per (batch, head, query block) that the Hopper preprocess
+  // starts (sm90/bwd_kernel.cuh), or per query row, zero-filled, for the fallback's tiles of any
+  // size (fallback/turns.cuh).
+  if (at::globalContext().deterministicAlgorithms()) {
+    const auto opts_int = q.options().dtype(at::kInt);
+    if (f == Family::kSm90) {
+      dq_turns = at::empty({sh.batch, sh.heads, sm90::turn_blocks(dq_layout.rows)}, opts_int);
+    } else if (f == Family::kFallback) {
+      dq_turns = at::zeros({sh.batch, sh.heads, sh.q_len}, opts_int);
+    }
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {
@@ -171,13 +177,13 @@ BwdParams<acc_t> BackwardCall::params() const {
   p.dq_accum = g.data_ptr<acc_t>();
   p.dq_layout = dq_layout;
   p.d_logits = call.logit_grad_arg<acc_t>();
+  p.dq_turns = dq_turns.defined() ? dq_turns.data_ptr<int>() : nullptr;
   if (family == Family::kFallback) {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   } else {
     p.dq_out = out_view_of(dq), p.dk_out = out_view_of(dk), p.dv_out = out_view_of(dv);
     p.d_row_scale = dlam.defined() ? dlam.data_ptr<acc_t>() : nullptr;
     p.deterministic = at::globalContext().deterministicAlgorithms();
-    p.dq_turns = dq_turns.defined() ? dq_turns.data_ptr<int>() : nullptr;
   }
   return p;
 }

@@ -53,7 +53,7 @@ struct BackwardCall {
   Family family = Family::kFallback;
   at::Tensor delta, g, dk, dv, dq, dlam;
   DqAccumLayout dq_layout;  // g's (params.h), which the tensor-core families read
-  at::Tensor dq_turns;      // a deterministic Hopper backward's (params.h), else undefined
+  at::Tensor dq_turns;  // a deterministic Hopper or fallback backward's (params.h), else undefined
 
   BackwardCall(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
                const at::Tensor& value, const at::Tensor& output,

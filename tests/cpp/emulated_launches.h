@@ -23,6 +23,11 @@ constexpr int kEveryKernelFits = 232448;  // bytes of shared memory per block
 template <typename T>
 void launch_backward(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p,
                      int smem_optin = kEveryKernelFits, int64_t max_blocks = 0);
+// The rows of the backward's query and key tiles (kBM = kBN) that launch_backward takes for p on a
+// device granting smem_optin bytes per block (a deterministic backward's turns are per query tile).
+template <typename T>
+int backward_tile_rows(const entropy_attn::cuda::BwdParams<entropy_attn::cuda::AccType<T>>& p,
+                       int smem_optin = kEveryKernelFits);
 template <typename T>
 void launch_sparsity(const entropy_attn::cuda::SparsityParams<entropy_attn::cuda::AccType<T>>& p);
 

@@ -94,6 +94,22 @@ void launch_backward(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin, int
   }
 }
 
+template <typename T>
+int backward_tile_rows(const ec::BwdParams<ec::AccType<T>>& p, int smem_optin) {
+  const int d = head_dim_bucket_of(p.head_dim, p.v_head_dim);
+  int rows = 0;
+#define EA_MATCH(U, D)                                                                       \
+  if constexpr (std::is_same_v<T, U>) {                                                      \
+    if (d == D) {                                                                            \
+      rows = ef::use_compact_backward<T, D>(p, smem_optin) ? ef::CompactBwdLayout<T, D>::kBM \
+                                                           : ef::BwdLayout<T, D>::kBM;       \
+    }                                                                                        \
+  }
+  EA_FALLBACK_BACKWARD_KERNELS(EA_MATCH)
+#undef EA_MATCH
+  return rows;
+}
+
 template <typename T, int kD>
 void launch_sparsity_d(const ec::SparsityParams<ec::AccType<T>>& p) {
   using L = ef::SparsityLayout<T, kD>;
@@ -119,6 +135,8 @@ template void launch_forward<EA_EMULATED_T>(const ec::FwdParams<ec::AccType<EA_E
                                             int64_t);
 template void launch_backward<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&, int,
                                              int64_t);
+template int backward_tile_rows<EA_EMULATED_T>(const ec::BwdParams<ec::AccType<EA_EMULATED_T>>&,
+                                               int);
 template void launch_sparsity<EA_EMULATED_T>(const ec::SparsityParams<ec::AccType<EA_EMULATED_T>>&);
 
 }  // namespace emulated

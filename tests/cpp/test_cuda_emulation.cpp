@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -46,6 +47,7 @@ namespace ec = entropy_attn::cuda;
 namespace ef = entropy_attn::cuda::fallback;
 using entropy_attn::AttentionOutputs;
 
+using emulated::backward_tile_rows;
 using emulated::launch_backward;
 using emulated::launch_forward;
 using emulated::launch_sparsity;
@@ -1045,6 +1047,194 @@ TEST(EmulatedGuard, BackwardBlocksStrideOverTheTiles) {
   ASSERT_EQ((ef::BwdLayout<__nv_bfloat16, 64>::blocks(run.guard_params)), 14);
   expect_grads_close(run.guarded, run.plain, tolerances(c.dtype).grad, "plain fallback");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The deterministic backward (fallback/turns.cuh): under deterministic algorithms the key tiles add
+// into each query tile's G in their order, and a broadcast mask's gradient is written at the call's
+// full shape (attention_cuda.cpp: run_backward, mirrored below).
+// ---------------------------------------------------------------------------------------------
+
+// torch.use_deterministic_algorithms(on) for a scope, the setting restored after.
+class DeterministicAlgorithms {
+ public:
+  explicit DeterministicAlgorithms(bool on) {
+    at::globalContext().setDeterministicAlgorithms(on, false);
+  }
+  ~DeterministicAlgorithms() { at::globalContext().setDeterministicAlgorithms(saved_, warn_only_); }
+  DeterministicAlgorithms(const DeterministicAlgorithms&) = delete;
+  DeterministicAlgorithms& operator=(const DeterministicAlgorithms&) = delete;
+
+ private:
+  bool saved_ = at::globalContext().deterministicAlgorithms();
+  bool warn_only_ = at::globalContext().deterministicAlgorithmsWarnOnly();
+};
+
+// The key tiles of `tile` keys whose walk (bwd_kernel.cuh: from the first query tile whose last
+// row's keys end past the key tile's start, until one whose first row's keys start at its end or
+// later) takes the query tile of `tile` rows from row i0: the count its turn counter must end at.
+template <typename Acc>
+int64_t walkers(const ec::BwdParams<Acc>& p, int64_t i0, int64_t tile) {
+  const int64_t last = std::min(i0 + tile, p.q_len) - 1;
+  const int64_t lo = p.pattern.keys(i0, p.q_len, p.kv_len).lo;
+  const int64_t hi = p.pattern.keys(last, p.q_len, p.kv_len).hi;
+  int64_t n = 0;
+  for (int64_t j0 = 0; j0 < p.kv_len; j0 += tile) {
+    if (hi > j0 && lo < std::min(j0 + tile, p.kv_len)) ++n;
+  }
+  return n;
+}
+
+struct BackwardRun {
+  entropy_attn::AttentionGrads grads;
+  at::Tensor dmask;  // the additive mask's gradient, where it has one
+  at::Tensor turns;  // the turn counters after the backward (deterministic only)
+  std::vector<int64_t> expected_turns;
+};
+
+// A case's emulated forward, then its backward with deterministic algorithms off and on.
+template <typename T>
+std::array<BackwardRun, 2> run_deterministic_typed(const Case& c) {
+  using Acc = ec::AccType<T>;
+  const Inputs in = make_inputs(c);
+  entropy_attn::AttentionCall call = prepared_call(c, in);
+  if (c.mask_keeps_dtype) call.mask = kept_mask(in, call.shape, call.acc);
+  const ec::ForwardCall fwd(in.q, in.k, in.v, call);
+  launch_forward<T>(fwd.params<Acc>());
+  const auto& [out, lse, entropy, sum_p2, max_weight, n_keys, row_scale, length_factor,
+               normalized_entropy, sparsity, effective_keys] = fwd.outputs;
+  std::array<BackwardRun, 2> runs;
+  for (const bool deterministic : {false, true}) {
+    const DeterministicAlgorithms scope(deterministic);
+    entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
+        in.dout, stat_grad(c, in.g_lse), stat_grad(c, in.g_entropy), stat_grad(c, in.g_sum_p2),
+        in.q, in.k, in.v, in.mask, out, lse, entropy, sum_p2, row_scale, in.sinks, documents(in),
+        options(c), /*grad_mask=*/additive_mask(in), /*grad_scale=*/true);
+    if (c.mask_keeps_dtype) bcall.mask = kept_mask(in, bcall.shape, bcall.acc);
+    ec::BackwardCall bwd(in.dout, in.q, in.k, in.v, out, bcall);
+    const at::Tensor mask_shaped = deterministic ? ec::use_full_mask_grad(bwd.call) : at::Tensor();
+    bwd.allocate(ec::Family::kFallback);
+    const ec::BwdParams<Acc> p = bwd.params<Acc>();
+    EXPECT_EQ(p.dq_turns != nullptr, deterministic) << "the turn counters";
+    launch_backward<T>(p, c.smem_optin);
+    if (mask_shaped.defined()) ec::sum_full_mask_grad(bwd.call, mask_shaped);
+    BackwardRun& run = runs[deterministic];
+    run.grads = bwd.finish();
+    if (additive_mask(in)) run.dmask = entropy_attn::mask_grad(in.mask, bcall, in.q);
+    if (!deterministic) continue;
+    run.turns = bwd.dq_turns.flatten();
+    const int64_t tile = backward_tile_rows<T>(p, c.smem_optin);
+    run.expected_turns.assign(static_cast<size_t>(run.turns.numel()), 0);
+    for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
+      for (int64_t i0 = 0; i0 < p.q_len; i0 += tile) {
+        run.expected_turns[static_cast<size_t>(bh * p.q_len + i0)] = walkers(p, i0, tile);
+      }
+    }
+  }
+  return runs;
+}
+
+// The same bits (NaN included) in two tensors of one dtype.
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.const_data_ptr(), y.const_data_ptr(), x.nbytes()) == 0;
+}
+
+// Under deterministic algorithms every key tile takes its turn (the emulation reports a block that
+// waits for a count the tiles before it did not leave: on a GPU a hang, or a sum out of order), the
+// counters end at the number of key tiles that walk each query tile, and the gradients are those of
+// the default backward, bit for bit (the emulation runs the blocks in launch order, so their
+// atomics come in the turns' order there too); the mask's gradient, summed from the full shape, to
+// rounding.
+void run_deterministic(const Case& c) {
+  std::array<BackwardRun, 2> runs;
+  switch (c.dtype) {
+    case at::kFloat:
+      runs = run_deterministic_typed<float>(c);
+      break;
+    case at::kDouble:
+      runs = run_deterministic_typed<double>(c);
+      break;
+    case at::kHalf:
+      runs = run_deterministic_typed<__half>(c);
+      break;
+    case at::kBFloat16:
+      runs = run_deterministic_typed<__nv_bfloat16>(c);
+      break;
+    default:
+      FAIL() << "dtype";
+  }
+  if (::testing::Test::HasFatalFailure()) return;
+  const auto& [plain, det] = runs;
+  const std::vector<int> turns(det.turns.const_data_ptr<int>(),
+                               det.turns.const_data_ptr<int>() + det.turns.numel());
+  ASSERT_EQ(turns.size(), det.expected_turns.size());
+  for (size_t i = 0; i < turns.size(); ++i) {
+    ASSERT_EQ(turns[i], det.expected_turns[i]) << "the turn counter of row " << i;
+  }
+  const char* names[] = {"grad_query", "grad_key", "grad_value", "grad_row_scale"};
+  const auto& [dq, dk, dv, dlam] = det.grads;
+  const auto& [pdq, pdk, pdv, pdlam] = plain.grads;
+  const at::Tensor got[] = {dq, dk, dv, dlam}, want[] = {pdq, pdk, pdv, pdlam};
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(same_bits(got[i], want[i])) << names[i];
+  if (plain.dmask.defined()) {
+    ASSERT_TRUE(det.dmask.defined());
+    expect_close(det.dmask, plain.dmask, tolerances(c.dtype).grad, "grad_attn_mask");
+  }
+}
+
+// Cases over several key tiles, with each feature that moves a walk's bounds or adds into G outside
+// the products: causality either way, windows, rows that see no key, packed documents (key tiles
+// of a document without queries between two that walk one query tile), GQA, sinks, dropout,
+// softcap, broadcast additive masks with their gradient, hidden non-finite keys (whose terms are
+// added back to G in the key tile's turn), float64, 16-bit inputs and the compact tiles.
+const std::set<std::string>& deterministic_case_names() {
+  static const std::set<std::string> names = {"f32_lq1_lk130",
+                                              "f32_causal_br_97x17",
+                                              "f32_causal_130x130_d100",
+                                              "f32_window_causal_130x130_d100",
+                                              "f32_window_br_97x65_logn",
+                                              "f32_window_right_tl_65x33_additive",
+                                              "f32_additive_mask_keys",
+                                              "f32_additive_mask_masked_rows",
+                                              "f32_additive_mask_qk_logn",
+                                              "f32_gqa",
+                                              "f32_hidden_nonfinite",
+                                              "f32_sinks_window_br_softcap_gqa",
+                                              "f32_dropout_window_sinks_gqa",
+                                              "f32_docs_causal_br",
+                                              "f32_docs_window_seqused_softcap",
+                                              "f32_docs_dropout_sinks",
+                                              "f64_causal_130x65_logn_sharpen",
+                                              "f64_softcap_causal_gqa",
+                                              "f16_d40_130x130_causal_additive",
+                                              "bf16_d256_99KB_causal_window_sinks",
+                                              "bf16_d256_99KB_dropout_docs"};
+  return names;
+}
+
+std::vector<Case> deterministic_cases() {
+  std::vector<Case> v;
+  for (const Case& c : attention_cases()) {
+    if (deterministic_case_names().count(c.name) != 0) v.push_back(c);
+  }
+  return v;
+}
+
+TEST(EmulatedDeterministicCases, EveryNamedCaseExists) {
+  EXPECT_EQ(deterministic_cases().size(), deterministic_case_names().size());
+}
+
+class EmulatedDeterministicBackward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EmulatedDeterministicBackward, KeyTilesAddInTurns) { run_deterministic(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, EmulatedDeterministicBackward,
+                         ::testing::ValuesIn(deterministic_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};
 

@@ -7,8 +7,9 @@
 // (KeyPattern: causality, windows, documents), recomputing p = e^{s - lse} from the saved lse
 // (which holds the sink, if any):
 //   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s - lse, D~) o cap',
-//   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator; the host forms
-//   dq = lambda G and, where asked for, d lambda = q . G),
+//   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator, in the key
+//   tiles' order under deterministic algorithms: turns.cuh; the host forms dq = lambda G and, where
+//   asked for, d lambda = q . G),
 // with Z the dropout factors (1 without dropout) and cap' the softcap's derivative at the scaled
 // score (1 without softcap), as the CPU kernel.
 #pragma once
@@ -18,6 +19,7 @@
 #include "block_gemm.cuh"
 #include "device_utils.cuh"
 #include "nonfinite_rows.cuh"
+#include "turns.cuh"
 
 namespace entropy_attn::cuda::fallback {
 
@@ -364,6 +366,16 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
       block_gemm<kBN, kD, kBM, true, false, Acc>(
           sdSl, L::kLdP, sQ, L::kLdT, scratch,
           [=](int m, int n, Acc x) { sdK[m * L::kLdA + n] += x; });
+      // A deterministic backward adds into G in the key tiles' order (turns.cuh): this tile's turn
+      // at the query tile comes after the key tiles from the first that walks it (the walk above
+      // takes exactly the key tiles from the one that holds the first row's lo until the last row's
+      // hi), uniform over the block.
+      int* const turn = kGrouped || p.dq_turns == nullptr ? nullptr : p.dq_turns + row0 + i0;
+      if (turn != nullptr) {
+        const int64_t first_walker = p.pattern.keys(i0, p.q_len, p.kv_len).lo / kBN;
+        if (threadIdx.x == 0) wait_turn(turn, static_cast<int>(blk.tile - first_walker));
+        __syncthreads();
+      }
       Acc* const dq = p.dq_accum + (row0 + i0) * D;
       const int dq_cols = static_cast<int>(D);
       block_gemm<kBM, kD, kBN, false, false, Acc>(sdS, L::kLdP, sK, L::kLdT, scratch,
@@ -392,6 +404,10 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
           }
           if (seen) atomicAdd(dq + r * dq_cols + d, add);
         }
+      }
+      if (turn != nullptr) {  // every addition of the block made, the turn passes on
+        __syncthreads();
+        if (threadIdx.x == 0) pass_turn(turn);
       }
       // (No barrier: what the add-backs above read, the next tile writes only after its barriers;
       // they read the row bounds from the arguments, not from sLo / sHi.)

@@ -2301,8 +2301,8 @@ HOPPER_DETERMINISTIC_CASES: Dict[str, Tuple[int, Any, Any, int, Dict[str, Any]]]
     "documents_without_queries_d64": (2, [100, 0, 100], [40, 260, 120], 64, {"is_causal": True}),
     "documents_window_d128": (2, [70, 50], [100, 400], 128, {"is_causal": True, "window_size": [30, 0]}),
     "documents_d128": (4, [1, 130, 200, 57, 300], [1, 130, 200, 57, 300], 128, {"is_causal": True}),
-    "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": True}),
-    "bool_mask_d128": (2, 290, 600, 128, {"mask": True}),
+    "bool_mask_d64": (4, 300, 400, 64, {"is_causal": True, "mask": "bool"}),
+    "bool_mask_d128": (2, 290, 600, 128, {"mask": "bool"}),
 }
 
 
@@ -2317,6 +2317,83 @@ def packed_reference(rin: List[Tensor], q_lens: List[int], k_lens: List[int], gr
     return res["output"], res["entropy"]
 
 
+def check_deterministic_backward(monkeypatch: pytest.MonkeyPatch, family: str, kernel: str, dtype: torch.dtype,
+                                 Hkv: int, Lq: Any, Lk: Any, D: int, spec: Dict[str, Any]) -> None:
+    """With ENTROPY_ATTN_CUDA_FAMILY=family and deterministic algorithms, three backwards of one call
+    (HOPPER_DETERMINISTIC_CASES' form; "mask": "bool" a bool (Lq, Lk) mask, "bias" a learned additive
+    (1, 1, Lq, Lk) one shared by the heads, "key_bias" a learned (1, H, 1, Lk) one: both broadcast,
+    so that their gradient is written at the call's full shape and summed) launch the family's
+    backward `kernel` and no other family's main kernel, give the same bits of dq, dk, dv (and the
+    bias's gradient), and match the float64 reference's gradients of the output and the entropy.
+    (Dry run: the CPU op.)"""
+    from test_varlen import offsets
+
+    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
+    packed = isinstance(Lq, list)
+    torch.manual_seed(5)
+    if packed:
+        q = randn(sum(Lq), 4, D, dtype=dtype)
+        k, v = (randn(sum(Lk), Hkv, D, dtype=dtype) for _ in range(2))
+    else:
+        q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=dtype)
+    mask = None
+    if spec.get("mask") == "bool":
+        mask = torch.rand(Lq, Lk) < 0.9
+    elif spec.get("mask") == "bias":
+        mask = randn(1, 1, Lq, Lk, dtype=dtype, scale=0.5)
+    elif spec.get("mask") == "key_bias":
+        mask = randn(1, 4, 1, Lk, dtype=dtype, scale=0.5)
+    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
+    if spec.get("mask") in ("bias", "key_bias"):
+        leaves.append(cuda(mask).requires_grad_())
+    sinks = randn(4) if spec.get("sinks") else None
+    extra = {"sinks": cuda(sinks)} if sinks is not None else {}
+    go = cuda(randn(*q.shape[:-1], D).to(dtype))
+    ge = cuda(randn(*q.shape[:-1]))
+    names = ("dq", "dk", "dv", "dbias")
+
+    def call() -> Tuple[Tensor, ...]:
+        if packed:
+            return torch.ops.entropy_attn.varlen_attention(
+                *leaves, offsets(Lq, DEV.type), offsets(Lk, DEV.type), max(Lq), max(Lk), enable_gqa=True,
+                return_stats=True, **kw)
+        m = leaves[3] if len(leaves) > 3 else cuda(mask)
+        return OP(*leaves[:3], m, None, enable_gqa=True, return_stats=True, **extra, **kw)
+
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
+    runs: List[List[Tensor]] = []
+    with torch_deterministic(True):
+        for _ in range(3):
+            out = call()
+            grads: list = []
+
+            def backward() -> None:
+                grads.extend(grads_of([out[0], out[2]], [go, ge], leaves))
+
+            if DRY_RUN:
+                backward()
+            else:
+                launched = cuda_kernel_names(backward)
+                assert any(f"{family}::" in n and kernel in n for n in launched), f"the {family} backward did not run"
+                others = [f for f in ("sm80", "sm90") if f != family]
+                assert not any(f"{f}::" in n and "main_kernel" in n for f in others for n in launched), launched
+            runs.append(grads)
+    for again in runs[1:]:
+        for a, b, name in zip(again, runs[0], names):
+            assert torch.equal(a, b), f"{name} differs between runs"
+    rin = [leaf64(t) for t in leaves]
+    if packed:
+        r_out, r_ent = packed_reference(rin, Lq, Lk, 4 // Hkv, **kw)
+    else:
+        r = reference_attention_raw(*rin[:3], rin[3] if len(rin) > 3 else mask, None, enable_gqa=True,
+                                    sinks=sinks.double() if sinks is not None else None, **kw)
+        r_out, r_ent = r.output, r.entropy
+    ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
+    for a, e, name in zip(runs[0], ref_grads, names):
+        assert a.dtype == dtype, name
+        assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference: {rel_err(a, e):.3g}"
+
+
 @needs_hopper
 @pytest.mark.hopper_turns
 @pytest.mark.parametrize("case", list(HOPPER_DETERMINISTIC_CASES))
@@ -2324,55 +2401,10 @@ def test_hopper_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: st
     """Under deterministic algorithms with ENTROPY_ATTN_CUDA_FAMILY=sm90 the Hopper backward runs
     (family.h: kHopperDeterministicByDefault decides "auto"), its dq taking turns: three backwards
     of the same call give the same bits (dq's partial sums added in the key blocks' order, not as
-    they finish), and the gradients of the output and the entropy match the float64 reference."""
-    from test_varlen import offsets
-
-    Hkv, Lq, Lk, D, spec = HOPPER_DETERMINISTIC_CASES[case]
-    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
-    packed = isinstance(Lq, list)
-    torch.manual_seed(5)
-    if packed:
-        q = randn(sum(Lq), 4, D, dtype=torch.bfloat16)
-        k, v = (randn(sum(Lk), Hkv, D, dtype=torch.bfloat16) for _ in range(2))
-    else:
-        q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=torch.bfloat16)
-    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
-    sinks = randn(4) if spec.get("sinks") else None
-    extra = {"sinks": cuda(sinks)} if sinks is not None else {}
-    mask = torch.rand(Lq, Lk) < 0.9 if spec.get("mask") else None
-    go = cuda(randn(*q.shape[:-1], D).to(torch.bfloat16))
-    ge = cuda(randn(*q.shape[:-1]))
-
-    def call() -> Tuple[Tensor, ...]:
-        if packed:
-            return torch.ops.entropy_attn.varlen_attention(
-                *leaves, offsets(Lq, DEV.type), offsets(Lk, DEV.type), max(Lq), max(Lk), enable_gqa=True,
-                return_stats=True, **kw)
-        return OP(*leaves, cuda(mask), None, enable_gqa=True, return_stats=True, **extra, **kw)
-
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "sm90")
-    runs: List[List[Tensor]] = []
-    with torch_deterministic(True):
-        for _ in range(3):
-            out = call()
-            grads: list = []
-            names = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
-                                   "sm90", "main_kernel")
-            assert names, "the sm90 backward did not run"
-            runs.append(grads)
-    for again in runs[1:]:
-        for a, b, name in zip(again, runs[0], ("dq", "dk", "dv")):
-            assert torch.equal(a, b), f"{name} differs between runs"
-    rin = [leaf64(t) for t in (q, k, v)]
-    if packed:
-        r_out, r_ent = packed_reference(rin, Lq, Lk, 4 // Hkv, **kw)
-    else:
-        r = reference_attention_raw(*rin, mask, None, enable_gqa=True,
-                                    sinks=sinks.double() if sinks is not None else None, **kw)
-        r_out, r_ent = r.output, r.entropy
-    ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
-    for a, e, name in zip(runs[0], ref_grads, ("dq", "dk", "dv")):
-        assert rel_err(a, e) < GRAD_TOL[torch.bfloat16], f"{name} vs reference"
+    they finish), and the gradients of the output and the entropy match the float64 reference
+    (check_deterministic_backward)."""
+    check_deterministic_backward(monkeypatch, "sm90", "main_kernel", torch.bfloat16,
+                                 *HOPPER_DETERMINISTIC_CASES[case])
 
 
 @needs_hopper
@@ -2416,8 +2448,10 @@ def test_hopper_deterministic_backward_in_a_cuda_graph(monkeypatch: pytest.Monke
 #: packed call. Each key tile adds into a query tile's G in its turn (fallback/turns.cuh): causality
 #: either way, GQA, a causal window with logn row scales and sinks, a two-sided band, packed
 #: documents (the keys of a document without queries between key tiles that walk one query tile),
-#: a bool mask, a learned per-head bias (its gradient written at the call's full shape and summed
-#: in a fixed order), float64, and a bf16 call with the fallback forced (ENTROPY_ATTN_CUDA_FAMILY).
+#: a bool mask, learned biases shared by the heads or per key (their gradient written at the call's
+#: full shape and summed in a fixed order), float64, a bf16 call with the fallback forced
+#: (ENTROPY_ATTN_CUDA_FAMILY), and full attention over 32 key tiles per query tile (where atomics in
+#: any order would most likely differ between runs).
 FALLBACK_DETERMINISTIC_CASES: Dict[str, Tuple[torch.dtype, int, Any, Any, int, Dict[str, Any]]] = {
     "f32_causal_gqa_d64": (torch.float32, 2, 300, 300, 64, {"is_causal": True}),
     "f64_bottom_right_d128": (F64, 4, 100, 350, 128, {"is_causal": True, "causal_alignment": "bottom_right"}),
@@ -2427,6 +2461,8 @@ FALLBACK_DETERMINISTIC_CASES: Dict[str, Tuple[torch.dtype, int, Any, Any, int, D
     "f32_documents_d64": (torch.float32, 2, [100, 0, 100], [40, 260, 120], 64, {"is_causal": True}),
     "f32_bool_mask_d64": (torch.float32, 4, 200, 250, 64, {"mask": "bool"}),
     "f32_learned_bias_d64": (torch.float32, 4, 200, 250, 64, {"is_causal": True, "mask": "bias"}),
+    "f64_key_bias_d64": (F64, 2, 150, 200, 64, {"mask": "key_bias"}),
+    "f32_full_1024_d64": (torch.float32, 4, 1024, 1024, 64, {}),
     "bf16_forced_fallback_d64": (torch.bfloat16, 2, 300, 300, 64, {"is_causal": True}),
 }
 
@@ -2436,65 +2472,9 @@ def test_fallback_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: 
     """Under deterministic algorithms the fallback's backward (float32, float64, or a call it is
     forced on) runs, with no error: three backwards of the same call give the same bits (G's partial
     sums added in the key tiles' order, a learned bias's gradient summed from the full shape), and
-    the gradients of the output and the entropy match the float64 reference. (Dry run: the CPU op.)"""
-    from test_varlen import offsets
-
-    dtype, Hkv, Lq, Lk, D, spec = FALLBACK_DETERMINISTIC_CASES[case]
-    kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask")}
-    packed = isinstance(Lq, list)
-    torch.manual_seed(6)
-    if packed:
-        q = randn(sum(Lq), 4, D, dtype=dtype)
-        k, v = (randn(sum(Lk), Hkv, D, dtype=dtype) for _ in range(2))
-    else:
-        q, k, v = make_qkv(1, 4, Hkv, Lq, Lk, D, dtype=dtype)
-    mask = None
-    if spec.get("mask") == "bool":
-        mask = torch.rand(Lq, Lk) < 0.9
-    elif spec.get("mask") == "bias":
-        mask = randn(1, 4, Lq, Lk, dtype=dtype, scale=0.5)
-    leaves = [cuda(t).requires_grad_() for t in (q, k, v)]
-    if spec.get("mask") == "bias":
-        leaves.append(cuda(mask).requires_grad_())
-    sinks = randn(4) if spec.get("sinks") else None
-    extra = {"sinks": cuda(sinks)} if sinks is not None else {}
-    go = cuda(randn(*q.shape[:-1], D).to(dtype))
-    ge = cuda(randn(*q.shape[:-1]))
-    names = ("dq", "dk", "dv", "dbias")
-
-    def call() -> Tuple[Tensor, ...]:
-        if packed:
-            return torch.ops.entropy_attn.varlen_attention(
-                *leaves, offsets(Lq, DEV.type), offsets(Lk, DEV.type), max(Lq), max(Lk), enable_gqa=True,
-                return_stats=True, **kw)
-        m = leaves[3] if len(leaves) > 3 else cuda(mask)
-        return OP(*leaves[:3], m, None, enable_gqa=True, return_stats=True, **extra, **kw)
-
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "fallback")
-    runs: List[List[Tensor]] = []
-    with torch_deterministic(True):
-        for _ in range(3):
-            out = call()
-            grads: list = []
-            ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
-                                 "fallback", "attention_bwd")
-            assert DRY_RUN or ran, "the fallback backward did not run"
-            runs.append(grads)
-    for again in runs[1:]:
-        for a, b, name in zip(again, runs[0], names):
-            assert torch.equal(a, b), f"{name} differs between runs"
-    rin = [leaf64(t) for t in leaves]
-    if packed:
-        r_out, r_ent = packed_reference(rin, Lq, Lk, 4 // Hkv, **kw)
-    else:
-        r_mask = rin[3] if len(rin) > 3 else mask
-        r = reference_attention_raw(*rin[:3], r_mask, None, enable_gqa=True,
-                                    sinks=sinks.double() if sinks is not None else None, **kw)
-        r_out, r_ent = r.output, r.entropy
-    ref_grads = grads_of([r_out, r_ent], [go.cpu(), ge.cpu()], rin)
-    for a, e, name in zip(runs[0], ref_grads, names):
-        assert a.dtype == dtype, name
-        assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference: {rel_err(a, e):.3g}"
+    the gradients of the output and the entropy match the float64 reference
+    (check_deterministic_backward)."""
+    check_deterministic_backward(monkeypatch, "fallback", "attention_bwd_kernel", *FALLBACK_DETERMINISTIC_CASES[case])
 
 
 @contextlib.contextmanager

@@ -607,19 +607,25 @@ void run_case_typed(const Case& c, bool backward) {
   }
 }
 
-void run_case(const Case& c, bool backward = true) {
-  switch (c.dtype) {
+// Calls f with a value of the kernels' input type for `dtype` (its type is what f reads).
+template <typename F>
+void with_input_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
     case at::kFloat:
-      return run_case_typed<float>(c, backward);
+      return f(float{});
     case at::kDouble:
-      return run_case_typed<double>(c, backward);
+      return f(double{});
     case at::kHalf:
-      return run_case_typed<__half>(c, backward);
+      return f(__half{});
     case at::kBFloat16:
-      return run_case_typed<__nv_bfloat16>(c, backward);
+      return f(__nv_bfloat16{});
     default:
       FAIL() << "dtype";
   }
+}
+
+void run_case(const Case& c, bool backward = true) {
+  with_input_type(c.dtype, [&](auto t) { run_case_typed<decltype(t)>(c, backward); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1145,26 +1151,12 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 // waits for a count the tiles before it did not leave: on a GPU a hang, or a sum out of order), the
 // counters end at the number of key tiles that walk each query tile, and the gradients are those of
 // the default backward, bit for bit (the emulation runs the blocks in launch order, so their
-// atomics come in the turns' order there too); the mask's gradient, summed from the full shape, to
-// rounding.
+// atomics come in the turns' order there too: that the turns fix the order on a GPU, where blocks
+// run side by side, is test_cuda.py's test_fallback_deterministic_backward); the mask's gradient,
+// summed from the full shape, to rounding.
 void run_deterministic(const Case& c) {
   std::array<BackwardRun, 2> runs;
-  switch (c.dtype) {
-    case at::kFloat:
-      runs = run_deterministic_typed<float>(c);
-      break;
-    case at::kDouble:
-      runs = run_deterministic_typed<double>(c);
-      break;
-    case at::kHalf:
-      runs = run_deterministic_typed<__half>(c);
-      break;
-    case at::kBFloat16:
-      runs = run_deterministic_typed<__nv_bfloat16>(c);
-      break;
-    default:
-      FAIL() << "dtype";
-  }
+  with_input_type(c.dtype, [&](auto t) { runs = run_deterministic_typed<decltype(t)>(c); });
   if (::testing::Test::HasFatalFailure()) return;
   const auto& [plain, det] = runs;
   const std::vector<int> turns(det.turns.const_data_ptr<int>(),
@@ -1187,8 +1179,8 @@ void run_deterministic(const Case& c) {
 // Cases over several key tiles, with each feature that moves a walk's bounds or adds into G outside
 // the products: causality either way, windows, rows that see no key, packed documents (key tiles
 // of a document without queries between two that walk one query tile), GQA, sinks, dropout,
-// softcap, broadcast additive masks with their gradient, hidden non-finite keys (whose terms are
-// added back to G in the key tile's turn), float64, 16-bit inputs and the compact tiles.
+// softcap, broadcast additive masks with their gradient, hidden non-finite keys (whose terms the
+// key tile adds back into G), float64, 16-bit inputs and the compact tiles.
 const std::set<std::string>& deterministic_case_names() {
   static const std::set<std::string> names = {"f32_lq1_lk130",
                                               "f32_causal_br_97x17",

@@ -1187,18 +1187,24 @@ def _same_nonfinite_then_close(got: Tensor, want: Tensor, tol: Tuple[float, floa
         assert rel_err(got[fin], want[fin]) < tol, f"{what}: {rel_err(got[fin], want[fin]):.3g}"
 
 
-@pytest.mark.parametrize("family,dtype", [
-    ("fallback", torch.float32), ("fallback", torch.bfloat16), ("fallback", torch.float64),
-    ("sm80", torch.bfloat16), ("sm80", torch.float16),
-    pytest.param("sm90", torch.bfloat16, marks=needs_hopper)], ids=str)
+#: (family, dtype) of test_hidden_nonfinite_matches_cpu.
+HIDDEN_NONFINITE_FAMILIES = [("fallback", torch.float32), ("fallback", torch.bfloat16), ("fallback", torch.float64),
+                             ("sm80", torch.bfloat16), ("sm80", torch.float16), ("sm90", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("family,dtype,deterministic", [
+    pytest.param(f, d, det, marks=[needs_hopper] + ([pytest.mark.hopper_turns] if det else []) if f == "sm90" else [])
+    for det in (False, True) for f, d in HIDDEN_NONFINITE_FAMILIES], ids=str)
 def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: str,
-                                      dtype: torch.dtype) -> None:
+                                      dtype: torch.dtype, deterministic: bool) -> None:
     """Every family keeps NaN and infinities in K, V, Q and dO to the rows (keys) that see them, as
     the CPU op does (docs/math.md section 8): causal with a bool mask (no row sees every key, one
     key no row sees), GQA, several query and key tiles, NaN and infinite entries in each operand
     and in a group's second head; outputs, lse, entropy and the three gradients match the CPU
     op's, NaN positions and infinities included. The fallback keeps such rows out of its products;
-    a tensor-core family's kernels flag the call and the fallback recomputes it (their guard). (tests/cpp/test_cuda_emulation.cpp runs the fallback
+    a tensor-core family's kernels flag the call and the fallback recomputes it (their guard). Under
+    deterministic algorithms the fallback, as a plain call or as the guard, adds dq in turns
+    (fallback/turns.cuh): a second backward gives the same bits, NaN included. (tests/cpp/test_cuda_emulation.cpp runs the fallback
     under CPU emulation: its *hidden_nonfinite* and EmulatedGuard cases.)"""
     monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     B, H, Hkv, L, D = 1, 4, 2, 150, 64
@@ -1219,13 +1225,18 @@ def test_hidden_nonfinite_matches_cpu(monkeypatch: pytest.MonkeyPatch, family: s
     mask[:, 37] = False
     k[0, 1, 37, 6] = float("nan")
     results = []
-    for place in (lambda t: t, cuda):
+    for place in (lambda t: t, cuda, cuda):
         # (detach: fresh leaves on both devices, so .grad is populated on each.)
         qq, kk, vv = (place(t).detach().requires_grad_(True) for t in (q, k, v))
-        out, st = torch_ext.attention(qq, kk, vv, place(mask), is_causal=True, enable_gqa=True,
-                                      return_stats=True)
-        out.backward(place(dout))
+        with torch_deterministic(deterministic):
+            out, st = torch_ext.attention(qq, kk, vv, place(mask), is_causal=True, enable_gqa=True,
+                                          return_stats=True)
+            out.backward(place(dout))
         results.append((out, st.lse, st.entropy, qq.grad, kk.grad, vv.grad))
+    if deterministic:
+        for name, first, again in zip(("dq", "dk", "dv"), results[1][3:], results[2][3:]):
+            assert same_bits(first, again), f"{family}: {name} differs between two deterministic backwards"
+    results.pop()
     tols = [OUT_TOL[dtype], STAT_TOL[dtype], STAT_TOL[dtype]] + [GRAD_TOL[dtype]] * 3
     for name, want, got, tol in zip(["output", "lse", "entropy", "dq", "dk", "dv"], *results, tols):
         _same_nonfinite_then_close(got, want, tol, f"{family}: {name}")
@@ -2475,6 +2486,12 @@ def test_fallback_deterministic_backward(monkeypatch: pytest.MonkeyPatch, case: 
     the gradients of the output and the entropy match the float64 reference
     (check_deterministic_backward)."""
     check_deterministic_backward(monkeypatch, "fallback", "attention_bwd_kernel", *FALLBACK_DETERMINISTIC_CASES[case])
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaN included)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 @contextlib.contextmanager

@@ -137,16 +137,15 @@ void BackwardCall::allocate(Family f) {
                   : packed_dq_accum(sh.q_len, sh.head_dim);
   g = at::zeros({sh.batch, sh.heads, dq_layout.rows, dq_layout.ld}, opts);
   // The Hopper and the fallback backwards under deterministic algorithms add G in turns
-  // (params.h: dq_turns): a counter per (batch, head, query block) that the Hopper preprocess
-  // starts (sm90/bwd_kernel.cuh), or per query row, zero-filled, for the fallback's tiles of any
-  // size (fallback/turns.cuh).
+  // (params.h): the Hopper family's counter per (batch, head, query block), which its preprocess
+  // starts (dq_turns: sm90/bwd_kernel.cuh); the fallback's per query row, zero-filled, for its
+  // tiles of any size (tile_turns: fallback/turns.cuh), which a tensor-core call's guard takes too.
   if (at::globalContext().deterministicAlgorithms()) {
     const auto opts_int = q.options().dtype(at::kInt);
     if (f == Family::kSm90) {
       dq_turns = at::empty({sh.batch, sh.heads, sm90::turn_blocks(dq_layout.rows)}, opts_int);
-    } else if (f == Family::kFallback) {
-      dq_turns = at::zeros({sh.batch, sh.heads, sh.q_len}, opts_int);
     }
+    tile_turns = at::zeros({sh.batch, sh.heads, sh.q_len}, opts_int);
   }
   // Every key row of dk and dv is written by the kernels, including keys no query sees (zeros).
   if (f == Family::kFallback) {
@@ -178,6 +177,7 @@ BwdParams<acc_t> BackwardCall::params() const {
   p.dq_layout = dq_layout;
   p.d_logits = call.logit_grad_arg<acc_t>();
   p.dq_turns = dq_turns.defined() ? dq_turns.data_ptr<int>() : nullptr;
+  p.tile_turns = tile_turns.defined() ? tile_turns.data_ptr<int>() : nullptr;
   if (family == Family::kFallback) {
     p.dk = dk.data_ptr<acc_t>(), p.dv = dv.data_ptr<acc_t>();
   } else {

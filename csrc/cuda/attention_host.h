@@ -53,7 +53,9 @@ struct BackwardCall {
   Family family = Family::kFallback;
   at::Tensor delta, g, dk, dv, dq, dlam;
   DqAccumLayout dq_layout;  // g's (params.h), which the tensor-core families read
-  at::Tensor dq_turns;  // a deterministic Hopper or fallback backward's (params.h), else undefined
+  // A deterministic backward's turn counters (params.h): the Hopper family's, and the fallback's
+  // (a plain call's, or a tensor-core call's for its guard); else undefined.
+  at::Tensor dq_turns, tile_turns;
 
   BackwardCall(const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key,
                const at::Tensor& value, const at::Tensor& output,

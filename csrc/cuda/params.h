@@ -131,11 +131,14 @@ struct BwdParams : AttentionArgs<acc_t> {
   // (B, H, sm90/launch.h: turn_blocks) int32, a turn counter that the preprocess starts at the
   // first key block that walks the query block (key_ranges.cuh: first_walker) and each key block
   // raises to the next key block with a walk once it has added its G; key block n adds when it
-  // reads n, so that the sum's order is the key blocks' whatever the schedule. A deterministic
-  // fallback backward's (fallback/turns.cuh): (B, H, Lq) int32, zero-filled, the counter of the
-  // query tile that starts at row i at index i, which each key tile that walks the tile raises by
-  // one once it has added its G. Null: any order (faster).
+  // reads n, so that the sum's order is the key blocks' whatever the schedule. Null: any order
+  // (faster).
   int* dq_turns = nullptr;
+  // The fallback kernels' under deterministic algorithms, as a plain call or as the guard of a
+  // tensor-core backward (fallback/turns.cuh): (B, H, Lq) int32, zero-filled, the counter of the
+  // query tile that starts at row i at index i, which each key tile that walks the tile raises by
+  // one once it has added its G. Null: any order, and the guard's capped grid.
+  int* tile_turns = nullptr;
   bool g_scaled = false;
   // The additive mask's gradient (kernel_args.h), zero-filled, when the call asks for it (the
   // backward kernels add dS into it; the Hopper family's only without the statistics' gradients:

@@ -867,6 +867,9 @@ struct GuardRun {
   int64_t guard_row_blocks;               // the grid of the guard's preprocess and postprocess
   ec::BwdParams<float> guard_params;      // (its pointers dangle: for the grids only)
   at::Tensor plain_dmask, guarded_dmask;  // with grad_mask
+  // Under deterministic algorithms, the fallback's turn counters after each backward (params.h:
+  // tile_turns); else undefined.
+  at::Tensor plain_turns, guarded_turns;
 };
 
 GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks = 0,
@@ -902,15 +905,17 @@ GuardRun run_backward_guard(const Case& c, const Inputs& in, int64_t max_blocks 
   ec::BwdParams<float> p = guarded.params<float>();
   p.nonfinite = &flag;
   launch_backward<__nv_bfloat16>(p);
-  for (const at::Tensor& t : {guarded.dq, guarded.dk, guarded.dv, guarded.dlam, d_logits}) {
+  for (const at::Tensor& t :
+       {guarded.dq, guarded.dk, guarded.dv, guarded.dlam, d_logits, guarded.tile_turns}) {
     if (t.defined()) {
-      EXPECT_TRUE(at::equal(t, at::full_like(t, t.is_same(d_logits) ? 5 : 7)))
-          << "a block ran with the flag at 0";
+      const int fill = t.is_same(d_logits) ? 5 : t.is_same(guarded.tile_turns) ? 0 : 7;
+      EXPECT_TRUE(at::equal(t, at::full_like(t, fill))) << "a block ran with the flag at 0";
     }
   }
   flag = 1;
   launch_backward<__nv_bfloat16>(p, emulated::kEveryKernelFits, max_blocks);
   GuardRun run{fwd.outputs, plain.finish(), guarded.finish(), ef::preprocess_blocks(p), p};
+  run.plain_turns = plain.tile_turns, run.guarded_turns = guarded.tile_turns;
   if (grad_mask) {
     run.plain_dmask = entropy_attn::mask_grad(in.mask, plain.call, in.q);
     run.guarded_dmask = entropy_attn::mask_grad(in.mask, guarded.call, in.q);
@@ -1120,14 +1125,14 @@ std::array<BackwardRun, 2> run_deterministic_typed(const Case& c) {
     const at::Tensor mask_shaped = deterministic ? ec::use_full_mask_grad(bwd.call) : at::Tensor();
     bwd.allocate(ec::Family::kFallback);
     const ec::BwdParams<Acc> p = bwd.params<Acc>();
-    EXPECT_EQ(p.dq_turns != nullptr, deterministic) << "the turn counters";
+    EXPECT_EQ(p.tile_turns != nullptr, deterministic) << "the turn counters";
     launch_backward<T>(p, c.smem_optin);
     if (mask_shaped.defined()) ec::sum_full_mask_grad(bwd.call, mask_shaped);
     BackwardRun& run = runs[deterministic];
     run.grads = bwd.finish();
     if (additive_mask(in)) run.dmask = entropy_attn::mask_grad(in.mask, bcall, in.q);
     if (!deterministic) continue;
-    run.turns = bwd.dq_turns.flatten();
+    run.turns = bwd.tile_turns.flatten();
     const int64_t tile = backward_tile_rows<T>(p, c.smem_optin);
     run.expected_turns.assign(static_cast<size_t>(run.turns.numel()), 0);
     for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
@@ -1227,6 +1232,30 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedDeterministicBackward,
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+// The guard of a tensor-core backward under deterministic algorithms: BackwardCall::allocate gives
+// the tensor-core call the fallback's counters too (params.h: tile_turns), the guard's main kernel
+// then takes a block per tile (not the capped grid, whose blocks stride over the tiles and could
+// wait for a tile that a waiting block holds), an idle guard leaves the counters at 0
+// (run_backward_guard), and a flagged one takes the turns a plain fallback call takes (its blocks
+// walk the heads of their GQA group in one order): the same final counts, the same gradients to
+// rounding, hidden non-finite inputs kept to what sees them. A wrong turn is reported by the
+// emulation (a hang on a GPU).
+TEST(EmulatedGuard, DeterministicBackwardTakesTurns) {
+  const DeterministicAlgorithms deterministic(true);
+  Case c = mk("bf16_guard_bwd_deterministic", at::kBFloat16, 70, 70, 64);
+  c.causal = true, c.hidden_nonfinite = true, c.window_left = 20, c.H = 4, c.Hkv = 2;
+  c.mask = MaskType::kAdditiveQK;
+  const GuardRun run = run_backward_guard(c, make_inputs(c), 0, true, /*grad_mask=*/true);
+  using L = ef::BwdLayout<__nv_bfloat16, 64>;
+  EXPECT_EQ(L::grid(run.guard_params), L::blocks(run.guard_params)) << "a capped grid";
+  ASSERT_TRUE(run.plain_turns.defined() && run.guarded_turns.defined());
+  EXPECT_GT(run.plain_turns.sum().item<int64_t>(), 0) << "no turn taken";
+  EXPECT_TRUE(at::equal(run.guarded_turns, run.plain_turns)) << "the guard's turns";
+  const Tolerances tol = tolerances(c.dtype);
+  expect_grads_close(run.guarded, run.plain, tol.grad, "plain fallback");
+  expect_close(run.guarded_dmask, run.plain_dmask, tol.grad, "grad_attn_mask vs plain fallback");
+}
 
 class EmulatedAttention : public ::testing::TestWithParam<Case> {};
 

@@ -8,8 +8,8 @@
 // (which holds the sink, if any):
 //   dV += (P o Z)^T dO,  dP = (dO V^T) o Z,  dS = logit_grad(p, dP, s - lse, D~) o cap',
 //   dK += (lambda dS)^T Q,  G += dS K (fp32/fp64 atomics into a global accumulator, in the key
-//   tiles' order under deterministic algorithms: turns.cuh; the host forms dq = lambda G and, where
-//   asked for, d lambda = q . G),
+//   tiles' order under deterministic algorithms: turns.cuh; the host, or a guard's postprocess,
+//   forms dq = lambda G and, where asked for, d lambda = q . G),
 // with Z the dropout factors (1 without dropout) and cap' the softcap's derivative at the scaled
 // score (1 without softcap), as the CPU kernel.
 #pragma once
@@ -70,11 +70,15 @@ struct BwdLayout {
   static_assert(kBytes <= 166912, "over an A100's 163 KB of shared memory per block");
   // The tiles: one per (batch, query head, key tile); as the guard of a tensor-core backward
   // (grouped(p)), one per (batch, key/value head, key tile). And the main kernel's grid: a block
-  // per tile, or as a guard the capped grid of nonfinite_rows.cuh (tile_grid).
+  // per tile, or as a guard the capped grid of nonfinite_rows.cuh (tile_grid), but for a guard
+  // that takes turns (deterministic algorithms: params.h, tile_turns), whose blocks, striding over
+  // the tiles, could wait for a tile that a block waiting itself holds (turns.cuh).
   __host__ __device__ static int64_t blocks(const BwdParams<Acc>& p) {
     return (p.kv_len + kBN - 1) / kBN * p.batch * (grouped(p) ? p.kv_heads : p.heads);
   }
-  static int64_t grid(const BwdParams<Acc>& p) { return tile_grid(blocks(p), grouped(p)); }
+  static int64_t grid(const BwdParams<Acc>& p) {
+    return tile_grid(blocks(p), grouped(p) && p.tile_turns == nullptr);
+  }
 };
 
 // The shared memory per block of the GPUs with the least of it among those the kernels run on:
@@ -369,8 +373,8 @@ __device__ __forceinline__ void backward_key_tile(const BwdParams<AccType<T>>& p
       // A deterministic backward adds into G in the key tiles' order (turns.cuh): this tile's turn
       // at the query tile comes after the key tiles from the first that walks it (the walk above
       // takes exactly the key tiles from the one that holds the first row's lo until the last row's
-      // hi), uniform over the block.
-      int* const turn = kGrouped || p.dq_turns == nullptr ? nullptr : p.dq_turns + row0 + i0;
+      // hi), uniform over the block. (A guard's blocks walk the heads of their group in one order.)
+      int* const turn = p.tile_turns == nullptr ? nullptr : p.tile_turns + row0 + i0;
       if (turn != nullptr) {
         const int64_t first_walker = p.pattern.keys(i0, p.q_len, p.kv_len).lo / kBN;
         if (threadIdx.x == 0) wait_turn(turn, static_cast<int>(blk.tile - first_walker));

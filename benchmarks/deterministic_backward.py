@@ -6,13 +6,13 @@ its own (one block per query block forms P and dS again), the Hopper family, whe
 (``--families sm90``; csrc/cuda/family.h: kHopperDeterministicByDefault, off until it has run on a
 GPU), by bulk reductions that take turns in the key blocks' order (csrc/cuda/sm90/bwd_kernel.cuh:
 write_dq), the fallback kernels (float32/float64, or forced: ``--families fallback``) by atomics
-that take turns in the key tiles' order (csrc/cuda/fallback/turns.cuh). For each family, head dim, length, causality and mask (--masks: none, or a bool mask of
-(L, L), whose calls the Hopper family's masked kernels take, their consumers adding dq by atomics
-in the turns that a warp of the producer warpgroup keeps: bwd_kernel.cuh, keep_turns): a forward
-and a backward (upstream gradient on the output) with the default algorithms and with
-deterministic ones. Before timing,
-the deterministic run is repeated and must give the same bits of dq, dk and dv, must agree with
-the default run's gradients (relative error), and must launch the named family's backward kernel;
+that take turns in the key tiles' order (csrc/cuda/fallback/turns.cuh). For each family, head dim,
+length, causality and mask (--masks: none, or a bool mask of (L, L), whose calls the Hopper
+family's masked kernels take, their consumers adding dq by atomics in the turns that a warp of the
+producer warpgroup keeps: bwd_kernel.cuh, keep_turns): a forward and a backward (upstream gradient
+on the output) with the default algorithms and with deterministic ones. Before timing, the
+deterministic run is repeated and must give the same bits of dq, dk and dv, must agree with the
+default run's gradients (relative error), and must launch the named family's backward kernel;
 a point that fails stops the script.
 
     python3 benchmarks/deterministic_backward.py                                   # CPU dry run
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when 
 
 import torch_ext  # noqa: E402
 # (benchmarks/timing.py)
-from timing import device_name, median_ms, short_commit, write_result  # noqa: E402
+from timing import deterministic_algorithms, device_name, median_ms, short_commit, write_result  # noqa: E402
 
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 
@@ -57,13 +57,8 @@ def deterministic_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: to
                        causal: bool, mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """step() under deterministic algorithms, the previous setting (and its warn_only) restored
     after."""
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms(True):
         return step(q, k, v, go, causal, mask)
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def check(default: List[torch.Tensor], first: List[torch.Tensor], again: List[torch.Tensor],

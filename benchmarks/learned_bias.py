@@ -32,6 +32,7 @@ Writes a Markdown table and JSON to results/learned_bias/<device>.{md,json}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when 
 
 import torch_ext  # noqa: E402
 # (benchmarks/timing.py)
-from timing import device_name, median_ms, short_commit, write_result  # noqa: E402
+from timing import deterministic_algorithms, device_name, median_ms, short_commit, write_result  # noqa: E402
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
 DETERMINISTIC = "ours_deterministic"  # --deterministic's method
@@ -61,19 +62,13 @@ def step(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
          go: torch.Tensor) -> List[torch.Tensor]:
     """One forward and backward of `method`: the output and the gradients of q, k, v (and the bias)."""
     b = bias.detach() if method == "ours_fixed_bias" else bias
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    if method == DETERMINISTIC:
-        torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms(True) if method == DETERMINISTIC else contextlib.nullcontext():
         if method == "sdpa_bias_grad":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
         else:
             out = torch_ext.attention(q, k, v, b)
         leaves = [q, k, v] + ([b] if b.requires_grad else [])
         return [out.detach(), *torch.autograd.grad(out, leaves, go)]
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def check(results: Dict[str, List[torch.Tensor]], dtype: torch.dtype) -> None:

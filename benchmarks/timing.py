@@ -1,21 +1,36 @@
-"""What the benchmark scripts share: the median time of a call with torch's threads, calls timed
-interleaved over rounds, the fastest of a few calls, the name of the device it ran on, the
-command line of a script that prints one table over its points, and the short commit and the
-Markdown and JSON files of a script that writes results/<name>/<device>.{md,json}."""
+"""What the benchmark scripts share: torch's deterministic algorithms for a block, the median time
+of a call with torch's threads, calls timed interleaved over rounds, the fastest of a few calls,
+the name of the device it ran on, the command line of a script that prints one table over its
+points, and the short commit and the Markdown and JSON files of a script that writes
+results/<name>/<device>.{md,json}."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple, TypeVar
 
 import torch
 import torch.utils.benchmark as tb
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(on) for the block, the previous setting and its warn_only
+    restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def median_ms(fn: Callable[[], object], min_run_time: float) -> float:

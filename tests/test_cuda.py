@@ -26,11 +26,12 @@ need real CUDA features still skip): ``ENTROPY_ATTN_CUDA_TEST_DEVICE=cpu pytest 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -42,6 +43,10 @@ from conftest import GRAD_TOL, HAS_CUDA, NO_CUDA_REASON, OUT_TOL, STAT_TOL, asse
 from reference import reference_attention_raw, reference_entropy, reference_sparsity
 from test_attention_forward import MASK_KINDS, make_mask, make_scale
 from test_attention_sparsity import reference_sparsity as reference_attention_sparsity
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# torch.use_deterministic_algorithms(on) for a block, the setting and its warn_only restored after
+from timing import deterministic_algorithms as torch_deterministic  # noqa: E402  (benchmarks/timing.py)
 
 #: The device under test: "cuda", or "cpu" for a dry run of the test logic (see the docstring).
 DEV = torch.device(os.environ.get("ENTROPY_ATTN_CUDA_TEST_DEVICE", "cuda"))
@@ -2492,18 +2497,6 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors of one dtype and shape hold the same bits (NaN included)."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-
-
-@contextlib.contextmanager
-def torch_deterministic(on: bool) -> Iterator[None]:
-    """torch.use_deterministic_algorithms(on) for the block, the previous setting restored after."""
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(on)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 #: Calls for split-KV (family.h: ENTROPY_ATTN_SPLIT_KV): (Lq, Lk, the op's keyword arguments, as

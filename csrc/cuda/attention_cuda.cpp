@@ -100,9 +100,9 @@ AttentionOutputs attention_cuda(const at::Tensor& query, const at::Tensor& key,
 // algorithms every family writes a broadcast mask's gradient at the call's full shape, summed in a
 // fixed order after (attention_host.h: use_full_mask_grad): B * H * Lq * Lk more elements of the
 // accumulate type, as SDPA's memory-efficient backward allocates for an attention bias's gradient;
-// and adds dq without atomics, or by atomics in a fixed order (the fallback's and the Hopper
-// family's turns: params.h, dq_turns). `shape`: the call's as the user gave it, which an error
-// names (a padded call's head dim is not theirs).
+// and adds dq without atomics, or by atomics in a fixed order (the Hopper family's and the
+// fallback's turns: params.h, dq_turns and tile_turns). `shape`: the call's as the user gave it,
+// which an error names (a padded call's head dim is not theirs).
 void run_backward(BackwardCall& call, Family family, const AttentionShape& shape) {
   const at::Tensor mask_shaped =
       at::globalContext().deterministicAlgorithms() ? use_full_mask_grad(call.call) : at::Tensor();

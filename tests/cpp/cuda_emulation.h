@@ -659,17 +659,25 @@ inline float2 atomicAdd(float2* address, float2 value) {
 // whole number of pages, so that the part past a launch's smem_bytes can be protected.
 namespace entropy_attn::cuda::fallback {
 alignas(4096) inline unsigned char smem[cuda_emu::kSmemCapacity];
+}  // namespace entropy_attn::cuda::fallback
 
-// A deterministic backward's turns (turns.cuh). The blocks run one after another in launch order,
-// so a count that is not the awaited one when a block waits never becomes it: a GPU would spin for
-// ever, or (had a later block already passed) add out of order.
-inline void wait_turn(const int* turn, int value) {
+namespace cuda_emu {
+// A deterministic backward's wait for its turn (fallback/turns.cuh, sm90/ops.cuh: wait_turn). The
+// blocks run one after another in launch order, so a count that is not the awaited one when a
+// block waits never becomes it: a GPU would spin for ever, or (had a later block already passed)
+// add out of order.
+inline void check_turn(const int* turn, int value) {
   if (*turn != value) {
-    cuda_emu::report_error("turn: block " + std::to_string(blockIdx.x) + " waits for count " +
-                           std::to_string(value) + ", the blocks before it left " +
-                           std::to_string(*turn));
+    report_error("turn: block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) +
+                 ", " + std::to_string(blockIdx.z) + ") waits for count " + std::to_string(value) +
+                 ", the blocks before it left " + std::to_string(*turn));
   }
 }
+}  // namespace cuda_emu
+
+// The fallback's turns (turns.cuh), with nothing in flight to wait for.
+namespace entropy_attn::cuda::fallback {
+inline void wait_turn(const int* turn, int value) { cuda_emu::check_turn(turn, value); }
 inline void pass_turn(int* turn) { ++*turn; }
 }  // namespace entropy_attn::cuda::fallback
 

@@ -760,16 +760,9 @@ inline void bulk_wait_all() {
   t_bulk_unwritten = 0;
 }
 
-// The deterministic backward's turn counters (ops.cuh: wait_turn, pass_turn). The blocks run one
-// after another in launch order, so a count that is not the awaited one when a block waits never
-// becomes it: a GPU would spin for ever, or (had a later block already passed) add out of order.
-inline void wait_turn(const int* turn, int value) {
-  if (*turn != value) {
-    report_error("turn: block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) +
-                 ", " + std::to_string(blockIdx.z) + ") waits for count " + std::to_string(value) +
-                 ", the blocks before it left " + std::to_string(*turn));
-  }
-}
+// The deterministic backward's turn counters (ops.cuh: wait_turn, pass_turn): cuda_emulation.h's
+// check_turn.
+inline void wait_turn(const int* turn, int value) { check_turn(turn, value); }
 // Handing the turn on before the thread's reductions have written their sums would let the next
 // block add before them.
 inline void pass_turn(int* turn, int by) {

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torch_ext
+from torch_ext import _build_info
 from conftest import GRAD_TOL, HAS_CUDA, NO_CUDA_REASON, OUT_TOL, STAT_TOL, assert_close64, rel_err, stat_dtype
 from reference import reference_attention_raw, reference_entropy, reference_sparsity
 from test_attention_forward import MASK_KINDS, make_mask, make_scale
@@ -1414,8 +1415,9 @@ def test_families_agree(
     stats: bool,
 ) -> None:
     """A specialized family (forced) and the fallback give the same outputs and gradients within the
-    dtype's tolerance, over the flags each instantiation fixes at compile time (at D = 256 the sm80
-    family's kernels, which the forced sm90 family passes such calls to); GQA, lengths that are
+    dtype's tolerance, over the flags each instantiation fixes at compile time (at D = 256 the forced
+    sm90 family runs its forward without a mask where the build has it, compiled on request, and
+    passes the rest to the sm80 family's kernels); GQA, lengths that are
     no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
     blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
     loss."""
@@ -1778,19 +1780,14 @@ HEAD_DIM_256_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
 }
 
 
-@pytest.mark.skipif(not DRY_RUN and not (HAS_CUDA and torch.cuda.get_device_capability(DEV) >= (8, 0)),
-                    reason="the sm80 family needs a GPU of compute capability 8.0 or newer")
-@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
-def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
-                                        stats: bool) -> None:
-    """The default choice ("auto": family.h, kTensorCoreHeadDim256ByDefault) runs head dim 256 in the
-    sm80 family's kernels (the forward in the profile; the backward too where the GPU has its shared
-    memory, the fallback's elsewhere), the Hopper family having none, and
-    matches the float64 reference: output, lse and n_i, with statistics the entropy, sum p^2, max
-    weight and derived statistics, and the gradients of q, k, v (and the sinks) through the output
-    and, with statistics, the entropy. (Dry run: the CPU op against the same reference.)"""
+def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype, stats: bool,
+                       family: str, forward_family: str) -> None:
+    """A call of HEAD_DIM_256_CASES with ENTROPY_ATTN_CUDA_FAMILY=`family`: its forward runs in
+    `forward_family`'s kernels and the backward in the sm80 family's (where the GPU has its shared
+    memory, the fallback's elsewhere), and they match the float64 reference: output, lse and n_i,
+    with statistics the entropy, sum p^2, max weight and derived statistics, and the gradients of q,
+    k, v (and the sinks) through the output and, with statistics, the entropy. (Dry run: the CPU op
+    against the same reference.)"""
     Lq, Lk, spec = HEAD_DIM_256_CASES[case]
     kw = {key: val for key, val in spec.items() if key not in ("sinks", "mask", "split")}
     H, Hkv, D = 4, 2, 256
@@ -1798,13 +1795,13 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     q, k, v = make_qkv(2, H, Hkv, Lq, Lk, D, dtype=dtype)
     sinks, mask, leaves = feature_leaves(spec, q, k, v, Lq, Lk)
     sink_leaf = leaves[3] if sinks is not None else None
-    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", "auto")
+    monkeypatch.setenv("ENTROPY_ATTN_CUDA_FAMILY", family)
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", spec.get("split", "off"))
     res: list = []
     run = lambda: res.append(OP(*leaves[:3], cuda(mask), None, enable_gqa=True, sinks=sink_leaf,  # noqa: E731
                                 return_stats=stats, **kw))
-    ran = family_kernels(run, "sm80", "forward_kernel")
-    assert DRY_RUN or ran, "the sm80 forward did not run at D = 256"
+    ran = family_kernels(run, forward_family, "forward_kernel")
+    assert DRY_RUN or ran, f"the {forward_family} forward did not run at D = 256"
     out = res[0]
     rin = [leaf64(t) for t in leaves]
     r = reference_attention_raw(*rin[:3], mask, None, enable_gqa=True,
@@ -1823,6 +1820,38 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)
     for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv", "dsinks")):
         assert rel_err(a, e) < GRAD_TOL[dtype], f"{name} vs reference"
+
+
+@pytest.mark.skipif(not DRY_RUN and not (HAS_CUDA and torch.cuda.get_device_capability(DEV) >= (8, 0)),
+                    reason="the sm80 family needs a GPU of compute capability 8.0 or newer")
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
+def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
+                                        stats: bool) -> None:
+    """The default choice ("auto": family.h, kTensorCoreHeadDim256ByDefault, and
+    kHopperHeadDim256ByDefault off) runs head dim 256 in the sm80 family's kernels, forward and
+    backward (check_head_dim_256)."""
+    check_head_dim_256(monkeypatch, case, dtype, stats, "auto", "sm80")
+
+
+@pytest.mark.skipif(not DRY_RUN and not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
+@pytest.mark.skipif(not DRY_RUN and not getattr(_build_info, "UNTESTED_KERNELS", False),
+                    reason="the Hopper forward at head dim 256 is compiled on request "
+                           "(ENTROPY_ATTN_UNTESTED_KERNELS=1)")
+@pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
+def test_hopper_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
+                                               stats: bool) -> None:
+    """With the Hopper family forced, head dim 256's forward runs in its kernels (64-key blocks,
+    sm90/fwd_kernel.cuh; off by default until this passes on a GPU: family.h,
+    kHopperHeadDim256ByDefault) wherever kernels.toml has them, so every case but the masked ones
+    and split-KV decoding, which run in the sm80 family's; the backward is the sm80 family's
+    (check_head_dim_256)."""
+    spec = HEAD_DIM_256_CASES[case][2]
+    forward_family = "sm80" if "mask" in spec or "split" in spec else "sm90"
+    check_head_dim_256(monkeypatch, case, dtype, stats, "sm90", forward_family)
 
 
 @real_cuda
@@ -2197,8 +2226,9 @@ def test_16bit_mask_not_copied_cuda(dtype: torch.dtype) -> None:
 #: Head dims the tensor-core families do not compile, which they run on zero-padded inputs
 #: (csrc/head_dim_padding.h): (head_dim, v_head_dim, Lq, Lk, the op's keyword arguments, as
 #: TC_FEATURES). Phi-2's 80 and Phi-3's 96 (padded to 128), 32 (to 64), head_dim != v_head_dim (to
-#: the larger one's), DeepSeek's 192 / 128 (to 256, the sm80 family's), with masks, causality, a
-#: window, the log-n scale and GQA.
+#: the larger one's), DeepSeek's 192 / 128 (to 256: the sm80 family's, or with the Hopper family
+#: forced its forward where the build has it), with masks, causality, a window, the log-n scale and
+#: GQA.
 PADDED_HEAD_DIM_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any]]] = {
     "d80_causal": (80, 80, 177, 177, {"is_causal": True}),
     "d96_bool_mask_logn": (96, 96, 150, 293, {"mask": "bool", "scale_mode": "logn", "log_base": 64.0}),
@@ -2218,7 +2248,8 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     """ENTROPY_ATTN_CUDA_FAMILY=<family> runs head dims it does not compile in its kernels on
     zero-padded inputs, as "auto" does (family.h: kTensorCorePaddedHeadDimsByDefault; the Hopper
     family on an H100) (the forward and backward kernels in the profile; a head dim padded to 256
-    in the sm80 family's, its backward where the GPU has the shared memory) and matches the
+    in the sm80 family's but for the Hopper forward forced, the backward where the GPU has the
+    shared memory) and matches the
     float64 reference: output, lse, n_i and, with statistics, every statistic, and the gradients of
     q, k, v through the output and the entropy. (Dry run: the CPU op against the same
     reference.)"""
@@ -2231,7 +2262,12 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
     padded_to_256 = max(D, Dv) > 128
     chosen = ("sm90" if is_hopper() else "sm80") if family == "auto" else family
-    fwd_family = "sm80" if padded_to_256 else chosen
+    # At 256 the Hopper family has a forward without a mask alone, compiled on request and off by
+    # default (family.h: kHopperHeadDim256ByDefault), which the forced family runs; the backward
+    # there is the sm80 family's.
+    hopper_256 = family == "sm90" and "mask" not in spec and getattr(_build_info, "UNTESTED_KERNELS", False)
+    fwd_family = ("sm90" if hopper_256 else "sm80") if padded_to_256 else chosen
+    bwd_family = "sm80" if padded_to_256 else chosen
     res: list = []
     ran = family_kernels(lambda: res.append(OP(*leaves, cuda(mask), None, enable_gqa=True,
                                                return_stats=stats, **kw)), fwd_family, "forward_kernel")
@@ -2244,10 +2280,10 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     go = torch.randn_like(out[0])
     ge = torch.randn_like(out[2]) if stats else None
     grads: list = []
-    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), fwd_family,
+    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), bwd_family,
                          "main_kernel")
     if not DRY_RUN and (not padded_to_256 or sm80_backward_fits_head_dim_256()):
-        assert ran, f"the {fwd_family} backward did not run on the padded call"
+        assert ran, f"the {bwd_family} backward did not run on the padded call"
     assert all(g.shape == x.shape and g.is_contiguous() for g, x in zip(grads, leaves))
     ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)
     for a, e, name in zip(grads, ref_grads, ("dq", "dk", "dv")):

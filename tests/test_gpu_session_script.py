@@ -160,7 +160,7 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     assert {"harness.json", "harness_baseline.json", "persistent.json", "decode.json", "launch_order.json",
             "harness_2.json", "harness_baseline_2.json", "harness_7ae3efb.json", "harness_73fc850.json",
             "profile.md", "profile_stats.md", "harness_ab_steps.md", "masks.json", "masks.md",
-            "learned_bias", "learned_bias_sm90", "deterministic", "deterministic_fallback",
+            "head_dim_256.md", "head_dim_256.json", "learned_bias", "learned_bias_sm90", "deterministic", "deterministic_fallback",
             "call_overhead.md"} <= names
     with tarfile.open(out / "logs.tar.xz") as logs:
         member = next(m for m in logs.getmembers() if m.name.endswith("harness_ab_steps.md"))
@@ -175,7 +175,7 @@ def test_every_result_comes_back(tmp_path: Path) -> None:
     notes = [line for line in done.stdout.splitlines() if line.startswith(":::")]
     order = ["pytest auto", "pytest hopper deterministic", "harness timings (sm90)", "benchmark against SDPA", "pytest sm90", "pytest sm80",
              "harness timings of step 7ae3efb", "profile of the statistics", "second harness timings",
-             "masks", "learned bias", "deterministic backward", "call overhead", "profile (Nsight Compute)"]
+             "masks", "head dim 256", "learned bias", "deterministic backward", "call overhead", "profile (Nsight Compute)"]
     at = [next(i for i, line in enumerate(notes) if line.startswith(f"::: {name}")) for name in order]
     assert at == sorted(at), notes
     # The persistent grid's pass of the sanitizer grid, under racecheck.

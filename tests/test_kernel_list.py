@@ -116,7 +116,7 @@ def test_untested_instantiations_are_compiled_on_request(tmp_path: Path) -> None
     them only under ENTROPY_ATTN_UNTESTED_KERNELS, the dispatch lists wrap them in EA_UNTESTED, a
     build without them leaves out the units that hold only those, and the build info tells the
     reports which build they read. (On this tree's list with the sm80 family's head dim 256 put on
-    request, as it was until it passed on a GPU.)"""
+    request too, as it was until it passed on a GPU.)"""
     text = kernel_list.LIST.read_text()
     section = text.index("[sm80]")
     exclude = text.index("\nexclude = ", section)
@@ -131,7 +131,7 @@ def test_untested_instantiations_are_compiled_on_request(tmp_path: Path) -> None
     for unit in units:
         assert f"#ifdef {kernel_list.UNTESTED_MACRO}" in files[unit] and files[unit].count("template ") >= 3
     dispatch = files[ROOT / "csrc" / "cuda" / "sm80" / "instantiations" / "dispatch.h"]
-    assert dispatch.count("EA_UNTESTED(X(") == len(requested)
+    assert dispatch.count("EA_UNTESTED(X(") == len([i for i in requested if i.family == "sm80"])
     everything = set(kernel_list.translation_units(families=insts))
     assert everything - set(kernel_list.translation_units(untested=False, families=insts)) == units
     header = (ROOT / "csrc" / "cuda" / "untested_kernels.h").read_text()
@@ -156,7 +156,8 @@ def test_on_request_entries_are_checked(tmp_path: Path) -> None:
 def test_tensor_core_families_compile_head_dim_256() -> None:
     """The sm80 family lists head dim 256 (Gemma's), forward and backward, with the flags of its
     general (causal) instantiations at the other head dims, which take full attention too
-    (family.cpp); the Hopper family does not list it (such calls go to sm80)."""
+    (family.cpp); the Hopper family lists its forward without a mask alone, plain and general, with
+    and without statistics, compiled on request (the masked calls and the backward go to sm80)."""
     insts = kernel_list.load()
     sm80 = insts["sm80"]
     for direction in ("forward", "backward"):
@@ -164,7 +165,11 @@ def test_tensor_core_families_compile_head_dim_256() -> None:
         at_256 = [i for i in sm80 if i.direction == direction and i.head_dim == 256]
         assert all(i.causal for i in at_256), direction
         assert {(i.dtype, i.mask, i.stats) for i in at_256} == general, direction
-    assert all(i.head_dim != 256 for i in insts["sm90"])
+    sm90_256 = [i for i in insts["sm90"] if i.head_dim == 256]
+    assert {(i.direction, i.mask, i.on_request) for i in sm90_256} == {("forward", "none", True)}
+    assert {(i.dtype, i.causal, i.stats) for i in sm90_256} == {
+        (dtype, causal, stats) for dtype in ("bfloat16", "float16") for causal in (False, True)
+        for stats in (False, True)}
 
 
 def test_exclude_matches_instantiations(tmp_path: Path) -> None:

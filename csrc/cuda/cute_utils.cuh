@@ -81,6 +81,15 @@ struct RowMax4 {
   CUTE_DEVICE float value() const { return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])); }
 };
 
+// An int the compiler cannot see through. Indices that pass through it are computed where they
+// are used: otherwise loop-invariant code motion and strength reduction turn every row of a tile
+// load into its own 64-bit pointer held across the key loop (the sm80 forward: 16 registers for K
+// and V), and common-subexpression elimination keeps prologue values alive until the epilogue.
+CUTE_DEVICE int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 template <typename V>
 CUTE_DEVICE V quad_sum(V x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

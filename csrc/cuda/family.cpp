@@ -294,8 +294,13 @@ bool hopper_capability(bool by_default) {
 bool hopper_features() { return hopper_capability(kHopperFeaturesByDefault); }
 
 std::string hopper_forward_obstacle(const ForwardCall& c) {
-  return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
-                         sm90_forward_of(c) != nullptr, hopper_features());
+  std::string obstacle = hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v},
+                                         sm90_forward_of(c) != nullptr, hopper_features());
+  if (obstacle.empty() && c.call.shape.head_dim == 256 &&
+      !hopper_capability(kHopperHeadDim256ByDefault)) {
+    return "head_dim 256, off by default (kHopperHeadDim256ByDefault)";
+  }
+  return obstacle;
 }
 
 // The Hopper backward writes the logits' gradient (the additive mask's, params.h: d_logits) only

@@ -63,12 +63,18 @@ constexpr bool kHopperDeterministicByDefault = false;
 // family's backward runs such calls on compute capability 9.0 too.
 constexpr bool kHopperMaskGradByDefault = false;
 
-// Whether "auto" gives the tensor-core family (sm80; the Hopper family has no D = 256) the calls
-// at head dim 256, forward and backward (the backward where the GPU offers its 209 KB of shared
-// memory per block: an H100, not an A100). On since they passed the CUDA tests on an H200
-// (tests/test_cuda.py: test_head_dim_256_matches_reference), where they took 1/23-1/25 of the
-// fallback's forward time and 1/14 of its forward + backward (results/gpu/head_dims.md).
+// Whether "auto" gives the tensor-core family (sm80) the calls at head dim 256, forward and
+// backward (the backward where the GPU offers its 209 KB of shared memory per block: an H100, not
+// an A100). On since they passed the CUDA tests on an H200 (tests/test_cuda.py:
+// test_head_dim_256_matches_reference), where they took 1/23-1/25 of the fallback's forward time
+// and 1/14 of its forward + backward (results/gpu/head_dims.md).
 constexpr bool kTensorCoreHeadDim256ByDefault = true;
+
+// Whether "auto" gives the Hopper family the forward at head dim 256 without a mask on compute
+// capability 9.0 (sm90/fwd_kernel.cuh: 64-key blocks; its masked calls and its backward are the
+// sm80 family's). Off until it passes the CUDA tests on a GPU, its kernels compiled on request
+// (kernels.toml); it passes the CPU emulation (tests/cpp/test_sm90_emulation.cpp: HeadDim256).
+constexpr bool kHopperHeadDim256ByDefault = false;
 
 // Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
 // block less shared memory than its full tiles need (161 KB: sm_86, sm_89 and sm_120 offer 99 KB,

@@ -132,6 +132,25 @@ TEST(EmulatedSm90Forward, AdditiveMaskInTheInputsType) {
   run_forward<__half, 64, true, MaskKind::kAdditive, false>(s);
 }
 
+// Head dim 256 (sm90/fwd_kernel.cuh, FwdTraits: 64-key blocks, 192 KB of operand tiles; compiled
+// on request, kernels.toml): full attention with GQA, logn scales, a partial last key block and
+// query tile; causal with Lq != Lk and the output in (B, Lq, H, D) memory; without the statistics;
+// a persistent grid whose blocks walk several tiles; either consumer warpgroup ahead.
+TEST(EmulatedSm90Forward, HeadDim256) {
+  run_forward<__nv_bfloat16, 256, false, MaskKind::kNone, true>(
+      eh::Shape{1, 2, 1, 150, 200, 256, false, true});
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(
+      eh::Shape{1, 2, 2, 130, 250, 256, true, false, false, MaskKind::kNone, true});
+  run_forward<__half, 256, true, MaskKind::kNone, false>(
+      eh::Shape{1, 2, 1, 200, 170, 256, true, true});
+  run_forward<__nv_bfloat16, 256, false, MaskKind::kNone, true>(
+      eh::Shape{2, 2, 1, 150, 90, 256, false, false}, 3);
+  with_either_warpgroup_ahead([] {
+    run_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(
+        eh::Shape{1, 2, 1, 200, 200, 256, true, true});
+  });
+}
+
 TEST(EmulatedSm90Backward, D64) {
   // One 64 x 64 slice per warpgroup (BwdTraits::slices), GQA, causal, the statistics'
   // gradients, the gradients in (B, L, H, D) memory; and full attention with logn over two key

@@ -160,15 +160,6 @@ struct FwdTraits {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// An int the compiler cannot see through. Indices that pass through it are computed where they
-// are used: otherwise loop-invariant code motion and strength reduction turn every row of a tile
-// load into its own 64-bit pointer held across the key loop (16 registers for K and V), and
-// common-subexpression elimination keeps prologue values alive until the epilogue.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
 // An accumulator fragment (MMA = (2 cols, 2 rows), MMA_M, MMA_N) viewed as (rows, cols): rows
 // ((2, MMA_M)) are the thread's accumulator rows, cols ((2, MMA_N)) its columns of each row.
 template <typename Layout>

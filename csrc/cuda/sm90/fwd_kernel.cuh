@@ -129,16 +129,25 @@ using namespace cute;
 // D / 2 (64 at D = 128), inside the 240 that setmaxnreg gives the consumers. Two stages: Q 32 KB +
 // 2 x (K 32 KB + V 32 KB) = 160 KB at D = 128 (80 KB at D = 64), plus a masked kernel's mask tile,
 // within an H100's 227 KB per block.
+//
+// At D = 256 (no mask) the key blocks hold 64 keys: O takes 128 registers, S 32 and P 16. With 80
+// (FlashAttention-3's choice for full attention there) the kernels with statistics spilled 44-48
+// bytes (ptxas, nvcc 13.0); 64 is its choice for local attention. Q 64 KB + 2 x (K 32 KB + V 32 KB)
+// = 192 KB of shared memory leaves no room for a third stage, nor for a mask tile of 34 KB beside
+// the row arrays (kernels.toml instantiates no masked kernel at D = 256).
 template <typename T, int kHeadDim_, MaskKind kMask, typename Ops_ = Sm90Ops>
 struct FwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "head dims of the Hopper family");
+  static_assert(kHeadDim != 256 || kMask == MaskKind::kNone, "no mask tile fits at D = 256");
   static constexpr int kBlockM = 128;
   // Masked kernels at D = 128 take 112 keys a block: the mask words and their addresses need the
   // registers that 16 keys of S (8 per thread) and of P (4) free; at 128 they spill.
-  static constexpr int kBlockN = kHeadDim == 128 && kMask != MaskKind::kNone ? 112 : 128;
+  static constexpr int kBlockN =
+      kHeadDim == 256 ? 64 : (kHeadDim == 128 && kMask != MaskKind::kNone ? 112 : 128);
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -214,11 +223,12 @@ struct FwdTraits {
     // tile's Q while its consumers finish the tile before.
     alignas(8) uint64_t barrier_q;
     alignas(8) uint64_t barrier_q_empty;
-    // The block's next tiles for the producer (ProducerTile below): the tile of round r in slot
-    // r % 2, written by a consumer thread in round r - 1 before it arrives on barrier_q_empty, and
-    // read by the producer once it has waited there. (The thread writes once it has waited for
-    // round r - 1's Q, which the producer loaded after reading round r - 1's tile: one slot would
-    // do, but with one ptxas spilled the masked kernels at D = 128, 32 to 48 bytes.)
+    // The block's tiles for the producer (ProducerTile below): the tile of round r in slot r % 2,
+    // the first written by thread 0 before the warpgroups part, each next one by a consumer thread
+    // in round r - 1 before it arrives on barrier_q_empty, and read by the producer once it has
+    // waited there. (The thread writes once it has waited for round r - 1's Q, which the producer
+    // loaded after reading round r - 1's tile: one slot would do, but with one ptxas spilled the
+    // masked kernels at D = 128, 32 to 48 bytes.)
     int next_tile[2][5];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -773,8 +783,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
   // as 4-byte pairs of adjacent columns straight from the registers.
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-  const int64_t row0 = (static_cast<int64_t>(b) * heads + h) * q_len + m0;
-  T* const out = static_cast<T*>(p.out.data) + p.out.offset(b, h, m0);
+  // From opaque copies of the tile's indices (cute_utils.cuh): the row setup forms
+  // (b H + h) Lq too, and at D = 256 ptxas kept that product and the output's offset across the key
+  // loop, spilling them.
+  const int b_e = opaque(b), h_e = opaque(h), m0_e = opaque(m0);
+  const int64_t row0 = (static_cast<int64_t>(b_e) * heads + h_e) * q_len + m0_e;
+  T* const out = static_cast<T*>(p.out.data) + p.out.offset(b_e, h_e, m0_e);
   // Whether a row of the call holds a non-finite value: P V forms 0 * NaN for a hidden key's NaN
   // value, so the fallback recomputes such calls by the hidden-keys rule (params.h: nonfinite).
   bool nonfinite = false;
@@ -792,7 +806,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     const RowResult<float> res = finalize<float, Log2>(row);
     const float o_row_scale = res.inv_l * o_scale;
     const int i = get<0>(cO_rc(r, 0));  // in the tile
-    if (m0 + i >= q_len) continue;
+    if (m0_e + i >= q_len) continue;
     const int n_i = kBandedOrMasked ? ss.row_n[i] : kv_len;
     static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
     nonfinite |= !is_finite(res.lse);
@@ -892,8 +906,6 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   extern __shared__ __align__(1024) char ea_sm90_fwd_smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(ea_sm90_fwd_smem);
   const FwdParams<float>& p = args.p;
-  // (The launcher's grid has at most a block per tile: every block has a first tile.)
-  const ForwardTile first = forward_tile<Kt, kCausal, kMask>(p, blockIdx.x);
 
   const int warp_group = Ops::warp_group_idx();
   using Pipeline = typename Kt::Pipeline;
@@ -905,6 +917,13 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   if (threadIdx.x == 0) {
     Ops::TxBarrier::init(&ss.barrier_q, 1);
     Ops::TxBarrier::init(&ss.barrier_q_empty, Kt::kConsumerThreads);
+    // The first tile, in round 0's slot (the launcher's grid has at most a block per tile: every
+    // block has one). Through shared memory rather than registers kept across the producer's
+    // setmaxnreg.dec: at D = 256 its 24 registers spilled one of them.
+    const ProducerTile first = producer_tile(forward_tile<Kt, kCausal, kMask>(p, blockIdx.x));
+    int* slot = ss.next_tile[0];
+    slot[0] = first.m_block, slot[1] = first.h, slot[2] = first.b, slot[3] = first.n_begin;
+    slot[4] = first.n_end;
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -916,17 +935,16 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     Ops::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     Ops::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     auto write_state = cutlass::make_producer_start_state<Pipeline>();
-    ProducerTile tile = producer_tile(first);
 #pragma unroll 1
     for (uint32_t round = 0;; ++round) {
       if (round > 0) {
         // The consumers are done with Q, and have written the next tile.
         Ops::TxBarrier::wait(&ss.barrier_q_empty, (round - 1) % 2);
         compiler_fence();
-        const int* next = ss.next_tile[round % 2];
-        tile = {next[0], next[1], next[2], next[3], next[4]};
-        if (tile.m_block < 0) break;
       }
+      const int* next = ss.next_tile[round % 2];
+      const ProducerTile tile{next[0], next[1], next[2], next[3], next[4]};
+      if (tile.m_block < 0) break;
       produce<Kt>(args, ss, pipeline_k, pipeline_v, write_state, tile);
     }
     // Stay until the consumers have released every stage: the block's barriers must outlive

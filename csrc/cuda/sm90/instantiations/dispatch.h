@@ -23,6 +23,10 @@
   X(__nv_bfloat16, 128, true, MaskKind::kBool, true) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, false) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive, true) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, false, MaskKind::kNone, false)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, false, MaskKind::kNone, true)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, false)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, true)) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
   X(__half, 64, true, MaskKind::kNone, false) \
@@ -39,6 +43,10 @@
   X(__half, 128, true, MaskKind::kBool, true) \
   X(__half, 128, true, MaskKind::kAdditive, false) \
   X(__half, 128, true, MaskKind::kAdditive, true) \
+  EA_UNTESTED(X(__half, 256, false, MaskKind::kNone, false)) \
+  EA_UNTESTED(X(__half, 256, false, MaskKind::kNone, true)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, false)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, true)) \
   /* end of list */
 
 #define EA_SM90_BACKWARD_KERNELS(X) \

@@ -107,6 +107,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "hopper_turns: runs the Hopper backward's deterministic dq (in turns: a wrong turn would spin), "
         "which scripts/gpu_session.sh runs in a bounded pass of its own",
     )
+    config.addinivalue_line(
+        "markers",
+        "hopper_256: can run the Hopper forward at head dim 256 (written without a GPU, compiled on "
+        "request), which scripts/gpu_session.sh runs in that bounded pass too",
+    )
     if REQUIRE_CUDA and not HAS_CUDA:
         raise pytest.UsageError(
             "ENTROPY_ATTN_REQUIRE_CUDA is set but torch.cuda.is_available() is False: "

@@ -1405,11 +1405,13 @@ def cuda_kernel_names(fn: Callable[[], Any]) -> List[str]:
 
 @real_cuda
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
-@pytest.mark.parametrize("family", FAMILY_PARAMS)
+@pytest.mark.parametrize("family, D", [
+    pytest.param(f, d, marks=([needs_hopper] + ([pytest.mark.hopper_256] if d == 256 else [])) if f == "sm90" else [],
+                 id=f"{f}-{d}")
+    for f in ("sm80", "sm90") for d in (64, 128, 256)])
 def test_families_agree(
     monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, D: int, causal: bool, mask_kind: str,
     stats: bool,
@@ -1835,6 +1837,7 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
     check_head_dim_256(monkeypatch, case, dtype, stats, "auto", "sm80")
 
 
+@pytest.mark.hopper_256
 @pytest.mark.skipif(not DRY_RUN and not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
 @pytest.mark.skipif(not DRY_RUN and not getattr(_build_info, "UNTESTED_KERNELS", False),
                     reason="the Hopper forward at head dim 256 is compiled on request "
@@ -2239,10 +2242,12 @@ PADDED_HEAD_DIM_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
-@pytest.mark.parametrize("case", list(PADDED_HEAD_DIM_CASES))
-@pytest.mark.parametrize("family", TC_FAMILIES + [
-    pytest.param("auto", marks=pytest.mark.skipif(not tensor_core_family_runs("sm80"),
-                                                  reason="the sm80 family does not run on this device"))])
+@pytest.mark.parametrize("family, case", [
+    pytest.param(f, c, marks=[pytest.mark.skipif(not tensor_core_family_runs(run),
+                                                 reason=f"the {run} family does not run on this device")]
+                 + ([pytest.mark.hopper_256] if f == "sm90" and max(PADDED_HEAD_DIM_CASES[c][:2]) > 128 else []),
+                 id=f"{f}-{c}")
+    for f, run in (("sm80", "sm80"), ("sm90", "sm90"), ("auto", "sm80")) for c in PADDED_HEAD_DIM_CASES])
 def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str,
                                           stats: bool) -> None:
     """ENTROPY_ATTN_CUDA_FAMILY=<family> runs head dims it does not compile in its kernels on

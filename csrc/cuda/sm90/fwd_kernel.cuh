@@ -317,8 +317,9 @@ EA_HOST_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 
 // What the producer needs of a tile: its query tile, head, batch entry and key blocks. It does not
 // compute them: its 24 registers spilled on the launch order's divisions and the key ranges'
-// 64-bit arithmetic. Every block computes its first tile before the warpgroups part, and the
-// consumers hand the producer each next one through shared memory (m_block < 0: none left).
+// 64-bit arithmetic. Thread 0 computes the block's first tile before the warpgroups part, and the
+// consumers each next one, all handed to the producer through shared memory (m_block < 0: none
+// left).
 struct ProducerTile {
   int m_block = -1, h = 0, b = 0, n_begin = 0, n_end = 0;
 };

@@ -36,9 +36,10 @@
 #      settings; head dim 96, padded, against the fallback) and the causal calls under both launch
 #      orders (gpu_vs_sdpa.py --launch-order auto heads); the masked calls (--mask none bool
 #      additive, into the logs); the Hopper forward at head dim 256 against the sm80 one that
-#      "auto" runs (gpu_vs_sdpa.py --head-dim 256 --family auto sm90, into the logs); memcheck over masks that end within a word of their storage's end
-#      (cuda_sanitizer_grid.py --variants bool_mask_tight additive_mask_tight); a learned bias's forward and backward (benchmarks/
-#      learned_bias.py, by default and with the Hopper family forced, into the logs); the
+#      "auto" runs (gpu_vs_sdpa.py --head-dim 256 --family auto sm90, into the logs); memcheck
+#      over masks that end within a word of their storage's end (cuda_sanitizer_grid.py
+#      --variants bool_mask_tight additive_mask_tight); a learned bias's forward and backward
+#      (benchmarks/learned_bias.py, by default and with the Hopper family forced, into the logs); the
 #      backward under deterministic algorithms in sm80 and sm90, and in the fallback at float32
 #      (benchmarks/deterministic_backward.py, into the logs); the fixed cost
 #      of a call (benchmarks/call_overhead.py --quick, into the logs); the Nsight Compute profile

@@ -1409,8 +1409,8 @@ def cuda_kernel_names(fn: Callable[[], Any]) -> List[str]:
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("family, D", [
-    pytest.param(f, d, marks=([needs_hopper] + ([pytest.mark.hopper_256] if d == 256 else [])) if f == "sm90" else [],
-                 id=f"{f}-{d}")
+    pytest.param(f, d, id=f"{f}-{d}",
+                 marks=([needs_hopper] + ([pytest.mark.hopper_256] if d == 256 else [])) if f == "sm90" else [])
     for f in ("sm80", "sm90") for d in (64, 128, 256)])
 def test_families_agree(
     monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, D: int, causal: bool, mask_kind: str,
@@ -1418,11 +1418,10 @@ def test_families_agree(
 ) -> None:
     """A specialized family (forced) and the fallback give the same outputs and gradients within the
     dtype's tolerance, over the flags each instantiation fixes at compile time (at D = 256 the forced
-    sm90 family runs its forward without a mask where the build has it, compiled on request, and
-    passes the rest to the sm80 family's kernels); GQA, lengths that are
-    no multiple of a tile (two query tiles and three key blocks of the sm90 forward, five query
-    blocks of its backward), a logn scale, and with statistics an entropy and sum p^2 term in the
-    loss."""
+    sm90 family runs its forward where it has it, hopper_runs_256, and passes the rest to the sm80
+    family's kernels); GQA, lengths that are no multiple of a tile (two query tiles and three key
+    blocks of the sm90 forward, five query blocks of its backward), a logn scale, and with
+    statistics an entropy and sum p^2 term in the loss."""
     torch.manual_seed(0)
     Lq, Lk = 177, 293
     q, k, v = (cuda(t).requires_grad_() for t in make_qkv(2, 4, 2, Lq, Lk, D, dtype=dtype))
@@ -1782,6 +1781,17 @@ HEAD_DIM_256_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
 }
 
 
+#: Whether this build has the Hopper forward at head dim 256 (compiled on request, kernels.toml).
+HOPPER_256_BUILT = getattr(_build_info, "UNTESTED_KERNELS", False)
+
+
+def hopper_runs_256(spec: Dict[str, Any]) -> bool:
+    """Whether the forced Hopper family runs a head-dim-256 call with the keyword arguments `spec` in
+    its own forward: where the build has it (HOPPER_256_BUILT), without a mask (kernels.toml lists
+    none at 256) and not cut by split-KV (the sm80 family's); else the sm80 forward runs it."""
+    return HOPPER_256_BUILT and "mask" not in spec and spec.get("split", "off") == "off"
+
+
 def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype, stats: bool,
                        family: str, forward_family: str) -> None:
     """A call of HEAD_DIM_256_CASES with ENTROPY_ATTN_CUDA_FAMILY=`family`: its forward runs in
@@ -1839,7 +1849,7 @@ def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: s
 
 @pytest.mark.hopper_256
 @pytest.mark.skipif(not DRY_RUN and not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
-@pytest.mark.skipif(not DRY_RUN and not getattr(_build_info, "UNTESTED_KERNELS", False),
+@pytest.mark.skipif(not DRY_RUN and not HOPPER_256_BUILT,
                     reason="the Hopper forward at head dim 256 is compiled on request "
                            "(ENTROPY_ATTN_UNTESTED_KERNELS=1)")
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
@@ -1852,8 +1862,7 @@ def test_hopper_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, 
     kHopperHeadDim256ByDefault) wherever kernels.toml has them, so every case but the masked ones
     and split-KV decoding, which run in the sm80 family's; the backward is the sm80 family's
     (check_head_dim_256)."""
-    spec = HEAD_DIM_256_CASES[case][2]
-    forward_family = "sm80" if "mask" in spec or "split" in spec else "sm90"
+    forward_family = "sm90" if hopper_runs_256(HEAD_DIM_256_CASES[case][2]) else "sm80"
     check_head_dim_256(monkeypatch, case, dtype, stats, "sm90", forward_family)
 
 
@@ -2243,10 +2252,10 @@ PADDED_HEAD_DIM_CASES: Dict[str, Tuple[int, int, int, int, Dict[str, Any]]] = {
 
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("family, case", [
-    pytest.param(f, c, marks=[pytest.mark.skipif(not tensor_core_family_runs(run),
-                                                 reason=f"the {run} family does not run on this device")]
-                 + ([pytest.mark.hopper_256] if f == "sm90" and max(PADDED_HEAD_DIM_CASES[c][:2]) > 128 else []),
-                 id=f"{f}-{c}")
+    pytest.param(f, c, id=f"{f}-{c}",
+                 marks=[pytest.mark.skipif(not tensor_core_family_runs(run),
+                                           reason=f"the {run} family does not run on this device")]
+                 + ([pytest.mark.hopper_256] if f == "sm90" and max(PADDED_HEAD_DIM_CASES[c][:2]) > 128 else []))
     for f, run in (("sm80", "sm80"), ("sm90", "sm90"), ("auto", "sm80")) for c in PADDED_HEAD_DIM_CASES])
 def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, family: str, case: str,
                                           stats: bool) -> None:
@@ -2254,10 +2263,9 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     zero-padded inputs, as "auto" does (family.h: kTensorCorePaddedHeadDimsByDefault; the Hopper
     family on an H100) (the forward and backward kernels in the profile; a head dim padded to 256
     in the sm80 family's but for the Hopper forward forced, the backward where the GPU has the
-    shared memory) and matches the
-    float64 reference: output, lse, n_i and, with statistics, every statistic, and the gradients of
-    q, k, v through the output and the entropy. (Dry run: the CPU op against the same
-    reference.)"""
+    shared memory) and matches the float64 reference: output, lse, n_i and, with statistics, every
+    statistic, and the gradients of q, k, v through the output and the entropy. (Dry run: the CPU
+    op against the same reference.)"""
     D, Dv, Lq, Lk, spec = PADDED_HEAD_DIM_CASES[case]
     kw = {key: val for key, val in spec.items() if key != "mask"}
     torch.manual_seed(9)
@@ -2267,10 +2275,9 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
     padded_to_256 = max(D, Dv) > 128
     chosen = ("sm90" if is_hopper() else "sm80") if family == "auto" else family
-    # At 256 the Hopper family has a forward without a mask alone, compiled on request and off by
-    # default (family.h: kHopperHeadDim256ByDefault), which the forced family runs; the backward
-    # there is the sm80 family's.
-    hopper_256 = family == "sm90" and "mask" not in spec and getattr(_build_info, "UNTESTED_KERNELS", False)
+    # At 256 the forced Hopper family runs the forward where it has it (hopper_runs_256); the
+    # backward there is the sm80 family's.
+    hopper_256 = family == "sm90" and hopper_runs_256(spec)
     fwd_family = ("sm90" if hopper_256 else "sm80") if padded_to_256 else chosen
     bwd_family = "sm80" if padded_to_256 else chosen
     res: list = []

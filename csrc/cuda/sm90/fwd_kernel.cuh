@@ -124,6 +124,15 @@ namespace fwd_impl {
 
 using namespace cute;
 
+// What the producer needs of a tile: its query tile, head, batch entry and key blocks. It does not
+// compute them: its 24 registers spilled on the launch order's divisions and the key ranges'
+// 64-bit arithmetic. Thread 0 computes the block's first tile before the warpgroups part, and the
+// consumers each next one, all handed to the producer through shared memory (m_block < 0: none
+// left).
+struct ProducerTile {
+  int m_block = -1, h = 0, b = 0, n_begin = 0, n_end = 0;
+};
+
 // Tile traits. 128 query rows (64 per consumer warpgroup, the M of one wgmma) by 128 keys: S is
 // 64 fp32 registers per consumer thread, the P of the block before (in flight in P V) 32 and O
 // D / 2 (64 at D = 128), inside the 240 that setmaxnreg gives the consumers. Two stages: Q 32 KB +
@@ -223,13 +232,13 @@ struct FwdTraits {
     // tile's Q while its consumers finish the tile before.
     alignas(8) uint64_t barrier_q;
     alignas(8) uint64_t barrier_q_empty;
-    // The block's tiles for the producer (ProducerTile below): the tile of round r in slot r % 2,
+    // The block's tiles for the producer (ProducerTile above): the tile of round r in slot r % 2,
     // the first written by thread 0 before the warpgroups part, each next one by a consumer thread
     // in round r - 1 before it arrives on barrier_q_empty, and read by the producer once it has
     // waited there. (The thread writes once it has waited for round r - 1's Q, which the producer
     // loaded after reading round r - 1's tile: one slot would do, but with one ptxas spilled the
     // masked kernels at D = 128, 32 to 48 bytes.)
-    int next_tile[2][5];
+    ProducerTile next_tile[2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -315,14 +324,6 @@ __device__ __forceinline__ ForwardTile forward_tile(const FwdParams<float>& p, u
 // above the wait.
 EA_HOST_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// What the producer needs of a tile: its query tile, head, batch entry and key blocks. It does not
-// compute them: its 24 registers spilled on the launch order's divisions and the key ranges'
-// 64-bit arithmetic. Thread 0 computes the block's first tile before the warpgroups part, and the
-// consumers each next one, all handed to the producer through shared memory (m_block < 0: none
-// left).
-struct ProducerTile {
-  int m_block = -1, h = 0, b = 0, n_begin = 0, n_end = 0;
-};
 __device__ __forceinline__ ProducerTile producer_tile(const ForwardTile& ft) {
   return {ft.m_block, ft.at.y, ft.at.z, ft.tb.n_begin, ft.tb.n_end};
 }
@@ -533,9 +534,7 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       const ProducerTile pt = next < static_cast<uint32_t>(tile_count<Kt>(p))
                                   ? producer_tile(forward_tile<Kt, kCausal, kMask>(p, next))
                                   : ProducerTile{};
-      int* slot = ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2];
-      slot[0] = pt.m_block, slot[1] = pt.h, slot[2] = pt.b, slot[3] = pt.n_begin;
-      slot[4] = pt.n_end;
+      ss.next_tile[(persistent_round(index, gridDim.x) + 1) % 2] = pt;
     }
     // The warp whole again for the wgmma wait that follows (.sync.aligned: all its threads at
     // once), rather than as ptxas happens to reconverge it.
@@ -921,10 +920,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
     // The first tile, in round 0's slot (the launcher's grid has at most a block per tile: every
     // block has one). Through shared memory rather than registers kept across the producer's
     // setmaxnreg.dec: at D = 256 its 24 registers spilled one of them.
-    const ProducerTile first = producer_tile(forward_tile<Kt, kCausal, kMask>(p, blockIdx.x));
-    int* slot = ss.next_tile[0];
-    slot[0] = first.m_block, slot[1] = first.h, slot[2] = first.b, slot[3] = first.n_begin;
-    slot[4] = first.n_end;
+    ss.next_tile[0] = producer_tile(forward_tile<Kt, kCausal, kMask>(p, blockIdx.x));
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -943,8 +939,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
         Ops::TxBarrier::wait(&ss.barrier_q_empty, (round - 1) % 2);
         compiler_fence();
       }
-      const int* next = ss.next_tile[round % 2];
-      const ProducerTile tile{next[0], next[1], next[2], next[3], next[4]};
+      const ProducerTile tile = ss.next_tile[round % 2];
       if (tile.m_block < 0) break;
       produce<Kt>(args, ss, pipeline_k, pipeline_v, write_state, tile);
     }

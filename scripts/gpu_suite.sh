@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 # A build here compiles the kernels that wait for a GPU to test them as well, if kernels.toml lists
-# any (`on_request`: csrc/cuda/untested_kernels.h; the Hopper forward at head dim 256 at present):
+# any (`on_request`: csrc/cuda/untested_kernels.h; the Hopper kernels at head dim 256 at present):
 # the CUDA tests force them, and
 # step 3 then fails on a build without them. ENTROPY_ATTN_UNTESTED_KERNELS=0 leaves them out of a
 # build (scripts/setup.sh; the device bundle's library has them) and accepts one without them.

@@ -109,7 +109,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "hopper_256: can run the Hopper forward at head dim 256 (written without a GPU, compiled on "
+        "hopper_256: can run the Hopper kernels at head dim 256 (written without a GPU, compiled on "
         "request), which scripts/gpu_session.sh runs in that bounded pass too",
     )
     if REQUIRE_CUDA and not HAS_CUDA:

@@ -1418,8 +1418,8 @@ def test_families_agree(
 ) -> None:
     """A specialized family (forced) and the fallback give the same outputs and gradients within the
     dtype's tolerance, over the flags each instantiation fixes at compile time (at D = 256 the forced
-    sm90 family runs its forward where it has it, hopper_runs_256, and passes the rest to the sm80
-    family's kernels); GQA, lengths that are no multiple of a tile (two query tiles and three key
+    sm90 family runs its kernels where it has them, hopper_runs_256, and passes the rest to the sm80
+    family's); GQA, lengths that are no multiple of a tile (two query tiles and three key
     blocks of the sm90 forward, five query blocks of its backward), a logn scale, and with
     statistics an entropy and sum p^2 term in the loss."""
     torch.manual_seed(0)
@@ -1781,22 +1781,24 @@ HEAD_DIM_256_CASES: Dict[str, Tuple[int, int, Dict[str, Any]]] = {
 }
 
 
-#: Whether this build has the Hopper forward at head dim 256 (compiled on request, kernels.toml).
+#: Whether this build has the Hopper kernels at head dim 256 (compiled on request, kernels.toml).
 HOPPER_256_BUILT = getattr(_build_info, "UNTESTED_KERNELS", False)
 
 
-def hopper_runs_256(spec: Dict[str, Any]) -> bool:
+def hopper_runs_256(spec: Dict[str, Any], direction: str = "forward") -> bool:
     """Whether the forced Hopper family runs a head-dim-256 call with the keyword arguments `spec` in
-    its own forward: where the build has it (HOPPER_256_BUILT), without a mask (kernels.toml lists
-    none at 256) and not cut by split-KV (the sm80 family's); else the sm80 forward runs it."""
-    return HOPPER_256_BUILT and "mask" not in spec and spec.get("split", "off") == "off"
+    its own kernels of `direction` ("forward" or "backward"): where the build has them
+    (HOPPER_256_BUILT), and in the forward without a mask (kernels.toml lists none at 256) and not
+    cut by split-KV (the sm80 family's); else the sm80 family's kernels run it."""
+    forward_only = "mask" in spec or spec.get("split", "off") != "off"
+    return HOPPER_256_BUILT and not (direction == "forward" and forward_only)
 
 
 def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype, stats: bool,
-                       family: str, forward_family: str) -> None:
+                       family: str, forward_family: str, backward_family: str) -> None:
     """A call of HEAD_DIM_256_CASES with ENTROPY_ATTN_CUDA_FAMILY=`family`: its forward runs in
-    `forward_family`'s kernels and the backward in the sm80 family's (where the GPU has its shared
-    memory, the fallback's elsewhere), and they match the float64 reference: output, lse and n_i,
+    `forward_family`'s kernels and the backward in `backward_family`'s (sm80's where the GPU has its
+    shared memory, the fallback's elsewhere), and they match the float64 reference: output, lse and n_i,
     with statistics the entropy, sum p^2, max weight and derived statistics, and the gradients of q,
     k, v (and the sinks) through the output and, with statistics, the entropy. (Dry run: the CPU op
     against the same reference.)"""
@@ -1823,10 +1825,10 @@ def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.
     go = torch.randn_like(out[0])
     ge = torch.randn_like(out[2]) if stats else None
     grads: list = []
-    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), "sm80",
-                         "main_kernel")
-    if not DRY_RUN and sm80_backward_fits_head_dim_256():
-        assert ran, "the sm80 backward did not run at D = 256"
+    ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)),
+                         backward_family, "main_kernel")
+    if not DRY_RUN and (backward_family == "sm90" or sm80_backward_fits_head_dim_256()):
+        assert ran, f"the {backward_family} backward did not run at D = 256"
     elif not DRY_RUN:
         assert not ran, "the sm80 backward ran without the shared memory it needs"
     ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)
@@ -1842,28 +1844,29 @@ def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.
 def test_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
                                         stats: bool) -> None:
     """The default choice ("auto": family.h, kTensorCoreHeadDim256ByDefault, and
-    kHopperHeadDim256ByDefault off) runs head dim 256 in the sm80 family's kernels, forward and
-    backward (check_head_dim_256)."""
-    check_head_dim_256(monkeypatch, case, dtype, stats, "auto", "sm80")
+    kHopperHeadDim256ByDefault and kHopperBackwardHeadDim256ByDefault off) runs head dim 256 in the
+    sm80 family's kernels, forward and backward (check_head_dim_256)."""
+    check_head_dim_256(monkeypatch, case, dtype, stats, "auto", "sm80", "sm80")
 
 
 @pytest.mark.hopper_256
 @pytest.mark.skipif(not DRY_RUN and not is_hopper(), reason="the sm90 family needs a compute capability 9.0 GPU")
 @pytest.mark.skipif(not DRY_RUN and not HOPPER_256_BUILT,
-                    reason="the Hopper forward at head dim 256 is compiled on request "
+                    reason="the Hopper kernels at head dim 256 are compiled on request "
                            "(ENTROPY_ATTN_UNTESTED_KERNELS=1)")
 @pytest.mark.parametrize("stats", [False, True], ids=["lean", "stats"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", list(HEAD_DIM_256_CASES))
 def test_hopper_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype,
                                                stats: bool) -> None:
-    """With the Hopper family forced, head dim 256's forward runs in its kernels (64-key blocks,
-    sm90/fwd_kernel.cuh; off by default until this passes on a GPU: family.h,
-    kHopperHeadDim256ByDefault) wherever kernels.toml has them, so every case but the masked ones
-    and split-KV decoding, which run in the sm80 family's; the backward is the sm80 family's
-    (check_head_dim_256)."""
-    forward_family = "sm90" if hopper_runs_256(HEAD_DIM_256_CASES[case][2]) else "sm80"
-    check_head_dim_256(monkeypatch, case, dtype, stats, "sm90", forward_family)
+    """With the Hopper family forced, head dim 256 runs in its kernels (64-key blocks,
+    sm90/fwd_kernel.cuh and bwd_kernel.cuh; off by default until this passes on a GPU: family.h,
+    kHopperHeadDim256ByDefault, kHopperBackwardHeadDim256ByDefault) wherever kernels.toml has them:
+    every backward, and the forwards but the masked ones and split-KV decoding, which run in the
+    sm80 family's (check_head_dim_256)."""
+    spec = HEAD_DIM_256_CASES[case][2]
+    families = ["sm90" if hopper_runs_256(spec, d) else "sm80" for d in ("forward", "backward")]
+    check_head_dim_256(monkeypatch, case, dtype, stats, "sm90", *families)
 
 
 @real_cuda
@@ -2275,11 +2278,12 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     monkeypatch.setenv("ENTROPY_ATTN_SPLIT_KV", "off")
     padded_to_256 = max(D, Dv) > 128
     chosen = ("sm90" if is_hopper() else "sm80") if family == "auto" else family
-    # At 256 the forced Hopper family runs the forward where it has it (hopper_runs_256); the
-    # backward there is the sm80 family's.
-    hopper_256 = family == "sm90" and hopper_runs_256(spec)
-    fwd_family = ("sm90" if hopper_256 else "sm80") if padded_to_256 else chosen
-    bwd_family = "sm80" if padded_to_256 else chosen
+    # At 256 the forced Hopper family runs its kernels where it has them (hopper_runs_256), the
+    # sm80 family the rest.
+    at_256 = {d: "sm90" if family == "sm90" and hopper_runs_256(spec, d) else "sm80"
+              for d in ("forward", "backward")}
+    fwd_family = at_256["forward"] if padded_to_256 else chosen
+    bwd_family = at_256["backward"] if padded_to_256 else chosen
     res: list = []
     ran = family_kernels(lambda: res.append(OP(*leaves, cuda(mask), None, enable_gqa=True,
                                                return_stats=stats, **kw)), fwd_family, "forward_kernel")
@@ -2294,7 +2298,7 @@ def test_padded_head_dims_match_reference(monkeypatch: pytest.MonkeyPatch, famil
     grads: list = []
     ran = family_kernels(lambda: grads.extend(grads_of([out[0], out[2]], [go, ge], leaves)), bwd_family,
                          "main_kernel")
-    if not DRY_RUN and (not padded_to_256 or sm80_backward_fits_head_dim_256()):
+    if not DRY_RUN and (not padded_to_256 or bwd_family == "sm90" or sm80_backward_fits_head_dim_256()):
         assert ran, f"the {bwd_family} backward did not run on the padded call"
     assert all(g.shape == x.shape and g.is_contiguous() for g, x in zip(grads, leaves))
     ref_grads = grads_of([r.output, r.entropy], [go.cpu(), None if ge is None else ge.cpu()], rin)

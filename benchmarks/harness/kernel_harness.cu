@@ -7,13 +7,14 @@
 //                        [--commit C] [--sm90-atomic-dq]
 //
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, bool and additive masks,
-//    D = 64 and 128, bf16 and fp16) through each family the device runs: the forward with and
-//    without statistics and the backward against the float64 reference of kernel_harness.h, with
-//    the test suite's tolerances (with the statistics' upstream gradients too, as an entropy
-//    regularizer sends them); deterministic backwards (dq without atomics in any order: a second
-//    run's bits compared with the first's); and calls of 2048 rows and keys (bf16, with those
-//    gradients) against the fallback family's results. (The pytest suite, tests/test_cuda.py, is
-//    the full judge: windows, documents, softcap, sinks, dropout, other mask layouts.)
+//    D = 64 and 128, and 256 without a mask, bf16 and fp16) through each family the device runs:
+//    the forward with and without statistics and the backward against the float64 reference of
+//    kernel_harness.h, with the test suite's tolerances (with the statistics' upstream gradients
+//    too, as an entropy regularizer sends them); deterministic backwards (dq without atomics in any
+//    order: a second run's bits compared with the first's); and calls of 2048 rows and keys (bf16,
+//    with those gradients) against the fallback family's results. (The pytest suite,
+//    tests/test_cuda.py, is the full judge: windows, documents, softcap, sinks, dropout, other mask
+//    layouts.)
 // 2. Timings: the GPU benchmark's grid (bf16, B = 4, H:Hkv 16:16 and 32:8, D 64 and 128, L 1024,
 //    4096 and 16384, causal or not; --quick: L 1024 and 4096) for the tensor-core families (the
 //    fallback with --families ...,fallback): medians of CUDA-event times of the forward without
@@ -275,13 +276,15 @@ struct OpLaunch {
       l.splits = split_kv_count(s.batch * s.heads * ((s.q_len + 127) / 128), (s.kv_len + 63) / 64,
                                 2 * dev.sms);
     }
-    // (Masked calls run in the general instantiations, as family.cpp routes them.)
+    // (Masked calls run in the general instantiations, as family.cpp routes them; so does full
+    // attention at a head dim that has them alone, the sm80 family's 256.)
     const bool masked = s.mask != MaskKind::kNone;
-    const bool general = s.causal || l.splits > 1 || masked;
+    const bool general_only = forward_of<T>(f, d, false, true, s.mask) == nullptr;
+    const bool general = s.causal || l.splits > 1 || masked || general_only;
     l.fwd_stats = forward_of<T>(f, d, general, true, s.mask);
     l.fwd_plain = f == Family::kFallback ? nullptr : forward_of<T>(f, d, general, false, s.mask);
-    l.bwd = backward_of<T>(f, d, s.causal || masked, s.mask);
-    l.bulk_dq = f == Family::kSm90 && dev.sm90_bulk_dq && !masked;
+    l.bwd = backward_of<T>(f, d, s.causal || masked || general_only, s.mask);
+    l.bulk_dq = f == Family::kSm90 && dev.sm90_bulk_dq && !masked && sm90::bulk_dq_fits(d);
     // (The launcher takes the compact tiles where the full ones do not fit: launch.h.)
     const bool compact = sm80::backward_compact(d, dev.smem_optin);
     const int need = sm80::backward_main_smem_bytes(d, compact);
@@ -712,6 +715,24 @@ int main(int argc, char** argv) {
                    checks.size());
     }
   }
+  // Head dim 256 (Gemma's) without a mask, in the families that compile it there (the Hopper
+  // family's kernels only in a build with the kernels compiled on request: untested_kernels.h; the
+  // device bundle's): GQA with partial blocks and the statistics' gradients, Lq != Lk with logn row
+  // scales.
+  std::vector<Family> at_256;
+  for (Family f : checked) {
+    if (forward_of<__nv_bfloat16>(f, 256, true, true, MaskKind::kNone) != nullptr) {
+      at_256.push_back(f);
+    }
+  }
+  for (bool causal : {false, true}) {
+    for (const Shape& s : {Shape{2, 4, 2, 200, 150, 256, causal, false, true},
+                           Shape{1, 2, 2, 130, 300, 256, causal, true}}) {
+      check_call<__nv_bfloat16>(at_256, dev, "bf16", s, false, checks);
+      check_call<__half>(at_256, dev, "fp16", s, false, checks);
+    }
+  }
+  std::fprintf(stderr, "checked D=256: %zu checks so far\n", checks.size());
   int failed = 0;
   // The rows [from, end) as a table under `title`, their failures counted; flushed, so that a run
   // cut short keeps what it printed.

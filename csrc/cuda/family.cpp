@@ -319,10 +319,11 @@ std::string hopper_mask_grad_obstacle(const BackwardCall& c) {
 }
 
 // Under deterministic algorithms the Hopper backward adds dq's partial sums in the key blocks'
-// order (sm90/bwd_kernel.cuh: dq_turns), by bulk reductions or, in the masked kernels, by atomics
-// taking turns (a mask's gradient comes at the call's full shape then: attention_cuda.cpp). Off by
-// default until it has run on a GPU (family.h: kHopperDeterministicByDefault); the sm80 family's
-// deterministic dq kernel takes such calls meanwhile.
+// order (sm90/bwd_kernel.cuh: dq_turns), by bulk reductions or, in the masked kernels and at head
+// dim 256, by atomics taking turns (a mask's gradient comes at the call's full shape then:
+// attention_cuda.cpp). Off by default until it has run on a GPU (family.h:
+// kHopperDeterministicByDefault); the sm80 family's deterministic dq kernel takes such calls
+// meanwhile.
 std::string hopper_deterministic_obstacle() {
   if (at::globalContext().deterministicAlgorithms() &&
       !hopper_capability(kHopperDeterministicByDefault)) {
@@ -334,7 +335,8 @@ std::string hopper_deterministic_obstacle() {
 
 // The Hopper backward also needs dq in an order it can keep (deterministic algorithms: above), no
 // mask gradient beside the statistics' gradients (the sm80 family's backward takes those calls),
-// and no softcap or dropout with a mask (sm90/launch.h: backward_covers).
+// and no softcap or dropout with a mask (sm90/launch.h: backward_covers); at head dim 256 it is off
+// by default (family.h: kHopperBackwardHeadDim256ByDefault).
 std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (std::string why = hopper_mask_grad_obstacle(c); !why.empty()) return why;
   if (std::string why = hopper_deterministic_obstacle(); !why.empty()) return why;
@@ -345,8 +347,14 @@ std::string hopper_backward_obstacle(const BackwardCall& c) {
   if (c.call.options.dropout_p > 0 && c.call.mask.has_value()) {
     return "dropout with a mask in the backward (sm90/launch.h)";
   }
-  return hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
-                         sm90_backward_of(c) != nullptr, hopper_features());
+  std::string obstacle =
+      hopper_obstacle(c.call.shape, c.call.dtype, c.call, {&c.q, &c.k, &c.v, &c.out, &c.dout},
+                      sm90_backward_of(c) != nullptr, hopper_features());
+  if (obstacle.empty() && c.call.shape.head_dim == 256 &&
+      !hopper_capability(kHopperBackwardHeadDim256ByDefault)) {
+    return "head_dim 256 in the backward, off by default (kHopperBackwardHeadDim256ByDefault)";
+  }
+  return obstacle;
 }
 
 // The tensor-core backward also needs its shared memory, which at D = 128 is more than some GPUs
@@ -508,8 +516,10 @@ Selection select_forward(const ForwardCall& c) {
 }
 
 bool hopper_bulk_dq(const AttentionBackwardCall& call) {
-  // (The masked kernels add G by atomics only: sm90/launch.h, backward_covers.)
-  return !call.mask.has_value() && hopper_capability(kHopperBulkDqByDefault);
+  // (The masked kernels add G by atomics only, as every kernel does at head dim 256, where G's tile
+  // does not fit: sm90/launch.h, backward_covers.)
+  return !call.mask.has_value() && sm90::bulk_dq_fits(call.shape.head_dim) &&
+         hopper_capability(kHopperBulkDqByDefault);
 }
 
 Selection select_backward(const BackwardCall& c) {

@@ -71,10 +71,15 @@ constexpr bool kHopperMaskGradByDefault = false;
 constexpr bool kTensorCoreHeadDim256ByDefault = true;
 
 // Whether "auto" gives the Hopper family the forward at head dim 256 without a mask on compute
-// capability 9.0 (sm90/fwd_kernel.cuh: 64-key blocks; its masked calls and its backward are the
-// sm80 family's). Off until it passes the CUDA tests on a GPU, its kernels compiled on request
-// (kernels.toml); it passes the CPU emulation (tests/cpp/test_sm90_emulation.cpp: HeadDim256).
+// capability 9.0 (sm90/fwd_kernel.cuh: 64-key blocks; its masked calls are the sm80 family's). Off
+// until it passes the CUDA tests on a GPU, its kernels compiled on request (kernels.toml); it
+// passes the CPU emulation (tests/cpp/test_sm90_emulation.cpp: EmulatedSm90Forward.HeadDim256).
 constexpr bool kHopperHeadDim256ByDefault = false;
+// The same for the backward at head dim 256, any mask kind (sm90/bwd_kernel.cuh: 64-key blocks,
+// the warpgroups splitting dK and dV along D, G by atomics), which passes the CPU emulation
+// (EmulatedSm90Backward.HeadDim256 and HeadDim256Masked); meanwhile the sm80 family's backward runs
+// those calls.
+constexpr bool kHopperBackwardHeadDim256ByDefault = false;
 
 // Whether "auto" gives the tensor-core family the backward at head dim 128 on GPUs that offer a
 // block less shared memory than its full tiles need (161 KB: sm_86, sm_89 and sm_120 offer 99 KB,

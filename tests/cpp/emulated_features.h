@@ -68,14 +68,6 @@ double rel_norm(const at::Tensor& a, const at::Tensor& e) {
   return (d.norm() / e.to(at::kDouble).norm().clamp_min(1e-30)).item<double>();
 }
 
-// Whether a family's test struct checks the forward alone (kForwardOnly = true: a head dim whose
-// backward another family runs).
-template <typename Family, typename = void>
-struct ForwardOnly : std::false_type {};
-template <typename Family>
-struct ForwardOnly<Family, std::void_t<decltype(Family::kForwardOnly)>>
-    : std::bool_constant<Family::kForwardOnly> {};
-
 template <typename Family, typename T, int kD>
 void run_feature(const Feature& f) {
   const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
@@ -112,7 +104,6 @@ void run_feature(const Feature& f) {
   EXPECT_LT(rel_norm(sum_p2, r.sum_p2), tol.rtol) << "sum_p2";
   EXPECT_TRUE(at::equal(n_keys, r.n_keys)) << "n_keys";
   EXPECT_EQ(heads_inside_rows(out), f.heads_inside_rows) << "the output's layout";
-  if constexpr (ForwardOnly<Family>::value) return;
 
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(
       dout, std::nullopt, g_entropy, std::nullopt, q, k, v, std::nullopt, out, lse, entropy, sum_p2,
@@ -170,7 +161,6 @@ void run_documents(const std::vector<int32_t>& cu_q, const std::vector<int32_t>&
   EXPECT_LT(rel_norm(std::get<3>(tc.outputs), std::get<3>(fb.outputs)), tol.rtol) << names[3];
   EXPECT_TRUE(at::equal(std::get<5>(tc.outputs), std::get<5>(fb.outputs))) << "n_keys";
   EXPECT_TRUE(heads_inside_rows(std::get<0>(tc.outputs))) << "the output's layout";
-  if constexpr (ForwardOnly<Family>::value) return;
 
   const auto& f = fb.outputs;  // (both backwards from the fallback's forward)
   const entropy_attn::AttentionBackwardCall bcall = entropy_attn::prepare_attention_backward(

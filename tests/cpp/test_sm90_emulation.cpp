@@ -170,6 +170,24 @@ TEST(EmulatedSm90Backward, D128) {
       eh::Shape{1, 2, 2, 130, 130, 128, true, false, false});
 }
 
+// Head dim 256 (bwd_kernel.cuh, BwdTraits: 64-key blocks, the warpgroups splitting dK and dV along
+// D, so that each reads P and dS of both; G by atomics, its shared tile not fitting): causal with
+// GQA, the statistics' gradients and the gradients in (B, L, H, D) memory; full attention with logn
+// over three key blocks (the last partial) without d lambda; deterministic dq (the atomics in
+// turns); either consumer warpgroup ahead.
+TEST(EmulatedSm90Backward, HeadDim256) {
+  run_backward<__nv_bfloat16, 256, true, MaskKind::kNone>(
+      eh::Shape{1, 4, 2, 100, 150, 256, true, false, true, MaskKind::kNone, true});
+  run_backward<__half, 256, false, MaskKind::kNone>(
+      eh::Shape{2, 2, 1, 90, 150, 256, false, true, false}, false, false);
+  run_backward<__nv_bfloat16, 256, true, MaskKind::kNone>(
+      eh::Shape{1, 2, 2, 130, 200, 256, true, true, true}, false, true, true);
+  with_either_warpgroup_ahead([] {
+    run_backward<__nv_bfloat16, 256, false, MaskKind::kNone>(
+        eh::Shape{1, 2, 1, 70, 130, 256, false, true, true});
+  });
+}
+
 TEST(EmulatedSm90Backward, BulkDq) {
   // dq's partial sums through the shared tile and the dq writer's bulk reductions (bwd_kernel.cuh:
   // write_dq): a partial last query block (its zero rows added into the padding), GQA (the
@@ -370,6 +388,22 @@ TEST(EmulatedSm90Backward, Masked) {
       eh::Shape{1, 2, 1, 70, 150, 128, false, false, true, MaskKind::kBool});
   run_backward<__half, 64, true, MaskKind::kAdditive>(
       eh::Shape{1, 2, 2, 80, 80, 64, true, true, true, MaskKind::kAdditive});
+}
+
+// Head dim 256's masked backward (the mask read from global memory, as at 64 and 128; its forward
+// is the sm80 family's): a bool mask with causality, GQA and the statistics' gradients over three
+// key blocks; a 16-bit additive mask with its gradient and logn scales, gradients in (B, L, H, D)
+// memory, in the turn keeper's turns; either consumer warpgroup ahead.
+TEST(EmulatedSm90Backward, HeadDim256Masked) {
+  run_backward<__nv_bfloat16, 256, true, MaskKind::kBool>(
+      eh::Shape{1, 4, 2, 90, 150, 256, true, false, true, MaskKind::kBool});
+  eh::Shape s{1, 2, 1, 70, 131, 256, false, true, false, MaskKind::kAdditive, true, true};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_backward<__nv_bfloat16, 256, true, MaskKind::kAdditive>(s, false, true, true);
+  with_either_warpgroup_ahead([] {
+    run_backward<__half, 256, true, MaskKind::kAdditive>(
+        eh::Shape{1, 2, 2, 80, 100, 256, true, true, true, MaskKind::kAdditive});
+  });
 }
 
 TEST(EmulatedSm90Backward, AdditiveMaskInTheInputsType) {

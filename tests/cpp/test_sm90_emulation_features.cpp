@@ -45,16 +45,6 @@ struct Sm90Persistent : Sm90 {
   }
 };
 
-// The forward at head dim 256, whose backward the sm80 family runs (kernels.toml): run_feature and
-// run_documents check the forward alone.
-struct Sm90HeadDim256 : Sm90 {
-  static constexpr bool kForwardOnly = true;
-  template <typename T, int kD>
-  static void backward(const ec::BwdParams<float>&) {
-    FAIL() << "no Hopper backward at head dim " << kD;
-  }
-};
-
 TEST(EmulatedSm90Features, WindowsAndAlignment) {
   Feature f;
   f.window = {40, 0}, f.heads_inside_rows = true;  // (and the output and gradients with it)
@@ -93,19 +83,18 @@ TEST(EmulatedSm90Features, SoftcapSinksDropout) {
   run_feature<Sm90, __half, 64>(f);
 }
 
-// Head dim 256's forward (64-key blocks, 128-row tiles: windows and documents whose edges fall
-// inside them) with each feature: a window aligned bottom-right, softcap, sinks and dropout, packed
-// documents.
+// Head dim 256 (64-key blocks in both directions; the forward's query tiles of 128 rows, the
+// backward's query blocks of 64: windows and documents whose edges fall inside them) with each
+// feature: a window aligned bottom-right, softcap, sinks and dropout, packed documents.
 TEST(EmulatedSm90Features, HeadDim256) {
   Feature f;
   f.window = {90, 0}, f.alignment = "bottom_right", f.q_len = 130, f.kv_len = 260;
   f.heads_inside_rows = true;
-  run_feature<Sm90HeadDim256, __nv_bfloat16, 256>(f);
+  run_feature<Sm90, __nv_bfloat16, 256>(f);
   f = Feature{};
   f.softcap = 2.0, f.sinks = true, f.dropout_p = 0.2;
-  run_feature<Sm90HeadDim256, __nv_bfloat16, 256>(f);
-  run_documents<Sm90HeadDim256, __nv_bfloat16, 256>({0, 70, 71, 150}, {0, 90, 91, 171}, true,
-                                                    {30, 0});
+  run_feature<Sm90, __nv_bfloat16, 256>(f);
+  run_documents<Sm90, __nv_bfloat16, 256>({0, 70, 71, 150}, {0, 90, 91, 171}, true, {30, 0});
 }
 
 TEST(EmulatedSm90Features, PersistentGrid) {

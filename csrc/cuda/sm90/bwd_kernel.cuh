@@ -5,17 +5,18 @@
 // call. The delta preprocess and the dq / d lambda postprocess are the sm80 family's kernels (CUDA
 // cores; bwd_launch.cuh launches them around this one).
 //
-// One thread block of three warpgroups owns a block of kBlockN = 128 keys of one (kv head, batch)
-// and walks the query blocks (kBlockM = 64 rows) of every query head of its GQA group, so that dK
-// and dV, summed over the group, stay in registers:
+// One thread block of three warpgroups owns a block of kBlockN = 128 keys (64 at D = 256) of one
+// (kv head, batch) and walks the query blocks (kBlockM = 64 rows) of every query head of its GQA
+// group, so that dK and dV, summed over the group, stay in registers:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec to 24); one thread loads
 //     K and V once (TMA, one mbarrier) and then Q and dO of every query block into a 2-stage ring
 //     (cutlass::PipelineTmaAsync, one pipeline each);
 //   warpgroups 1 and 2, the consumers (240 registers): warpgroup w accumulates dK and dV of keys
-//     [64 w, 64 w + 64) of the block, and computes S and dP for half of each slice of the block's
-//     keys (BwdTraits::slices: one slice, so its own 64 keys, at D = 64 and in a D = 128 loss of
-//     the output alone without a mask; else at D = 128 keys [32 w, 32 w + 32) of each 64-key
-//     slice). Per query block:
+//     [64 w, 64 w + 64) of the block (at D = 256 of every key of the block, columns
+//     [128 w, 128 w + 128): BwdTraits::kDkvSplitsD), and computes S and dP for half of each slice
+//     of the block's keys (BwdTraits::slices: one slice, so its own 64 keys, at D = 64 and in a
+//     D = 128 loss of the output alone without a mask; else at D = 128 keys [32 w, 32 w + 32) of
+//     each 64-key slice; at D = 256 keys [32 w, 32 w + 32) of the block). Per query block:
 //       the five per-row values (lse, lambda, delta, the statistic gradients) into shared
 //                                    memory by cp.async, issued while the block before finishes
 //                                    (the masked kernels: at the block's start, with an L1
@@ -112,22 +113,32 @@ namespace bwd_impl {
 
 using namespace cute;
 
-// Tile traits. 64 query rows by 128 keys (FlashAttention-3's backward tile at D = 128). Registers
-// per consumer thread: dK and dV D / 2 each (64 + 64 at D = 128), S and dP 32 each (16 in two
-// slices), G D / 4.
-// Shared memory: K, V (128 x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x 128;
-// one buffer each: the statistics barrier of a query block, before its P and dS stores, comes
-// after every product of the one before), the row statistics (two buffers: a block's copies
-// start before that barrier): 178 KB at D = 128, 114 KB at D = 64; with bulk reductions also G's
-// fp32 tile (64 x (D + 8)): 212 KB and 132 KB.
+// Tile traits. 64 query rows by 128 keys (FlashAttention-3's backward tile at D = 128), by 64 keys
+// at D = 256 (FlashAttention-3's there too). Registers per consumer thread: dK and dV D / 2 each at
+// D = 64 and 128 (64 + 64 at D = 128), where each warpgroup owns 64 keys of them; at D = 256 each
+// owns half of D of the 64 keys (kDkvSplitsD), 64 + 64 again; S and dP 32 each (16 in two slices,
+// and at D = 256), G D / 4.
+// Shared memory: K, V (kBlockN x D), Q and dO (64 x D, two stages each), P, dS, lambda dS (64 x
+// kBlockN; one buffer each: the statistics barrier of a query block, before its P and dS stores,
+// comes after every product of the one before), the row statistics (two buffers: a block's copies
+// start before that barrier): 178 KB at D = 128, 114 KB at D = 64, 219 KB at D = 256; with bulk
+// reductions also G's fp32 tile (64 x (D + 8)): 212 KB and 132 KB (at D = 256, 67 KB more than
+// the SM has: G goes by atomics there, kBulkDqFits).
 template <typename T, int kHeadDim_, typename Ops_ = Sm90Ops>
 struct BwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
   using Element = typename ::entropy_attn::cuda::CuteElement<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper family");
-  static constexpr int kBlockM = 64;   // query rows per block
-  static constexpr int kBlockN = 128;  // keys per thread block
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "head dims of the Hopper family");
+  static constexpr int kBlockM = 64;                          // query rows per block
+  static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;  // keys per thread block
+  // At D = 256 the warpgroups split dK and dV along D rather than the keys: 64 keys each would
+  // take 128 + 128 accumulator registers of their 240. Each warpgroup's dV and dK then read P and
+  // dS of both (kOwnP is off), and its wgmma are m64n128 (2 KB of the A operand and 4 KB of the B
+  // per 128K multiply-adds, within the SM's 128 bytes per cycle).
+  static constexpr bool kDkvSplitsD = kHeadDim == 256;
+  static constexpr bool kBulkDqFits = bulk_dq_fits(kHeadDim);  // (launch.h)
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -160,12 +171,15 @@ struct BwdTraits {
       Layout<Shape<_1, _2, _1>>{}));
   // dV += P^T dO and dK += (lambda dS)^T Q: (keys, D), the warpgroups along the keys; every
   // operand read MN-major (the transposed views of tiles stored K-major).
+  //   (kDkvSplitsD: the warpgroups along D.)
   using TiledMmadKV = decltype(make_tiled_mma(
       typename Ops::template Gmma<
-          decltype(GMMA::ss_op_selector<Element, Element, float,
-                                        Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
-                                        GMMA::Major::MN>())>{},
-      Layout<Shape<_2, _1, _1>>{}));
+          decltype(GMMA::ss_op_selector<
+                   Element, Element, float,
+                   Shape<Int<kDkvSplitsD ? kBlockN : kBlockN / 2>,
+                         Int<kDkvSplitsD ? kHeadDim / 2 : kHeadDim>, Int<kBlockM>>,
+                   GMMA::Major::MN, GMMA::Major::MN>())>{},
+      Layout<Shape<Int<kDkvSplitsD ? 1 : 2>, Int<kDkvSplitsD ? 2 : 1>, _1>>{}));
   // G = dS K: (queries, D), the warpgroups along D; dS K-major, K^T MN-major.
   using TiledMmaG = decltype(make_tiled_mma(
       typename Ops::template Gmma<
@@ -232,8 +246,8 @@ struct BwdTraits {
     // walking_block_from), formed once by thread 0 for the dq writer or the turn keeper.
     int turn_step;
     // G of a query block, laid out as a block of bulk_dq_accum (launch.h); last, so that a launch
-    // that adds G by atomics leaves it out (smem_bytes below).
-    alignas(128) float dq[kBlockM][kHeadDim + kBulkDqPad];
+    // that adds G by atomics leaves it out (smem_bytes below). One row where it does not fit.
+    alignas(128) float dq[kBulkDqFits ? kBlockM : 1][kHeadDim + kBulkDqPad];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static constexpr int kSmemBytesWithoutDq = offsetof(SharedStorage, dq);
@@ -508,9 +522,15 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     int otid = ctid;
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     TiledMmaSdP mma_sdp;
-    auto thr_sdp = mma_sdp.get_thread_slice(ctid);   // the accumulators' places
-    auto wg_sdp = mma_sdp.get_thread_slice(wg_tid);  // the operands' descriptors (above)
-    Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);   // (MMA, MMA_queries, MMA_D, stages)
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);  // the accumulators' places
+    // At D = 256 (16 k-steps of S and of dP per block: 96 descriptors over both stages) they are
+    // formed again in each block from an index the compiler cannot hoist: held across the loop,
+    // the plain kernels spilled 328 bytes of them to local memory and moved them to uniform
+    // registers before each wgmma (325 R2UR in a kernel; 10 with the index opaque).
+    int wtid = wg_tid;
+    if constexpr (kD == 256) asm volatile("" : "+r"(wtid));
+    auto wg_sdp = mma_sdp.get_thread_slice(wtid);   // the operands' descriptors (above)
+    Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
     // K and V by slices of the key block: (kSliceN, D, kSlices).
     const auto slice_tile = Shape<Int<kSliceN>, Int<kD>>{};
     Tensor tSrK = wg_sdp.partition_fragment_B(local_tile(sK, slice_tile, make_coord(_, _0{})));
@@ -715,8 +735,9 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
       // the second's beside slice 1's. kOwnP: with one slice the S of each warpgroup covers its
       // own keys (TiledMmaSdP splits the slice's keys between the warpgroups as TiledMmadKV splits
       // the block's), so its dV reads its own stores alone, and the barrier is the warpgroup's
-      // own: neither waits for the other's P step (FlashAttention-3 syncs both there).
-      constexpr bool kOwnP = kSlices == 1;
+      // own: neither waits for the other's P step (FlashAttention-3 syncs both there). Not at
+      // D = 256, where TiledMmadKV splits D (kDkvSplitsD): each dV reads every key's P.
+      constexpr bool kOwnP = kSlices == 1 && !Kt::kDkvSplitsD;
       if (kEarlyFirst && slice == 0) {
         Ops::fence_view_async_shared();
         if (first) {
@@ -1061,6 +1082,7 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
   // wgmma and setmaxnreg exist only in the architecture-specific sm_90a target (see the forward).
 #if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || \
     defined(ENTROPY_ATTN_CUDA_EMULATION)
+  static_assert(!kBulkDq || Kt::kBulkDqFits, "G's shared tile does not fit at this head dim");
   using Ops = typename Kt::Ops;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kD = Kt::kHeadDim;
   extern __shared__ __align__(1024) char ea_sm90_bwd_smem[];
@@ -1188,7 +1210,7 @@ __global__ void __launch_bounds__(Kt80::kNThreads) preprocess_kernel(const BwdPa
 // (launch.h: backward_covers routes such calls).
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 auto kernel_for(const BwdParams<float>& p) {
-  if constexpr (kMask == MaskKind::kNone) {
+  if constexpr (kMask == MaskKind::kNone && Kt::kBulkDqFits) {
     if (p.dq_layout.bulk) return &main_kernel<T, Kt, kCausal, kMask, true>;
   }
   return &main_kernel<T, Kt, kCausal, kMask, false>;

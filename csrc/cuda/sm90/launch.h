@@ -1,6 +1,6 @@
 // Host entry point of the Hopper family (sm_90a only, bf16/fp16, head dims 64 and 128, and 256 in
-// the forward without a mask, compiled on request and off by default: family.h,
-// kHopperHeadDim256ByDefault;
+// the forward without a mask and the backward, compiled on request and off by default: family.h,
+// kHopperHeadDim256ByDefault, kHopperBackwardHeadDim256ByDefault;
 // FlashAttention-3's structure: TMA, mbarriers, wgmma, warp specialization; written with CuTe).
 // Declared here without CuTe so that host code includes it; each instantiation is defined in a
 // generated translation unit under instantiations/, compiled for -gencode
@@ -86,6 +86,9 @@ constexpr int64_t kBulkDqPad = 8;
 inline DqAccumLayout bulk_dq_accum(int64_t q_len, int64_t head_dim) {
   return {(q_len + kBulkDqRows - 1) / kBulkDqRows * kBulkDqRows, head_dim + kBulkDqPad, true};
 }
+// Whether that tile fits in shared memory beside the backward's operand tiles: not at head dim 256
+// (bwd_kernel.cuh, BwdTraits), whose backward adds G by atomics.
+constexpr bool bulk_dq_fits(int64_t head_dim) { return head_dim <= 128; }
 
 // The deterministic backward's turn counters (params.h: dq_turns): one per (batch, head, query
 // block of kBulkDqRows rows of dq_accum's layout, packed or not), the query blocks of a (batch,
@@ -129,7 +132,7 @@ inline bool backward_covers(const BwdParams<float>& p, int64_t head_dim, bool ca
       (p.mask.kind == MaskKind::kAdditive && p.g_entropy == nullptr && p.g_sum_p2 == nullptr);
   const bool dq_order_ok = p.dq_turns != nullptr || !p.deterministic;
   return covers(p, head_dim, causal) && dq_order_ok && dq_layout_ok(p) && logit_grads_ok &&
-         !(p.dq_layout.bulk && p.mask.kind != MaskKind::kNone) &&
+         !(p.dq_layout.bulk && (p.mask.kind != MaskKind::kNone || !bulk_dq_fits(head_dim))) &&
          !((p.softcap.on() || p.dropout.on()) && p.mask.kind != MaskKind::kNone) &&
          tma_compatible(p.dout, p.q_len, p.heads, p.batch);
 }

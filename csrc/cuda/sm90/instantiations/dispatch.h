@@ -58,6 +58,10 @@
   X(__nv_bfloat16, 128, true, MaskKind::kNone) \
   X(__nv_bfloat16, 128, true, MaskKind::kBool) \
   X(__nv_bfloat16, 128, true, MaskKind::kAdditive) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, false, MaskKind::kNone)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive)) \
   X(__half, 64, false, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kNone) \
   X(__half, 64, true, MaskKind::kBool) \
@@ -66,4 +70,8 @@
   X(__half, 128, true, MaskKind::kNone) \
   X(__half, 128, true, MaskKind::kBool) \
   X(__half, 128, true, MaskKind::kAdditive) \
+  EA_UNTESTED(X(__half, 256, false, MaskKind::kNone)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kNone)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive)) \
   /* end of list */

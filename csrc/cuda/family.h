@@ -40,7 +40,8 @@ constexpr bool kTensorCoreFeaturesByDefault = true;
 constexpr bool kHopperFeaturesByDefault = true;
 // Whether "auto" has the Hopper backward add dq's partial sums G by bulk reductions of whole
 // query-block tiles from shared memory (cp.reduce.async.bulk, FlashAttention-3's way) instead of
-// 8-byte atomics from the registers, for the calls without a mask (sm90/bwd_kernel.cuh; its
+// 8-byte atomics from the registers, for the calls without a mask at head dims 64 and 128 (the
+// tile does not fit at 256: sm90/bwd_kernel.cuh; its
 // dq_accum is then padded: sm90/launch.h, bulk_dq_accum). On since it passed the CUDA tests on an
 // H200 (every CUDA test with the family forced, and the kernel harness's checks) and took 1-12%
 // less time than the atomics in the forward + backward of the harness's grid there, 7-12% at
@@ -50,10 +51,10 @@ bool hopper_bulk_dq(const AttentionBackwardCall& call);
 
 // Whether "auto" gives the Hopper family the backward under
 // torch.use_deterministic_algorithms(True) (its dq summed by bulk reductions in the key blocks'
-// order, FlashAttention-3's way: sm90/bwd_kernel.cuh, dq_turns; the masked kernels' atomics take
-// the same turns). Off until it passes the CUDA tests on a GPU: it passes the CPU emulation
-// (tests/cpp/test_sm90_emulation*.cpp: DeterministicDq); meanwhile the sm80 family's deterministic
-// dq kernel runs such calls on compute capability 9.0.
+// order, FlashAttention-3's way: sm90/bwd_kernel.cuh, dq_turns; the atomics of the masked kernels
+// and of head dim 256 take the same turns). Off until it passes the CUDA tests on a GPU: it passes
+// the CPU emulation (tests/cpp/test_sm90_emulation*.cpp: DeterministicDq); meanwhile the sm80
+// family's deterministic dq kernel runs such calls on compute capability 9.0.
 constexpr bool kHopperDeterministicByDefault = false;
 
 // Whether "auto" gives the Hopper family the backward of a call that asks for its additive mask's

@@ -122,8 +122,8 @@ using namespace cute;
 // kBlockN; one buffer each: the statistics barrier of a query block, before its P and dS stores,
 // comes after every product of the one before), the row statistics (two buffers: a block's copies
 // start before that barrier): 178 KB at D = 128, 114 KB at D = 64, 219 KB at D = 256; with bulk
-// reductions also G's fp32 tile (64 x (D + 8)): 212 KB and 132 KB (at D = 256, 67 KB more than
-// the SM has: G goes by atomics there, kBulkDqFits).
+// reductions also G's fp32 tile (64 x (D + 8)): 212 KB and 132 KB (at D = 256 its 66 KB would
+// make 285 KB, more than a block may have: G goes by atomics there, kBulkDqFits).
 template <typename T, int kHeadDim_, typename Ops_ = Sm90Ops>
 struct BwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
@@ -305,10 +305,10 @@ dim3 grid(const BwdParams<float>& p) {
 
 // Named barriers (ids after CUTLASS's reserved ones). Of the two consumer warpgroups (256
 // threads): the row statistics of a query block staged (and the previous block's products done),
-// P of both warpgroups in shared memory (two slices; with one, each warpgroup's own: kOwnP
-// below), and dS of both. Of the consumers and the dq writer (warp 1 of the producer warpgroup;
-// bulk reductions only): G's shared tile free (the writer's last bulk reduction has read it) and
-// full (both warpgroups' G stored).
+// P of both warpgroups in shared memory (two slices, and one at D = 256; with one at D = 64 and
+// 128, each warpgroup's own: kOwnP below), and dS of both. Of the consumers and the dq writer (warp
+// 1 of the producer warpgroup; bulk reductions only): G's shared tile free (the writer's last bulk
+// reduction has read it) and full (both warpgroups' G stored).
 constexpr int kStatsBarrier = 0;
 constexpr int kPBarrier = 1;
 constexpr int kdSBarrier = 2;
@@ -324,7 +324,8 @@ constexpr int kTurnDoneBarrier = kdQFullBarrier;
 // warpgroup arrives, the first waits. An id of its own, not kPBarrier's: the second may reach
 // kPBarrier (slice 1) before the first has waited here, and would count for the first.
 constexpr int kP0Barrier = 5;
-// kOwnP (one slice): P of a warpgroup's own keys in shared memory, a barrier of its 128 threads
+// kOwnP (one slice, D = 64 or 128): P of a warpgroup's own keys in shared memory, a barrier of its
+// 128 threads
 // alone, one id per warpgroup (not kPBarrier, which the other step of the same kernel counts to
 // 256 where it runs kEarlyFirst: an id is never used with two counts, which PTX leaves undefined;
 // the step is chosen once per thread block today). The last id CUTLASS leaves (8 of 16 reserved).
@@ -893,22 +894,25 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     Tensor g_rc = make_tensor(acc_g.data(), acc_rowcol(acc_g.layout()));
     // (The bulk kernels keep the atomics as a runtime alternative, which their launches never take:
     // with the shared tile's stores as the only path, ptxas spills 372 bytes in the general kernel
-    // at D = 128, and with both none.)
+    // at D = 128, and with both none. The tile's stores are compiled in the bulk kernels alone:
+    // elsewhere G's tile has one row, kBulkDqFits.)
     if (kBulkDq && p.dq_layout.bulk) {
-      // Into the shared tile once the writer has read the last one out, whole (the rows past
-      // q_len hold zeros: no key is allowed there, so dS = 0), for write_dq's bulk reduction.
-      Ops::NamedBarrier::sync(Kt::kDqThreads, kdQEmptyBarrier);
-      CUTE_UNROLL
-      for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
-        float* row = ss.dq[get<0>(cG_rc(r, 0))];
+      if constexpr (kBulkDq) {
+        // Into the shared tile once the writer has read the last one out, whole (the rows past
+        // q_len hold zeros: no key is allowed there, so dS = 0), for write_dq's bulk reduction.
+        Ops::NamedBarrier::sync(Kt::kDqThreads, kdQEmptyBarrier);
         CUTE_UNROLL
-        for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
-          Ops::store_shared(reinterpret_cast<float2*>(row + get<1>(cG_rc(r, c))),
-                            make_float2(g_rc(r, c), g_rc(r, c + 1)));
+        for (int r = 0; r < decltype(size<0>(g_rc))::value; ++r) {
+          float* row = ss.dq[get<0>(cG_rc(r, 0))];
+          CUTE_UNROLL
+          for (int c = 0; c < decltype(size<1>(g_rc))::value; c += 2) {
+            Ops::store_shared(reinterpret_cast<float2*>(row + get<1>(cG_rc(r, c))),
+                              make_float2(g_rc(r, c), g_rc(r, c + 1)));
+          }
         }
+        Ops::fence_view_async_shared();  // the stores, before the bulk reduction reads them
+        Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQFullBarrier);
       }
-      Ops::fence_view_async_shared();  // the stores, before the bulk reduction reads them
-      Ops::NamedBarrier::arrive(Kt::kDqThreads, kdQFullBarrier);
     } else {
       // Into dq_accum (packed), one 8-byte atomic per pair. Deterministic (the kernels without
       // bulk reductions: p.dq_turns), in the turns that keep_turns waits for and hands on: the
@@ -1120,9 +1124,11 @@ __global__ void __launch_bounds__(Kt::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    if (kBulkDq && threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
-      write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
-      return;
+    if constexpr (kBulkDq) {
+      if (threadIdx.x / 32 == 1 && p.dq_layout.bulk) {
+        write_dq<Kt>(p, ss, tile, m_begin, m_count, iters);
+        return;
+      }
     }
     if (!kBulkDq && threadIdx.x / 32 == 1 && p.dq_turns != nullptr) {
       keep_turns<Kt>(p, ss, tile, m_begin, m_count, iters);
@@ -1205,9 +1211,10 @@ __global__ void __launch_bounds__(Kt80::kNThreads) preprocess_kernel(const BwdPa
 }
 
 // The main kernel for a call: with bulk reductions where dq_accum is laid out for them, a kernel of
-// their own, so that the atomics' kernels stay as they were. Only the calls without a mask have
-// them: the masked kernels spilled at D = 128 with the tile's stores beside their mask reads
-// (launch.h: backward_covers routes such calls).
+// their own, so that the atomics' kernels stay as they were. Only the calls without a mask at head
+// dims 64 and 128 have them: the masked kernels spilled at D = 128 with the tile's stores beside
+// their mask reads, and at D = 256 the tile does not fit (launch.h: backward_covers routes such
+// calls).
 template <typename T, typename Kt, bool kCausal, MaskKind kMask>
 auto kernel_for(const BwdParams<float>& p) {
   if constexpr (kMask == MaskKind::kNone && Kt::kBulkDqFits) {

@@ -15,13 +15,13 @@
 // causality, no / bool / additive masks, with or without statistics, GQA, any sequence lengths; the
 // backward the same calls with the entropy and sum p^2 gradients, dq by fp32 atomics: pairs from
 // the registers, or, with a bulk_dq_accum layout, whole tiles by bulk reductions from shared memory
-// (FlashAttention-3's way; the calls without a mask, since it passed the CUDA tests on an H200:
-// family.h, kHopperBulkDqByDefault), under deterministic algorithms in the key blocks' order
-// (bwd_kernel.cuh: dq_turns; off by default, family.h: kHopperDeterministicByDefault). Both
-// directions also take sliding windows, bottom-right alignment and packed documents (their causal
-// instantiations read the call's KeyPattern), logit softcapping and dropout (the backward of either
-// not with a mask) and attention sinks, which "auto" gives them since they passed the CUDA tests on
-// an H200 (family.h: kHopperFeaturesByDefault).
+// (FlashAttention-3's way; the calls without a mask at head dims 64 and 128, since it passed the
+// CUDA tests on an H200: family.h, kHopperBulkDqByDefault), under deterministic algorithms in the
+// key blocks' order (bwd_kernel.cuh: dq_turns; off by default, family.h:
+// kHopperDeterministicByDefault). Both directions also take sliding windows, bottom-right alignment
+// and packed documents (their causal instantiations read the call's KeyPattern), logit softcapping
+// and dropout (the backward of either not with a mask) and attention sinks, which "auto" gives them
+// since they passed the CUDA tests on an H200 (family.h: kHopperFeaturesByDefault).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -119,8 +119,8 @@ inline bool covers(const AttentionArgs<float>& p, int64_t head_dim, bool causal)
          tma_compatible(p.v, p.kv_len, p.kv_heads, p.batch);
 }
 // The backward also needs dq_turns under deterministic algorithms (dq's partial sums, by atomics
-// or by bulk reductions, which the masked kernels lack, added in the key blocks' order:
-// bwd_kernel.cuh), a dq_accum laid out for the way it is added, dout that TMA can describe,
+// or by bulk reductions, which the masked kernels and head dim 256 lack, added in the key blocks'
+// order: bwd_kernel.cuh), a dq_accum laid out for the way it is added, dout that TMA can describe,
 // no softcap or dropout with a mask (bwd_kernel.cuh: the cap's derivative is formed from the capped
 // logit, which an additive mask shifts; the masked kernels have no registers for the cap's
 // derivative or for dropout), and an additive mask's gradient (d_logits) only without the

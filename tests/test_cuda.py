@@ -1788,13 +1788,12 @@ HOPPER_256_BUILT = getattr(_build_info, "UNTESTED_KERNELS", False)
 def hopper_runs_256(spec: Dict[str, Any], direction: str = "forward") -> bool:
     """Whether the forced Hopper family runs a head-dim-256 call with the keyword arguments `spec` in
     its own kernels of `direction` ("forward" or "backward"): where the build has them
-    (HOPPER_256_BUILT); in the forward without a mask (kernels.toml lists none at 256) and not cut
-    by split-KV (the sm80 family's), in the backward not with softcap or dropout beside a mask
-    (sm90/launch.h: backward_covers); else the sm80 family's kernels run it."""
-    masked = "mask" in spec
+    (HOPPER_256_BUILT); the forward where split-KV (the sm80 family's) does not cut it, the
+    backward but with softcap or dropout beside a mask (sm90/launch.h: backward_covers); else the
+    sm80 family's kernels run it."""
     if direction == "forward":
-        return HOPPER_256_BUILT and not masked and spec.get("split", "off") == "off"
-    return HOPPER_256_BUILT and not (masked and (spec.get("softcap") or spec.get("dropout_p")))
+        return HOPPER_256_BUILT and spec.get("split", "off") == "off"
+    return HOPPER_256_BUILT and not ("mask" in spec and (spec.get("softcap") or spec.get("dropout_p")))
 
 
 def check_head_dim_256(monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype, stats: bool,
@@ -1865,8 +1864,7 @@ def test_hopper_head_dim_256_matches_reference(monkeypatch: pytest.MonkeyPatch, 
     """With the Hopper family forced, head dim 256 runs in its kernels (64-key blocks,
     sm90/fwd_kernel.cuh and bwd_kernel.cuh; off by default until this passes on a GPU: family.h,
     kHopperHeadDim256ByDefault, kHopperBackwardHeadDim256ByDefault) wherever kernels.toml has them:
-    every backward, and the forwards but the masked ones and split-KV decoding, which run in the
-    sm80 family's (check_head_dim_256)."""
+    every case but the forward of split-KV decoding, the sm80 family's (check_head_dim_256)."""
     spec = HEAD_DIM_256_CASES[case][2]
     families = ["sm90" if hopper_runs_256(spec, d) else "sm80" for d in ("forward", "backward")]
     check_head_dim_256(monkeypatch, case, dtype, stats, "sm90", *families)

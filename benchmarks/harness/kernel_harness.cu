@@ -7,9 +7,9 @@
 //                        [--commit C] [--sm90-atomic-dq]
 //
 // 1. Checks: small calls (partial tiles, GQA, causal, "logn" row scales, bool and additive masks,
-//    D = 64 and 128, and 256 without a mask, bf16 and fp16) through each family the device runs:
-//    the forward with and without statistics and the backward against the float64 reference of
-//    kernel_harness.h, with the test suite's tolerances (with the statistics' upstream gradients
+//    D = 64 and 128, and 256 in a table of its own, bf16 and fp16) through each family the device
+//    runs: the forward with and without statistics and the backward against the float64 reference
+//    of kernel_harness.h, with the test suite's tolerances (with the statistics' upstream gradients
 //    too, as an entropy regularizer sends them); deterministic backwards (dq without atomics in any
 //    order: a second run's bits compared with the first's); and calls of 2048 rows and keys (bf16,
 //    with those gradients) against the fallback family's results. (The pytest suite,
@@ -734,26 +734,27 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
   print_checks("Checks against the float64 reference", 0);
-  // Head dim 256 (Gemma's) without a mask, in the families that compile it there (the Hopper
-  // family's kernels only in a build with the kernels compiled on request: untested_kernels.h; the
-  // device bundle's): GQA with partial blocks and the statistics' gradients, Lq != Lk with logn row
-  // scales. A table of its own, after the one above: kernels that have not run on a GPU yet may
-  // fault or hang, which must not take the other results with them.
+  // Head dim 256 (Gemma's), in the families that compile the call's kernels there (the Hopper
+  // family's only in a build with the kernels compiled on request: untested_kernels.h; the device
+  // bundle's): GQA with partial blocks and the statistics' gradients, Lq != Lk with logn row
+  // scales, a bool mask, an additive one. A table of its own, after the one above: kernels that
+  // have not run on a GPU yet may fault or hang, which must not take the other results with them.
   const size_t head_dim_256_from = checks.size();
-  std::vector<Family> at_256;
-  for (Family f : checked) {
-    if (forward_of<__nv_bfloat16>(f, 256, true, true, MaskKind::kNone) != nullptr) {
-      at_256.push_back(f);
-    }
-  }
   for (bool causal : {false, true}) {
-    for (const Shape& s : {Shape{2, 4, 2, 200, 150, 256, causal, false, true},
-                           Shape{1, 2, 2, 130, 300, 256, causal, true}}) {
+    for (const Shape& s :
+         {Shape{2, 4, 2, 200, 150, 256, causal, false, true},
+          Shape{1, 2, 2, 130, 300, 256, causal, true},
+          Shape{2, 4, 2, 200, 150, 256, causal, false, true, MaskKind::kBool},
+          Shape{1, 2, 2, 130, 300, 256, causal, true, false, MaskKind::kAdditive}}) {
+      std::vector<Family> at_256;
+      for (Family f : checked) {
+        if (forward_of<__nv_bfloat16>(f, 256, true, true, s.mask) != nullptr) at_256.push_back(f);
+      }
       check_call<__nv_bfloat16>(at_256, dev, "bf16", s, false, checks);
       check_call<__half>(at_256, dev, "fp16", s, false, checks);
     }
   }
-  print_checks("Head dim 256 without a mask (against the float64 reference)", head_dim_256_from);
+  print_checks("Head dim 256 (against the float64 reference)", head_dim_256_from);
   // Deterministic backwards (the sm80 family's dq kernel, the Hopper family's dq in turns), last
   // and in a table of their own (a turn never reached would spin until the caller's bound: the
   // table above is out by then): six key blocks adding into each query block's dq, GQA, the

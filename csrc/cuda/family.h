@@ -71,10 +71,10 @@ constexpr bool kHopperMaskGradByDefault = false;
 // and 1/14 of its forward + backward (results/gpu/head_dims.md).
 constexpr bool kTensorCoreHeadDim256ByDefault = true;
 
-// Whether "auto" gives the Hopper family the forward at head dim 256 without a mask on compute
-// capability 9.0 (sm90/fwd_kernel.cuh: 64-key blocks; its masked calls are the sm80 family's). Off
-// until it passes the CUDA tests on a GPU, its kernels compiled on request (kernels.toml); it
-// passes the CPU emulation (tests/cpp/test_sm90_emulation.cpp: EmulatedSm90Forward.HeadDim256).
+// Whether "auto" gives the Hopper family the forward at head dim 256 on compute capability 9.0
+// (sm90/fwd_kernel.cuh: 64-key blocks, 48 with a mask). Off until it passes the CUDA tests on a
+// GPU, its kernels compiled on request (kernels.toml); it passes the CPU emulation
+// (tests/cpp/test_sm90_emulation.cpp: EmulatedSm90Forward.HeadDim256 and HeadDim256Masked).
 constexpr bool kHopperHeadDim256ByDefault = false;
 // The same for the backward at head dim 256, any mask kind (sm90/bwd_kernel.cuh: 64-key blocks,
 // the warpgroups splitting dK and dV along D, G by atomics), which passes the CPU emulation

@@ -151,6 +151,22 @@ TEST(EmulatedSm90Forward, HeadDim256) {
   });
 }
 
+// Head dim 256's masked forwards (48-key blocks and a 48-column mask tile: FwdTraits): a bool mask
+// over six key blocks (the last partial) with full attention and logn scales; a bf16 additive mask
+// read as it is with an odd key count, causal and GQA, without the statistics; an fp32 additive
+// one with either consumer warpgroup ahead.
+TEST(EmulatedSm90Forward, HeadDim256Masked) {
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kBool, true>(
+      eh::Shape{1, 2, 1, 150, 260, 256, false, true, false, MaskKind::kBool});
+  eh::Shape s{1, 4, 2, 140, 141, 256, true, false, false, MaskKind::kAdditive};
+  s.mask_elem = MaskElem::kBFloat16;
+  run_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, false>(s);
+  with_either_warpgroup_ahead([] {
+    run_forward<__half, 256, true, MaskKind::kAdditive, true>(
+        eh::Shape{1, 2, 2, 130, 100, 256, true, true, false, MaskKind::kAdditive});
+  });
+}
+
 TEST(EmulatedSm90Backward, D64) {
   // One 64 x 64 slice per warpgroup (BwdTraits::slices), GQA, causal, the statistics'
   // gradients, the gradients in (B, L, H, D) memory; and full attention with logn over two key
@@ -390,10 +406,10 @@ TEST(EmulatedSm90Backward, Masked) {
       eh::Shape{1, 2, 2, 80, 80, 64, true, true, true, MaskKind::kAdditive});
 }
 
-// Head dim 256's masked backward (the mask read from global memory, as at 64 and 128; its forward
-// is the sm80 family's): a bool mask with causality, GQA and the statistics' gradients over three
-// key blocks; a 16-bit additive mask with its gradient and logn scales, gradients in (B, L, H, D)
-// memory, in the turn keeper's turns; either consumer warpgroup ahead.
+// Head dim 256's masked backward (the mask read from global memory, as at 64 and 128): a bool mask
+// with causality, GQA and the statistics' gradients over three key blocks; a 16-bit additive mask
+// with its gradient and logn scales, gradients in (B, L, H, D) memory, in the turn keeper's turns;
+// either consumer warpgroup ahead.
 TEST(EmulatedSm90Backward, HeadDim256Masked) {
   run_backward<__nv_bfloat16, 256, true, MaskKind::kBool>(
       eh::Shape{1, 4, 2, 90, 150, 256, true, false, true, MaskKind::kBool});

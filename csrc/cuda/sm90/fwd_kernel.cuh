@@ -139,11 +139,13 @@ struct ProducerTile {
 // 2 x (K 32 KB + V 32 KB) = 160 KB at D = 128 (80 KB at D = 64), plus a masked kernel's mask tile,
 // within an H100's 227 KB per block.
 //
-// At D = 256 (no mask) the key blocks hold 64 keys: O takes 128 registers, S 32 and P 16. With 80
+// At D = 256 the key blocks hold 64 keys: O takes 128 registers, S 32 and P 16. With 80
 // (FlashAttention-3's choice for full attention there) the kernels with statistics spilled 44-48
 // bytes (ptxas, nvcc 13.0); 64 is its choice for local attention. Q 64 KB + 2 x (K 32 KB + V 32 KB)
-// = 192 KB of shared memory leaves no room for a third stage, nor for a mask tile of 34 KB beside
-// the row arrays (kernels.toml instantiates no masked kernel at D = 256).
+// = 192 KB of shared memory leaves no room for a third stage, nor for a 64-key mask tile (34 KB)
+// beside the row arrays: the masked kernels take 48 keys a block (the next multiple of P V's 16
+// below 64), K and V 24 KB a stage and the mask tile 26 KB, 187 KB in all (S 24 registers, P 12;
+// ptxas: no local memory).
 template <typename T, int kHeadDim_, MaskKind kMask, typename Ops_ = Sm90Ops>
 struct FwdTraits {
   using Ops = Ops_;  // the instructions (ops.cuh)
@@ -151,12 +153,13 @@ struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
                 "head dims of the Hopper family");
-  static_assert(kHeadDim != 256 || kMask == MaskKind::kNone, "no mask tile fits at D = 256");
   static constexpr int kBlockM = 128;
   // Masked kernels at D = 128 take 112 keys a block: the mask words and their addresses need the
-  // registers that 16 keys of S (8 per thread) and of P (4) free; at 128 they spill.
-  static constexpr int kBlockN =
-      kHeadDim == 256 ? 64 : (kHeadDim == 128 && kMask != MaskKind::kNone ? 112 : 128);
+  // registers that 16 keys of S (8 per thread) and of P (4) free; at 128 they spill. At D = 256,
+  // 64 keys a block, 48 with a mask (shared memory: above).
+  static constexpr int kBlockN = kHeadDim == 256
+                                     ? (kMask != MaskKind::kNone ? 48 : 64)
+                                     : (kHeadDim == 128 && kMask != MaskKind::kNone ? 112 : 128);
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -209,7 +212,7 @@ struct FwdTraits {
   // The mask tile of a key block, one 32-bit word per score (the float of a float32 additive mask,
   // or the aligned word that holds a bool mask's byte or a 16-bit entry). Rows padded by 4 words,
   // so that the 8 rows a warp's lanes read at once start in different banks: 66 KB at D = 64, 58 KB
-  // at D = 128.
+  // at D = 128, 26 KB at D = 256.
   static constexpr bool kHasMask = kMask != MaskKind::kNone;
   static constexpr int kMaskLd = kBlockN + 4;
   static constexpr int kMaskWords = kHasMask ? kBlockM * kMaskLd : 1;

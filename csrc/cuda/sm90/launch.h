@@ -1,6 +1,6 @@
-// Host entry point of the Hopper family (sm_90a only, bf16/fp16, head dims 64 and 128, and 256 in
-// the forward without a mask and the backward, compiled on request and off by default: family.h,
-// kHopperHeadDim256ByDefault, kHopperBackwardHeadDim256ByDefault;
+// Host entry point of the Hopper family (sm_90a only, bf16/fp16, head dims 64 and 128, and 256
+// compiled on request and off by default: family.h, kHopperHeadDim256ByDefault,
+// kHopperBackwardHeadDim256ByDefault;
 // FlashAttention-3's structure: TMA, mbarriers, wgmma, warp specialization; written with CuTe).
 // Declared here without CuTe so that host code includes it; each instantiation is defined in a
 // generated translation unit under instantiations/, compiled for -gencode

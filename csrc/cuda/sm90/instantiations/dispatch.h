@@ -27,6 +27,10 @@
   EA_UNTESTED(X(__nv_bfloat16, 256, false, MaskKind::kNone, true)) \
   EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, false)) \
   EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kNone, true)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool, false)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kBool, true)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive, false)) \
+  EA_UNTESTED(X(__nv_bfloat16, 256, true, MaskKind::kAdditive, true)) \
   X(__half, 64, false, MaskKind::kNone, false) \
   X(__half, 64, false, MaskKind::kNone, true) \
   X(__half, 64, true, MaskKind::kNone, false) \
@@ -47,6 +51,10 @@
   EA_UNTESTED(X(__half, 256, false, MaskKind::kNone, true)) \
   EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, false)) \
   EA_UNTESTED(X(__half, 256, true, MaskKind::kNone, true)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool, false)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kBool, true)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive, false)) \
+  EA_UNTESTED(X(__half, 256, true, MaskKind::kAdditive, true)) \
   /* end of list */
 
 #define EA_SM90_BACKWARD_KERNELS(X) \

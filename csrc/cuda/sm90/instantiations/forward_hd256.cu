@@ -7,9 +7,17 @@ template cudaError_t launch_forward<__nv_bfloat16, 256, false, MaskKind::kNone, 
 template cudaError_t launch_forward<__nv_bfloat16, 256, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16, 256, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 256, false, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 256, false, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 256, true, MaskKind::kNone, false>(const FwdParams<float>&, cudaStream_t);
 template cudaError_t launch_forward<__half, 256, true, MaskKind::kNone, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 256, true, MaskKind::kBool, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 256, true, MaskKind::kBool, true>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 256, true, MaskKind::kAdditive, false>(const FwdParams<float>&, cudaStream_t);
+template cudaError_t launch_forward<__half, 256, true, MaskKind::kAdditive, true>(const FwdParams<float>&, cudaStream_t);
 }  // namespace entropy_attn::cuda::sm90
 #endif

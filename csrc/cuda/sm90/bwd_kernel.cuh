@@ -524,13 +524,12 @@ __device__ __forceinline__ void consume(const KernelArgs<Kt>& args, typename Kt:
     asm volatile("" : "+r"(otid));  // coordinates and addresses formed here, not held across blocks
     TiledMmaSdP mma_sdp;
     auto thr_sdp = mma_sdp.get_thread_slice(ctid);  // the accumulators' places
-    // At D = 256 (16 k-steps of S and of dP per block: 96 descriptors over both stages) they are
-    // formed again in each block from an index the compiler cannot hoist: held across the loop,
-    // the plain kernels spilled 328 bytes of them to local memory and moved them to uniform
-    // registers before each wgmma (325 R2UR in a kernel; 10 with the index opaque).
-    int wtid = wg_tid;
-    if constexpr (kD == 256) asm volatile("" : "+r"(wtid));
-    auto wg_sdp = mma_sdp.get_thread_slice(wtid);   // the operands' descriptors (above)
+    // The operands' descriptors (above). At D = 256 (16 k-steps of S and of dP per block: 96
+    // descriptors over both stages) they are formed again in each block from an index the compiler
+    // cannot hoist: held across the loop, the plain kernels spilled 328 bytes of them to local
+    // memory and moved them to uniform registers before each wgmma (325 R2UR in a kernel; 10 with
+    // the index opaque).
+    auto wg_sdp = mma_sdp.get_thread_slice(kD == 256 ? opaque(wg_tid) : wg_tid);
     Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);  // (MMA, MMA_queries, MMA_D, stages)
     // K and V by slices of the key block: (kSliceN, D, kSlices).
     const auto slice_tile = Shape<Int<kSliceN>, Int<kD>>{};

@@ -123,7 +123,7 @@ AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key,
     c.mask = expand_mask(*attn_mask, c.shape, c.acc, keeps_mask_dtype(*attn_mask, c.dtype));
   }
   if (scale.has_value()) c.scale = expand_scale(*scale, c.shape, c.acc);
-  if (sinks.has_value()) c.sinks = element_aligned(sinks->to(c.acc).contiguous());
+  if (sinks.has_value()) c.sinks = element_aligned(finite_to(*sinks, c.acc).contiguous());
   return c;
 }
 
@@ -261,7 +261,7 @@ AttentionBackwardCall prepare_attention_backward(
   c.row_scale = row_stat(row_scale);
   c.g_lse = opt_row_stat(grad_lse), c.g_entropy = opt_row_stat(grad_entropy);
   c.g_sum_p2 = opt_row_stat(grad_sum_p2);
-  if (sinks.has_value()) c.sinks = element_aligned(sinks->to(c.acc).contiguous());
+  if (sinks.has_value()) c.sinks = element_aligned(finite_to(*sinks, c.acc).contiguous());
   if (grad_mask) {
     // The mask's sizes, left-padded with ones to (B, H, Lq, Lk)'s rank.
     std::vector<int64_t> sizes(4 - attn_mask->dim(), 1);

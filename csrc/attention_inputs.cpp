@@ -402,18 +402,23 @@ at::Tensor word_readable(const at::Tensor& x) {
   return words_within_storage(x) ? x : compact_copy(x);
 }
 
+at::Tensor finite_to(const at::Tensor& x, at::ScalarType acc) {
+  if (x.scalar_type() == at::kDouble && acc == at::kFloat) {
+    // A finite float64 value beyond float32's range is an offset, not a mask or a missing sink
+    // (docs/math.md sections 6 and 8): it becomes +-FLT_MAX, not the +-inf a plain cast would
+    // make of it.
+    constexpr double kMax = std::numeric_limits<float>::max();
+    return at::where(at::isfinite(x), x.clamp(-kMax, kMax), x).to(acc);
+  }
+  return x.to(acc);
+}
+
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttentionShape& s, at::ScalarType acc,
                        bool keep_dtype) {
   at::Tensor m = attn_mask;
   TORCH_INTERNAL_ASSERT(!keep_dtype || m.scalar_type() == at::kBFloat16 ||
                         m.scalar_type() == at::kHalf);
-  if (m.scalar_type() == at::kDouble && acc == at::kFloat) {
-    // A finite float64 value beyond float32's range is an offset, not a mask (docs/math.md
-    // section 8): it becomes +-FLT_MAX, not the +-inf a plain cast would make of it.
-    constexpr double kMax = std::numeric_limits<float>::max();
-    m = at::where(at::isfinite(m), m.clamp(-kMax, kMax), m);
-  }
-  if (m.scalar_type() != at::kBool && !keep_dtype) m = m.to(acc);
+  if (m.scalar_type() != at::kBool && !keep_dtype) m = finite_to(m, acc);
   m = element_aligned(m);
   // (On CUDA a float32 entry is read by a 4-byte load or cp.async, and a bool or a 16-bit one kept
   // in its dtype picked out of its aligned 4-byte word by its address's low bits: mask_words.cuh.

@@ -108,6 +108,11 @@ bool keeps_mask_dtype(const at::Tensor& attn_mask, at::ScalarType input);
 // that is not 2-byte aligned, element_aligned).
 bool mask_entries_read_as_is(const at::Tensor& attn_mask, at::ScalarType input);
 
+// `x` in `acc` where a finite float64 entry beyond float32's range becomes +-FLT_MAX rather than
+// the +-inf of a plain cast: an additive mask's offset or a sink stays finite, and so counted
+// (a -inf entry hides a key, a -inf sink is no sink).
+at::Tensor finite_to(const at::Tensor& x, at::ScalarType acc);
+
 // Returns the mask expanded (as a view where possible) to (B, H, Lq, Lk): bool, in `acc`, or with
 // keep_dtype (keeps_mask_dtype: on CUDA) in its own 16-bit dtype, without the float32 copy of every
 // entry a conversion would make; element_aligned and word_readable.

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -33,8 +34,11 @@ void check_packed(const at::Tensor& x, const char* name, const char* layout) {
 
 // max_q and max_k must cover every sequence (varlen_attn's contract; our kernels do not need
 // them, but a caller whose max is too small has wrong offsets or a wrong max, and should hear so).
-void check_max_len(const at::Tensor& cu, const c10::SymInt& max, const char* cu_name,
-                   const char* max_name) {
+// Only offsets that partition the `tokens` rows are measured: others (not starting at 0,
+// decreasing, not ending at the token count) are reported as such by the documents' own check
+// (attention_inputs.h: check_documents), not as a sequence longer than the max.
+void check_max_len(const at::Tensor& cu, const c10::SymInt& max, const c10::SymInt& tokens,
+                   const char* cu_name, const char* max_name) {
   TORCH_CHECK_VALUE(max >= 0, max_name, " must be >= 0, got ", max);
   // No values to read under fake tensors (torch.compile, opcheck) or on the Meta device; else
   // max is a plain int.
@@ -43,9 +47,13 @@ void check_max_len(const at::Tensor& cu, const c10::SymInt& max, const char* cu_
   if (cu.scalar_type() != at::kInt || cu.dim() != 1 || cu.numel() < 2) return;
   const at::Tensor c = cu.to(at::kCPU).contiguous();  // a strided view's values are not at p + d
   const int32_t* p = c.const_data_ptr<int32_t>();
-  for (int64_t d = 0; d + 1 < c.numel(); ++d) {
-    // (in int64: the difference of two int32 offsets may not fit int32; bad offsets are
-    // reported by the documents' own check)
+  const int64_t n = c.numel() - 1;
+  const std::optional<int64_t> total = tokens.maybe_as_int();
+  if (p[0] != 0 || (total.has_value() && p[n] != *total)) return;
+  for (int64_t d = 0; d < n; ++d) {
+    if (p[d + 1] < p[d]) return;
+  }
+  for (int64_t d = 0; d < n; ++d) {
     const int64_t length = static_cast<int64_t>(p[d + 1]) - p[d];
     TORCH_CHECK_VALUE(length <= max_len, max_name, " = ", max_len, " is smaller than sequence ", d,
                       " of ", cu_name, ", of length ", length);
@@ -223,7 +231,7 @@ AttentionOutputs packed_attention(
     const std::optional<at::Tensor>& sinks, double dropout_p, c10::SymInt dropout_seed,
     const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits) {
   check_packed(query, "query", "(total_q, heads, head_dim)");
-  check_max_len(cu_seq_q, max_q, "cu_seq_q", "max_q");
+  check_max_len(cu_seq_q, max_q, query.sym_size(0), "cu_seq_q", "max_q");
   // The keys as packed documents: as given, or from the pages of a paged KV cache (gathered, or
   // left there and named by key_rows; gathered for num_splits=1, whose calls take slices).
   at::Tensor packed_key = key, packed_value = value;
@@ -239,7 +247,7 @@ AttentionOutputs packed_attention(
                      "a paged KV cache)");
     check_packed(key, "key", "(total_k, kv_heads, head_dim)");
     check_packed(value, "value", "(total_k, kv_heads, v_head_dim)");
-    check_max_len(*cu_seq_k, max_k, "cu_seq_k", "max_k");
+    check_max_len(*cu_seq_k, max_k, key.sym_size(0), "cu_seq_k", "max_k");
   }
   std::optional<at::Tensor> rows_scale;  // the scale tensor as (T, H)
   if (scale.has_value()) {

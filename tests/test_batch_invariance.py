@@ -253,6 +253,15 @@ def _args() -> Dict[str, Any]:
         (dict(max_k=2), ValueError, "max_k = 2 is smaller than sequence 1"),
         (dict(cu_seq_k=torch.tensor([0, 6, 5], dtype=torch.int32), max_k=9), ValueError,
          "cu_seq_k must be non-decreasing"),
+        # Offsets that do not partition the tokens are reported as such, whatever the max (a
+        # decreasing offset made a longer sequence than max_q and was reported as that).
+        (dict(cu_seq_q=torch.tensor([0, -2, 5], dtype=torch.int32)), ValueError,
+         r"cu_seq_q must be non-decreasing, but cu_seq_q\[1\] = -2"),
+        (dict(cu_seq_k=torch.tensor([0, 2**31 - 1, 5], dtype=torch.int32)), ValueError,
+         r"cu_seq_k must be non-decreasing, but cu_seq_k\[2\] = 5"),
+        (dict(cu_seq_q=torch.tensor([0, 2, 9], dtype=torch.int32)), ValueError,
+         r"cu_seq_q\[-1\] must equal the number of query tokens \(5\), got 9"),
+        (dict(cu_seq_k=torch.tensor([1, 2, 5], dtype=torch.int32)), ValueError, "cu_seq_k must start at 0, got 1"),
     ],
 )
 def test_bad_arguments(change: Dict[str, Any], error: type, match: str) -> None:

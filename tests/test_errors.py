@@ -233,6 +233,49 @@ def test_float64_mask_values_beyond_float32_are_offsets() -> None:
     torch.testing.assert_close(want[0, 0, 1], v[0, 0].mean(0))
 
 
+def test_float64_sinks_beyond_float32_are_sinks() -> None:
+    """A float64 sink beyond float32's range with float32 inputs is a sink (-FLT_MAX: one more
+    entry of each row's distribution, of weight 0), not the -inf of a plain cast, which is no sink
+    and took the entry out of the statistics; as with float64 inputs and with -3.4e38."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, L, 4, dtype=torch.float64, generator=g) for L in (3, 5, 5))
+    sinks = torch.tensor([-1e300, 1e300], dtype=torch.float64)
+    want, want_stats = torch_ext.attention(q, k, v, sinks=sinks, return_stats=True)
+    got, stats = torch_ext.attention(q.float(), k.float(), v.float(), sinks=sinks, return_stats=True)
+    near = torch.tensor([-3.4e38, 3.4e38])
+    _, near_stats = torch_ext.attention(q.float(), k.float(), v.float(), sinks=near, return_stats=True)
+    _, no_sink = torch_ext.attention(q.float(), k.float(), v.float(), return_stats=True)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+    for name in ("normalized_entropy", "sparsity", "entropy", "max_weight"):
+        torch.testing.assert_close(getattr(stats, name).double(), getattr(want_stats, name), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(getattr(stats, name), getattr(near_stats, name))
+    # Head 0's sink carries no weight but counts: log(n + 1), not log(n), normalizes its entropy.
+    assert not torch.allclose(stats.normalized_entropy[:, 0], no_sink.normalized_entropy[:, 0])
+    torch.testing.assert_close(stats.entropy[:, 0], no_sink.entropy[:, 0])
+    # Head 1's takes the whole weight: output 0, max weight 1.
+    assert torch.equal(got[:, 1], torch.zeros_like(got[:, 1]))
+    assert torch.equal(stats.max_weight[:, 1], torch.ones_like(stats.max_weight[:, 1]))
+
+
+def test_dense_scale_tensors() -> None:
+    """A scale or scale_factor tensor must be dense: a nested or sparse one raises a TypeError
+    naming the argument (it reached the dispatcher: "Could not run ... SparseCPU", or a bare
+    NotImplementedError), in attention, varlen_attention and attention_sparsity alike."""
+    q = torch.randn(1, 2, 4, 8)
+    jagged = torch.nested.nested_tensor([torch.ones(1), torch.ones(1)], layout=torch.jagged)
+    sparse = torch.ones(2, 1).to_sparse()
+    for name, kwargs in (("scale", dict(scale=jagged)), ("scale", dict(scale=sparse)),
+                         ("scale_factor", dict(scale="logn", scale_factor=sparse))):
+        for call in (lambda: torch_ext.attention(q, q, q, **kwargs),
+                     lambda: torch_ext.attention_sparsity(q, q, **kwargs)):
+            with pytest.raises(TypeError, match=f"^{name} must be a dense \\(strided\\) tensor, got layout"):
+                call()
+    packed = q[0].transpose(0, 1)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="^scale must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        torch_ext.varlen_attention(packed, packed, packed, cu, cu, 4, 4, scale=torch.ones(1, 2).to_sparse())
+
+
 STATS_OPS: Tuple[Tuple[str, Callable[..., Tensor]], ...] = (
     ("entropy", lambda *a, **k: torch_ext.entropy(*a, **k)),
     ("sparsity", lambda *a, **k: torch_ext.sparsity(*a, **k)),

@@ -211,14 +211,20 @@ def test_autocast_casts_the_named_rows() -> None:
     assert calls.calls[1] == ((1, 2, 1142, 16), torch.float64, 1045)
 
 
-def test_inference_only() -> None:
-    """No gradient flows into a pool through key_rows: a call that would record one raises."""
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_inference_only(autocast: bool) -> None:
+    """No gradient flows into a pool through key_rows: a call that would record one raises, and
+    so does one with an attn_mask; under torch.autocast too (its gather of the named rows ran
+    them as calls without key_rows, which took both)."""
     args = _args()
     args["query"].requires_grad_()
-    with pytest.raises(ValueError, match="key_rows is inference-only"):
-        ops.attention(**args)
-    with torch.no_grad():
-        ops.attention(**args)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(ValueError, match="key_rows is inference-only"):
+            ops.attention(**args)
+        with torch.no_grad():
+            ops.attention(**args)
+            with pytest.raises(ValueError, match="key_rows does not take attn_mask"):
+                ops.attention(**dict(args, attn_mask=torch.ones(args["query"].shape[2], 3, dtype=torch.bool)))
 
 
 def test_meta_and_opcheck() -> None:

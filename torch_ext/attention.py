@@ -113,6 +113,10 @@ def _policy_args(
             f"scale_factor is the base scale of the {_SCALE_MODES} policies; with scale={scale!r} pass the "
             "scale itself as `scale`"
         )
+    for name, x in (("scale", scale), ("scale_factor", scale_factor)):
+        if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+            # (a jagged input's scale tensor is dense too: one value per sequence and head)
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
     if scale is None or isinstance(scale, torch.Tensor):
         return scale, kwargs
     if isinstance(scale, str):

@@ -421,3 +421,39 @@ def test_replace_sdpa_routes_transformers_sdpa_backend(padded: bool) -> None:
     assert torch.equal(routed_gen.sequences, ours_gen.sequences)
     for a, b in zip(routed_gen.logits, ours_gen.logits):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * b.abs().max().item())
+
+
+def test_monitor_sees_query_heads_through_replace_sdpa_decoding() -> None:
+    """transformers' "sdpa" packs a GQA group's query heads into rows when it decodes one token
+    with a mask ((B, H, 1, E) as (B, Hkv, G, E)); under replace_sdpa a recording monitor still sees
+    the model's 4 query heads (it saw 2 heads of 2 rows, and raised "a layer was called with 2 and
+    4 heads in one step" in a step that also ran the prefill), with the statistics the hf backend
+    records for the same decoding step."""
+    model = llama("sdpa")
+    ids, mask = batch(True)
+
+    def records(run: Any) -> List[Dict[str, Any]]:
+        monitor = torch_ext.AttentionEntropyMonitor(model, every=1, keep_history=True)
+        with torch.no_grad():
+            cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+            step_ids, step_mask = ids[:, -1:], torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+            with monitor.step(0):
+                run(lambda: model(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache))
+            with monitor.step(1):  # prefill and decoding in one step
+                run(lambda: model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2))
+        return monitor.history
+
+    def routed(call: Any) -> None:
+        with torch_ext.replace_sdpa():
+            call()
+
+    got = records(routed)
+    model.set_attn_implementation(PLAIN)
+    want = records(lambda call: call())
+    decode_got = [r for r in got if r["step"] == 0]
+    decode_want = [r for r in want if r["step"] == 0]
+    assert sorted({r["head"] for r in decode_got}) == [0, 1, 2, 3]
+    assert [(r["layer"], r["head"]) for r in decode_got] == [(r["layer"], r["head"]) for r in decode_want]
+    for a, b in zip(decode_got, decode_want):
+        assert a["entropy_mean"] == pytest.approx(b["entropy_mean"], rel=1e-5)
+    assert {r["head"] for r in got if r["step"] == 1} == {0, 1, 2, 3}

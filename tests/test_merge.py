@@ -84,6 +84,21 @@ def test_merged_gradients_match_whole_op() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_merged_max_weight_is_not_differentiable() -> None:
+    """The merged max_weight, like a single call's, records no gradient: it had one through the
+    shards' weights alone (each shard's maximum taken as a constant), which is not the maximum's."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=gen, dtype=F64) for _ in range(3))
+    k, v = (torch.randn(1, 1, 6, 4, generator=gen, dtype=F64) for _ in range(2))
+    q.requires_grad_()
+    out, st = torch_ext.attention(q, k, v, return_stats=True)
+    assert not st.max_weight.requires_grad
+    parts = [torch_ext.attention(q, k[:, :, a:b], v[:, :, a:b], return_stats=True) for a, b in ((0, 3), (3, 6))]
+    m_out, m_st = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+    assert m_out.requires_grad and m_st.entropy.requires_grad and not m_st.max_weight.requires_grad
+    torch.testing.assert_close(m_st.max_weight, st.max_weight.detach(), rtol=1e-12, atol=1e-12)
+
+
 def test_merge_gradcheck() -> None:
     """gradcheck (float64) of the merge with respect to every shard's output, lse, entropy and
     effective keys (through which sum p^2 enters), one shard empty for some rows."""

@@ -415,6 +415,31 @@ def test_dropout_in_training_only() -> None:
     torch.testing.assert_close(m(x, x, x, need_weights=False)[0], ref(x, x, x, need_weights=False)[0], atol=2e-5, rtol=2e-5)
 
 
+def test_dropout_one_drops_every_weight() -> None:
+    """dropout=1.0 in training drops every weight, as in torch's module (the output is out_proj's
+    bias; the op takes p < 1, and the module raised naming its "dropout_p"), with and without
+    weights and on jagged inputs; eval mode is the plain op. Outside [0, 1] it raises naming
+    `dropout`."""
+    ref, ours = pair(dropout=1.0, batch_first=True)
+    x = torch.randn(B, L, E, dtype=torch.float64, requires_grad=True)
+    for need_weights in (False, True):
+        want, got = ref(x, x, x, need_weights=need_weights)[0], ours(x, x, x, need_weights=need_weights)[0]
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, ours.out_proj.bias.expand_as(got))
+    got.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    jagged = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=torch.jagged,
+                                        dtype=torch.float64)
+    out, _ = ours(jagged, jagged, jagged, need_weights=False)
+    for row in out.unbind():
+        torch.testing.assert_close(row, ours.out_proj.bias.expand_as(row))
+    ref.eval(), ours.eval()
+    torch.testing.assert_close(ours(x, x, x)[0], ref(x, x, x)[0], atol=2e-5, rtol=2e-5)
+    bad = torch_ext.nn.MultiheadAttention(E, H, dropout=1.5, batch_first=True).double()
+    with pytest.raises(ValueError, match=r"^dropout must be in \[0, 1\], got 1.5"):
+        bad(x, x, x)
+
+
 @pytest.mark.parametrize("policy", [None, "logn"])
 def test_weights_gradient_reaches_a_zero_head_scale(policy: Optional[str]) -> None:
     """The returned weights' gradient w.r.t. a learnable head scale equals the plain formula's,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,3 +68,13 @@ def test_policy_kwargs() -> None:
         AttentionPolicy(scale="log")
     with pytest.raises(TypeError, match=accepted + "list$"):
         AttentionPolicy(scale=[0.5])
+    # Any real number is the float it stands for (a numpy or Fraction scale fell back to the
+    # caller's scale, 1/sqrt(D) here), in the wrappers that take a policy too.
+    for scale in (np.float32(0.75), np.int64(2), Fraction(3, 4), 2):
+        policy = AttentionPolicy(scale=scale)
+        assert type(policy.scale) is float and policy.attention_kwargs(16, base_scale=0.1)["scale"] == float(scale)
+    ref = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True, scale=0.75)
+    mha = torch_ext.nn.MultiheadAttention(8, 2, batch_first=True, scale=np.float32(0.75))
+    mha.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 3, 8)
+    assert torch.equal(mha(x, x, x)[0], ref(x, x, x)[0])

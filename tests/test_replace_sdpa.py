@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Dict
 
@@ -359,3 +360,30 @@ def test_mask_with_is_causal_raises_as_sdpa() -> None:
         F.scaled_dot_product_attention(q, q, q, mask, is_causal=True)
     with torch_ext.replace_sdpa(), pytest.raises(RuntimeError, match="Explicit attn_mask should not be set"):
         F.scaled_dot_product_attention(q, q, q, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("lengths", [(3, 6), (6, 6), (6, 3)], ids=["lq<lk", "square", "lq>lk"])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_masks(variant: str, lengths: tuple) -> None:
+    """torch.nn.attention.bias's causal biases, which SDPA takes as attn_mask (a tensor subclass
+    naming the variant; the mode ran before its __torch_function__ and read it as a float mask:
+    outputs off by 3.3, or a broadcast error), run as the op's causality, aligned as SDPA aligns
+    them; with GQA too. Rows that see no key (lower right with Lq > Lk: SDPA warns of NaN there)
+    give 0, as the mode gives for any such row."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    make = causal_upper_left if variant == "upper_left" else causal_lower_right
+    lq, lk = lengths
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    with pytest.warns(UserWarning) if variant == "lower_right" and lq > lk else contextlib.nullcontext():
+        bias = make(lq, lk)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    with torch_ext.replace_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, bias, enable_gqa=True)
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True, enable_gqa=True)
+    seen = ~ref.isnan().any(-1)
+    torch.testing.assert_close(out[seen], ref[seen], rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))

@@ -334,6 +334,11 @@ def test_entropy_floor_closed_form() -> None:
         grid = theory.two_point_entropy_gap(torch.linspace(1e-6, 1 - 1e-6, 200_001, dtype=torch.float64), t)
         ft = float(theory.entropy_floor(t))
         assert ft <= float(grid.min()) + 1e-12 and float(grid.min()) - ft < 1e-8
+    # float64 unless tau is another float tensor (an integer tensor gave float32, the default dtype)
+    for t, dtype in ((1.0, torch.float64), (torch.tensor(2), torch.float64), (torch.tensor([2, 3]), torch.float64),
+                     (torch.tensor(2.0, dtype=torch.float32), torch.float32),
+                     (torch.tensor(2.0, dtype=torch.bfloat16), torch.bfloat16)):
+        assert theory.entropy_floor(t).dtype == dtype and all(x.dtype == dtype for x in theory.entropy_floor_solution(t))
 
 
 @pytest.mark.parametrize("tau", [0.25, 0.5, 1.0, 2.0])

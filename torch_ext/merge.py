@@ -100,8 +100,10 @@ def merge_row_states(states: Sequence[RowState]) -> RowState:
     output = weighted([s.output.to(w.dtype) for s in states], w[..., None])
     entropy = weighted([s.entropy + (log_z - (l - top_safe)) for s, l in zip(states, lses)], w)
     sum_p2 = weighted([s.sum_p2 for s in states], w * w)
-    maxima = torch.stack([s.max_weight for s in states])
-    max_weight = torch.where(w != 0, w * maxima, torch.zeros_like(maxima)).amax(0)  # not differentiated
+    # Not differentiable, as a single call's max_weight (the op marks it so): detached, where the
+    # product's gradient through w alone, each shard's maximum taken as a constant, was wrong.
+    maxima = torch.stack([s.max_weight for s in states]).detach()
+    max_weight = torch.where(w != 0, w * maxima, torch.zeros_like(maxima)).amax(0).detach()
     n_keys = torch.stack([s.n_keys for s in states]).sum(0)
     zero = torch.zeros_like(top)
     return RowState(

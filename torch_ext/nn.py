@@ -144,10 +144,17 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         module, ``is_causal`` needs no ``attn_mask``."""
         _check_tensors(attn_mask=(attn_mask, True), key_padding_mask=(key_padding_mask, True))
         dropout_p = float(self.dropout) if self.training else 0.0
+        if not 0.0 <= dropout_p <= 1.0:  # (as F.dropout, in training only; not the op's "dropout_p")
+            raise ValueError(f"dropout must be in [0, 1], got {self.dropout}")
+        # dropout = 1 drops every weight, as in torch's module: the op's output times 0 (the op
+        # itself takes p < 1, scaling the kept weights by 1 / (1 - p); the statistics and the
+        # weights returned are those before dropout, as for any p).
+        drop_all = dropout_p == 1.0
+        dropout_p = 0.0 if drop_all else dropout_p
         is_causal = _flag(is_causal, "is_causal")  # (not truthiness: is_causal="False" is no False)
         if any(is_jagged(x) for x in (query, key, value)):
             return self._forward_jagged(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
-                                        dropout_p)
+                                        dropout_p, drop_all)
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError(
                 "torch_ext.nn.MultiheadAttention does not take nested tensors of the strided layout: build "
@@ -208,6 +215,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 dropout_p=dropout_p,
             )
             weights = None
+        if drop_all:
+            out = out * 0.0
         # (a view: the output follows q's layout, split from the projection above)
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
         if not batched:
@@ -229,7 +238,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     def _forward_jagged(
         self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], need_weights: bool,
-        attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float,
+        attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, drop_all: bool,
     ) -> tuple[Tensor, None]:
         """Jagged nested (B, j, E) query, key and value (``batch_first``): sequences of different
         lengths without padding, each attending to its own keys, through the op's jagged path
@@ -271,6 +280,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         out = attend(
             q, k, v, policy=self.policy, is_causal=is_causal, multiplier=multiplier, module=self, dropout_p=dropout_p
         )
+        if drop_all:
+            out = out * 0.0
         return self.out_proj(out.transpose(1, 2).flatten(2)), None
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:

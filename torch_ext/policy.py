@@ -40,6 +40,10 @@ class AttentionPolicy:
         if not (self.scale is None or isinstance(self.scale, str) or _is_real(self.scale)):
             raise TypeError(f"AttentionPolicy.scale must be {accepted}, got {type(self.scale).__name__}")
         _policy_args(self.scale, self.temperature, self.train_length)
+        if self.scale is not None and not isinstance(self.scale, str):
+            # A real number of another type (numpy, Fraction) as the float it stands for, so that
+            # attention_kwargs takes it as the scale (it fell back to the caller's scale).
+            object.__setattr__(self, "scale", float(self.scale))
 
     @property
     def uses_length(self) -> bool:
@@ -52,7 +56,7 @@ class AttentionPolicy:
         """Keyword arguments of :func:`torch_ext.attention` for a call site whose own scale is
         ``base_scale`` (None: 1/sqrt(head_dim)), times an optional learnable ``multiplier``
         broadcastable to (B, H, Lq)."""
-        base = self.scale if isinstance(self.scale, (int, float)) else base_scale
+        base = self.scale if isinstance(self.scale, float) else base_scale
         if base is None and head_dim > 0:  # (head dim 0: the op refuses the call, naming it)
             base = 1.0 / math.sqrt(head_dim)
         c: float | torch.Tensor | None = base if multiplier is None or base is None else multiplier * base

@@ -4,14 +4,17 @@ edits."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
+from torch_ext import monitor as _monitor
 from torch_ext.attention import _check_tensors, _dense_tensors, _gqa_kv_heads
 from torch_ext.nested import is_jagged, refuse_strided
 from torch_ext.policy import AttentionPolicy, attend
@@ -31,6 +34,8 @@ def _routed_sdpa(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    causal_alignment: str = "top_left",
 ) -> torch.Tensor:
     """SDPA's signature on the fused op: the call's ``scale`` is the base scale of the policy.
 
@@ -39,10 +44,21 @@ def _routed_sdpa(
     or, with ``enable_gqa``, N heads, as SDPA groups them; 2-D: one sequence). They are
     flattened to the op's (B, H, L, E), expanded where they broadcast (as SDPA's math does), and
     the output is given the broadcast shape back. Jagged nested tensors: :func:`_jagged_sdpa`.
+    ``attn_mask`` may also be one of ``torch.nn.attention.bias``'s causal biases, as SDPA takes them.
     """
+    if isinstance(attn_mask, CausalBias):
+        # (a tensor subclass that only names a causal variant, whose own __torch_function__ the mode
+        # runs before: read as a float mask it gave wrong outputs) The op's causality, aligned as
+        # CausalBias._dispatch aligns it: top-left where the variant is, or the bias is square.
+        if is_causal:
+            raise ValueError("replace_sdpa: CausalBias should not be used with causal=True")
+        bottom_right = attn_mask.variant == CausalVariant.LOWER_RIGHT and attn_mask.seq_len_q != attn_mask.seq_len_kv
+        return _routed_sdpa(policy, query, key, value, None, dropout_p, True, scale, enable_gqa,
+                            causal_alignment="bottom_right" if bottom_right else "top_left")
     if not _dense_tensors(query, key, value, attn_mask):
         if any(is_jagged(x) for x in (query, key, value)):
-            return _jagged_sdpa(policy, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return _jagged_sdpa(policy, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                causal_alignment)
         refuse_strided(query=query, key=key, value=value)
         # (before the reshapes below, which fail on a nested tensor with ATen's words)
         _check_tensors(query=query, key=key, value=value, attn_mask=(attn_mask, True))
@@ -111,7 +127,7 @@ def _routed_sdpa(
         attn_mask = m.reshape(lead, *m.shape[-3:])
     out = attend(
         q, k, v, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=bool(q_heads != kv_heads), base_scale=scale,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, causal_alignment=causal_alignment,
     )
     out = out.reshape(*outer, *out.shape[1:])
     return out.squeeze(-3) if one_head else out
@@ -127,6 +143,7 @@ def _jagged_sdpa(
     is_causal: bool,
     scale: Optional[float],
     enable_gqa: bool,
+    causal_alignment: str,
 ) -> torch.Tensor:
     """SDPA's two kinds of jagged nested inputs. Ragged in a batch dim in front of dense sequences
     ((B, j, ..., L, E), SAM's): the dense call on their buffers, its output given query's offsets.
@@ -135,7 +152,8 @@ def _jagged_sdpa(
     with either kind)."""
     if attn_mask is None and all(is_jagged(x) and x.dim() > 3 and x._ragged_idx == 1 for x in (query, key, value)):
         out = _routed_sdpa(
-            policy, query.values(), key.values(), value.values(), None, dropout_p, is_causal, scale, enable_gqa
+            policy, query.values(), key.values(), value.values(), None, dropout_p, is_causal, scale, enable_gqa,
+            causal_alignment=causal_alignment,
         )
         return nested_view_from_values_offsets_lengths(
             out,
@@ -146,8 +164,63 @@ def _jagged_sdpa(
         )
     return attend(
         query, key, value, attn_mask, policy=policy, is_causal=is_causal, enable_gqa=enable_gqa, base_scale=scale,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, causal_alignment=causal_alignment,
     )
+
+
+def _packed_query_heads(
+    query: Any,
+    key: Any,
+    value: Any = None,
+    attn_mask: Any = None,
+    dropout_p: Any = 0.0,
+    is_causal: Any = False,
+    scale: Any = None,
+    enable_gqa: Any = False,
+) -> int:
+    """The group size G where this SDPA call is transformers' ``sdpa_attention_forward`` decoding one
+    token of a GQA model with its query heads packed (``pack_gqa``: (B, H, 1, E) as (B, Hkv, G, E),
+    the G query heads of a group as G rows, and a per-head mask likewise), else 1. The output is
+    the same either way; only a recording monitor, which would see Hkv heads of G rows (and refuse
+    a step that also ran the prefill's H heads), needs the heads back."""
+    module = sys.modules.get("transformers.integrations.sdpa_attention")
+    forward = getattr(module, "sdpa_attention_forward", None)
+    if forward is None or enable_gqa or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
+        return 1
+    frame = sys._getframe(1)
+    for _ in range(4):  # (the caller, past the torch-function machinery's frames)
+        if frame is None or frame.f_code is forward.__code__:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code is not forward.__code__:
+        return 1
+    groups = getattr(frame.f_locals.get("module"), "num_key_value_groups", 1)
+    packed = (
+        frame.f_locals.get("q_length") == 1 and isinstance(groups, int) and groups > 1 and query.dim() == 4
+        and key.dim() == 4 and query.shape[2] == groups and query.shape[1] == key.shape[1]
+    )
+    return groups if packed else 1
+
+
+def _unpacked_sdpa(
+    policy: AttentionPolicy,
+    groups: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A call packed by ``pack_gqa`` (:func:`_packed_query_heads`) with its query heads unpacked:
+    (B, Hkv, G, E) -> (B, Hkv G, 1, E) under GQA, the output packed back."""
+    b, kv_heads, _, e = query.shape
+    q = query.reshape(b, kv_heads * groups, 1, e)
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
+        attn_mask = attn_mask.reshape(attn_mask.shape[0], kv_heads * groups, 1, attn_mask.shape[-1])
+    kwargs["enable_gqa"] = True
+    out = _routed_sdpa(policy, q, key, value, attn_mask, *args, **kwargs)
+    return out.reshape(b, kv_heads, groups, out.shape[-1])
 
 
 class replace_sdpa(TorchFunctionMode):
@@ -163,7 +236,8 @@ class replace_sdpa(TorchFunctionMode):
     applies), and traced by ``torch.compile`` when active around the compiled call. Inputs of any
     layout SDPA takes: (..., L, E), broadcasting leading dims, and nested tensors of the jagged
     layout (sequences of different lengths, (B, H, j, E), run without padding; or ragged in a
-    batch dim, SAM's); nested tensors of the strided layout raise ``NotImplementedError``.
+    batch dim, SAM's); nested tensors of the strided layout raise ``NotImplementedError``;
+    ``torch.nn.attention.bias``'s causal biases as ``attn_mask`` run as the op's causality.
     ``dropout_p`` applies the op's attention dropout (pass it in training only, as SDPA's callers
     do). Float-mask entries at or below ``finfo.min / 2`` count as masked (out of n_i); a row with
     every key masked gives 0, as SDPA gives for ``-inf`` and bool masks (SDPA gives the mean of the
@@ -193,6 +267,10 @@ class replace_sdpa(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA:
+            if _monitor.is_recording():
+                n_rep = _packed_query_heads(*args, **kwargs)
+                if n_rep > 1:
+                    return _unpacked_sdpa(self.policy, n_rep, *args, **kwargs)
             return _routed_sdpa(self.policy, *args, **kwargs)
         if func is F.multi_head_attention_forward and not self._warned_mha:
             self._warned_mha = True

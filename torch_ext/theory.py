@@ -332,7 +332,8 @@ def entropy_floor_solution(
     better = f_gold <= f.gather(-1, k)  # never worse than the grid minimum
     floor = torch.where(better, f_gold, f.gather(-1, k)).squeeze(-1)
     rho = torch.sigmoid(torch.where(better, z_gold, z.gather(-1, k))).squeeze(-1)
-    out_dtype = tau_in.dtype if tau_in.is_floating_point() else torch.float64
+    # (tau itself: _as_tensor gives an integer tensor the default dtype, float32)
+    out_dtype = tau.dtype if isinstance(tau, Tensor) and tau.is_floating_point() else torch.float64
     return floor.to(out_dtype), rho.to(out_dtype)
 
 

@@ -261,6 +261,13 @@ def _bad_calls_rank(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(*((q[..., :0],) * 3 if rank == 1 else (q, q, q))),
         # the Meta device on one rank: its check's gather failed there (the others hung)
         lambda: cp.context_parallel_attention(*((q.to("meta"),) * 3 if rank == 1 else (q, q, q))),
+        # the single call's checks of the scale policy (they gave NaN rows, or ATen's broadcast error)
+        lambda: cp.context_parallel_attention(q, q, q, scale=1e39),
+        lambda: cp.context_parallel_attention(q, q, q, scale="logn", scale_factor=1e30, temperature=1e-10),
+        lambda: cp.context_parallel_attention(q, q, q, scale=torch.ones(3)),
+        lambda: cp.context_parallel_attention(q, q, q, scale=torch.ones(1, device="meta")),
+        # "none" for an absent float or scale tensor (printed as -1)
+        lambda: cp.context_parallel_attention(q, q, q, scale=0.5 if rank == 1 else None),
     ]
     results = []
     for call in calls:
@@ -307,18 +314,31 @@ def test_bad_calls_raise_on_every_rank_and_keep_the_group() -> None:
                                       else invalid_elsewhere), results[14]
         assert results[15].startswith("ValueError: query must be on a CPU or CUDA device, got meta" if rank == 1
                                       else invalid_elsewhere), results[15]
+        assert results[16].startswith("ValueError: scale / temperature = 1e+39 / 1 overflows float32"), results[16]
+        assert results[17].startswith("ValueError: scale / temperature = 1e+30 / 1e-10 overflows float32"), results[17]
+        assert results[18].startswith("ValueError: scale tensor (scale, or scale_factor with a length policy) of "
+                                      "shape [3] does not broadcast to (batch, heads, q_len) = (1, 2, 4)"), results[18]
+        assert results[19] == ("ValueError: the scale tensor (scale, or scale_factor with a length policy) must be "
+                               "on query's device (cpu), got meta"), results[19]
+        assert "calls differ (float scale or scale_factor: rank 0: none, rank 1: 0.5)" in results[20], results[20]
 
 
-def _create_graph_rank(rank: int, world: int) -> list[float]:
+def _create_graph_rank(rank: int, world: int) -> tuple[list[float], str]:
     """First-order gradients with create_graph=True (a gradient penalty's first step), against the
-    same call's without it."""
+    same call's without it; and what differentiating them (the penalty's second step) raises."""
     torch.manual_seed(5)
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     grads = []
     for create_graph in (False, True):
         out = cp.context_parallel_attention(q, k, v, is_causal=True)
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=create_graph))
-    return [float((a - b).abs().max()) for a, b in zip(*grads)]
+    penalty = sum(g.square().sum() for g in grads[1]) + q.square().sum()
+    try:
+        penalty.backward()
+        second = "no error"
+    except RuntimeError as e:
+        second = str(e)
+    return [float((a - b).abs().max()) for a, b in zip(*grads)], second
 
 
 def test_helpers_name_bad_arguments() -> None:
@@ -337,9 +357,42 @@ def test_helpers_name_bad_arguments() -> None:
 
 def test_create_graph_gives_first_order_gradients() -> None:
     """The ring's backward under create_graph=True gives the gradients without it (it failed on
-    its accumulators, in-place views that autograd refuses in grad mode)."""
-    for diffs in run_ranks(2, _create_graph_rank):
+    its accumulators, in-place views that autograd refuses in grad mode); differentiating them
+    raises, as the single call's do (they entered the second derivative as constants: a gradient
+    penalty silently lost the attention's part)."""
+    for diffs, second in run_ranks(2, _create_graph_rank):
         assert diffs == [0.0, 0.0, 0.0], diffs
+        assert second.startswith("context_parallel_attention has no second derivative"), second
+
+
+def _autocast_rank(rank: int, world: int) -> tuple[str, str, float, str]:
+    """Under torch.autocast: the output's dtype, the float32 leaf's gradient dtype, the largest
+    difference from the single call's bfloat16 output, and unshard_sequence of an odd length."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+    ql = cp.shard_sequence(q).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cp.context_parallel_attention(ql, cp.shard_sequence(k), cp.shard_sequence(v), is_causal=True)
+        single = torch_ext.attention(q, k, v, is_causal=True)
+    out.float().sum().backward()
+    diff = float((cp.unshard_sequence(out.float()) - single.float()).abs().max())
+    try:
+        cp.unshard_sequence(torch.zeros(1, 1, 3, 4))
+        odd = "no error"
+    except ValueError as e:
+        odd = str(e)
+    return str(out.dtype), str(ql.grad.dtype), diff, odd
+
+
+def test_autocast_runs_in_the_region_dtype() -> None:
+    """Under torch.autocast the ring runs and returns the region's dtype, as the single call (it
+    returned float32 from bfloat16 blocks); the float32 inputs get float32 gradients. unshard_sequence
+    refuses an odd local length under load balancing (it interleaved the halves wrongly), as
+    shard_sequence and global_positions do."""
+    for dtype, grad_dtype, diff, odd in run_ranks(2, _autocast_rank):
+        assert (dtype, grad_dtype) == ("torch.bfloat16", "torch.float32")
+        assert diff <= 2e-2, diff  # bfloat16 rounding of the merged blocks against the single call's
+        assert odd == "with load_balance the local length must be even (two chunks), got 3", odd
 
 
 def test_shard_and_unshard_are_inverse_and_balance_causal_work() -> None:

@@ -69,9 +69,11 @@ def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                      load_balance: bool = True) -> torch.Tensor:
     """The full tensor from every rank's part (all_gather; the inverse of :func:`shard_sequence`)."""
     rank, world = _world(group)
+    per_rank = len(_chunks(0, world, load_balance))
+    if x.shape[dim] % per_rank != 0:  # (as global_positions: the rows are two chunks)
+        raise ValueError(f"with load_balance the local length must be even (two chunks), got {x.shape[dim]}")
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    per_rank = len(_chunks(0, world, load_balance))
     ordered: list[torch.Tensor | None] = [None] * (per_rank * world)
     for r, part in enumerate(parts):
         for piece, c in zip(part.chunk(per_rank, dim), _chunks(r, world, load_balance)):
@@ -139,7 +141,9 @@ def _check_same_call(error: BaseException | None, signature: Sequence[int], grou
                 return _NAMED_CODES[name][v] if v != -1 else "other"
             if name in _BOOL_FIELDS:
                 return bool(v)
-            return _from_bits(v) if name in _FLOAT_FIELDS and v != -1 else v
+            if v == -1 and (name in _FLOAT_FIELDS or name.startswith("scale tensor")):
+                return "none"
+            return _from_bits(v) if name in _FLOAT_FIELDS else v
 
         table = "; ".join(f"{_SIGNATURE[i]}: " + ", ".join(f"rank {r}: {show(i, row[i])}" for r, row in enumerate(rows))
                           for i in differ)
@@ -221,12 +225,22 @@ class _RingAttention(torch.autograd.Function):
         return out, lse, ent, sum_p2, max_w, n
 
     @staticmethod
-    @torch.no_grad()
-    def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, g_ent: torch.Tensor | None,
-                 g_sum_p2: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
-        # (Without a graph of its own, also under create_graph=True: the first-order gradients are
-        # those of the single call, which has no second order either; the accumulators below are
-        # views updated in place, which autograd would refuse there.)
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        # Without a graph of its own, also under create_graph=True (the accumulators are views
+        # updated in place, which autograd would refuse there): the first-order gradients are those
+        # of the single call, which has no second order either. There they carry a node that
+        # raises if differentiated, as the single call's do, rather than entering a second
+        # derivative as constants.
+        with torch.no_grad():
+            result = _RingAttention._gradients(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return result
+        inputs = [t for t in ctx.saved_tensors[:4] if t.requires_grad]
+        return tuple(g if g is None else _FirstOrderOnly.apply(g, *inputs) for g in result)
+
+    @staticmethod
+    def _gradients(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, g_ent: torch.Tensor | None,
+                   g_sum_p2: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
         q, k, v, lam, out, lse, ent, sum_p2 = ctx.saved_tensors
         group, load_balance = ctx.group, ctx.load_balance
         rank, world = _world(group)
@@ -271,6 +285,21 @@ class _RingAttention(torch.autograd.Function):
                     req.wait()
         return (torch.cat(dq, 2).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype),
                 torch.cat(dlam, 2).to(lam.dtype) if grad_scale else None, None, None, None)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """A gradient of the ring under create_graph=True, given a node (its inputs: the ring's inputs
+    that require grad) whose backward raises: a second derivative through the ring fails, as the
+    single call's does, instead of taking the gradient for a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Any:
+        raise RuntimeError("context_parallel_attention has no second derivative (create_graph=True gives the "
+                           "first-order gradients; as the single call, whose attention_backward has none)")
 
 
 def _empty_state(q: torch.Tensor, v: torch.Tensor) -> RowState:
@@ -343,21 +372,35 @@ def context_parallel_attention(
         is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
         signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,
                                 enable_gqa, load_balance)
-        # The op's own checks of this rank's block (dtypes, head dims, GQA), on the Meta device and
-        # before the row scale (whose 1 / sqrt(D) needs a head dim): no rank starts a transfer for a
-        # call the op would refuse.
+        # The op's own checks of this rank's block (dtypes, head dims, GQA, and the scale policy: a
+        # scale tensor's shape, a float scale or temperature beyond float32's range), on the Meta
+        # device and before the row scale (whose 1 / sqrt(D) needs a head dim): no rank starts a
+        # transfer for a call the op would refuse.
+        scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+        if scale_tensor is not None and scale_tensor.device != query.device:
+            raise ValueError(f"the {_SCALE_TENSOR} must be on query's device ({query.device}), got "
+                             f"{scale_tensor.device}")
         meta = [t.to("meta") for t in (query, key, value)]
-        row_scale = torch.empty(query.shape[:3], dtype=_acc_dtype(query), device="meta")
-        torch.ops.entropy_attn.attention(*meta, None, row_scale, is_causal=is_causal,
-                                         enable_gqa=query.shape[1] != key.shape[1], return_stats=True)
+        torch.ops.entropy_attn.attention(*meta, None, None if scale_tensor is None else scale_tensor.to("meta"),
+                                         is_causal=is_causal, enable_gqa=query.shape[1] != key.shape[1],
+                                         return_stats=True, **policy)
         lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
                          total=query.shape[2] * world)
     except Exception as exc:  # noqa: BLE001 (any error of one rank's call must reach every rank)
         error = exc
     _check_same_call(error, signature, group, world, _collective_device(query, group))
 
-    out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
-                                                           load_balance)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # As the single call under torch.autocast (csrc/autocast.cpp): query, key and value that
+        # autocast may cast (floating point, not float64) run in the region's dtype, and so does the
+        # output; the blocks then need no cast of their own.
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                             for t in (query, key, value))
+    with torch.autocast(device, enabled=False):
+        out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
+                                                               load_balance)
     recording = _monitor.is_recording()
     if not (return_stats or recording):
         return out

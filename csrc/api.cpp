@@ -3,6 +3,15 @@
 #include "attention_call.h"
 
 namespace entropy_attn {
+namespace {
+
+// An undefined tensor as the only tensor of a call leaves the dispatcher no device to dispatch on
+// ("tensor does not have a device", naming nothing): named here, in the ops' words for None.
+void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), name, " must be a tensor, got None");
+}
+
+}  // namespace
 
 AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask,
@@ -12,6 +21,9 @@ AttentionResult attention(const at::Tensor& query, const at::Tensor& key, const 
                           std::array<int64_t, 2> window_size, std::string_view causal_alignment,
                           double softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
                           int64_t dropout_seed) {
+  check_defined(query, "query");
+  check_defined(key, "key");
+  check_defined(value, "value");
   const AttentionOptions options = AttentionOptions::from_schema(
       is_causal, scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature,
       log_base, enable_gqa, return_stats, window_size,
@@ -31,6 +43,10 @@ AttentionResult varlen_attention(
     bool return_stats, std::array<int64_t, 2> window_size, double softcap,
     const std::optional<at::Tensor>& sinks, double dropout_p, int64_t dropout_seed,
     const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits) {
+  check_defined(query, "query");
+  check_defined(key, "key");
+  check_defined(value, "value");
+  check_defined(cu_seq_q, "cu_seq_q");
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::varlen_attention", "")
@@ -55,6 +71,8 @@ at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
                               std::string_view scale_mode, double temperature, double log_base,
                               bool enable_gqa, std::array<int64_t, 2> window_size,
                               std::string_view causal_alignment, double softcap) {
+  check_defined(query, "query");
+  check_defined(key, "key");
   return attention_sparsity_op().call(
       query, key, attn_mask, scale, c10::string_view(kind.data(), kind.size()), is_causal,
       scale_factor, c10::string_view(scale_mode.data(), scale_mode.size()), temperature, log_base,
@@ -63,17 +81,20 @@ at::Tensor attention_sparsity(const at::Tensor& query, const at::Tensor& key,
 }
 
 at::Tensor entropy(const at::Tensor& p, int64_t dim) {
+  check_defined(p, "p");
   static const auto op = row_reduction_op("entropy_attn::entropy");
   return op.call(p, dim);
 }
 
 at::Tensor sparsity(const at::Tensor& a, int64_t dim) {
+  check_defined(a, "a");
   static const auto op = row_reduction_op("entropy_attn::sparsity");
   return op.call(a, dim);
 }
 
 at::Tensor length_factor(const at::Tensor& n_keys, std::string_view scale_mode, double temperature,
                          double log_base, at::ScalarType dtype) {
+  check_defined(n_keys, "n_keys");
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("entropy_attn::length_factor", "")

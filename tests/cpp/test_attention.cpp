@@ -1137,6 +1137,20 @@ TEST(AttentionErrors, BadInputsThrow) {
   // entropy / sparsity: dim out of range.
   EXPECT_THROW(entropy_attn::entropy(at::rand({3, 4}), 2), c10::Error);
   EXPECT_THROW(entropy_attn::sparsity(at::rand({3, 4}), -3), c10::Error);
+  // An undefined tensor where it is the call's only one (or all of them): named, as None is from
+  // Python (the dispatcher's "tensor does not have a device" named nothing).
+  const at::Tensor none;
+  expect_bad_argument("undefined p", [&] { entropy_attn::entropy(none); }, {"p must be a tensor"});
+  expect_bad_argument("undefined a", [&] { entropy_attn::sparsity(none); }, {"a must be a tensor"});
+  expect_bad_argument("undefined n_keys", [&] { entropy_attn::length_factor(none); }, {"n_keys"});
+  expect_bad_argument("undefined query and key",
+                      [&] { entropy_attn::attention_sparsity(none, none); }, {"query"});
+  expect_bad_argument("undefined inputs", [&] { entropy_attn::attention(none, none, none); },
+                      {"query"});
+  expect_bad_argument(
+      "undefined packed inputs",
+      [&] { entropy_attn::varlen_attention(none, none, none, none, std::nullopt, 1, 1); },
+      {"query"});
 }
 
 }  // namespace

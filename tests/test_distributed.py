@@ -374,6 +374,10 @@ def _autocast_rank(rank: int, world: int) -> tuple[str, str, float, str]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = cp.context_parallel_attention(ql, cp.shard_sequence(k), cp.shard_sequence(v), is_causal=True)
         single = torch_ext.attention(q, k, v, is_causal=True)
+        # inputs of mixed dtypes, which autocast casts alike (the checks saw them before the cast)
+        mixed = cp.context_parallel_attention(cp.shard_sequence(q).half(), cp.shard_sequence(k),
+                                              cp.shard_sequence(v), is_causal=True)
+    assert mixed.dtype == torch.bfloat16
     out.float().sum().backward()
     diff = float((cp.unshard_sequence(out.float()) - single.float()).abs().max())
     try:

@@ -457,3 +457,37 @@ def test_monitor_sees_query_heads_through_replace_sdpa_decoding() -> None:
     for a, b in zip(decode_got, decode_want):
         assert a["entropy_mean"] == pytest.approx(b["entropy_mean"], rel=1e-5)
     assert {r["head"] for r in got if r["step"] == 1} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "kv_heads,groups,mask,bias,query_batch",
+    [(2, 2, "per_head", False, 2), (2, 2, "shared", False, 2), (1, 4, "per_head", False, 2),
+     (1, 4, "shared", True, 2), (2, 2, "shared", True, 2), (2, 2, "per_head", False, 1), (2, 2, None, False, 2)],
+)
+def test_packed_decoding_step_unpacks_every_mask_and_batch(
+    kv_heads: int, groups: int, mask: Any, bias: bool, query_batch: int
+) -> None:
+    """transformers' sdpa_attention_forward on a packed decoding step, called directly under
+    replace_sdpa and a recording monitor: per-head masks and position biases (packed with the heads,
+    also with one key/value head, where the packed mask's heads dim is 1), shared masks, and a query
+    of batch 1 against keys of batch 2 (SDPA broadcasts it) give sdpa's output, and the monitor
+    records the H query heads. (The first unpacking raised on the per-head mask with one key/value
+    head and on the broadcast batch.)"""
+    import types
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(3)
+    heads, b, length, e = kv_heads * groups, 2, 5, 8
+    module = types.SimpleNamespace(num_key_value_groups=groups, is_causal=True, layer_idx=0)
+    q = torch.randn(query_batch, heads, 1, e, generator=g)
+    k, v = (torch.randn(b, kv_heads, length, e, generator=g) for _ in range(2))
+    m = {"per_head": torch.randn(b, heads, 1, length, generator=g), "shared": torch.zeros(b, 1, 1, length),
+         None: None}[mask]
+    position_bias = torch.randn(1, heads, 1, length, generator=g) if bias else None
+    want, _ = sdpa_attention_forward(module, q, k, v, m, position_bias=position_bias)
+    monitor = torch_ext.AttentionEntropyMonitor()
+    with torch_ext.replace_sdpa(), monitor:
+        got, _ = sdpa_attention_forward(module, q, k, v, m, position_bias=position_bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sorted({r["head"] for r in monitor.latest}) == list(range(heads))

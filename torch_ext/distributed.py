@@ -372,6 +372,15 @@ def context_parallel_attention(
         is_causal, load_balance = _flag(is_causal, "is_causal"), _flag(load_balance, "load_balance")
         signature = _local_call(query, key, value, scale, temperature, train_length, scale_factor, is_causal,
                                 enable_gqa, load_balance)
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            # As the single call under torch.autocast (csrc/autocast.cpp): query, key and value that
+            # autocast may cast (floating point, not float64) run in the region's dtype, and so
+            # does the output (cast before the checks below, which then see the dtypes the blocks
+            # run in, as the single call's do).
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                                 for t in (query, key, value))
         # The op's own checks of this rank's block (dtypes, head dims, GQA, and the scale policy: a
         # scale tensor's shape, a float scale or temperature beyond float32's range), on the Meta
         # device and before the row scale (whose 1 / sqrt(D) needs a head dim): no rank starts a
@@ -390,15 +399,7 @@ def context_parallel_attention(
         error = exc
     _check_same_call(error, signature, group, world, _collective_device(query, group))
 
-    device = query.device.type
-    if torch.is_autocast_enabled(device):
-        # As the single call under torch.autocast (csrc/autocast.cpp): query, key and value that
-        # autocast may cast (floating point, not float64) run in the region's dtype, and so does the
-        # output; the blocks then need no cast of their own.
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-                             for t in (query, key, value))
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(query.device.type, enabled=False):  # (cast above: the blocks need no cast)
         out, lse, ent, sum_p2, max_w, n = _RingAttention.apply(query, key, value, lam, bool(is_causal), group,
                                                                load_balance)
     recording = _monitor.is_recording()

@@ -216,11 +216,15 @@ def _unpacked_sdpa(
     (B, Hkv, G, E) -> (B, Hkv G, 1, E) under GQA, the output packed back."""
     b, kv_heads, _, e = query.shape
     q = query.reshape(b, kv_heads * groups, 1, e)
-    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
-        attn_mask = attn_mask.reshape(attn_mask.shape[0], kv_heads * groups, 1, attn_mask.shape[-1])
+    # A per-head mask (or position bias) was packed alike, (B, H, 1, L) -> (B, Hkv, G, L): its rows
+    # are the G heads (with one key/value head too, where its heads dim is 1). A mask shared by the
+    # heads ((B, 1, 1, L): pack_gqa leaves it) has one row.
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[-2] == groups:
+        attn_mask = attn_mask.reshape(attn_mask.shape[0], attn_mask.shape[1] * groups, 1, attn_mask.shape[-1])
     kwargs["enable_gqa"] = True
     out = _routed_sdpa(policy, q, key, value, attn_mask, *args, **kwargs)
-    return out.reshape(b, kv_heads, groups, out.shape[-1])
+    # (the output's batch: a query of batch 1 broadcasts against the keys', as in SDPA)
+    return out.reshape(out.shape[0], kv_heads, groups, out.shape[-1])
 
 
 class replace_sdpa(TorchFunctionMode):

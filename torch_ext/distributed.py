@@ -393,8 +393,7 @@ def context_parallel_attention(
         torch.ops.entropy_attn.attention(*meta, None, None if scale_tensor is None else scale_tensor.to("meta"),
                                          is_causal=is_causal, enable_gqa=query.shape[1] != key.shape[1],
                                          return_stats=True, **policy)
-        lam = _row_scale(query, scale, temperature, train_length, scale_factor, is_causal, group, load_balance,
-                         total=query.shape[2] * world)
+        lam = _row_scale(query, scale_tensor, policy, is_causal, group, load_balance, total=query.shape[2] * world)
     except Exception as exc:  # noqa: BLE001 (any error of one rank's call must reach every rank)
         error = exc
     _check_same_call(error, signature, group, world, _collective_device(query, group))
@@ -496,13 +495,11 @@ def _acc_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
-def _row_scale(query: torch.Tensor, scale: object, temperature: float, train_length: float,
-               scale_factor: float | torch.Tensor | None, causal: bool, group: dist.ProcessGroup | None,
-               load_balance: bool, total: int) -> torch.Tensor:
+def _row_scale(query: torch.Tensor, scale_tensor: torch.Tensor | None, policy: dict, causal: bool,
+               group: dist.ProcessGroup | None, load_balance: bool, total: int) -> torch.Tensor:
     """lambda_i of this rank's rows, (B, H, L/P) in the accumulate type: c g(n_i) / temperature
-    with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor). The
-    arguments are checked and mapped by the single-device call's own ``_policy_args``."""
-    scale_tensor, policy = _policy_args(scale, temperature, train_length, scale_factor)
+    with the global n_i (the op's definition, ops.cpp; g from torch_ext.length_factor), from the
+    scale arguments as the single-device call's own ``_policy_args`` checked and mapped them."""
     acc = _acc_dtype(query)
     if scale_tensor is not None:
         c = scale_tensor.to(acc)

@@ -356,6 +356,49 @@ def test_varlen_grad_equals_autograd() -> None:
                                                   enable_gqa=True).sum())(args[0])
 
 
+@pytest.mark.parametrize("op", ["attention", "varlen_attention"])
+def test_grad_under_autocast_equals_autograd(op: str) -> None:
+    """Under torch.autocast, float32 inputs reach the op in the region's dtype on both paths, so
+    torch.func.grad equals torch.autograd.grad bit for bit (the Python Function saved the float32
+    inputs and recomputed the weights from them against the bfloat16 call's lse: dq 0.6 off)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 4, 16, 8) if op == "attention" else (16, 4, 8)
+    q = 6.0 * torch.randn(*shape, generator=g)
+    k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+
+    def f(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if op == "attention":
+                out, stats = torch_ext.attention(q, k, v, is_causal=True, return_stats=True)
+            else:
+                out, stats = torch_ext.varlen_attention(q, k, v, cu, cu, 9, 9, is_causal=True, return_stats=True)
+        assert out.dtype == torch.bfloat16
+        return out.float().square().sum() + stats.entropy.sum()
+
+    got = grad(f, argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, autograd_grads(f, (q, k, v))):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_transforms_of_jagged_attention_raise_naming_them() -> None:
+    """torch.func.grad and vjp of attention on jagged nested tensors (which torch's own SDPA does
+    not take under transforms either) raise naming the transforms and the argument, not the op's
+    internal name (under a transform the jagged tensor is wrapped and passed for a dense one)."""
+    x = torch.nested.nested_tensor([rand(3, 2, 4, seed=1), rand(5, 2, 4, seed=2)], layout=torch.jagged)
+
+    def f(x: Tensor) -> Tensor:
+        return torch_ext.attention(x.transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2), is_causal=True,
+                                   return_stats=True)[0]
+
+    match = "torch.func transforms .* jagged nested tensors are not supported \\(query is one\\)"
+    with pytest.raises(NotImplementedError, match=match):
+        grad(lambda x: f(x).values().sum())(x)
+    with pytest.raises(NotImplementedError, match=match):
+        vjp(f, x)
+
+
 @pytest.mark.parametrize("name", ["entropy", "sparsity"])
 def test_row_reductions_under_transforms(name: str) -> None:
     """grad and vmap(grad) through torch_ext.entropy / sparsity equal plain autograd."""
@@ -487,17 +530,22 @@ def test_compile_float_arguments_from_sizes_and_attributes() -> None:
     torch.testing.assert_close(compiled(x), mha(x, x, x, need_weights=False)[0], **TOL)
 
 
-def test_export_names_the_dim_a_float_argument_ties() -> None:
-    """A float argument computed from a dynamic dim is specialized by the schema's float, which
-    torch.export reports as a violated constraint on that dim (the wrapper said the SymFloat was
-    no number: a TypeError)."""
+@pytest.mark.parametrize("argument", ["softcap", "window_size"])
+def test_export_names_the_dim_a_number_argument_ties(argument: str) -> None:
+    """A float (softcap) or int (window_size) argument computed from a dynamic dim is specialized
+    by the schema's float or int, which torch.export reports as a violated constraint on that dim
+    (the wrapper said the SymFloat was no number, and the SymInt no int: a TypeError, a
+    ValueError)."""
 
     class M(torch.nn.Module):
         def forward(self, q: Tensor) -> Tensor:
-            return torch_ext.attention(q, q, q, softcap=q.shape[2] / 2)
+            tied = dict(softcap=q.shape[2] / 2) if argument == "softcap" else dict(window_size=(q.shape[2] // 2, 0))
+            return torch_ext.attention(q, q, q, **tied)
 
-    with pytest.raises(torch._dynamo.exc.UserError, match=r"Constraints violated \(L\)"):
-        torch.export.export(M(), (rand(1, 2, 6, 4),), dynamic_shapes=({2: torch.export.Dim("L", min=2, max=64)},), strict=False)
+    for strict in (False, True):
+        with pytest.raises(torch._dynamo.exc.UserError, match=r"Constraints violated \(L\)"):
+            torch.export.export(M(), (rand(1, 2, 6, 4),), dynamic_shapes=({2: torch.export.Dim("L", min=2, max=64)},),
+                                strict=strict)
 
 
 def test_compile_of_a_transform() -> None:

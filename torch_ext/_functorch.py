@@ -38,6 +38,33 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def innermost(x: torch.Tensor) -> torch.Tensor:
+    """The tensor a transform's wrappers hold (a jagged nested tensor under grad reports itself
+    as strided and not nested: only the tensor it wraps says what it is)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple:
+    """query, key and value cast as the ops' autocast kernel (csrc/autocast.cpp) casts them:
+    floating point, not float64, to the dtype of an autocast region enabled on their device.
+
+    Before a Function saves them: the cast inside its forward (where the op dispatches) would come
+    after the save, and the backward would recompute the weights from the uncast inputs against the
+    lse of the cast ones. Done here, autograd records the cast as the C++ path does, and the op's
+    own autocast kernel finds nothing left to cast.
+    """
+    cast = []
+    for t in tensors:
+        kind = t.device.type
+        if (kind in ("cpu", "cuda") and t.is_floating_point() and t.dtype != torch.float64
+                and torch.is_autocast_enabled(kind)):
+            t = t.to(torch.get_autocast_dtype(kind))
+        cast.append(t)
+    return tuple(cast)
+
+
 def vmap_active() -> bool:
     """Whether a torch.func.vmap transform is active (at any level, e.g. vmap(grad(f)))."""
     if not transforms_active():
@@ -401,7 +428,7 @@ class _RowReduction(torch.autograd.Function):
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], sinks: Optional[torch.Tensor], options: dict) -> tuple:
     """``entropy_attn::attention(query, key, value, attn_mask, scale, sinks=sinks, **options)``."""
-    return _Attention.apply(query, key, value, attn_mask, scale, sinks, options)
+    return _Attention.apply(*_autocast(query, key, value), attn_mask, scale, sinks, options)
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
@@ -409,7 +436,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sinks: Optional[torch.Tensor], options: dict) -> tuple:
     """``entropy_attn::varlen_attention`` with the same arguments (``seqused_k`` among the options:
     inference-only, its backward raises as the op's does)."""
-    return _Varlen.apply(query, key, value, scale, sinks, cu_seq_q, cu_seq_k, max_q, max_k, options)
+    return _Varlen.apply(*_autocast(query, key, value), scale, sinks, cu_seq_q, cu_seq_k, max_q, max_k, options)
 
 
 def row_reduction(name: str, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -209,7 +209,9 @@ def _pattern_args(
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
     for name, w in (("window_size[0]", left), ("window_size[1]", right)):
-        if not _is_int(w) or w < -1:
+        # (a SymInt where torch.export traces a window computed from a dynamic dim: the schema's
+        # int specializes it, and export names the dim, as it does for a float tied to one)
+        if not (_is_int(w) or isinstance(w, torch.SymInt)) or w < -1:
             raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {w!r}")
     # A bound of 2^62 or more covers every key of any tensor: unbounded (as the op maps it).
     left, right = (-1 if w >= 2**62 else int(w) for w in (left, right))
@@ -379,10 +381,16 @@ def attention(
         # Without return_stats the kernels skip the statistics (only lse and lambda, for the backward).
         options = dict(is_causal=is_causal, enable_gqa=enable_gqa, return_stats=return_stats, **policy, **pattern)
         if jagged is not None:
-            if _functorch.transforms_active():
-                raise NotImplementedError("torch.func transforms of attention on jagged nested tensors")
             res = jagged.run(query, key, value, scale_tensor, sinks, options)
         elif _functorch.transforms_active():
+            # (a jagged tensor under a transform is wrapped, and passes for a dense one above;
+            # Dynamo cannot trace the unwrapping, and a compiled transform of one fails in torch)
+            for name, x in (("query", query), ("key", key), ("value", value)):
+                if not torch.compiler.is_compiling() and _nested.is_jagged(_functorch.innermost(x)):
+                    raise NotImplementedError(
+                        f"torch.func transforms (grad, vjp, vmap, ...) of attention on jagged nested tensors are not "
+                        f"supported ({name} is one): differentiate with torch.autograd, or pack the sequences for "
+                        f"torch_ext.varlen_attention, which the transforms take")
             res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
         else:
             options = _explicit(options, _ATTENTION_DEFAULTS)

@@ -63,6 +63,8 @@ FWD_BWD_FLOP_FACTOR = 3.5
 # Points whose forward would take longer than this at matmul speed get fewer repeats.
 SLOW_CALL_S = 0.5
 SLOW_REPEATS = 2
+# The longest torch.mm call of the matmul reference (a dtype slower than this gets a smaller size).
+SLOW_MM_S = 0.5
 
 # The grids: (B, H, Hkv) shapes are written "BxHxHkv".
 FULL_GRID: dict[str, Any] = {
@@ -387,12 +389,24 @@ def timer(fn: Callable[[], Any], threads: int) -> benchmark.Timer:
 
 
 def matmul_reference(dtypes: list[str], size: int, threads: int, min_run_time: float, repeats: int) -> dict[str, Any]:
-    """torch.mm of size x size matrices per dtype, interleaved: GFLOP/s the machine's matmul reaches."""
+    """torch.mm of size x size matrices per dtype, interleaved: GFLOP/s the machine's matmul reaches.
+
+    A dtype whose product of that size takes longer than SLOW_MM_S gets a smaller one (halved until
+    it does not, at least 256; the record names the size): bfloat16 on a CPU without bfloat16
+    instructions ran at about 1 GFLOP/s here, 17 s per 2048^2 call, and the reference alone
+    outlasted --quick's minutes."""
     gen = torch.Generator().manual_seed(0)
-    fns = {}
+    fns, sizes = {}, {}
     for name in dtypes:
-        a, b = (torch.randn(size, size, generator=gen, dtype=DTYPES[name]) for _ in range(2))
-        fns[name] = functools.partial(torch.mm, a, b)
+        n = size
+        while True:
+            a, b = (torch.randn(n, n, generator=gen, dtype=DTYPES[name]) for _ in range(2))
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if time.perf_counter() - start <= SLOW_MM_S or n <= 256:
+                break
+            n //= 2
+        fns[name], sizes[name] = functools.partial(torch.mm, a, b), n
     runs: dict[str, list[benchmark.Measurement]] = {name: [] for name in dtypes}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -400,7 +414,7 @@ def matmul_reference(dtypes: list[str], size: int, threads: int, min_run_time: f
     out = {}
     for name, ms in runs.items():
         stats = summarize_times(ms)
-        out[name] = {**stats, "size": size, "gflops": 2.0 * size**3 / stats["median_s"] / 1e9}
+        out[name] = {**stats, "size": sizes[name], "gflops": 2.0 * sizes[name] ** 3 / stats["median_s"] / 1e9}
     return out
 
 

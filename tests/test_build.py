@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -86,3 +88,43 @@ def test_each_directory_compiles_as_one_unit_less_the_file_that_lifts_the_macro(
     for name in lifted:  # (CMake's regex, with its dot escaped)
         escaped = name.replace(".", "\\\\.")
         assert f"/csrc/{escaped}$" in cmake, name
+
+
+def _function_bodies(library: Path, objdump: str) -> dict[str, str]:
+    """The disassembly of each function of ``library``, by demangled name."""
+    listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", str(library)], capture_output=True,
+                             text=True, check=True).stdout
+    bodies: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in listing.splitlines():
+        match = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if match:
+            current = bodies.setdefault(match.group(1), [])
+        elif line.strip():
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in bodies.items()}
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+                    reason="checks the x86-64 clones of the row loops")
+@pytest.mark.parametrize("loop", ["softmax_row", "weights_row"])
+def test_row_loops_vectorized_without_avx512(loop: str) -> None:
+    """The exponential loops of the CPU kernels (csrc/cpu/row_kernels.cpp: the forward's p = e^(s - m)
+    and the backward's p = e^(s - lse), float) are vector code in every ISA clone. Built without
+    -fno-trapping-math (setup.py: VECTORIZE_FLAGS), GCC vectorized them only in the AVX-512 clone,
+    whose masked instructions it may run the branch it makes of `x < lo ? 0 : e^x` with: the AVX2
+    and baseline clones were scalar, and a float32 forward took 2.4x SDPA's time on an AVX2 CPU
+    (1.2x with vector code). The exponential's polynomial alone is 8 multiplies per vector; the
+    scalar clones had 0-2 packed multiplies."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to disassemble the library")
+    bodies = _function_bodies(Path(torch_ext._C.__file__), objdump)
+    clones = {name.rsplit("[clone .", 1)[1].rstrip("]"): body for name, body in bodies.items()
+              if f"entropy_attn::cpu::{loop}(float*" in name and "[clone ." in name}
+    if not clones:
+        pytest.skip("the library has no ISA clones of the row loops (not built by GCC for x86-64)")
+    # (the AVX-512 clone vectorized without the flag too)
+    packed = {"avx2": r"\bvmulps\s+[^\n]*%ymm", "default": r"\bmulps\s+[^\n]*%xmm"}
+    counts = {clone: len(re.findall(pattern, clones[clone])) for clone, pattern in packed.items()}
+    assert all(n >= 8 for n in counts.values()), f"packed multiplies per clone of {loop}(float): {counts}"

@@ -77,10 +77,13 @@ EA_ALWAYS_INLINE void weights_row_impl(acc_t* s, acc_t* p, acc_t* dcap, int64_t 
 template <typename acc_t>
 EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* x, const acc_t* p, int64_t n,
                                        acc_t delta, const RowGrads<acc_t>& g) {
+  // (a copy of g: read through the reference, which a store to ds might alias, GCC 12 left this
+  // loop scalar in every ISA clone)
+  const RowGrads<acc_t> grads = g;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
-    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], x[j], delta, g);
+    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], x[j], delta, grads);
   }
 }
 

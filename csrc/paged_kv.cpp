@@ -61,9 +61,11 @@ void check_paged_values(const at::Tensor& table, const at::Tensor& seqused_k,
     cu = cu_t.const_data_ptr<int32_t>();
     TORCH_CHECK_VALUE(cu[0] == 0, "cu_seq_k must start at 0, got ", cu[0]);
   }
+  int64_t total = 0;
   for (int64_t d = 0; d < sequences; ++d) {
     const int64_t u = used[d];
     TORCH_CHECK_VALUE(u >= 0, "seqused_k[", d, "] = ", u, " must be >= 0");
+    total += u;
     TORCH_CHECK_VALUE(u <= max_k, "max_k = ", max_k, " is smaller than sequence ", d,
                       " (seqused_k[", d, "] = ", u, ")");
     if (cu != nullptr) {
@@ -85,6 +87,9 @@ void check_paged_values(const at::Tensor& table, const at::Tensor& seqused_k,
                         " is not a page of key (num_pages = ", num_pages, ")");
     }
   }
+  // (the keys an eager call gathers, with int32 offsets: used_keys)
+  TORCH_CHECK_VALUE(total <= std::numeric_limits<int32_t>::max(), "the paged keys of this call, ",
+                    total, " used by ", sequences, " sequences (seqused_k), exceed int32 offsets");
 }
 
 using PagedTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -136,9 +141,6 @@ PagedLayout check_paged_call(const at::Tensor& query, const at::Tensor& key,
   const c10::SymInt slot_pages = max_k == 0 ? c10::SymInt(0) : (max_k - 1) / page_size + 1;
   const at::Tensor table = block_table.slice_symint(1, 0, slot_pages);
   const c10::SymInt columns = table.sym_size(1), slot = columns * page_size;
-  TORCH_CHECK_VALUE(sequences * slot <= std::numeric_limits<int32_t>::max(),
-                    "the paged keys of this call, ", sequences, " sequences of ", columns,
-                    " pages of ", page_size, " tokens, exceed int32 offsets");
   const bool readable = !query.is_meta() && values_readable(table) && values_readable(*seqused_k);
   if (readable) {
     check_paged_values(table, *seqused_k, cu_seq_k, block_table.size(1), page_size.expect_int(),
@@ -202,7 +204,7 @@ PagedKeys used_keys(const PagedLayout& l, const at::Tensor& key, const at::Tenso
   const int64_t sequences = used_t.numel(), columns = table_t.size(1), page_size = key.size(1);
   at::Tensor cu = at::empty({sequences + 1}, at::kInt);
   int32_t* offsets = cu.mutable_data_ptr<int32_t>();
-  offsets[0] = 0;  // (the sum fits int32: at most N x slot, checked)
+  offsets[0] = 0;  // (the sum fits int32: check_paged_values)
   for (int64_t d = 0; d < sequences; ++d) offsets[d + 1] = offsets[d] + used[d];
   // Token j of sequence d is pool row table[d, j / page_size] * page_size + j % page_size.
   at::Tensor token = at::empty({offsets[sequences]}, at::kLong);
@@ -228,6 +230,11 @@ PagedTuple gather_pages_kernel(const at::Tensor& query, const at::Tensor& key,
                                const std::optional<at::Tensor>& seqused_k, c10::SymInt max_k) {
   const PagedLayout l =
       check_paged_call(query, key, value, cu_seq_q, cu_seq_k, block_table, seqused_k, max_k);
+  // (only the slots gathered whole need this: an eager call of the op's wrapper takes the keys
+  // used, whose count check_paged_values bounds, however large max_k and the table are)
+  TORCH_CHECK_VALUE(l.sequences * l.slot <= std::numeric_limits<int32_t>::max(),
+                    "the paged keys of this call, ", l.sequences, " sequences of ", l.columns,
+                    " pages of ", key.sym_size(1), " tokens, exceed int32 offsets");
   return gather_slots(l, key, value, *seqused_k);
 }
 

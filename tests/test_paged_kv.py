@@ -283,6 +283,31 @@ def test_paged_max_k_near_the_int64_limit() -> None:
         torch.testing.assert_close(torch_ext.varlen_attention(**{**args, "max_k": max_k}), want, rtol=0, atol=0)
 
 
+def test_paged_slots_past_int32_only_where_they_are_built() -> None:
+    """A table padded to 2^20 columns of pages of 2048 tokens with a max_k of 2^31 (a hint: slots of
+    2 x 2^31 keys) runs eagerly, which reads the 15 keys used, as with a tight max_k (it raised 'exceed int32 offsets'
+    for the slots only traced calls build); the op that builds the slots (_gather_pages, which a
+    traced call runs) still refuses them, and an eager call whose keys used pass int32 too."""
+    g = torch.Generator().manual_seed(11)
+    pool_k, pool_v = (torch.randn(4, 2048, 2, 8, generator=g) for _ in range(2))  # pages of 2048 tokens
+    table = torch.zeros(2, 2**20, dtype=torch.int32)
+    table[:, 0] = torch.tensor([3, 1], dtype=torch.int32)
+    args = dict(query=torch.randn(2, 2, 8, generator=g), key=pool_k, value=pool_v,
+                cu_seq_q=torch.tensor([0, 1, 2], dtype=torch.int32), cu_seq_k=None, max_q=1,
+                seqused_k=torch.tensor([10, 5], dtype=torch.int32))
+    want = torch_ext.varlen_attention(**args, max_k=10, block_table=table[:, :1].contiguous())
+    torch.testing.assert_close(torch_ext.varlen_attention(**args, max_k=2**31, block_table=table), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="2 sequences of 1048576 pages of 2048 tokens, exceed int32 offsets"):
+        torch.ops.entropy_attn._gather_pages(args["query"], pool_k, pool_v, args["cu_seq_q"], None, table,
+                                             args["seqused_k"], 2**31)
+    # 2^31 keys used: more pages than a test can hold, so pages of 2^30 tokens, as a stride-0 view.
+    pool = torch.zeros(1, 1, 2, 8).expand(1, 2**30, 2, 8)
+    used = torch.tensor([2**30, 2**30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="2147483648 used by 2 sequences \\(seqused_k\\), exceed int32 offsets"):
+        torch_ext.varlen_attention(args["query"], pool, pool, args["cu_seq_q"], None, 1, 2**30, seqused_k=used,
+                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
 def test_paged_offsets_errors_name_the_callers_argument() -> None:
     """cu_seq_q that does not start at 0 is named alone (cu_seq_k, None here, was named with it)."""
     args = _paged_args()

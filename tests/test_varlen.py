@@ -310,6 +310,51 @@ def test_varlen_python_api_and_seqused_k(device: str) -> None:
         torch_ext.varlen_attention(fwAD.make_dual(q.detach(), torch.ones_like(q)), k, v, cq, ck, 4, 8, seqused_k=used)
 
 
+@pytest.mark.parametrize("heads", [(8, 4, 2), (8, 2, 4), (6, 2, 3)])
+def test_varlen_gqa_key_and_value_head_counts_may_differ(heads: Tuple[int, int, int]) -> None:
+    """Under enable_gqa, key and value with different head counts, each dividing H, run as in
+    torch_ext.attention (SDPA's rule: query head h reads key head h // (H // Hk) and value head
+    h // (H // Hv)), on the packed and the paged layout, with gradients (they raised 'key and value
+    must have the same number of heads')."""
+    H, Hk, Hv = heads
+    q_lens, k_lens = [3, 5], [4, 7]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(q_lens), H, 8, generator=g, dtype=F64, requires_grad=True)
+    k = torch.randn(sum(k_lens), Hk, 8, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(sum(k_lens), Hv, 5, generator=g, dtype=F64, requires_grad=True)
+    cq, ck = offsets(q_lens), offsets(k_lens)
+    out, stats = torch_ext.varlen_attention(q, k, v, cq, ck, 5, 7, is_causal=True, enable_gqa=True, scale="logn",
+                                            return_stats=True)
+    # The dense op per document, with the head counts SDPA takes.
+    want, want_entropy = [], []
+    for d in range(2):
+        qd, kd, vd = (x[c[d] : c[d + 1]].transpose(0, 1)[None] for x, c in ((q, cq), (k, ck), (v, ck)))
+        o, st = torch_ext.attention(qd, kd, vd, is_causal=True, causal_alignment="bottom_right", enable_gqa=True,
+                                    scale="logn", return_stats=True)
+        want.append(o[0].transpose(0, 1))
+        want_entropy.append(st.entropy[0].t())
+    want, want_entropy = torch.cat(want), torch.cat(want_entropy)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.entropy, want_entropy, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad((out * out).sum() + stats.entropy.sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * want).sum() + want_entropy.sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"d{name}: {m}")
+    # A paged cache of one page per token (pools (pages, page_size, heads, D)) gives the same.
+    table = torch.arange(max(k_lens), dtype=torch.int32).repeat(2, 1)
+    table[1, :] += max(k_lens)
+    pool_k, pool_v = (torch.zeros(2 * max(k_lens), 1, x.shape[1], x.shape[2], dtype=F64) for x in (k, v))
+    for d in range(2):
+        n = k_lens[d]
+        pool_k[table[d, :n].long(), 0] = k.detach()[ck[d] : ck[d] + n]
+        pool_v[table[d, :n].long(), 0] = v.detach()[ck[d] : ck[d] + n]
+    with torch.no_grad():
+        paged = torch_ext.varlen_attention(q.detach(), pool_k, pool_v, cq, None, 5, 7, is_causal=True, enable_gqa=True,
+                                           scale="logn", seqused_k=torch.tensor(k_lens, dtype=torch.int32),
+                                           block_table=table)
+    torch.testing.assert_close(paged, want.detach(), rtol=1e-12, atol=1e-12)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (16, 0)])

@@ -401,21 +401,22 @@ def attention(
 
 
 def _gqa_kv_heads(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dim: int = -3
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value with one head count under GQA, where SDPA takes counts that differ: SDPA repeats
     each to the query's H, so query head h reads key head h // (H // Hk) and value head
     h // (H // Hv). Repeating the one with fewer heads to the other's count (when it divides it,
     else both to H) keeps that mapping with one kv head count, as the op needs. Counts that do not
-    divide H are returned as they are, for the op's error to name them. Heads are dim -3."""
-    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    divide H are returned as they are, for the op's error to name them. Heads are dim ``dim``: -3
+    in the dense layout, -2 in the packed one (and in a paged cache's pools)."""
+    hq, hk, hv = query.shape[dim], key.shape[dim], value.shape[dim]
     if hk == 0 or hv == 0 or hq % hk != 0 or hq % hv != 0:
         return key, value
     heads = hk if hk % hv == 0 else hv if hv % hk == 0 else hq
     if heads != hk:
-        key = key.repeat_interleave(heads // hk, dim=-3)
+        key = key.repeat_interleave(heads // hk, dim=dim)
     if heads != hv:
-        value = value.repeat_interleave(heads // hv, dim=-3)
+        value = value.repeat_interleave(heads // hv, dim=dim)
     return key, value
 
 

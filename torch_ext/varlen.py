@@ -14,6 +14,7 @@ from torch_ext.attention import (
     _check_tensors,
     _explicit,
     _flag,
+    _gqa_kv_heads,
     _pattern_args,
     _policy_args,
     _schema_defaults,
@@ -110,7 +111,10 @@ def varlen_attention(
     if return_lse and return_stats:
         raise ValueError("pass return_stats=True or return_aux=AuxRequest(lse=True), not both (stats.lse is the lse)")
     del pattern["causal_alignment"]  # always bottom-right within each sequence
-    options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=_flag(enable_gqa, "enable_gqa"),
+    enable_gqa = _flag(enable_gqa, "enable_gqa")
+    if enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 2 and key.shape[-2] != value.shape[-2]:
+        key, value = _gqa_kv_heads(query, key, value, dim=-2)  # (as attention takes them)
+    options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=enable_gqa,
                    return_stats=return_stats, **policy, **pattern)
     options["seqused_k"] = seqused_k
     options["block_table"] = block_table

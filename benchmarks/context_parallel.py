@@ -22,6 +22,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -114,10 +115,11 @@ def run_world(world: int, args: argparse.Namespace) -> Dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = ROOT / "build" / f"cp_scaling_{world}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, port, args, str(out)), nprocs=world, join=True)
-    return json.loads(out.read_text())
+    # (rank 0's result through a file of its own: not in the repository, and not shared by two runs)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / f"cp_scaling_{world}.json"
+        mp.spawn(_worker, args=(world, port, args, str(out)), nprocs=world, join=True)
+        return json.loads(out.read_text())
 
 
 def baseline(args: argparse.Namespace) -> Dict[str, Any]:
@@ -198,13 +200,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "distributed")
     args = p.parse_args(argv)
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    for name in ("seq", "heads", "kv_heads", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.procs) < 1:
+        p.error("--procs must be >= 1")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if any(args.seq % (2 * w) for w in args.procs):
         p.error(f"--seq must be a multiple of 2 * P for every P in {args.procs}")
     return args

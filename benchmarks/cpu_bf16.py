@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import cpu_name  # noqa: E402  (benchmarks/timing.py)
+from timing import cpu_name, positive_int  # noqa: E402  (benchmarks/timing.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,9 +133,9 @@ def machine() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5, help="calls per process (the fastest counts)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="calls per process (the fastest counts)")
     ap.add_argument("--rounds", type=int, default=3, help="processes per (point, setting), alternated")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--quick", action="store_true", help="two small points, one round")
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     args = ap.parse_args()

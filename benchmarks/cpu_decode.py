@@ -74,7 +74,7 @@ def table(points: List[Point], repeats: int, min_run_time: float) -> str:
 
 
 def main(argv: List[str] | None = None) -> None:
-    timing.points_main(__doc__.splitlines()[0], table, POINTS, QUICK, argv)
+    timing.points_main(__doc__.split("\n\n")[0], table, POINTS, QUICK, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
-from timing import cpu_name  # noqa: E402  (benchmarks/timing.py; the children import its fastest_ms)
+from timing import cpu_name, positive_int  # noqa: E402  (benchmarks/timing.py; the children import its fastest_ms)
 
 POINT = dict(B=2, H=8, L=4096, D=64)
 
@@ -50,7 +50,7 @@ SETTINGS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=positive_int, default=5)
     args = ap.parse_args()
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     print(f"{cpu_name()}, avx512f: {'avx512f' in flags}, {os.cpu_count()} CPUs; float32 "

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when 
 
 import torch_ext  # noqa: E402
 # (benchmarks/timing.py)
-from timing import deterministic_algorithms, device_name, median_ms, short_commit, write_result  # noqa: E402
+from timing import (  # noqa: E402
+    available_device, deterministic_algorithms, device_name, median_ms, positive_int, short_commit, write_result)
 
 FAMILY_ENV = "ENTROPY_ATTN_CUDA_FAMILY"
 
@@ -151,7 +152,7 @@ def markdown(result: Dict[str, object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=available_device, default="cpu")
     p.add_argument("--dtype", default=None, choices=["float64", "float32", "bfloat16", "float16"],
                    help="default bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--families", nargs="+", choices=["auto", "sm80", "sm90", "fallback"], default=["sm80", "sm90"],
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[4096])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--masks", nargs="+", choices=["none", "bool"], default=["none"],
                    help="the masks: none, or a bool mask of (L, L) (the Hopper family's masked kernels)")

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when it is not installed
 
 import torch_ext  # noqa: E402
-from timing import device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import available_device, device_name, median_ms  # noqa: E402  (benchmarks/timing.py)
 
 
 def _rss() -> int:
@@ -181,7 +181,7 @@ def markdown(result: Dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=available_device, default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)

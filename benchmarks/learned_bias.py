@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))  # the checkout's torch_ext, built in place, when 
 
 import torch_ext  # noqa: E402
 # (benchmarks/timing.py)
-from timing import deterministic_algorithms, device_name, median_ms, short_commit, write_result  # noqa: E402
+from timing import (  # noqa: E402
+    available_device, deterministic_algorithms, device_name, median_ms, positive_int, short_commit, write_result)
 
 METHODS = ("ours_bias_grad", "ours_fixed_bias", "sdpa_bias_grad")
 DETERMINISTIC = "ours_deterministic"  # --deterministic's method
@@ -136,12 +137,12 @@ def markdown(result: Dict[str, object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=available_device, default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--bias", nargs="+", choices=list(BIAS_SHAPES), default=["head"],
                    help="the bias's shapes: head (1, H, L, L), key (B, 1, 1, L)")
     p.add_argument("--deterministic", action="store_true",

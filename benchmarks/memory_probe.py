@@ -65,6 +65,11 @@ def main() -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
+    for name in ("length", "head_dim", "batch", "heads", "kv_heads", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     torch.set_num_threads(args.threads)
     point = Point(args.dtype, args.head_dim, args.batch, args.heads, args.kv_heads, args.causal, args.length)
     method = METHODS_BY_KEY[args.method]

@@ -22,7 +22,7 @@ from torch.func import grad, vmap
 from tqdm import tqdm
 
 import torch_ext
-from timing import device_name, median_ms
+from timing import available_device, device_name, median_ms
 
 Grads = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per timing (the 2-core "
                         "development machine is noisy at 0.5)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "per_sample_grads")

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import torch_ext  # noqa: F401  (registers torch.ops.entropy_attn)
-from timing import cpu_name, median_ms  # benchmarks/timing.py
+from timing import available_device, cpu_name, median_ms  # benchmarks/timing.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def derive_with_aten(lse: torch.Tensor, entropy: torch.Tensor, sum_p2: torch.Ten
 def main() -> None:
     """Runs the grid and writes the results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=available_device, default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)

@@ -865,6 +865,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles for every point)")
     p.add_argument("--no-backward", action="store_true", help="time the forward methods only")
     args = p.parse_args(argv)
+    for name in ("threads", "repeats", "matmul_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("lengths", "head_dims", "memory_lengths"):
+        if getattr(args, name) is not None and min(getattr(args, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     grid = QUICK_GRID if args.quick else FULL_GRID
     for name, value in grid.items():
         if getattr(args, name) is None:

@@ -87,6 +87,27 @@ def device_name(device: str) -> str:
 Point = TypeVar("Point")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (counts of repeats, threads, lengths: 0 left the scripts dividing
+    by it, or taking the median of nothing, with a traceback)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def available_device(text: str) -> str:
+    """argparse type: a device this machine has ('cuda' without a GPU is an argument error, not a
+    RuntimeError from the first tensor made there)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+    return text
+
+
 def points_main(description: str, table: Callable[[List[Point], int, float], str], points: Sequence[Point],
                 quick: Sequence[Point], argv: List[str] | None = None) -> None:
     """Parses ``--quick`` (the quick points, one round, short timings), ``--repeats`` (interleaved
@@ -94,7 +115,7 @@ def points_main(description: str, table: Callable[[List[Point], int, float], str
     version and ``table(points, repeats, min_run_time)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small points, seconds")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per point")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds per point")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per timing")
     args = parser.parse_args(argv)
     print(f"{device_name('cpu')}, torch {torch.__version__}\n")

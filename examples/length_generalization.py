@@ -165,12 +165,30 @@ class Config:
                 f"keys ({self.keys}) must be >= pairs x max factor ({self.pairs * max(self.factors)}): "
                 "keys are drawn without replacement"
             )
+        counts = ("steps", "batch", "pairs", "queries", "keys", "values", "d_model", "heads", "layers", "eval_seqs",
+                  "eval_batch", "monitor_every", "track_seqs", "threads")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "track_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.factors or min(self.factors) < 1:
+            raise ValueError(f"factors must be ints >= 1, got {self.factors}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
         for name, given, allowed in (("policies", self.policies, POLICIES), ("settings", self.settings, SETTINGS)):
             unknown = set(given) - set(allowed)
             if unknown or not given:
                 raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {given}")
+
+
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each argument's default, except None: those arguments' help names the default they
+    take (which --quick changes), and argparse added a second one, "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 QUICK = dict(steps=400, batch=32, lr=2e-3, eval_seqs=64, eval_batch=64, track_every=100, track_seqs=32)
@@ -636,7 +654,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Config:
     d = Config()
     p = argparse.ArgumentParser(
         description="MQAR length generalization under standard / log-n / learnable attention scales.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help=f"short run (about 1 minute): {QUICK}")
     p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT}, with --quick {DEFAULT_OUT}/quick)")
@@ -680,7 +698,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> Config:
         threads=a.threads, progress=not a.no_progress,
         out=a.out if a.out is not None else (os.path.join(DEFAULT_OUT, "quick") if a.quick else DEFAULT_OUT),
     )
-    cfg.check()
+    try:
+        cfg.check()
+    except ValueError as e:
+        p.error(str(e).replace("_", "-"))
     return cfg
 
 

@@ -110,8 +110,8 @@ def _policy_args(
     }
     if scale_factor is not None and not (isinstance(scale, str) and scale in _SCALE_MODES):
         raise ValueError(
-            f"scale_factor is the base scale of the {_SCALE_MODES} policies; with scale={scale!r} pass the "
-            "scale itself as `scale`"
+            f"scale_factor is the base scale of the {_SCALE_MODES} policies; with scale="
+            f"{'a tensor' if isinstance(scale, torch.Tensor) else repr(scale)} pass the scale itself as `scale`"
         )
     for name, x in (("scale", scale), ("scale_factor", scale_factor)):
         if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):

@@ -113,8 +113,13 @@ def test_policies_share_init_and_data(tiny_run: Dict[str, Any], demo: ModuleType
         assert runs["logn"]["train"]["losses"][0] == runs["learnable"]["train"]["losses"][0]
 
 
-def test_rejects_inconsistent_config(demo: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="keys"):
-        demo.parse_args(["--pairs", "8", "--keys", "64", "--factors", "1", "16", "--out", str(tmp_path)])
+def test_rejects_inconsistent_config(demo: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An inconsistent configuration is a usage error naming it (Config.check's ValueError)."""
+    for args, match in ((["--pairs", "8", "--queries", "4", "--keys", "64", "--factors", "1", "16"], "keys (64) must be >= pairs"),
+                        (["--pairs", "4", "--queries", "8"], "queries (8) must be <= pairs (4)"),
+                        (["--steps", "0"], "steps must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            demo.parse_args([*args, "--out", str(tmp_path)])
+        assert exit_info.value.code == 2 and match in capsys.readouterr().err
     with pytest.raises(ValueError, match="queries"):
-        demo.parse_args(["--pairs", "4", "--queries", "8", "--out", str(tmp_path)])
+        demo.Config(pairs=4, queries=8).check()

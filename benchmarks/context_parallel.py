@@ -35,6 +35,9 @@ import torch_ext
 from torch_ext import distributed as cp
 from torch_ext import merge
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import positive_int  # noqa: E402  (benchmarks/timing.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -197,22 +200,17 @@ def _cpu_name() -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--seq", type=positive_int, default=16384)
+    p.add_argument("--procs", type=positive_int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "distributed")
     args = p.parse_args(argv)
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
-    for name in ("seq", "heads", "kv_heads", "head_dim", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if min(args.procs) < 1:
-        p.error("--procs must be >= 1")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if any(args.seq % (2 * w) for w in args.procs):

@@ -21,7 +21,7 @@ BAD = [
     ("benchmarks/suite.py", ["--lengths", "0"], "--lengths must be >= 1"),
     ("benchmarks/memory_probe.py", ["--method", "ours_fwd/none", "--length", "64", "--heads", "4", "--kv-heads", "3"],
      "--heads (4) must be a multiple of --kv-heads (3)"),
-    ("benchmarks/context_parallel.py", ["--procs", "0"], "--procs must be >= 1"),
+    ("benchmarks/context_parallel.py", ["--procs", "0"], "--procs: must be >= 1, got 0"),
     ("examples/context_parallel.py", ["--d-model", "30", "--heads", "4"], "--d-model (30) must be a multiple of --heads (4)"),
     ("examples/length_generalization.py", ["--factors", "0"], "factors must be ints >= 1"),
     ("examples/length_generalization.py", ["--steps", "0"], "steps must be >= 1, got 0"),

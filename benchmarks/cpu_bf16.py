@@ -134,7 +134,7 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=positive_int, default=5, help="calls per process (the fastest counts)")
-    ap.add_argument("--rounds", type=int, default=3, help="processes per (point, setting), alternated")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="processes per (point, setting), alternated")
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--quick", action="store_true", help="two small points, one round")
     ap.add_argument("--out", type=Path, help="also write the table to this Markdown file")

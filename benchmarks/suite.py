@@ -63,7 +63,7 @@ FWD_BWD_FLOP_FACTOR = 3.5
 # Points whose forward would take longer than this at matmul speed get fewer repeats.
 SLOW_CALL_S = 0.5
 SLOW_REPEATS = 2
-# The longest torch.mm call of the matmul reference (a dtype slower than this gets a smaller size).
+# The longest torch.mm call of the matmul reference (a dtype slower than this gets a smaller size: matmul_sizes).
 SLOW_MM_S = 0.5
 
 # The grids: (B, H, Hkv) shapes are written "BxHxHkv".
@@ -388,25 +388,42 @@ def timer(fn: Callable[[], Any], threads: int) -> benchmark.Timer:
     return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
 
 
-def matmul_reference(dtypes: list[str], size: int, threads: int, min_run_time: float, repeats: int) -> dict[str, Any]:
-    """torch.mm of size x size matrices per dtype, interleaved: GFLOP/s the machine's matmul reaches.
-
-    A dtype whose product of that size takes longer than SLOW_MM_S gets a smaller one (halved until
-    it does not, at least 256; the record names the size): bfloat16 on a CPU without bfloat16
-    instructions ran at about 1 GFLOP/s here, 17 s per 2048^2 call, and the reference alone
-    outlasted --quick's minutes."""
+def matmul_sizes(dtypes: list[str], size: int, threads: int) -> dict[str, int]:
+    """The N of each dtype's N x N torch.mm reference: ``size``, or for a dtype whose product of that
+    size would take longer than SLOW_MM_S the largest power-of-2 fraction of it (at least 256) that
+    would not, predicted from a 256^2 product by N^3. bfloat16 on a CPU without bfloat16
+    instructions ran at about 1 GFLOP/s, 17 s per 2048^2 call: the reference alone outlasted
+    --quick's minutes. Chosen once, so that the references before and after the grid are of one
+    size."""
     gen = torch.Generator().manual_seed(0)
-    fns, sizes = {}, {}
-    for name in dtypes:
-        n = size
-        while True:
-            a, b = (torch.randn(n, n, generator=gen, dtype=DTYPES[name]) for _ in range(2))
+    sizes = {}
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # (the threads the reference is timed with)
+    try:
+        for name in dtypes:
+            a, b = (torch.randn(256, 256, generator=gen, dtype=DTYPES[name]) for _ in range(2))
+            torch.mm(a, b)  # (a first call's set-up is not the product's time)
             start = time.perf_counter()
             torch.mm(a, b)
-            if time.perf_counter() - start <= SLOW_MM_S or n <= 256:
-                break
-            n //= 2
-        fns[name], sizes[name] = functools.partial(torch.mm, a, b), n
+            per_unit = (time.perf_counter() - start) / 256**3
+            n = size
+            while n > 256 and per_unit * n**3 > SLOW_MM_S:
+                n //= 2
+            sizes[name] = n
+    finally:
+        torch.set_num_threads(threads_before)
+    return sizes
+
+
+def matmul_reference(dtypes: list[str], sizes: dict[str, int], threads: int, min_run_time: float,
+                     repeats: int) -> dict[str, Any]:
+    """torch.mm of N x N matrices per dtype (N: ``sizes``), interleaved: GFLOP/s the machine's matmul
+    reaches."""
+    gen = torch.Generator().manual_seed(0)
+    fns = {}
+    for name in dtypes:
+        a, b = (torch.randn(sizes[name], sizes[name], generator=gen, dtype=DTYPES[name]) for _ in range(2))
+        fns[name] = functools.partial(torch.mm, a, b)
     runs: dict[str, list[benchmark.Measurement]] = {name: [] for name in dtypes}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -948,14 +965,15 @@ def main(argv: list[str] | None = None) -> None:
     n_memory = 0 if args.no_memory else len(args.memory_lengths) * len(MEMORY_METHODS)
     with tqdm(total=len(points) + n_memory, unit="step", desc="benchmark") as bar:
         bar.set_postfix_str("matmul reference")
-        matmul_before = matmul_reference(args.dtypes, args.matmul_size, args.threads, args.min_run_time, args.repeats)
+        mm_sizes = matmul_sizes(args.dtypes, args.matmul_size, args.threads)
+        matmul_before = matmul_reference(args.dtypes, mm_sizes, args.threads, args.min_run_time, args.repeats)
         records = []
         for point in points:
             bar.set_postfix_str(point.label)
             records.append(measure_point(point, methods, args, matmul_before))
             bar.update()
         bar.set_postfix_str("matmul reference")
-        matmul_after = matmul_reference(args.dtypes, args.matmul_size, args.threads, args.min_run_time, args.repeats)
+        matmul_after = matmul_reference(args.dtypes, mm_sizes, args.threads, args.min_run_time, args.repeats)
         memory = [] if args.no_memory else run_memory(args, bar)
     # What the machine's matmul reaches is the better of the two measurements (noise only slows it).
     matmul = {d: max(matmul_before[d], matmul_after[d], key=lambda m: m["gflops"]) for d in args.dtypes}

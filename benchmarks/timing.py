@@ -105,6 +105,8 @@ def available_device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"this machine has {torch.cuda.device_count()} CUDA device(s), no {text}")
     return text
 
 

@@ -166,7 +166,7 @@ class Config:
                 "keys are drawn without replacement"
             )
         counts = ("steps", "batch", "pairs", "queries", "keys", "values", "d_model", "heads", "layers", "eval_seqs",
-                  "eval_batch", "monitor_every", "track_seqs", "threads")
+                  "eval_batch", "monitor_every", "threads") + (("track_seqs",) if self.track_every else ())
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

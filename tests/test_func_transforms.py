@@ -397,6 +397,13 @@ def test_transforms_of_jagged_attention_raise_naming_them() -> None:
         grad(lambda x: f(x).values().sum())(x)
     with pytest.raises(NotImplementedError, match=match):
         vjp(f, x)
+    # Jagged inputs the transform does not wrap (closed over, the scale or the query transformed);
+    # a wrapped dense query against closed-over jagged keys said the query was dense.
+    q = x.transpose(1, 2)
+    with pytest.raises(NotImplementedError, match=match):
+        grad(lambda s: torch_ext.attention(q, q, q, scale=s).values().sum())(torch.tensor(0.5, dtype=F64))
+    with pytest.raises(NotImplementedError, match=match.replace("query", "key")):
+        grad(lambda d: torch_ext.attention(d, q, q).sum())(rand(2, 2, 3, 4, seed=3))
 
 
 @pytest.mark.parametrize("name", ["entropy", "sparsity"])

@@ -436,7 +436,10 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sinks: Optional[torch.Tensor], options: dict) -> tuple:
     """``entropy_attn::varlen_attention`` with the same arguments (``seqused_k`` among the options:
     inference-only, its backward raises as the op's does)."""
-    return _Varlen.apply(*_autocast(query, key, value), scale, sinks, cu_seq_q, cu_seq_k, max_q, max_k, options)
+    # (a paged cache's pools are left to the op's autocast kernel, which casts only the keys the
+    # call reads; such a call is inference-only, so its Function saves nothing a backward reads)
+    tensors = (query, key, value) if options["block_table"] is not None else _autocast(query, key, value)
+    return _Varlen.apply(*tensors, scale, sinks, cu_seq_q, cu_seq_k, max_q, max_k, options)
 
 
 def row_reduction(name: str, x: torch.Tensor, dim: int) -> torch.Tensor:

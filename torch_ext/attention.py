@@ -362,6 +362,8 @@ def attention(
     if not (query is not None and key is not None and value is not None
             and _dense_tensors(query, key, value, attn_mask, sinks)):
         if any(_nested.is_jagged(x) for x in (query, key, value)):
+            if _functorch.transforms_active():
+                _refuse_jagged_under_transforms(query, key, value)
             # Sequences without padding: the op's packed documents (torch_ext/nested.py).
             jagged = _nested.pack(query, key, value, attn_mask)
             query, key, value = jagged.query, jagged.key, jagged.value
@@ -383,14 +385,8 @@ def attention(
         if jagged is not None:
             res = jagged.run(query, key, value, scale_tensor, sinks, options)
         elif _functorch.transforms_active():
-            # (a jagged tensor under a transform is wrapped, and passes for a dense one above;
-            # Dynamo cannot trace the unwrapping, and a compiled transform of one fails in torch)
-            for name, x in (("query", query), ("key", key), ("value", value)):
-                if not torch.compiler.is_compiling() and _nested.is_jagged(_functorch.innermost(x)):
-                    raise NotImplementedError(
-                        f"torch.func transforms (grad, vjp, vmap, ...) of attention on jagged nested tensors are not "
-                        f"supported ({name} is one): differentiate with torch.autograd, or pack the sequences for "
-                        f"torch_ext.varlen_attention, which the transforms take")
+            # (a jagged tensor under a transform is wrapped, and passes for a dense one above)
+            _refuse_jagged_under_transforms(query, key, value)
             res = _functorch.attention(query, key, value, attn_mask, scale_tensor, sinks, options)
         else:
             options = _explicit(options, _ATTENTION_DEFAULTS)
@@ -398,6 +394,20 @@ def attention(
     if not return_stats:
         return res[0]
     return res[0], _stats(res)
+
+
+def _refuse_jagged_under_transforms(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """NotImplementedError naming the first of query, key and value that is, or that a torch.func
+    transform's wrapper holds, a jagged nested tensor: the packed call they become runs the op's C++
+    autograd, which the transforms cannot take (torch's SDPA fails there too, naming its internal
+    op). A wrapped tensor reports itself as strided and not nested; Dynamo cannot trace the
+    unwrapping (and a compiled transform of a jagged call fails in torch), so it is skipped there."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if _nested.is_jagged(x) or (not torch.compiler.is_compiling() and _nested.is_jagged(_functorch.innermost(x))):
+            raise NotImplementedError(
+                f"torch.func transforms (grad, vjp, vmap, ...) of attention on jagged nested tensors are not "
+                f"supported ({name} is one): differentiate with torch.autograd, or pack the sequences for "
+                f"torch_ext.varlen_attention, which the transforms take")
 
 
 def _gqa_kv_heads(

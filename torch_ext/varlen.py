@@ -112,8 +112,10 @@ def varlen_attention(
         raise ValueError("pass return_stats=True or return_aux=AuxRequest(lse=True), not both (stats.lse is the lse)")
     del pattern["causal_alignment"]  # always bottom-right within each sequence
     enable_gqa = _flag(enable_gqa, "enable_gqa")
-    if enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 2 and key.shape[-2] != value.shape[-2]:
-        key, value = _gqa_kv_heads(query, key, value, dim=-2)  # (as attention takes them)
+    # (as attention takes them; not a paged cache's pools, whose repetition would copy every page)
+    if (enable_gqa and block_table is None and min(query.dim(), key.dim(), value.dim()) >= 2
+            and key.shape[-2] != value.shape[-2]):
+        key, value = _gqa_kv_heads(query, key, value, dim=-2)
     options = dict(is_causal=_flag(is_causal, "is_causal"), enable_gqa=enable_gqa,
                    return_stats=return_stats, **policy, **pattern)
     options["seqused_k"] = seqused_k

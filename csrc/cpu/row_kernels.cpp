@@ -82,8 +82,11 @@ EA_ALWAYS_INLINE void dlogits_row_impl(acc_t* ds, const acc_t* x, const acc_t* p
   const RowGrads<acc_t> grads = g;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf.
-    ds[j] = p[j] == acc_t(0) ? acc_t(0) : logit_grad(p[j], ds[j], x[j], delta, grads);
+    // p = 0 (masked, or underflow) contributes nothing; this also avoids 0 * -inf. (Formed for
+    // every key and then selected: with the loads of ds and x under the condition, the baseline
+    // clone, which has no masked loads, stayed scalar.)
+    const acc_t dsj = logit_grad(p[j], ds[j], x[j], delta, grads);
+    ds[j] = p[j] == acc_t(0) ? acc_t(0) : dsj;
   }
 }
 

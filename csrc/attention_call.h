@@ -148,13 +148,15 @@ struct AttentionBackwardCall : CallPattern {
   // empty.
   bool grad_row_scale = true;
 
-  // grad_logits seen as (B, H, Lq, Lk): stride 0 along the dims the mask broadcasts along.
+  // grad_logits, or `into` (a tensor of its sizes, as a wider accumulator), seen as (B, H, Lq,
+  // Lk): stride 0 along the dims the mask broadcasts along.
   template <typename acc_t>
-  LogitGradArg<acc_t> logit_grad_arg() const {
+  LogitGradArg<acc_t> logit_grad_arg(const at::Tensor& into = {}) const {
     LogitGradArg<acc_t> g;
-    if (!grad_logits.defined()) return g;
-    const at::Tensor t = grad_logits.expand({shape.batch, shape.heads, shape.q_len, shape.kv_len});
-    g.data = grad_logits.data_ptr<acc_t>();
+    const at::Tensor& sums = into.defined() ? into : grad_logits;
+    if (!sums.defined()) return g;
+    const at::Tensor t = sums.expand({shape.batch, shape.heads, shape.q_len, shape.kv_len});
+    g.data = sums.data_ptr<acc_t>();
     g.sb = t.stride(0), g.sh = t.stride(1), g.si = t.stride(2), g.sj = t.stride(3);
     return g;
   }

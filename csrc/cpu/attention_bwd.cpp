@@ -76,9 +76,27 @@ struct BwdArgs {
   Dropout<acc_t> dropout;
   // (B, H, Lq), contiguous; the upstream statistic gradients may be null (zero).
   const acc_t *lse, *entropy, *sum_p2, *row_scale, *g_lse, *g_entropy, *g_sum_p2;
-  acc_t* d_row_scale;            // (chunks, B, H, Lq), partials as dq; null: not asked for
-  LogitGradArg<acc_t> d_logits;  // dS before the cap, summed into the mask's entries, or null
+  acc_t* d_row_scale;  // (chunks, B, H, Lq), partials as dq; null: not asked for
+  // dS before the cap, summed into the mask's entries (attention_call.h: grad_logits), or null;
+  // d_logits_wide instead of it where float32 sums go into a float64 accumulator (wide_mask_sums).
+  LogitGradArg<acc_t> d_logits;
+  LogitGradArg<double> d_logits_wide;
 };
+
+// A row's dS (n keys from j0) added into the mask entries of its logits. Where the row's keys share
+// one entry (a mask broadcast along keys), their sum is formed first, in float64, and added once.
+template <typename T, typename acc_t>
+void add_logit_grads(const LogitGradArg<T>& g, int64_t b, int64_t h, int64_t i, int64_t j0,
+                     const acc_t* ds, int64_t n) {
+  T* dl = g.at(b, h, i, j0);
+  if (g.sj == 0) {
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += ds[j];
+    *dl += static_cast<T>(sum);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) dl[j * g.sj] += ds[j];
+}
 
 // The keys [first, first + keys) of one (batch, key/value head) that a task works on, with their
 // operands and where its query blocks add their dK^T and dV^T: key j at column (or row) j - first
@@ -368,10 +386,9 @@ void backward_q_block(const BwdArgs<acc_t>& a, const BwdUnit<acc_t>& u, int64_t 
         for (int64_t j = 0; j < n; ++j) dp[j] *= keep[j];
       }
       dlogits_row(dp, buf.s.data() + r * n, p, n, buf.delta[r], buf.grads[r]);
-      if (a.d_logits.data) {  // each of its entries belongs to one task (backward_kernel)
-        acc_t* dl = a.d_logits.at(b, h, i0 + r, j0);
-        for (int64_t j = 0; j < n; ++j) dl[j * a.d_logits.sj] += dp[j];
-      }
+      // (each mask entry belongs to one task: backward_kernel)
+      if (a.d_logits.data) add_logit_grads(a.d_logits, b, h, i0 + r, j0, dp, n);
+      if (a.d_logits_wide.data) add_logit_grads(a.d_logits_wide, b, h, i0 + r, j0, dp, n);
       if (softcap) {  // through the cap, to the scaled score lambda q.k
         // A key the row does not see (p = 0: its dS is 0) keeps dS = 0 whatever its derivative:
         // a NaN key's is NaN (docs/math.md section 8), as in the CUDA fallback.
@@ -519,6 +536,25 @@ at::Tensor as_read(const at::Tensor& t, at::ScalarType acc) {
   return gemm_operand(t, input_type ? dt : acc);
 }
 
+// A float64 accumulator of the mask's gradient for a float32 call whose mask entries each sum
+// kWideMaskSum logits or more (a mask broadcast along the batch, heads, rows or keys: a learned
+// bias per head sums B Lq Lk of them), else undefined. A float32 running sum of that many terms,
+// which nearly cancel (a row's dS sums to 0 for a loss of the output alone), drifts by far more
+// than torch's float32 sum of the full (B, H, Lq, Lk) gradient (pairwise): 1.3e-4 against 3.5e-6
+// for a scalar bias at B = 2, H = 4, L = 1024 (tests/test_mask_grad.py:
+// test_shared_float32_mask_grad_sums_in_float64). A full-shape mask's entries take one logit each,
+// and float64 calls sum in float64 already.
+constexpr int64_t kWideMaskSum = 64;
+
+at::Tensor wide_mask_sums(const AttentionBackwardCall& call) {
+  const at::Tensor& g = call.grad_logits;
+  const AttentionShape& sh = call.shape;
+  if (!g.defined() || call.acc != at::kFloat || g.numel() == 0) return {};
+  const int64_t logits = sh.batch * sh.heads * sh.q_len * sh.kv_len;
+  return logits / g.numel() >= kWideMaskSum ? at::zeros(g.sizes(), g.options().dtype(at::kDouble))
+                                            : at::Tensor();
+}
+
 AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::Tensor& query,
                                       const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& output, const AttentionBackwardCall& call) {
@@ -567,6 +603,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
   at::Tensor dlam =
       call.grad_row_scale ? at::empty({chunks, sh.batch, sh.heads, sh.q_len}, opts) : at::Tensor();
 
+  const at::Tensor wide = wide_mask_sums(call);
   AT_DISPATCH_FLOATING_TYPES(acc, "entropy_attn_backward_cpu", [&] {
     auto opt_ptr = [](const at::Tensor& t) {
       return t.defined() ? t.const_data_ptr<scalar_t>() : nullptr;
@@ -595,9 +632,14 @@ AttentionGrads attention_backward_cpu(const at::Tensor& grad_output, const at::T
     a.g_lse = opt_ptr(call.g_lse), a.g_entropy = opt_ptr(call.g_entropy);
     a.g_sum_p2 = opt_ptr(call.g_sum_p2);
     a.d_row_scale = dlam.defined() ? dlam.data_ptr<scalar_t>() : nullptr;
-    a.d_logits = call.logit_grad_arg<scalar_t>();
+    if (wide.defined()) {
+      a.d_logits_wide = call.logit_grad_arg<double>(wide);
+    } else {
+      a.d_logits = call.logit_grad_arg<scalar_t>();
+    }
     backward_kernel(a, tasks, split);
   });
+  if (wide.defined()) call.grad_logits.copy_(wide);
   if (chunks > 1) {  // the key chunks' partial dQ and dlambda
     dq = in_layout_of(query, dq.view({chunks, sh.batch, sh.heads, sh.q_len, sh.head_dim}).sum(0),
                       query.scalar_type());

@@ -271,3 +271,29 @@ def test_decoding_blocks_keep_hidden_values_out(dtype, heads):
     seeing[0, : H // Hkv] = True  # the query heads of key/value head 0 in batch 0
     assert torch.isnan(out[..., 0, 3])[seeing].all() and not torch.isnan(out[..., 0, 3])[~seeing].any()
     assert not torch.isnan(out[..., [0, 1, 2, 4, 5, 6, 7]]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("q_len", [1, 300])
+def test_strided_values_flagged_block_by_block(dtype, q_len):
+    """Float values are read as given and their rows flagged a block at a time, just before the
+    block's product (csrc/cpu/row_kernels.cpp: flag_nonfinite_rows, all rows at once in 16 lanes,
+    then row by row where a lane is NaN): with V a transposed (B, L, H, Dv) view (rows H * Dv apart)
+    and Dv = 40 (two whole lanes and a remainder), an infinity in the remainder of a masked key's row
+    reaches no output, and at an allowed key exactly that output column."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, q_len, 16, generator=g, dtype=dtype)
+    k = torch.randn(1, 2, 1100, 16, generator=g, dtype=dtype)
+    v = torch.randn(1, 1100, 2, 40, generator=g, dtype=dtype)
+    v[0, 900, 1, 37] = float("inf")
+    v = v.transpose(1, 2)
+    allow = torch.ones(1, 1, 1, 1100, dtype=torch.bool)
+    allow[..., 900] = False
+    out = torch_ext.attention(q, k, v, allow)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v.nan_to_num(0, 0, 0), allow)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref)
+    allow[..., 900] = True
+    out = torch_ext.attention(q, k, v, allow)
+    assert not torch.isfinite(out[0, 1, :, 37]).any() and torch.isfinite(out[0, 0]).all()
+    assert torch.isfinite(out[0, 1, :, :37]).all() and torch.isfinite(out[0, 1, :, 38:]).all()

@@ -17,23 +17,9 @@
 
 #include "attention_cpu.h"
 #include "block_gemm.h"
+#include "row_kernels.h"
 
 namespace entropy_attn::cpu {
-
-// Whether x[0], x[stride], ..., x[(n - 1) stride] holds a NaN or an infinity: x - x is 0 for
-// finite x and NaN otherwise, and the sum of those vectorizes where a branch per element would not.
-// (16-bit inputs are widened to float, exactly.)
-template <typename T>
-EA_ALWAYS_INLINE bool has_nonfinite(const T* x, int64_t n, int64_t stride = 1) {
-  using A = std::conditional_t<std::is_floating_point_v<T>, T, float>;
-  A acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) {
-    const A v = static_cast<A>(x[d * stride]);
-    acc += v - v;
-  }
-  return acc != acc;
-}
 
 // Whether query row i of (b, h) sees key j: inside the row's key range (causality, window,
 // document) and allowed by the mask. These are the n_i keys the scale counts.
@@ -42,6 +28,18 @@ bool row_sees(const MaskArg<acc_t>& mask, const KeyPattern& pattern, const Atten
               int64_t b, int64_t h, int64_t i, int64_t j) {
   const KeyRange r = pattern.keys(i, sh.q_len, sh.kv_len);
   return j >= r.lo && j < r.hi && mask.counts(mask.row_offset(b, h, i), j);
+}
+
+// flags[r * flag_stride] for rows r < n of x (row stride ld): whether each holds a non-finite
+// value; float32 and float64 through the ISA clones of row_kernels.cpp.
+template <typename T>
+void flag_rows(const T* x, int64_t ld, int64_t n, int64_t dim, uint8_t* flags,
+               int64_t flag_stride) {
+  if constexpr (std::is_floating_point_v<T>) {
+    flag_nonfinite_rows(x, ld, n, dim, flags, flag_stride);
+  } else {
+    for (int64_t r = 0; r < n; ++r) flags[r * flag_stride] = has_nonfinite(x + r * ld, dim);
+  }
 }
 
 // One flag per (batch, head, position) row of a (B, heads, L, dim) operand: whether it holds a
@@ -60,14 +58,21 @@ class NonFiniteRows {
     // scan passed over the whole tensor once per head, a few rows per page each time (a packed
     // decoding call spent twice the time a dense batch of the same keys does).
     const bool positions_outer = x.sh <= x.sl;
-    at::parallel_for(0, batch * heads * len, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = row / (heads * len), rest = row % (heads * len);
-        const int64_t h = positions_outer ? rest % heads : rest / len;
-        const int64_t l = positions_outer ? rest / heads : rest % len;
-        flags[(b * heads + h) * len + l] = has_nonfinite(x.at(b, h, l), dim);
-      }
-    });
+    // (runs of rows one stride apart: a position's heads, or a head's positions)
+    const int64_t run = positions_outer ? heads : len;
+    const int64_t runs = batch * (positions_outer ? len : heads);
+    at::parallel_for(
+        0, runs, std::max<int64_t>(1, 256 / std::max<int64_t>(run, 1)),
+        [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            if (positions_outer) {
+              const int64_t b = i / len, l = i % len;
+              flag_rows(x.at(b, 0, l), x.sh, heads, dim, flags.data() + b * heads * len + l, len);
+            } else {
+              flag_rows(x.at(i / heads, i % heads, 0), x.sl, len, dim, flags.data() + i * len, 1);
+            }
+          }
+        });
     if (std::find(flags.begin(), flags.end(), uint8_t{1}) != flags.end())
       r.flags_ = std::move(flags);
     return r;

@@ -543,8 +543,10 @@ at::Tensor as_read(const at::Tensor& t, at::ScalarType acc) {
 // than torch's float32 sum of the full (B, H, Lq, Lk) gradient (pairwise): 1.3e-4 against 3.5e-6
 // for a scalar bias at B = 2, H = 4, L = 1024 (tests/test_mask_grad.py:
 // test_shared_float32_mask_grad_sums_in_float64). A full-shape mask's entries take one logit each,
-// and float64 calls sum in float64 already.
-constexpr int64_t kWideMaskSum = 64;
+// and float64 calls sum in float64 already. The threshold leaves a bias shared by the batch alone
+// ((1, H, Lq, Lk), a few dozen terms per entry, accurate enough in float32) without a float64 copy
+// of its (H, Lq, Lk) gradient.
+constexpr int64_t kWideMaskSum = 1024;
 
 at::Tensor wide_mask_sums(const AttentionBackwardCall& call) {
   const at::Tensor& g = call.grad_logits;

@@ -226,7 +226,6 @@ void parallel_query_blocks(const AttentionShape& sh, bool banded, const int32_t*
   });
 }
 
-// Number of keys in `range` that the mask allows: the row's n_i.
 // A mask row's loops take the key stride sj as a template constant where it is 1 (kUnit), the
 // common layout: GCC versions a loop over j * sj for sj == 1 by itself and left that copy scalar
 // ("control flow in loop"), 2-2.7x the time of the whole masked forward on a 512-key block.

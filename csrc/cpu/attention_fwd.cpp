@@ -86,9 +86,10 @@ struct FwdArgs {
   // V in acc_t: as given for float inputs, converted whole for 16-bit ones with kWhole.
   Strided4<acc_t> v;
   PairOperands pairs;
-  // The rows of pairs.v holding a NaN or an infinity. (v's rows are flagged a block at a time by
-  // the tasks, where the product reads them next: TaskKeys::scan_v.)
+  // The rows of `v`, or of pairs.v, holding a NaN or an infinity; v's are left to the tasks, a
+  // block at a time, with scan_v_per_block.
   NonFiniteRows v_nonfinite;
+  bool scan_v_per_block;
   MaskArg<acc_t> mask;
   ScalePolicy<acc_t> scale;
   KeyPattern pattern;
@@ -129,7 +130,8 @@ struct TaskKeys {
   const c10::BFloat16 *kt16 = nullptr, *v16 = nullptr;
   int64_t ld_kt16 = 0, ld_v16 = 0;
   const uint8_t* v_flags = nullptr;
-  // v is FwdArgs::v, whose rows no one has flagged: each block's are, just before its product.
+  // v is FwdArgs::v, whose rows no one has flagged (FwdArgs::scan_v_per_block): each block's are,
+  // just before its product.
   bool scan_v = false;
 };
 
@@ -255,7 +257,10 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
   TaskKeys<acc_t> k;
   const bool pairs = a.pairs.on;
   if (a.keys == KeySource::kPerBlock) {  // (only float values are read as given)
-    if (!pairs && !a.widen) k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.scan_v = true;
+    if (!pairs && !a.widen) {
+      k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.v_flags = a.v_nonfinite.at(b, kvh);
+      k.scan_v = a.scan_v_per_block;
+    }
     return k;
   }
   if (a.keys == KeySource::kWhole) {
@@ -264,7 +269,7 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
       k.v16 = a.pairs.v.at(b, kvh), k.ld_v16 = a.pairs.v.ld;
     } else {
       k.kt = a.kt.at(b, kvh), k.ld_kt = a.kt.sl, k.v = a.v.at(b, kvh), k.ld_v = a.v.sl;
-      k.scan_v = true;
+      k.scan_v = a.scan_v_per_block;
     }
     k.v_flags = a.v_nonfinite.at(b, kvh);
     return k;
@@ -302,7 +307,8 @@ TaskKeys<acc_t> task_keys(const FwdArgs<acc_t>& a, ThreadKeys<acc_t>& t, int64_t
     if (a.widen) {
       k.v = t.v.get(), k.ld_v = Dv, k.v_flags = t.v_flags.get();
     } else {
-      k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.scan_v = true;
+      k.v = a.v.at(b, kvh), k.ld_v = a.v.sl, k.v_flags = a.v_nonfinite.at(b, kvh);
+      k.scan_v = a.scan_v_per_block;
     }
   }
   return k;
@@ -437,8 +443,7 @@ void forward_task(const FwdArgs<acc_t>& a, FwdBuffers<acc_t>& buf, int64_t b, in
       load_rows(a.value, b, kvh, j0, n, Dv, buf.v.data(), Dv, /*transposed=*/false, a.key_rows);
     }
     if (convert || keys.scan_v) {
-      // (flagged here, where the product reads the block next from cache: a scan of the whole
-      // operand before the tasks read a float32 V twice, 40% of a decoding step's time)
+      // (flagged here, where the product reads the block next from cache)
       flag_nonfinite_rows(v_block, ld_v, n, Dv, buf.v_flags.data(), 1);
       block_flags = any_flagged(buf.v_flags.data(), n) ? buf.v_flags.data() : nullptr;
     }
@@ -554,7 +559,17 @@ AttentionOutputs attention_cpu(const at::Tensor& query, const at::Tensor& key,
     if (raw_value) {  // (the non-finite rows are found as the tasks convert them, or pack whole)
       a.value = RawOperand::of(v);
     } else {
-      a.v = Strided4<scalar_t>::of(v);  // (its rows flagged by the tasks: TaskKeys::scan_v)
+      a.v = Strided4<scalar_t>::of(v);
+      // Where one task reads each (batch, key/value head)'s values (one query tile, no GQA group:
+      // a decoding step), it flags their rows a block at a time just before the block's product,
+      // which then reads them from cache (TaskKeys::scan_v): a scan of the whole tensor first made
+      // a float32 decoding step read its values twice (27% of its samples). Where several tasks
+      // read them, each block would be scanned once per task: they are flagged once here.
+      a.scan_v_per_block = sh.group() == 1 && call.key_pattern().cu_q == nullptr &&
+                           sh.q_len <= q_block_size(sh.q_len, /*banded=*/true);
+      if (!a.scan_v_per_block) {
+        a.v_nonfinite = NonFiniteRows::of(a.v, sh.batch, sh.kv_heads, sh.kv_len, sh.v_head_dim);
+      }
     }
     if (pairs) a.pairs = pair_operands(k, v, keys, a.v_nonfinite);
     a.mask = call.mask_arg<scalar_t>();

@@ -31,7 +31,7 @@ bool row_sees(const MaskArg<acc_t>& mask, const KeyPattern& pattern, const Atten
 }
 
 // flags[r * flag_stride] for rows r < n of x (row stride ld): whether each holds a non-finite
-// value; float32 and float64 through the ISA clones of row_kernels.cpp.
+// value (float32 through the ISA clones of row_kernels.cpp).
 template <typename T>
 void flag_rows(const T* x, int64_t ld, int64_t n, int64_t dim, uint8_t* flags,
                int64_t flag_stride) {
